@@ -1,0 +1,56 @@
+"""The `samctl` command group and the single boundary where errors become one-line messages.
+
+Commands live in `samctl/commands/`, one module per command; each registers itself here.
+A `UserError` (from any layer) prints `samctl: error: <message>` and exits 2; set
+SAMCTL_DEBUG=1 to get the traceback instead.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from index.errors import UserError
+from samctl import __version__
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="samctl")
+def cli() -> None:
+    """Faster LLM generation when the output overlaps text the model can see.
+
+    Build a datastore from corpora, then generate with lossless speculative decoding
+    (greedy output is identical to plain decoding; sampling keeps the model's distribution).
+    """
+
+
+def _register_commands() -> None:
+    from samctl.commands import COMMANDS
+
+    for command in COMMANDS:
+        cli.add_command(command)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the CLI, turning user errors into one line and exit status 2."""
+    _register_commands()
+    try:
+        cli.main(args=argv, prog_name="samctl", standalone_mode=False)
+    except UserError as err:
+        if os.environ.get("SAMCTL_DEBUG") == "1":
+            raise
+        click.echo(f"samctl: error: {err}", err=True)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        click.echo("samctl: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as err:
+        err.show()
+        sys.exit(err.exit_code)
+    except click.exceptions.Exit as err:
+        sys.exit(err.exit_code)
+    except BrokenPipeError:
+        # Downstream of a pipe closed early (`samctl ... | head`): not an error.
+        sys.stderr.close()
+        sys.exit(0)
