@@ -1,0 +1,458 @@
+"""The `.sam` store file: a small msgpack header, then aligned, optionally compressed arrays.
+
+Layout (all integers little-endian):
+
+    offset 0   magic            8 bytes  b"\\x89SAMCTL\\n"
+    offset 8   format version   uint32
+    offset 12  header length    uint32   (H, at most MAX_HEADER_BYTES)
+    offset 16  header crc32     uint32   (zlib.crc32 of the H header bytes)
+    offset 20  reserved         uint32   (0)
+    offset 24  header           H bytes of msgpack: a map with str keys
+    then       blobs            one per array, each starting at a multiple of ALIGN bytes;
+                                the file ends exactly where the last blob ends
+
+The header holds what the caller passed to `write_store` plus two keys owned by this module:
+`format_version` and `arrays`, a map name -> {dtype, shape, offset, length, raw_length, codec,
+checksum}. `dtype` is a little-endian numpy type string ("<i4"); `length` is the stored size,
+`raw_length` the size once decoded; `codec` is "raw" or "zstd"; `checksum` is zlib.crc32 of the
+stored bytes.
+
+Reading treats the file as untrusted. Every check that fails raises `StoreError`, a one-line
+`UserError` that names the file and says what to do; nothing else escapes `read_store`. Raw blobs
+are memory-mapped read-only, so a large store opens in milliseconds. Their checksums are checked
+only with `verify=True` (or `StoreFile.verify()`): reading every page would cost the time the mmap
+saves, and the datastore's drafts are verified by the target model, so a flipped bit in a raw
+blob can slow decoding down but not change its output (structure loaders still bound every index).
+Compressed blobs are always checked, since they are read in full anyway.
+
+Writing is atomic: a temporary file in the output's directory, fsync, then `os.replace`. An error
+or Ctrl-C while writing leaves the previous file (or no file) at the path and removes the
+temporary file.
+
+This module does not know what the arrays mean, which kinds of datastore exist, or tokenizers.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import tempfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import zstandard
+
+from index.errors import UserError
+
+MAGIC = b"\x89SAMCTL\n"
+FORMAT_VERSION = 1
+ALIGN = 64
+MAX_HEADER_BYTES = 16 << 20
+MAX_NDIM = 8
+ZSTD_LEVEL = 3
+# A blob is stored compressed only when that saves at least this fraction of its bytes.
+MIN_SAVING = 0.10
+
+_PREAMBLE = struct.Struct("<8sIIII")
+# Little-endian fixed-width numeric types only: no objects, strings or platform-dependent sizes.
+ALLOWED_DTYPES = frozenset(
+    ["|b1", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8", "<f2", "<f4", "<f8"]
+)
+_RESERVED_KEYS = ("format_version", "arrays")
+_ENTRY_KEYS = ("dtype", "shape", "offset", "length", "raw_length", "codec", "checksum")
+_CODECS = ("raw", "zstd")
+_REBUILD = "rebuild it with samctl build"
+
+
+class StoreError(UserError):
+    """A store file that cannot be read: corrupt, truncated, foreign or too new."""
+
+
+@dataclass(frozen=True)
+class ArrayEntry:
+    """Where one array lives in the file and how it is encoded."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    length: int
+    raw_length: int
+    codec: str
+    checksum: int
+
+
+@dataclass(frozen=True)
+class StoreFile:
+    """An opened store: its header (caller's keys plus `arrays`), read-only arrays, file facts."""
+
+    path: str
+    format_version: int
+    header: dict[str, Any]
+    arrays: dict[str, np.ndarray]
+    entries: dict[str, ArrayEntry]
+    file_size: int
+    _buffer: mmap.mmap | None
+
+    def verify(self) -> None:
+        """Check the checksum of every blob (raw ones included); raise StoreError on a mismatch."""
+        if self._buffer is None:
+            return
+        for entry in self.entries.values():
+            blob = memoryview(self._buffer)[entry.offset : entry.offset + entry.length]
+            try:
+                _check_checksum(self.path, entry, blob)
+            finally:
+                blob.release()
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+
+
+def write_store(
+    path: str | os.PathLike,
+    header: dict[str, Any],
+    arrays: dict[str, np.ndarray],
+    compress: bool = True,
+) -> None:
+    """Write `arrays` and the msgpack-able `header` to `path` atomically.
+
+    `header` must not use the keys this module owns (`format_version`, `arrays`). Arrays are
+    stored C-contiguous and little-endian; with `compress`, each blob is zstd-compressed when that
+    saves at least MIN_SAVING of its bytes.
+    """
+    for key in _RESERVED_KEYS:
+        if key in header:
+            raise ValueError(f"header key {key!r} is reserved for the store format")
+    blobs, entries = _encode_arrays(arrays, compress)
+    header_bytes, offsets = _layout(header, entries)
+    _write_atomically(Path(path), header_bytes, blobs, offsets)
+
+
+def _encode_arrays(
+    arrays: dict[str, np.ndarray], compress: bool
+) -> tuple[list[bytes | memoryview], list[dict[str, Any]]]:
+    """Encode each array as a blob; offsets are filled in later by `_layout`."""
+    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1, write_content_size=True)
+    blobs: list[bytes | memoryview] = []
+    entries: list[dict[str, Any]] = []
+    for name, array in arrays.items():
+        if not isinstance(name, str):
+            raise TypeError(f"array names must be str, got {name!r}")
+        array = np.ascontiguousarray(array, dtype=np.asarray(array).dtype.newbyteorder("<"))
+        dtype = array.dtype.str
+        if dtype not in ALLOWED_DTYPES:
+            raise TypeError(f"array {name!r} has dtype {dtype}, not a fixed-width numeric type")
+        raw = memoryview(array.reshape(-1).view(np.uint8))
+        blob: bytes | memoryview = raw
+        codec = "raw"
+        if compress and array.nbytes > 0:
+            packed = compressor.compress(raw)
+            if len(packed) <= (1.0 - MIN_SAVING) * array.nbytes:
+                blob, codec = packed, "zstd"
+        blobs.append(blob)
+        entries.append(
+            {
+                "name": name,
+                "dtype": dtype,
+                "shape": [int(d) for d in array.shape],
+                "length": len(blob),
+                "raw_length": int(array.nbytes),
+                "codec": codec,
+                "checksum": zlib.crc32(blob),
+            }
+        )
+    return blobs, entries
+
+
+def _layout(
+    header: dict[str, Any], entries: list[dict[str, Any]]
+) -> tuple[bytes, list[int]]:
+    """Assign aligned offsets to the blobs; return the encoded header and the offsets.
+
+    The header's size depends on the offsets it records and the offsets on the header's size, so
+    iterate until the data start stops moving (msgpack ints grow by a few bytes at most).
+    """
+    data_start = _align(_PREAMBLE.size + 256)
+    while True:
+        offsets, table, offset = [], {}, data_start
+        for entry in entries:
+            offsets.append(offset)
+            table[entry["name"]] = {**{k: entry[k] for k in _ENTRY_KEYS if k != "offset"},
+                                    "offset": offset}
+            offset = _align(offset + entry["length"])
+        full = {**header, "format_version": FORMAT_VERSION, "arrays": table}
+        header_bytes = msgpack.packb(full, use_bin_type=True)
+        needed = _align(_PREAMBLE.size + len(header_bytes))
+        if needed <= data_start:
+            break
+        data_start = needed
+    if len(header_bytes) > MAX_HEADER_BYTES:
+        raise ValueError(f"store header is {len(header_bytes)} bytes, over {MAX_HEADER_BYTES}")
+    return header_bytes, offsets
+
+
+def _write_atomically(
+    path: Path, header_bytes: bytes, blobs: list[bytes | memoryview], offsets: list[int]
+) -> None:
+    """Write preamble, header and blobs (zero padding before each blob up to its offset)."""
+    directory = path.parent if str(path.parent) else Path(".")
+    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=path.name + ".tmp", dir=directory)
+    except OSError as err:
+        raise UserError(f"cannot write {path}: {err.strerror}: choose another output path") from err
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header_bytes),
+                                     zlib.crc32(header_bytes), 0))
+            out.write(header_bytes)
+            for offset, blob in zip(offsets, blobs):
+                out.write(b"\0" * (offset - out.tell()))
+                out.write(blob)
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(tmp_name, 0o644 & ~_umask())
+        os.replace(tmp_name, path)
+    except BaseException as err:
+        # BaseException on purpose: Ctrl-C must not leave the temporary file behind either.
+        _remove_quietly(tmp_name)
+        if isinstance(err, OSError):
+            raise UserError(f"cannot write {path}: {err.strerror or err}: "
+                            "check the disk space and permissions") from err
+        raise
+    _fsync_directory(directory)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _remove_quietly(name: str) -> None:
+    try:
+        os.unlink(name)
+    except FileNotFoundError:
+        pass
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make the rename durable; some filesystems refuse to open a directory, which is fine."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _align(offset: int) -> int:
+    return (offset + ALIGN - 1) // ALIGN * ALIGN
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+
+
+def read_store(path: str | os.PathLike, verify: bool = False) -> StoreFile:
+    """Open a store; raw arrays are read-only views of a memory map.
+
+    `verify=True` also checks the checksums of raw blobs (compressed ones are always checked).
+    Raises StoreError, and nothing else, for any file that is not a valid store.
+    """
+    name = str(path)
+    try:
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            version, header_bytes = _read_preamble(name, handle, size)
+            buffer = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+    except FileNotFoundError as err:
+        raise StoreError(f"{name} does not exist: build one with samctl build") from err
+    except IsADirectoryError as err:
+        raise StoreError(f"{name} is a directory, not a store file: pass a .sam file") from err
+    except OSError as err:
+        raise StoreError(f"cannot read {name}: {err.strerror or err}") from err
+    header = _decode_header(name, header_bytes, version)
+    entries = _parse_table(name, header["arrays"], _PREAMBLE.size + len(header_bytes), size)
+    assert buffer is not None, "a file with a valid header is not empty"
+    store = StoreFile(
+        path=name,
+        format_version=version,
+        header=header,
+        arrays={e.name: _open_array(name, buffer, e) for e in entries.values()},
+        entries=entries,
+        file_size=size,
+        _buffer=buffer,
+    )
+    if verify:
+        store.verify()
+    return store
+
+
+def _read_preamble(name: str, handle, size: int) -> tuple[int, bytes]:
+    if size == 0:
+        raise StoreError(f"{name} is empty: {_REBUILD}")
+    if size < _PREAMBLE.size:
+        if not MAGIC.startswith(handle.read(len(MAGIC))):
+            raise StoreError(f"{name} is not a samctl store (wrong magic bytes): "
+                             "pass a file written by samctl build")
+        raise StoreError(f"{name} is truncated (expected at least {_PREAMBLE.size} bytes, "
+                         f"found {size}): {_REBUILD}")
+    magic, version, header_length, header_crc, _reserved = _PREAMBLE.unpack(
+        handle.read(_PREAMBLE.size))
+    if magic != MAGIC:
+        raise StoreError(f"{name} is not a samctl store (wrong magic bytes): "
+                         "pass a file written by samctl build")
+    if version > FORMAT_VERSION:
+        raise StoreError(f"{name} has store format version {version}, this samctl reads up to "
+                         f"{FORMAT_VERSION}: upgrade samctl or {_REBUILD}")
+    if version < 1:
+        raise StoreError(f"{name} has an invalid store format version ({version}): {_REBUILD}")
+    if header_length > MAX_HEADER_BYTES:
+        raise StoreError(f"{name} declares a {header_length}-byte header, over the "
+                         f"{MAX_HEADER_BYTES}-byte limit: the file is corrupt, {_REBUILD}")
+    if _PREAMBLE.size + header_length > size:
+        raise StoreError(f"{name} is truncated (expected at least "
+                         f"{_PREAMBLE.size + header_length} bytes, found {size}): {_REBUILD}")
+    header_bytes = handle.read(header_length)
+    if zlib.crc32(header_bytes) != header_crc:
+        raise StoreError(f"{name} has a corrupt header (checksum mismatch): {_REBUILD}")
+    return version, header_bytes
+
+
+def _decode_header(name: str, header_bytes: bytes, version: int) -> dict[str, Any]:
+    try:
+        header = msgpack.unpackb(header_bytes, raw=False, strict_map_key=True)
+    except (ValueError, TypeError, msgpack.UnpackException) as err:
+        raise StoreError(f"{name} has a malformed header ({type(err).__name__}): {_REBUILD}") from err
+    if not isinstance(header, dict):
+        raise StoreError(f"{name} has a malformed header (not a map): {_REBUILD}")
+    if header.get("format_version") != version:
+        raise StoreError(f"{name} has a malformed header (format version "
+                         f"{header.get('format_version')!r} disagrees with {version}): {_REBUILD}")
+    if not isinstance(header.get("arrays"), dict):
+        raise StoreError(f"{name} has a malformed header (no array table): {_REBUILD}")
+    return header
+
+
+def _parse_table(
+    name: str, table: dict[Any, Any], header_end: int, size: int
+) -> dict[str, ArrayEntry]:
+    entries = [_parse_entry(name, key, value, header_end) for key, value in table.items()]
+    end = _align(header_end)
+    # Zero-length arrays may share an offset with the next array: sort them first.
+    for entry in sorted(entries, key=lambda e: (e.offset, e.length)):
+        if entry.offset < end:
+            raise StoreError(f"{name} has overlapping arrays (array {entry.name!r} at "
+                             f"{entry.offset}): the file is corrupt, {_REBUILD}")
+        end = entry.offset + entry.length
+    expected = max([header_end] + [e.offset + e.length for e in entries])
+    if size < expected:
+        raise StoreError(f"{name} is truncated (expected {expected} bytes, found {size}): "
+                         f"{_REBUILD}")
+    if size > expected:
+        raise StoreError(f"{name} has {size - expected} unexpected bytes after its last array "
+                         f"(expected {expected} bytes, found {size}): the file is corrupt, "
+                         f"{_REBUILD}")
+    return {e.name: e for e in entries}
+
+
+def _parse_entry(name: str, key: Any, value: Any, header_end: int) -> ArrayEntry:
+    def bad(what: str) -> StoreError:
+        return StoreError(f"{name} has a malformed array table ({what}): the file is corrupt, "
+                          f"{_REBUILD}")
+
+    if not isinstance(key, str) or not isinstance(value, dict):
+        raise bad("an entry is not a named map")
+    if set(value) != set(_ENTRY_KEYS):
+        raise bad(f"array {key!r} has fields {sorted(map(str, value))}")
+    dtype, shape, codec = value["dtype"], value["shape"], value["codec"]
+    ints = {k: value[k] for k in ("offset", "length", "raw_length", "checksum")}
+    if any(type(v) is not int or v < 0 for v in ints.values()):
+        raise bad(f"array {key!r} has a negative or non-integer offset, length or checksum")
+    if not isinstance(dtype, str) or dtype not in ALLOWED_DTYPES:
+        raise bad(f"array {key!r} has unknown dtype {dtype!r}")
+    if codec not in _CODECS:
+        raise bad(f"array {key!r} has unknown codec {codec!r}")
+    if (not isinstance(shape, list) or len(shape) > MAX_NDIM
+            or any(type(d) is not int or d < 0 for d in shape)):
+        raise bad(f"array {key!r} has invalid shape {shape!r}")
+    count = 1
+    for dim in shape:
+        count *= dim
+    if count * np.dtype(dtype).itemsize != ints["raw_length"]:
+        raise bad(f"array {key!r} has shape {shape} but {ints['raw_length']} bytes")
+    if codec == "raw" and ints["length"] != ints["raw_length"]:
+        raise bad(f"raw array {key!r} stores {ints['length']} of {ints['raw_length']} bytes")
+    if ints["offset"] % ALIGN or ints["offset"] < header_end:
+        raise bad(f"array {key!r} has a misplaced offset {ints['offset']}")
+    if ints["checksum"] > 0xFFFFFFFF:
+        raise bad(f"array {key!r} has an out-of-range checksum")
+    return ArrayEntry(name=key, dtype=dtype, shape=tuple(shape), codec=codec, **ints)
+
+
+def _open_array(name: str, buffer: mmap.mmap, entry: ArrayEntry) -> np.ndarray:
+    dtype = np.dtype(entry.dtype)
+    if entry.raw_length == 0:
+        array = np.empty(entry.shape, dtype=dtype)
+    elif entry.codec == "raw":
+        array = np.frombuffer(buffer, dtype=dtype, count=entry.raw_length // dtype.itemsize,
+                              offset=entry.offset).reshape(entry.shape)
+    else:
+        blob = memoryview(buffer)[entry.offset : entry.offset + entry.length]
+        try:
+            _check_checksum(name, entry, blob)
+            array = _decompress(name, entry, blob).view(dtype).reshape(entry.shape)
+        finally:
+            blob.release()
+    array.flags.writeable = False
+    return array
+
+
+def _check_checksum(name: str, entry: ArrayEntry, blob: memoryview) -> None:
+    if zlib.crc32(blob) != entry.checksum:
+        raise StoreError(f"{name} is corrupt (checksum mismatch in array {entry.name!r}): "
+                         f"{_REBUILD}")
+
+
+def _decompress(name: str, entry: ArrayEntry, blob: memoryview) -> np.ndarray:
+    """Decode a zstd blob into exactly raw_length bytes.
+
+    Streaming into a preallocated buffer bounds the work by what the blob really holds: a header
+    that claims a huge raw length for a tiny blob fails after decoding the little it contains
+    (untouched pages of the buffer are never materialised).
+    """
+    def corrupt(what: str) -> StoreError:
+        return StoreError(f"{name} is corrupt (array {entry.name!r}: {what}): {_REBUILD}")
+
+    try:
+        out = np.empty(entry.raw_length, dtype=np.uint8)
+    except (MemoryError, ValueError) as err:
+        raise corrupt(f"{entry.raw_length} bytes do not fit in memory") from err
+    view = memoryview(out)
+    filled = 0
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(blob, read_across_frames=False)
+        while filled < entry.raw_length:
+            got = reader.readinto(view[filled:])
+            if got == 0:
+                break
+            filled += got
+        extra = reader.read(1)
+    except zstandard.ZstdError as err:
+        raise corrupt(f"zstd: {err}") from err
+    finally:
+        view.release()
+    if filled != entry.raw_length or extra:
+        raise corrupt(f"decodes to {'more than ' if extra else ''}{filled} bytes, "
+                      f"expected {entry.raw_length}")
+    return out
