@@ -1,0 +1,48 @@
+"""Lossless acceptance for drafts sampled from a draft model (drafts that carry q).
+
+Deterministic drafts (retrieval, Token Recycle, n-gram pools) need no rule of their own: the loop
+draws one target sample per node and walks the tree (`decode.tree.walk_tree`). Drafts sampled from
+a draft distribution q use speculative sampling (Leviathan et al. 2023; Chen et al. 2023):
+
+    accept x_i  iff  r_i <= p_i(x_i) / q_i(x_i),   r_i ~ U(0, 1)
+    first rejection at i: emit y ~ norm(max(p_i - q_i, 0))
+    all gamma accepted:   emit a bonus y ~ p_{gamma+1}
+
+Valid only if x_i was really sampled from q_i, with p and q warped identically.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from decode.sampling import SamplingConfig, warp_probs
+from decode.tree import DraftTree
+
+
+def speculative_accept(
+    logits: torch.Tensor,
+    tree: DraftTree,
+    input_ids: torch.Tensor,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+) -> tuple[np.ndarray, int]:
+    # logits: [g+1, V] target logits at [t0, x_1..x_g]; tree.q: [g, V] draft probabilities (warped);
+    # input_ids: [g+1] -> (accepted input indices 0..a, next token)
+    assert tree.is_chain and tree.q is not None, "speculative_accept needs a chain with q"
+    g = len(tree)
+    p = warp_probs(logits, sampling)
+    q = tree.q.to(p.dtype)
+    x = input_ids[1:]
+    p_x = p[:-1].gather(-1, x[:, None]).squeeze(-1)
+    q_x = q.gather(-1, x[:, None]).squeeze(-1)
+    r = torch.rand(g, generator=generator, device=p.device)
+    accepted = r * q_x <= p_x  # r <= p/q without dividing by a q that underflowed
+    residual = (p[:-1] - q).clamp_min(0.0)
+    mass = residual.sum(-1, keepdim=True)
+    # p == q leaves no residual mass; rejection then has probability 0, so any row will do.
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p[:-1])
+    draws = torch.multinomial(torch.cat((residual, p[-1:])), 1, generator=generator).squeeze(-1)
+    host = torch.cat((accepted.to(torch.int64), draws)).cpu().numpy()  # the step's one host sync
+    rejected = np.flatnonzero(host[:g] == 0)
+    a = int(rejected[0]) if len(rejected) else g
+    return np.arange(a + 1, dtype=np.int64), int(host[g + a])

@@ -1,0 +1,1 @@
+"""Drafters: small classes that propose draft trees and observe what the target accepted."""

@@ -1,0 +1,46 @@
+"""The drafter interface shared by every method, and the trivial `ar` drafter.
+
+Contract, per sequence: `start` once with the prompt and the prefill logits; then each step
+`propose(t0)` returns a draft tree rooted at the pending token t0, and `observe` reports the
+tokens that step committed (t0 first, then the accepted drafts; the new pending token is the next
+t0) together with every verified input and its logits, rejected nodes included.
+A drafter may keep state across sequences (Token Recycle's table warms up that way).
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from decode.tree import DraftTree
+
+
+class Drafter(Protocol):
+    name: str
+
+    def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor) -> None:
+        # prompt: [n] int64 host ids; prompt_logits: [n, V] on the model's device
+        ...
+
+    def propose(self, t0: int) -> DraftTree: ...
+
+    def observe(self, committed: np.ndarray, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
+        # committed: [1+a] int64 host ids; input_ids: [q] device ids of the verify input
+        # (placeholders as -1); logits: [q, V] the target's logits at those inputs
+        ...
+
+
+class NoDraft:
+    """`ar`: plain decoding through the same loop, the baseline every method is compared to."""
+
+    name = "ar"
+
+    def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor) -> None:
+        pass
+
+    def propose(self, t0: int) -> DraftTree:
+        return DraftTree.empty()
+
+    def observe(self, committed: np.ndarray, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
+        pass

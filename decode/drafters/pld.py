@@ -1,0 +1,83 @@
+"""Prompt lookup decoding (Saxena 2023), as transformers' `PromptLookupCandidateGenerator` does it.
+
+For n from max_ngram down to 1, find the leftmost earlier occurrence of the last n tokens of
+prompt + output + t0 that has at least one following token; the draft is up to num_draft tokens
+after it, cut before the first EOS. No state beyond the token history.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import torch
+
+from decode.tree import DraftTree
+from index.errors import UserError
+
+
+@dataclass(frozen=True)
+class PldConfig:
+    max_ngram: int = 3  # transformers' max_matching_ngram_size (its default is 2; Spec-Bench uses 3)
+    num_draft: int = 10  # transformers' prompt_lookup_num_tokens
+
+    def __post_init__(self) -> None:
+        if self.max_ngram < 1 or self.num_draft < 1:
+            raise UserError(f"prompt lookup needs max_ngram >= 1 and num_draft >= 1, got {self}")
+
+
+@numba.njit(cache=True)
+def pld_match(history: np.ndarray, length: int, max_ngram: int, num_draft: int) -> tuple[int, int]:
+    # history: [>= length] int64, the first `length` are prompt + output + t0.
+    # -> (start, end) of the draft in history; start == end when nothing matched.
+    for n in range(min(max_ngram, length - 1), 0, -1):
+        for idx in range(0, length - n + 1):
+            same = True
+            for j in range(n):
+                if history[idx + j] != history[length - n + j]:
+                    same = False
+                    break
+            if same:
+                start = idx + n
+                end = min(start + num_draft, length)
+                if start < end:
+                    return start, end
+    return 0, 0
+
+
+class PromptLookupDrafter:
+    name = "pld"
+
+    def __init__(self, config: PldConfig = PldConfig(), eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.config = config
+        self.eos = np.asarray(eos_token_ids, dtype=np.int64)
+        self.history = np.zeros(1024, dtype=np.int64)
+        self.length = 0
+        pld_match(self.history, 1, 1, 1)  # compile (or load the cache) now, not in the first step
+
+    def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor) -> None:
+        self.length = 0
+        self._append(prompt)
+
+    def propose(self, t0: int) -> DraftTree:
+        self._append(np.asarray([t0], dtype=np.int64))
+        start, end = pld_match(self.history, self.length, self.config.max_ngram, self.config.num_draft)
+        self.length -= 1  # t0 is not committed yet; observe appends it with the accepted drafts
+        draft = self.history[start:end].copy()
+        if len(self.eos):
+            hits = np.flatnonzero(np.isin(draft, self.eos))
+            if len(hits):
+                draft = draft[: hits[0]]
+        return DraftTree.chain(draft)
+
+    def observe(self, committed: np.ndarray, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
+        self._append(committed)
+
+    def _append(self, tokens: np.ndarray) -> None:
+        need = self.length + len(tokens)
+        if need > len(self.history):
+            grown = np.zeros(max(need, 2 * len(self.history)), dtype=np.int64)
+            grown[: self.length] = self.history[: self.length]
+            self.history = grown
+        self.history[self.length : need] = tokens
+        self.length = need

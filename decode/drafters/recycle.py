@@ -1,0 +1,146 @@
+"""Token Recycle (Luo et al. 2024): draft trees from recycled candidate tokens.
+
+State: a table A[V, k] of each token's k most likely successors, written from the target's logits
+at every verified input (rejected nodes too) and never reset, so it stays warm across prompts.
+Draft: a static template tree rooted at t0 whose node [r1, r2, ...] means "the r2-th candidate of
+the r1-th candidate"; each level is one gather from A. Empty rows hold -1 and draft placeholders
+that never match.
+
+On a GPU the table, the expansion and the update stay on the device (no host copy); on the CPU the
+same operations run as numba kernels over the table's memory, which costs microseconds instead of
+the per-op overhead of small torch calls.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import torch
+
+from decode.tree import DraftTree
+from index.errors import UserError
+
+# Rank acceptance model behind the default template: the r-th candidate of a token is the target's
+# next choice with about this probability (measured shape from the paper's Vicuna runs, rounded).
+_RANK_ACCEPT = (0.55, 0.14, 0.07, 0.045, 0.03, 0.022, 0.016, 0.012)
+
+
+@dataclass(frozen=True)
+class RecycleConfig:
+    k: int = 8  # successors kept per token
+    nodes: int = 80  # template size, root excluded (the official "2.2.2" tree has 80 + root)
+    max_depth: int = 6
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.k <= len(_RANK_ACCEPT) or self.nodes < 1 or self.max_depth < 1:
+            raise UserError(f"Token Recycle needs 1 <= k <= {len(_RANK_ACCEPT)}, nodes >= 1, depth >= 1; got {self}")
+
+
+def build_template(config: RecycleConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Best-first tree of the `nodes` most probable candidate paths under _RANK_ACCEPT.
+    -> (parents [m] int32, ranks [m] int64) in BFS order (by depth, then creation)."""
+    accept = _RANK_ACCEPT[: config.k]
+    heap = [(-accept[r], (r,)) for r in range(config.k)]
+    heapq.heapify(heap)
+    paths: list[tuple[int, ...]] = []
+    while heap and len(paths) < config.nodes:
+        neg_prob, path = heapq.heappop(heap)
+        paths.append(path)
+        if len(path) < config.max_depth:
+            for r in range(config.k):
+                heapq.heappush(heap, (neg_prob * accept[r], path + (r,)))
+    paths.sort(key=lambda path: (len(path), path))
+    index = {path: i for i, path in enumerate(paths)}
+    parents = np.array([index.get(path[:-1], -1) for path in paths], dtype=np.int32)
+    ranks = np.array([path[-1] for path in paths], dtype=np.int64)
+    return parents, ranks
+
+
+@numba.njit(cache=True)
+def expand_template(table: np.ndarray, t0: int, parents: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    # table: [V+1, k] int64; parents/ranks: [m] -> draft tokens [m] int64, -1 where the row is empty
+    out = np.empty(len(parents), dtype=np.int64)
+    for i in range(len(parents)):
+        parent_tok = t0 if parents[i] < 0 else out[parents[i]]
+        out[i] = -1 if parent_tok < 0 else table[parent_tok, ranks[i]]
+    return out
+
+
+@numba.njit(cache=True)
+def write_rows(table: np.ndarray, ids: np.ndarray, successors: np.ndarray) -> None:
+    # table: [V+1, k]; ids: [q] int64 (placeholders -1); successors: [q, k]. The last write of a
+    # duplicated token wins, as in SAM-Decoding's Token Recycle.
+    for i in range(len(ids)):
+        if ids[i] >= 0:
+            table[ids[i], :] = successors[i, :]
+
+
+class TokenRecycleDrafter:
+    name = "recycle"
+
+    def __init__(self, vocab_size: int, device: torch.device, config: RecycleConfig = RecycleConfig()) -> None:
+        self.config = config
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        # Row vocab_size is a sink for writes that must not land (duplicates, placeholders).
+        self.table = torch.full((vocab_size + 1, config.k), -1, dtype=torch.int64, device=self.device)
+        self.parents, self.ranks = build_template(config)
+        self.on_cpu = self.device.type == "cpu"
+        if self.on_cpu:
+            expand_template(self.table.numpy(), 0, self.parents, self.ranks)  # compile now
+        else:
+            self._levels = self._device_levels()
+
+    def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor) -> None:
+        self._learn(torch.from_numpy(prompt).to(self.device), prompt_logits)
+
+    def propose(self, t0: int) -> DraftTree:
+        if self.on_cpu:
+            tokens = expand_template(self.table.numpy(), t0, self.parents, self.ranks)
+            return DraftTree(tokens=tokens, parents=self.parents)
+        return DraftTree(tokens=self._expand_on_device(t0), parents=self.parents)
+
+    def observe(self, committed: np.ndarray, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
+        self._learn(input_ids, logits)
+
+    def _learn(self, ids: torch.Tensor, logits: torch.Tensor) -> None:
+        # ids: [q] int64 device; logits: [q, V]
+        successors = torch.topk(logits[:, : self.vocab_size], self.config.k, dim=-1).indices
+        if self.on_cpu:
+            write_rows(self.table.numpy(), ids.numpy(), successors.numpy())
+            return
+        # On the device without a sync: send every write but the last of each token to the sink
+        # row, so the outcome is deterministic (index_put with duplicates is not).
+        q = ids.shape[0]
+        later_same = (ids[:, None] == ids[None, :]) & torch.ones(q, q, dtype=torch.bool, device=ids.device).triu(1)
+        rows = torch.where(later_same.any(dim=1) | (ids < 0), self.vocab_size, ids)
+        self.table.index_put_((rows,), successors)
+
+    def _device_levels(self) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
+        # Template nodes are in BFS order, so each depth is a contiguous slice of the token vector
+        # (index 0 = the root t0, node i at i + 1).
+        depth = np.zeros(len(self.parents), dtype=np.int64)
+        for i, parent in enumerate(self.parents):
+            depth[i] = 1 if parent < 0 else depth[parent] + 1
+        levels = []
+        for d in range(1, depth.max() + 1):
+            nodes = np.flatnonzero(depth == d)
+            levels.append(
+                (
+                    slice(nodes[0] + 1, nodes[-1] + 2),
+                    torch.from_numpy(self.parents[nodes].astype(np.int64) + 1).to(self.device),
+                    torch.from_numpy(self.ranks[nodes]).to(self.device),
+                )
+            )
+        return levels
+
+    def _expand_on_device(self, t0: int) -> torch.Tensor:
+        tokens = torch.empty(len(self.parents) + 1, dtype=torch.int64, device=self.device)
+        tokens[0] = t0
+        for level, parent_idx, rank in self._levels:
+            parent_tok = tokens[parent_idx]
+            child = self.table[parent_tok.clamp_min(0), rank]
+            tokens[level] = torch.where(parent_tok < 0, -1, child)
+        return tokens[1:]

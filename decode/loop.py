@@ -1,0 +1,185 @@
+"""The decode loop: one loop for every method.
+
+    1) propose  the drafter returns a draft tree rooted at the pending token t0
+    2) verify   one target forward over [t0, nodes...] with the tree mask
+    3) accept   the target's choice at every input (argmax, or one sample each), moved to the host
+                in the step's only synchronization; walk the tree along those choices
+    4) commit   keep the accepted path's K/V, emit its tokens, stop at EOS or max_new_tokens
+    5) observe  the drafter learns what was committed and sees every verified input's logits
+
+Greedy output equals plain greedy decoding token for token. With sampling, one draw per node
+shared by every path through it keeps the output distribution exactly the target's (lossless for
+deterministic drafts; drafts carrying q use `decode.accept.speculative_accept`).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from decode.accept import speculative_accept
+from decode.drafters.base import Drafter
+from decode.metrics import Metrics
+from decode.sampling import SamplingConfig, choose_tokens
+from decode.target import TargetModel
+from decode.tree import DraftTree, walk_tree
+from index.errors import UserError
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 256
+    eos_token_ids: tuple[int, ...] = ()
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise UserError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # new tokens only, EOS included when generation stopped on it
+    finish_reason: str  # "eos" | "length"
+    metrics: Metrics
+
+
+class _Output:
+    """Collects emitted tokens, cutting at the first EOS and exactly at max_new_tokens."""
+
+    def __init__(self, config: GenerationConfig, on_tokens: Callable[[list[int]], None] | None) -> None:
+        self.tokens: list[int] = []
+        self.limit = config.max_new_tokens
+        self.eos = set(config.eos_token_ids)
+        self.on_tokens = on_tokens
+        self.finish_reason = ""
+
+    def emit(self, new: list[int]) -> None:
+        take = new[: self.limit - len(self.tokens)]
+        for i, tok in enumerate(take):
+            if tok in self.eos:
+                take = take[: i + 1]
+                self.finish_reason = "eos"
+                break
+        self.tokens.extend(take)
+        if not self.finish_reason and len(self.tokens) >= self.limit:
+            self.finish_reason = "length"
+        if self.on_tokens and take:
+            self.on_tokens(take)
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finish_reason)
+
+    @property
+    def remaining(self) -> int:
+        return self.limit - len(self.tokens)
+
+
+@torch.inference_mode()
+def generate(
+    target: TargetModel,
+    drafter: Drafter,
+    prompt_ids: list[int] | np.ndarray,
+    config: GenerationConfig,
+    on_tokens: Callable[[list[int]], None] | None = None,
+) -> GenerationResult:
+    """Generate up to config.max_new_tokens after prompt_ids with drafts from `drafter`."""
+    prompt = np.asarray(prompt_ids, dtype=np.int64)
+    if len(prompt) == 0:
+        raise UserError("the prompt is empty: give at least one token of text")
+    if len(prompt) + 1 > target.max_positions:
+        raise UserError(
+            f"prompt is {len(prompt)} tokens, the model's context is {target.max_positions}: shorten the prompt"
+        )
+    generator = _make_generator(config.sampling, target.device)
+    metrics = Metrics()
+    out = _Output(config, on_tokens)
+    start = time.perf_counter()
+
+    prompt_t = torch.from_numpy(prompt).to(target.device)
+    logits = target.prefill(prompt_t)
+    t0 = int(choose_tokens(logits[-1:], config.sampling, generator)[0])
+    metrics.prefill_s = time.perf_counter() - start
+    tic = time.perf_counter()
+    drafter.start(prompt, logits)
+    metrics.draft_s += time.perf_counter() - tic
+    out.emit([t0])
+
+    while not out.done and target.cached + 1 < target.max_positions:
+        t0 = _step(target, drafter, t0, config.sampling, generator, out, metrics)
+    if not out.done:
+        out.finish_reason = "length"  # the model's context is full
+    metrics.new_tokens = len(out.tokens)
+    metrics.time_s = time.perf_counter() - start
+    return GenerationResult(tokens=out.tokens, finish_reason=out.finish_reason, metrics=metrics)
+
+
+def _step(
+    target: TargetModel,
+    drafter: Drafter,
+    t0: int,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+    out: _Output,
+    metrics: Metrics,
+) -> int:
+    # 1) propose: drafts deeper than the tokens still wanted, or than the context allows, are waste
+    tic = time.perf_counter()
+    tree = drafter.propose(t0)
+    tree = tree.limit_depth(min(out.remaining - 1, target.max_positions - target.cached - 1))
+    input_ids = _verify_input(t0, tree, target.device)
+    metrics.draft_s += time.perf_counter() - tic
+
+    # 2) verify and 3) accept
+    tic = time.perf_counter()
+    logits = target.verify(input_ids.clamp_min(0), tree)
+    if tree.q is not None and not sampling.greedy:
+        path, bonus = speculative_accept(logits, tree, input_ids, sampling, generator)
+        host_inputs = None
+    else:
+        choices = choose_tokens(logits, sampling, generator)
+        host = torch.stack((input_ids, choices)).cpu().numpy()  # the step's one host sync
+        host_inputs = host[0]
+        path = walk_tree(tree.parents, host_inputs[1:], host[1])
+        bonus = int(host[1][path[-1]])
+    metrics.verify_s += time.perf_counter() - tic
+
+    # 4) commit
+    target.keep(path)
+    committed = host_inputs[path] if host_inputs is not None else input_ids[torch.from_numpy(path)].cpu().numpy()
+    before = len(out.tokens)
+    out.emit([int(t) for t in committed[1:]] + [bonus])
+    metrics.record_step(drafted=len(tree), accepted=min(len(path) - 1, len(out.tokens) - before))
+
+    # 5) observe
+    tic = time.perf_counter()
+    if not out.done:
+        drafter.observe(committed, input_ids, logits)
+    metrics.draft_s += time.perf_counter() - tic
+    return bonus
+
+
+def _verify_input(t0: int, tree: DraftTree, device: torch.device) -> torch.Tensor:
+    # -> [1 + m] int64 on device: the pending token then the draft nodes
+    root = torch.tensor([t0], dtype=torch.int64, device=device)
+    if len(tree) == 0:
+        return root
+    tokens = tree.tokens
+    if not isinstance(tokens, torch.Tensor):
+        tokens = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
+    return torch.cat((root, tokens.to(device=device, dtype=torch.int64)))
+
+
+def _make_generator(sampling: SamplingConfig, device: torch.device) -> torch.Generator | None:
+    if sampling.greedy:
+        return None
+    generator = torch.Generator(device=device)
+    if sampling.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(sampling.seed)
+    return generator

@@ -1,0 +1,65 @@
+"""Per-run decoding metrics, the same fields in `generate --json`, batch output and `bench`.
+
+Counting: `new_tokens` are generated ids up to and including EOS, capped exactly at
+max_new_tokens. The first new token comes from the prefill; every later decode step (one target
+forward) commits 1 + a tokens, a accepted draft tokens plus one bonus token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Metrics:
+    new_tokens: int = 0
+    steps: int = 0  # decode steps = target verify forwards after the prefill
+    accepted: int = 0  # draft tokens accepted, over all steps
+    drafted: int = 0  # draft tokens proposed (tree nodes, root excluded), over all steps
+    accept_hist: list[int] = field(default_factory=list)  # accept_hist[a] = steps that accepted a drafts
+    draft_s: float = 0.0  # propose + observe, host side
+    verify_s: float = 0.0  # target forward + acceptance, including the one host sync per step
+    prefill_s: float = 0.0
+    time_s: float = 0.0  # wall time of the whole generation, prefill included
+
+    def record_step(self, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        if len(self.accept_hist) <= accepted:
+            self.accept_hist.extend([0] * (accepted + 1 - len(self.accept_hist)))
+        self.accept_hist[accepted] += 1
+
+    @property
+    def mean_accepted(self) -> float:
+        """Tokens committed per decode step, bonus included (plain decoding: 1.0)."""
+        return (self.new_tokens - 1) / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def other_s(self) -> float:
+        return max(0.0, self.time_s - self.draft_s - self.verify_s)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.time_s if self.time_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "new_tokens": self.new_tokens,
+            "steps": self.steps,
+            "mean_accepted": round(self.mean_accepted, 4),
+            "accept_hist": list(self.accept_hist),
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "time_s": round(self.time_s, 6),
+            "draft_s": round(self.draft_s, 6),
+            "verify_s": round(self.verify_s, 6),
+            "other_s": round(self.other_s, 6),
+            "prefill_s": round(self.prefill_s, 6),
+            "draft_us_per_step": round(1e6 * self.draft_s / self.steps, 2) if self.steps else 0.0,
+        }

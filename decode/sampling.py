@@ -1,0 +1,63 @@
+"""Sampling configuration and logit warping, in Hugging Face order: temperature, top-k, top-p.
+
+Warping here must match `transformers` exactly so that samctl's plain sampling and
+`model.generate(do_sample=True)` draw from the same distribution, and so that every lossless
+acceptance rule compares the same p.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from index.errors import UserError
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """temperature 0 means greedy (argmax); top_k 0 and top_p 1.0 mean off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise UserError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise UserError(f"--top-k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def warp_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    # logits: [n, V] -> probabilities [n, V] float32 after temperature, top-k, top-p
+    scores = logits.float() / config.temperature
+    if config.top_k > 0 and config.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, config.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if config.top_p < 1.0:
+        # As transformers' TopPLogitsWarper: drop the ascending-sorted prefix whose mass is
+        # <= 1 - top_p, always keeping the most likely token.
+        sorted_scores, sorted_idx = torch.sort(scores, descending=False, dim=-1)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cumulative <= (1.0 - config.top_p)
+        remove_sorted[..., -1] = False
+        remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
+        scores = scores.masked_fill(remove, float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+def choose_tokens(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+    # logits: [n, V] -> [n] int64: the target's choice at every verified position.
+    # Greedy: argmax. Sampling: one independent draw per position, which is exactly what the
+    # deterministic-draft acceptance rule needs (one draw per node, shared by all paths through it).
+    if config.greedy:
+        return logits.argmax(dim=-1)
+    probs = warp_probs(logits, config)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

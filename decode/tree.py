@@ -1,0 +1,119 @@
+"""Draft trees and the tensors that verify them in one forward pass.
+
+A draft is a tree rooted at the pending token t0 (a chain is a tree). Verification input is
+`[t0, node_0, ..., node_{m-1}]`; node i sits at input index i + 1, at position L + depth(i)
+where L is the cached length, and attends to the cache plus its own ancestors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numba
+import numpy as np
+import torch
+
+
+@dataclass
+class DraftTree:
+    """tokens: [m] int64 (host array or device tensor); parents: [m] int32, parents[i] < i,
+    -1 means "child of the root t0". A token of -1 is a placeholder that never matches
+    (an empty Token Recycle row); it is fed to the model as 0.
+    q: [m, V] draft probabilities, only for drafts sampled from a draft model."""
+
+    tokens: np.ndarray | torch.Tensor
+    parents: np.ndarray
+    q: torch.Tensor | None = None
+    is_chain: bool = field(default=False)
+
+    def __post_init__(self) -> None:
+        assert len(self.tokens) == len(self.parents), (len(self.tokens), len(self.parents))
+
+    @classmethod
+    def chain(cls, tokens: np.ndarray | torch.Tensor, q: torch.Tensor | None = None) -> "DraftTree":
+        parents = np.arange(-1, len(tokens) - 1, dtype=np.int32)
+        return cls(tokens=tokens, parents=parents, q=q, is_chain=True)
+
+    @classmethod
+    def empty(cls) -> "DraftTree":
+        return cls.chain(np.zeros(0, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    def depths(self) -> np.ndarray:
+        return tree_depths(self.parents)
+
+    def limit_depth(self, max_depth: int) -> "DraftTree":
+        """Drop nodes deeper than max_depth (root children have depth 1)."""
+        depth = self.depths()
+        if len(depth) == 0 or depth.max() <= max_depth:
+            return self
+        keep = np.flatnonzero(depth <= max_depth)
+        if self.is_chain:
+            return DraftTree.chain(self.tokens[: len(keep)], None if self.q is None else self.q[: len(keep)])
+        remap = np.full(len(depth), -1, dtype=np.int32)
+        remap[keep] = np.arange(len(keep), dtype=np.int32)
+        old_parents = self.parents[keep]
+        parents = np.where(old_parents >= 0, remap[np.maximum(old_parents, 0)], -1).astype(np.int32)
+        tokens = self.tokens[torch.from_numpy(keep)] if isinstance(self.tokens, torch.Tensor) else self.tokens[keep]
+        return DraftTree(tokens=tokens, parents=parents, q=None)
+
+
+@numba.njit(cache=True)
+def tree_depths(parents: np.ndarray) -> np.ndarray:
+    # parents: [m] int32 with parents[i] < i -> depth [m] int32, root children at 1
+    depth = np.empty(len(parents), dtype=np.int32)
+    for i in range(len(parents)):
+        depth[i] = 1 if parents[i] < 0 else depth[parents[i]] + 1
+    return depth
+
+
+@numba.njit(cache=True)
+def ancestor_matrix(parents: np.ndarray) -> np.ndarray:
+    # parents: [m] int32 -> visible [m+1, m+1] bool over verify inputs (root at 0):
+    # visible[a, b] iff input b is input a or one of its ancestors.
+    q = len(parents) + 1
+    visible = np.zeros((q, q), dtype=np.bool_)
+    visible[0, 0] = True
+    for i in range(len(parents)):
+        row = i + 1
+        parent_row = parents[i] + 1
+        for b in range(row):
+            visible[row, b] = visible[parent_row, b]
+        visible[row, row] = True
+    return visible
+
+
+def tree_attention_mask(parents: np.ndarray, past: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # -> [1, 1, m+1, past+m+1] additive float mask: 0 = attend, finfo.min = blocked.
+    # Float, not bool: a bool mask is silently wrong under the eager attention path.
+    visible = torch.from_numpy(ancestor_matrix(parents))
+    q = visible.shape[0]
+    mask = torch.zeros((q, past + q), dtype=dtype)
+    mask[:, past:].masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask.to(device)[None, None]
+
+
+@numba.njit(cache=True)
+def walk_tree(parents: np.ndarray, node_tokens: np.ndarray, choices: np.ndarray) -> np.ndarray:
+    # parents: [m] int32, node_tokens: [m] int64 (input tokens without the root),
+    # choices: [m+1] int64, the target's token (argmax or one sample) at each input.
+    # -> accepted input indices, root (0) first. From the current input, follow the child whose
+    # token equals the choice there; stop when no child carries it. The choice at the last
+    # accepted input is the bonus token.
+    path = np.empty(len(parents) + 1, dtype=np.int64)
+    path[0] = 0
+    n = 1
+    current = -1  # node index of the current input; -1 is the root
+    while True:
+        wanted = choices[current + 1]
+        nxt = -1
+        for i in range(current + 1, len(parents)):
+            if parents[i] == current and node_tokens[i] == wanted:
+                nxt = i
+                break
+        if nxt < 0:
+            return path[:n]
+        path[n] = nxt + 1
+        n += 1
+        current = nxt
