@@ -1,0 +1,377 @@
+"""Corpus readers: turn folders, record files, Hugging Face datasets and stdin into documents.
+
+A document is a (source, text) pair; this module yields strings and never tokenizes. Inputs:
+
+- a folder: files read recursively in sorted order. By default the files whose extension is in
+  TEXT_EXTENSIONS (prose, markup and source code); `include` globs replace that list, `exclude`
+  globs remove files. Globs match the path relative to the folder or the file name (`*.py`,
+  `tests/*`). Hidden files and folders are skipped. A file that looks binary (a NUL byte in its
+  first 8 KiB) or is not UTF-8 is skipped and counted in `CorpusReader.skipped`. Each file is one
+  document; a selected `.json`/`.jsonl`/`.parquet` file is read as records (below).
+- a `.json` file (a list of records, one record, or JSON lines), a `.jsonl` file, a `.parquet`
+  file: one document per record.
+- any other file named explicitly: one document, its UTF-8 text.
+- `hf:NAME[:SPLIT]` or `hf:NAME:CONFIG:SPLIT`: a Hugging Face dataset through `datasets` (split
+  `train` by default), or a folder written by `save_to_disk` passed as NAME.
+- `-`: standard input. When its first non-blank line is a JSON object, every non-blank line is a
+  record (JSON lines); otherwise the whole input is one plain-text document.
+
+A record's text (`record_text`) comes from the fields named by the user when there are any
+(joined with newlines; absent or null ones are left out), or else from the first known shape:
+Spec-Bench `turns` (+ `reference`), chat `messages`/`conversations`, Alpaca
+`instruction`/`input`/`output` (or `response`), GSM8K `question`/`answer`, `prompt`/`completion`
+(or `response`), or `text`. Documents whose text is empty or blank are dropped and counted.
+
+This module does not know tokenizers, token ids or store files.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, TextIO
+
+from index.errors import UserError
+
+TEXT_EXTENSIONS = frozenset(
+    """
+    .txt .text .md .markdown .rst .adoc .tex .org .csv .tsv .html .htm .xml .css .scss
+    .py .pyi .ipynb .c .h .cc .cpp .cxx .hh .hpp .hxx .cu .cuh .cs .java .kt .kts .scala .groovy
+    .go .rs .swift .m .mm .js .jsx .mjs .ts .tsx .vue .rb .php .pl .pm .lua .r .jl .hs .ml .mli
+    .ex .exs .erl .clj .dart .zig .nim .sh .bash .zsh .fish .ps1 .sql .proto .graphql
+    .yaml .yml .toml .ini .cfg .conf .cmake .gradle .dockerfile .mk
+    """.split()
+)
+RECORD_EXTENSIONS = frozenset([".json", ".jsonl", ".parquet"])
+_BINARY_PROBE = 8192
+_FIELD_HINT = "name the fields to read with --field"
+
+
+@dataclass(frozen=True)
+class Document:
+    """One unit of text; matches in the datastore never cross two documents."""
+
+    source: str  # where it came from: "path", "path:line", "hf:name[split]#row", "<stdin>:line"
+    text: str
+
+
+@dataclass
+class CorpusCounts:
+    """What a reader saw; filled in while iterating."""
+
+    files: int = 0
+    documents: int = 0
+    characters: int = 0
+    empty: int = 0  # documents dropped because their text was blank
+    skipped: list[str] = field(default_factory=list)  # binary or non-UTF-8 files in folders
+
+
+class CorpusReader:
+    """Iterate the documents of several inputs, in order; see the module docstring."""
+
+    def __init__(
+        self,
+        inputs: Iterable[str],
+        include: Iterable[str] = (),
+        exclude: Iterable[str] = (),
+        fields: Iterable[str] = (),
+        stdin: TextIO | None = None,
+    ) -> None:
+        self.inputs = list(inputs)
+        self.include = tuple(include)
+        self.exclude = tuple(exclude)
+        self.fields = tuple(fields)
+        self.stdin = stdin
+        self.counts = CorpusCounts()
+        if not self.inputs:
+            raise UserError("no input given: pass folders, files, hf:NAME or - for stdin")
+        if self.inputs.count("-") > 1:
+            raise UserError("standard input (-) can be read only once: pass - once")
+        for spec in self.inputs:
+            if spec != "-" and not spec.startswith("hf:") and not os.path.exists(spec):
+                raise UserError(f"{spec} does not exist: pass a folder, a .json/.jsonl/.parquet "
+                                "or text file, hf:NAME, or - for stdin")
+
+    def __iter__(self) -> Iterator[Document]:
+        for spec in self.inputs:
+            for document in self._documents(spec):
+                if not document.text.strip():
+                    self.counts.empty += 1
+                    continue
+                self.counts.documents += 1
+                self.counts.characters += len(document.text)
+                yield document
+
+    def _documents(self, spec: str) -> Iterator[Document]:
+        if spec == "-":
+            return _stdin_documents(self.stdin or sys.stdin, self.fields)
+        if spec.startswith("hf:"):
+            return _hf_documents(spec, self.fields)
+        if os.path.isdir(spec):
+            return self._folder_documents(Path(spec))
+        return self._file_documents(Path(spec), explicit=True)
+
+    def _folder_documents(self, top: Path) -> Iterator[Document]:
+        for path in _walk(top):
+            relative = path.relative_to(top).as_posix()
+            if self._selected(relative, path.name, path.suffix.lower()):
+                yield from self._file_documents(path, explicit=False)
+
+    def _selected(self, relative: str, name: str, suffix: str) -> bool:
+        def matches(patterns: tuple[str, ...]) -> bool:
+            return any(fnmatch.fnmatch(relative, p) or fnmatch.fnmatch(name, p) for p in patterns)
+
+        chosen = matches(self.include) if self.include else suffix in TEXT_EXTENSIONS
+        return chosen and not matches(self.exclude)
+
+    def _file_documents(self, path: Path, explicit: bool) -> Iterator[Document]:
+        self.counts.files += 1
+        suffix = path.suffix.lower()
+        if suffix in RECORD_EXTENSIONS:
+            records = _read_records(path)
+            for where, record in records:
+                yield Document(where, record_text(record, self.fields, where))
+            return
+        text = _read_text(path)
+        if text is None:
+            if explicit:
+                raise UserError(f"{path} is binary or not UTF-8 text: pass text files, or "
+                                ".json/.jsonl/.parquet records")
+            self.counts.skipped.append(str(path))
+            return
+        yield Document(str(path), text)
+
+
+def iter_documents(
+    inputs: Iterable[str],
+    include: Iterable[str] = (),
+    exclude: Iterable[str] = (),
+    fields: Iterable[str] = (),
+    stdin: TextIO | None = None,
+) -> Iterator[Document]:
+    """The documents of `inputs`; use CorpusReader directly to see the counts."""
+    return iter(CorpusReader(inputs, include, exclude, fields, stdin))
+
+
+# ---------------------------------------------------------------------------------------------
+# files
+
+
+def _walk(top: Path) -> Iterator[Path]:
+    """Files under `top` in sorted depth-first order, hidden files and folders left out."""
+    for directory, subdirs, files in os.walk(top):
+        subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
+        for name in sorted(files):
+            if not name.startswith("."):
+                yield Path(directory) / name
+
+
+def _read_text(path: Path) -> str | None:
+    """The file's text, or None when it looks binary or is not UTF-8."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise UserError(f"cannot read {path}: {err.strerror or err}") from err
+    if b"\0" in data[:_BINARY_PROBE]:
+        return None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        return None
+
+
+def _read_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, record) pairs; `where` names the file and line or record number."""
+    if path.suffix.lower() == ".parquet":
+        return _parquet_records(path)
+    text = _read_text(path)
+    if text is None:
+        raise UserError(f"{path} is binary or not UTF-8: pass a UTF-8 JSON or JSON lines file")
+    if path.suffix.lower() == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            if err.msg != "Extra data":
+                raise UserError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}): "
+                                "fix the file") from err
+        else:
+            records = data if isinstance(data, list) else [data]
+            return ((f"{path} record {i}", _as_record(r, f"{path} record {i}"))
+                    for i, r in enumerate(records, 1))
+    return _json_lines(text.splitlines(), str(path), start=1)
+
+
+def _json_lines(lines: Iterable[str], name: str, start: int) -> Iterator[tuple[str, dict]]:
+    for number, line in enumerate(lines, start):
+        if not line.strip():
+            continue
+        where = f"{name} line {number}"
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{where} is not valid JSON ({err.msg}): fix or remove the line") from err
+        yield where, _as_record(value, where)
+
+
+def _as_record(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise UserError(f"{where} is a {type(value).__name__}, not a JSON object: "
+                        "pass one object per record")
+    return value
+
+
+def _parquet_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as err:
+        raise UserError(f"reading {path} needs pyarrow: pip install pyarrow") from err
+    try:
+        batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
+        row = 0
+        for batch in batches:
+            for record in batch.to_pylist():
+                row += 1
+                yield f"{path} row {row}", record
+    except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+        raise UserError(f"cannot read {path} as Parquet ({err}): check the file") from err
+
+
+# ---------------------------------------------------------------------------------------------
+# stdin and Hugging Face datasets
+
+
+def _stdin_documents(stream: TextIO, fields: tuple[str, ...]) -> Iterator[Document]:
+    try:
+        lines = stream.read().splitlines()
+    except UnicodeDecodeError as err:
+        raise UserError("standard input is not UTF-8 text: convert it first") from err
+    first = next((line for line in lines if line.strip()), "")
+    if _is_json_object(first):
+        for where, record in _json_lines(lines, "<stdin>", start=1):
+            yield Document(where, record_text(record, fields, where))
+    else:
+        yield Document("<stdin>", "\n".join(lines))
+
+
+def _is_json_object(line: str) -> bool:
+    if not line.lstrip().startswith("{"):
+        return False
+    try:
+        return isinstance(json.loads(line), dict)
+    except json.JSONDecodeError:
+        return False
+
+
+def _hf_documents(spec: str, fields: tuple[str, ...]) -> Iterator[Document]:
+    name, config, split = _parse_hf_spec(spec)
+    dataset = _load_hf(spec, name, config, split)
+    for row, record in enumerate(dataset, 1):
+        where = f"hf:{name}[{split}] row {row}"
+        yield Document(where, record_text(record, fields, where))
+
+
+def _parse_hf_spec(spec: str) -> tuple[str, str | None, str]:
+    parts = spec[3:].split(":")
+    if not parts[0] or len(parts) > 3 or any(not p for p in parts):
+        raise UserError(f"{spec!r} is not a dataset spec: use hf:NAME, hf:NAME:SPLIT or "
+                        "hf:NAME:CONFIG:SPLIT")
+    if len(parts) == 3:
+        return parts[0], parts[1], parts[2]
+    return parts[0], None, parts[1] if len(parts) == 2 else "train"
+
+
+def _load_hf(spec: str, name: str, config: str | None, split: str):
+    try:
+        import datasets
+    except ImportError as err:
+        raise UserError(f"reading {spec} needs the datasets package: pip install datasets") from err
+    try:
+        if _saved_to_disk(Path(name)):
+            loaded = datasets.load_from_disk(name)
+            if isinstance(loaded, datasets.DatasetDict):
+                if split not in loaded:
+                    raise UserError(f"{spec}: the saved dataset has no split {split!r} "
+                                    f"(splits: {', '.join(loaded)}): pass hf:{name}:SPLIT")
+                loaded = loaded[split]
+            return loaded
+        return datasets.load_dataset(name, config, split=split)
+    except (OSError, ValueError) as err:
+        # Offline or unknown names end here (ConnectionError and FileNotFoundError are OSErrors).
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise UserError(f"cannot load dataset {name!r} ({reason}): check the name and split, "
+                        "or pass a local folder written by save_to_disk as hf:FOLDER") from err
+
+
+def _saved_to_disk(path: Path) -> bool:
+    return path.is_dir() and any(
+        (path / marker).is_file() for marker in ("dataset_dict.json", "state.json")
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# record shapes
+
+
+def record_text(record: dict[str, Any], fields: tuple[str, ...], where: str) -> str:
+    """The text of one record: the named `fields`, or else the first known shape."""
+    if fields:
+        present = [f for f in fields if record.get(f) is not None]
+        if not present:
+            raise UserError(f"{where} has none of the fields {', '.join(fields)} "
+                            f"(it has {_keys(record)}): check --field")
+        return "\n".join(_field_text(record[f], f, where) for f in present)
+    for shape in _SHAPES:
+        chosen = [_first_present(record, slot) for slot in shape]
+        if chosen[0] is None:
+            continue
+        parts = [_field_text(record[name], name, where) for name in chosen if name is not None]
+        return "\n".join(p for p in parts if p)
+    raise UserError(f"{where} has no known text fields (it has {_keys(record)}): {_FIELD_HINT}")
+
+
+# Known record shapes, tried in order. A shape is a list of slots joined with newlines; a slot
+# lists alternative field names (the first present one is used). The first slot must be present,
+# the others are optional (prompt-only files have no answers).
+_SHAPES: tuple[tuple[tuple[str, ...], ...], ...] = (
+    (("turns",), ("reference",)),  # Spec-Bench
+    (("messages", "conversations"),),  # chat: lists of {role/from, content/value}
+    (("instruction",), ("input",), ("output", "response")),  # Alpaca
+    (("question",), ("answer",)),  # GSM8K
+    (("prompt",), ("completion", "response", "output")),
+    (("text",),),
+)
+
+
+def _first_present(record: dict[str, Any], slot: tuple[str, ...]) -> str | None:
+    return next((name for name in slot if record.get(name) is not None), None)
+
+
+def _field_text(value: Any, name: str, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, list):
+        return "\n".join(_item_text(item, name, where) for item in value)
+    raise UserError(f"{where}: field {name!r} is a {type(value).__name__}, not text: "
+                    f"{_FIELD_HINT}")
+
+
+def _item_text(item: Any, name: str, where: str) -> str:
+    """A list element: a string, or a chat message {role/from, content/value}."""
+    if isinstance(item, str):
+        return item
+    if isinstance(item, dict):
+        for key in ("content", "value", "text"):
+            if isinstance(item.get(key), str):
+                return item[key]
+    raise UserError(f"{where}: field {name!r} holds a {type(item).__name__} that is not text: "
+                    f"{_FIELD_HINT}")
+
+
+def _keys(record: dict[str, Any]) -> str:
+    keys = sorted(map(str, record))
+    return ", ".join(keys[:10]) + (", ..." if len(keys) > 10 else "") if keys else "no fields"
