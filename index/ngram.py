@@ -1,0 +1,472 @@
+"""N-gram table over token ids: contexts of 1..max_n tokens -> their most frequent next tokens.
+
+Contract. Built from documents of int32 token ids (>= 0); a context and its next token always lie
+inside one document. For each order n and each context c of n tokens, the table keeps the next
+tokens t with count(c t) >= min_count, at most top_k of them, by count descending then token
+ascending, plus total(c) = the number of occurrences of c followed by any token (before pruning),
+which turns counts into probabilities. A context with no kept next token is dropped.
+
+Layout (flat arrays, little-endian fixed width; C contexts over all orders, E entries):
+    keys        [C] uint64    hash of the context tokens, sorted within each order's block
+    ctx         [sum n*C_n] int32  the context tokens (lookups verify them: no false matches)
+    order_start [max_n+1] int64    contexts of order n are [order_start[n-1], order_start[n])
+    ctx_start   [max_n+1] int64    their tokens start at ctx_start[n-1], n per context
+    offsets     [C+1] int64   entries of context i are [offsets[i], offsets[i+1])
+    next        [E] int32     next tokens
+    counts      [E] int32     count(c t)
+    totals      [C] int32     total(c)
+    config      [3] int64     max_n, min_count, top_k
+
+It does NOT know text, tokenizers, files (index/store.py writes `to_arrays()`), or when a
+decoder should prefer it over a suffix automaton.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit
+
+from index.errors import UserError
+
+_HASH_SEED = np.uint64(0x243F6A8885A308D3)
+_HASH_MUL = np.uint64(0x9E3779B97F4A7C15)
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    max_n: int = 4  # longest context
+    min_count: int = 2  # entries seen fewer times are pruned
+    top_k: int = 8  # next tokens kept per context
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_n <= 16:
+            raise UserError(f"n-gram max_n must be in 1..16, got {self.max_n}")
+        if self.min_count < 1:
+            raise UserError(f"n-gram min_count must be >= 1, got {self.min_count}")
+        if self.top_k < 1:
+            raise UserError(f"n-gram top_k must be >= 1, got {self.top_k}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def _hash(tokens, start, n):
+    h = _HASH_SEED
+    for i in range(start, start + n):
+        h = (h ^ np.uint64(np.uint32(tokens[i]))) * _HASH_MUL
+        h ^= h >> np.uint64(31)
+    return h
+
+
+@njit(cache=True)
+def _positions(tokens, doc_offsets, n):
+    """Every (context hash, next token, context start) with context and next in one document."""
+    total = 0
+    for d in range(len(doc_offsets) - 1):
+        total += max(0, doc_offsets[d + 1] - doc_offsets[d] - n)
+    keys = np.empty(total, dtype=np.uint64)
+    nxt = np.empty(total, dtype=np.int32)
+    start = np.empty(total, dtype=np.int64)
+    j = 0
+    for d in range(len(doc_offsets) - 1):
+        for s in range(doc_offsets[d], doc_offsets[d + 1] - n):
+            keys[j] = _hash(tokens, s, n)
+            nxt[j] = tokens[s + n]
+            start[j] = s
+            j += 1
+    return keys, nxt, start
+
+
+@njit(cache=True)
+def _same(tokens, a, b, n):
+    for i in range(n):
+        if tokens[a + i] != tokens[b + i]:
+            return False
+    return True
+
+
+@njit(cache=True)
+def _select(run_tok, run_cnt, r, min_count, top_k, out_next, out_counts, e):
+    """Append the kept runs (count >= min_count, best top_k by count desc, token asc) at e."""
+    kept = 0
+    for i in range(r):
+        if run_cnt[i] >= min_count:
+            run_tok[kept] = run_tok[i]
+            run_cnt[kept] = run_cnt[i]
+            kept += 1
+    sort_key = np.empty(kept, dtype=np.int64)
+    for i in range(kept):  # count descending, then token ascending
+        sort_key[i] = (np.int64(0x7FFFFFFF - run_cnt[i]) << 32) | np.int64(run_tok[i])
+    order = np.argsort(sort_key)
+    m = min(kept, top_k)
+    for i in range(m):
+        out_next[e + i] = run_tok[order[i]]
+        out_counts[e + i] = run_cnt[order[i]]
+    return m
+
+
+@njit(cache=True)
+def _count_order(tokens, keys, nxt, start, order, n, min_count, top_k):
+    """Group positions sorted by (key, [context,] next) into pruned contexts.
+
+    Returns (keys, ctx tokens, offsets, next, counts, totals, collided); collided means two
+    different contexts share a hash run without being grouped apart, and the caller re-sorts
+    by the context tokens too.
+    """
+    p = len(order)
+    out_keys = np.empty(p, dtype=np.uint64)
+    out_ctx = np.empty(p * n, dtype=np.int32)
+    out_off = np.empty(p + 1, dtype=np.int64)
+    out_next = np.empty(p, dtype=np.int32)
+    out_counts = np.empty(p, dtype=np.int32)
+    out_totals = np.empty(p, dtype=np.int32)
+    run_tok = np.empty(p, dtype=np.int32)
+    run_cnt = np.empty(p, dtype=np.int32)
+    c = 0
+    e = 0
+    out_off[0] = 0
+    i = 0
+    while i < p:
+        # 1) the group of positions with the same context
+        first = order[i]
+        j = i
+        while j < p and keys[order[j]] == keys[first] and _same(tokens, start[order[j]], start[first], n):
+            j += 1
+        if j < p and keys[order[j]] == keys[first]:
+            # same hash, different context: fine only if that context does not come back
+            k = j
+            while k < p and keys[order[k]] == keys[first]:
+                if _same(tokens, start[order[k]], start[first], n) and not _same(
+                    tokens, start[order[k - 1]], start[first], n
+                ):
+                    return out_keys[:0], out_ctx[:0], out_off[:1], out_next[:0], out_counts[:0], out_totals[:0], True
+                k += 1
+        # 2) runs of equal next tokens within the group (sorted by next)
+        r = 0
+        for g in range(i, j):
+            t = nxt[order[g]]
+            if r > 0 and run_tok[r - 1] == t:
+                run_cnt[r - 1] += 1
+            else:
+                run_tok[r] = t
+                run_cnt[r] = 1
+                r += 1
+        # 3) prune; keep the context if anything is left
+        m = _select(run_tok, run_cnt, r, min_count, top_k, out_next, out_counts, e)
+        if m > 0:
+            out_keys[c] = keys[first]
+            for q in range(n):
+                out_ctx[c * n + q] = tokens[start[first] + q]
+            out_totals[c] = j - i
+            e += m
+            c += 1
+            out_off[c] = e
+        i = j
+    return (out_keys[:c].copy(), out_ctx[: c * n].copy(), out_off[: c + 1].copy(),
+            out_next[:e].copy(), out_counts[:e].copy(), out_totals[:c].copy(), False)
+
+
+@njit(cache=True)
+def ngram_find(keys, ctx, order_start, ctx_start, context, end, max_n):
+    """Longest suffix of context[:end] (<= max_n tokens) in the table: (length, context index);
+    (0, -1) if none."""
+    for n in range(min(max_n, end), 0, -1):
+        h = _hash(context, end - n, n)
+        lo, hi = order_start[n - 1], order_start[n]
+        i = lo + np.searchsorted(keys[lo:hi], h)
+        while i < hi and keys[i] == h:
+            base = ctx_start[n - 1] + (i - lo) * n
+            same = True
+            for q in range(n):
+                if ctx[base + q] != context[end - n + q]:
+                    same = False
+                    break
+            if same:
+                return n, i
+            i += 1
+    return 0, -1
+
+
+@njit(cache=True)
+def ngram_continuation(keys, ctx, order_start, ctx_start, offsets, nxt, context, n, max_n):
+    """Greedy chain: append the most frequent next token of the longest matching suffix."""
+    keep = min(len(context), max_n)
+    work = np.empty(keep + n, dtype=np.int32)
+    work[:keep] = context[len(context) - keep :]
+    m = 0
+    while m < n:
+        length, i = ngram_find(keys, ctx, order_start, ctx_start, work, keep + m, max_n)
+        if length == 0:
+            break
+        work[keep + m] = nxt[offsets[i]]
+        m += 1
+    return work[keep : keep + m].copy()
+
+
+@njit(cache=True)
+def _heap_better(prob, a, b):
+    return prob[a] > prob[b] or (prob[a] == prob[b] and a < b)
+
+
+@njit(cache=True)
+def _heap_push(heap, size, prob, item):
+    heap[size] = item
+    i = size
+    while i > 0:
+        parent = (i - 1) // 2
+        if not _heap_better(prob, heap[i], heap[parent]):
+            break
+        heap[i], heap[parent] = heap[parent], heap[i]
+        i = parent
+    return size + 1
+
+
+@njit(cache=True)
+def _heap_pop(heap, size, prob):
+    top = heap[0]
+    size -= 1
+    heap[0] = heap[size]
+    i = 0
+    while True:
+        best = i
+        for child in (2 * i + 1, 2 * i + 2):
+            if child < size and _heap_better(prob, heap[child], heap[best]):
+                best = child
+        if best == i:
+            break
+        heap[i], heap[best] = heap[best], heap[i]
+        i = best
+    return top, size
+
+
+@njit(cache=True)
+def ngram_tree_draft(keys, ctx, order_start, ctx_start, offsets, nxt, counts, totals, context, max_nodes, k, max_n):
+    """Best-first tree, as the automaton's: the children of a node are the top-k next tokens of
+    the longest table context that is a suffix of (context + path to the node), with path
+    probability P(parent) * count / total. At most k nodes per depth, max_nodes - 1 nodes.
+    Returns (tokens [m] int32, parents [m] int32): creation order, parents[i] < i, -1 = root.
+    """
+    m_max = max(max_nodes - 1, 0)
+    out_tok = np.empty(m_max, dtype=np.int32)
+    out_par = np.empty(m_max, dtype=np.int32)
+    out_depth = np.empty(m_max, dtype=np.int32)
+    if m_max == 0 or k <= 0:
+        return out_tok, out_par
+    cap = k * (m_max + 1)
+    prob = np.empty(cap, dtype=np.float64)
+    c_tok = np.empty(cap, dtype=np.int32)
+    c_par = np.empty(cap, dtype=np.int32)
+    heap = np.empty(cap, dtype=np.int64)
+    per_depth = np.zeros(m_max + 1, dtype=np.int32)
+    keep = min(len(context), max_n)
+    work = np.empty(keep + m_max + 1, dtype=np.int32)
+    n_cand = 0
+    size = 0
+    node = -1
+    node_prob = 1.0
+    cand_depth = 0
+    c = 0
+    m = 0
+    while True:
+        # 1) the text ending at `node`: context tail + the path from the root
+        depth = out_depth[node] + 1 if node >= 0 else 0
+        work[:keep] = context[len(context) - keep :]
+        v = node
+        for q in range(depth - 1, -1, -1):
+            work[keep + q] = out_tok[v]
+            v = out_par[v]
+        length, i = ngram_find(keys, ctx, order_start, ctx_start, work, keep + depth, max_n)
+        # 2) push its top-k next tokens
+        if length > 0:
+            for e in range(offsets[i], min(offsets[i + 1], offsets[i] + k)):
+                c = n_cand
+                n_cand += 1
+                prob[c] = node_prob * (counts[e] / totals[i] if totals[i] > 0 else 0.0)
+                c_tok[c] = nxt[e]
+                c_par[c] = node
+                size = _heap_push(heap, size, prob, c)
+        # 3) pop the best candidate whose depth has room
+        found = False
+        while size > 0 and not found:
+            c, size = _heap_pop(heap, size, prob)
+            cand_depth = out_depth[c_par[c]] + 1 if c_par[c] >= 0 else 0
+            found = per_depth[cand_depth] < k
+        if not found:
+            break
+        per_depth[cand_depth] += 1
+        out_tok[m] = c_tok[c]
+        out_par[m] = c_par[c]
+        out_depth[m] = cand_depth
+        node = m
+        node_prob = prob[c]
+        m += 1
+        if m == m_max:
+            break
+    return out_tok[:m], out_par[:m]
+
+
+# ---------------------------------------------------------------------------------------------
+# The table
+# ---------------------------------------------------------------------------------------------
+
+_NAMES = ("keys", "ctx", "order_start", "ctx_start", "offsets", "next", "counts", "totals", "config")
+_DTYPES = {
+    "keys": np.dtype("<u8"), "ctx": np.dtype("<i4"), "order_start": np.dtype("<i8"),
+    "ctx_start": np.dtype("<i8"), "offsets": np.dtype("<i8"), "next": np.dtype("<i4"),
+    "counts": np.dtype("<i4"), "totals": np.dtype("<i4"), "config": np.dtype("<i8"),
+}
+
+
+def _check(cond: bool, what: str) -> None:
+    if not cond:
+        raise UserError(f"corrupt n-gram table: {what}: rebuild the store with `samctl build`")
+
+
+def _build_order(tokens: np.ndarray, doc_offsets: np.ndarray, n: int, config: NgramConfig) -> tuple:
+    keys, nxt, start = _positions(tokens, doc_offsets, n)
+    return _group(tokens, keys, nxt, start, n, config)
+
+
+def _group(tokens: np.ndarray, keys: np.ndarray, nxt: np.ndarray, start: np.ndarray, n: int, config: NgramConfig) -> tuple:
+    """Sort positions by (hash, next) and count; on a hash collision that interleaves two
+    contexts, sort by (hash, context tokens, next) instead."""
+    order = np.lexsort((nxt, keys))
+    out = _count_order(tokens, keys, nxt, start, order, n, config.min_count, config.top_k)
+    if out[-1]:
+        columns = [tokens[start + q] for q in range(n - 1, -1, -1)]
+        order = np.lexsort((nxt, *columns, keys))
+        out = _count_order(tokens, keys, nxt, start, order, n, config.min_count, config.top_k)
+        assert not out[-1], f"contexts still split after an exact sort (order {n})"
+    return out[:-1]
+
+
+class NgramTable:
+    """Pruned n-gram counts in flat sorted arrays; see the module doc."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], config: NgramConfig) -> None:
+        self._a = arrays
+        self.config = config
+        self._args = tuple(arrays[k] for k in ("keys", "ctx", "order_start", "ctx_start"))
+
+    @classmethod
+    def build(cls, tokens: np.ndarray, doc_offsets: np.ndarray, config: NgramConfig = NgramConfig()) -> "NgramTable":
+        """tokens: [n] int32 >= 0, documents concatenated; doc_offsets: [d+1] int64 from 0 to n."""
+        tokens = np.ascontiguousarray(tokens)
+        doc_offsets = np.ascontiguousarray(doc_offsets, dtype=np.int64)
+        if tokens.ndim != 1 or tokens.dtype != np.int32:
+            raise UserError(f"tokens must be a 1-D int32 array, got {tokens.dtype} {tokens.shape}")
+        if len(tokens) and int(tokens.min()) < 0:
+            raise UserError("token ids must be >= 0")
+        if len(doc_offsets) < 1 or doc_offsets[0] != 0 or doc_offsets[-1] != len(tokens) or np.any(np.diff(doc_offsets) < 0):
+            raise UserError("doc_offsets must rise from 0 to len(tokens)")
+        if len(tokens) >= 2**31:
+            raise UserError(f"{len(tokens)} tokens overflow int32 counts: split the corpus")
+        parts = [_build_order(tokens, doc_offsets, n, config) for n in range(1, config.max_n + 1)]
+        sizes = np.array([len(p[0]) for p in parts], dtype=np.int64)
+        order_start = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        ctx_start = np.concatenate([[0], np.cumsum(sizes * np.arange(1, config.max_n + 1))]).astype(np.int64)
+        entry_base = np.concatenate([[0], np.cumsum([len(p[3]) for p in parts])]).astype(np.int64)
+        offsets = np.concatenate([[0]] + [p[2][1:] + entry_base[i] for i, p in enumerate(parts)]).astype(np.int64)
+        arrays = {
+            "keys": np.concatenate([p[0] for p in parts]),
+            "ctx": np.concatenate([p[1] for p in parts]),
+            "order_start": order_start,
+            "ctx_start": ctx_start,
+            "offsets": offsets,
+            "next": np.concatenate([p[3] for p in parts]),
+            "counts": np.concatenate([p[4] for p in parts]),
+            "totals": np.concatenate([p[5] for p in parts]),
+            "config": np.array([config.max_n, config.min_count, config.top_k], dtype=np.int64),
+        }
+        return cls(arrays, config)
+
+    # -- queries -----------------------------------------------------------------------------
+
+    def lookup(self, context: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+        """Longest suffix of context ([k] int32) in the table, <= max_n tokens:
+        (length, next tokens [m] int32 by count descending, counts [m] int32); (0, empty, empty)
+        if none. The arrays are views into the table."""
+        context = np.asarray(context, dtype=np.int32)
+        length, i = ngram_find(*self._args, context, len(context), self.config.max_n)
+        a = self._a
+        if length == 0:
+            return 0, a["next"][:0], a["counts"][:0]
+        lo, hi = a["offsets"][i], a["offsets"][i + 1]
+        return length, a["next"][lo:hi], a["counts"][lo:hi]
+
+    def continuation(self, context: np.ndarray, n: int) -> np.ndarray:
+        """Greedy chain of up to n tokens ([m] int32)."""
+        context = np.asarray(context, dtype=np.int32)
+        a = self._a
+        return ngram_continuation(*self._args, a["offsets"], a["next"], context, max(n, 0), self.config.max_n)
+
+    def tree_draft(self, context: np.ndarray, max_nodes: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Best-first tree of at most max_nodes - 1 tokens after context; see ngram_tree_draft."""
+        context = np.asarray(context, dtype=np.int32)
+        a = self._a
+        return ngram_tree_draft(*self._args, a["offsets"], a["next"], a["counts"], a["totals"],
+                                context, max_nodes, k, self.config.max_n)
+
+    @property
+    def num_contexts(self) -> int:
+        return len(self._a["keys"])
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._a["next"])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self._a.values())
+
+    # -- arrays ------------------------------------------------------------------------------
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        return dict(self._a)
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray], config: NgramConfig | None = None) -> "NgramTable":
+        """Table over `to_arrays()` output (zero-copy; arrays may be read-only memmaps).
+
+        The arrays are untrusted and checked so no kernel reads out of bounds; `config`, if
+        given, must equal the one stored in the arrays.
+        """
+        a = {}
+        for name in _NAMES:
+            _check(name in arrays, f"array {name!r} is missing")
+            x = np.asarray(arrays[name])
+            _check(x.dtype == _DTYPES[name] and x.ndim == 1, f"array {name!r} has {x.dtype} {x.shape}")
+            _check(x.flags.c_contiguous, f"array {name!r} is not contiguous")
+            a[name] = x
+        _check(len(a["config"]) == 3, "config has the wrong length")
+        try:
+            stored = NgramConfig(*(int(v) for v in a["config"]))
+        except UserError as err:
+            raise UserError(f"corrupt n-gram table: {err}") from None
+        if config is not None and config != stored:
+            raise UserError(f"n-gram table was built with {stored}, not {config}")
+        _validate(a, stored.max_n)
+        return cls(a, stored)
+
+
+def _validate(a: dict[str, np.ndarray], max_n: int) -> None:
+    n_ctx, n_ent = len(a["keys"]), len(a["next"])
+    order_start, ctx_start, offsets = a["order_start"], a["ctx_start"], a["offsets"]
+    _check(len(order_start) == max_n + 1 and len(ctx_start) == max_n + 1, "order tables have the wrong length")
+    _check(order_start[0] == 0 and order_start[-1] == n_ctx and bool(np.all(np.diff(order_start) >= 0)), "order_start")
+    sizes = np.diff(order_start)
+    expected = np.concatenate([[0], np.cumsum(sizes * np.arange(1, max_n + 1))])
+    _check(bool(np.array_equal(ctx_start, expected)) and ctx_start[-1] == len(a["ctx"]), "ctx_start")
+    _check(len(offsets) == n_ctx + 1 and offsets[0] == 0 and offsets[-1] == n_ent, "offsets length")
+    _check(bool(np.all(np.diff(offsets) >= 0)), "offsets do not rise")
+    _check(len(a["counts"]) == n_ent and len(a["totals"]) == n_ctx, "count arrays have the wrong length")
+    _check(bool(np.all(a["next"] >= 0)) and bool(np.all(a["counts"] >= 0)) and bool(np.all(a["totals"] >= 0)),
+           "negative token or count")
+    keys = a["keys"]
+    for n in range(max_n):
+        block = keys[order_start[n] : order_start[n + 1]]
+        _check(bool(np.all(block[1:] >= block[:-1])), f"keys of order {n + 1} are not sorted")
