@@ -1,0 +1,156 @@
+"""SAM-Decoding (Hu et al. 2024): retrieval drafts from suffix automata, with a fallback drafter.
+
+Two match pointers, each the longest suffix of the committed text found in a structure:
+- dynamic: an automaton grown over prompt + output. Its pointer moves on a token *before* the
+  token is inserted, so the match is always an earlier occurrence, which has a continuation.
+- static: a prebuilt datastore (suffix automaton or n-gram table); only the pointer moves.
+
+Each step (t0 = the pending token):
+    m_dyn, m_st = matches after a non-mutating step on t0 (both count t0)
+    if m_dyn >= dyn_threshold or m_st >= dyn_threshold + static_bias:
+        chain of min(max_draft, alpha * m) tokens after the occurrence, from the dynamic automaton
+        when m_dyn >= m_st - static_bias (ties go to dynamic), else from the static store
+    else: the fallback drafter's tree (Token Recycle, a draft model) or no draft.
+The fallback observes every step, chain steps included, so it keeps learning.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from decode.drafters.base import Drafter
+from decode.tree import DraftTree
+from index.automaton import SuffixAutomaton
+from index.errors import UserError
+
+if TYPE_CHECKING:
+    from index.ngram import NgramTable
+
+
+@dataclass(frozen=True)
+class SamConfig:
+    dyn_threshold: int = 5  # SAM-Decoding's len_threshold
+    static_bias: int = 5  # len_bias: the static match must reach dyn_threshold + static_bias
+    max_draft: int = 39  # n_predicts 40 minus t0
+    alpha: float = 4.0  # draft length grows with the match: min(max_draft, alpha * match)
+    occurrence: str = "first"  # which earlier occurrence the dynamic automaton drafts from
+
+    def __post_init__(self) -> None:
+        if self.dyn_threshold < 1 or self.static_bias < 0 or self.max_draft < 1 or self.alpha <= 0:
+            raise UserError(f"invalid SAM settings {asdict(self)}: thresholds >= 1, max draft >= 1, alpha > 0")
+        if self.occurrence not in ("first", "latest"):
+            raise UserError(f"--occurrence must be first or latest, got {self.occurrence!r}")
+
+
+class StaticAutomatonSource:
+    """Pointer into a static suffix automaton."""
+
+    def __init__(self, automaton: SuffixAutomaton) -> None:
+        self.automaton = automaton
+        self.state, self.length = 0, 0
+
+    def reset(self, prompt: np.ndarray) -> None:
+        self.state, self.length = self.automaton.match(prompt.astype(np.int32))
+
+    def advance(self, token: int) -> None:
+        self.state, self.length = self.automaton.step(self.state, self.length, token)
+
+    def peek(self, t0: int) -> tuple[int, int]:
+        state, length = self.automaton.step(self.state, self.length, t0)
+        return length, state
+
+    def draft(self, handle: int, n: int) -> np.ndarray:
+        return self.automaton.continuation(handle, n)
+
+
+class StaticNgramSource:
+    """The last max_n tokens, looked up in an n-gram table."""
+
+    def __init__(self, table: NgramTable) -> None:
+        self.table = table
+        self.context = np.zeros(0, dtype=np.int32)
+        self.keep = table.config.max_n
+
+    def reset(self, prompt: np.ndarray) -> None:
+        self.context = prompt[-self.keep :].astype(np.int32)
+
+    def advance(self, token: int) -> None:
+        self.context = np.append(self.context[-(self.keep - 1) :] if self.keep > 1 else self.context[:0], np.int32(token))
+
+    def peek(self, t0: int) -> tuple[int, np.ndarray]:
+        context = np.append(self.context, np.int32(t0))[-self.keep :]
+        length, _, _ = self.table.lookup(context)
+        return length, context
+
+    def draft(self, handle: np.ndarray, n: int) -> np.ndarray:
+        return self.table.continuation(handle, n)
+
+
+def static_source(structure: SuffixAutomaton | NgramTable) -> StaticAutomatonSource | StaticNgramSource:
+    if isinstance(structure, SuffixAutomaton):
+        return StaticAutomatonSource(structure)
+    return StaticNgramSource(structure)
+
+
+class SamDrafter:
+    def __init__(
+        self,
+        config: SamConfig = SamConfig(),
+        static: SuffixAutomaton | NgramTable | None = None,
+        fallback: Drafter | None = None,
+    ) -> None:
+        self.config = config
+        self.static = static_source(static) if static is not None else None
+        self.fallback = fallback
+        self.name = "sam" if fallback is None else f"sam+{fallback.name}"
+        self.dynamic = SuffixAutomaton.empty(1024, occurrence=config.occurrence)
+        self.dyn_state, self.dyn_length = 0, 0
+        self.sources = {"dynamic": 0, "static": 0, "fallback": 0, "none": 0}  # steps by draft source
+
+    def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor) -> None:
+        self.dynamic = SuffixAutomaton.empty(max(1024, 2 * len(prompt)), occurrence=self.config.occurrence)
+        self.dyn_state, self.dyn_length = 0, 0
+        self._insert(prompt)
+        if self.static is not None:
+            self.static.reset(prompt)
+        if self.fallback is not None:
+            self.fallback.start(prompt, prompt_logits)
+
+    def propose(self, t0: int) -> DraftTree:
+        draft, source = self._retrieve(t0)
+        if len(draft) == 0 and self.fallback is not None:
+            self.sources["fallback"] += 1
+            return self.fallback.propose(t0)
+        self.sources[source if len(draft) else "none"] += 1
+        return DraftTree.chain(draft.astype(np.int64))
+
+    def observe(self, committed: np.ndarray, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
+        self._insert(committed)
+        if self.static is not None:
+            for token in committed:
+                self.static.advance(int(token))
+        if self.fallback is not None:
+            self.fallback.observe(committed, input_ids, logits)
+
+    def _retrieve(self, t0: int) -> tuple[np.ndarray, str]:
+        cfg = self.config
+        dyn_state, m_dyn = self.dynamic.step(self.dyn_state, self.dyn_length, t0)
+        m_st, handle = self.static.peek(t0) if self.static is not None else (0, None)
+        m_st_biased = m_st - cfg.static_bias
+        if max(m_dyn, m_st_biased) < cfg.dyn_threshold:
+            return np.zeros(0, dtype=np.int32), "none"
+        if m_dyn >= m_st_biased:
+            return self.dynamic.continuation(dyn_state, self._length(m_dyn)), "dynamic"
+        return self.static.draft(handle, self._length(m_st)), "static"
+
+    def _length(self, match: int) -> int:
+        return min(self.config.max_draft, int(self.config.alpha * match))
+
+    def _insert(self, tokens: np.ndarray) -> None:
+        # Pointer first, then the token: the match stays an earlier occurrence.
+        for token in tokens.astype(np.int32):
+            self.dyn_state, self.dyn_length = self.dynamic.step(self.dyn_state, self.dyn_length, int(token))
+            self.dynamic.extend(token[None])

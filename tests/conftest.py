@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny random models saved and reloaded the way users load them, offline."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import pytest
+import torch
+
+
+def _tiny(arch: str, vocab: int, seed: int):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )
+    config = LlamaConfig(**common) if arch == "llama" else Qwen2Config(**common)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    # Random small weights give near-uniform logits; scale the head so greedy paths are stable
+    # and repetitive, which is what lets retrieval drafts be accepted in tests.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def tiny_model_dir(request, tmp_path_factory):
+    """A tiny random model folder (config + safetensors), one per architecture."""
+    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    _tiny(request.param, vocab=96, seed=0).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama-main")
+    _tiny("llama", vocab=96, seed=0).save_pretrained(path)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

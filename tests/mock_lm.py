@@ -1,0 +1,61 @@
+"""A deterministic causal LM that continues text by copying, for engine tests without weights.
+
+After context ... a b it predicts the token that followed the most recent earlier "a b", else
+(7 b + 3) mod V. It reads its context only through the KV cache and the 4D mask the engine
+passes, and asserts that the visible positions are exactly 0..n-1, so a wrong mask, wrong
+position ids or a wrong KV rollback changes its output or fails loudly.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from transformers import LlamaConfig
+
+
+def copy_rule(context: list[int], vocab: int) -> int:
+    for j in range(len(context) - 3, -1, -1):
+        if context[j] == context[-2] and context[j + 1] == context[-1]:
+            return context[j + 2]
+    return (7 * context[-1] + 3) % vocab
+
+
+class CopyLM(torch.nn.Module):
+    def __init__(self, vocab: int = 32, peak: float = 20.0) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.peak = peak  # logit of the predicted token (others 0): large = near-deterministic
+        self.config = LlamaConfig(
+            vocab_size=vocab, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+            num_key_value_heads=1, intermediate_size=8, max_position_embeddings=4096,
+        )
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # gives the module a device and dtype
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None, past_key_values=None, use_cache=True, **_):
+        q = input_ids.shape[1]
+        past = past_key_values.get_seq_length()
+        if position_ids is None:
+            position_ids = torch.arange(past, past + q)[None]
+        keys, values = past_key_values.update(
+            input_ids[0].float()[None, None, :, None], position_ids[0].float()[None, None, :, None], 0
+        )
+        tokens = keys[0, 0, :, 0].long().numpy()
+        positions = values[0, 0, :, 0].long().numpy()
+        logits = torch.zeros(1, q, self.vocab)
+        for i in range(q):
+            if attention_mask is None:
+                visible = np.arange(past + q) <= past + i
+            else:
+                visible = (attention_mask[0, 0, i] == 0).numpy()
+            order = np.argsort(positions[visible], kind="stable")
+            assert np.array_equal(positions[visible][order], np.arange(visible.sum())), positions[visible]
+            logits[0, i, copy_rule(tokens[visible][order].tolist(), self.vocab)] = self.peak
+        return SimpleNamespace(logits=logits)
+
+    def reference(self, prompt: list[int], n: int) -> list[int]:
+        """Greedy continuation computed on the full text, no cache."""
+        text = list(prompt)
+        for _ in range(n):
+            text.append(copy_rule(text, self.vocab))
+        return text[len(prompt) :]

@@ -1,0 +1,105 @@
+"""Every method's greedy output equals plain greedy decoding, token for token (float32)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from decode.loop import GenerationConfig, generate
+from decode.methods import METHODS, MethodConfig, make_drafter
+from decode.drafters.sam import SamConfig
+from decode.target import TargetModel
+from index.automaton import SuffixAutomaton
+from tests.mock_lm import CopyLM
+
+# Low thresholds so that retrieval drafts fire often on tiny random models.
+EAGER = MethodConfig(sam=SamConfig(dyn_threshold=2, static_bias=1))
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+        eos_token_id=eos, pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def run(model, method: str, prompt: list[int], max_new_tokens: int, eos: tuple[int, ...] = (), static=None):
+    target = TargetModel(model)
+    drafter = make_drafter(
+        method, vocab_size=model.config.vocab_size, device=target.device, eos_token_ids=eos,
+        static=static, config=EAGER,
+    )
+    return generate(target, drafter, prompt, GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos))
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(1)
+    base = rng.integers(3, vocab, 12).tolist()
+    return [base + base[:7] + rng.integers(3, vocab, 5).tolist(), rng.integers(3, vocab, 30).tolist(), [5]]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_equals_generate(tiny_model_dir, method):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    for prompt in prompts(model.config.vocab_size):
+        expected = hf_greedy(model, prompt, 80, eos=None)
+        static = SuffixAutomaton.build(np.asarray(expected[:40], dtype=np.int32), np.array([0, 40]))
+        for store in (None, static) if method.startswith("sam") else (None,):
+            result = run(model, method, prompt, 80, static=store)
+            assert result.tokens == expected, (method, prompt, store is not None)
+            assert result.metrics.new_tokens == 80 and result.finish_reason == "length"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_eos_and_max_tokens_edges(tiny_llama, method):
+    prompt = prompts(tiny_llama.config.vocab_size)[0]
+    expected = hf_greedy(tiny_llama, prompt, 60, eos=None)
+    eos = expected[17]  # a token the model really emits, so generation stops there
+    first = expected.index(eos)
+    with_eos = run(tiny_llama, method, prompt, 60, eos=(eos,))
+    assert with_eos.tokens == expected[: first + 1] == hf_greedy(tiny_llama, prompt, 60, eos=eos)
+    assert with_eos.finish_reason == "eos"
+    for limit in (1, 2, 7, 33):
+        result = run(tiny_llama, method, prompt, limit)
+        assert result.tokens == expected[:limit], (method, limit)
+
+
+def test_mock_copy_model_accepts_many_tokens_per_step():
+    model = CopyLM(vocab=64)
+    rng = np.random.default_rng(0)
+    doc = rng.permutation(64)[:40].tolist()
+    prompt = doc + doc[:3]  # the copy rule continues with doc[3:], doc again, ...
+    expected = model.reference(prompt, 120)
+    # Token Recycle is not held to the floor: the mock's predictions in a wrong context (rejected
+    # tree nodes) are unrelated to the right ones, unlike a real LM's, so its table stays noisy.
+    for method, floor in (("pld", 3.0), ("sam", 3.0), ("sam+recycle", 3.0), ("recycle", 1.0)):
+        result = run(model, method, prompt, 120)
+        assert result.tokens == expected, method
+        assert result.metrics.mean_accepted > floor, (method, result.metrics.to_dict())
+
+
+def test_tree_paths_and_kv_compaction_on_mock():
+    """Token Recycle trees accept along non-first branches, which needs K/V compaction."""
+    model = CopyLM(vocab=16)
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, 16, 60).tolist()
+    expected = model.reference(prompt, 150)
+    target = TargetModel(model)
+    drafter = make_drafter("recycle", vocab_size=16, device=target.device)
+    kept_paths = []
+    original_keep = target.keep
+    target.keep = lambda path: (kept_paths.append(path.copy()), original_keep(path))[1]
+    result = generate(target, drafter, prompt, GenerationConfig(max_new_tokens=150))
+    assert result.tokens == expected
+    assert any(not np.array_equal(p, np.arange(len(p))) for p in kept_paths), "no off-chain path was accepted"
+    assert result.metrics.mean_accepted > 1.5
+
+
+def test_unknown_method_is_a_user_error():
+    from index.errors import UserError
+
+    with pytest.raises(UserError, match="unknown method"):
+        make_drafter("nope", vocab_size=10, device=torch.device("cpu"))
