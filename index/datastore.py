@@ -1,0 +1,289 @@
+"""Datastores on disk: a suffix automaton or n-gram table plus what it was built from.
+
+`save_datastore` writes a structure and its `StoreMeta` (tokenizer identity, build config, corpus
+statistics) to a `.sam` store file; `load_datastore` reads one back, validates the header fields
+and the structure's arrays (both untrusted), and checks that every token id the structure can
+draft is below the recorded vocabulary size, so a corrupt store cannot feed the model an id it
+does not have. `Datastore.lookup` is the kind-independent query: longest matching suffix, its
+count, a continuation and the most frequent next tokens.
+
+Header keys written here (besides the store format's own): `kind`, `created_by`, `tokenizer`
+{name, fingerprint, vocab_size, eos_token_id}, `build` (BuildConfig) and `corpus` (CorpusStats).
+
+This module does not know text, tokenizers (only their recorded name and fingerprint), corpora
+formats or the command line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any, Union
+
+import numpy as np
+
+from index.automaton import E_TOK, EDGE_TOK, SuffixAutomaton
+from index.errors import UserError
+from index.ngram import NgramConfig, NgramTable
+from index.store import StoreError, StoreFile, read_store, write_store
+
+KINDS = ("sam", "ngram")
+Structure = Union[SuffixAutomaton, NgramTable]
+_REBUILD = "rebuild it with samctl build"
+
+
+def _created_by() -> str:
+    try:
+        return f"samctl {metadata.version('samctl')}"
+    except metadata.PackageNotFoundError:
+        return "samctl (unknown version)"
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """How a store was built; recorded in its header so `samctl info` can say."""
+
+    kind: str = "sam"  # "sam" (suffix automaton) or "ngram" (pruned n-gram table)
+    max_n: int = 4  # n-gram only: longest context
+    min_count: int = 2  # n-gram only: prune entries seen fewer times
+    top_k: int = 8  # n-gram only: next tokens kept per context
+    compress: bool = True  # zstd-compress blobs where it saves >= 10%
+    append_eos: bool = True  # an EOS token after each document (when the tokenizer has one)
+    include: tuple[str, ...] = ()  # folder globs that replace the default extension list
+    exclude: tuple[str, ...] = ()  # folder globs left out
+    fields: tuple[str, ...] = ()  # record fields read instead of the known shapes
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise UserError(f"unknown datastore kind {self.kind!r}: use one of {', '.join(KINDS)}")
+        self.ngram_config()  # validates max_n, min_count, top_k
+        for name in ("include", "exclude", "fields"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    def ngram_config(self) -> NgramConfig:
+        return NgramConfig(max_n=self.max_n, min_count=self.min_count, top_k=self.top_k)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class CorpusStats:
+    """What went into a store."""
+
+    documents: int  # non-empty documents
+    tokens: int  # token ids stored, EOS separators included
+    characters: int = 0
+    files: int = 0
+    empty_documents: int = 0  # dropped because blank
+    skipped_files: int = 0  # binary or non-UTF-8 files left out of folders
+    inputs: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "inputs", tuple(self.inputs))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class StoreMeta:
+    """Everything about a store except its structure."""
+
+    tokenizer_name: str  # "bytes", "default" (the embedded model's), a folder or a model name
+    tokenizer_fingerprint: str
+    vocab_size: int
+    eos_token_id: int | None
+    build: BuildConfig
+    corpus: CorpusStats
+    created_by: str = field(default_factory=_created_by)
+
+    def to_header(self) -> dict[str, Any]:
+        return {
+            "kind": self.build.kind,
+            "created_by": self.created_by,
+            "tokenizer": {
+                "name": self.tokenizer_name,
+                "fingerprint": self.tokenizer_fingerprint,
+                "vocab_size": self.vocab_size,
+                "eos_token_id": self.eos_token_id,
+            },
+            "build": self.build.to_dict(),
+            "corpus": self.corpus.to_dict(),
+        }
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """A query's answer: the longest suffix of the context that the store holds, and after it."""
+
+    match_length: int  # tokens of the context's suffix found in the store (0: none)
+    count: int  # sam: occurrences of that suffix; ngram: those followed by a kept next token
+    continuation: np.ndarray  # [m] int32, sam: after the first occurrence; ngram: greedy chain
+    next_tokens: np.ndarray  # [k] int32, most frequent next tokens, by count descending
+    next_counts: np.ndarray  # [k] int32
+
+
+@dataclass(frozen=True)
+class Datastore:
+    """A loaded store: its structure, metadata and file facts."""
+
+    path: str
+    kind: str
+    structure: Structure
+    meta: StoreMeta
+    file: StoreFile
+
+    @property
+    def format_version(self) -> int:
+        return self.file.format_version
+
+    @property
+    def file_size(self) -> int:
+        return self.file.file_size
+
+    @property
+    def sam(self) -> SuffixAutomaton:
+        if not isinstance(self.structure, SuffixAutomaton):
+            raise UserError(f"{self.path} is an n-gram store, not a suffix automaton: "
+                            "rebuild it with samctl build --kind sam")
+        return self.structure
+
+    @property
+    def ngram(self) -> NgramTable:
+        if not isinstance(self.structure, NgramTable):
+            raise UserError(f"{self.path} is a suffix automaton store, not an n-gram table: "
+                            "rebuild it with samctl build --kind ngram")
+        return self.structure
+
+    def verify(self) -> None:
+        """Check every blob's checksum (raw ones are not checked on load)."""
+        self.file.verify()
+
+    def lookup(self, context: np.ndarray, n: int, k: int = 8) -> Lookup:
+        """Longest suffix of context ([m] int32) in the store, then up to n tokens after it."""
+        context = np.asarray(context, dtype=np.int32)
+        if isinstance(self.structure, SuffixAutomaton):
+            sam = self.structure
+            state, length = sam.match(context)
+            next_tokens, next_counts = sam.topk_next(state, k)
+            return Lookup(int(length), sam.count(state) if length else 0,
+                          np.array(sam.continuation(state, n)), next_tokens, next_counts)
+        table = self.structure
+        length, next_tokens, next_counts = table.lookup(context)
+        return Lookup(int(length), int(next_counts.sum()), np.array(table.continuation(context, n)),
+                      np.array(next_tokens[:k]), np.array(next_counts[:k]))
+
+
+def save_datastore(
+    path: str | os.PathLike, structure: Structure, meta: StoreMeta, compress: bool | None = None
+) -> None:
+    """Write structure + meta atomically; `compress` defaults to meta.build.compress."""
+    kind = "sam" if isinstance(structure, SuffixAutomaton) else "ngram"
+    if kind != meta.build.kind:
+        raise ValueError(f"structure is a {kind} but the build config says {meta.build.kind}")
+    compress = meta.build.compress if compress is None else compress
+    write_store(path, meta.to_header(), structure.to_arrays(), compress=compress)
+
+
+def load_datastore(path: str | os.PathLike, verify: bool = False, occurrence: str = "first") -> Datastore:
+    """Read and validate a store; raises UserError (StoreError for the file) on any problem.
+
+    `occurrence` picks which occurrence a suffix automaton's continuations come from.
+    """
+    store = read_store(path, verify=verify)
+    meta = _parse_meta(store)
+    arrays = store.arrays
+    try:
+        if meta.build.kind == "sam":
+            structure: Structure = SuffixAutomaton.from_arrays(arrays, occurrence=occurrence)
+        else:
+            structure = NgramTable.from_arrays(arrays, meta.build.ngram_config())
+    except UserError as err:
+        raise StoreError(f"{store.path}: {err}") from err
+    _check_token_range(store.path, meta, arrays)
+    return Datastore(path=store.path, kind=meta.build.kind, structure=structure, meta=meta, file=store)
+
+
+# ---------------------------------------------------------------------------------------------
+# header validation: the header is untrusted, every field is type-checked
+
+
+def _parse_meta(store: StoreFile) -> StoreMeta:
+    header, name = store.header, store.path
+
+    def bad(what: str) -> StoreError:
+        return StoreError(f"{name} has a malformed header ({what}): {_REBUILD}")
+
+    kind = header.get("kind")
+    if kind not in KINDS:
+        raise bad(f"unknown kind {kind!r}")
+    tokenizer = _typed_map(header.get("tokenizer"), "tokenizer", {
+        "name": str, "fingerprint": str, "vocab_size": int, "eos_token_id": (int, type(None))}, bad)
+    if not 0 < tokenizer["vocab_size"] < 2**31:
+        raise bad(f"vocabulary size {tokenizer['vocab_size']}")
+    build = _dataclass_from(BuildConfig, header.get("build"), "build", bad)
+    if build.kind != kind:
+        raise bad(f"kind {kind!r} disagrees with the build config's {build.kind!r}")
+    corpus = _dataclass_from(CorpusStats, header.get("corpus"), "corpus", bad)
+    created_by = header.get("created_by")
+    if not isinstance(created_by, str):
+        raise bad("created_by")
+    return StoreMeta(
+        tokenizer_name=tokenizer["name"],
+        tokenizer_fingerprint=tokenizer["fingerprint"],
+        vocab_size=tokenizer["vocab_size"],
+        eos_token_id=tokenizer["eos_token_id"],
+        build=build,
+        corpus=corpus,
+        created_by=created_by,
+    )
+
+
+_FIELD_TYPES = {"str": str, "int": int, "bool": bool, "tuple[str, ...]": list,
+                "int | None": (int, type(None))}
+
+
+def _dataclass_from(cls, data: Any, what: str, bad) -> Any:
+    """Build a config dataclass from a header map, checking every field's type."""
+    types = {f.name: _FIELD_TYPES[f.type] for f in dataclasses.fields(cls)}
+    values = _typed_map(data, what, types, bad)
+    for key, value in values.items():
+        if isinstance(value, list):
+            if not all(isinstance(item, str) for item in value):
+                raise bad(f"{what}.{key} is not a list of strings")
+            values[key] = tuple(value)
+    try:
+        return cls(**values)
+    except UserError as err:
+        raise bad(f"{what}: {err}") from err
+
+
+def _typed_map(data: Any, what: str, types: dict[str, Any], bad) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise bad(f"{what} is not a map")
+    values = {}
+    for key, expected in types.items():
+        if key not in data:
+            raise bad(f"{what}.{key} is missing")
+        value = data[key]
+        # bool is an int subclass: keep true/false out of integer fields and vice versa
+        if isinstance(value, bool) and expected is not bool:
+            raise bad(f"{what}.{key} has type bool")
+        if not isinstance(value, expected):
+            raise bad(f"{what}.{key} has type {type(value).__name__}")
+        values[key] = value
+    return values
+
+
+def _check_token_range(name: str, meta: StoreMeta, arrays: dict[str, np.ndarray]) -> None:
+    """Every id a draft can contain must be a valid id for the recorded vocabulary."""
+    if meta.build.kind == "sam":
+        columns = [arrays["tokens"], arrays["states"][:, EDGE_TOK], arrays["edges"][:, E_TOK]]
+    else:
+        columns = [arrays["next"], arrays["ctx"]]
+    highest = max((int(c.max()) for c in columns if len(c)), default=-1)
+    if highest >= meta.vocab_size:
+        raise StoreError(f"{name} holds token id {highest}, outside its tokenizer's vocabulary of "
+                         f"{meta.vocab_size}: the file is corrupt, {_REBUILD}")
