@@ -6,7 +6,11 @@ import importlib
 import click
 
 # module name -> click command attribute; a command module that fails to import is a bug, not optional.
-_MODULES = []
+_MODULES = [
+    ("build", "build"),
+    ("info", "info"),
+    ("query", "query"),
+]
 
 COMMANDS: list[click.Command] = [
     getattr(importlib.import_module(f"samctl.commands.{name}"), attr) for name, attr in _MODULES

@@ -1,0 +1,114 @@
+"""`samctl build`: read corpora, tokenize them, build a suffix automaton or n-gram table, save it.
+
+Phases: 1) read documents (index.corpus) 2) tokenize in batches with an EOS after each document
+3) build the structure 4) write the store atomically. The summary line goes to stdout; progress,
+notes and warnings go to stderr.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import click
+
+from index.automaton import SuffixAutomaton
+from index.corpus import CorpusReader
+from index.datastore import BuildConfig, CorpusStats, StoreMeta, load_datastore, save_datastore
+from index.errors import UserError
+from index.ngram import NgramTable
+from samctl.commands.info import human_bytes
+from samctl.progress import progress_bar, status
+from samctl.tokenizer import load_tokenizer, tokenize_documents
+
+
+@click.command("build")
+@click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="Store file to write (.sam).")
+@click.option("--kind", type=click.Choice(["sam", "ngram"]), default="sam", show_default=True,
+              help="Suffix automaton (exact matches of any length) or pruned n-gram table "
+                   "(fewer bytes per token).")
+@click.option("--tokenizer", default=None, metavar="PATH_OR_NAME",
+              help="Tokenizer folder, cached model name, 'bytes', or 'default' "
+                   "[default: the embedded model's, else bytes].")
+@click.option("--include", multiple=True, metavar="GLOB",
+              help="In folders, read only files matching GLOB (repeatable; replaces the "
+                   "default text/code extensions).")
+@click.option("--exclude", multiple=True, metavar="GLOB",
+              help="In folders, skip files matching GLOB (repeatable).")
+@click.option("--field", "fields", multiple=True, metavar="NAME",
+              help="Record field to read, instead of the known shapes (repeatable; joined "
+                   "with newlines).")
+@click.option("--max-n", default=4, show_default=True, help="n-gram: longest context.")
+@click.option("--min-count", default=2, show_default=True, help="n-gram: prune rarer entries.")
+@click.option("--top-k", default=8, show_default=True, help="n-gram: next tokens per context.")
+@click.option("--compress/--no-compress", default=True, show_default=True,
+              help="zstd-compress arrays where it pays; uncompressed stores are memory-mapped "
+                   "and open instantly.")
+@click.option("--eos/--no-eos", "append_eos", default=True, show_default=True,
+              help="Append the tokenizer's EOS token after each document.")
+@click.option("--verify", is_flag=True, help="Re-read the written store and check every checksum.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress and no summary.")
+def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_count, top_k,
+          compress, append_eos, verify, quiet) -> None:
+    """Build a datastore from folders, .json/.jsonl/.parquet files, hf:NAME[:SPLIT] or - (stdin).
+
+    Records are read in known shapes (Alpaca instruction/input/output, GSM8K question/answer,
+    Spec-Bench turns, chat messages, a text field) or from the fields given with --field.
+    """
+    config = BuildConfig(kind=kind, max_n=max_n, min_count=min_count, top_k=top_k,
+                         compress=compress, append_eos=append_eos, include=include,
+                         exclude=exclude, fields=fields)
+    start = time.perf_counter()
+    # 1) documents, read lazily while tokenizing
+    reader = CorpusReader(inputs, include, exclude, fields, stdin=click.get_text_stream("stdin"))
+    tok = load_tokenizer(tokenizer)
+    # 2) tokens
+    with progress_bar("tokenizing", "tok", quiet) as bar:
+        tokens, doc_offsets = tokenize_documents((d.text for d in reader), tok,
+                                                 append_eos=append_eos, on_tokens=bar.update)
+    counts = reader.counts
+    if counts.skipped:
+        click.echo(f"samctl: warning: skipped {len(counts.skipped)} binary or non-UTF-8 file(s) "
+                   f"(first: {counts.skipped[0]})", err=True)
+    if len(tokens) == 0:
+        raise UserError(f"the corpus is empty ({counts.files} file(s) read, {counts.empty} blank "
+                        "document(s)): check the inputs and --include/--exclude")
+    tokenized = time.perf_counter()
+    # 3) structure
+    status(f"building the {'suffix automaton' if kind == 'sam' else 'n-gram table'} over "
+           f"{len(tokens):,} tokens", quiet)
+    if kind == "sam":
+        structure = SuffixAutomaton.build(tokens, doc_offsets)
+    else:
+        structure = NgramTable.build(tokens, doc_offsets, config.ngram_config())
+    built = time.perf_counter()
+    # 4) store
+    corpus = CorpusStats(documents=counts.documents, tokens=int(len(tokens)),
+                         characters=counts.characters, files=counts.files,
+                         empty_documents=counts.empty, skipped_files=len(counts.skipped),
+                         inputs=tuple(inputs))
+    eos = tok.eos_token_ids[0] if tok.eos_token_ids else None
+    meta = StoreMeta(tokenizer_name=tok.name, tokenizer_fingerprint=tok.fingerprint,
+                     vocab_size=tok.vocab_size, eos_token_id=eos, build=config, corpus=corpus)
+    save_datastore(output, structure, meta)
+    written = time.perf_counter()
+    if verify:
+        load_datastore(output, verify=True)
+    if not quiet:
+        click.echo(_summary(output, os.path.getsize(output), structure, corpus, tok.name,
+                            written - start, tokenized - start, built - tokenized, written - built,
+                            verified=verify))
+
+
+def _summary(output, size, structure, corpus, tokenizer_name, total, tokenize, build_s, write,
+             verified) -> str:
+    if isinstance(structure, SuffixAutomaton):
+        shape = f"{structure.num_states:,} states, {structure.num_edges:,} edges"
+    else:
+        shape = f"{structure.num_contexts:,} contexts, {structure.num_entries:,} entries"
+    check = ", checksums verified" if verified else ""
+    return (f"wrote {output}: {corpus.documents:,} documents, {corpus.tokens:,} tokens "
+            f"({tokenizer_name}), {shape}, {human_bytes(size)} "
+            f"({size / corpus.tokens:.1f} bytes/token) in {total:.2f} s (tokenize {tokenize:.2f} s, "
+            f"build {build_s:.2f} s, write {write:.2f} s){check}")

@@ -1,0 +1,102 @@
+"""`samctl info`: what a store holds, how it was built, and (with --verify) whether it is intact."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from index.automaton import SuffixAutomaton
+from index.datastore import Datastore, load_datastore
+
+
+def human_bytes(size: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    raise AssertionError(f"unreachable for size {size}")
+
+
+def describe(store: Datastore, verified: bool) -> dict[str, Any]:
+    """Everything `info` reports, JSON-ready."""
+    meta, structure = store.meta, store.structure
+    tokens = meta.corpus.tokens
+    report: dict[str, Any] = {
+        "path": store.path,
+        "kind": store.kind,
+        "format_version": store.format_version,
+        "file_size": store.file_size,
+        "bytes_per_token": round(store.file_size / tokens, 3) if tokens else None,
+        "documents": meta.corpus.documents,
+        "tokens": tokens,
+    }
+    if isinstance(structure, SuffixAutomaton):
+        report.update(states=structure.num_states, edges=structure.num_edges)
+    else:
+        report.update(contexts=structure.num_contexts, entries=structure.num_entries)
+    report.update(
+        tokenizer={"name": meta.tokenizer_name, "fingerprint": meta.tokenizer_fingerprint,
+                   "vocab_size": meta.vocab_size, "eos_token_id": meta.eos_token_id},
+        build=meta.build.to_dict(),
+        corpus=meta.corpus.to_dict(),
+        created_by=meta.created_by,
+        arrays=[{"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "codec": e.codec,
+                 "stored_bytes": e.length, "raw_bytes": e.raw_length}
+                for e in store.file.entries.values()],
+        verified=verified,
+    )
+    return report
+
+
+def _text(report: dict[str, Any]) -> str:
+    kind = {"sam": "sam (suffix automaton)", "ngram": "ngram (n-gram table)"}[report["kind"]]
+    tok = report["tokenizer"]
+    per_token = f" ({report['bytes_per_token']:.1f} bytes/token)" if report["bytes_per_token"] else ""
+    rows = [
+        ("store", report["path"]),
+        ("kind", kind),
+        ("format version", report["format_version"]),
+        ("file size", f"{human_bytes(report['file_size'])}{per_token}"),
+        ("documents", f"{report['documents']:,}"),
+        ("tokens", f"{report['tokens']:,}"),
+    ]
+    if report["kind"] == "sam":
+        rows += [("states", f"{report['states']:,}"), ("edges", f"{report['edges']:,}")]
+    else:
+        rows += [("contexts", f"{report['contexts']:,}"), ("entries", f"{report['entries']:,}")]
+    rows += [
+        ("tokenizer", f"{tok['name']} (fingerprint {tok['fingerprint']}, vocabulary "
+                      f"{tok['vocab_size']:,}, eos {tok['eos_token_id']})"),
+        ("build", _pairs(report["build"])),
+        ("corpus", _pairs({k: v for k, v in report["corpus"].items()
+                           if k not in ("documents", "tokens")})),
+        ("created by", report["created_by"]),
+    ]
+    rows += [(f"array {a['name']}", f"{a['dtype']} {tuple(a['shape'])} {a['codec']} "
+                                    f"{human_bytes(a['stored_bytes'])}") for a in report["arrays"]]
+    if report["verified"]:
+        rows.append(("checksums", "ok"))
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _pairs(values: dict[str, Any]) -> str:
+    def show(value: Any) -> str:
+        if isinstance(value, list):
+            return ",".join(map(str, value)) or "-"
+        return str(value).lower() if isinstance(value, bool) else str(value)
+
+    return " ".join(f"{key}={show(value)}" for key, value in values.items())
+
+
+@click.command("info")
+@click.argument("store", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--verify", is_flag=True,
+              help="Check every array's checksum (raw arrays are not checked on load).")
+def info(store: str, as_json: bool, verify: bool) -> None:
+    """Describe a store: kind, size, tokenizer, build config and corpus statistics."""
+    loaded = load_datastore(store, verify=verify)
+    report = describe(loaded, verified=verify)
+    click.echo(json.dumps(report) if as_json else _text(report))
