@@ -348,3 +348,102 @@ def test_fuzz_header(tmp_path, fuzz_seeds, seed, array, field, value, verify):
         header["arrays"].setdefault(array, dict(header["arrays"]["a"]))[field] = value
 
     _try_read(tmp_path / "f.sam", _reheader(fuzz_seeds[seed], mutate), verify)
+
+
+# ---------------------------------------------------------------------------------------------
+# the full load path: header fields and structure arrays are untrusted too
+
+
+@pytest.fixture(scope="module")
+def datastore_seeds(tmp_path_factory):
+    from index.automaton import SuffixAutomaton
+    from index.datastore import BuildConfig, CorpusStats, StoreMeta, save_datastore
+    from index.ngram import NgramTable
+
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(0, 6, 120).astype(np.int32)
+    offsets = np.array([0, 50, 50, 120], dtype=np.int64)
+    seeds = []
+    for kind in ("sam", "ngram"):
+        config = BuildConfig(kind=kind, max_n=3, min_count=1)
+        structure = (SuffixAutomaton.build(tokens, offsets) if kind == "sam"
+                     else NgramTable.build(tokens, offsets, config.ngram_config()))
+        meta = StoreMeta("bytes", "f" * 16, 257, 256, config, CorpusStats(3, 120))
+        for compress in (False, True):
+            path = tmp_path_factory.mktemp("ds") / "s.sam"
+            save_datastore(path, structure, meta, compress=compress)
+            seeds.append(path.read_bytes())
+    return seeds
+
+
+def _try_load(path, data: bytes, queries) -> None:
+    from index.datastore import load_datastore
+
+    path.write_bytes(data)
+    try:
+        store = load_datastore(path)
+    except UserError as err:
+        assert "\n" not in str(err)
+        return
+    # A store that loads must answer queries without crashing or hanging.
+    for query in queries:
+        found = store.lookup(np.array(query, dtype=np.int32), n=8, k=4)
+        assert 0 <= found.match_length <= len(query)
+        assert all(0 <= t < store.meta.vocab_size for t in found.continuation)
+        assert all(0 <= t < store.meta.vocab_size for t in found.next_tokens)
+        if store.kind == "sam":
+            state, _length = store.sam.match(np.array(query, dtype=np.int32))
+            store.sam.tree_draft(state, 10, 3)
+        else:
+            store.ngram.tree_draft(np.array(query, dtype=np.int32), 10, 3)
+
+
+_queries = st.lists(st.lists(st.integers(0, 8), max_size=6), min_size=1, max_size=3)
+
+
+@settings(max_examples=300, deadline=3000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 3), mutations=st.lists(_mutation, min_size=1, max_size=3), queries=_queries)
+def test_fuzz_datastore_bytes(tmp_path, datastore_seeds, seed, mutations, queries):
+    data = datastore_seeds[seed]
+    for mutation in mutations:
+        data = _apply(data, mutation)
+    _try_load(tmp_path / "f.sam", data, queries)
+
+
+_meta_paths = st.sampled_from([
+    ("kind",), ("created_by",), ("tokenizer",), ("tokenizer", "name"), ("tokenizer", "vocab_size"),
+    ("tokenizer", "eos_token_id"), ("build",), ("build", "kind"), ("build", "max_n"),
+    ("build", "include"), ("build", "compress"), ("corpus", "documents"), ("corpus", "inputs"),
+])
+
+
+@settings(max_examples=300, deadline=3000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 3), path=_meta_paths,
+       value=_json_like | st.integers(-3, 300) | st.sampled_from(["sam", "ngram"]), queries=_queries)
+def test_fuzz_datastore_header(tmp_path, datastore_seeds, seed, path, value, queries):
+    _try_load(tmp_path / "f.sam", _reheader(datastore_seeds[seed], _set(list(path), value)), queries)
+
+
+@settings(max_examples=200, deadline=3000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.sampled_from([0, 2]), array=st.sampled_from(
+           ["states", "edges", "slots", "tokens", "meta", "keys", "ctx", "order_start", "ctx_start",
+            "offsets", "next", "counts", "totals", "config"]),
+       position=st.integers(0, 10**6), value=st.integers(-(2**31), 2**31 - 1), queries=_queries)
+def test_fuzz_datastore_array_values(tmp_path, datastore_seeds, seed, array, position, value, queries):
+    """Overwrite one element of a raw array (no checksum checked on load) with any int32."""
+    data = bytearray(datastore_seeds[seed])
+    loaded = read_store(_write_bytes(tmp_path / "seed.sam", bytes(data)))
+    if array not in loaded.entries:
+        return
+    entry = loaded.entries[array]
+    itemsize = np.dtype(entry.dtype).itemsize
+    if entry.length < itemsize:
+        return
+    at = entry.offset + (position % (entry.length // itemsize)) * itemsize
+    data[at : at + itemsize] = np.array([value]).astype(entry.dtype).tobytes()
+    _try_load(tmp_path / "f.sam", bytes(data), queries)
+
+
+def _write_bytes(path, data: bytes):
+    path.write_bytes(data)
+    return path
