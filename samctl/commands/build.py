@@ -63,7 +63,8 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
     # 1) documents, read lazily while tokenizing
     reader = CorpusReader(inputs, include, exclude, fields, stdin=click.get_text_stream("stdin"))
     tok = load_tokenizer(tokenizer)
-    # 2) tokens
+    # 2) tokens (timed apart from loading the tokenizer, which may import transformers)
+    tokenize_start = time.perf_counter()
     with progress_bar("tokenizing", "tok", quiet) as bar:
         tokens, doc_offsets = tokenize_documents((d.text for d in reader), tok,
                                                  append_eos=append_eos, on_tokens=bar.update)
@@ -97,7 +98,8 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
         load_datastore(output, verify=True)
     if not quiet:
         click.echo(_summary(output, os.path.getsize(output), structure, corpus, tok.name,
-                            written - start, tokenized - start, built - tokenized, written - built,
+                            written - start, tokenized - tokenize_start, built - tokenized,
+                            written - built,
                             verified=verify))
 
 
