@@ -44,3 +44,43 @@ def tiny_llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama-main")
     _tiny("llama", vocab=96, seed=0).save_pretrained(path)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+TRAIN_TEXT = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog. The dog sleeps.\n",
+    "Summarize the document. The answer is in the passage above.\n",
+] * 20
+
+
+def save_tiny_model_with_tokenizer(path, seed: int = 0, vocab: int = 300, extra_text: str = "") -> None:
+    """A byte-level BPE tokenizer trained on a few lines and a tiny random Llama of its vocab size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(TRAIN_TEXT + [extra_text], trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = "{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n\n{% endfor %}### assistant:\n"
+    tokenizer.save_pretrained(path)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-model-tok")
+    save_tiny_model_with_tokenizer(path)
+    return path

@@ -10,6 +10,7 @@ _MODULES = [
     ("build", "build"),
     ("info", "info"),
     ("query", "query"),
+    ("generate", "generate"),
 ]
 
 COMMANDS: list[click.Command] = [

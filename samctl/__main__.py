@@ -1,0 +1,3 @@
+from samctl.cli import main
+
+main()

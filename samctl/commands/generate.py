@@ -1,0 +1,245 @@
+"""`samctl generate`: lossless speculative decoding of one prompt or a JSONL batch.
+
+Single prompt (--prompt / --prompt-file): the text streams to stdout as it is accepted, or
+`--json` prints one object with the text and the metrics. Batch (--input FILE|-): one JSON record
+per line in, one per line out in input order; a bad record gets an `error` field and the rest go
+on, and the exit status is 1 when any record failed. `--compare` also runs plain decoding (`ar`)
+on the same input in the same process, checks greedy outputs are identical and reports the speedup.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from typing import IO, Any, Iterator
+
+import click
+
+from decode.drafters.base import Drafter, NoDraft
+from decode.drafters.pld import PldConfig
+from decode.drafters.sam import SamConfig
+from decode.loop import GenerationConfig, GenerationResult, generate as decode_generate
+from decode.methods import METHODS, MethodConfig
+from decode.sampling import SamplingConfig
+from index.errors import UserError
+from samctl.runtime import Engine, build_drafter, load_engine, load_store
+
+PROMPT_FIELDS = ("prompt", "turns", "text", "question", "instruction")
+
+
+@click.command("generate")
+@click.option("--model", "model_path", metavar="PATH", help="Local model folder (default: the embedded model).")
+@click.option("--sam", "store_path", metavar="STORE", type=click.Path(dir_okay=False), help="Static datastore built by `samctl build` with the model's tokenizer.")
+@click.option("--method", type=click.Choice(METHODS), default="sam+recycle", show_default=True, help="Drafting method.")
+@click.option("--prompt", help="Prompt text.")
+@click.option("--prompt-file", type=click.File("r", encoding="utf-8"), help="File holding the prompt.")
+@click.option("--input", "input_file", type=click.File("r", encoding="utf-8"), help="JSONL batch, '-' for stdin (field prompt, turns, or --field).")
+@click.option("--output", "output_file", type=click.File("w", encoding="utf-8"), default="-", show_default=True, help="JSONL results of a batch, '-' for stdout.")
+@click.option("--field", "prompt_field", metavar="NAME", help="Batch: the record field holding the prompt.")
+@click.option("--max-new-tokens", type=int, default=256, show_default=True)
+@click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template to the prompt.")
+@click.option("--json", "as_json", is_flag=True, help="Single prompt: print one JSON object instead of streaming text.")
+@click.option("--compare", is_flag=True, help="Also run plain decoding (ar) and report the speedup and whether outputs match.")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="1.0 = off.")
+@click.option("--seed", type=int, default=None, help="Sampling seed (default: random).")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True, help="auto: float32 on CPU, float16 on GPU.")
+@click.option("--sam-threshold", type=int, default=5, show_default=True, help="Dynamic-automaton match length that triggers a retrieval draft.")
+@click.option("--static-bias", type=int, default=5, show_default=True, help="Extra match length the static store needs (it triggers at threshold + bias).")
+@click.option("--max-draft", type=int, default=39, show_default=True, help="Longest retrieval draft.")
+@click.option("--occurrence", type=click.Choice(["first", "latest"]), default="first", show_default=True, help="Which earlier occurrence retrieval drafts continue.")
+@click.option("--pld-ngram", type=int, default=3, show_default=True, help="Prompt lookup: longest n-gram matched.")
+@click.option("--pld-tokens", type=int, default=10, show_default=True, help="Prompt lookup: draft tokens.")
+@click.option("--quiet", is_flag=True, help="No notes on stderr.")
+def generate(**opts: Any) -> None:
+    """Generate from a prompt or a JSONL batch, faster, with exactly the model's output.
+
+    \b
+    samctl generate --sam store.sam --prompt-file p.txt
+    samctl generate --model ./my-model --prompt "..." --method pld --compare
+    cat docs.jsonl | samctl generate --sam store.sam --input - --output - > out.jsonl
+    """
+    sources = [name for name in ("prompt", "prompt_file", "input_file") if opts[name] is not None]
+    if len(sources) != 1:
+        raise UserError("give exactly one of --prompt, --prompt-file or --input")
+    engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"])
+    store = load_store(opts["store_path"], engine, opts["occurrence"])
+    method_config = MethodConfig(
+        sam=SamConfig(dyn_threshold=opts["sam_threshold"], static_bias=opts["static_bias"],
+                      max_draft=opts["max_draft"], occurrence=opts["occurrence"]),
+        pld=PldConfig(max_ngram=opts["pld_ngram"], num_draft=opts["pld_tokens"]),
+    )
+    gen_config = GenerationConfig(
+        max_new_tokens=opts["max_new_tokens"],
+        eos_token_ids=engine.eos_token_ids,
+        sampling=SamplingConfig(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"]),
+    )
+    runner = Runner(engine, build_drafter(opts["method"], engine, store, method_config), gen_config,
+                    opts["compare"], opts["chat"], record={
+                        "method": opts["method"], "model": engine.name, "store": opts["store_path"],
+                        "config": {"generation": asdict(gen_config), "method": asdict(method_config)},
+                    })
+    if opts["input_file"] is not None:
+        failed = runner.batch(opts["input_file"], opts["output_file"], opts["prompt_field"])
+        if failed:
+            click.echo(f"samctl: {failed} record(s) failed; see their `error` fields", err=True)
+            sys.exit(1)
+        return
+    text = opts["prompt"] if opts["prompt"] is not None else opts["prompt_file"].read()
+    mismatch = runner.single(text, opts["as_json"], opts["quiet"])
+    if mismatch:
+        sys.exit(1)
+
+
+class Runner:
+    """Runs prompts through one drafter (kept warm across records) and, with compare, through ar."""
+
+    def __init__(self, engine: Engine, drafter: Drafter, config: GenerationConfig, compare: bool,
+                 chat: bool, record: dict[str, Any]) -> None:
+        self.engine, self.drafter, self.config = engine, drafter, config
+        self.compare, self.chat, self.record = compare, chat, record
+        if compare:
+            self._warm_up()
+
+    def single(self, text: str, as_json: bool, quiet: bool) -> bool:
+        """Generate for one prompt; True when --compare found greedy outputs that differ."""
+        ids = self.engine.encode(text, self.chat)
+        stream = None if as_json else _Streamer(self.engine)
+        result = self._run(self.drafter, ids, stream)
+        if stream is not None:
+            stream.finish()
+        out = self._result_record(result)
+        mismatch = False
+        if self.compare:
+            out["compare"] = self._compare(ids, result)
+            mismatch = out["compare"]["identical"] is False
+            if not as_json or not quiet:
+                click.echo(_compare_line(self.record["method"], out["compare"], result), err=True)
+        if as_json:
+            click.echo(json.dumps({**self.record, **out}, ensure_ascii=False))
+        return mismatch
+
+    def batch(self, lines: IO[str], output: IO[str], field: str | None) -> int:
+        """Process a JSONL batch in order; returns the number of failed records."""
+        failed = 0
+        for number, line in _records(lines):
+            record_id: Any = number
+            try:
+                record = _parse(line, number)
+                record_id = record.get("id", record.get("question_id", number))
+                out = self._run_record(record, field)
+            except UserError as err:
+                failed += 1
+                out = {"error": str(err)}
+            output.write(json.dumps({"id": record_id, **out}, ensure_ascii=False) + "\n")
+            output.flush()
+        return failed
+
+    def _run_record(self, record: dict[str, Any], field: str | None) -> dict[str, Any]:
+        turns = _prompt_turns(record, field)
+        messages: list[dict[str, str]] = []
+        texts, results = [], []
+        for turn in turns:
+            messages.append({"role": "user", "content": turn})
+            ids = self.engine.encode_conversation(messages, self.chat)
+            result = self._run(self.drafter, ids, None)
+            text = self.engine.decode(result.tokens)
+            messages.append({"role": "assistant", "content": text})
+            texts.append(text)
+            results.append((ids, result))
+        out = self._result_record(results[-1][1])
+        if len(turns) > 1:
+            out["turn_texts"] = texts
+            out["metrics"] = [self._result_record(r)["metrics"] for _, r in results]
+        if self.compare:
+            out["compare"] = [self._compare(ids, r) for ids, r in results] if len(turns) > 1 else self._compare(*results[0])
+        return out
+
+    def _run(self, drafter: Drafter, ids: list[int], stream: "_Streamer | None") -> GenerationResult:
+        return decode_generate(self.engine.target, drafter, ids, self.config,
+                               on_tokens=stream.push if stream is not None else None)
+
+    def _result_record(self, result: GenerationResult) -> dict[str, Any]:
+        return {"text": self.engine.decode(result.tokens), "finish_reason": result.finish_reason,
+                "metrics": result.metrics.to_dict()}
+
+    def _compare(self, ids: list[int], result: GenerationResult) -> dict[str, Any]:
+        baseline = self._run(NoDraft(), ids, None)
+        greedy = self.config.sampling.greedy
+        first_diff = next((i for i, (a, b) in enumerate(zip(result.tokens, baseline.tokens)) if a != b),
+                          None if len(result.tokens) == len(baseline.tokens) else min(len(result.tokens), len(baseline.tokens)))
+        speedup = result.metrics.tokens_per_s / baseline.metrics.tokens_per_s if baseline.metrics.tokens_per_s else 0.0
+        return {
+            "ar_metrics": baseline.metrics.to_dict(),
+            "speedup": round(speedup, 3),
+            "identical": (first_diff is None) if greedy else None,
+            "first_difference": first_diff if greedy else None,
+        }
+
+    def _warm_up(self) -> None:
+        # One short run so that neither side of the comparison pays for first-call costs.
+        warm = GenerationConfig(max_new_tokens=8, eos_token_ids=(), sampling=self.config.sampling)
+        ids = self.engine.encode("warm up", chat=False) or [0]
+        decode_generate(self.engine.target, NoDraft(), ids, warm)
+
+
+class _Streamer:
+    """Writes decoded text to stdout as tokens arrive, holding back an incomplete character."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.tokens: list[int] = []
+        self.written = 0
+
+    def push(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+        text = self.engine.decode(self.tokens)
+        if text.endswith("\ufffd"):
+            return
+        sys.stdout.write(text[self.written :])
+        sys.stdout.flush()
+        self.written = len(text)
+
+    def finish(self) -> None:
+        text = self.engine.decode(self.tokens)
+        sys.stdout.write(text[self.written :] + "\n")
+        sys.stdout.flush()
+
+
+def _compare_line(method: str, compare: dict[str, Any], result: GenerationResult) -> str:
+    m, ar = result.metrics, compare["ar_metrics"]
+    verdict = {True: "outputs identical", False: f"OUTPUTS DIFFER at token {compare['first_difference']}",
+               None: "sampling: outputs not compared"}[compare["identical"]]
+    return (f"samctl: {method}: {m.new_tokens} tokens in {m.time_s:.2f} s ({m.tokens_per_s:.1f} tok/s, "
+            f"{m.mean_accepted:.2f} tokens/step); ar: {ar['new_tokens']} tokens in {ar['time_s']:.2f} s "
+            f"({ar['tokens_per_s']:.1f} tok/s); speedup {compare['speedup']:.2f}x; {verdict}")
+
+
+def _records(lines: IO[str]) -> Iterator[tuple[int, str]]:
+    for number, line in enumerate(lines, start=1):
+        if line.strip():
+            yield number, line
+
+
+def _parse(line: str, number: int) -> dict[str, Any]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise UserError(f"line {number} is not JSON ({err.msg}): one JSON object per line") from err
+    if not isinstance(record, dict):
+        raise UserError(f"line {number} is not a JSON object: one object per line, e.g. {{\"prompt\": \"...\"}}")
+    return record
+
+
+def _prompt_turns(record: dict[str, Any], field: str | None) -> list[str]:
+    names = (field,) if field else PROMPT_FIELDS
+    for name in names:
+        value = record.get(name)
+        if isinstance(value, str) and value:
+            return [value]
+        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            return value
+    raise UserError(f"no prompt: the record has none of the fields {', '.join(names)} as text; "
+                    "name the field with --field")

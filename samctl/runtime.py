@@ -1,0 +1,151 @@
+"""Loading what `generate` and `bench` run on: the model, its tokenizer, a store, the drafter.
+
+This is where names on the command line become objects: a model folder (or the embedded
+default), a device and dtype, a `.sam` store checked against the model's tokenizer, and a
+drafter for a method name. Decoding itself lives in `decode/`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import torch
+
+from decode.methods import MethodConfig, make_drafter
+from decode.drafters.base import Drafter
+from decode.target import TargetModel
+from index.datastore import Datastore, load_datastore
+from index.errors import UserError
+from samctl.tokenizer import DEFAULT_MODEL_DIR, check_store_tokenizer, tokenizer_fingerprint
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Engine:
+    """A loaded target model with its tokenizer, ready to decode."""
+
+    name: str  # the folder or name it was loaded from
+    model: torch.nn.Module
+    tokenizer: object  # a transformers tokenizer
+    target: TargetModel
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    def encode(self, text: str, chat: bool) -> list[int]:
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise UserError(f"model {self.name} has no chat template: drop --chat")
+            messages = [{"role": "user", "content": text}]
+            rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(text)["input_ids"]
+
+    def encode_conversation(self, messages: list[dict[str, str]], chat: bool) -> list[int]:
+        """Multi-turn: the chat template over the whole conversation, or the turns joined by blank lines."""
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise UserError(f"model {self.name} has no chat template: drop --chat")
+            rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        return self.encode("\n\n".join(m["content"] for m in messages), chat=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as err:
+        raise UserError(f"--device {device!r} is not a device: use auto, cpu, cuda or cuda:N") from err
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda, but no CUDA device is available: use --device cpu")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # float32 on the CPU (fast enough, and multi-token verification is then bit-stable);
+        # float16 on GPUs, where it is what users run (greedy may drift from one-token steps).
+        return torch.float32 if device.type == "cpu" else torch.float16
+    return DTYPES[dtype]
+
+
+def load_engine(model: str | None, device: str = "auto", dtype: str = "auto", quiet: bool = False) -> Engine:
+    """Load a causal LM and its tokenizer from a local folder or the local HF cache (never a download)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # its bars would break the one-line-error and stderr contracts
+
+    if model is None:
+        if not DEFAULT_MODEL_DIR.is_dir():
+            raise UserError(f"no --model given and the embedded default model is missing ({DEFAULT_MODEL_DIR}): "
+                            "pass --model with a local model folder")
+        model = str(DEFAULT_MODEL_DIR)
+        if not quiet:
+            click.echo(f"samctl: using the embedded default model ({DEFAULT_MODEL_DIR.parent.name}/"
+                       f"{DEFAULT_MODEL_DIR.name}); pass --model to choose another", err=True)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            model, dtype=torch_dtype, attn_implementation="sdpa", local_files_only=True
+        )
+    except (OSError, ValueError, KeyError) as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise UserError(f"cannot load model {model} offline ({reason}): pass --model with a local "
+                        "folder holding config.json, weights and tokenizer files") from err
+    hf_model.to(torch_device).eval()
+    return Engine(
+        name=model,
+        model=hf_model,
+        tokenizer=tokenizer,
+        target=TargetModel(hf_model),
+        eos_token_ids=_eos_ids(hf_model, tokenizer, GenerationConfig),
+    )
+
+
+def _eos_ids(model, tokenizer, generation_config_cls) -> tuple[int, ...]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if eos is not None:
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(int(i) for i in ids))
+
+
+def load_store(path: str | None, engine: Engine, occurrence: str = "first") -> Datastore | None:
+    """Load a store and check that it was built with the model's tokenizer."""
+    if path is None:
+        return None
+    store = load_datastore(path, occurrence=occurrence)
+    check_store_tokenizer(store.meta, str(path), tokenizer_fingerprint(engine.tokenizer), engine.name)
+    return store
+
+
+def build_drafter(method: str, engine: Engine, store: Datastore | None, config: MethodConfig) -> Drafter:
+    if store is not None and not method.startswith("sam"):
+        click.echo(f"samctl: note: method {method} does not use the store {Path(store.path).name}", err=True)
+    return make_drafter(
+        method,
+        vocab_size=engine.vocab_size,
+        device=engine.device,
+        eos_token_ids=engine.eos_token_ids,
+        static=store.structure if store is not None and method.startswith("sam") else None,
+        config=config,
+    )

@@ -1,0 +1,106 @@
+"""`samctl generate` end to end on a tiny local model: single prompt, batch, stores, errors."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import save_tiny_model_with_tokenizer
+
+PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
+
+
+def samctl(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "samctl", *args], input=stdin, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_single_prompt_json_and_compare(model_dir):
+    proc = samctl("generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-new-tokens", "40",
+                  "--json", "--compare")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    metrics = out["metrics"]
+    for key in ("new_tokens", "steps", "mean_accepted", "accept_hist", "drafted", "acceptance_rate",
+                "tokens_per_s", "time_s", "draft_s", "verify_s", "other_s"):
+        assert key in metrics, key
+    assert out["compare"]["identical"] is True
+    assert out["method"] == "sam+recycle" and out["config"]["generation"]["max_new_tokens"] == 40
+
+
+def test_streamed_text_equals_json_text(model_dir):
+    common = ("generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-new-tokens", "30", "--method", "pld")
+    streamed = samctl(*common)
+    as_json = samctl(*common, "--json")
+    assert streamed.returncode == 0 and as_json.returncode == 0, streamed.stderr + as_json.stderr
+    assert streamed.stdout == json.loads(as_json.stdout)["text"] + "\n"
+
+
+def test_batch_keeps_order_reports_bad_records_and_fails(model_dir, tmp_path):
+    lines = [
+        json.dumps({"id": "a", "prompt": PROMPT}),
+        "this is not json",
+        json.dumps({"id": "c", "nothing": "here"}),
+        json.dumps({"id": "d", "prompt": "x " * 400}),  # longer than the model's 256 positions
+        json.dumps({"question_id": 7, "turns": ["The quick brown fox", "The dog sleeps."]}),
+        json.dumps({"id": "f", "body": "The quick brown fox"}),
+    ]
+    proc = samctl("generate", "--model", str(model_dir), "--input", "-", "--max-new-tokens", "12",
+                  "--compare", stdin="\n".join(lines) + "\n")
+    assert proc.returncode == 1, proc.stderr
+    records = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["id"] for r in records] == ["a", 2, "c", "d", 7, "f"]
+    assert "text" in records[0] and records[0]["compare"]["identical"] is True
+    assert "not JSON" in records[1]["error"]
+    assert "no prompt" in records[2]["error"] and "no prompt" in records[5]["error"]
+    assert "context" in records[3]["error"]
+    assert len(records[4]["turn_texts"]) == 2 and all(c["identical"] for c in records[4]["compare"])
+    assert "3 record(s) failed" not in proc.stderr and "4 record(s) failed" in proc.stderr
+
+    with_field = samctl("generate", "--model", str(model_dir), "--input", "-", "--field", "body",
+                        "--max-new-tokens", "5", stdin=lines[5] + "\n")
+    assert with_field.returncode == 0 and "text" in json.loads(with_field.stdout)
+
+
+def test_store_from_the_models_tokenizer_is_used_and_lossless(model_dir, tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.py").write_text(PROMPT * 3 + "    return a + b\n")
+    store = tmp_path / "s.sam"
+    built = samctl("build", str(corpus), "-o", str(store), "--tokenizer", str(model_dir), "--quiet")
+    assert built.returncode == 0, built.stderr
+    proc = samctl("generate", "--model", str(model_dir), "--sam", str(store), "--prompt", PROMPT,
+                  "--max-new-tokens", "40", "--json", "--compare", "--sam-threshold", "2", "--static-bias", "0")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["compare"]["identical"] is True
+
+
+def test_tokenizer_mismatch_is_refused(model_dir, tmp_path):
+    other = tmp_path / "other-model"
+    save_tiny_model_with_tokenizer(other, vocab=280, extra_text="completely different words here")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("some text\n")
+    store = tmp_path / "s.sam"
+    assert samctl("build", str(corpus), "-o", str(store), "--tokenizer", str(other), "--quiet").returncode == 0
+    proc = samctl("generate", "--model", str(model_dir), "--sam", str(store), "--prompt", "hi")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "rebuild the store with --tokenizer" in lines[0] and str(model_dir) in lines[0]
+
+
+@pytest.mark.parametrize("args,message", [
+    ((), "exactly one of"),
+    (("--prompt", "a", "--prompt-file", "/dev/null"), "exactly one of"),
+    (("--prompt", "a", "--model", "/nonexistent/model"), "cannot load model"),
+    (("--prompt", "a", "--max-new-tokens", "0"), "max-new-tokens"),
+    (("--prompt", "a", "--temperature", "-1"), "temperature"),
+])
+def test_argument_errors_are_one_line(model_dir, args, message):
+    if "--model" not in args:
+        args = (*args, "--model", str(model_dir))
+    proc = samctl("generate", *args)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
