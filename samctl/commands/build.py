@@ -43,8 +43,8 @@ from samctl.tokenizer import load_tokenizer, tokenize_documents
 @click.option("--min-count", default=2, show_default=True, help="n-gram: prune rarer entries.")
 @click.option("--top-k", default=8, show_default=True, help="n-gram: next tokens per context.")
 @click.option("--compress/--no-compress", default=True, show_default=True,
-              help="zstd-compress arrays where it pays; uncompressed stores are memory-mapped "
-                   "and open instantly.")
+              help="zstd-compress arrays where it pays; uncompressed stores take about twice "
+                   "the bytes but are memory-mapped on load.")
 @click.option("--eos/--no-eos", "append_eos", default=True, show_default=True,
               help="Append the tokenizer's EOS token after each document.")
 @click.option("--verify", is_flag=True, help="Re-read the written store and check every checksum.")
