@@ -281,6 +281,20 @@ def test_from_arrays_rejects_corruption() -> None:
             pytest.fail(f"accepted corruption: {what}")
 
 
+def test_unchecked_link_cycle_cannot_hang_step() -> None:
+    """Without the link check a cyclic suffix link passes validation, but link walks are capped."""
+    docs = [[0, 1, 2, 0, 1, 3, 1, 2]]
+    arrays = {k: v.copy() for k, v in SuffixAutomaton.build(*concat(docs)).to_arrays().items()}
+    states = arrays["states"]
+    a, b = 1, len(states) - 1
+    states[a, LINK], states[b, LINK] = b, a  # a two-state cycle that avoids the root
+    with pytest.raises(UserError):
+        SuffixAutomaton.from_arrays(arrays)
+    loaded = SuffixAutomaton.from_arrays(arrays, check_links=False)
+    for start in (a, b):
+        loaded.step(start, 1, 99)  # 99 has no transition anywhere: walks links until the cap
+
+
 def test_bad_inputs() -> None:
     with pytest.raises(UserError):
         SuffixAutomaton.build(np.array([1, -2], dtype=np.int32), np.array([0, 2]))
