@@ -1,6 +1,6 @@
 """The `samctl` command group and the single boundary where errors become one-line messages.
 
-Commands live in `samctl/commands/`, one module per command; each registers itself here.
+Commands live in `samctl/commands/`, one module per command, imported on first use.
 A `UserError` (from any layer) prints `samctl: error: <message>` and exits 2; set
 SAMCTL_DEBUG=1 to get the traceback instead.
 """
@@ -15,7 +15,21 @@ from index.errors import UserError
 from samctl import __version__
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _LazyGroup(click.Group):
+    """Imports a command's module only when that command is asked for."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        from samctl.commands import command_names
+
+        return command_names()
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        from samctl.commands import load_command
+
+        return load_command(name)
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="samctl")
 def cli() -> None:
     """Faster LLM generation when the output overlaps text the model can see.
@@ -25,16 +39,8 @@ def cli() -> None:
     """
 
 
-def _register_commands() -> None:
-    from samctl.commands import COMMANDS
-
-    for command in COMMANDS:
-        cli.add_command(command)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the CLI, turning user errors into one line and exit status 2."""
-    _register_commands()
     try:
         cli.main(args=argv, prog_name="samctl", standalone_mode=False)
     except UserError as err:

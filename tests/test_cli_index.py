@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from index.datastore import load_datastore
 from index.store import FORMAT_VERSION, StoreError, read_store
 from samctl import tokenizer as tokenizer_module
-from samctl.cli import _register_commands, cli, main
+from samctl.cli import cli, main
 from samctl.tokenizer import ByteTokenizer, load_tokenizer, tokenize_documents
 
 ALPACA = [
@@ -47,7 +47,6 @@ def corpus(tmp_path):
 
 
 def _invoke(args, input=None):
-    _register_commands()
     result = CliRunner().invoke(cli, args, input=input, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     return result

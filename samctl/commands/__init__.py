@@ -1,11 +1,11 @@
-"""One module per command; COMMANDS lists what `samctl` offers."""
+"""One module per command, imported only when its command runs (torch loads only for those that
+decode). `_MODULES` lists (module, click command attribute); the command is named after the module."""
 from __future__ import annotations
 
 import importlib
 
 import click
 
-# module name -> click command attribute; a command module that fails to import is a bug, not optional.
 _MODULES = [
     ("build", "build"),
     ("info", "info"),
@@ -13,6 +13,14 @@ _MODULES = [
     ("generate", "generate"),
 ]
 
-COMMANDS: list[click.Command] = [
-    getattr(importlib.import_module(f"samctl.commands.{name}"), attr) for name, attr in _MODULES
-]
+
+def command_names() -> list[str]:
+    return [name for name, _ in _MODULES]
+
+
+def load_command(name: str) -> click.Command | None:
+    """The command called `name`, importing its module; None when there is no such command."""
+    for module, attr in _MODULES:
+        if module == name:
+            return getattr(importlib.import_module(f"samctl.commands.{module}"), attr)
+    return None
