@@ -82,9 +82,9 @@ def _positions(tokens, doc_offsets, n):
 
 
 @njit(cache=True)
-def _same(tokens, a, b, n):
-    for i in range(n):
-        if tokens[a + i] != tokens[b + i]:
+def _same(ctx, a, b):
+    for q in range(ctx.shape[1]):
+        if ctx[a, q] != ctx[b, q]:
             return False
     return True
 
@@ -98,6 +98,11 @@ def _select(run_tok, run_cnt, r, min_count, top_k, out_next, out_counts, e):
             run_tok[kept] = run_tok[i]
             run_cnt[kept] = run_cnt[i]
             kept += 1
+    if kept <= 1:
+        if kept == 1:
+            out_next[e] = run_tok[0]
+            out_counts[e] = run_cnt[0]
+        return kept
     sort_key = np.empty(kept, dtype=np.int64)
     for i in range(kept):  # count descending, then token ascending
         sort_key[i] = (np.int64(0x7FFFFFFF - run_cnt[i]) << 32) | np.int64(run_tok[i])
@@ -110,14 +115,15 @@ def _select(run_tok, run_cnt, r, min_count, top_k, out_next, out_counts, e):
 
 
 @njit(cache=True)
-def _count_order(tokens, keys, nxt, start, order, n, min_count, top_k):
+def _count_order(keys, nxt, ctx, min_count, top_k):
     """Group positions sorted by (key, [context,] next) into pruned contexts.
 
+    keys [p], nxt [p], ctx [p, n]: per position, already in sorted order (so this streams).
     Returns (keys, ctx tokens, offsets, next, counts, totals, collided); collided means two
-    different contexts share a hash run without being grouped apart, and the caller re-sorts
-    by the context tokens too.
+    different contexts share a hash and interleave, and the caller re-sorts by the context
+    tokens too.
     """
-    p = len(order)
+    p, n = ctx.shape
     out_keys = np.empty(p, dtype=np.uint64)
     out_ctx = np.empty(p * n, dtype=np.int32)
     out_off = np.empty(p + 1, dtype=np.int64)
@@ -132,23 +138,23 @@ def _count_order(tokens, keys, nxt, start, order, n, min_count, top_k):
     i = 0
     while i < p:
         # 1) the group of positions with the same context
-        first = order[i]
-        j = i
-        while j < p and keys[order[j]] == keys[first] and _same(tokens, start[order[j]], start[first], n):
+        j = i + 1
+        while j < p and keys[j] == keys[i] and _same(ctx, j, i):
             j += 1
-        if j < p and keys[order[j]] == keys[first]:
-            # same hash, different context: fine only if that context does not come back
+        if j < p and keys[j] == keys[i]:
+            # same hash, different context: fine only if this context does not come back
             k = j
-            while k < p and keys[order[k]] == keys[first]:
-                if _same(tokens, start[order[k]], start[first], n) and not _same(
-                    tokens, start[order[k - 1]], start[first], n
-                ):
+            while k < p and keys[k] == keys[i]:
+                if _same(ctx, k, i) and not _same(ctx, k - 1, i):
                     return out_keys[:0], out_ctx[:0], out_off[:1], out_next[:0], out_counts[:0], out_totals[:0], True
                 k += 1
+        if j - i < min_count:  # most groups: no next token can reach min_count
+            i = j
+            continue
         # 2) runs of equal next tokens within the group (sorted by next)
         r = 0
         for g in range(i, j):
-            t = nxt[order[g]]
+            t = nxt[g]
             if r > 0 and run_tok[r - 1] == t:
                 run_cnt[r - 1] += 1
             else:
@@ -158,9 +164,9 @@ def _count_order(tokens, keys, nxt, start, order, n, min_count, top_k):
         # 3) prune; keep the context if anything is left
         m = _select(run_tok, run_cnt, r, min_count, top_k, out_next, out_counts, e)
         if m > 0:
-            out_keys[c] = keys[first]
+            out_keys[c] = keys[i]
             for q in range(n):
-                out_ctx[c * n + q] = tokens[start[first] + q]
+                out_ctx[c * n + q] = ctx[i, q]
             out_totals[c] = j - i
             e += m
             c += 1
@@ -331,15 +337,24 @@ def _build_order(tokens: np.ndarray, doc_offsets: np.ndarray, n: int, config: Ng
     return _group(tokens, keys, nxt, start, n, config)
 
 
+def _contexts(tokens: np.ndarray, start: np.ndarray, n: int) -> np.ndarray:
+    """[p, n] int32: the context tokens of each position (a vectorized gather, so the counting
+    pass that compares them streams)."""
+    ctx = np.empty((len(start), n), dtype=np.int32)
+    for q in range(n):  # column by column: a [p, n] int64 index array would double the peak
+        ctx[:, q] = tokens[start + q]
+    return ctx
+
+
 def _group(tokens: np.ndarray, keys: np.ndarray, nxt: np.ndarray, start: np.ndarray, n: int, config: NgramConfig) -> tuple:
     """Sort positions by (hash, next) and count; on a hash collision that interleaves two
     contexts, sort by (hash, context tokens, next) instead."""
     order = np.lexsort((nxt, keys))
-    out = _count_order(tokens, keys, nxt, start, order, n, config.min_count, config.top_k)
+    out = _count_order(keys[order], nxt[order], _contexts(tokens, start[order], n), config.min_count, config.top_k)
     if out[-1]:
         columns = [tokens[start + q] for q in range(n - 1, -1, -1)]
         order = np.lexsort((nxt, *columns, keys))
-        out = _count_order(tokens, keys, nxt, start, order, n, config.min_count, config.top_k)
+        out = _count_order(keys[order], nxt[order], _contexts(tokens, start[order], n), config.min_count, config.top_k)
         assert not out[-1], f"contexts still split after an exact sort (order {n})"
     return out[:-1]
 

@@ -167,7 +167,7 @@ def test_config_validation() -> None:
 
 def test_hash_collisions_are_grouped_exactly() -> None:
     """Give every context the same hash: grouping must still count each context separately."""
-    from index.ngram import _count_order, _group, _positions
+    from index.ngram import _contexts, _count_order, _group, _positions
 
     rng = np.random.default_rng(3)
     docs = [list(rng.integers(0, 3, size=30)) for _ in range(3)]
@@ -175,7 +175,8 @@ def test_hash_collisions_are_grouped_exactly() -> None:
     config = NgramConfig(max_n=2, min_count=1, top_k=8)
     keys, nxt, start = _positions(tokens, offsets, 2)
     collided = np.zeros_like(keys)
-    assert _count_order(tokens, collided, nxt, start, np.lexsort((nxt, collided)), 2, 1, 8)[-1]
+    order = np.lexsort((nxt, collided))
+    assert _count_order(collided[order], nxt[order], _contexts(tokens, start[order], 2), 1, 8)[-1]
     _, ctx, off, next_tokens, counts, _ = _group(tokens, collided, nxt, start, 2, config)
     got = {}
     for i in range(len(off) - 1):
