@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 import torch
 
-from decode.methods import MethodConfig, make_drafter
+from decode.methods import MethodConfig, make_drafter, uses_store
 from decode.drafters.base import Drafter
 from decode.target import TargetModel
 from index.datastore import Datastore, load_datastore
@@ -139,13 +139,13 @@ def load_store(path: str | None, engine: Engine, occurrence: str = "first") -> D
 
 
 def build_drafter(method: str, engine: Engine, store: Datastore | None, config: MethodConfig) -> Drafter:
-    if store is not None and not method.startswith("sam"):
+    if store is not None and not uses_store(method):
         click.echo(f"samctl: note: method {method} does not use the store {Path(store.path).name}", err=True)
     return make_drafter(
         method,
         vocab_size=engine.vocab_size,
         device=engine.device,
         eos_token_ids=engine.eos_token_ids,
-        static=store.structure if store is not None and method.startswith("sam") else None,
+        static=store.structure if store is not None and uses_store(method) else None,
         config=config,
     )

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from decode.loop import GenerationConfig, generate
-from decode.methods import METHODS, MethodConfig, make_drafter
+from decode.methods import METHODS, MethodConfig, make_drafter, uses_store
 from decode.drafters.sam import SamConfig
 from decode.target import TargetModel
 from index.automaton import SuffixAutomaton
@@ -47,7 +47,8 @@ def test_greedy_equals_generate(tiny_model_dir, method):
     for prompt in prompts(model.config.vocab_size):
         expected = hf_greedy(model, prompt, 80, eos=None)
         static = SuffixAutomaton.build(np.asarray(expected[:40], dtype=np.int32), np.array([0, 40]))
-        for store in (None, static) if method.startswith("sam") else (None,):
+        stores = (static,) if method == "rest" else (None, static) if uses_store(method) else (None,)
+        for store in stores:
             result = run(model, method, prompt, 80, static=store)
             assert result.tokens == expected, (method, prompt, store is not None)
             assert result.metrics.new_tokens == 80 and result.finish_reason == "length"
@@ -59,11 +60,14 @@ def test_eos_and_max_tokens_edges(tiny_llama, method):
     expected = hf_greedy(tiny_llama, prompt, 60, eos=None)
     eos = expected[17]  # a token the model really emits, so generation stops there
     first = expected.index(eos)
-    with_eos = run(tiny_llama, method, prompt, 60, eos=(eos,))
+    # rest drafts only from a store: give it the continuation, so its drafts run into EOS and limits
+    static = SuffixAutomaton.build(np.asarray(prompt + expected, dtype=np.int32), np.array([0, len(prompt) + 60]))
+    static = static if method == "rest" else None
+    with_eos = run(tiny_llama, method, prompt, 60, eos=(eos,), static=static)
     assert with_eos.tokens == expected[: first + 1] == hf_greedy(tiny_llama, prompt, 60, eos=eos)
     assert with_eos.finish_reason == "eos"
     for limit in (1, 2, 7, 33):
-        result = run(tiny_llama, method, prompt, limit)
+        result = run(tiny_llama, method, prompt, limit, static=static)
         assert result.tokens == expected[:limit], (method, limit)
 
 
