@@ -1,0 +1,231 @@
+"""Model-free replay: how a retrieval drafter would do if the model produced a known reference.
+
+`replay` runs the decode loop of `decode.loop.generate` with the target replaced by the
+reference: the first reference token comes from the "prefill", and each step
+
+    1) propose  tree = drafter.propose(t0), t0 = ref[i], cut to the tokens still wanted
+    2) verify   the target's choice at input j is the reference token after its path:
+                choices[j] = ref[i + 1 + depth_j] (depth 0 = the root t0; past the reference's
+                end, -1, which matches no draft)
+    3) accept   walk_tree along those choices, exactly as the engine does; the choice at the last
+                accepted input is the bonus token
+    4) commit   committed = t0 + accepted drafts, i advances by 1 + accepted (less at the end)
+    5) observe  drafter.observe(committed, None, None): no logits exist here
+
+Only inputs on the accepted path are ever compared, and those spell the reference, so the choices
+are the ones the real model makes there when the reference is its own greedy output: steps,
+accepted tokens and draft lengths then equal the engine's exactly. Drafters that learn from the
+target's logits (Token Recycle, draft models) cannot be replayed; `check_replayable` says so.
+
+Also here: `Tally`, totals over traces with the pooled per-step means, and `CostModel`, a two-
+number model of a target forward that turns steps and draft sizes into a projected speedup, used
+to rank settings in a sweep. This module knows token ids and drafters, not files or text.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+
+from decode.drafters.base import Drafter
+from decode.methods import MethodConfig
+from decode.metrics import Metrics
+from decode.tree import walk_tree
+from index.errors import UserError
+
+REPLAYABLE = ("ar", "pld", "sam", "rest")
+_NOT_REPLAYABLE = {
+    "recycle": "Token Recycle learns its table from the target's logits",
+    "sam+recycle": "its Token Recycle fallback learns from the target's logits",
+    "sd": "its drafts come from a draft model",
+    "specdec++": "its drafts come from a draft model",
+    "sam+draft": "its fallback is a draft model",
+}
+
+
+def check_replayable(method: str) -> None:
+    if method in REPLAYABLE:
+        return
+    why = _NOT_REPLAYABLE.get(method, "it is not a retrieval method")
+    raise UserError(f"method {method} cannot be replayed without a model ({why}): simulate takes "
+                    f"{', '.join(REPLAYABLE)}; measure {method} with samctl bench")
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A prompt and the output the model is assumed to produce after it."""
+
+    prompt: np.ndarray  # [n] int64, n >= 1
+    reference: np.ndarray  # [r] int64, r >= 1, cut at the first EOS (kept) and at max_new_tokens
+    max_new_tokens: int  # >= r: the engine's cap, which bounds draft depth even when EOS comes first
+    category: str = ""
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        assert 1 <= len(self.reference) <= self.max_new_tokens, (len(self.reference), self.max_new_tokens)
+
+
+def make_trace(prompt: list[int] | np.ndarray, reference: list[int] | np.ndarray, eos_token_ids: tuple[int, ...] = (),
+               max_new_tokens: int | None = None, category: str = "", trace_id: str = "") -> Trace:
+    """A trace whose reference is cut the way the engine cuts output: after the first EOS, and at
+    max_new_tokens."""
+    prompt = np.asarray(prompt, dtype=np.int64)
+    reference = np.asarray(reference, dtype=np.int64)
+    if len(prompt) == 0 or len(reference) == 0:
+        raise UserError(f"trace {trace_id or '?'} has an empty prompt or reference: give both as non-empty text")
+    if eos_token_ids:
+        hits = np.flatnonzero(np.isin(reference, np.asarray(eos_token_ids, dtype=np.int64)))
+        if len(hits):
+            reference = reference[: hits[0] + 1]
+    if max_new_tokens is not None:
+        reference = reference[:max_new_tokens]
+    cap = len(reference) if max_new_tokens is None else max_new_tokens
+    return Trace(prompt=prompt, reference=reference, max_new_tokens=cap, category=category, id=trace_id)
+
+
+def replay(drafter: Drafter, trace: Trace) -> Metrics:
+    """The metrics `generate` would report for this drafter if the model emitted trace.reference.
+
+    draft_s counts start + propose + observe, as in the engine; time_s is the whole replay."""
+    limit, cap = len(trace.reference), trace.max_new_tokens
+    # The model's choices after the reference's end (past its EOS) are unknown: -1 never matches.
+    ref = np.concatenate((trace.reference, np.full(cap - limit, -1, dtype=np.int64)))
+    metrics = Metrics()
+    start = time.perf_counter()
+    drafter.start(trace.prompt, None)
+    metrics.draft_s = time.perf_counter() - start
+    emitted = 1  # the prefill's token; t0 = ref[emitted - 1]
+    while emitted < limit:
+        # 1) propose, cut like the engine: no deeper than the tokens still wanted after t0's bonus
+        tic = time.perf_counter()
+        tree = drafter.propose(int(ref[emitted - 1])).limit_depth(cap - emitted - 1)
+        metrics.draft_s += time.perf_counter() - tic
+        # 2) verify and 3) accept against the reference
+        node_tokens = np.asarray(tree.tokens, dtype=np.int64)
+        depths = np.concatenate(([0], tree.depths())).astype(np.int64)
+        choices = ref[emitted + depths]  # depth <= cap - emitted - 1 keeps every index < cap
+        path = walk_tree(tree.parents, node_tokens, choices)
+        # 4) commit: drafts then the bonus, cut at the reference's end (its EOS, or the cap)
+        accepted = len(path) - 1
+        take = min(accepted + 1, limit - emitted)
+        metrics.record_step(drafted=len(tree), accepted=min(accepted, take))
+        committed = ref[emitted - 1 : emitted + accepted]
+        emitted += take
+        # 5) observe, unless the output is complete (the engine skips it then too)
+        if emitted < limit:
+            tic = time.perf_counter()
+            drafter.observe(committed, None, None)
+            metrics.draft_s += time.perf_counter() - tic
+    metrics.new_tokens = limit
+    metrics.time_s = time.perf_counter() - start
+    return metrics
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Time of a target forward: forward_ms, plus token_cost * forward_ms per drafted token it
+    verifies. Plain decoding spends one forward per token (prefill counted as one forward for
+    both sides), a method one per step plus its drafting time:
+        speedup = new_tokens * F / ((traces + steps) * F + drafted * token_cost * F + draft_s)
+    Defaults: a 7B model on a datacenter GPU (about 20 ms a token, 64 extra tokens adding about a
+    third); measure yours with bench and pass it."""
+
+    forward_ms: float = 20.0
+    token_cost: float = 0.005
+
+    def __post_init__(self) -> None:
+        if self.forward_ms <= 0 or self.token_cost < 0:
+            raise UserError(f"cost model needs forward_ms > 0 and token_cost >= 0, got {self}")
+
+    def speedup(self, tally: "Tally") -> float:
+        f = self.forward_ms / 1e3
+        method = (tally.traces + tally.steps) * f + tally.drafted * self.token_cost * f + tally.draft_s
+        return tally.new_tokens * f / method if method > 0 else 0.0
+
+
+@dataclass
+class Tally:
+    """Totals over traces. Per-step means pool all steps (a step of a long trace weighs as much
+    as a step of a short one), as MAT does."""
+
+    traces: int = 0
+    new_tokens: int = 0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_s: float = 0.0
+    time_s: float = 0.0
+    accept_hist: list[int] = field(default_factory=list)
+
+    def add(self, m: Metrics) -> None:
+        self.traces += 1
+        self.new_tokens += m.new_tokens
+        self.steps += m.steps
+        self.drafted += m.drafted
+        self.accepted += m.accepted
+        self.draft_s += m.draft_s
+        self.time_s += m.time_s
+        if len(self.accept_hist) < len(m.accept_hist):
+            self.accept_hist.extend([0] * (len(m.accept_hist) - len(self.accept_hist)))
+        for a, n in enumerate(m.accept_hist):
+            self.accept_hist[a] += n
+
+    @property
+    def mean_accepted(self) -> float:
+        """Tokens per decode step, bonus included; each trace's first token is the prefill's."""
+        return (self.new_tokens - self.traces) / self.steps if self.steps else 0.0
+
+    def to_dict(self, cost: CostModel) -> dict[str, Any]:
+        steps = max(self.steps, 1)
+        return {
+            "traces": self.traces,
+            "new_tokens": self.new_tokens,
+            "steps": self.steps,
+            "forwards": self.traces + self.steps,  # prefills included
+            "mean_accepted": round(self.mean_accepted, 4),
+            "drafted_per_step": round(self.drafted / steps, 3),
+            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
+            "draft_us_per_step": round(1e6 * self.draft_s / steps, 2),
+            "projected_speedup": round(cost.speedup(self), 3),
+            "accept_hist": list(self.accept_hist),
+        }
+
+
+def run_traces(drafter: Drafter, traces: list[Trace]) -> list[Metrics]:
+    return [replay(drafter, trace) for trace in traces]
+
+
+def tally_by_category(traces: list[Trace], metrics: list[Metrics]) -> dict[str, Tally]:
+    """Tallies per trace category plus "overall"."""
+    tallies: dict[str, Tally] = {}
+    for trace, m in zip(traces, metrics):
+        for key in (trace.category or "uncategorized", "overall"):
+            tallies.setdefault(key, Tally()).add(m)
+    return tallies
+
+
+# Sweep grid: per method, (config section, field) -> values. Static-store fields only count when
+# a store is given.
+SWEEP_GRID: dict[str, dict[tuple[str, str], tuple]] = {
+    "sam": {("sam", "dyn_threshold"): (2, 3, 4, 5, 6, 8), ("sam", "max_draft"): (8, 16, 24, 39, 60),
+            ("sam", "static_bias"): (0, 2, 5, 10)},
+    "pld": {("pld", "max_ngram"): (1, 2, 3, 4, 5), ("pld", "num_draft"): (5, 10, 20, 40)},
+    "rest": {("rest", "num_nodes"): (16, 32, 64), ("rest", "max_depth"): (4, 6, 10)},
+}
+_STORE_FIELDS = {("sam", "static_bias")}
+
+
+def sweep_configs(method: str, base: MethodConfig, has_store: bool) -> Iterator[tuple[dict[str, Any], MethodConfig]]:
+    """Every grid point of `method` as (setting {"section.field": value}, config based on base)."""
+    grid = {k: v for k, v in SWEEP_GRID.get(method, {}).items() if has_store or k not in _STORE_FIELDS}
+    keys = list(grid)
+    for values in itertools.product(*(grid[k] for k in keys)):
+        config = base
+        for (section, name), value in zip(keys, values):
+            part = dataclasses.replace(getattr(config, section), **{name: value})
+            config = dataclasses.replace(config, **{section: part})
+        yield {f"{s}.{n}": v for (s, n), v in zip(keys, values)}, config

@@ -1,0 +1,131 @@
+"""Model-free replay equals the engine when the reference is the model's own greedy output."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from decode.drafters.sam import SamConfig
+from decode.loop import GenerationConfig, generate
+from decode.methods import MethodConfig, make_drafter
+from decode.simulate import (
+    REPLAYABLE, CostModel, Tally, check_replayable, make_trace, replay, sweep_configs, tally_by_category,
+)
+from decode.target import TargetModel
+from index.automaton import SuffixAutomaton
+from index.errors import UserError
+from tests.mock_lm import CopyLM
+
+EAGER = MethodConfig(sam=SamConfig(dyn_threshold=2, static_bias=1))
+
+
+def drafter_for(method: str, vocab: int, static, config: MethodConfig = EAGER, eos: tuple[int, ...] = ()):
+    return make_drafter(method, vocab_size=vocab, device=torch.device("cpu"), eos_token_ids=eos,
+                        static=static if method in ("sam", "rest") else None, config=config)
+
+
+def engine_and_replay(model, method: str, prompt: list[int], max_new: int, static, eos: tuple[int, ...] = ()):
+    vocab = model.config.vocab_size
+    result = generate(TargetModel(model), drafter_for(method, vocab, static, eos=eos), prompt,
+                      GenerationConfig(max_new_tokens=max_new, eos_token_ids=eos))
+    trace = make_trace(prompt, result.tokens, eos, max_new)
+    return result.metrics, replay(drafter_for(method, vocab, static, eos=eos), trace)
+
+
+def assert_same_counts(engine, sim, what) -> None:
+    for name in ("new_tokens", "steps", "drafted", "accepted", "accept_hist"):
+        assert getattr(engine, name) == getattr(sim, name), (what, name, engine.to_dict(), sim.to_dict())
+    assert engine.mean_accepted == sim.mean_accepted
+
+
+def copy_prompt(vocab: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    doc = rng.permutation(vocab)[:40].tolist()
+    noise = rng.integers(0, vocab, 15).tolist()
+    return doc + noise + doc[:3]
+
+
+@pytest.mark.parametrize("method", REPLAYABLE)
+def test_replay_equals_engine_on_copy_model(method):
+    model = CopyLM(vocab=64)
+    for seed in range(3):
+        prompt = copy_prompt(64, seed)
+        # a store holding part of the answer, so static and REST drafts fire too
+        answer = model.reference(prompt, 60)
+        static = SuffixAutomaton.build(np.asarray(answer[10:50], dtype=np.int32), np.array([0, 40]))
+        engine, sim = engine_and_replay(model, method, prompt, 120, static)
+        assert_same_counts(engine, sim, (method, seed))
+        if method != "ar":
+            assert sim.mean_accepted > 1.5, (method, sim.to_dict())
+
+
+@pytest.mark.parametrize("method", ["pld", "sam", "rest"])
+def test_replay_equals_engine_on_tiny_model_with_eos(tiny_llama, method):
+    rng = np.random.default_rng(1)
+    base = rng.integers(3, 96, 12).tolist()
+    prompt = base + base[:7] + rng.integers(3, 96, 5).tolist()
+    free = generate(TargetModel(tiny_llama), make_drafter("ar", vocab_size=96, device=torch.device("cpu")),
+                    prompt, GenerationConfig(max_new_tokens=70)).tokens
+    eos = (free[45],)  # a token the model emits, so both runs stop there
+    static = SuffixAutomaton.build(np.asarray(free[5:40], dtype=np.int32), np.array([0, 35]))
+    for max_new in (1, 2, 30, 70):
+        engine, sim = engine_and_replay(tiny_llama, method, prompt, max_new, static, eos)
+        assert_same_counts(engine, sim, (method, max_new))
+
+
+def test_trace_is_cut_like_engine_output():
+    trace = make_trace([1, 2], [5, 6, 2, 7, 2], eos_token_ids=(2,))
+    assert trace.reference.tolist() == [5, 6, 2]
+    assert make_trace([1], [5, 6, 7, 8], max_new_tokens=2).reference.tolist() == [5, 6]
+    with pytest.raises(UserError, match="empty"):
+        make_trace([], [1])
+
+
+def test_replay_reports_what_the_drafter_did():
+    # A prompt that is the answer: pld drafts it all, ten tokens a step (its num_draft).
+    answer = list(range(10, 60))
+    trace = make_trace([3] + answer + [3], answer)
+    m = replay(drafter_for("pld", 64, None), trace)
+    assert m.new_tokens == 50 and m.accepted == m.drafted
+    assert m.steps == -(-49 // 11)  # 49 tokens after the first, 1 + 10 a step
+    ar = replay(drafter_for("ar", 64, None), trace)
+    assert ar.steps == 49 and ar.mean_accepted == 1.0 and ar.drafted == 0
+
+
+def test_tally_pools_steps_and_costs_drafts():
+    trace_a = make_trace([3, 10, 11, 12, 13, 3], [10, 11, 12, 13], category="x")
+    trace_b = make_trace([4], [20, 21, 22], category="y")
+    drafter = drafter_for("pld", 64, None)
+    metrics = [replay(drafter, t) for t in (trace_a, trace_b)]
+    tallies = tally_by_category([trace_a, trace_b], metrics)
+    assert set(tallies) == {"x", "y", "overall"}
+    overall = tallies["overall"]
+    assert overall.traces == 2 and overall.new_tokens == 7
+    assert overall.steps == metrics[0].steps + metrics[1].steps
+    assert overall.mean_accepted == (7 - 2) / overall.steps
+    free = CostModel(forward_ms=10.0, token_cost=0.0)
+    # no draft time and free draft tokens: the speedup is forwards saved
+    overall.draft_s = 0.0
+    assert free.speedup(overall) == pytest.approx(7 / (2 + overall.steps))
+    assert CostModel(token_cost=1.0).speedup(overall) < free.speedup(overall)
+    assert Tally().to_dict(free)["mean_accepted"] == 0.0
+
+
+def test_only_retrieval_methods_replay():
+    for method in REPLAYABLE:
+        check_replayable(method)
+    with pytest.raises(UserError, match="logits.*samctl bench"):
+        check_replayable("recycle")
+    with pytest.raises(UserError, match="draft model"):
+        check_replayable("sd")
+
+
+def test_sweep_covers_the_grid():
+    with_store = list(sweep_configs("sam", MethodConfig(), has_store=True))
+    without = list(sweep_configs("sam", MethodConfig(), has_store=False))
+    assert len(with_store) == 6 * 5 * 4 and len(without) == 6 * 5
+    setting, config = without[0]
+    assert config.sam.dyn_threshold == setting["sam.dyn_threshold"] and config.sam.max_draft == setting["sam.max_draft"]
+    assert len({(c.sam.dyn_threshold, c.sam.max_draft, c.sam.static_bias) for _, c in with_store}) == len(with_store)
+    assert len(list(sweep_configs("pld", MethodConfig(), has_store=False))) == 20
+    assert list(sweep_configs("ar", MethodConfig(), has_store=False)) == [({}, MethodConfig())]
