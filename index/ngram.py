@@ -70,7 +70,7 @@ def _positions(tokens, doc_offsets, n):
         total += max(0, doc_offsets[d + 1] - doc_offsets[d] - n)
     keys = np.empty(total, dtype=np.uint64)
     nxt = np.empty(total, dtype=np.int32)
-    start = np.empty(total, dtype=np.int64)
+    start = np.empty(total, dtype=np.int32)  # build() checked n < 2**31
     j = 0
     for d in range(len(doc_offsets) - 1):
         for s in range(doc_offsets[d], doc_offsets[d + 1] - n):
@@ -333,8 +333,7 @@ def _check(cond: bool, what: str) -> None:
 
 
 def _build_order(tokens: np.ndarray, doc_offsets: np.ndarray, n: int, config: NgramConfig) -> tuple:
-    keys, nxt, start = _positions(tokens, doc_offsets, n)
-    return _group(tokens, keys, nxt, start, n, config)
+    return _group(tokens, list(_positions(tokens, doc_offsets, n)), n, config)
 
 
 def _contexts(tokens: np.ndarray, start: np.ndarray, n: int) -> np.ndarray:
@@ -346,15 +345,23 @@ def _contexts(tokens: np.ndarray, start: np.ndarray, n: int) -> np.ndarray:
     return ctx
 
 
-def _group(tokens: np.ndarray, keys: np.ndarray, nxt: np.ndarray, start: np.ndarray, n: int, config: NgramConfig) -> tuple:
+def _group(tokens: np.ndarray, positions: list[np.ndarray], n: int, config: NgramConfig) -> tuple:
     """Sort positions by (hash, next) and count; on a hash collision that interleaves two
-    contexts, sort by (hash, context tokens, next) instead."""
+    contexts, sort by (hash, context tokens, next) instead.
+
+    positions: [keys, next tokens, context starts] from `_positions`; emptied here, so the
+    per-position arrays are freed as they are replaced by their sorted copies.
+    """
+    keys, nxt, start = positions
+    positions.clear()
     order = np.lexsort((nxt, keys))
-    out = _count_order(keys[order], nxt[order], _contexts(tokens, start[order], n), config.min_count, config.top_k)
+    keys, nxt = keys[order], nxt[order]
+    ctx = _contexts(tokens, start[order], n)
+    del order, start
+    out = _count_order(keys, nxt, ctx, config.min_count, config.top_k)
     if out[-1]:
-        columns = [tokens[start + q] for q in range(n - 1, -1, -1)]
-        order = np.lexsort((nxt, *columns, keys))
-        out = _count_order(keys[order], nxt[order], _contexts(tokens, start[order], n), config.min_count, config.top_k)
+        order = np.lexsort((nxt, *(ctx[:, q] for q in range(n - 1, -1, -1)), keys))
+        out = _count_order(keys[order], nxt[order], ctx[order], config.min_count, config.top_k)
         assert not out[-1], f"contexts still split after an exact sort (order {n})"
     return out[:-1]
 

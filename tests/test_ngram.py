@@ -177,7 +177,7 @@ def test_hash_collisions_are_grouped_exactly() -> None:
     collided = np.zeros_like(keys)
     order = np.lexsort((nxt, collided))
     assert _count_order(collided[order], nxt[order], _contexts(tokens, start[order], 2), 1, 8)[-1]
-    _, ctx, off, next_tokens, counts, _ = _group(tokens, collided, nxt, start, 2, config)
+    _, ctx, off, next_tokens, counts, _ = _group(tokens, [collided, nxt, start], 2, config)
     got = {}
     for i in range(len(off) - 1):
         got[tuple(ctx[2 * i : 2 * i + 2].tolist())] = list(zip(next_tokens[off[i] : off[i + 1]].tolist(),
