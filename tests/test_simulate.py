@@ -1,6 +1,10 @@
 """Model-free replay equals the engine when the reference is the model's own greedy output."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -129,3 +133,64 @@ def test_sweep_covers_the_grid():
     assert len({(c.sam.dyn_threshold, c.sam.max_draft, c.sam.static_bias) for _, c in with_store}) == len(with_store)
     assert len(list(sweep_configs("pld", MethodConfig(), has_store=False))) == 20
     assert list(sweep_configs("ar", MethodConfig(), has_store=False)) == [({}, MethodConfig())]
+
+
+# ---------------------------------------------------------------------------------------------
+# samctl simulate, end to end with the byte-level tokenizer (no model)
+
+def samctl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "samctl", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def trace_files(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sim")
+    code = "def add(a, b):\n    return a + b\n"
+    rows = [
+        {"prompt": "Repeat: " + code, "output": code, "category": "copy"},
+        {"instruction": "Write add.", "input": "", "output": code * 2, "category": "code"},
+        {"question_id": 7, "category": "code", "turns": ["Write add.", "Again."], "reference": [code, code + code]},
+        {"question": "1 + 1?", "answer": "1 + 1 = 2. The answer is 2."},
+    ]
+    traces = path / "traces.jsonl"
+    traces.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    corpus = path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"text": code * 3 + "1 + 1 = 2."}) + "\n")
+    store = path / "store.sam"
+    proc = samctl("build", str(corpus), "-o", str(store), "--tokenizer", "bytes")
+    assert proc.returncode == 0, proc.stderr
+    return traces, store
+
+
+def test_simulate_cli_reports_every_method_and_category(trace_files):
+    traces, store = trace_files
+    proc = samctl("simulate", "--traces", str(traces), "--sam", str(store), "--methods", "ar,pld,sam,rest", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["traces"] == 5  # the Spec-Bench record gives one trace per turn
+    assert set(report["methods"]) == {"ar", "pld", "sam", "rest"}
+    for by_cat in report["methods"].values():
+        assert set(by_cat) == {"copy", "code", "uncategorized", "overall"}
+    ar = report["methods"]["ar"]["overall"]
+    assert ar["mean_accepted"] == 1.0 and ar["forwards"] == ar["new_tokens"] and ar["drafted_per_step"] == 0
+    for method in ("pld", "sam", "rest"):
+        row = report["methods"][method]["overall"]
+        assert row["new_tokens"] == ar["new_tokens"]
+        assert row["forwards"] < ar["forwards"] and row["mean_accepted"] > 1.0, (method, row)
+    table = samctl("simulate", "--traces", str(traces), "--sam", str(store), "--methods", "pld,sam")
+    assert table.returncode == 0 and "| overall | sam |" in table.stdout, table.stderr
+
+
+def test_simulate_cli_sweep_and_errors(trace_files):
+    traces, store = trace_files
+    proc = samctl("simulate", "--traces", str(traces), "--tokenizer", "bytes", "--methods", "pld", "--sweep", "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert len(result["grid"]["pld"]) == 20
+    best = result["best"]["overall"]["pld"]
+    assert best["projected_speedup"] == max(p["results"]["overall"]["projected_speedup"] for p in result["grid"]["pld"])
+    assert best["projected_speedup"] >= best["default_projected_speedup"]
+    refused = samctl("simulate", "--traces", str(traces), "--tokenizer", "bytes", "--methods", "sam+recycle")
+    assert refused.returncode == 2 and "samctl bench" in refused.stderr
+    no_store = samctl("simulate", "--traces", str(traces), "--tokenizer", "bytes", "--methods", "rest")
+    assert no_store.returncode == 2 and "--sam" in no_store.stderr

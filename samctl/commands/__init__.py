@@ -11,6 +11,7 @@ _MODULES = [
     ("info", "info"),
     ("query", "query"),
     ("generate", "generate"),
+    ("simulate", "simulate"),
 ]
 
 

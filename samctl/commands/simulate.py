@@ -1,0 +1,282 @@
+"""`samctl simulate`: replay retrieval drafters against reference outputs, no model loaded.
+
+Each trace is a prompt and the output the model is assumed to produce. A trace file is JSON lines
+(or a `.json` list) of records in one of these shapes:
+    prompt_ids + output_ids        token ids, used as they are (what tools/gen_references.py writes)
+    prompt + output                (or completion / response / reference for the output)
+    instruction [+ input] + output Alpaca
+    question + answer              GSM8K
+    turns + reference              Spec-Bench: one trace per turn that has a reference; the prompt
+                                   of turn k is the conversation so far (turns and references),
+                                   joined by blank lines or rendered by the chat template (--chat)
+Text is tokenized with the store's tokenizer (or --tokenizer, or the embedded default) without
+special tokens; an optional `category` field groups the results.
+
+For each method the report gives, per category and overall: mean accepted tokens per step (bonus
+included), target forwards needed (prefills included), drafted tokens per step, acceptance rate,
+drafting cost per step, and a projected speedup under a simple cost model of a target forward
+(--forward-ms, --token-cost). `--sweep` replays every setting of a small grid per method and
+prints the best setting per category under that model.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Iterator
+
+import click
+import torch
+
+from decode.methods import METHODS, MethodConfig, make_drafter
+from decode.simulate import (
+    REPLAYABLE, CostModel, Tally, Trace, check_replayable, make_trace, replay, sweep_configs, tally_by_category,
+)
+from index.datastore import Datastore, load_datastore
+from index.errors import UserError
+from samctl.options import method_config, method_options, parse_methods
+from samctl.progress import progress_bar
+from samctl.tokenizer import Tokenizer, load_store_tokenizer, load_tokenizer
+
+_OUTPUT_FIELDS = ("output", "completion", "response", "reference")
+
+
+@click.command("simulate")
+@click.option("--traces", "traces_path", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="JSONL (or .json list) of prompts with reference outputs.")
+@click.option("--sam", "store_path", metavar="STORE", type=click.Path(dir_okay=False), help="Static datastore (for sam and rest).")
+@click.option("--tokenizer", "tokenizer_spec", metavar="T", help="Tokenizer for text traces (default: the store's, else the embedded model's).")
+@click.option("--methods", "methods_spec", default=None, help=f"Comma-separated, from {', '.join(REPLAYABLE)} [default: ar,pld,sam, and rest with --sam].")
+@click.option("--max-new-tokens", type=int, default=None, help="Cut references to this many tokens (default: whole references).")
+@click.option("--limit", type=int, default=None, help="Use only the first N traces.")
+@click.option("--chat", is_flag=True, help="Render text prompts with the tokenizer's chat template.")
+@click.option("--sweep", is_flag=True, help="Replay a grid of settings per method and print the best per category.")
+@click.option("--forward-ms", type=float, default=CostModel.forward_ms, show_default=True, help="Cost model: one target forward, ms.")
+@click.option("--token-cost", type=float, default=CostModel.token_cost, show_default=True, help="Cost model: extra forward cost per drafted token, as a fraction of a forward.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+@method_options
+@click.option("--quiet", is_flag=True, help="No progress bar or notes on stderr.")
+def simulate(**opts: Any) -> None:
+    """Replay drafters against reference outputs: accepted tokens per step, without a model.
+
+    \b
+    samctl simulate --traces refs.jsonl --sam store.sam --methods pld,sam,rest
+    samctl simulate --traces refs.jsonl --methods sam,pld --sweep
+    """
+    store = load_datastore(opts["store_path"], occurrence=opts["occurrence"]) if opts["store_path"] else None
+    tokenizer = (load_store_tokenizer(store.meta, store.path, opts["tokenizer_spec"]) if store is not None
+                 else load_tokenizer(opts["tokenizer_spec"]))
+    default_methods = "ar,pld,sam" + (",rest" if store is not None else "")
+    methods = parse_methods(opts["methods_spec"] or default_methods, METHODS)
+    for method in methods:
+        check_replayable(method)
+    traces = read_traces(Path(opts["traces_path"]), tokenizer, opts["chat"], opts["max_new_tokens"], opts["limit"])
+    config = method_config(opts)
+    cost = CostModel(forward_ms=opts["forward_ms"], token_cost=opts["token_cost"])
+    sim = _Simulation(traces, store, tokenizer, cost, opts["quiet"])
+    if opts["sweep"]:
+        result = sim.sweep(methods, config)
+        click.echo(json.dumps(result, indent=1) if opts["as_json"] else _sweep_table(result))
+        return
+    results = {m: sim.run(m, config) for m in methods}
+    report = {"traces": len(traces), "store": opts["store_path"], "tokenizer": tokenizer.name,
+              "cost_model": asdict(cost), "config": asdict(config),
+              "methods": {m: {c: t.to_dict(cost) for c, t in r.items()} for m, r in results.items()}}
+    click.echo(json.dumps(report, indent=1) if opts["as_json"] else _results_table(report))
+
+
+class _Simulation:
+    """The traces and what every drafter is built from."""
+
+    def __init__(self, traces: list[Trace], store: Datastore | None, tokenizer: Tokenizer, cost: CostModel,
+                 quiet: bool) -> None:
+        self.traces, self.store, self.tokenizer, self.cost, self.quiet = traces, store, tokenizer, cost, quiet
+
+    def run(self, method: str, config: MethodConfig, label: str = "") -> dict[str, Tally]:
+        drafter = make_drafter(method, vocab_size=self.tokenizer.vocab_size, device=torch.device("cpu"),
+                               eos_token_ids=self.tokenizer.eos_token_ids,
+                               static=self.store.structure if self.store is not None else None, config=config)
+        metrics = []
+        with progress_bar(f"simulate {label or method}", "trace", self.quiet, total=len(self.traces)) as bar:
+            for trace in self.traces:
+                metrics.append(replay(drafter, trace))
+                bar.update(1)
+        return tally_by_category(self.traces, metrics)
+
+    def sweep(self, methods: list[str], base: MethodConfig) -> dict[str, Any]:
+        """Every grid point of every method; the best setting per (method, category)."""
+        grid: dict[str, list[dict[str, Any]]] = {}
+        for method in methods:
+            points = list(sweep_configs(method, base, has_store=self.store is not None))
+            grid[method] = []
+            for n, (setting, config) in enumerate(points, start=1):
+                tallies = self.run(method, config, label=f"{method} {n}/{len(points)}")
+                grid[method].append({"setting": setting,
+                                     "results": {c: t.to_dict(self.cost) for c, t in tallies.items()}})
+        default = {m: {c: t.to_dict(self.cost) for c, t in self.run(m, base).items()} for m in methods}
+        best: dict[str, dict[str, Any]] = {}
+        for method, points in grid.items():
+            for category in default[method]:
+                top = max(points, key=lambda p: p["results"][category]["projected_speedup"])
+                best.setdefault(category, {})[method] = {
+                    "setting": top["setting"], **top["results"][category],
+                    "default_projected_speedup": default[method][category]["projected_speedup"],
+                    "default_mean_accepted": default[method][category]["mean_accepted"],
+                }
+        return {"traces": len(self.traces), "cost_model": asdict(self.cost), "best": best, "grid": grid}
+
+
+# ---------------------------------------------------------------------------------------------
+# reading traces
+
+
+def read_traces(path: Path, tokenizer: Tokenizer, chat: bool, max_new_tokens: int | None,
+                limit: int | None) -> list[Trace]:
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if limit is not None and limit < 1:
+        raise UserError(f"--limit must be >= 1, got {limit}")
+    traces: list[Trace] = []
+    for where, record in _records(path):
+        for trace_id, prompt, reference in _record_traces(record, where, tokenizer, chat):
+            traces.append(make_trace(prompt, reference, tokenizer.eos_token_ids, max_new_tokens,
+                                     category=str(record.get("category", "")), trace_id=trace_id))
+        if limit is not None and len(traces) >= limit:
+            return traces[:limit]
+    if not traces:
+        raise UserError(f"{path} holds no traces: give JSON lines with prompt and output (see samctl simulate --help)")
+    return traces
+
+
+def _records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}): fix or convert it to JSONL") from err
+        numbered = ((f"{path}[{i}]", row) for i, row in enumerate(rows))
+    else:
+        numbered = ((f"{path}:{n}", _parse_line(line, path, n)) for n, line in enumerate(text.splitlines(), 1) if line.strip())
+    for where, row in numbered:
+        if not isinstance(row, dict):
+            raise UserError(f"{where} is not a JSON object: one object per record")
+        yield where, row
+
+
+def _parse_line(line: str, path: Path, number: int) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}:{number} is not JSON ({err.msg}): one JSON object per line") from err
+
+
+def _record_traces(record: dict[str, Any], where: str, tok: Tokenizer, chat: bool) -> Iterator[tuple[str, list[int], list[int]]]:
+    """(id, prompt ids, reference ids) for each trace a record holds."""
+    rid = str(record.get("id", record.get("question_id", where)))
+    if "prompt_ids" in record or "output_ids" in record:
+        yield rid, _ids(record.get("prompt_ids"), "prompt_ids", where, tok), _ids(record.get("output_ids"), "output_ids", where, tok)
+        return
+    if isinstance(record.get("turns"), list):
+        yield from _turn_traces(record, rid, where, tok, chat)
+        return
+    prompt, output = _prompt_and_output(record, where)
+    yield rid, _encode_prompt(tok, [{"role": "user", "content": prompt}], chat), tok.encode(output)
+
+
+def _prompt_and_output(record: dict[str, Any], where: str) -> tuple[str, str]:
+    def text(name: str) -> str | None:
+        value = record.get(name)
+        return value if isinstance(value, str) and value else None
+
+    output = next((text(f) for f in _OUTPUT_FIELDS if text(f)), None)
+    if text("prompt") and output:
+        return text("prompt"), output
+    if text("instruction") and text("output"):
+        return "\n".join(t for t in (text("instruction"), text("input")) if t), text("output")
+    if text("question") and text("answer"):
+        return text("question"), text("answer")
+    raise UserError(f"{where} has no prompt and reference (fields prompt + output, instruction + output, "
+                    f"question + answer, turns + reference, or prompt_ids + output_ids)")
+
+
+def _turn_traces(record: dict[str, Any], rid: str, where: str, tok: Tokenizer, chat: bool) -> Iterator[tuple[str, list[int], list[int]]]:
+    turns = record["turns"]
+    references = record.get("reference")
+    if isinstance(references, str):
+        references = [references]
+    if not isinstance(references, list) or not references:
+        raise UserError(f"{where} has turns but no reference outputs: add a `reference` list "
+                        "(tools/gen_references.py writes them)")
+    messages: list[dict[str, str]] = []
+    for k, (turn, reference) in enumerate(zip(turns, references)):
+        if not isinstance(turn, str) or not isinstance(reference, str):
+            raise UserError(f"{where}: turn {k} or its reference is not text")
+        messages.append({"role": "user", "content": turn})
+        yield f"{rid}.{k}", _encode_prompt(tok, messages, chat), tok.encode(reference)
+        messages.append({"role": "assistant", "content": reference})
+
+
+def _encode_prompt(tok: Tokenizer, messages: list[dict[str, str]], chat: bool) -> list[int]:
+    """The conversation as the model would see it: chat template, or turns joined by blank lines
+    (as `generate` and `bench` build multi-turn prompts)."""
+    if not chat:
+        return tok.encode("\n\n".join(m["content"] for m in messages))
+    hf = getattr(tok, "hf", None)
+    if hf is None or not getattr(hf, "chat_template", None):
+        raise UserError(f"tokenizer {tok.name} has no chat template: drop --chat")
+    return tok.encode(hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+
+def _ids(value: Any, name: str, where: str, tok: Tokenizer) -> list[int]:
+    if not isinstance(value, list) or not value or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise UserError(f"{where}: {name} must be a non-empty list of token ids")
+    if min(value) < 0 or max(value) >= tok.vocab_size:
+        raise UserError(f"{where}: {name} holds an id outside the tokenizer's {tok.vocab_size}: "
+                        f"pass the tokenizer the ids come from with --tokenizer")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# tables
+
+_COLUMNS = (("traces", "traces"), ("new_tokens", "tokens"), ("mean_accepted", "tokens/step"),
+            ("forwards", "forwards"), ("drafted_per_step", "drafted/step"), ("acceptance_rate", "accept rate"),
+            ("draft_us_per_step", "draft µs/step"), ("projected_speedup", "projected speedup"))
+
+
+def _results_table(report: dict[str, Any]) -> str:
+    cost = report["cost_model"]
+    lines = [f"{report['traces']} traces; projected speedup: forward {cost['forward_ms']} ms "
+             f"+ {cost['token_cost']} of a forward per drafted token", "",
+             "| category | method | " + " | ".join(h for _, h in _COLUMNS) + " |",
+             "|---|---|" + "---:|" * len(_COLUMNS)]
+    categories = _category_order(report["methods"])
+    for category in categories:
+        for method, by_cat in report["methods"].items():
+            row = by_cat.get(category)
+            if row is not None:
+                lines.append(f"| {category} | {method} | " + " | ".join(_fmt(row[k]) for k, _ in _COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def _sweep_table(result: dict[str, Any]) -> str:
+    lines = [f"{result['traces']} traces; best setting per category by projected speedup "
+             f"(forward {result['cost_model']['forward_ms']} ms + {result['cost_model']['token_cost']} per drafted token)", "",
+             "| category | method | best setting | tokens/step | projected speedup | default: tokens/step | default: speedup |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for category in _category_order({"x": result["best"]}) if result["best"] else []:
+        for method, row in result["best"][category].items():
+            setting = " ".join(f"{k.split('.')[1]}={v}" for k, v in row["setting"].items()) or "(none)"
+            lines.append(f"| {category} | {method} | {setting} | {row['mean_accepted']:.2f} | {row['projected_speedup']:.2f} "
+                         f"| {row['default_mean_accepted']:.2f} | {row['default_projected_speedup']:.2f} |")
+    return "\n".join(lines)
+
+
+def _category_order(by_method: dict[str, dict[str, Any]]) -> list[str]:
+    seen = sorted({c for by_cat in by_method.values() for c in by_cat if c != "overall"})
+    return seen + ["overall"]
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
