@@ -110,10 +110,11 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    # Sized on a 2-core CPU (bf16 autocast): ~5.5k tokens/s for the target, ~25k for the draft.
+    # Sized on a 2-core CPU (bf16 autocast, machine to itself): ~3.7k tokens/s for the target,
+    # ~12k for the draft. On a shared machine use --threads 1 (see tools/README.md).
     "cpu-small": Preset(
         vocab_size=4096,
-        target=ModelShape(hidden=256, layers=8, intermediate=704, heads=4, kv_heads=4),
+        target=ModelShape(hidden=256, layers=6, intermediate=704, heads=4, kv_heads=4),
         draft=ModelShape(hidden=128, layers=4, intermediate=352, heads=4, kv_heads=4),
         seq_len=1024, batch_size=4, target_lr=2e-3, draft_lr=3e-3,
         data_tokens=14_000_000, eval_tokens=16_384,
@@ -127,10 +128,10 @@ PRESETS: dict[str, Preset] = {
     ),
     # For tests: seconds on a CPU.
     "tiny": Preset(
-        vocab_size=320,
+        vocab_size=512,
         target=ModelShape(hidden=32, layers=2, intermediate=64, heads=2, kv_heads=2),
         draft=ModelShape(hidden=16, layers=1, intermediate=32, heads=2, kv_heads=2),
-        seq_len=128, batch_size=2, target_lr=3e-3, draft_lr=3e-3,
+        seq_len=512, batch_size=2, target_lr=3e-3, draft_lr=3e-3,
         data_tokens=20_000, eval_tokens=512,
     ),
 }
@@ -966,6 +967,8 @@ def run(cfg: TrainConfig, command: str, log: Callable[[str], None] = print) -> d
         }
         if eval_seqs:
             eval_rows[source] = pack_rows(eval_seqs, sizes.seq_len, eos)
+    if not train_seqs:
+        raise SystemExit("no training examples: check --stdlib-dir, --docs-dir and --data-dir")
     random.Random(cfg.seed).shuffle(train_seqs)
     train = pack_rows(train_seqs, sizes.seq_len, eos)
     total = sum(m["train_tokens"] for m in mixture.values())
