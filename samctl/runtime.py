@@ -12,13 +12,19 @@ from pathlib import Path
 import click
 import torch
 
-from decode.methods import MethodConfig, make_drafter, uses_store
+from decode.acceptance_head import AcceptanceHead
+from decode.draft_model import DraftModel
+from decode.methods import DRAFT_METHODS, MethodConfig, make_drafter, uses_store
 from decode.drafters.base import Drafter
+from decode.sampling import SamplingConfig
 from decode.target import TargetModel
 from index.datastore import Datastore, load_datastore
 from index.errors import UserError
 from samctl.tokenizer import DEFAULT_MODEL_DIR, check_store_tokenizer, tokenizer_fingerprint
 
+# The embedded default pair: the draft and its SpecDec++ head sit next to the default target.
+DEFAULT_DRAFT_DIR = DEFAULT_MODEL_DIR.parent / "draft"
+DEFAULT_HEAD_DIR = DEFAULT_MODEL_DIR.parent / "acc_head"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -97,6 +103,8 @@ def load_engine(model: str | None, device: str = "auto", dtype: str = "auto", qu
         if not quiet:
             click.echo(f"samctl: using the embedded default model ({DEFAULT_MODEL_DIR.parent.name}/"
                        f"{DEFAULT_MODEL_DIR.name}); pass --model to choose another", err=True)
+    if Path(model).is_dir() and not (Path(model) / "config.json").is_file():
+        raise UserError(f"model folder {model} has no config.json: pass a folder written by save_pretrained")
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     try:
@@ -138,7 +146,81 @@ def load_store(path: str | None, engine: Engine, occurrence: str = "first") -> D
     return store
 
 
-def build_drafter(method: str, engine: Engine, store: Datastore | None, config: MethodConfig) -> Drafter:
+def resolve_draft_paths(method: str, model: str | None, draft: str | None, head: str | None,
+                        quiet: bool = False) -> tuple[str | None, str | None]:
+    """(draft model folder, acceptance head folder) that `method` runs with, or None where unused.
+    Without --draft-model, the embedded default draft serves the embedded default target only."""
+    def note(text: str) -> None:
+        if not quiet:
+            click.echo(f"samctl: {text}", err=True)
+
+    if method not in DRAFT_METHODS:
+        for flag, value in (("--draft-model", draft), ("--acc-head", head)):
+            if value is not None:
+                note(f"note: method {method} does not use {flag}")
+        return None, None
+    if draft is None:
+        if model is not None or not DEFAULT_DRAFT_DIR.is_dir():
+            raise UserError(f"method {method} needs a draft model: pass --draft-model with a small model that "
+                            "shares the target's tokenizer")
+        draft = str(DEFAULT_DRAFT_DIR)
+        note(f"using the embedded default draft model ({DEFAULT_DRAFT_DIR.parent.name}/{DEFAULT_DRAFT_DIR.name}); "
+             "pass --draft-model to choose another")
+    if method != "specdec++":
+        if head is not None:
+            note(f"note: method {method} does not use --acc-head")
+        return draft, None
+    if head is None:
+        if draft != str(DEFAULT_DRAFT_DIR) or not DEFAULT_HEAD_DIR.is_dir():
+            raise UserError("method specdec++ needs an acceptance head: pass --acc-head with a folder written "
+                            "by tools/train_acceptance_head.py for this target and draft")
+        head = str(DEFAULT_HEAD_DIR)
+        note(f"using the embedded default acceptance head ({DEFAULT_HEAD_DIR.parent.name}/{DEFAULT_HEAD_DIR.name})")
+    return draft, head
+
+
+def load_draft(path: str, engine: Engine) -> DraftModel:
+    """Load a draft model next to the engine's target (same device and dtype); its tokenizer must
+    map text to the same ids as the target's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:
+        raise UserError(f"draft model {path} has no loadable tokenizer ({_first_line(err)}): the draft must "
+                        "ship the tokenizer it shares with the target (copy the target's tokenizer files "
+                        "there if it was trained with it)") from err
+    draft_fp, target_fp = tokenizer_fingerprint(tokenizer), tokenizer_fingerprint(engine.tokenizer)
+    if draft_fp != target_fp:
+        raise UserError(f"draft model {path} uses another tokenizer than the target {engine.name} "
+                        f"(fingerprints {draft_fp} and {target_fp}): pass a draft trained with the target's tokenizer")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=engine.target.dtype, attn_implementation="sdpa", local_files_only=True
+        )
+    except (OSError, ValueError, KeyError) as err:
+        raise UserError(f"cannot load draft model {path} offline ({_first_line(err)}): pass --draft-model "
+                        "with a local folder holding config.json, weights and tokenizer files") from err
+    model.to(engine.device).eval()
+    return DraftModel(model, vocab_limit=engine.vocab_size)
+
+
+def load_acc_head(path: str, engine: Engine, draft: DraftModel) -> AcceptanceHead:
+    """Load a SpecDec++ acceptance head, refusing one trained for another target/draft pair."""
+    from samctl.heads import load_head, model_fingerprint
+
+    # The draft's tokenizer was checked equal to the target's in load_draft.
+    return load_head(path, model_fingerprint(engine.model, engine.tokenizer),
+                     model_fingerprint(draft.model, engine.tokenizer), engine.device)
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+
+
+def build_drafter(method: str, engine: Engine, store: Datastore | None, config: MethodConfig,
+                  draft: DraftModel | None = None, head: AcceptanceHead | None = None,
+                  sampling: SamplingConfig = SamplingConfig()) -> Drafter:
     if store is not None and not uses_store(method):
         click.echo(f"samctl: note: method {method} does not use the store {Path(store.path).name}", err=True)
     return make_drafter(
@@ -148,4 +230,7 @@ def build_drafter(method: str, engine: Engine, store: Datastore | None, config: 
         eos_token_ids=engine.eos_token_ids,
         static=store.structure if store is not None and uses_store(method) else None,
         config=config,
+        draft=draft,
+        head=head,
+        sampling=sampling,
     )
