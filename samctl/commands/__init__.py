@@ -12,6 +12,7 @@ _MODULES = [
     ("query", "query"),
     ("generate", "generate"),
     ("simulate", "simulate"),
+    ("bench", "bench"),
 ]
 
 

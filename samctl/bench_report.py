@@ -1,0 +1,144 @@
+"""`samctl bench` results: per-category aggregation, summary.md, summary.json and the speedup plot.
+
+Input: one record per (method, question), as bench writes them to records.jsonl:
+    {"method", "question_id", "category", "group", "new_tokens", "time_s", "tokens_per_s",
+     "steps" (None when unknown), "draft_s", "mismatched_turns", "turns": [...]}
+Counting (Spec-Bench, METHODS.md §12, with the same token counting on both sides):
+    tokens/s of a question = its new tokens over all turns / its wall time over all turns
+    speedup               = mean over questions of the method's tokens/s
+                            / mean over the same questions of ar's tokens/s
+    speedup (total time)  = (total tokens / total time) of the method / the same for ar
+    mean accepted tokens  = (new tokens - turns) / decode steps, pooled (each turn's first token
+                            comes from its prefill); plain decoding: 1.00
+    draft share           = drafting time / wall time
+This module knows records and files, not models.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+BASELINE = "ar"
+OVERALL = "overall"
+
+
+def aggregate(records: list[dict[str, Any]], methods: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
+    """{group: {method: row}} over the groups in first-seen order, then "overall"."""
+    groups: list[str] = []
+    for r in records:
+        if r["group"] not in groups:
+            groups.append(r["group"])
+    table: dict[str, dict[str, dict[str, Any]]] = {}
+    for group in groups + [OVERALL]:
+        rows = [r for r in records if group == OVERALL or r["group"] == group]
+        base = _totals([r for r in rows if r["method"] == BASELINE])
+        table[group] = {m: _row(_totals([r for r in rows if r["method"] == m]), base) for m in methods}
+    return table
+
+
+def _totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    steps_known = all(r["steps"] is not None for r in rows)
+    return {
+        "questions": len(rows),
+        "turns": sum(len(r["turns"]) for r in rows),
+        "new_tokens": sum(r["new_tokens"] for r in rows),
+        "time_s": sum(r["time_s"] for r in rows),
+        "draft_s": sum(r["draft_s"] or 0.0 for r in rows),
+        "steps": sum(r["steps"] for r in rows) if steps_known and rows else None,
+        "mean_rate": sum(r["tokens_per_s"] for r in rows) / len(rows) if rows else 0.0,
+        "mismatched_turns": sum(r["mismatched_turns"] for r in rows),
+        "draft_known": all(r["draft_s"] is not None for r in rows),
+    }
+
+
+def _row(t: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    rate = t["new_tokens"] / t["time_s"] if t["time_s"] > 0 else 0.0
+    base_rate = base["new_tokens"] / base["time_s"] if base["time_s"] > 0 else 0.0
+    accepted = (t["new_tokens"] - t["turns"]) / t["steps"] if t["steps"] else None
+    return {
+        "questions": t["questions"],
+        "new_tokens": t["new_tokens"],
+        "time_s": round(t["time_s"], 4),
+        "tokens_per_s": round(t["mean_rate"], 3),
+        "speedup": round(t["mean_rate"] / base["mean_rate"], 3) if base["mean_rate"] > 0 else None,
+        "speedup_total_time": round(rate / base_rate, 3) if base_rate > 0 else None,
+        "mean_accepted": round(accepted, 3) if accepted is not None else None,
+        "draft_share": round(t["draft_s"] / t["time_s"], 4) if t["draft_known"] and t["time_s"] > 0 else None,
+        "mismatched_turns": t["mismatched_turns"],
+    }
+
+
+_COLUMNS = (("speedup", "speedup"), ("speedup_total_time", "speedup (total time)"),
+            ("mean_accepted", "accepted tokens/step"), ("tokens_per_s", "tokens/s"),
+            ("draft_share", "draft share"), ("mismatched_turns", "greedy mismatches"), ("questions", "questions"))
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    """summary.md: the run's setting, then a table per category and one overall."""
+    run = summary["run"]
+    lines = ["# samctl bench", ""]
+    lines += [f"- {key}: {value}" for key, value in run.items()]
+    lines += ["", "Speedup: mean over questions of tokens/s, divided by the same for `ar` (Spec-Bench); "
+              "total time: throughput over the whole category against `ar`'s. Tokens are generated ids "
+              "up to and including EOS, capped at max_new_tokens, for every method.", ""]
+    for group, rows in summary["table"].items():
+        lines += [f"## {group}", "", "| method | " + " | ".join(h for _, h in _COLUMNS) + " |",
+                  "|---|" + "---:|" * len(_COLUMNS)]
+        for method, row in rows.items():
+            lines.append(f"| {method} | " + " | ".join(_fmt(row[k], k) for k, _ in _COLUMNS) + " |")
+        lines.append("")
+    total = sum(summary["mismatches"].values())
+    lines.append(f"Greedy mismatches against `ar` (turns whose tokens differ): {total}"
+                 + ("" if not total else " — " + ", ".join(f"{m}: {n}" for m, n in summary["mismatches"].items() if n)))
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value: Any, key: str) -> str:
+    if value is None:
+        return "—"
+    if key.startswith("speedup"):
+        return f"{value:.2f}x"
+    if key == "draft_share":
+        return f"{100 * value:.1f}%"
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    """Bar chart of speedup against ar, per category, one bar per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    groups = list(summary["table"])
+    methods = [m for m in summary["methods"] if m != BASELINE]
+    width = 0.8 / max(len(methods), 1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(groups) * max(len(methods), 1) * 0.5), 4.0))
+    for i, method in enumerate(methods):
+        values = [summary["table"][g][method]["speedup"] or 0.0 for g in groups]
+        ax.bar([x + (i - (len(methods) - 1) / 2) * width for x in range(len(groups))], values, width, label=method)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(groups)), groups, rotation=20)
+    ax.set_ylabel("speedup vs ar (mean tokens/s ratio)")
+    ax.set_title(summary["run"].get("model", ""), fontsize=9)
+    ax.legend(fontsize=8, ncol=min(len(methods), 4))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_summary(out_dir: Path, records: list[dict[str, Any]], methods: list[str], run: dict[str, Any]) -> dict[str, Any]:
+    """summary.json, summary.md and speedup.png in out_dir; returns the summary."""
+    summary = {
+        "run": run,
+        "methods": methods,
+        "table": aggregate(records, methods),
+        "mismatches": {m: sum(r["mismatched_turns"] for r in records if r["method"] == m) for m in methods},
+    }
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    (out_dir / "summary.md").write_text(markdown(summary), encoding="utf-8")
+    plot(summary, out_dir / "speedup.png")
+    return summary

@@ -1,0 +1,387 @@
+"""`samctl bench`: every method on the same questions, in one process, with the same counting.
+
+Questions: a Spec-Bench-format JSONL file (question_id, category, turns). MT-bench's eight
+categories are reported together as `mt_bench`, as Spec-Bench does. `--limit N` takes the first
+N questions of each reported category (round-robin over MT-bench's sub-categories), after the
+`--categories` filter (reported or original names).
+
+Protocol: the model, store and drafters load once; every method (ar included, always) runs one
+short warm-up generation; then each question runs through every method in turn, so slow drifts
+of the machine hit all methods alike. Multi-turn questions run turn by turn: turn k's prompt is
+the conversation so far with the method's own earlier answers, rendered by the chat template
+(--chat) or joined by blank lines. Questions whose prompt plus max_new_tokens does not fit the
+model's context are skipped (and counted).
+
+Counting, for every method: new tokens are generated ids up to and including EOS, capped at
+--max-new-tokens; time is wall time of the whole generation, prefill included. Peers from
+transformers run through `model.generate` with the same max_new_tokens and EOS ids: hf-greedy,
+hf-pld (prompt_lookup_num_tokens / max_matching_ngram_size from --pld-tokens / --pld-ngram) and
+hf-assisted (assistant_model = --draft-model); their target forwards are counted with a forward
+hook. Every method's greedy tokens are compared with ar's, turn by turn.
+
+Output in --out: records.jsonl (one record per method and question), summary.json, summary.md
+(bench_report describes the columns) and speedup.png. The exit status is 1 when any greedy
+output differs from ar's.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Protocol
+
+import click
+import torch
+
+from decode.drafters.base import Drafter
+from decode.loop import GenerationConfig, generate as decode_generate
+from decode.draft_model import DraftModel
+from decode.methods import DRAFT_METHODS, METHODS, MethodConfig, uses_store
+from index.errors import UserError
+from samctl.bench_report import BASELINE, write_summary
+from samctl.options import method_config, method_options, parse_methods
+from samctl.progress import progress_bar
+from samctl.runtime import Engine, build_drafter, load_acc_head, load_draft, load_engine, load_store, resolve_draft_paths
+
+MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+HF_METHODS = ("hf-greedy", "hf-pld", "hf-assisted")
+ALL_BENCH_METHODS = METHODS + DRAFT_METHODS + HF_METHODS
+WARMUP_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Question:
+    qid: Any
+    category: str  # as in the file
+    group: str  # reported category: mt_bench for MT-bench's eight
+    turns: tuple[str, ...]
+
+
+@dataclass
+class Turn:
+    tokens: list[int]
+    time_s: float
+    steps: int | None  # target forwards after the prefill (None: unknown)
+    draft_s: float | None  # None: not measured (transformers' generate)
+    metrics: dict[str, Any] | None = None  # the engine's full metrics
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.time_s if self.time_s > 0 else 0.0
+
+
+class Runner(Protocol):
+    name: str
+
+    def run(self, prompt: list[int], max_new_tokens: int) -> Turn: ...
+
+
+@click.command("bench")
+@click.option("--model", "model_path", metavar="PATH", help="Local model folder (default: the embedded model).")
+@click.option("--draft-model", "draft_path", metavar="PATH", help="Draft model sharing the tokenizer (sd, specdec++, sam+draft, hf-assisted; default: the embedded draft with the embedded target).")
+@click.option("--acc-head", "head_path", metavar="PATH", help="SpecDec++ acceptance head for the target/draft pair (specdec++).")
+@click.option("--sam", "store_path", metavar="STORE", type=click.Path(dir_okay=False), help="Static datastore (sam methods, rest).")
+@click.option("--questions", "questions_path", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="Spec-Bench-format JSONL: question_id, category, turns.")
+@click.option("--methods", "methods_spec", default="ar,pld,sam,sam+recycle,recycle,hf-greedy,hf-pld", show_default=True,
+              help=f"Comma-separated, from {', '.join(ALL_BENCH_METHODS)}; ar is always run (the baseline).")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--limit", type=int, default=None, help="First N questions of each reported category.")
+@click.option("--categories", default=None, help="Comma-separated categories to keep (reported or original names, e.g. mt_bench,summarization).")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder for records.jsonl, summary.md/json, speedup.png.")
+@click.option("--chat", is_flag=True, help="Render prompts with the tokenizer's chat template.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True)
+@method_options
+@click.option("--quiet", is_flag=True, help="No progress bar or notes on stderr.")
+def bench(**opts: Any) -> None:
+    """Benchmark methods end to end on a question file: speedup per category against ar.
+
+    \b
+    samctl bench --questions specbench_question.jsonl --limit 4 --out runs/cpu
+    samctl bench --model M --sam store.sam --questions q.jsonl --methods ar,pld,sam,rest --out runs/x
+    """
+    if opts["max_new_tokens"] < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {opts['max_new_tokens']}")
+    methods = parse_methods(opts["methods_spec"], ALL_BENCH_METHODS)
+    methods = [BASELINE] + [m for m in methods if m != BASELINE]
+    questions = read_questions(Path(opts["questions_path"]), opts["categories"], opts["limit"])
+    engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"])
+    store = load_store(opts["store_path"], engine, opts["occurrence"])
+    config = method_config(opts)
+    drafts = _Drafts(engine, opts)
+    runners = {m: _runner(m, engine, store, config, drafts) for m in methods}
+    out_dir = Path(opts["out_dir"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fits, skipped = _fitting(questions, engine, opts["max_new_tokens"], opts["chat"])
+    if not fits:
+        raise UserError(f"no question fits the model's context of {engine.target.max_positions} tokens with "
+                        f"--max-new-tokens {opts['max_new_tokens']}: lower --max-new-tokens")
+    if skipped and not opts["quiet"]:
+        click.echo(f"samctl: note: skipped {skipped} question(s) whose prompt + max new tokens exceed the "
+                   f"model's context ({engine.target.max_positions})", err=True)
+    _warm_up(runners, engine, fits[0], opts["chat"])
+    records = _run_all(runners, engine, fits, opts, out_dir / "records.jsonl")
+    run = _run_info(engine, opts, methods, len(fits), skipped)
+    summary = write_summary(out_dir, records, methods, run)
+    mismatches = sum(summary["mismatches"].values())
+    if not opts["quiet"]:
+        overall = summary["table"]["overall"]
+        best = max((m for m in methods if m != BASELINE), key=lambda m: overall[m]["speedup"] or 0.0, default=None)
+        click.echo(f"samctl: {len(fits)} questions x {len(methods)} methods -> {out_dir}/summary.md"
+                   + (f"; best overall: {best} {overall[best]['speedup']:.2f}x" if best else "")
+                   + f"; greedy mismatches against ar: {mismatches}", err=True)
+    if mismatches:
+        sys.exit(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# questions
+
+
+def read_questions(path: Path, categories: str | None, limit: int | None) -> list[Question]:
+    if limit is not None and limit < 1:
+        raise UserError(f"--limit must be >= 1, got {limit}")
+    questions = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{path}:{number} is not JSON ({err.msg}): one question object per line") from err
+        turns = row.get("turns") if isinstance(row, dict) else None
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+            raise UserError(f"{path}:{number} has no `turns` list of text: Spec-Bench format is "
+                            '{"question_id": 1, "category": "qa", "turns": ["..."]}')
+        category = str(row.get("category", "uncategorized"))
+        group = "mt_bench" if category in MT_BENCH else category
+        questions.append(Question(row.get("question_id", number), category, group, tuple(turns)))
+    if categories:
+        wanted = {c.strip() for c in categories.split(",") if c.strip()}
+        known = {q.group for q in questions} | {q.category for q in questions}
+        if wanted - known:
+            raise UserError(f"--categories names {', '.join(sorted(wanted - known))}, not in {path}: "
+                            f"choose from {', '.join(sorted(known))}")
+        questions = [q for q in questions if q.group in wanted or q.category in wanted]
+    if limit is not None:
+        questions = _first_per_group(questions, limit)
+    if not questions:
+        raise UserError(f"{path} holds no questions (after --categories): check the file and filter")
+    return questions
+
+
+def _first_per_group(questions: list[Question], limit: int) -> list[Question]:
+    """The first `limit` of each group, taking its sub-categories in turn (file order kept)."""
+    rank: dict[str, int] = {}
+    ranked = []
+    for i, q in enumerate(questions):
+        rank[q.category] = rank.get(q.category, -1) + 1
+        ranked.append((rank[q.category], i, q))
+    chosen: set[int] = set()
+    taken: dict[str, int] = {}
+    for r, i, q in sorted(ranked, key=lambda x: (x[0], x[1])):
+        if taken.get(q.group, 0) < limit:
+            taken[q.group] = taken.get(q.group, 0) + 1
+            chosen.add(i)
+    return [q for i, q in enumerate(questions) if i in chosen]
+
+
+def _fitting(questions: list[Question], engine: Engine, max_new: int, chat: bool) -> tuple[list[Question], int]:
+    """Questions whose every turn fits the context; turns after the first assume max_new-token answers."""
+    budget = engine.target.max_positions
+    fits = []
+    for q in questions:
+        length = len(engine.encode_conversation([{"role": "user", "content": t} for t in q.turns], chat))
+        # + a margin per turn for the chat template's framing of earlier answers
+        if length + len(q.turns) * (max_new + 16) + 1 <= budget:
+            fits.append(q)
+    return fits, len(questions) - len(fits)
+
+
+# ---------------------------------------------------------------------------------------------
+# runners
+
+
+class EngineRunner:
+    """A samctl method through decode.loop; its drafter stays warm across questions."""
+
+    def __init__(self, name: str, engine: Engine, drafter: Drafter) -> None:
+        self.name, self.engine, self.drafter = name, engine, drafter
+
+    def run(self, prompt: list[int], max_new_tokens: int) -> Turn:
+        config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=self.engine.eos_token_ids)
+        result = decode_generate(self.engine.target, self.drafter, prompt, config)
+        m = result.metrics
+        return Turn(result.tokens, m.time_s, m.steps, m.draft_s, m.to_dict())
+
+
+class HfRunner:
+    """transformers' own `generate` with the given extra settings; forwards counted by a hook."""
+
+    def __init__(self, name: str, engine: Engine, extra: dict[str, Any]) -> None:
+        from transformers.utils import logging as hf_logging
+
+        self.name, self.engine, self.extra = name, engine, extra
+        self.forwards = 0
+        # assisted generation warns about its own internal argument passing on every run
+        hf_logging.set_verbosity_error()
+
+    def run(self, prompt: list[int], max_new_tokens: int) -> Turn:
+        from transformers import GenerationConfig as HfGenerationConfig
+
+        model, eos = self.engine.model, list(self.engine.eos_token_ids)
+        settings = {k: v for k, v in self.extra.items() if k != "assistant_model"}
+        gen_config = HfGenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos or None,
+                                        pad_token_id=eos[0] if eos else 0, **settings)
+        ids = torch.tensor([prompt], dtype=torch.int64, device=self.engine.device)
+        self.forwards = 0
+        hook = model.register_forward_hook(self._count)
+        try:
+            with torch.inference_mode():
+                start = time.perf_counter()
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen_config,
+                                     assistant_model=self.extra.get("assistant_model"))
+                elapsed = time.perf_counter() - start
+        finally:
+            hook.remove()
+        tokens = _cut(out[0, len(prompt):].tolist(), set(eos), max_new_tokens)
+        return Turn(tokens, elapsed, max(self.forwards - 1, 0), None)
+
+    def _count(self, *_: Any) -> None:
+        self.forwards += 1
+
+
+def _cut(tokens: list[int], eos: set[int], limit: int) -> list[int]:
+    """The engine's counting: up to and including the first EOS, at most `limit` ids."""
+    for i, tok in enumerate(tokens):
+        if tok in eos:
+            return tokens[: min(i + 1, limit)]
+    return tokens[:limit]
+
+
+def _runner(method: str, engine: Engine, store, config: MethodConfig, drafts: "_Drafts") -> Runner:
+    if method == "hf-greedy":
+        return HfRunner(method, engine, {})
+    if method == "hf-pld":
+        return HfRunner(method, engine, {"prompt_lookup_num_tokens": config.pld.num_draft,
+                                         "max_matching_ngram_size": config.pld.max_ngram})
+    if method == "hf-assisted":
+        return HfRunner(method, engine, {"assistant_model": drafts.draft("sd").model})
+    if method in DRAFT_METHODS:
+        draft = drafts.draft(method)
+        head = drafts.head(method, draft) if method == "specdec++" else None
+        return EngineRunner(method, engine, build_drafter(method, engine, store, config, draft=draft, head=head))
+    return EngineRunner(method, engine, build_drafter(method, engine, store if uses_store(method) else None, config))
+
+
+class _Drafts:
+    """The draft model (and SpecDec++ head), loaded once for every method that uses them."""
+
+    def __init__(self, engine: Engine, opts: dict[str, Any]) -> None:
+        self.engine, self.opts = engine, opts
+        self._draft: DraftModel | None = None
+
+    def draft(self, method: str) -> DraftModel:
+        if self._draft is None:
+            if self.opts["draft_path"] is None and self.opts["model_path"] is not None:
+                raise UserError(f"method {method} needs a draft model: pass --draft-model with a small model "
+                                "that shares the target's tokenizer")
+            # resolve as for sd: the same draft (or the embedded default) serves every method
+            path, _ = resolve_draft_paths("sd", self.opts["model_path"], self.opts["draft_path"], None, quiet=True)
+            self._draft = load_draft(path, self.engine)
+        return self._draft
+
+    def head(self, method: str, draft: DraftModel):
+        _, path = resolve_draft_paths(method, self.opts["model_path"], self.opts["draft_path"], self.opts["head_path"],
+                                      quiet=True)
+        return load_acc_head(path, self.engine, draft)
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+
+
+def _warm_up(runners: dict[str, Runner], engine: Engine, question: Question, chat: bool) -> None:
+    # First calls pay for JIT loading, allocator growth and lazy imports; keep them out of the numbers.
+    prompt = engine.encode_conversation([{"role": "user", "content": question.turns[0]}], chat)
+    for runner in runners.values():
+        runner.run(prompt, WARMUP_TOKENS)
+
+
+def _run_all(runners: dict[str, Runner], engine: Engine, questions: list[Question], opts: dict[str, Any],
+             records_path: Path) -> list[dict[str, Any]]:
+    records = []
+    with records_path.open("w", encoding="utf-8") as sink, \
+            progress_bar("bench", "run", opts["quiet"], total=len(questions) * len(runners)) as bar:
+        for q in questions:
+            baseline: list[Turn] | None = None
+            for name, runner in runners.items():  # ar first: the others compare with it
+                turns = _run_question(runner, engine, q, opts["max_new_tokens"], opts["chat"])
+                baseline = turns if name == BASELINE else baseline
+                record = _record(name, q, turns, baseline, engine)
+                records.append(record)
+                sink.write(json.dumps(record, ensure_ascii=False) + "\n")
+                sink.flush()
+                bar.update(1)
+    return records
+
+
+def _run_question(runner: Runner, engine: Engine, q: Question, max_new: int, chat: bool) -> list[Turn]:
+    messages: list[dict[str, str]] = []
+    turns = []
+    for text in q.turns:
+        messages.append({"role": "user", "content": text})
+        turn = runner.run(engine.encode_conversation(messages, chat), max_new)
+        messages.append({"role": "assistant", "content": engine.decode(turn.tokens)})
+        turns.append(turn)
+    return turns
+
+
+def _record(method: str, q: Question, turns: list[Turn], baseline: list[Turn], engine: Engine) -> dict[str, Any]:
+    diffs = [_first_difference(t.tokens, b.tokens) for t, b in zip(turns, baseline)]
+    new_tokens = sum(len(t.tokens) for t in turns)
+    time_s = sum(t.time_s for t in turns)
+    return {
+        "method": method, "question_id": q.qid, "category": q.category, "group": q.group,
+        "new_tokens": new_tokens, "time_s": round(time_s, 6),
+        "tokens_per_s": round(new_tokens / time_s, 3) if time_s > 0 else 0.0,
+        "steps": sum(t.steps for t in turns) if all(t.steps is not None for t in turns) else None,
+        "draft_s": round(sum(t.draft_s for t in turns), 6) if all(t.draft_s is not None for t in turns) else None,
+        "mismatched_turns": sum(d is not None for d in diffs),
+        "turns": [{"new_tokens": len(t.tokens), "time_s": round(t.time_s, 6), "tokens_per_s": round(t.tokens_per_s, 3),
+                   "steps": t.steps, "first_difference": d, "metrics": t.metrics, "text": engine.decode(t.tokens)}
+                  for t, d in zip(turns, diffs)],
+    }
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _run_info(engine: Engine, opts: dict[str, Any], methods: list[str], questions: int, skipped: int) -> dict[str, Any]:
+    return {
+        "command": "samctl bench " + shlex.join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "samctl bench",
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "model": engine.name,
+        "store": opts["store_path"],
+        "draft_model": opts["draft_path"],
+        "device": str(engine.device),
+        "dtype": str(next(engine.model.parameters()).dtype).replace("torch.", ""),
+        "torch_threads": torch.get_num_threads(),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "max_new_tokens": opts["max_new_tokens"],
+        "questions": questions,
+        "skipped_questions": skipped,
+        "chat": opts["chat"],
+        "methods": ", ".join(methods),
+        "method_config": json.dumps(asdict(method_config(opts))),
+    }
