@@ -218,6 +218,17 @@ def test_no_match_across_documents() -> None:
     assert sam.num_documents == 2 and sam.num_tokens == 4
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_size_bounds(seed: int) -> None:
+    """The preallocation bounds: at most 2n-1 states (n >= 2) and 3n transitions."""
+    rng = np.random.default_rng(5000 + seed)
+    docs = random_docs(rng, max_len=60)
+    n = sum(len(d) for d in docs)
+    sam = SuffixAutomaton.build(*concat(docs))
+    assert sam.num_states <= max(2 * n - 1, n + 1)
+    assert sam.num_edges <= 3 * n
+
+
 def test_counts_sum_at_root() -> None:
     rng = np.random.default_rng(7)
     docs = random_docs(rng, n_docs=4, max_len=40)
