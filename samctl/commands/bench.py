@@ -118,7 +118,7 @@ def bench(**opts: Any) -> None:
     runners = {m: _runner(m, engine, store, config, drafts) for m in methods}
     out_dir = Path(opts["out_dir"])
     out_dir.mkdir(parents=True, exist_ok=True)
-    fits, skipped = _fitting(questions, engine, opts["max_new_tokens"], opts["chat"])
+    fits, skipped = fitting_questions(questions, engine, opts["max_new_tokens"], opts["chat"])
     if not fits:
         raise UserError(f"no question fits the model's context of {engine.target.max_positions} tokens with "
                         f"--max-new-tokens {opts['max_new_tokens']}: lower --max-new-tokens")
@@ -192,7 +192,7 @@ def _first_per_group(questions: list[Question], limit: int) -> list[Question]:
     return [q for i, q in enumerate(questions) if i in chosen]
 
 
-def _fitting(questions: list[Question], engine: Engine, max_new: int, chat: bool) -> tuple[list[Question], int]:
+def fitting_questions(questions: list[Question], engine: Engine, max_new: int, chat: bool) -> tuple[list[Question], int]:
     """Questions whose every turn fits the context; turns after the first assume max_new-token answers."""
     budget = engine.target.max_positions
     fits = []

@@ -96,6 +96,7 @@ class _Simulation:
         drafter = make_drafter(method, vocab_size=self.tokenizer.vocab_size, device=torch.device("cpu"),
                                eos_token_ids=self.tokenizer.eos_token_ids,
                                static=self.store.structure if self.store is not None else None, config=config)
+        replay(drafter, self.traces[0])  # warm-up: JIT caches load on first calls, keep that out of the timings
         metrics = []
         with progress_bar(f"simulate {label or method}", "trace", self.quiet, total=len(self.traces)) as bar:
             for trace in self.traces:
