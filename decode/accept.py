@@ -8,7 +8,9 @@ a draft distribution q use speculative sampling (Leviathan et al. 2023; Chen et 
     first rejection at i: emit y ~ norm(max(p_i - q_i, 0))
     all gamma accepted:   emit a bonus y ~ p_{gamma+1}
 
-Valid only if x_i was really sampled from q_i, with p and q warped identically.
+Valid only if x_i was really sampled from q_i, with p and q warped identically. A draft model
+with a smaller vocabulary gives q over the first V' ids: the ids it lacks have q = 0, so p keeps
+the target's whole vocabulary and the residual covers them.
 """
 from __future__ import annotations
 
@@ -26,12 +28,14 @@ def speculative_accept(
     sampling: SamplingConfig,
     generator: torch.Generator | None,
 ) -> tuple[np.ndarray, int]:
-    # logits: [g+1, V] target logits at [t0, x_1..x_g]; tree.q: [g, V] draft probabilities (warped);
-    # input_ids: [g+1] -> (accepted input indices 0..a, next token)
+    # logits: [g+1, V] target logits at [t0, x_1..x_g]; tree.q: [g, V'] draft probabilities
+    # (warped), V' <= V; input_ids: [g+1] -> (accepted input indices 0..a, next token)
     assert tree.is_chain and tree.q is not None, "speculative_accept needs a chain with q"
     g = len(tree)
     p = warp_probs(logits, sampling)
-    q = tree.q.to(p.dtype)
+    q = tree.q.to(device=p.device, dtype=p.dtype)
+    assert q.shape[-1] <= p.shape[-1], (q.shape, p.shape)
+    q = torch.nn.functional.pad(q, (0, p.shape[-1] - q.shape[-1]))
     x = input_ids[1:]
     p_x = p[:-1].gather(-1, x[:, None]).squeeze(-1)
     q_x = q.gather(-1, x[:, None]).squeeze(-1)

@@ -16,13 +16,15 @@ from typing import IO, Any, Iterator
 import click
 
 from decode.drafters.base import Drafter, NoDraft
+from decode.drafters.draft import DraftConfig, SpecDecConfig
 from decode.drafters.pld import PldConfig
 from decode.drafters.sam import SamConfig
 from decode.loop import GenerationConfig, GenerationResult, generate as decode_generate
-from decode.methods import METHODS, MethodConfig
+from decode.methods import ALL_METHODS, MethodConfig
 from decode.sampling import SamplingConfig
 from index.errors import UserError
-from samctl.runtime import Engine, build_drafter, load_engine, load_store
+from samctl.runtime import (Engine, build_drafter, load_acc_head, load_draft, load_engine, load_store,
+                            resolve_draft_paths)
 
 PROMPT_FIELDS = ("prompt", "turns", "text", "question", "instruction")
 
@@ -30,7 +32,7 @@ PROMPT_FIELDS = ("prompt", "turns", "text", "question", "instruction")
 @click.command("generate")
 @click.option("--model", "model_path", metavar="PATH", help="Local model folder (default: the embedded model).")
 @click.option("--sam", "store_path", metavar="STORE", type=click.Path(dir_okay=False), help="Static datastore built by `samctl build` with the model's tokenizer.")
-@click.option("--method", type=click.Choice(METHODS), default="sam+recycle", show_default=True, help="Drafting method.")
+@click.option("--method", type=click.Choice(ALL_METHODS), default="sam+recycle", show_default=True, help="Drafting method.")
 @click.option("--prompt", help="Prompt text.")
 @click.option("--prompt-file", type=click.File("r", encoding="utf-8"), help="File holding the prompt.")
 @click.option("--input", "input_file", type=click.File("r", encoding="utf-8"), help="JSONL batch, '-' for stdin (field prompt, turns, or --field).")
@@ -52,6 +54,11 @@ PROMPT_FIELDS = ("prompt", "turns", "text", "question", "instruction")
 @click.option("--occurrence", type=click.Choice(["first", "latest"]), default="first", show_default=True, help="Which earlier occurrence retrieval drafts continue.")
 @click.option("--pld-ngram", type=int, default=3, show_default=True, help="Prompt lookup: longest n-gram matched.")
 @click.option("--pld-tokens", type=int, default=10, show_default=True, help="Prompt lookup: draft tokens.")
+@click.option("--draft-model", "draft_path", metavar="PATH", help="sd, specdec++, sam+draft: a small model sharing the target's tokenizer (default: the embedded draft, with the embedded target only).")
+@click.option("--gamma", type=int, default=4, show_default=True, help="sd, sam+draft: draft tokens per step.")
+@click.option("--acc-head", "acc_head_path", metavar="PATH", help="specdec++: acceptance head folder from tools/train_acceptance_head.py (default: the embedded one, with the embedded pair only).")
+@click.option("--stop-threshold", type=float, default=0.3, show_default=True, help="specdec++: stop drafting once the predicted P(some draft token is rejected) exceeds this.")
+@click.option("--bounds", type=(int, int), default=(2, 20), show_default=True, metavar="MIN MAX", help="specdec++: inclusive bounds on the draft length.")
 @click.option("--quiet", is_flag=True, help="No notes on stderr.")
 def generate(**opts: Any) -> None:
     """Generate from a prompt or a JSONL batch, faster, with exactly the model's output.
@@ -59,28 +66,34 @@ def generate(**opts: Any) -> None:
     \b
     samctl generate --sam store.sam --prompt-file p.txt
     samctl generate --model ./my-model --prompt "..." --method pld --compare
+    samctl generate --model ./big --draft-model ./small --method sd --gamma 4 --prompt "..."
     cat docs.jsonl | samctl generate --sam store.sam --input - --output - > out.jsonl
     """
     sources = [name for name in ("prompt", "prompt_file", "input_file") if opts[name] is not None]
     if len(sources) != 1:
         raise UserError("give exactly one of --prompt, --prompt-file or --input")
-    engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"])
-    store = load_store(opts["store_path"], engine, opts["occurrence"])
     method_config = MethodConfig(
         sam=SamConfig(dyn_threshold=opts["sam_threshold"], static_bias=opts["static_bias"],
                       max_draft=opts["max_draft"], occurrence=opts["occurrence"]),
         pld=PldConfig(max_ngram=opts["pld_ngram"], num_draft=opts["pld_tokens"]),
+        draft=DraftConfig(gamma=opts["gamma"]),
+        specdec=SpecDecConfig(opts["stop_threshold"], *opts["bounds"]),
     )
-    gen_config = GenerationConfig(
-        max_new_tokens=opts["max_new_tokens"],
-        eos_token_ids=engine.eos_token_ids,
-        sampling=SamplingConfig(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"]),
-    )
-    runner = Runner(engine, build_drafter(opts["method"], engine, store, method_config), gen_config,
-                    opts["compare"], opts["chat"], record={
-                        "method": opts["method"], "model": engine.name, "store": opts["store_path"],
-                        "config": {"generation": asdict(gen_config), "method": asdict(method_config)},
-                    })
+    sampling = SamplingConfig(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"])
+    draft_path, head_path = resolve_draft_paths(opts["method"], opts["model_path"], opts["draft_path"],
+                                                opts["acc_head_path"], opts["quiet"])
+    engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"])
+    store = load_store(opts["store_path"], engine, opts["occurrence"])
+    draft = load_draft(draft_path, engine) if draft_path is not None else None
+    head = load_acc_head(head_path, engine, draft) if head_path is not None else None
+    gen_config = GenerationConfig(max_new_tokens=opts["max_new_tokens"], eos_token_ids=engine.eos_token_ids,
+                                  sampling=sampling)
+    drafter = build_drafter(opts["method"], engine, store, method_config, draft=draft, head=head, sampling=sampling)
+    runner = Runner(engine, drafter, gen_config, opts["compare"], opts["chat"], record={
+        "method": opts["method"], "model": engine.name, "store": opts["store_path"],
+        "draft_model": draft_path, "acc_head": head_path,
+        "config": {"generation": asdict(gen_config), "method": asdict(method_config)},
+    })
     if opts["input_file"] is not None:
         failed = runner.batch(opts["input_file"], opts["output_file"], opts["prompt_field"])
         if failed:

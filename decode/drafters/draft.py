@@ -1,0 +1,174 @@
+"""Draft-model drafters: classic speculative decoding (`sd`) and SpecDec++ (`specdec++`).
+
+Each step the draft model extends the committed text by a chain y_1..y_k, autoregressively with
+its own KV cache: greedy drafts take the argmax, sampling drafts draw y_i ~ q_i where q_i is the
+draft's distribution warped exactly like the target's (temperature -> top-k -> top-p), and the
+chain carries q so the loop applies the p/q rule (`decode.accept`). Only the stop rule differs:
+- `FixedLength(gamma)`: k = gamma (Leviathan et al. 2023; Chen et al. 2023);
+- `AdaptiveLength` (SpecDec++): after drafting y_k, with P_j the head's P(accept y_j) read from
+  the hidden state at y_j (P_0 = 1 for t0, already verified), stop when
+  1 - prod_{j<k} P_j > threshold, never while k < min, always at k = max, and at EOS.
+
+Cache invariant. `history` is the committed text (prompt + committed tokens); the draft cache
+holds K/V for a prefix history[:c] plus, during a step, the speculative tail [t0, y_1..y_{k-1}]
+(y_k is never fed). `observe` crops the cache to the committed prefix it really holds; `propose`
+feeds only history[c:] + t0, so no token is fed twice. A drafter that did not propose this step
+(SAM used a retrieval draft) holds no speculative tail and catches up in one forward next time.
+
+Lossless whatever the draft does: greedy chains are checked against the target's argmax, and a
+sampled chain carries exactly the q it was drawn from. Knows nothing of the target or text.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from decode.acceptance_head import AcceptanceHead
+from decode.draft_model import DraftModel
+from decode.sampling import SamplingConfig, warp_probs
+from decode.tree import DraftTree
+from index.errors import UserError
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    gamma: int = 4  # tokens per step for `sd` (and for `sam+draft`'s fallback)
+
+    def __post_init__(self) -> None:
+        if self.gamma < 1:
+            raise UserError(f"--gamma must be >= 1, got {self.gamma}")
+
+
+@dataclass(frozen=True)
+class SpecDecConfig:
+    stop_threshold: float = 0.3  # stop once P(some drafted token is rejected) exceeds this
+    min_draft: int = 2  # inclusive bounds on the draft length
+    max_draft: int = 20
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.stop_threshold <= 1.0:
+            raise UserError(f"--stop-threshold must be in [0, 1], got {self.stop_threshold}")
+        if not 1 <= self.min_draft <= self.max_draft:
+            raise UserError(f"--bounds MIN MAX need 1 <= MIN <= MAX, got {self.min_draft} {self.max_draft}")
+
+
+class StopRule(Protocol):
+    needs_hidden: bool  # whether `done` reads the draft's hidden state
+    syncs: bool  # whether `done` reads tokens on the host (then drafting stops at EOS too)
+    max_len: int
+
+    def begin(self) -> None: ...
+
+    def done(self, k: int, hidden: torch.Tensor | None) -> bool:
+        # k: tokens drafted so far (>= 1); hidden: [H] draft state at the input before y_k
+        ...
+
+
+class FixedLength:
+    needs_hidden = False
+    syncs = False
+
+    def __init__(self, gamma: int) -> None:
+        self.max_len = gamma
+
+    def begin(self) -> None:
+        pass
+
+    def done(self, k: int, hidden: torch.Tensor | None) -> bool:
+        return k >= self.max_len
+
+
+class AdaptiveLength:
+    """SpecDec++'s stop rule over the head's acceptance predictions."""
+
+    needs_hidden = True
+    syncs = True
+
+    def __init__(self, head: AcceptanceHead, config: SpecDecConfig) -> None:
+        self.head, self.config = head, config
+        self.max_len = config.max_draft
+        self.all_accepted = 1.0  # predicted P(every token drafted so far is accepted)
+
+    def begin(self) -> None:
+        self.all_accepted = 1.0
+
+    def done(self, k: int, hidden: torch.Tensor | None) -> bool:
+        # The state before y_1 is at t0, which the target already chose: P = 1 there.
+        if k > 1:
+            self.all_accepted *= float(self.head.accept_prob(hidden))
+        if k >= self.config.max_draft:
+            return True
+        if k < self.config.min_draft:
+            return False
+        return 1.0 - self.all_accepted > self.config.stop_threshold
+
+
+class DraftModelDrafter:
+    def __init__(
+        self,
+        draft: DraftModel,
+        stop: StopRule,
+        sampling: SamplingConfig = SamplingConfig(),
+        eos_token_ids: tuple[int, ...] = (),
+        name: str = "sd",
+    ) -> None:
+        self.draft, self.stop, self.sampling = draft, stop, sampling
+        self.eos = frozenset(eos_token_ids)
+        self.name = name
+        self.generator: torch.Generator | None = None
+        if not sampling.greedy:
+            self.generator = torch.Generator(device=draft.device)
+            self.generator.seed()
+        self.history = np.zeros(0, dtype=np.int64)
+        self.speculative = 0  # drafted tokens fed to the cache after t0 in the last propose
+
+    def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor) -> None:
+        self.draft.reset()
+        self.history = np.asarray(prompt, dtype=np.int64).copy()
+        self.speculative = 0
+        if self.generator is not None and self.sampling.seed is not None:
+            # Its own stream, reproducible from the run's seed, independent of the target's draws.
+            self.generator.manual_seed((self.sampling.seed * 0x9E3779B1 + 0x5DEECE66D) % (1 << 63))
+
+    def propose(self, t0: int) -> DraftTree:
+        draft = self.draft
+        feed = np.append(self.history[draft.cached :], t0)
+        # y_k is never fed, so k tokens need k - 1 positions after the fed ones.
+        room = draft.max_positions - draft.cached - len(feed) + 1
+        if room < 1:
+            return DraftTree.empty()
+        limit = min(self.stop.max_len, room)
+        self.stop.begin()
+        logits, hidden = draft.forward(torch.from_numpy(feed).to(draft.device), self.stop.needs_hidden)
+        tokens, qs = [], []
+        k = 0
+        while True:
+            k += 1
+            token, q = self._choose(logits)
+            tokens.append(token)
+            qs.append(q)
+            if k >= limit or self.stop.done(k, hidden) or (self.stop.syncs and int(token) in self.eos):
+                break
+            logits, hidden = draft.forward(token, self.stop.needs_hidden)
+        self.speculative = k - 1
+        chain = torch.cat(tokens)
+        return DraftTree.chain(chain, q=None if self.sampling.greedy else torch.cat(qs))
+
+    def observe(self, committed: np.ndarray, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
+        # The cache holds history[:c] and, if this drafter proposed, [t0, y_1..y_s]; committed
+        # is [t0, y_1..y_a] (a prefix of the chain) when it proposed, else someone else's tokens.
+        before = len(self.history)
+        self.history = np.concatenate((self.history, np.asarray(committed, dtype=np.int64)))
+        if self.draft.cached > before:
+            self.draft.keep(before + 1 + min(len(committed) - 1, self.speculative))
+        self.speculative = 0
+
+    def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # logits: [V'] at the last fed token -> (token [1] int64 on device, q [1, V'] or None)
+        if self.sampling.greedy:
+            return logits.argmax(dim=-1, keepdim=True), None
+        q = warp_probs(logits[None], self.sampling)
+        return torch.multinomial(q, 1, generator=self.generator)[0], q

@@ -1,0 +1,110 @@
+"""SpecDec++ acceptance-head files: a folder with `head.safetensors` and `head.json`.
+
+`head.json` holds the format name and version, the head's shape (hidden size, blocks, shared
+blocks), the fingerprints of the target and draft models it was trained for, and a free-form
+`training` record. A model's fingerprint is a hash of its architecture config (runtime-only keys
+such as dtype, name and version left out) plus its tokenizer's fingerprint; a head is refused with
+any other pair, since its predictions are about that pair's acceptances. The JSON is untrusted
+input: every field is checked before use. No pickle.
+
+This module knows files and fingerprints; the head itself is `decode.acceptance_head`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from decode.acceptance_head import AcceptanceHead, HeadConfig
+from index.errors import UserError
+from samctl.tokenizer import tokenizer_fingerprint
+
+FORMAT = "samctl-acceptance-head"
+VERSION = 1
+WEIGHTS, CONFIG = "head.safetensors", "head.json"
+# Config keys that say how a model was saved or run, not what it computes.
+_RUNTIME_KEYS = {"transformers_version", "architectures", "output_hidden_states", "output_attentions",
+                 "return_dict", "dtype", "torch_dtype", "use_cache", "id2label", "label2id", "problem_type",
+                 "chunk_size_feed_forward", "attn_implementation", "pad_token_id"}
+
+
+def model_fingerprint(model: torch.nn.Module, tokenizer: Any) -> dict[str, str]:
+    """{"config": hash of the architecture config, "tokenizer": tokenizer fingerprint}."""
+    config = {k: v for k, v in model.config.to_dict().items() if not k.startswith("_") and k not in _RUNTIME_KEYS}
+    payload = json.dumps(config, sort_keys=True, default=str).encode("utf-8")
+    return {"config": hashlib.sha256(payload).hexdigest()[:16], "tokenizer": tokenizer_fingerprint(tokenizer)}
+
+
+def save_head(path: str | Path, head: AcceptanceHead, target: dict[str, str], draft: dict[str, str],
+              training: dict[str, Any]) -> None:
+    """Write the head folder (weights first, then the JSON that makes it loadable)."""
+    from safetensors.torch import save_file
+
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().cpu().float().contiguous() for name, t in head.state_dict().items()}
+    save_file(tensors, str(folder / WEIGHTS))
+    meta = {
+        "format": FORMAT, "version": VERSION,
+        "hidden_size": head.config.hidden_size, "num_blocks": head.config.num_blocks,
+        "shared_blocks": head.config.shared_blocks,
+        "target": target, "draft": draft, "training": training,
+    }
+    tmp = folder / (CONFIG + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, folder / CONFIG)
+
+
+def load_head(path: str | Path, target: dict[str, str], draft: dict[str, str],
+              device: torch.device) -> AcceptanceHead:
+    """Load a head folder for this target/draft pair; UserError if it is damaged or for another pair."""
+    folder = Path(path)
+    meta = _read_meta(folder)
+    for role, wanted in (("target", target), ("draft", draft)):
+        if meta[role] != wanted:
+            raise UserError(f"acceptance head {folder} was trained for another {role} model "
+                            f"(fingerprint {meta[role]}, this one is {wanted}): train a head for this "
+                            "pair with tools/train_acceptance_head.py")
+    head = AcceptanceHead(HeadConfig(meta["hidden_size"], meta["num_blocks"], meta["shared_blocks"]))
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(folder / WEIGHTS))
+    except (OSError, SafetensorError) as err:
+        raise UserError(f"cannot read {folder / WEIGHTS} ({err}): retrain or copy the head again") from err
+    try:
+        head.load_state_dict(tensors)
+    except RuntimeError as err:
+        first = str(err).strip().splitlines()[0][:200]
+        raise UserError(f"{folder / WEIGHTS} does not match its {CONFIG} ({first}): retrain the head") from err
+    return head.to(device).eval()
+
+
+def _read_meta(folder: Path) -> dict[str, Any]:
+    if not (folder / CONFIG).is_file() or not (folder / WEIGHTS).is_file():
+        raise UserError(f"{folder} is not an acceptance head folder (needs {CONFIG} and {WEIGHTS}): "
+                        "pass the --out folder of tools/train_acceptance_head.py")
+    try:
+        meta = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UserError(f"cannot read {folder / CONFIG} ({err}): retrain the head") from err
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise UserError(f"{folder / CONFIG} is not a samctl acceptance head: pass a head folder")
+    if meta.get("version") != VERSION:
+        raise UserError(f"{folder / CONFIG} has format version {meta.get('version')!r}, this samctl reads "
+                        f"{VERSION}: retrain the head or upgrade samctl")
+    ok = (isinstance(meta.get("hidden_size"), int) and 0 < meta["hidden_size"] <= 1 << 16
+          and isinstance(meta.get("num_blocks"), int) and 0 <= meta["num_blocks"] <= 64
+          and isinstance(meta.get("shared_blocks"), bool)
+          and all(isinstance(meta.get(role), dict) and all(isinstance(meta[role].get(k), str) for k in ("config", "tokenizer"))
+                  for role in ("target", "draft")))
+    if not ok:
+        raise UserError(f"{folder / CONFIG} has missing or invalid fields: retrain the head")
+    meta["target"] = {k: meta["target"][k] for k in ("config", "tokenizer")}
+    meta["draft"] = {k: meta["draft"][k] for k in ("config", "tokenizer")}
+    return meta
