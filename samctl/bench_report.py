@@ -8,6 +8,8 @@ Counting (Spec-Bench, METHODS.md §12, with the same token counting on both side
     speedup               = mean over questions of the method's tokens/s
                             / mean over the same questions of ar's tokens/s
     speedup (total time)  = (total tokens / total time) of the method / the same for ar
+    vs hf-greedy          = the speedup computed against hf-greedy (transformers' generate)
+                            instead of ar, when the run has it
     mean accepted tokens  = (new tokens - turns) / decode steps, pooled (each turn's first token
                             comes from its prefill); plain decoding: 1.00
     draft share           = drafting time / wall time
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 BASELINE = "ar"
+HF_BASELINE = "hf-greedy"
 OVERALL = "overall"
 
 
@@ -33,7 +36,8 @@ def aggregate(records: list[dict[str, Any]], methods: list[str]) -> dict[str, di
     for group in groups + [OVERALL]:
         rows = [r for r in records if group == OVERALL or r["group"] == group]
         base = _totals([r for r in rows if r["method"] == BASELINE])
-        table[group] = {m: _row(_totals([r for r in rows if r["method"] == m]), base) for m in methods}
+        hf = _totals([r for r in rows if r["method"] == HF_BASELINE]) if HF_BASELINE in methods else None
+        table[group] = {m: _row(_totals([r for r in rows if r["method"] == m]), base, hf) for m in methods}
     return table
 
 
@@ -52,7 +56,7 @@ def _totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _row(t: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+def _row(t: dict[str, Any], base: dict[str, Any], hf: dict[str, Any] | None) -> dict[str, Any]:
     rate = t["new_tokens"] / t["time_s"] if t["time_s"] > 0 else 0.0
     base_rate = base["new_tokens"] / base["time_s"] if base["time_s"] > 0 else 0.0
     accepted = (t["new_tokens"] - t["turns"]) / t["steps"] if t["steps"] else None
@@ -63,6 +67,7 @@ def _row(t: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
         "tokens_per_s": round(t["mean_rate"], 3),
         "speedup": round(t["mean_rate"] / base["mean_rate"], 3) if base["mean_rate"] > 0 else None,
         "speedup_total_time": round(rate / base_rate, 3) if base_rate > 0 else None,
+        "speedup_vs_hf_greedy": round(t["mean_rate"] / hf["mean_rate"], 3) if hf and hf["mean_rate"] > 0 else None,
         "mean_accepted": round(accepted, 3) if accepted is not None else None,
         "draft_share": round(t["draft_s"] / t["time_s"], 4) if t["draft_known"] and t["time_s"] > 0 else None,
         "mismatched_turns": t["mismatched_turns"],
@@ -70,6 +75,7 @@ def _row(t: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
 
 
 _COLUMNS = (("speedup", "speedup"), ("speedup_total_time", "speedup (total time)"),
+            ("speedup_vs_hf_greedy", "vs hf-greedy"),
             ("mean_accepted", "accepted tokens/step"), ("tokens_per_s", "tokens/s"),
             ("draft_share", "draft share"), ("mismatched_turns", "greedy mismatches"), ("questions", "questions"))
 
@@ -80,8 +86,9 @@ def markdown(summary: dict[str, Any]) -> str:
     lines = ["# samctl bench", ""]
     lines += [f"- {key}: {value}" for key, value in run.items()]
     lines += ["", "Speedup: mean over questions of tokens/s, divided by the same for `ar` (Spec-Bench); "
-              "total time: throughput over the whole category against `ar`'s. Tokens are generated ids "
-              "up to and including EOS, capped at max_new_tokens, for every method.", ""]
+              "total time: throughput over the whole category against `ar`'s; vs hf-greedy: the Spec-Bench "
+              "speedup against transformers' `generate`. Tokens are generated ids up to and including EOS, "
+              "capped at max_new_tokens, for every method.", ""]
     for group, rows in summary["table"].items():
         lines += [f"## {group}", "", "| method | " + " | ".join(h for _, h in _COLUMNS) + " |",
                   "|---|" + "---:|" * len(_COLUMNS)]

@@ -69,6 +69,7 @@ def test_bench_writes_records_summary_and_plot(bench_files):
     assert list(summary["table"]) == ["mt_bench", "summarization", "overall"]
     assert summary["table"]["overall"]["ar"]["speedup"] == 1.0
     assert summary["table"]["overall"]["hf-greedy"]["mean_accepted"] == 1.0
+    assert summary["table"]["overall"]["hf-greedy"]["speedup_vs_hf_greedy"] == 1.0
     assert set(summary["mismatches"].values()) == {0}
     md = (out / "summary.md").read_text()
     assert "## mt_bench" in md and "## overall" in md and "| hf-pld |" in md
@@ -126,4 +127,4 @@ def test_aggregate_is_spec_bench_speedup():
     assert row["draft_share"] == pytest.approx(1.5 / 6, abs=1e-4)
     summary = {"run": {"model": "m"}, "methods": ["ar", "x"], "table": aggregate(records, ["ar", "x"]),
                "mismatches": {"ar": 0, "x": 0}}
-    assert "| x | 1.09x | 1.83x | 3.00 |" in markdown(summary)
+    assert "| x | 1.09x | 1.83x | — | 3.00 |" in markdown(summary)
