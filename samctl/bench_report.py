@@ -96,7 +96,7 @@ def markdown(summary: dict[str, Any]) -> str:
             lines.append(f"| {method} | " + " | ".join(_fmt(row[k], k) for k, _ in _COLUMNS) + " |")
         lines.append("")
     total = sum(summary["mismatches"].values())
-    lines.append(f"Greedy mismatches against `ar` (turns whose tokens differ): {total}"
+    lines.append(f"Greedy mismatches against `ar` (turns whose tokens differ, over all repeats): {total}"
                  + ("" if not total else " — " + ", ".join(f"{m}: {n}" for m, n in summary["mismatches"].items() if n)))
     return "\n".join(lines) + "\n"
 

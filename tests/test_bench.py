@@ -39,13 +39,14 @@ def bench_files(tmp_path_factory):
     return path, questions, store
 
 
+@pytest.mark.slow
 def test_bench_writes_records_summary_and_plot(bench_files):
     path, questions, store = bench_files
     out = path / "out"
     methods = "pld,sam,rest,sd,hf-greedy,hf-pld,hf-assisted"
     proc = samctl("bench", "--model", str(path / "model"), "--draft-model", str(path / "draft"), "--sam", str(store),
                   "--questions", str(questions), "--methods", methods, "--max-new-tokens", "12",
-                  "--limit", "1", "--out", str(out))
+                  "--limit", "1", "--repeats", "2", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "greedy mismatches against ar: 0" in proc.stderr
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
@@ -56,6 +57,7 @@ def test_bench_writes_records_summary_and_plot(bench_files):
     ar = {r["question_id"]: r for r in records if r["method"] == "ar"}
     for r in records:
         assert r["mismatched_turns"] == 0, r
+        assert len(r["repeat_times_s"]) == 2 and r["time_s"] == pytest.approx(min(r["repeat_times_s"]), abs=1e-5)
         assert r["group"] == ("mt_bench" if r["question_id"] == 81 else "summarization")
         assert len(r["turns"]) == (2 if r["question_id"] == 81 else 1)
         assert r["new_tokens"] == ar[r["question_id"]]["new_tokens"]  # same counting for every method
@@ -76,6 +78,7 @@ def test_bench_writes_records_summary_and_plot(bench_files):
     assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_bench_refuses_bad_input(bench_files, tmp_path):
     path, questions, _ = bench_files
     bad = tmp_path / "bad.jsonl"

@@ -162,6 +162,7 @@ def trace_files(tmp_path_factory):
     return traces, store
 
 
+@pytest.mark.slow
 def test_simulate_cli_reports_every_method_and_category(trace_files):
     traces, store = trace_files
     proc = samctl("simulate", "--traces", str(traces), "--sam", str(store), "--methods", "ar,pld,sam,rest", "--json")
@@ -181,6 +182,7 @@ def test_simulate_cli_reports_every_method_and_category(trace_files):
     assert table.returncode == 0 and "| overall | sam |" in table.stdout, table.stderr
 
 
+@pytest.mark.slow
 def test_simulate_cli_sweep_and_errors(trace_files):
     traces, store = trace_files
     proc = samctl("simulate", "--traces", str(traces), "--tokenizer", "bytes", "--methods", "pld", "--sweep", "--json")

@@ -7,7 +7,8 @@ N questions of each reported category (round-robin over MT-bench's sub-categorie
 
 Protocol: the model, store and drafters load once; every method (ar included, always) runs one
 short warm-up generation; then each question runs through every method in turn, so slow drifts
-of the machine hit all methods alike. Multi-turn questions run turn by turn: turn k's prompt is
+of the machine hit all methods alike; with --repeats N the whole round repeats N times and each
+(method, question) reports its median-time run. Multi-turn questions run turn by turn: turn k's prompt is
 the conversation so far with the method's own earlier answers, rendered by the chat template
 (--chat) or joined by blank lines. Questions whose prompt plus max_new_tokens does not fit the
 model's context are skipped (and counted).
@@ -92,6 +93,7 @@ class Runner(Protocol):
               help=f"Comma-separated, from {', '.join(ALL_BENCH_METHODS)}; ar is always run (the baseline).")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--limit", type=int, default=None, help="First N questions of each reported category.")
+@click.option("--repeats", type=int, default=1, show_default=True, help="Runs per method and question; the median-time run is reported.")
 @click.option("--categories", default=None, help="Comma-separated categories to keep (reported or original names, e.g. mt_bench,summarization).")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder for records.jsonl, summary.md/json, speedup.png.")
 @click.option("--chat", is_flag=True, help="Render prompts with the tokenizer's chat template.")
@@ -106,8 +108,8 @@ def bench(**opts: Any) -> None:
     samctl bench --questions specbench_question.jsonl --limit 4 --out runs/cpu
     samctl bench --model M --sam store.sam --questions q.jsonl --methods ar,pld,sam,rest --out runs/x
     """
-    if opts["max_new_tokens"] < 1:
-        raise UserError(f"--max-new-tokens must be >= 1, got {opts['max_new_tokens']}")
+    if opts["max_new_tokens"] < 1 or opts["repeats"] < 1:
+        raise UserError(f"--max-new-tokens and --repeats must be >= 1, got {opts['max_new_tokens']} and {opts['repeats']}")
     methods = parse_methods(opts["methods_spec"], ALL_BENCH_METHODS)
     methods = [BASELINE] + [m for m in methods if m != BASELINE]
     questions = read_questions(Path(opts["questions_path"]), opts["categories"], opts["limit"])
@@ -317,19 +319,29 @@ def _warm_up(runners: dict[str, Runner], engine: Engine, question: Question, cha
 def _run_all(runners: dict[str, Runner], engine: Engine, questions: list[Question], opts: dict[str, Any],
              records_path: Path) -> list[dict[str, Any]]:
     records = []
+    repeats = opts["repeats"]
     with records_path.open("w", encoding="utf-8") as sink, \
-            progress_bar("bench", "run", opts["quiet"], total=len(questions) * len(runners)) as bar:
+            progress_bar("bench", "run", opts["quiet"], total=len(questions) * len(runners) * repeats) as bar:
         for q in questions:
-            baseline: list[Turn] | None = None
-            for name, runner in runners.items():  # ar first: the others compare with it
-                turns = _run_question(runner, engine, q, opts["max_new_tokens"], opts["chat"])
-                baseline = turns if name == BASELINE else baseline
-                record = _record(name, q, turns, baseline, engine)
+            runs: dict[str, list[list[Turn]]] = {name: [] for name in runners}
+            for _ in range(repeats):  # repeats interleave the methods too
+                for name, runner in runners.items():
+                    runs[name].append(_run_question(runner, engine, q, opts["max_new_tokens"], opts["chat"]))
+                    bar.update(1)
+            baseline = _median_run(runs[BASELINE])
+            for name in runners:  # ar first: the others compare with it
+                record = _record(name, q, _median_run(runs[name]), baseline, engine, runs[name])
                 records.append(record)
                 sink.write(json.dumps(record, ensure_ascii=False) + "\n")
                 sink.flush()
-                bar.update(1)
     return records
+
+
+def _median_run(runs: list[list[Turn]]) -> list[Turn]:
+    """The repeat whose total time is the median (the lower one for an even count): a spike from
+    another process on the machine moves a mean, not a median."""
+    ordered = sorted(runs, key=lambda turns: sum(t.time_s for t in turns))
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def _run_question(runner: Runner, engine: Engine, q: Question, max_new: int, chat: bool) -> list[Turn]:
@@ -343,8 +355,11 @@ def _run_question(runner: Runner, engine: Engine, q: Question, max_new: int, cha
     return turns
 
 
-def _record(method: str, q: Question, turns: list[Turn], baseline: list[Turn], engine: Engine) -> dict[str, Any]:
+def _record(method: str, q: Question, turns: list[Turn], baseline: list[Turn], engine: Engine,
+            repeats: list[list[Turn]]) -> dict[str, Any]:
     diffs = [_first_difference(t.tokens, b.tokens) for t, b in zip(turns, baseline)]
+    # Every repeat's turns are checked against ar's: greedy output must not vary between runs either.
+    mismatched = sum(_first_difference(t.tokens, b.tokens) is not None for run in repeats for t, b in zip(run, baseline))
     new_tokens = sum(len(t.tokens) for t in turns)
     time_s = sum(t.time_s for t in turns)
     return {
@@ -353,7 +368,8 @@ def _record(method: str, q: Question, turns: list[Turn], baseline: list[Turn], e
         "tokens_per_s": round(new_tokens / time_s, 3) if time_s > 0 else 0.0,
         "steps": sum(t.steps for t in turns) if all(t.steps is not None for t in turns) else None,
         "draft_s": round(sum(t.draft_s for t in turns), 6) if all(t.draft_s is not None for t in turns) else None,
-        "mismatched_turns": sum(d is not None for d in diffs),
+        "mismatched_turns": mismatched,
+        "repeat_times_s": [round(sum(t.time_s for t in run), 6) for run in repeats],
         "turns": [{"new_tokens": len(t.tokens), "time_s": round(t.time_s, 6), "tokens_per_s": round(t.tokens_per_s, 3),
                    "steps": t.steps, "first_difference": d, "metrics": t.metrics, "text": engine.decode(t.tokens)}
                   for t, d in zip(turns, diffs)],
@@ -379,6 +395,7 @@ def _run_info(engine: Engine, opts: dict[str, Any], methods: list[str], question
         "torch_threads": torch.get_num_threads(),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "max_new_tokens": opts["max_new_tokens"],
+        "repeats": opts["repeats"],
         "questions": questions,
         "skipped_questions": skipped,
         "chat": opts["chat"],
