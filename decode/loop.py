@@ -132,7 +132,7 @@ def _step(
     tree = drafter.propose(t0)
     tree = tree.limit_depth(min(out.remaining - 1, target.max_positions - target.cached - 1))
     input_ids = _verify_input(t0, tree, target.device)
-    metrics.draft_s += time.perf_counter() - tic
+    draft_s = time.perf_counter() - tic
 
     # 2) verify and 3) accept
     tic = time.perf_counter()
@@ -159,7 +159,7 @@ def _step(
     tic = time.perf_counter()
     if not out.done:
         drafter.observe(committed, input_ids, logits)
-    metrics.draft_s += time.perf_counter() - tic
+    metrics.record_draft(draft_s + time.perf_counter() - tic)
     return bonus
 
 

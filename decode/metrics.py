@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class Metrics:
@@ -16,6 +18,7 @@ class Metrics:
     accepted: int = 0  # draft tokens accepted, over all steps
     drafted: int = 0  # draft tokens proposed (tree nodes, root excluded), over all steps
     accept_hist: list[int] = field(default_factory=list)  # accept_hist[a] = steps that accepted a drafts
+    step_draft_us: list[float] = field(default_factory=list)  # propose + observe of each step
     draft_s: float = 0.0  # propose + observe, host side
     verify_s: float = 0.0  # target forward + acceptance, including the one host sync per step
     prefill_s: float = 0.0
@@ -28,6 +31,14 @@ class Metrics:
         if len(self.accept_hist) <= accepted:
             self.accept_hist.extend([0] * (accepted + 1 - len(self.accept_hist)))
         self.accept_hist[accepted] += 1
+
+    def record_draft(self, seconds: float) -> None:
+        """One step's drafting cost (propose + observe)."""
+        self.draft_s += seconds
+        self.step_draft_us.append(1e6 * seconds)
+
+    def draft_us_quantile(self, q: float) -> float:
+        return float(np.quantile(self.step_draft_us, q)) if self.step_draft_us else 0.0
 
     @property
     def mean_accepted(self) -> float:
@@ -62,4 +73,6 @@ class Metrics:
             "other_s": round(self.other_s, 6),
             "prefill_s": round(self.prefill_s, 6),
             "draft_us_per_step": round(1e6 * self.draft_s / self.steps, 2) if self.steps else 0.0,
+            "draft_us_median": round(self.draft_us_quantile(0.5), 2),
+            "draft_us_p90": round(self.draft_us_quantile(0.9), 2),
         }

@@ -103,7 +103,7 @@ def replay(drafter: Drafter, trace: Trace) -> Metrics:
         # 1) propose, cut like the engine: no deeper than the tokens still wanted after t0's bonus
         tic = time.perf_counter()
         tree = drafter.propose(int(ref[emitted - 1])).limit_depth(cap - emitted - 1)
-        metrics.draft_s += time.perf_counter() - tic
+        draft_s = time.perf_counter() - tic
         # 2) verify and 3) accept against the reference
         node_tokens = np.asarray(tree.tokens, dtype=np.int64)
         depths = np.concatenate(([0], tree.depths())).astype(np.int64)
@@ -116,10 +116,10 @@ def replay(drafter: Drafter, trace: Trace) -> Metrics:
         committed = ref[emitted - 1 : emitted + accepted]
         emitted += take
         # 5) observe, unless the output is complete (the engine skips it then too)
+        tic = time.perf_counter()
         if emitted < limit:
-            tic = time.perf_counter()
             drafter.observe(committed, None, None)
-            metrics.draft_s += time.perf_counter() - tic
+        metrics.record_draft(draft_s + time.perf_counter() - tic)
     metrics.new_tokens = limit
     metrics.time_s = time.perf_counter() - start
     return metrics
