@@ -211,8 +211,8 @@ def tally_by_category(traces: list[Trace], metrics: list[Metrics]) -> dict[str, 
 # Sweep grid: per method, (config section, field) -> values. Static-store fields only count when
 # a store is given.
 SWEEP_GRID: dict[str, dict[tuple[str, str], tuple]] = {
-    "sam": {("sam", "dyn_threshold"): (2, 3, 4, 5, 6, 8), ("sam", "max_draft"): (8, 16, 24, 39, 60),
-            ("sam", "static_bias"): (0, 2, 5, 10)},
+    "sam": {("sam", "dyn_threshold"): (1, 2, 3, 5, 8), ("sam", "alpha"): (1.0, 4.0, 16.0),
+            ("sam", "max_draft"): (10, 20, 39, 60), ("sam", "static_bias"): (0, 5)},
     "pld": {("pld", "max_ngram"): (1, 2, 3, 4, 5), ("pld", "num_draft"): (5, 10, 20, 40)},
     "rest": {("rest", "num_nodes"): (16, 32, 64), ("rest", "max_depth"): (4, 6, 10)},
 }

@@ -127,10 +127,10 @@ def test_only_retrieval_methods_replay():
 def test_sweep_covers_the_grid():
     with_store = list(sweep_configs("sam", MethodConfig(), has_store=True))
     without = list(sweep_configs("sam", MethodConfig(), has_store=False))
-    assert len(with_store) == 6 * 5 * 4 and len(without) == 6 * 5
+    assert len(with_store) == 5 * 3 * 4 * 2 and len(without) == 5 * 3 * 4
     setting, config = without[0]
     assert config.sam.dyn_threshold == setting["sam.dyn_threshold"] and config.sam.max_draft == setting["sam.max_draft"]
-    assert len({(c.sam.dyn_threshold, c.sam.max_draft, c.sam.static_bias) for _, c in with_store}) == len(with_store)
+    assert len({(c.sam.dyn_threshold, c.sam.alpha, c.sam.max_draft, c.sam.static_bias) for _, c in with_store}) == len(with_store)
     assert len(list(sweep_configs("pld", MethodConfig(), has_store=False))) == 20
     assert list(sweep_configs("ar", MethodConfig(), has_store=False)) == [({}, MethodConfig())]
 
