@@ -231,9 +231,12 @@ def _sam_add(states, edges, slots, meta, last, token, pos, online):
 
 
 @njit(cache=True)
-def _insert(states, edges, slots, buf, meta, tokens, doc_offsets, d, i, close_docs, online):
+def _insert(states, edges, slots, buf, meta, tokens, doc_offsets, d, i, close_docs, online, pointer):
     """Insert tokens[doc_offsets[d]:] document by document from token i; returns (d, i) where it
     stopped: d == len(doc_offsets) - 1 when done, else the arrays need room first.
+
+    pointer: [state, length] of a match to move over each token *before* it is inserted, so it
+    stays an earlier occurrence (SAM-Decoding's dynamic pointer); an empty array for none.
 
     close_docs: end each document (separator, next one starts at the root); otherwise the
     tokens continue the open document. online: keep counts and last ends exact after every
@@ -253,6 +256,8 @@ def _insert(states, edges, slots, buf, meta, tokens, doc_offsets, d, i, close_do
                 meta[M_DOC_OPEN] = 1
                 meta[M_DOCS] += 1
             token = tokens[i]
+            if len(pointer) == 2:
+                pointer[0], pointer[1] = sam_step(states, edges, slots, pointer[0], pointer[1], token)
             pos = meta[M_BUF]
             buf[pos] = token
             last = _sam_add(states, edges, slots, meta, meta[M_LAST], token, pos, online)
@@ -633,6 +638,9 @@ class KernelArrays(NamedTuple):
     end_col: int  # FIRST_END or LAST_END, per `occurrence`
 
 
+_NO_POINTER = np.zeros(0, dtype=np.int64)
+
+
 def _pow2_at_least(n: int) -> int:
     return 1 << max(4, int(n - 1).bit_length())
 
@@ -703,12 +711,13 @@ class SuffixAutomaton:
         _new_state(states, meta, 0, -1, -1)
         return cls(states, edges, slots, buf, meta, occurrence, static)
 
-    def _insert(self, tokens: np.ndarray, doc_offsets: np.ndarray, close_docs: bool, online: bool) -> None:
+    def _insert(self, tokens: np.ndarray, doc_offsets: np.ndarray, close_docs: bool, online: bool,
+                pointer: np.ndarray = _NO_POINTER) -> None:
         """Run the insertion kernel, growing the arrays whenever it stops for room."""
         d, i, n_docs = 0, 0, len(doc_offsets) - 1
         while True:
             d, i = _insert(self._states, self._edges, self._slots, self._buf, self._meta,
-                           tokens, doc_offsets, d, i, close_docs, online)
+                           tokens, doc_offsets, d, i, close_docs, online, pointer)
             if d == n_docs:
                 return
             self._reserve()
@@ -735,6 +744,19 @@ class SuffixAutomaton:
         if len(tokens) and int(tokens.min()) < 0:
             raise UserError("token ids must be >= 0")
         self._insert(tokens, np.array([0, len(tokens)], dtype=np.int64), close_docs=False, online=True)
+
+    def extend_tracking(self, tokens: np.ndarray, state: int, length: int) -> tuple[int, int]:
+        """`extend`, moving the match (state, length) over each token just before inserting it;
+        returns the moved match, which is then always an earlier occurrence of the text's suffix
+        (so it has a continuation). One kernel call for the whole run of tokens."""
+        pointer = np.array([state, length], dtype=np.int64)
+        tokens = np.asarray(tokens, dtype=np.int32)
+        if self.static:
+            raise UserError("this suffix automaton is static: use SuffixAutomaton.empty() to grow one")
+        if len(tokens) and int(tokens.min()) < 0:
+            raise UserError("token ids must be >= 0")
+        self._insert(tokens, np.array([0, len(tokens)], dtype=np.int64), close_docs=False, online=True, pointer=pointer)
+        return int(pointer[0]), int(pointer[1])
 
     def end_document(self) -> None:
         """Close the current document: the next `extend` starts a new one."""

@@ -197,7 +197,10 @@ def load_datastore(path: str | os.PathLike, verify: bool = False, occurrence: st
     arrays = store.arrays
     try:
         if meta.build.kind == "sam":
-            structure: Structure = SuffixAutomaton.from_arrays(arrays, occurrence=occurrence)
+            # The link-length check is a random read over every state (most of an 8M-token
+            # store's load time); without it a corrupt link can still only misdirect a match,
+            # since link walks are capped, and the model verifies every draft anyway.
+            structure: Structure = SuffixAutomaton.from_arrays(arrays, occurrence=occurrence, check_links=verify)
         else:
             structure = NgramTable.from_arrays(arrays, meta.build.ngram_config())
     except UserError as err:

@@ -314,3 +314,21 @@ def test_bad_inputs() -> None:
     with pytest.raises(UserError):
         SuffixAutomaton.empty(occurrence="middle")
     assert SuffixAutomaton.build(np.zeros(0, dtype=np.int32), np.array([0])).num_states == 1
+
+
+def test_extend_tracking_equals_step_then_extend():
+    rng = np.random.default_rng(5)
+    for trial in range(30):
+        tokens = rng.integers(0, 3, rng.integers(1, 60)).astype(np.int32)
+        slow, fast = SuffixAutomaton.empty(4), SuffixAutomaton.empty(4)
+        state, length = 0, 0
+        for token in tokens:
+            state, length = slow.step(state, length, int(token))
+            slow.extend(np.array([token], dtype=np.int32))
+        cut = int(rng.integers(0, len(tokens) + 1))
+        pointer = fast.extend_tracking(tokens[:cut], 0, 0)
+        pointer = fast.extend_tracking(tokens[cut:], *pointer)
+        assert pointer[1] == length, (trial, tokens)
+        assert fast.continuation(pointer[0], 50).tolist() == slow.continuation(state, 50).tolist()
+        for name, array in slow.to_arrays().items():
+            np.testing.assert_array_equal(array, fast.to_arrays()[name], err_msg=name)

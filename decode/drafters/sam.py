@@ -151,6 +151,4 @@ class SamDrafter:
 
     def _insert(self, tokens: np.ndarray) -> None:
         # Pointer first, then the token: the match stays an earlier occurrence.
-        for token in tokens.astype(np.int32):
-            self.dyn_state, self.dyn_length = self.dynamic.step(self.dyn_state, self.dyn_length, int(token))
-            self.dynamic.extend(token[None])
+        self.dyn_state, self.dyn_length = self.dynamic.extend_tracking(tokens, self.dyn_state, self.dyn_length)
