@@ -21,6 +21,7 @@ Knows tensors and models; never text, files or the decode loop.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -74,7 +75,7 @@ class AcceptanceHead(nn.Module):
 class TrainConfig:
     mixing_ratio: float = 0.15  # share of drafted positions replaced by target tokens (no label)
     weight_mismatch: float = 6.0  # loss weight of the "rejected" class
-    epochs: int = 30
+    steps: int = 2000  # optimizer steps over minibatches drawn epoch by epoch
     batch_size: int = 256
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -83,8 +84,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.mixing_ratio < 1.0:
             raise UserError(f"--mixing-ratio must be in [0, 1), got {self.mixing_ratio}")
-        if self.weight_mismatch <= 0 or self.epochs < 1 or self.batch_size < 1 or self.lr <= 0:
-            raise UserError(f"invalid head training settings {self}: weight, epochs, batch and lr must be > 0")
+        if self.weight_mismatch <= 0 or self.steps < 1 or self.batch_size < 1 or self.lr <= 0:
+            raise UserError(f"invalid head training settings {self}: weight, steps, batch and lr must be > 0")
 
 
 @dataclass
@@ -148,28 +149,42 @@ def evaluate_head(head: AcceptanceHead, examples: Examples, weight_mismatch: flo
     return float(weighted_bce(head(examples.features), examples.labels, weight_mismatch))
 
 
-def train_head(head: AcceptanceHead, examples: Examples, config: TrainConfig) -> list[float]:
-    """Minibatch AdamW on the fixed features; returns the training loss of each epoch."""
+def train_head(head: AcceptanceHead, examples: Examples, config: TrainConfig,
+               valid: Examples | None = None) -> list[float]:
+    """AdamW with a cosine schedule on the fixed features. With `valid`, the head ends with the
+    weights of the pass that scored best on it (small data overfits fast). Returns the mean
+    training loss of each pass over the examples."""
     if len(examples) == 0:
         raise UserError("no training examples: give more prompts or longer responses")
     generator = torch.Generator().manual_seed(config.seed)
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    steps = config.epochs * -(-len(examples) // config.batch_size)
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, steps))
-    history = []
-    head.train()
-    for _ in range(config.epochs):
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=config.steps)
+    history: list[float] = []
+    best = (evaluate_head(head, valid, config.weight_mismatch), copy.deepcopy(head.state_dict())) if valid else None
+    step = 0
+    while step < config.steps:
+        head.train()
         order = torch.randperm(len(examples), generator=generator)
         total, count = 0.0, 0
         for start in range(0, len(order), config.batch_size):
+            if step == config.steps:
+                break
             batch = order[start : start + config.batch_size]
             loss = weighted_bce(head(examples.features[batch]), examples.labels[batch], config.weight_mismatch)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
             schedule.step()
-            total += float(loss) * len(batch)
+            step += 1
+            total += float(loss.detach()) * len(batch)
             count += len(batch)
         history.append(total / count)
+        head.eval()
+        if best is not None:
+            score = evaluate_head(head, valid, config.weight_mismatch)
+            if score < best[0]:
+                best = (score, copy.deepcopy(head.state_dict()))
+    if best is not None:
+        head.load_state_dict(best[1])
     head.eval()
     return history

@@ -1,0 +1,187 @@
+"""Train a SpecDec++ acceptance head for one target/draft pair (Huang, Guo & Wang 2024).
+
+    python tools/train_acceptance_head.py --target samctl/models/default/target \
+        --draft samctl/models/default/draft --prompts ../shared/data/codealpaca.json \
+        --num-prompts 300 --out samctl/models/default/acc_head
+
+1. Prompts: an Alpaca-shape JSON list (`instruction`, optional `input`), shuffled with --seed, the
+   first --num-prompts taken; --heldout of them are kept apart for the reported held-out loss and
+   a tenth of the rest validates (the head keeps the weights of its best pass on them); the chat
+   template is applied when the tokenizer has one (--no-chat to skip).
+2. Responses: the target writes up to --max-new-tokens per prompt through samctl's decode loop,
+   sampled at --response-temperature (0 = greedy), one seed per prompt.
+3. Examples (`decode.acceptance_head.collect_examples`): teacher-forced on each response, the
+   draft samples a token per position at temperature 1, labelled min(1, p/q); --mixing-ratio of
+   the positions are replaced by the target's token and carry no label; the frozen draft's last
+   hidden state at each drafted token is the feature.
+4. Training: the head alone, soft weighted BCE with --weight-mismatch on rejections; the held-out
+   loss is reported for the untrained head, the best constant predictor and the trained head.
+5. Output: --out holds head.safetensors and head.json (shape, the fingerprints of the pair, and
+   this run's record); samctl refuses the head with any other pair. A JSON summary goes to stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import shlex
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from decode.acceptance_head import (AcceptanceHead, Examples, HeadConfig, TrainConfig,  # noqa: E402
+                                    collect_examples, evaluate_head, train_head, weighted_bce)
+from decode.drafters.base import NoDraft  # noqa: E402
+from decode.loop import GenerationConfig, generate  # noqa: E402
+from decode.sampling import SamplingConfig  # noqa: E402
+from index.errors import UserError  # noqa: E402
+from samctl.heads import model_fingerprint, save_head  # noqa: E402
+from samctl.runtime import Engine, load_draft, load_engine  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True, help="target model folder")
+    ap.add_argument("--draft", required=True, help="draft model folder (same tokenizer)")
+    ap.add_argument("--prompts", required=True, help="Alpaca-shape JSON list (instruction, input)")
+    ap.add_argument("--out", required=True, help="folder for head.safetensors + head.json")
+    ap.add_argument("--num-prompts", type=int, default=300)
+    ap.add_argument("--heldout", type=float, default=0.1, help="share of prompts kept for the held-out loss")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts are skipped")
+    ap.add_argument("--response-temperature", type=float, default=1.0, help="target responses: 0 = greedy")
+    ap.add_argument("--no-chat", action="store_true", help="do not apply the tokenizer's chat template")
+    ap.add_argument("--mixing-ratio", type=float, default=0.15)
+    ap.add_argument("--weight-mismatch", type=float, default=6.0)
+    ap.add_argument("--blocks", type=int, default=3, help="residual blocks")
+    ap.add_argument("--independent-blocks", action="store_true", help="one weight set per block (default: shared)")
+    ap.add_argument("--steps", type=int, default=2000, help="optimizer steps")
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    return ap.parse_args(argv)
+
+
+def read_prompts(path: str) -> list[str]:
+    try:
+        rows = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UserError(f"cannot read prompts {path} ({err}): pass an Alpaca-shape JSON list") from err
+    if not isinstance(rows, list):
+        raise UserError(f"{path} is not a JSON list: pass an Alpaca-shape JSON list")
+    prompts = []
+    for row in rows:
+        if isinstance(row, dict) and isinstance(row.get("instruction"), str) and row["instruction"].strip():
+            extra = row.get("input")
+            prompts.append(row["instruction"] + (f"\n\n{extra}" if isinstance(extra, str) and extra.strip() else ""))
+    if not prompts:
+        raise UserError(f"{path} has no rows with an `instruction`: pass an Alpaca-shape JSON list")
+    return prompts
+
+
+def write_responses(engine: Engine, prompts: list[list[int]], args: argparse.Namespace) -> list[list[int]]:
+    responses = []
+    for i, ids in enumerate(prompts):
+        sampling = SamplingConfig(temperature=args.response_temperature, seed=args.seed * 100_003 + i)
+        config = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=engine.eos_token_ids,
+                                  sampling=sampling)
+        responses.append(generate(engine.target, NoDraft(), ids, config).tokens)
+    return responses
+
+
+def examples_for(engine: Engine, draft, prompts: list[list[int]], responses: list[list[int]],
+                 mixing_ratio: float, generator: torch.Generator) -> Examples:
+    parts = [collect_examples(engine.model, draft.model, p, r, mixing_ratio, generator)
+             for p, r in zip(prompts, responses)]
+    return Examples.concat([part for part in parts if len(part)])
+
+
+def constant_loss(train: Examples, heldout: Examples, weight: float) -> float:
+    """Held-out loss of the best constant P(accept) fitted on the training labels."""
+    y = train.labels
+    # argmin_P of the weighted BCE: P = sum y / (sum y + w sum (1 - y))
+    p = float(y.sum() / (y.sum() + weight * (1 - y).sum()))
+    p = min(max(p, 1e-6), 1 - 1e-6)
+    const = torch.log(torch.tensor([[1 - p, p]]))
+    return float(weighted_bce(const.expand(len(heldout), 2), heldout.labels, weight))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    train_config = TrainConfig(mixing_ratio=args.mixing_ratio, weight_mismatch=args.weight_mismatch,
+                               steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+    start = time.perf_counter()
+    engine = load_engine(args.target, args.device, "float32", quiet=True)
+    draft = load_draft(args.draft, engine)
+    chat = not args.no_chat and bool(getattr(engine.tokenizer, "chat_template", None))
+
+    texts = read_prompts(args.prompts)
+    random.Random(args.seed).shuffle(texts)
+    encoded = [ids for ids in (engine.encode(t, chat) for t in texts[: args.num_prompts])
+               if 0 < len(ids) <= args.max_prompt_tokens
+               and len(ids) + args.max_new_tokens < min(engine.target.max_positions, draft.max_positions)]
+    n_heldout = max(1, round(args.heldout * len(encoded)))
+    n_valid = max(1, round(0.1 * (len(encoded) - n_heldout)))
+    if len(encoded) - n_heldout - n_valid < 1:
+        raise UserError(f"only {len(encoded)} usable prompts: give more with --num-prompts or raise --max-prompt-tokens")
+
+    tic = time.perf_counter()
+    responses = write_responses(engine, encoded, args)
+    respond_s = time.perf_counter() - tic
+    generator = torch.Generator().manual_seed(args.seed)
+    tic = time.perf_counter()
+    parts = {}
+    for name, lo, hi in (("heldout", 0, n_heldout), ("valid", n_heldout, n_heldout + n_valid),
+                         ("train", n_heldout + n_valid, len(encoded))):
+        parts[name] = examples_for(engine, draft, encoded[lo:hi], responses[lo:hi], args.mixing_ratio, generator)
+    heldout, valid, train = parts["heldout"], parts["valid"], parts["train"]
+    collect_s = time.perf_counter() - tic
+
+    head = AcceptanceHead(HeadConfig(draft.hidden_size, args.blocks, not args.independent_blocks))
+    before = evaluate_head(head, heldout, args.weight_mismatch)
+    tic = time.perf_counter()
+    history = train_head(head, train, train_config, valid if len(valid) else None)
+    train_s = time.perf_counter() - tic
+    after = evaluate_head(head, heldout, args.weight_mismatch)
+
+    summary = {
+        "command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "target": args.target, "draft": args.draft, "prompts": args.prompts,
+        "prompts_used": {"train": len(encoded) - n_heldout - n_valid, "valid": n_valid, "heldout": n_heldout},
+        "response_tokens": sum(len(r) for r in responses),
+        "examples": {"train": len(train), "valid": len(valid), "heldout": len(heldout)},
+        "mean_label": {"train": round(float(train.labels.mean()), 4),
+                       "heldout": round(float(heldout.labels.mean()), 4) if len(heldout) else None},
+        "heldout_loss": {"untrained": round(before, 5), "constant": round(constant_loss(train, heldout, args.weight_mismatch), 5),
+                         "trained": round(after, 5)},
+        "train_loss": {"first_pass": round(history[0], 5), "last_pass": round(history[-1], 5)},
+        "config": {"args": vars(args), "train": dataclasses.asdict(train_config)},
+        "seconds": {"responses": round(respond_s, 1), "examples": round(collect_s, 1), "training": round(train_s, 1),
+                    "total": round(time.perf_counter() - start, 1)},
+        "torch": torch.__version__,
+    }
+    save_head(args.out, head, model_fingerprint(engine.model, engine.tokenizer),
+              model_fingerprint(draft.model, engine.tokenizer), summary)
+    print(json.dumps(summary, indent=2))
+    return summary
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as err:
+        print(f"train_acceptance_head: {err}", file=sys.stderr)
+        sys.exit(2)
