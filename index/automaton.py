@@ -334,8 +334,12 @@ def sam_step(states, edges, slots, state, length, token):
 
 @njit(cache=True)
 def sam_match(states, edges, slots, tokens):
-    state = 0
-    length = 0
+    return sam_walk(states, edges, slots, 0, 0, tokens)
+
+
+@njit(cache=True)
+def sam_walk(states, edges, slots, state, length, tokens):
+    """Fold sam_step over tokens from the match (state, length)."""
     for token in tokens:
         state, length = sam_step(states, edges, slots, state, length, token)
     return state, length
@@ -785,6 +789,10 @@ class SuffixAutomaton:
     def match(self, tokens: np.ndarray) -> tuple[int, int]:
         """Longest suffix of tokens ([k] int32) found in one document: (state, length)."""
         return sam_match(self._states, self._edges, self._slots, np.asarray(tokens, dtype=np.int32))
+
+    def walk(self, state: int, length: int, tokens: np.ndarray) -> tuple[int, int]:
+        """`step` over each of tokens ([k] int32) in one call."""
+        return sam_walk(self._states, self._edges, self._slots, state, length, np.asarray(tokens, dtype=np.int32))
 
     def continuation(self, state: int, n: int) -> np.ndarray:
         """Up to n tokens ([m] int32) after the first (or latest) occurrence of state.

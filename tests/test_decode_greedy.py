@@ -11,6 +11,7 @@ from decode.methods import METHODS, MethodConfig, make_drafter, uses_store
 from decode.drafters.sam import SamConfig
 from decode.target import TargetModel
 from index.automaton import SuffixAutomaton
+from index.ngram import NgramConfig, NgramTable
 from tests.mock_lm import CopyLM
 
 # Low thresholds so that retrieval drafts fire often on tiny random models.
@@ -46,8 +47,10 @@ def test_greedy_equals_generate(tiny_model_dir, method):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     for prompt in prompts(model.config.vocab_size):
         expected = hf_greedy(model, prompt, 80, eos=None)
-        static = SuffixAutomaton.build(np.asarray(expected[:40], dtype=np.int32), np.array([0, 40]))
-        stores = (static,) if method == "rest" else (None, static) if uses_store(method) else (None,)
+        corpus = np.asarray(expected[:40], dtype=np.int32), np.array([0, 40])
+        static = SuffixAutomaton.build(*corpus)
+        ngram = NgramTable.build(*corpus, NgramConfig(min_count=1))
+        stores = (static,) if method == "rest" else (None, static, ngram) if uses_store(method) else (None,)
         for store in stores:
             result = run(model, method, prompt, 80, static=store)
             assert result.tokens == expected, (method, prompt, store is not None)

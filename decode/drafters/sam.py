@@ -55,8 +55,8 @@ class StaticAutomatonSource:
     def reset(self, prompt: np.ndarray) -> None:
         self.state, self.length = self.automaton.match(prompt.astype(np.int32))
 
-    def advance(self, token: int) -> None:
-        self.state, self.length = self.automaton.step(self.state, self.length, token)
+    def advance(self, tokens: np.ndarray) -> None:
+        self.state, self.length = self.automaton.walk(self.state, self.length, tokens)
 
     def peek(self, t0: int) -> tuple[int, int]:
         state, length = self.automaton.step(self.state, self.length, t0)
@@ -77,8 +77,8 @@ class StaticNgramSource:
     def reset(self, prompt: np.ndarray) -> None:
         self.context = prompt[-self.keep :].astype(np.int32)
 
-    def advance(self, token: int) -> None:
-        self.context = np.append(self.context[-(self.keep - 1) :] if self.keep > 1 else self.context[:0], np.int32(token))
+    def advance(self, tokens: np.ndarray) -> None:
+        self.context = np.concatenate((self.context, tokens.astype(np.int32)))[-self.keep :]
 
     def peek(self, t0: int) -> tuple[int, np.ndarray]:
         context = np.append(self.context, np.int32(t0))[-self.keep :]
@@ -130,8 +130,7 @@ class SamDrafter:
     def observe(self, committed: np.ndarray, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
         self._insert(committed)
         if self.static is not None:
-            for token in committed:
-                self.static.advance(int(token))
+            self.static.advance(committed)
         if self.fallback is not None:
             self.fallback.observe(committed, input_ids, logits)
 
