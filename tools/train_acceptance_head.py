@@ -8,8 +8,10 @@
    first --num-prompts taken; --heldout of them are kept apart for the reported held-out loss and
    a tenth of the rest validates (the head keeps the weights of its best pass on them); the chat
    template is applied when the tokenizer has one (--no-chat to skip).
-2. Responses: the target writes up to --max-new-tokens per prompt through samctl's decode loop,
-   sampled at --response-temperature (0 = greedy), one seed per prompt.
+2. Responses: the target writes up to --max-new-tokens per prompt, sampled at
+   --response-temperature (0 = greedy, no top-k/top-p), cut after EOS. They only need to be the
+   target's samples, so transformers' batched `generate` writes them (--response-batch prompts of
+   similar length at a time, left-padded): a small model on a CPU is bound by per-call overhead.
 3. Examples (`decode.acceptance_head.collect_examples`): teacher-forced on each response, the
    draft samples a token per position at temperature 1, labelled min(1, p/q); --mixing-ratio of
    the positions are replaced by the target's token and carry no label; the frozen draft's last
@@ -38,9 +40,6 @@ import torch  # noqa: E402
 
 from decode.acceptance_head import (AcceptanceHead, Examples, HeadConfig, TrainConfig,  # noqa: E402
                                     collect_examples, evaluate_head, train_head, weighted_bce)
-from decode.drafters.base import NoDraft  # noqa: E402
-from decode.loop import GenerationConfig, generate  # noqa: E402
-from decode.sampling import SamplingConfig  # noqa: E402
 from index.errors import UserError  # noqa: E402
 from samctl.heads import model_fingerprint, save_head  # noqa: E402
 from samctl.runtime import Engine, load_draft, load_engine  # noqa: E402
@@ -58,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts are skipped")
     ap.add_argument("--response-temperature", type=float, default=1.0, help="target responses: 0 = greedy")
+    ap.add_argument("--response-batch", type=int, default=16, help="prompts per batched generate call")
     ap.add_argument("--no-chat", action="store_true", help="do not apply the tokenizer's chat template")
     ap.add_argument("--mixing-ratio", type=float, default=0.15)
     ap.add_argument("--weight-mismatch", type=float, default=6.0)
@@ -90,12 +90,25 @@ def read_prompts(path: str) -> list[str]:
 
 
 def write_responses(engine: Engine, prompts: list[list[int]], args: argparse.Namespace) -> list[list[int]]:
-    responses = []
-    for i, ids in enumerate(prompts):
-        sampling = SamplingConfig(temperature=args.response_temperature, seed=args.seed * 100_003 + i)
-        config = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=engine.eos_token_ids,
-                                  sampling=sampling)
-        responses.append(generate(engine.target, NoDraft(), ids, config).tokens)
+    eos = list(engine.eos_token_ids)
+    pad = eos[0] if eos else 0
+    sample = args.response_temperature > 0
+    options = {"do_sample": sample, "max_new_tokens": args.max_new_tokens, "pad_token_id": pad,
+               "eos_token_id": eos or None, "top_k": 0 if sample else None, "top_p": 1.0 if sample else None,
+               "temperature": args.response_temperature if sample else None}
+    torch.manual_seed(args.seed)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    responses: list[list[int]] = [[] for _ in prompts]
+    for start in range(0, len(order), args.response_batch):
+        batch = order[start : start + args.response_batch]
+        width = max(len(prompts[i]) for i in batch)
+        ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in batch], device=engine.device)
+        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in batch], device=engine.device)
+        with torch.inference_mode():
+            out = engine.model.generate(input_ids=ids, attention_mask=mask, **options)[:, width:].tolist()
+        for i, row in zip(batch, out):
+            cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+            responses[i] = row[:cut]
     return responses
 
 
