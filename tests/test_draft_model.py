@@ -131,6 +131,18 @@ def test_eos_and_max_tokens_edges(tiny_llama, method):
         assert run(tiny_llama, drafter, prompt, limit).tokens == expected[:limit], (method, limit)
 
 
+def test_draft_with_a_shorter_context_stops_drafting_in_time(tiny_llama):
+    draft_model = _tiny("llama", vocab=96, seed=1).eval()
+    draft_model.config.max_position_embeddings = 40
+    prompt = prompts(96)[0]
+    expected = hf_greedy(tiny_llama, prompt, 60, eos=None)
+    for method in ("sd", "sam+draft"):
+        drafter, draft = drafter_for(method, tiny_llama, draft_model, gamma=5)
+        result = run(tiny_llama, drafter, prompt, 60)
+        assert result.tokens == expected and draft.cached <= 40, (method, draft.cached)
+        assert result.metrics.drafted > 0
+
+
 def test_self_draft_accepts_everything_and_feeds_each_token_once(tiny_llama):
     """The target as its own draft: every greedy draft is accepted, so a wrong cache rollback
     (a stale or re-fed prefix) would show as a rejection; each token is fed exactly once."""
