@@ -21,7 +21,7 @@ The script knows nothing of samctl's decoding code: it only produces model folde
 Deterministic given `--seed` and `--max-steps`; with `--minutes` the step count follows the clock,
 and the report records the steps taken so that `--max-steps` reproduces the run.
 
-    python tools/train_reference.py --out samctl/models/default --minutes 42
+    python tools/train_reference.py --out runs/default --minutes 42 --threads 1 --data-dir ../shared/data
     python tools/train_reference.py --device cuda --preset gpu-base --out runs/gpu-base --minutes 25
 """
 from __future__ import annotations
@@ -139,14 +139,15 @@ PRESETS: dict[str, Preset] = {
 # Share of training tokens per source. Copy-heavy synthetic tasks dominate: they teach the
 # induction behaviour (copy what followed the same context earlier) that retrieval drafts rely on.
 MIXTURE: dict[str, float] = {
-    "code_edit": 0.28,
-    "summarize": 0.14,
-    "quote_qa": 0.14,
-    "stdlib_code": 0.16,
+    "code_edit": 0.24,
+    "summarize": 0.13,
+    "quote_qa": 0.13,
+    "repeat": 0.12,
+    "stdlib_code": 0.12,
     "debian_docs": 0.06,
     "gsm8k": 0.08,
-    "codealpaca": 0.08,
-    "roleplay": 0.06,
+    "codealpaca": 0.07,
+    "roleplay": 0.05,
 }
 
 
@@ -170,6 +171,7 @@ class TrainConfig:
     docs_dir: str = "/usr/share/doc"
     data_tokens: int | None = None  # overrides the preset's
     models: tuple[str, ...] = ("target", "draft")
+    init_from: str | None = None  # continue from <init_from>/{target,draft} (where present), keep its tokenizer
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -527,7 +529,7 @@ _QUESTION_PHRASES = [
 
 
 def make_quote_qa(doc: Document, rng: random.Random, max_chars: int) -> Example | None:
-    if doc.key.startswith("stdlib/") and not "#" in doc.key:
+    if doc.key.startswith("stdlib/") and "#" not in doc.key:  # a code file, not one of its docstrings
         return _make_code_quote(doc, rng, max_chars)
     text = paragraphs_window(doc.text, rng, 300, max_chars)
     if text is None:
@@ -566,6 +568,21 @@ def _make_code_quote(doc: Document, rng: random.Random, max_chars: int) -> Examp
     return Example("quote_qa", instruction_prompt(instruction), answer)
 
 
+_REPEAT_PHRASES = ["Repeat the following text exactly.", "Copy the text below without changes."]
+
+
+def make_repeat(doc: Document, rng: random.Random, max_chars: int) -> Example | None:
+    """The plainest copy task: short, so that many copies fit a step while induction forms."""
+    if doc.key.startswith("stdlib/") and "#" not in doc.key:
+        code = line_window(doc.text, rng, 4, 30, max_chars // 2)
+        text = None if code is None else f"```python\n{code}```"
+    else:
+        text = paragraphs_window(doc.text, rng, 80, max_chars // 2)
+    if text is None:
+        return None
+    return Example("repeat", instruction_prompt(f"{rng.choice(_REPEAT_PHRASES)}\n\n{text}"), text)
+
+
 def make_raw_code(doc: Document, rng: random.Random, max_chars: int) -> Example | None:
     code = line_window(doc.text, rng, 40, 300, max_chars)
     return None if code is None else Example("stdlib_code", "", code)
@@ -598,13 +615,16 @@ def load_corpora(cfg: TrainConfig) -> dict[str, Corpora]:
     roleplay_docs = [Document(f"roleplay/{i}", r) for i, (_, r) in enumerate(rows["roleplay"])]
     prose = docs + docstrings(code) + roleplay_docs
     split: dict[str, Corpora] = {}
-    for name, want in (("train", False), ("eval", True)):
-        pick = lambda ds: [d for d in ds if is_heldout(d.key) == want]  # noqa: E731
+    for name, heldout in (("train", False), ("eval", True)):
         split[name] = Corpora(
-            code=pick(code), prose=pick(prose), docs=pick(docs),
-            rows={k: [r for i, r in enumerate(v) if is_heldout(f"{k}/{i}") == want] for k, v in rows.items()},
+            code=_pick(code, heldout), prose=_pick(prose, heldout), docs=_pick(docs, heldout),
+            rows={k: [r for i, r in enumerate(v) if is_heldout(f"{k}/{i}") == heldout] for k, v in rows.items()},
         )
     return split
+
+
+def _pick(docs: list[Document], heldout: bool) -> list[Document]:
+    return [d for d in docs if is_heldout(d.key) == heldout]
 
 
 def generate_source(source: str, corpora: Corpora, rng: random.Random, char_budget: int,
@@ -614,6 +634,7 @@ def generate_source(source: str, corpora: Corpora, rng: random.Random, char_budg
         "code_edit": (corpora.code, make_code_edit),
         "summarize": (corpora.prose, make_summary),
         "quote_qa": (corpora.prose + corpora.code, make_quote_qa),
+        "repeat": (corpora.prose + corpora.code, make_repeat),
         "stdlib_code": (corpora.code, make_raw_code),
         "debian_docs": (corpora.docs, make_raw_doc),
     }
@@ -650,7 +671,7 @@ def build_examples(cfg: TrainConfig, corpora: dict[str, Corpora]) -> dict[str, d
     data_tokens = cfg.data_tokens or sizes.data_tokens
     max_chars = int(sizes.seq_len * CHARS_PER_TOKEN * 0.42)  # prompt + copied answer fit one row
     out: dict[str, dict[str, list[Example]]] = {"train": {}, "eval": {}}
-    for i, source in enumerate(MIXTURE):
+    for source in MIXTURE:
         train_rng = random.Random(f"{cfg.seed}/train/{source}")
         eval_rng = random.Random(f"{cfg.seed}/eval/{source}")
         budget = int(MIXTURE[source] * data_tokens * CHARS_PER_TOKEN)
@@ -794,8 +815,11 @@ def save_model(model, tokenizer, folder: Path, dtype) -> None:
         tmp.rename(folder)
 
 
-def batch_loss(model, rows, lengths, device: str, amp: bool):
-    """Mean next-token cross-entropy over real (unpadded) targets. rows: int32 [B, T+1]."""
+def batch_loss(model, rows: np.ndarray, lengths: np.ndarray, device: str, amp: bool):
+    """Mean next-token cross-entropy over real (unpadded) targets, as a 0-d tensor.
+
+    rows: int32 [B, T+1] token rows; lengths: int32 [B], real tokens per row (the rest is padding).
+    """
     import torch
     import torch.nn.functional as F
 
@@ -861,10 +885,20 @@ def train_model(name: str, shape: ModelShape, lr: float, cfg: TrainConfig, token
 
     sizes = cfg.sizes
     torch.manual_seed(cfg.seed)
-    config = llama_config(shape, len(tokenizer), sizes.seq_len, tokenizer.eos_token_id)
-    model = LlamaForCausalLM(config).to(cfg.device)
+    init = Path(cfg.init_from) / name if cfg.init_from else None
+    if init is not None and init.is_dir():
+        # Continued training: same weights and shape as the saved model, float32 master copy.
+        model = LlamaForCausalLM.from_pretrained(init, dtype=torch.float32)
+        model = model.to(cfg.device)
+        shape = ModelShape(model.config.hidden_size, model.config.num_hidden_layers,
+                           model.config.intermediate_size, model.config.num_attention_heads,
+                           model.config.num_key_value_heads)
+    else:
+        config = llama_config(shape, len(tokenizer), sizes.seq_len, tokenizer.eos_token_id)
+        model = LlamaForCausalLM(config).to(cfg.device)
     params = sum(p.numel() for p in model.parameters())
-    log(f"[{name}] {params / 1e6:.2f}M parameters, shape {dataclasses.asdict(shape)}")
+    log(f"[{name}] {params / 1e6:.2f}M parameters, shape {dataclasses.asdict(shape)}, "
+        f"{'continued from ' + str(init) if init is not None and init.is_dir() else 'from scratch'}")
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -951,7 +985,15 @@ def run(cfg: TrainConfig, command: str, log: Callable[[str], None] = print) -> d
     # 1) documents and examples
     examples = build_examples(cfg, load_corpora(cfg))
     # 2) tokenizer, trained on the training split only
-    tokenizer = train_tokenizer(tokenizer_sample(examples["train"], 12_000_000), sizes.vocab_size)
+    if cfg.init_from:  # the vocabulary must stay the one the weights were trained with
+        from transformers import AutoTokenizer
+
+        saved = [Path(cfg.init_from) / n for n in ("target", "draft") if (Path(cfg.init_from) / n).is_dir()]
+        if not saved:
+            raise SystemExit(f"--init-from {cfg.init_from}: no target/ or draft/ folder there")
+        tokenizer = AutoTokenizer.from_pretrained(saved[0])
+    else:
+        tokenizer = train_tokenizer(tokenizer_sample(examples["train"], 12_000_000), sizes.vocab_size)
     # 3) token rows
     eos = tokenizer.eos_token_id
     train_seqs, mixture = [], {}
@@ -986,6 +1028,8 @@ def run(cfg: TrainConfig, command: str, log: Callable[[str], None] = print) -> d
         "vocab_size": len(tokenizer), "amp_bf16": amp, "torch": torch.__version__, "models": {},
     }
     shares = {"target": cfg.target_share, "draft": 1 - cfg.target_share}
+    if len(cfg.models) == 1:
+        shares[cfg.models[0]] = 1.0
     for name in cfg.models:
         shape = sizes.target if name == "target" else sizes.draft
         lr = sizes.target_lr if name == "target" else sizes.draft_lr
@@ -1028,13 +1072,15 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
     p.add_argument("--docs-dir", default="/usr/share/doc", help="plain-text documentation tree")
     p.add_argument("--data-tokens", type=int, help="training tokens to generate (default: preset's)")
     p.add_argument("--models", default="target,draft", help="which models to train, comma-separated")
+    p.add_argument("--init-from", help="continue training the models (and keep the tokenizer) saved in "
+                   "this folder's target/ and draft/ instead of starting from scratch")
     a = p.parse_args(argv)
     return TrainConfig(
         out=a.out, preset=a.preset, seed=a.seed, device=a.device, minutes=a.minutes,
         max_steps=a.max_steps, target_share=a.target_share, threads=a.threads, amp=a.amp,
         checkpoint_minutes=a.checkpoint_minutes, warmup_steps=a.warmup_steps, data_dir=a.data_dir,
         stdlib_dir=a.stdlib_dir, docs_dir=a.docs_dir, data_tokens=a.data_tokens,
-        models=tuple(m.strip() for m in a.models.split(",") if m.strip()),
+        models=tuple(m.strip() for m in a.models.split(",") if m.strip()), init_from=a.init_from,
     )
 
 
