@@ -146,6 +146,12 @@ def bench(**opts: Any) -> None:
 # questions
 
 
+def report_category(category: Any) -> str:
+    """The category results are reported under: MT-bench's eight together, as Spec-Bench does."""
+    category = str(category) if category not in (None, "") else "uncategorized"
+    return "mt_bench" if category in MT_BENCH else category
+
+
 def read_questions(path: Path, categories: str | None, limit: int | None) -> list[Question]:
     if limit is not None and limit < 1:
         raise UserError(f"--limit must be >= 1, got {limit}")
@@ -162,8 +168,7 @@ def read_questions(path: Path, categories: str | None, limit: int | None) -> lis
             raise UserError(f"{path}:{number} has no `turns` list of text: Spec-Bench format is "
                             '{"question_id": 1, "category": "qa", "turns": ["..."]}')
         category = str(row.get("category", "uncategorized"))
-        group = "mt_bench" if category in MT_BENCH else category
-        questions.append(Question(row.get("question_id", number), category, group, tuple(turns)))
+        questions.append(Question(row.get("question_id", number), category, report_category(category), tuple(turns)))
     if categories:
         wanted = {c.strip() for c in categories.split(",") if c.strip()}
         known = {q.group for q in questions} | {q.category for q in questions}

@@ -10,7 +10,8 @@ Each trace is a prompt and the output the model is assumed to produce. A trace f
                                    of turn k is the conversation so far (turns and references),
                                    joined by blank lines or rendered by the chat template (--chat)
 Text is tokenized with the store's tokenizer (or --tokenizer, or the embedded default) without
-special tokens; an optional `category` field groups the results.
+special tokens; an optional `category` field groups the results (MT-bench's eight categories as
+`mt_bench`, as in bench).
 
 For each method the report gives, per category and overall: mean accepted tokens per step (bonus
 included), target forwards needed (prefills included), drafted tokens per step, acceptance rate,
@@ -34,6 +35,7 @@ from decode.simulate import (
 )
 from index.datastore import Datastore, load_datastore
 from index.errors import UserError
+from samctl.commands.bench import report_category
 from samctl.options import method_config, method_options, parse_methods
 from samctl.progress import progress_bar
 from samctl.tokenizer import Tokenizer, load_store_tokenizer, load_tokenizer
@@ -141,7 +143,7 @@ def read_traces(path: Path, tokenizer: Tokenizer, chat: bool, max_new_tokens: in
     for where, record in _records(path):
         for trace_id, prompt, reference in _record_traces(record, where, tokenizer, chat):
             traces.append(make_trace(prompt, reference, tokenizer.eos_token_ids, max_new_tokens,
-                                     category=str(record.get("category", "")), trace_id=trace_id))
+                                     category=report_category(record.get("category")), trace_id=trace_id))
         if limit is not None and len(traces) >= limit:
             return traces[:limit]
     if not traces:
