@@ -10,7 +10,8 @@ module applied L times, so a head stores one block.
 
 Training data (`collect_examples`): the target's response is fed teacher-forced to both models; at
 every response position the draft samples a token z ~ q (temperature 1, unwarped) and its label is
-min(1, p(z)/q(z)). The draft then reads prompt + the drafted tokens, a `mixing_ratio` share of
+min(1, p(z)/q(z)), the paper's labels; with `greedy` labels, z = argmax q and the label is
+1[argmax p = z], which is what greedy decoding accepts. The draft then reads prompt + the drafted tokens, a `mixing_ratio` share of
 them replaced by the target's tokens (those positions carry no label), and its last hidden state at
 each drafted token is the head's input. The draft stays frozen, so these features are computed once
 and the head trains on them alone (`train_head`) with the soft weighted cross-entropy
@@ -111,6 +112,7 @@ def collect_examples(
     response_ids: list[int],
     mixing_ratio: float,
     generator: torch.Generator,
+    greedy: bool = False,
 ) -> Examples:
     """Head training examples from one (prompt, target response) pair; see the module docstring."""
     device = next(draft.parameters()).device
@@ -122,10 +124,14 @@ def collect_examples(
     # Logits at positions n-1 .. n+m-2 predict the m response tokens.
     p = torch.softmax(target(input_ids=joint).logits[0, n - 1 : n + m - 1].float(), dim=-1)
     q = torch.softmax(draft(input_ids=joint).logits[0, n - 1 : n + m - 1, :vocab].float(), dim=-1)
-    z = torch.multinomial(q.cpu(), 1, generator=generator).squeeze(-1).to(device)  # [m] drafted tokens
-    p_z = p.gather(-1, z[:, None]).squeeze(-1)
-    q_z = q.gather(-1, z[:, None]).squeeze(-1)
-    labels = torch.clamp(p_z / q_z, max=1.0)
+    if greedy:
+        z = q.argmax(-1)  # [m] drafted tokens
+        labels = (p.argmax(-1) == z).float()
+    else:
+        z = torch.multinomial(q.cpu(), 1, generator=generator).squeeze(-1).to(device)
+        p_z = p.gather(-1, z[:, None]).squeeze(-1)
+        q_z = q.gather(-1, z[:, None]).squeeze(-1)
+        labels = torch.clamp(p_z / q_z, max=1.0)
     mixed = torch.rand(m, generator=generator).to(device) < mixing_ratio
     tokens = torch.where(mixed, joint[0, n:], z)
     features_in = torch.cat((joint[0, :n], tokens))[None]

@@ -123,6 +123,10 @@ def test_collect_examples_labels_and_mixing():
     mixed = collect_examples(target, draft, prompt, response, 0.5, generator)
     assert 5 < len(mixed) < 35 and bool(((mixed.labels >= 0) & (mixed.labels <= 1)).all())
     assert float(mixed.labels.min()) < 0.9  # a different draft is sometimes rejected
+    greedy = collect_examples(target, draft, prompt, response, 0.0, generator, greedy=True)
+    p_top = target(input_ids=torch.tensor([prompt + response])).logits[0, 9:49].argmax(-1)
+    q_top = draft(input_ids=torch.tensor([prompt + response])).logits[0, 9:49].argmax(-1)
+    torch.testing.assert_close(greedy.labels, (p_top == q_top).float())
 
 
 def test_training_lowers_heldout_loss_on_learnable_labels():

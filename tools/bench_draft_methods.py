@@ -51,12 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True)
     ap.add_argument("--draft", required=True)
-    ap.add_argument("--acc-head", help="SpecDec++ head folder (specdec++ is skipped without one)")
+    ap.add_argument("--acc-head", nargs="+", default=[], help="SpecDec++ head folder(s); specdec++ is skipped without one")
     ap.add_argument("--prompts", required=True, help="Alpaca-shape JSON list or Spec-Bench JSONL")
     ap.add_argument("--num-prompts", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--gammas", type=int, nargs="+", default=[2, 4, 6])
-    ap.add_argument("--stop-threshold", type=float, default=0.3)
+    ap.add_argument("--stop-thresholds", type=float, nargs="+", default=[0.3])
     ap.add_argument("--bounds", type=int, nargs=2, default=[2, 20], metavar=("MIN", "MAX"))
     ap.add_argument("--sam-draft", action="store_true", help="also run sam+draft (gamma = the middle of --gammas)")
     ap.add_argument("--no-chat", action="store_true")
@@ -86,20 +86,21 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     engine = load_engine(args.target, args.device, args.dtype, quiet=True)
     draft = load_draft(args.draft, engine)
-    head = load_acc_head(args.acc_head, engine, draft) if args.acc_head else None
+    heads = {Path(path).name: load_acc_head(path, engine, draft) for path in args.acc_head}
     chat = not args.no_chat and bool(getattr(engine.tokenizer, "chat_template", None))
     prompts = [engine.encode(t, chat) for t in read_prompts(args.prompts, args.num_prompts, args.seed)]
     if not prompts:
         raise UserError(f"no prompts in {args.prompts}")
 
-    specdec = SpecDecConfig(args.stop_threshold, *args.bounds)
     methods: dict[str, object] = {"ar": lambda: NoDraft()}
     for gamma in args.gammas:
         config = MethodConfig(draft=DraftConfig(gamma=gamma))
         methods[f"sd K={gamma}"] = lambda c=config: build_drafter("sd", engine, None, c, draft=draft)
-    if head is not None:
-        config = MethodConfig(specdec=specdec)
-        methods["specdec++"] = lambda c=config: build_drafter("specdec++", engine, None, c, draft=draft, head=head)
+    for head_name, head in heads.items():
+        for threshold in args.stop_thresholds:
+            config = MethodConfig(specdec=SpecDecConfig(threshold, *args.bounds))
+            label = f"specdec++ {head_name} thr={threshold}" if len(heads) > 1 else f"specdec++ thr={threshold}"
+            methods[label] = lambda c=config, h=head: build_drafter("specdec++", engine, None, c, draft=draft, head=h)
     if args.sam_draft:
         config = MethodConfig(draft=DraftConfig(gamma=sorted(args.gammas)[len(args.gammas) // 2]))
         methods["sam+draft"] = lambda c=config: build_drafter("sam+draft", engine, None, c, draft=draft)
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                     "loadavg_after": os.getloadavg() if hasattr(os, "getloadavg") else None},
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "wall_s": round(wall, 1),
-        "specdec": {"stop_threshold": specdec.stop_threshold, "bounds": [specdec.min_draft, specdec.max_draft]},
+        "specdec": {"heads": args.acc_head, "stop_thresholds": args.stop_thresholds, "bounds": args.bounds},
         "summary": summary, "per_prompt": runs,
     }
     if args.out:

@@ -13,11 +13,14 @@
    target's samples, so transformers' batched `generate` writes them (--response-batch prompts of
    similar length at a time, left-padded): a small model on a CPU is bound by per-call overhead.
 3. Examples (`decode.acceptance_head.collect_examples`): teacher-forced on each response, the
-   draft samples a token per position at temperature 1, labelled min(1, p/q); --mixing-ratio of
+   draft samples a token per position at temperature 1, labelled min(1, p/q) (the paper's labels;
+   --label-mode greedy instead drafts the argmax, labelled 1 when it is the target's argmax, for
+   heads meant for greedy decoding); --mixing-ratio of
    the positions are replaced by the target's token and carry no label; the frozen draft's last
    hidden state at each drafted token is the feature.
 4. Training: the head alone, soft weighted BCE with --weight-mismatch on rejections; the held-out
-   loss is reported for the untrained head, the best constant predictor and the trained head.
+   loss is reported for the untrained head, the best constant predictor and the trained head,
+   with the correlation of the trained head's predictions and the held-out labels.
 5. Output: --out holds head.safetensors and head.json (shape, the fingerprints of the pair, and
    this run's record); samctl refuses the head with any other pair. A JSON summary goes to stdout.
 """
@@ -59,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--response-temperature", type=float, default=1.0, help="target responses: 0 = greedy")
     ap.add_argument("--response-batch", type=int, default=16, help="prompts per batched generate call")
     ap.add_argument("--no-chat", action="store_true", help="do not apply the tokenizer's chat template")
+    ap.add_argument("--label-mode", choices=["sample", "greedy"], default="sample",
+                    help="sample: z ~ q at T=1, label min(1, p/q) (paper); greedy: z = argmax q, label 1[argmax p = z]")
     ap.add_argument("--mixing-ratio", type=float, default=0.15)
     ap.add_argument("--weight-mismatch", type=float, default=6.0)
     ap.add_argument("--blocks", type=int, default=3, help="residual blocks")
@@ -113,8 +118,9 @@ def write_responses(engine: Engine, prompts: list[list[int]], args: argparse.Nam
 
 
 def examples_for(engine: Engine, draft, prompts: list[list[int]], responses: list[list[int]],
-                 mixing_ratio: float, generator: torch.Generator) -> Examples:
-    parts = [collect_examples(engine.model, draft.model, p, r, mixing_ratio, generator)
+                 args: argparse.Namespace, generator: torch.Generator) -> Examples:
+    parts = [collect_examples(engine.model, draft.model, p, r, args.mixing_ratio, generator,
+                              greedy=args.label_mode == "greedy")
              for p, r in zip(prompts, responses)]
     return Examples.concat([part for part in parts if len(part)])
 
@@ -127,6 +133,14 @@ def constant_loss(train: Examples, heldout: Examples, weight: float) -> float:
     p = min(max(p, 1e-6), 1 - 1e-6)
     const = torch.log(torch.tensor([[1 - p, p]]))
     return float(weighted_bce(const.expand(len(heldout), 2), heldout.labels, weight))
+
+
+def correlation(head: AcceptanceHead, examples: Examples) -> float:
+    """Pearson correlation of the predicted P(accept) with the label: what a constant cannot do."""
+    if len(examples) < 2:
+        return float("nan")
+    predicted = head.accept_prob(examples.features)
+    return float(torch.corrcoef(torch.stack((predicted, examples.labels)))[0, 1])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -159,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
     parts = {}
     for name, lo, hi in (("heldout", 0, n_heldout), ("valid", n_heldout, n_heldout + n_valid),
                          ("train", n_heldout + n_valid, len(encoded))):
-        parts[name] = examples_for(engine, draft, encoded[lo:hi], responses[lo:hi], args.mixing_ratio, generator)
+        parts[name] = examples_for(engine, draft, encoded[lo:hi], responses[lo:hi], args, generator)
     heldout, valid, train = parts["heldout"], parts["valid"], parts["train"]
     collect_s = time.perf_counter() - tic
 
@@ -180,6 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
                        "heldout": round(float(heldout.labels.mean()), 4) if len(heldout) else None},
         "heldout_loss": {"untrained": round(before, 5), "constant": round(constant_loss(train, heldout, args.weight_mismatch), 5),
                          "trained": round(after, 5)},
+        "heldout_correlation": round(correlation(head, heldout), 4),
         "train_loss": {"first_pass": round(history[0], 5), "last_pass": round(history[-1], 5)},
         "config": {"args": vars(args), "train": dataclasses.asdict(train_config)},
         "seconds": {"responses": round(respond_s, 1), "examples": round(collect_s, 1), "training": round(train_s, 1),
