@@ -4,8 +4,10 @@
 blocks), the fingerprints of the target and draft models it was trained for, and a free-form
 `training` record. A model's fingerprint is a hash of its architecture config (runtime-only keys
 such as dtype, name and version left out) plus its tokenizer's fingerprint; a head is refused with
-any other pair, since its predictions are about that pair's acceptances. The JSON is untrusted
-input: every field is checked before use. No pickle.
+any other pair, since its predictions are about that pair's acceptances. A digest of a few
+embedding weights is recorded too: retrained weights of the same architecture only get a note,
+because the digest may differ across load dtypes. The JSON is untrusted input: every field is
+checked before use. No pickle.
 
 This module knows files and fingerprints; the head itself is `decode.acceptance_head`.
 """
@@ -17,6 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import click
 import torch
 
 from decode.acceptance_head import AcceptanceHead, HeadConfig
@@ -33,10 +36,14 @@ _RUNTIME_KEYS = {"transformers_version", "architectures", "output_hidden_states"
 
 
 def model_fingerprint(model: torch.nn.Module, tokenizer: Any) -> dict[str, str]:
-    """{"config": hash of the architecture config, "tokenizer": tokenizer fingerprint}."""
+    """{"config": architecture config hash, "tokenizer": tokenizer fingerprint, "weights": digest}."""
     config = {k: v for k, v in model.config.to_dict().items() if not k.startswith("_") and k not in _RUNTIME_KEYS}
     payload = json.dumps(config, sort_keys=True, default=str).encode("utf-8")
-    return {"config": hashlib.sha256(payload).hexdigest()[:16], "tokenizer": tokenizer_fingerprint(tokenizer)}
+    # bfloat16 of a corner of the input embeddings: exact for weights stored in bf16 and loaded in
+    # fp32 or bf16, which is how samctl's reference models ship.
+    corner = model.get_input_embeddings().weight[:8, :16].detach().float().cpu().to(torch.bfloat16)
+    return {"config": hashlib.sha256(payload).hexdigest()[:16], "tokenizer": tokenizer_fingerprint(tokenizer),
+            "weights": hashlib.sha256(corner.view(torch.int16).numpy().tobytes()).hexdigest()[:16]}
 
 
 def save_head(path: str | Path, head: AcceptanceHead, target: dict[str, str], draft: dict[str, str],
@@ -65,10 +72,15 @@ def load_head(path: str | Path, target: dict[str, str], draft: dict[str, str],
     folder = Path(path)
     meta = _read_meta(folder)
     for role, wanted in (("target", target), ("draft", draft)):
-        if meta[role] != wanted:
+        trained = meta[role]
+        if any(trained[k] != wanted[k] for k in ("config", "tokenizer")):
             raise UserError(f"acceptance head {folder} was trained for another {role} model "
-                            f"(fingerprint {meta[role]}, this one is {wanted}): train a head for this "
-                            "pair with tools/train_acceptance_head.py")
+                            f"(config {trained['config']}, tokenizer {trained['tokenizer']}; this one has "
+                            f"{wanted['config']}, {wanted['tokenizer']}): train a head for this pair with "
+                            "tools/train_acceptance_head.py")
+        if trained.get("weights") not in (None, wanted.get("weights")):
+            click.echo(f"samctl: note: acceptance head {folder} was trained on other weights of this {role} "
+                       "architecture; its predictions may be off (retrain it for these weights)", err=True)
     head = AcceptanceHead(HeadConfig(meta["hidden_size"], meta["num_blocks"], meta["shared_blocks"]))
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -105,6 +117,8 @@ def _read_meta(folder: Path) -> dict[str, Any]:
                   for role in ("target", "draft")))
     if not ok:
         raise UserError(f"{folder / CONFIG} has missing or invalid fields: retrain the head")
-    meta["target"] = {k: meta["target"][k] for k in ("config", "tokenizer")}
-    meta["draft"] = {k: meta["draft"][k] for k in ("config", "tokenizer")}
+    for role in ("target", "draft"):
+        weights = meta[role].get("weights")
+        meta[role] = {"config": meta[role]["config"], "tokenizer": meta[role]["tokenizer"],
+                      "weights": weights if isinstance(weights, str) else None}
     return meta

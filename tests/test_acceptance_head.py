@@ -146,15 +146,18 @@ def test_training_lowers_heldout_loss_on_learnable_labels():
     assert after < 0.9 * min(before, constant)
 
 
-FP_T, FP_D = {"config": "t" * 16, "tokenizer": "k" * 16}, {"config": "d" * 16, "tokenizer": "k" * 16}
+FP_T = {"config": "t" * 16, "tokenizer": "k" * 16, "weights": "w" * 16}
+FP_D = {"config": "d" * 16, "tokenizer": "k" * 16, "weights": "v" * 16}
 
 
-def test_head_file_roundtrip_and_refusals(tmp_path):
+def test_head_file_roundtrip_and_refusals(tmp_path, capsys):
     head = AcceptanceHead(HeadConfig(8, 2, shared_blocks=False))
     save_head(tmp_path / "h", head, FP_T, FP_D, {"note": "test"})
     loaded = load_head(tmp_path / "h", FP_T, FP_D, torch.device("cpu"))
     x = torch.randn(3, 8)
     torch.testing.assert_close(loaded(x), head(x))
+    load_head(tmp_path / "h", FP_T, {**FP_D, "weights": "x" * 16}, torch.device("cpu"))
+    assert "other weights of this draft" in capsys.readouterr().err
     with pytest.raises(UserError, match="another draft"):
         load_head(tmp_path / "h", FP_T, FP_T, torch.device("cpu"))
     with pytest.raises(UserError, match="another target"):
