@@ -27,9 +27,10 @@ def speculative_accept(
     input_ids: torch.Tensor,
     sampling: SamplingConfig,
     generator: torch.Generator | None,
-) -> tuple[np.ndarray, int]:
+) -> tuple[np.ndarray, int, np.ndarray]:
     # logits: [g+1, V] target logits at [t0, x_1..x_g]; tree.q: [g, V'] draft probabilities
-    # (warped), V' <= V; input_ids: [g+1] -> (accepted input indices 0..a, next token)
+    # (warped), V' <= V; input_ids: [g+1]
+    # -> (accepted input indices 0..a, next token, input_ids on the host)
     assert tree.is_chain and tree.q is not None, "speculative_accept needs a chain with q"
     g = len(tree)
     p = warp_probs(logits, sampling)
@@ -46,7 +47,7 @@ def speculative_accept(
     # p == q leaves no residual mass; rejection then has probability 0, so any row will do.
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p[:-1])
     draws = torch.multinomial(torch.cat((residual, p[-1:])), 1, generator=generator).squeeze(-1)
-    host = torch.cat((accepted.to(torch.int64), draws)).cpu().numpy()  # the step's one host sync
+    host = torch.cat((accepted.to(torch.int64), draws, input_ids)).cpu().numpy()  # the step's one host sync
     rejected = np.flatnonzero(host[:g] == 0)
     a = int(rejected[0]) if len(rejected) else g
-    return np.arange(a + 1, dtype=np.int64), int(host[g + a])
+    return np.arange(a + 1, dtype=np.int64), int(host[g + a]), host[2 * g + 1 :]

@@ -138,8 +138,7 @@ def _step(
     tic = time.perf_counter()
     logits = target.verify(input_ids.clamp_min(0), tree)
     if tree.q is not None and not sampling.greedy:
-        path, bonus = speculative_accept(logits, tree, input_ids, sampling, generator)
-        host_inputs = None
+        path, bonus, host_inputs = speculative_accept(logits, tree, input_ids, sampling, generator)
     else:
         choices = choose_tokens(logits, sampling, generator)
         host = torch.stack((input_ids, choices)).cpu().numpy()  # the step's one host sync
@@ -150,7 +149,7 @@ def _step(
 
     # 4) commit
     target.keep(path)
-    committed = host_inputs[path] if host_inputs is not None else input_ids[torch.from_numpy(path)].cpu().numpy()
+    committed = host_inputs[path]
     before = len(out.tokens)
     out.emit([int(t) for t in committed[1:]] + [bonus])
     metrics.record_step(drafted=len(tree), accepted=min(len(path) - 1, len(out.tokens) - before))

@@ -208,7 +208,7 @@ def test_speculative_accept_first_token_follows_p(draft_vocab):
     for _ in range(n):
         x = torch.multinomial(q, 1, generator=generator)[0]
         tree = DraftTree.chain(x, q=q)
-        path, bonus = speculative_accept(logits, tree, torch.cat((torch.tensor([0]), x)), sampling, generator)
+        path, bonus, _ = speculative_accept(logits, tree, torch.cat((torch.tensor([0]), x)), sampling, generator)
         first = int(x) if len(path) == 2 else bonus
         counts[first] += 1
         accepted += len(path) - 1
@@ -225,14 +225,14 @@ def test_speculative_accept_edges():
     # q == p at every position: always accepted, then a bonus from the last row.
     tree = DraftTree.chain(torch.tensor([1, 0]), q=p[:2].clone())
     for _ in range(50):
-        path, bonus = speculative_accept(logits, tree, torch.tensor([7, 1, 0]), sampling, generator)
+        path, bonus, _ = speculative_accept(logits, tree, torch.tensor([7, 1, 0]), sampling, generator)
         assert path.tolist() == [0, 1, 2] and 0 <= bonus < 3
     # p(x) = 0 after warping: always rejected, and the replacement is never x.
     warped = SamplingConfig(temperature=1.0, top_k=1)
     q = torch.tensor([[0.5, 0.0, 0.5]])
     tree = DraftTree.chain(torch.tensor([2]), q=q)
     for _ in range(50):
-        path, bonus = speculative_accept(logits[:2], tree, torch.tensor([7, 2]), warped, generator)
+        path, bonus, _ = speculative_accept(logits[:2], tree, torch.tensor([7, 2]), warped, generator)
         assert path.tolist() == [0] and bonus == 1
 
 
