@@ -99,6 +99,7 @@ class Runner(Protocol):
 @click.option("--chat", is_flag=True, help="Render prompts with the tokenizer's chat template.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True)
+@click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice); 1 is steadier on a shared machine.")
 @method_options
 @click.option("--quiet", is_flag=True, help="No progress bar or notes on stderr.")
 def bench(**opts: Any) -> None:
@@ -110,6 +111,10 @@ def bench(**opts: Any) -> None:
     """
     if opts["max_new_tokens"] < 1 or opts["repeats"] < 1:
         raise UserError(f"--max-new-tokens and --repeats must be >= 1, got {opts['max_new_tokens']} and {opts['repeats']}")
+    if opts["threads"] is not None:
+        if opts["threads"] < 1:
+            raise UserError(f"--threads must be >= 1, got {opts['threads']}")
+        torch.set_num_threads(opts["threads"])
     methods = parse_methods(opts["methods_spec"], ALL_BENCH_METHODS)
     methods = [BASELINE] + [m for m in methods if m != BASELINE]
     questions = read_questions(Path(opts["questions_path"]), opts["categories"], opts["limit"])
