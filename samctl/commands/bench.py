@@ -45,7 +45,7 @@ from decode.draft_model import DraftModel
 from decode.methods import DRAFT_METHODS, METHODS, MethodConfig, uses_store
 from index.errors import UserError
 from samctl.bench_report import BASELINE, write_summary
-from samctl.options import method_config, method_options, parse_methods
+from samctl.options import method_config, method_options, parse_methods, set_threads
 from samctl.progress import progress_bar
 from samctl.runtime import Engine, build_drafter, load_acc_head, load_draft, load_engine, load_store, resolve_draft_paths
 
@@ -111,16 +111,13 @@ def bench(**opts: Any) -> None:
     """
     if opts["max_new_tokens"] < 1 or opts["repeats"] < 1:
         raise UserError(f"--max-new-tokens and --repeats must be >= 1, got {opts['max_new_tokens']} and {opts['repeats']}")
-    if opts["threads"] is not None:
-        if opts["threads"] < 1:
-            raise UserError(f"--threads must be >= 1, got {opts['threads']}")
-        torch.set_num_threads(opts["threads"])
+    set_threads(opts["threads"])
     methods = parse_methods(opts["methods_spec"], ALL_BENCH_METHODS)
     methods = [BASELINE] + [m for m in methods if m != BASELINE]
     questions = read_questions(Path(opts["questions_path"]), opts["categories"], opts["limit"])
     engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"])
     store = load_store(opts["store_path"], engine, opts["occurrence"])
-    config = method_config(opts)
+    config = method_config(opts, engine.device)
     drafts = _Drafts(engine, opts)
     runners = {m: _runner(m, engine, store, config, drafts) for m in methods}
     out_dir = Path(opts["out_dir"])
@@ -288,7 +285,8 @@ def _runner(method: str, engine: Engine, store, config: MethodConfig, drafts: "_
     if method in DRAFT_METHODS:
         draft = drafts.draft(method)
         head = drafts.head(method, draft) if method == "specdec++" else None
-        return EngineRunner(method, engine, build_drafter(method, engine, store, config, draft=draft, head=head))
+        return EngineRunner(method, engine, build_drafter(method, engine, store if uses_store(method) else None,
+                                                          config, draft=draft, head=head))
     return EngineRunner(method, engine, build_drafter(method, engine, store if uses_store(method) else None, config))
 
 
@@ -410,5 +408,5 @@ def _run_info(engine: Engine, opts: dict[str, Any], methods: list[str], question
         "skipped_questions": skipped,
         "chat": opts["chat"],
         "methods": ", ".join(methods),
-        "method_config": json.dumps(asdict(method_config(opts))),
+        "method_config": json.dumps(asdict(method_config(opts, engine.device))),
     }

@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import IO, Any, Iterator
 
 import click
 
 from decode.drafters.base import Drafter, NoDraft
 from decode.drafters.draft import DraftConfig, SpecDecConfig
-from decode.drafters.pld import PldConfig
-from decode.drafters.sam import SamConfig
 from decode.loop import GenerationConfig, GenerationResult, generate as decode_generate
-from decode.methods import ALL_METHODS, MethodConfig
+from decode.methods import ALL_METHODS
 from decode.sampling import SamplingConfig
 from index.errors import UserError
+from samctl.options import method_config as shared_method_config
+from samctl.options import method_options, set_threads
 from samctl.runtime import (Engine, build_drafter, load_acc_head, load_draft, load_engine, load_store,
                             resolve_draft_paths)
 
@@ -48,12 +48,8 @@ PROMPT_FIELDS = ("prompt", "turns", "text", "question", "instruction")
 @click.option("--seed", type=int, default=None, help="Sampling seed (default: random).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True, help="auto: float32 on CPU, float16 on GPU.")
-@click.option("--sam-threshold", type=int, default=5, show_default=True, help="Dynamic-automaton match length that triggers a retrieval draft.")
-@click.option("--static-bias", type=int, default=5, show_default=True, help="Extra match length the static store needs (it triggers at threshold + bias).")
-@click.option("--max-draft", type=int, default=39, show_default=True, help="Longest retrieval draft.")
-@click.option("--occurrence", type=click.Choice(["first", "latest"]), default="first", show_default=True, help="Which earlier occurrence retrieval drafts continue.")
-@click.option("--pld-ngram", type=int, default=3, show_default=True, help="Prompt lookup: longest n-gram matched.")
-@click.option("--pld-tokens", type=int, default=10, show_default=True, help="Prompt lookup: draft tokens.")
+@click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice); 1 is steadier on a busy machine.")
+@method_options
 @click.option("--draft-model", "draft_path", metavar="PATH", help="sd, specdec++, sam+draft: a small model sharing the target's tokenizer (default: the embedded draft, with the embedded target only).")
 @click.option("--gamma", type=int, default=4, show_default=True, help="sd, sam+draft: draft tokens per step.")
 @click.option("--acc-head", "acc_head_path", metavar="PATH", help="specdec++: acceptance head folder from tools/train_acceptance_head.py (default: the embedded one, with the embedded pair only).")
@@ -72,17 +68,16 @@ def generate(**opts: Any) -> None:
     sources = [name for name in ("prompt", "prompt_file", "input_file") if opts[name] is not None]
     if len(sources) != 1:
         raise UserError("give exactly one of --prompt, --prompt-file or --input")
-    method_config = MethodConfig(
-        sam=SamConfig(dyn_threshold=opts["sam_threshold"], static_bias=opts["static_bias"],
-                      max_draft=opts["max_draft"], occurrence=opts["occurrence"]),
-        pld=PldConfig(max_ngram=opts["pld_ngram"], num_draft=opts["pld_tokens"]),
-        draft=DraftConfig(gamma=opts["gamma"]),
-        specdec=SpecDecConfig(opts["stop_threshold"], *opts["bounds"]),
-    )
+    set_threads(opts["threads"])
     sampling = SamplingConfig(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"])
     draft_path, head_path = resolve_draft_paths(opts["method"], opts["model_path"], opts["draft_path"],
                                                 opts["acc_head_path"], opts["quiet"])
     engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"])
+    method_config = replace(
+        shared_method_config(opts, engine.device),
+        draft=DraftConfig(gamma=opts["gamma"]),
+        specdec=SpecDecConfig(opts["stop_threshold"], *opts["bounds"]),
+    )
     store = load_store(opts["store_path"], engine, opts["occurrence"])
     draft = load_draft(draft_path, engine) if draft_path is not None else None
     head = load_acc_head(head_path, engine, draft) if head_path is not None else None
