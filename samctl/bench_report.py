@@ -123,15 +123,15 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     groups = list(summary["table"])
     methods = [m for m in summary["methods"] if m != BASELINE]
     width = 0.8 / max(len(methods), 1)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(groups) * max(len(methods), 1) * 0.5), 4.0))
+    fig, ax = plt.subplots(figsize=(min(16.0, 3.0 + 1.5 * len(groups)), 4.5))
     for i, method in enumerate(methods):
         values = [summary["table"][g][method]["speedup"] or 0.0 for g in groups]
         ax.bar([x + (i - (len(methods) - 1) / 2) * width for x in range(len(groups))], values, width, label=method)
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(range(len(groups)), groups, rotation=20)
+    ax.set_xticks(range(len(groups)), groups)
     ax.set_ylabel("speedup vs ar (mean tokens/s ratio)")
     ax.set_title(summary["run"].get("model", ""), fontsize=9)
-    ax.legend(fontsize=8, ncol=min(len(methods), 4))
+    ax.legend(fontsize=8, ncol=min(len(methods), 5), loc="upper center", bbox_to_anchor=(0.5, -0.18))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
