@@ -24,7 +24,8 @@ from samctl.tokenizer import DEFAULT_MODEL_DIR, check_store_tokenizer, tokenizer
 
 # The embedded default pair: the draft and its SpecDec++ head sit next to the default target.
 DEFAULT_DRAFT_DIR = DEFAULT_MODEL_DIR.parent / "draft"
-DEFAULT_HEAD_DIR = DEFAULT_MODEL_DIR.parent / "acc_head"
+DEFAULT_HEAD_DIR = DEFAULT_MODEL_DIR.parent / "acc_head"  # the paper's labels min(1, p/q) at T = 1
+DEFAULT_GREEDY_HEAD_DIR = DEFAULT_MODEL_DIR.parent / "acc_head_greedy"  # labels: argmax matches
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -147,9 +148,10 @@ def load_store(path: str | None, engine: Engine, occurrence: str = "first") -> D
 
 
 def resolve_draft_paths(method: str, model: str | None, draft: str | None, head: str | None,
-                        quiet: bool = False) -> tuple[str | None, str | None]:
+                        quiet: bool = False, greedy: bool = False) -> tuple[str | None, str | None]:
     """(draft model folder, acceptance head folder) that `method` runs with, or None where unused.
-    Without --draft-model, the embedded default draft serves the embedded default target only."""
+    Without --draft-model, the embedded default draft serves the embedded default target only, and
+    its embedded head is the one trained for the decoding mode (`greedy`) when there is one."""
     def note(text: str) -> None:
         if not quiet:
             click.echo(f"samctl: {text}", err=True)
@@ -174,8 +176,9 @@ def resolve_draft_paths(method: str, model: str | None, draft: str | None, head:
         if draft != str(DEFAULT_DRAFT_DIR) or not DEFAULT_HEAD_DIR.is_dir():
             raise UserError("method specdec++ needs an acceptance head: pass --acc-head with a folder written "
                             "by tools/train_acceptance_head.py for this target and draft")
-        head = str(DEFAULT_HEAD_DIR)
-        note(f"using the embedded default acceptance head ({DEFAULT_HEAD_DIR.parent.name}/{DEFAULT_HEAD_DIR.name})")
+        chosen = DEFAULT_GREEDY_HEAD_DIR if greedy and DEFAULT_GREEDY_HEAD_DIR.is_dir() else DEFAULT_HEAD_DIR
+        head = str(chosen)
+        note(f"using the embedded default acceptance head ({chosen.parent.name}/{chosen.name})")
     return draft, head
 
 

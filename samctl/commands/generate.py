@@ -71,7 +71,7 @@ def generate(**opts: Any) -> None:
     set_threads(opts["threads"])
     sampling = SamplingConfig(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"])
     draft_path, head_path = resolve_draft_paths(opts["method"], opts["model_path"], opts["draft_path"],
-                                                opts["acc_head_path"], opts["quiet"])
+                                                opts["acc_head_path"], opts["quiet"], greedy=sampling.greedy)
     engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"])
     method_config = replace(
         shared_method_config(opts, engine.device),
