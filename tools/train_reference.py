@@ -175,6 +175,8 @@ class TrainConfig:
     data_tokens: int | None = None  # overrides the preset's
     models: tuple[str, ...] = ("target", "draft")
     init_from: str | None = None  # continue from <init_from>/{target,draft} (where present), keep its tokenizer
+    mixture: tuple[tuple[str, float], ...] = ()  # overrides MIXTURE: listed sources only, renormalised
+    lr: float | None = None  # peak learning rate for every model trained (default: the preset's)
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -185,16 +187,31 @@ class TrainConfig:
             raise ValueError(f"--minutes must be positive, got {self.minutes}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"--max-steps must be >= 1, got {self.max_steps}")
+        if self.lr is not None and self.lr <= 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
         if not 0 < self.target_share < 1:
             raise ValueError(f"--target-share must be in (0, 1), got {self.target_share}")
         if self.amp not in ("auto", "on", "off"):
             raise ValueError(f"--amp must be auto, on or off, got {self.amp!r}")
+        unknown = {name for name, _ in self.mixture} - set(MIXTURE)
+        if unknown or any(w < 0 for _, w in self.mixture) or (self.mixture and not sum(w for _, w in self.mixture)):
+            raise ValueError(f"--mixture: sources must be among {list(MIXTURE)} with weights >= 0, "
+                             f"not all zero (unknown: {sorted(unknown)})")
         if not set(self.models) <= {"target", "draft"} or not self.models:
             raise ValueError(f"--models must name target and/or draft, got {self.models}")
 
     @property
     def sizes(self) -> Preset:
         return PRESETS[self.preset]
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Share of training tokens per source (every MIXTURE source, zero where left out)."""
+        if not self.mixture:
+            return dict(MIXTURE)
+        given = dict(self.mixture)
+        total = sum(given.values())
+        return {source: given.get(source, 0.0) / total for source in MIXTURE}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -677,7 +694,7 @@ def build_examples(cfg: TrainConfig, corpora: dict[str, Corpora]) -> dict[str, d
     for source in (s for s in MIXTURE if s not in TOKEN_SOURCES):
         train_rng = random.Random(f"{cfg.seed}/train/{source}")
         eval_rng = random.Random(f"{cfg.seed}/eval/{source}")
-        budget = int(MIXTURE[source] * data_tokens * CHARS_PER_TOKEN)
+        budget = int(cfg.weights[source] * data_tokens * CHARS_PER_TOKEN)
         eval_budget = int(sizes.eval_tokens * CHARS_PER_TOKEN * 1.3)
         out["train"][source] = generate_source(source, corpora["train"], train_rng, budget, max_chars)
         out["eval"][source] = generate_source(source, corpora["eval"], eval_rng, eval_budget, max_chars)
@@ -712,8 +729,9 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int):
 
 def tokenizer_sample(examples: dict[str, list[Example]], max_chars: int) -> Iterator[str]:
     """Round-robin over sources so that every source shapes the merges, up to max_chars."""
-    per_source = max_chars // max(1, len(examples))
-    for source in sorted(examples):
+    sources = sorted(s for s in examples if examples[s])
+    per_source = max_chars // max(1, len(sources))
+    for source in sources:
         used = 0
         for ex in examples[source]:
             if used >= per_source:
@@ -1021,7 +1039,7 @@ def run(cfg: TrainConfig, command: str, log: Callable[[str], None] = print) -> d
     data_tokens = cfg.data_tokens or sizes.data_tokens
     for source in MIXTURE:
         if source in TOKEN_SOURCES:
-            seqs, dropped = random_repeats(f"{cfg.seed}/train/{source}", int(MIXTURE[source] * data_tokens),
+            seqs, dropped = random_repeats(f"{cfg.seed}/train/{source}", int(cfg.weights[source] * data_tokens),
                                            len(tokenizer), eos), 0
             eval_seqs = random_repeats(f"{cfg.seed}/eval/{source}", sizes.eval_tokens, len(tokenizer), eos)
         else:
@@ -1050,7 +1068,7 @@ def run(cfg: TrainConfig, command: str, log: Callable[[str], None] = print) -> d
     amp = use_amp(cfg)
     report = {
         "command": command, "config": dataclasses.asdict(cfg), "preset": dataclasses.asdict(sizes),
-        "mixture_weights": MIXTURE, "mixture": mixture, "data_seconds": round(data_seconds, 1),
+        "mixture_weights": cfg.weights, "mixture": mixture, "data_seconds": round(data_seconds, 1),
         "vocab_size": len(tokenizer), "amp_bf16": amp, "torch": torch.__version__, "models": {},
     }
     shares = {"target": cfg.target_share, "draft": 1 - cfg.target_share}
@@ -1058,7 +1076,7 @@ def run(cfg: TrainConfig, command: str, log: Callable[[str], None] = print) -> d
         shares[cfg.models[0]] = 1.0
     for name in cfg.models:
         shape = sizes.target if name == "target" else sizes.draft
-        lr = sizes.target_lr if name == "target" else sizes.draft_lr
+        lr = cfg.lr or (sizes.target_lr if name == "target" else sizes.draft_lr)
         seconds = cfg.minutes * 60 * shares[name] if cfg.minutes else None
         budget = RunBudget(cfg.max_steps, seconds)
         report["models"][name] = train_model(name, shape, lr, cfg, tokenizer, train, eval_rows,
@@ -1098,6 +1116,9 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
     p.add_argument("--docs-dir", default="/usr/share/doc", help="plain-text documentation tree")
     p.add_argument("--data-tokens", type=int, help="training tokens to generate (default: preset's)")
     p.add_argument("--models", default="target,draft", help="which models to train, comma-separated")
+    p.add_argument("--mixture", default="", help="override the data mixture, e.g. "
+                   "'random_repeat=0.6,repeat=0.2,code_edit=0.2' (other sources get no training tokens)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default: the preset's, per model)")
     p.add_argument("--init-from", help="continue training the models (and keep the tokenizer) saved in "
                    "this folder's target/ and draft/ instead of starting from scratch")
     a = p.parse_args(argv)
@@ -1107,7 +1128,19 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
         checkpoint_minutes=a.checkpoint_minutes, warmup_steps=a.warmup_steps, data_dir=a.data_dir,
         stdlib_dir=a.stdlib_dir, docs_dir=a.docs_dir, data_tokens=a.data_tokens,
         models=tuple(m.strip() for m in a.models.split(",") if m.strip()), init_from=a.init_from,
+        lr=a.lr, mixture=_parse_mixture(a.mixture),
     )
+
+
+def _parse_mixture(text: str) -> tuple[tuple[str, float], ...]:
+    """'a=0.5,b=0.5' -> (('a', 0.5), ('b', 0.5))."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, weight = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--mixture: expected source=weight, got {item!r}")
+        pairs.append((name.strip(), float(weight)))
+    return tuple(pairs)
 
 
 def main(argv: list[str] | None = None) -> dict:
