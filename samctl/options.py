@@ -30,6 +30,8 @@ _METHOD_OPTIONS = (
     click.option("--static-bias", type=int, default=_SAM.static_bias, show_default=True,
                  help="SAM: extra match length the static store needs (it triggers at threshold + bias)."),
     click.option("--max-draft", type=int, default=_SAM.max_draft, show_default=True, help="SAM: longest retrieval draft."),
+    click.option("--sam-alpha", type=float, default=_SAM.alpha, show_default=True,
+                 help="SAM: draft length grows as alpha x match length, up to --max-draft."),
     click.option("--occurrence", type=click.Choice(["first", "latest"]), default=_SAM.occurrence, show_default=True,
                  help="SAM: which earlier occurrence retrieval drafts continue."),
     click.option("--pld-ngram", type=int, default=_PLD.max_ngram, show_default=True, help="Prompt lookup: longest n-gram matched."),
@@ -55,7 +57,7 @@ def method_config(opts: dict[str, Any], device: torch.device | None = None) -> M
         nodes = CPU_RECYCLE_NODES if device is not None and device.type == "cpu" else _RECYCLE.nodes
     return MethodConfig(
         sam=SamConfig(dyn_threshold=opts["sam_threshold"], static_bias=opts["static_bias"],
-                      max_draft=opts["max_draft"], occurrence=opts["occurrence"]),
+                      max_draft=opts["max_draft"], alpha=opts["sam_alpha"], occurrence=opts["occurrence"]),
         pld=PldConfig(max_ngram=opts["pld_ngram"], num_draft=opts["pld_tokens"]),
         recycle=RecycleConfig(nodes=nodes),
         rest=RestConfig(num_nodes=opts["rest_nodes"], max_depth=opts["rest_depth"]),
