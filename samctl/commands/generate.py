@@ -70,13 +70,16 @@ def generate(**opts: Any) -> None:
         raise UserError("give exactly one of --prompt, --prompt-file or --input")
     set_threads(opts["threads"])
     sampling = SamplingConfig(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"])
+    # Draft settings are checked before any file is looked for or loaded.
+    draft_config = DraftConfig(gamma=opts["gamma"])
+    specdec_config = SpecDecConfig(opts["stop_threshold"], *opts["bounds"])
     draft_path, head_path = resolve_draft_paths(opts["method"], opts["model_path"], opts["draft_path"],
                                                 opts["acc_head_path"], opts["quiet"], greedy=sampling.greedy)
     engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"])
     method_config = replace(
         shared_method_config(opts, engine.device),
-        draft=DraftConfig(gamma=opts["gamma"]),
-        specdec=SpecDecConfig(opts["stop_threshold"], *opts["bounds"]),
+        draft=draft_config,
+        specdec=specdec_config,
     )
     store = load_store(opts["store_path"], engine, opts["occurrence"])
     draft = load_draft(draft_path, engine) if draft_path is not None else None
