@@ -328,7 +328,6 @@ def sample_counts(method: str, sampling: SamplingConfig) -> tuple[dict, dict, se
 @pytest.mark.parametrize("method,sampling", [
     pytest.param("sd", SamplingConfig(temperature=1.0), id="sd"),
     pytest.param("sd", SamplingConfig(temperature=0.7, top_k=3, top_p=0.9), id="sd-warped"),
-    pytest.param("specdec++", SamplingConfig(temperature=1.0), id="specdec++"),
     pytest.param("specdec++", SamplingConfig(temperature=1.3, top_p=0.8), id="specdec++-warped"),
     pytest.param("sam+draft", SamplingConfig(temperature=1.0), id="sam+draft"),
 ])
