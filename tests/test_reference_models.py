@@ -209,3 +209,18 @@ def test_tool_end_to_end_is_deterministic(tmp_path):
     report = json.loads((tmp_path / "a" / "out" / "train_report.json").read_text())
     assert report["command"].startswith("python tools/train_reference.py")
     assert report["mixture"]["code_edit"]["train_examples"] > 0
+    assert report["mixture"]["random_repeat"]["train_tokens"] > 0
+
+    # --init-from with --max-steps 0 reloads the saved bf16 folders and re-measures held-out loss
+    root = tmp_path / "a"
+    again = tool.main([
+        "--out", str(root / "eval"), "--preset", "tiny", "--max-steps", "0",
+        "--init-from", str(root / "out"), "--stdlib-dir", str(root / "code"),
+        "--docs-dir", str(root / "docs"), "--data-dir", str(root / "data"), "--data-tokens", "6000",
+    ])
+    for name in ("target", "draft"):
+        assert again["models"][name]["steps"] == 0
+        before, after = first["models"][name]["heldout_loss"], again["models"][name]["heldout_loss"]
+        assert before.keys() == after.keys() and before
+        for source in before:  # bf16 rounding of the saved weights moves the loss only slightly
+            assert after[source] == pytest.approx(before[source], abs=0.05), source

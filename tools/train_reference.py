@@ -185,8 +185,10 @@ class TrainConfig:
             raise ValueError("give --minutes, --max-steps or both")
         if self.minutes is not None and self.minutes <= 0:
             raise ValueError(f"--minutes must be positive, got {self.minutes}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"--max-steps must be >= 1, got {self.max_steps}")
+        if self.max_steps is not None and self.max_steps < 0:
+            raise ValueError(f"--max-steps must be >= 0, got {self.max_steps}")
+        if self.max_steps == 0 and not self.init_from:
+            raise ValueError("--max-steps 0 (evaluate only) needs --init-from")
         if self.lr is not None and self.lr <= 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if not 0 < self.target_share < 1:
@@ -900,6 +902,8 @@ class RunBudget:
 
     def progress(self, step: int, elapsed: float) -> float:
         parts = []
+        if self.max_steps == 0:  # evaluate only
+            return 1.0
         if self.max_steps is not None:
             parts.append(step / self.max_steps)
         if self.seconds is not None:
@@ -1104,7 +1108,8 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:n]")
     p.add_argument("--minutes", type=float, help="training budget for both models together")
-    p.add_argument("--max-steps", type=int, help="optimizer steps per model (exact reproduction)")
+    p.add_argument("--max-steps", type=int, help="optimizer steps per model (exact reproduction); "
+                   "0 with --init-from: only measure the held-out losses")
     p.add_argument("--target-share", type=float, default=0.7, help="share of --minutes for the target")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--amp", default="auto", choices=["auto", "on", "off"], help="bf16 autocast")
