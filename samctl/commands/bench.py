@@ -41,6 +41,7 @@ import torch
 
 from decode.drafters.base import Drafter
 from decode.loop import GenerationConfig, generate as decode_generate
+from decode.acceptance_head import AcceptanceHead
 from decode.draft_model import DraftModel
 from decode.methods import DRAFT_METHODS, METHODS, MethodConfig, uses_store
 from index.errors import UserError
@@ -307,9 +308,10 @@ class _Drafts:
             self._draft = load_draft(path, self.engine)
         return self._draft
 
-    def head(self, method: str, draft: DraftModel):
+    def head(self, method: str, draft: DraftModel) -> AcceptanceHead:
+        # bench decodes greedily: the embedded default pair has a head trained for that
         _, path = resolve_draft_paths(method, self.opts["model_path"], self.opts["draft_path"], self.opts["head_path"],
-                                      quiet=True)
+                                      quiet=True, greedy=True)
         return load_acc_head(path, self.engine, draft)
 
 
