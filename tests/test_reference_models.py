@@ -92,6 +92,20 @@ def test_chat_template_matches_training_format(default_models):
     assert turn.startswith(rendered) and "Done." + tok.eos_token in turn
 
 
+def test_target_copies_from_prompt(default_models):
+    """Greedy answer to an unseen quoting question: the sentence, copied from the prompt."""
+    model, tok = default_models["target"]
+    sentence = "The quick brown fox jumps over the lazy dog near the river bank."
+    prompt = tool.instruction_prompt(
+        "Answer the question by quoting the passage.\n\nPassage:\nIt was a calm day. "
+        f"{sentence} Nobody saw it happen.\n\nQuestion: What does the passage say about river?")
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=40, do_sample=False)
+    answer = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert answer.startswith(sentence), answer
+
+
 # -- building blocks of the tool ---------------------------------------------------------------
 
 CODE = '''def area(width, height):
