@@ -93,17 +93,20 @@ def test_chat_template_matches_training_format(default_models):
 
 
 def test_target_copies_from_prompt(default_models):
-    """Greedy answer to an unseen quoting question: the sentence, copied from the prompt."""
+    """Greedy answer to an unseen quoting question: a sentence copied verbatim, then EOS."""
     model, tok = default_models["target"]
-    sentence = "The quick brown fox jumps over the lazy dog near the river bank."
+    passage = ("It was a calm day. The quick brown fox jumps over the lazy dog near the river bank. "
+               "Nobody saw it happen.")
     prompt = tool.instruction_prompt(
-        "Answer the question by quoting the passage.\n\nPassage:\nIt was a calm day. "
-        f"{sentence} Nobody saw it happen.\n\nQuestion: What does the passage say about river?")
+        f"Answer the question by quoting the passage.\n\nPassage:\n{passage}\n\n"
+        "Question: What does the passage say about river?")
     ids = tok(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=40, do_sample=False)
-    answer = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-    assert answer.startswith(sentence), answer
+    new = out[0, ids.shape[1]:].tolist()
+    assert tok.eos_token_id in new, tok.decode(new)
+    answer = tok.decode(new[:new.index(tok.eos_token_id)])
+    assert len(answer.split()) >= 4 and answer in passage, answer
 
 
 # -- building blocks of the tool ---------------------------------------------------------------
