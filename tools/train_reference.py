@@ -110,8 +110,8 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    # Sized on a 2-core CPU (bf16 autocast, machine to itself): ~3.7k tokens/s for the target,
-    # ~12k for the draft. On a shared machine use --threads 1 (see tools/README.md).
+    # Sized for a 2-core CPU. Measured with bf16 autocast and one thread on a machine shared with
+    # other jobs: 1.0k-3.8k tokens/s for the target, 2.5k-3.7k for the draft (tools/README.md).
     "cpu-small": Preset(
         vocab_size=4096,
         target=ModelShape(hidden=256, layers=6, intermediate=704, heads=4, kv_heads=4),
