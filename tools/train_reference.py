@@ -9,7 +9,8 @@ script trains small real models on local corpora only:
   gzip-compressed ones included),
 - the instruction sets in `--data-dir` (GSM8K, Code Alpaca, GPTeacher role-play), when present,
 - synthetic tasks built from those texts whose answers copy from the prompt (the workload samctl
-  speeds up): code edits of stdlib chunks, lead-sentence summaries, and question answering by quoting.
+  speeds up): code edits of stdlib chunks, lead-sentence summaries, question answering by quoting,
+  plain repetition, and random token ids repeated 2-4 times (which only copying can predict).
 
 Every source is split by document (file path or row number) into train and held-out parts, so the
 held-out loss per source is measured on documents the models never saw. Both models share the
@@ -19,7 +20,9 @@ tokenizer and are saved as ordinary Hugging Face folders (bfloat16 safetensors, 
 The script knows nothing of samctl's decoding code: it only produces model folders and a
 `train_report.json` (command, configuration, data mixture, sizes, speed, held-out losses).
 Deterministic given `--seed` and `--max-steps`; with `--minutes` the step count follows the clock,
-and the report records the steps taken so that `--max-steps` reproduces the run.
+and the report records the steps taken so that `--max-steps` reproduces the run. `--init-from`
+continues training saved models (keeping their tokenizer) and `--mixture` reweights the sources, so
+a run can be staged: the embedded default needed a copy-heavy stage before the models copied.
 
     python tools/train_reference.py --out runs/default --minutes 42 --threads 1 --data-dir ../shared/data
     python tools/train_reference.py --device cuda --preset gpu-base --out runs/gpu-base --minutes 25
@@ -174,7 +177,7 @@ class TrainConfig:
     docs_dir: str = "/usr/share/doc"
     data_tokens: int | None = None  # overrides the preset's
     models: tuple[str, ...] = ("target", "draft")
-    init_from: str | None = None  # continue from <init_from>/{target,draft} (where present), keep its tokenizer
+    init_from: str | None = None  # continue <init_from>/{target,draft} where present, keep its tokenizer
     mixture: tuple[tuple[str, float], ...] = ()  # overrides MIXTURE: listed sources only, renormalised
     lr: float | None = None  # peak learning rate for every model trained (default: the preset's)
 
@@ -196,7 +199,8 @@ class TrainConfig:
         if self.amp not in ("auto", "on", "off"):
             raise ValueError(f"--amp must be auto, on or off, got {self.amp!r}")
         unknown = {name for name, _ in self.mixture} - set(MIXTURE)
-        if unknown or any(w < 0 for _, w in self.mixture) or (self.mixture and not sum(w for _, w in self.mixture)):
+        weights = [w for _, w in self.mixture]
+        if unknown or any(w < 0 for w in weights) or (weights and not sum(weights)):
             raise ValueError(f"--mixture: sources must be among {list(MIXTURE)} with weights >= 0, "
                              f"not all zero (unknown: {sorted(unknown)})")
         if not set(self.models) <= {"target", "draft"} or not self.models:
@@ -461,6 +465,7 @@ def edit_delete_function(code: str, rng: random.Random) -> tuple[str, str] | Non
     while start > 0 and lines[start - 1].strip().startswith("@"):
         start -= 1
     end = i + 1
+    # the body: blank lines and lines indented deeper than the def
     while end < len(lines) and (not lines[end].strip() or len(lines[end]) - len(lines[end].lstrip()) > indent):
         end += 1
     if end == len(lines) and end - i < 3:  # the chunk cut the function off: nothing sensible to delete
