@@ -113,6 +113,9 @@ def generate(
         t0 = _step(target, drafter, t0, config.sampling, generator, out, metrics)
     if not out.done:
         out.finish_reason = "length"  # the model's context is full
+    finish = getattr(drafter, "finish", None)  # optional: drafters that remember whole outputs
+    if finish is not None:
+        finish(np.asarray(out.tokens, dtype=np.int64))
     metrics.new_tokens = len(out.tokens)
     metrics.time_s = time.perf_counter() - start
     return GenerationResult(tokens=out.tokens, finish_reason=out.finish_reason, metrics=metrics)

@@ -1,13 +1,22 @@
-"""Method names -> drafters: the one place that knows which drafter each `--method` means."""
+"""The method registry: the one place that maps a `--method` name to its drafter.
+
+Each entry says what the method drafts from, what it needs (a store, a draft model, an acceptance
+head), whether `simulate` can replay it without a model, and how to build it. `generate`,
+`simulate`, `bench` and the Python API read this table; the CLI options of a method come from
+the metadata of its config section's fields (`MethodConfig`, `samctl/options.py`). A new method is
+its drafter module plus one entry in `REGISTRY`.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
+import numpy as np
 import torch
 
 from decode.acceptance_head import AcceptanceHead
 from decode.draft_model import DraftModel
+from decode.drafters.adaptive import AdaptiveConfig, AdaptiveDrafter
 from decode.drafters.base import Drafter, NoDraft
 from decode.drafters.draft import AdaptiveLength, DraftConfig, DraftModelDrafter, FixedLength, SpecDecConfig
 from decode.drafters.pld import PldConfig, PromptLookupDrafter
@@ -21,22 +30,12 @@ if TYPE_CHECKING:
     from index.automaton import SuffixAutomaton
     from index.ngram import NgramTable
 
-METHODS = ("ar", "pld", "sam", "recycle", "sam+recycle", "rest")
-# Methods that run a draft model next to the target (make_drafter's `draft`); kept apart so that
-# code looping over METHODS needs no draft model.
-DRAFT_METHODS = ("sd", "specdec++", "sam+draft")
-ALL_METHODS = METHODS + DRAFT_METHODS
-
-
-def uses_store(method: str) -> bool:
-    """Whether a method drafts from the static datastore (--sam)."""
-    return method.startswith("sam") or method == "rest"
-
 
 @dataclass(frozen=True)
 class MethodConfig:
-    """Settings of every drafter; each method reads the parts it uses."""
+    """Settings of every drafter; each method reads its own section."""
 
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     sam: SamConfig = field(default_factory=SamConfig)
     pld: PldConfig = field(default_factory=PldConfig)
     recycle: RecycleConfig = field(default_factory=RecycleConfig)
@@ -45,8 +44,100 @@ class MethodConfig:
     specdec: SpecDecConfig = field(default_factory=SpecDecConfig)
 
 
+@dataclass(frozen=True)
+class Resources:
+    """What a drafter may be built from."""
+
+    vocab_size: int
+    device: torch.device
+    eos_token_ids: tuple[int, ...] = ()
+    static: "SuffixAutomaton | NgramTable | None" = None
+    config: MethodConfig = field(default_factory=MethodConfig)
+    draft: DraftModel | None = None
+    head: AcceptanceHead | None = None
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    cost: np.ndarray | None = None  # relative verify cost t(1 + n) / t(1), n = 0, 1, ...
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    summary: str  # one line: what it drafts from
+    build: Callable[[Resources], Drafter]
+    uses_store: bool = False
+    needs_draft: bool = False  # a draft model (--draft-model)
+    needs_head: bool = False  # a SpecDec++ acceptance head (--acc-head)
+    not_replayable: str = ""  # why `simulate` cannot replay it without a model ("" = it can)
+    takes_prediction: bool = False  # drafts from an expected output (--prediction)
+    sized_by_cost: bool = False  # sizes drafts by the target's verify-cost curve (samctl calibrate)
+
+
+def _recycle(r: Resources) -> TokenRecycleDrafter:
+    return TokenRecycleDrafter(r.vocab_size, r.device, r.config.recycle)
+
+
+def _draft(r: Resources, name: str) -> DraftModelDrafter:
+    return DraftModelDrafter(r.draft, FixedLength(r.config.draft.gamma), r.sampling, r.eos_token_ids, name)
+
+
+def _specdec(r: Resources) -> DraftModelDrafter:
+    if r.head.config.hidden_size != r.draft.hidden_size:
+        raise UserError(f"the acceptance head reads hidden size {r.head.config.hidden_size}, the draft model "
+                        f"has {r.draft.hidden_size}: use the head trained for this draft model")
+    return DraftModelDrafter(r.draft, AdaptiveLength(r.head, r.config.specdec), r.sampling, r.eos_token_ids, "specdec++")
+
+
+_LOGITS = "its Token Recycle part learns from the target's logits"
+_DRAFT_MODEL = "its drafts come from a draft model"
+
+REGISTRY: dict[str, Method] = {m.name: m for m in (
+    Method("adaptive", "every retrieval source (prompt and output, store, memory of earlier requests, "
+           "--prediction) and Token Recycle, scored and sized by the verify cost (the default)",
+           lambda r: AdaptiveDrafter(r.config.adaptive, r.static, r.cost, r.vocab_size, r.device),
+           uses_store=True, takes_prediction=True, sized_by_cost=True),
+    Method("ar", "nothing: plain decoding through the same loop, the baseline", lambda r: NoDraft()),
+    Method("pld", "prompt lookup: the earliest earlier match of the last 1..3 tokens",
+           lambda r: PromptLookupDrafter(r.config.pld, r.eos_token_ids)),
+    Method("sam", "SAM-Decoding: longest suffix match in the prompt/output automaton and the store",
+           lambda r: SamDrafter(r.config.sam, static=r.static), uses_store=True),
+    Method("recycle", "Token Recycle: a static tree over each token's recorded likely successors", _recycle,
+           not_replayable="Token Recycle learns its table from the target's logits"),
+    Method("sam+recycle", "sam when the match is long enough, Token Recycle otherwise",
+           lambda r: SamDrafter(r.config.sam, static=r.static, fallback=_recycle(r)), uses_store=True,
+           not_replayable=_LOGITS),
+    Method("rest", "REST: a tree of the most frequent continuations in the store",
+           lambda r: RestDrafter(r.config.rest, r.static), uses_store=True),
+    Method("sd", "speculative decoding with a draft model (--gamma tokens)", lambda r: _draft(r, "sd"),
+           needs_draft=True, not_replayable=_DRAFT_MODEL),
+    Method("specdec++", "a draft model whose acceptance head stops drafting", _specdec,
+           needs_draft=True, needs_head=True, not_replayable=_DRAFT_MODEL),
+    Method("sam+draft", "sam when the match is long enough, the draft model otherwise",
+           lambda r: SamDrafter(r.config.sam, static=r.static, fallback=_draft(r, "draft")), uses_store=True,
+           needs_draft=True, not_replayable="its fallback is a draft model"),
+)}
+
+DEFAULT_METHOD = "adaptive"
+# Methods that need no draft model, and those that do: code looping over METHODS needs no draft.
+METHODS = tuple(name for name, m in REGISTRY.items() if not m.needs_draft)
+DRAFT_METHODS = tuple(name for name, m in REGISTRY.items() if m.needs_draft)
+ALL_METHODS = METHODS + DRAFT_METHODS
+REPLAYABLE = tuple(name for name, m in REGISTRY.items() if not m.not_replayable)
+
+
+def method(name: str) -> Method:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise UserError(f"unknown method {name!r}: choose one of {', '.join(ALL_METHODS)}") from None
+
+
+def uses_store(name: str) -> bool:
+    """Whether a method drafts from the static datastore (--sam)."""
+    return method(name).uses_store
+
+
 def make_drafter(
-    method: str,
+    name: str,
     *,
     vocab_size: int,
     device: torch.device,
@@ -56,48 +147,18 @@ def make_drafter(
     draft: DraftModel | None = None,
     head: AcceptanceHead | None = None,
     sampling: SamplingConfig = SamplingConfig(),
+    cost: np.ndarray | None = None,
 ) -> Drafter:
-    """The drafter of `method`. Draft-model methods sample their drafts with `sampling` (the run's
-    settings); any mismatch with the loop's settings only costs acceptance, never correctness."""
-    if method in DRAFT_METHODS:
-        return _draft_model_drafter(method, draft, head, static, eos_token_ids, sampling, config)
-    if method == "ar":
-        return NoDraft()
-    if method == "pld":
-        return PromptLookupDrafter(config.pld, eos_token_ids)
-    if method == "recycle":
-        return TokenRecycleDrafter(vocab_size, device, config.recycle)
-    if method == "sam":
-        return SamDrafter(config.sam, static=static)
-    if method == "sam+recycle":
-        return SamDrafter(config.sam, static=static, fallback=TokenRecycleDrafter(vocab_size, device, config.recycle))
-    if method == "rest":
-        return RestDrafter(config.rest, static)
-    raise UserError(f"unknown method {method!r}: choose one of {', '.join(ALL_METHODS)}")
-
-
-def _draft_model_drafter(
-    method: str,
-    draft: DraftModel | None,
-    head: AcceptanceHead | None,
-    static: "SuffixAutomaton | NgramTable | None",
-    eos_token_ids: tuple[int, ...],
-    sampling: SamplingConfig,
-    config: MethodConfig,
-) -> Drafter:
-    if draft is None:
-        raise UserError(f"method {method} needs a draft model: pass --draft-model with a small model "
+    """The drafter of method `name`. Draft-model methods sample their drafts with `sampling` (the
+    run's settings); any mismatch with the loop's settings only costs acceptance, never
+    correctness. `cost` is the target's relative verify-cost curve (adaptive sizes drafts by it)."""
+    entry = method(name)
+    if entry.needs_draft and draft is None:
+        raise UserError(f"method {name} needs a draft model: pass --draft-model with a small model "
                         "that shares the target's tokenizer")
-    if method == "specdec++":
-        if head is None:
-            raise UserError("method specdec++ needs an acceptance head: pass --acc-head "
-                            "(train one with tools/train_acceptance_head.py)")
-        if head.config.hidden_size != draft.hidden_size:
-            raise UserError(f"the acceptance head reads hidden size {head.config.hidden_size}, the draft model "
-                            f"has {draft.hidden_size}: use the head trained for this draft model")
-        return DraftModelDrafter(draft, AdaptiveLength(head, config.specdec), sampling, eos_token_ids, "specdec++")
-    fixed = FixedLength(config.draft.gamma)
-    if method == "sd":
-        return DraftModelDrafter(draft, fixed, sampling, eos_token_ids, "sd")
-    return SamDrafter(config.sam, static=static,
-                      fallback=DraftModelDrafter(draft, fixed, sampling, eos_token_ids, "draft"))
+    if entry.needs_head and head is None:
+        raise UserError(f"method {name} needs an acceptance head: pass --acc-head "
+                        "(train one with tools/train_acceptance_head.py)")
+    return entry.build(Resources(vocab_size=vocab_size, device=torch.device(device), eos_token_ids=eos_token_ids,
+                                 static=static if entry.uses_store else None, config=config, draft=draft,
+                                 head=head, sampling=sampling, cost=cost))

@@ -19,6 +19,7 @@ class Metrics:
     drafted: int = 0  # draft tokens proposed (tree nodes, root excluded), over all steps
     accept_hist: list[int] = field(default_factory=list)  # accept_hist[a] = steps that accepted a drafts
     step_draft_us: list[float] = field(default_factory=list)  # propose + observe of each step
+    step_drafted: list[int] = field(default_factory=list)  # draft nodes verified by each step
     draft_s: float = 0.0  # propose + observe, host side
     verify_s: float = 0.0  # target forward + acceptance, including the one host sync per step
     prefill_s: float = 0.0
@@ -27,6 +28,7 @@ class Metrics:
     def record_step(self, drafted: int, accepted: int) -> None:
         self.steps += 1
         self.drafted += drafted
+        self.step_drafted.append(drafted)
         self.accepted += accepted
         if len(self.accept_hist) <= accepted:
             self.accept_hist.extend([0] * (accepted + 1 - len(self.accept_hist)))

@@ -25,34 +25,25 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections import Counter
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import numpy as np
 
+from decode.cost import relative_cost
 from decode.drafters.base import Drafter
-from decode.methods import MethodConfig
+from decode.methods import REPLAYABLE, MethodConfig, method
 from decode.metrics import Metrics
 from decode.tree import walk_tree
 from index.errors import UserError
 
-REPLAYABLE = ("ar", "pld", "sam", "rest")
-_NOT_REPLAYABLE = {
-    "recycle": "Token Recycle learns its table from the target's logits",
-    "sam+recycle": "its Token Recycle fallback learns from the target's logits",
-    "sd": "its drafts come from a draft model",
-    "specdec++": "its drafts come from a draft model",
-    "sam+draft": "its fallback is a draft model",
-}
-
-
-def check_replayable(method: str) -> None:
-    if method in REPLAYABLE:
-        return
-    why = _NOT_REPLAYABLE.get(method, "it is not a retrieval method")
-    raise UserError(f"method {method} cannot be replayed without a model ({why}): simulate takes "
-                    f"{', '.join(REPLAYABLE)}; measure {method} with samctl bench")
+def check_replayable(name: str) -> None:
+    why = method(name).not_replayable
+    if why:
+        raise UserError(f"method {name} cannot be replayed without a model ({why}): simulate takes "
+                        f"{', '.join(REPLAYABLE)}; measure {name} with samctl bench")
 
 
 @dataclass(frozen=True)
@@ -120,6 +111,9 @@ def replay(drafter: Drafter, trace: Trace) -> Metrics:
         if emitted < limit:
             drafter.observe(committed, None, None)
         metrics.record_draft(draft_s + time.perf_counter() - tic)
+    finish = getattr(drafter, "finish", None)
+    if finish is not None:
+        finish(trace.reference)
     metrics.new_tokens = limit
     metrics.time_s = time.perf_counter() - start
     return metrics
@@ -127,23 +121,41 @@ def replay(drafter: Drafter, trace: Trace) -> Metrics:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Time of a target forward: forward_ms, plus token_cost * forward_ms per drafted token it
-    verifies. Plain decoding spends one forward per token (prefill counted as one forward for
-    both sides), a method one per step plus its drafting time:
-        speedup = new_tokens * F / ((traces + steps) * F + drafted * token_cost * F + draft_s)
+    """Time of a target forward: forward_ms for one token, times cost[k] = t(1 + k) / t(1) for a
+    verify of k draft nodes. Linear by default (cost[k] = 1 + token_cost * k); `from_curve` takes
+    a measured curve (samctl calibrate). Plain decoding spends one forward per token (prefill
+    counted as one forward for both sides), a method one per step plus its drafting time:
+        speedup = new_tokens * F / (traces * F + sum over steps of cost[k_step] * F + draft_s)
     Defaults: a 7B model on a datacenter GPU (about 20 ms a token, 64 extra tokens adding about a
-    third); measure yours with bench and pass it."""
+    third); measure yours with `samctl calibrate` and pass it."""
 
     forward_ms: float = 20.0
     token_cost: float = 0.005
+    verify_ms: tuple[float, ...] = ()  # measured t(1), t(2), ...; empty: the linear model
 
     def __post_init__(self) -> None:
         if self.forward_ms <= 0 or self.token_cost < 0:
             raise UserError(f"cost model needs forward_ms > 0 and token_cost >= 0, got {self}")
+        if self.verify_ms and (len(self.verify_ms) < 2 or min(self.verify_ms) <= 0):
+            raise UserError("a verify-cost curve needs at least two positive times: re-run samctl calibrate")
+
+    @classmethod
+    def from_curve(cls, t_ms: list[float]) -> "CostModel":
+        return cls(forward_ms=float(t_ms[0]), verify_ms=tuple(float(t) for t in t_ms))
+
+    def curve(self, n: int = 256) -> np.ndarray:
+        """[n + 1] relative cost of verifying k = 0..n draft nodes."""
+        if self.verify_ms:
+            return relative_cost(self.verify_ms, n)
+        return 1.0 + self.token_cost * np.arange(n + 1, dtype=np.float64)
 
     def speedup(self, tally: "Tally") -> float:
         f = self.forward_ms / 1e3
-        method = (tally.traces + tally.steps) * f + tally.drafted * self.token_cost * f + tally.draft_s
+        sizes = np.asarray(sorted(tally.drafted_hist), dtype=np.int64)
+        counts = np.asarray([tally.drafted_hist[k] for k in sizes], dtype=np.float64)
+        curve = self.curve(int(sizes.max()) if len(sizes) else 1)
+        verify = float(np.dot(counts, curve[sizes])) if len(sizes) else 0.0
+        method = tally.traces * f + verify * f + tally.draft_s
         return tally.new_tokens * f / method if method > 0 else 0.0
 
 
@@ -160,6 +172,7 @@ class Tally:
     draft_s: float = 0.0
     time_s: float = 0.0
     accept_hist: list[int] = field(default_factory=list)
+    drafted_hist: Counter = field(default_factory=Counter)  # draft size -> steps
 
     def add(self, m: Metrics) -> None:
         self.traces += 1
@@ -169,6 +182,7 @@ class Tally:
         self.accepted += m.accepted
         self.draft_s += m.draft_s
         self.time_s += m.time_s
+        self.drafted_hist.update(m.step_drafted)
         if len(self.accept_hist) < len(m.accept_hist):
             self.accept_hist.extend([0] * (len(m.accept_hist) - len(self.accept_hist)))
         for a, n in enumerate(m.accept_hist):
@@ -211,6 +225,8 @@ def tally_by_category(traces: list[Trace], metrics: list[Metrics]) -> dict[str, 
 # Sweep grid: per method, (config section, field) -> values. Static-store fields only count when
 # a store is given.
 SWEEP_GRID: dict[str, dict[tuple[str, str], tuple]] = {
+    "adaptive": {("adaptive", "max_nodes"): (8, 16, 32, 64), ("adaptive", "min_prob"): (0.005, 0.02, 0.05, 0.1),
+                 ("adaptive", "width"): (2, 3, 4)},
     "sam": {("sam", "dyn_threshold"): (1, 2, 3, 5, 8), ("sam", "alpha"): (1.0, 4.0, 16.0),
             ("sam", "max_draft"): (10, 20, 39, 60), ("sam", "static_bias"): (0, 5)},
     "pld": {("pld", "max_ngram"): (1, 2, 3, 4, 5), ("pld", "num_draft"): (5, 10, 20, 40)},

@@ -399,6 +399,9 @@ def _topk_children(states, edges, state, k, out_tok, out_dst):
     return m
 
 
+sam_topk_children = _topk_children  # public name for decoders that expand trees themselves
+
+
 @njit(cache=True)
 def sam_topk_next(states, edges, state, k):
     out_tok = np.empty(max(k, 0), dtype=np.int32)

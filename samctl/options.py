@@ -5,63 +5,68 @@ into a `MethodConfig`, and `parse_methods` reads a comma-separated method list.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import click
 
 import torch
 
-from decode.drafters.pld import PldConfig
-from decode.drafters.recycle import RecycleConfig
-from decode.drafters.rest import RestConfig
-from decode.drafters.sam import SamConfig
 from decode.methods import MethodConfig
 from index.errors import UserError
 
-_SAM, _PLD, _REST, _RECYCLE = SamConfig(), PldConfig(), RestConfig(), RecycleConfig()
 # On a CPU a verify of q tokens costs about q times a small fixed cost once q passes a handful
 # (tools/bench_draft.py: 4.4 ms at 1 token, 10 ms at 16, 28 ms at 81 for the embedded model), so
 # the GPU-sized 80-node Token Recycle tree costs more than it saves there.
 CPU_RECYCLE_NODES = 16
 
-_METHOD_OPTIONS = (
-    click.option("--sam-threshold", type=int, default=_SAM.dyn_threshold, show_default=True,
-                 help="SAM: dynamic-automaton match length that triggers a retrieval draft."),
-    click.option("--static-bias", type=int, default=_SAM.static_bias, show_default=True,
-                 help="SAM: extra match length the static store needs (it triggers at threshold + bias)."),
-    click.option("--max-draft", type=int, default=_SAM.max_draft, show_default=True, help="SAM: longest retrieval draft."),
-    click.option("--sam-alpha", type=float, default=_SAM.alpha, show_default=True,
-                 help="SAM: draft length grows as alpha x match length, up to --max-draft."),
-    click.option("--occurrence", type=click.Choice(["first", "latest"]), default=_SAM.occurrence, show_default=True,
-                 help="SAM: which earlier occurrence retrieval drafts continue."),
-    click.option("--pld-ngram", type=int, default=_PLD.max_ngram, show_default=True, help="Prompt lookup: longest n-gram matched."),
-    click.option("--pld-tokens", type=int, default=_PLD.num_draft, show_default=True, help="Prompt lookup: draft tokens."),
-    click.option("--recycle-nodes", type=int, default=None,
-                 help="Token Recycle: draft tree size (default: 80 on a GPU; 16 on a CPU, where a verify "
-                      "costs about linearly in its tokens)."),
-    click.option("--rest-nodes", type=int, default=_REST.num_nodes, show_default=True, help="REST: draft tree size."),
-    click.option("--rest-depth", type=int, default=_REST.max_depth, show_default=True, help="REST: deepest draft token."),
-)
+
+def _cli_fields() -> list[tuple[str, dataclasses.Field]]:
+    """(config section, field) of every drafter setting that has a command-line option: the
+    fields of MethodConfig's sections whose metadata names a `cli` flag."""
+    out = []
+    for section in dataclasses.fields(MethodConfig):
+        for f in dataclasses.fields(section.default_factory):
+            if "cli" in f.metadata:
+                out.append((section.name, f))
+    return out
+
+
+def _dest(f: dataclasses.Field) -> str:
+    """The parsed option's key: click's name for the (first) flag."""
+    return f.metadata["cli"].split("/")[0].lstrip("-").replace("-", "_")
+
+
+def _option(f: dataclasses.Field) -> Callable:
+    meta = f.metadata
+    if isinstance(f.default, bool):
+        return click.option(meta["cli"], _dest(f), default=f.default, show_default=True, help=meta["help"])
+    if meta.get("device_default"):
+        return click.option(meta["cli"], _dest(f), type=type(f.default), default=None, help=meta["help"])
+    kind = click.Choice(meta["choices"]) if "choices" in meta else type(f.default)
+    return click.option(meta["cli"], _dest(f), type=kind, default=f.default, show_default=True, help=meta["help"])
 
 
 def method_options(command: Callable) -> Callable:
-    for option in reversed(_METHOD_OPTIONS):
-        command = option(command)
+    """Add every drafter setting that has a `cli` flag in its config's field metadata."""
+    for _, f in reversed(_cli_fields()):
+        command = _option(f)(command)
     return command
 
 
 def method_config(opts: dict[str, Any], device: torch.device | None = None) -> MethodConfig:
-    """The drafters' settings from parsed options; `device` sizes the defaults that depend on it."""
-    nodes = opts["recycle_nodes"]
-    if nodes is None:
-        nodes = CPU_RECYCLE_NODES if device is not None and device.type == "cpu" else _RECYCLE.nodes
-    return MethodConfig(
-        sam=SamConfig(dyn_threshold=opts["sam_threshold"], static_bias=opts["static_bias"],
-                      max_draft=opts["max_draft"], alpha=opts["sam_alpha"], occurrence=opts["occurrence"]),
-        pld=PldConfig(max_ngram=opts["pld_ngram"], num_draft=opts["pld_tokens"]),
-        recycle=RecycleConfig(nodes=nodes),
-        rest=RestConfig(num_nodes=opts["rest_nodes"], max_depth=opts["rest_depth"]),
-    )
+    """The drafters' settings from parsed options; `device` sizes the defaults that depend on it
+    (a device default left unset: the CPU value on a CPU, the config's own default elsewhere)."""
+    sections: dict[str, dict[str, Any]] = {}
+    for section, f in _cli_fields():
+        value = opts.get(_dest(f))
+        if value is None and f.metadata.get("device_default"):
+            value = CPU_RECYCLE_NODES if device is not None and device.type == "cpu" else f.default
+        if value is not None:
+            sections.setdefault(section, {})[f.name] = value
+    base = MethodConfig()
+    return dataclasses.replace(base, **{name: dataclasses.replace(getattr(base, name), **values)
+                                        for name, values in sections.items()})
 
 
 def set_threads(threads: int | None) -> None:

@@ -14,7 +14,8 @@ import torch
 
 from decode.acceptance_head import AcceptanceHead
 from decode.draft_model import DraftModel
-from decode.methods import DRAFT_METHODS, MethodConfig, make_drafter, uses_store
+from decode.cost import relative_cost
+from decode.methods import DRAFT_METHODS, MethodConfig, make_drafter, method, uses_store
 from decode.drafters.base import Drafter
 from decode.sampling import SamplingConfig
 from decode.target import TargetModel
@@ -221,19 +222,25 @@ def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
 
 
-def build_drafter(method: str, engine: Engine, store: Datastore | None, config: MethodConfig,
+def build_drafter(name: str, engine: Engine, store: Datastore | None, config: MethodConfig,
                   draft: DraftModel | None = None, head: AcceptanceHead | None = None,
-                  sampling: SamplingConfig = SamplingConfig()) -> Drafter:
-    if store is not None and not uses_store(method):
-        click.echo(f"samctl: note: method {method} does not use the store {Path(store.path).name}", err=True)
+                  sampling: SamplingConfig = SamplingConfig(), quiet: bool = False) -> Drafter:
+    """The drafter of method `name` for this engine; methods that size drafts by the verify cost
+    get the engine's measured curve (cached per model and device; measured on first use)."""
+    from samctl.costs import cost_curve
+
+    if store is not None and not uses_store(name) and not quiet:
+        click.echo(f"samctl: note: method {name} does not use the store {Path(store.path).name}", err=True)
+    cost = relative_cost(cost_curve(engine, quiet=quiet)) if method(name).sized_by_cost else None
     return make_drafter(
-        method,
+        name,
         vocab_size=engine.vocab_size,
         device=engine.device,
         eos_token_ids=engine.eos_token_ids,
-        static=store.structure if store is not None and uses_store(method) else None,
+        static=store.structure if store is not None and uses_store(name) else None,
         config=config,
         draft=draft,
         head=head,
         sampling=sampling,
+        cost=cost,
     )

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# Verify-cost curves measured by tests go to a throwaway cache, not the user's.
+os.environ.setdefault("SAMCTL_CACHE", tempfile.mkdtemp(prefix="samctl-test-cache-"))
 
 import pytest
 import torch

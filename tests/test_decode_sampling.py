@@ -87,6 +87,7 @@ SETTINGS = [
     pytest.param("sam+recycle", SamplingConfig(temperature=1.0), id="sam+recycle"),
     pytest.param("sam", SamplingConfig(temperature=0.7, top_k=3, top_p=0.9), id="sam-warped"),
     pytest.param("sam+recycle", SamplingConfig(temperature=1.3, top_p=0.8), id="sam+recycle-warped"),
+    pytest.param("adaptive", SamplingConfig(temperature=0.8, top_p=0.9), id="adaptive-warped"),
 ]
 
 

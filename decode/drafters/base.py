@@ -4,7 +4,9 @@ Contract, per sequence: `start` once with the prompt and the prefill logits; the
 `propose(t0)` returns a draft tree rooted at the pending token t0, and `observe` reports the
 tokens that step committed (t0 first, then the accepted drafts; the new pending token is the next
 t0) together with every verified input and its logits, rejected nodes included.
-A drafter may keep state across sequences (Token Recycle's table warms up that way).
+A drafter may keep state across sequences (Token Recycle's table warms up that way). Optional:
+`finish(output)` after the last step, with every new token of the sequence (the last step has no
+`observe`), for drafters that remember whole outputs across requests.
 """
 from __future__ import annotations
 

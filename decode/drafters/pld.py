@@ -6,7 +6,7 @@ after it, cut before the first EOS. No state beyond the token history.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numba
 import numpy as np
@@ -18,8 +18,10 @@ from index.errors import UserError
 
 @dataclass(frozen=True)
 class PldConfig:
-    max_ngram: int = 3  # transformers' max_matching_ngram_size (its default is 2; Spec-Bench uses 3)
-    num_draft: int = 10  # transformers' prompt_lookup_num_tokens
+    # transformers' max_matching_ngram_size (its default is 2; Spec-Bench uses 3)
+    max_ngram: int = field(default=3, metadata={"cli": "--pld-ngram", "help": "pld: longest n-gram matched."})
+    # transformers' prompt_lookup_num_tokens
+    num_draft: int = field(default=10, metadata={"cli": "--pld-tokens", "help": "pld: draft tokens."})
 
     def __post_init__(self) -> None:
         if self.max_ngram < 1 or self.num_draft < 1:

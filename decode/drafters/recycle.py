@@ -13,7 +13,7 @@ the per-op overhead of small torch calls.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numba
 import numpy as np
@@ -30,7 +30,12 @@ _RANK_ACCEPT = (0.55, 0.14, 0.07, 0.045, 0.03, 0.022, 0.016, 0.012)
 @dataclass(frozen=True)
 class RecycleConfig:
     k: int = 8  # successors kept per token
-    nodes: int = 80  # template size, root excluded (the official "2.2.2" tree has 80 + root)
+    # template size, root excluded (the official "2.2.2" tree has 80 + root); on a CPU, where a
+    # verify costs about linearly in its tokens, the CLI's default is smaller (samctl/options.py)
+    nodes: int = field(default=80, metadata={
+        "cli": "--recycle-nodes", "device_default": True,
+        "help": "recycle, sam+recycle: draft tree size (default: 80 on a GPU; 16 on a CPU, where a verify "
+                "costs about linearly in its tokens)."})
     max_depth: int = 6
 
     def __post_init__(self) -> None:

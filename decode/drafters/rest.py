@@ -17,7 +17,7 @@ holds max_span. This module knows the automaton's arrays, not store files.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,8 +36,10 @@ if TYPE_CHECKING:
 class RestConfig:
     max_span: int = 16  # longest context suffix tried (REST max_token_span)
     min_span: int = 2  # shortest suffix that may draft
-    num_nodes: int = 64  # draft tokens, root excluded (REST num_draft)
-    max_depth: int = 10  # continuation length counted per occurrence
+    # draft tokens, root excluded (REST num_draft)
+    num_nodes: int = field(default=64, metadata={"cli": "--rest-nodes", "help": "rest: draft tree size."})
+    # continuation length counted per occurrence
+    max_depth: int = field(default=10, metadata={"cli": "--rest-depth", "help": "rest: deepest draft token."})
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_span <= self.max_span or self.num_nodes < 1 or self.max_depth < 1:

@@ -7,6 +7,7 @@ Two match pointers, each the longest suffix of the committed text found in a str
 
 Each step (t0 = the pending token):
     m_dyn, m_st = matches after a non-mutating step on t0 (both count t0)
+    (for an n-gram table, dyn_threshold + static_bias is capped at its longest context max_n)
     if m_dyn >= dyn_threshold or m_st >= dyn_threshold + static_bias:
         chain of min(max_draft, alpha * m) tokens after the occurrence, from the dynamic automaton
         when m_dyn >= m_st - static_bias (ties go to dynamic), else from the static store
@@ -15,7 +16,7 @@ The fallback observes every step, chain steps included, so it keeps learning.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -32,11 +33,19 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class SamConfig:
-    dyn_threshold: int = 5  # SAM-Decoding's len_threshold
-    static_bias: int = 5  # len_bias: the static match must reach dyn_threshold + static_bias
-    max_draft: int = 39  # n_predicts 40 minus t0
-    alpha: float = 4.0  # draft length grows with the match: min(max_draft, alpha * match)
-    occurrence: str = "first"  # which earlier occurrence the dynamic automaton drafts from
+    # SAM-Decoding's len_threshold
+    dyn_threshold: int = field(default=5, metadata={
+        "cli": "--sam-threshold", "help": "sam: dynamic-automaton match length that triggers a retrieval draft."})
+    # len_bias: the static match must reach dyn_threshold + static_bias
+    static_bias: int = field(default=5, metadata={
+        "cli": "--static-bias", "help": "sam: extra match length the static store needs (it triggers at threshold "
+                                        "+ bias, capped at an n-gram store's longest context)."})
+    max_draft: int = field(default=39, metadata={"cli": "--max-draft", "help": "sam: longest retrieval draft."})  # n_predicts 40 - t0
+    alpha: float = field(default=4.0, metadata={
+        "cli": "--sam-alpha", "help": "sam: draft length grows as alpha x match length, up to --max-draft."})
+    occurrence: str = field(default="first", metadata={
+        "cli": "--occurrence", "choices": ("first", "latest"),
+        "help": "sam: which earlier occurrence retrieval drafts continue."})
 
     def __post_init__(self) -> None:
         if self.dyn_threshold < 1 or self.static_bias < 0 or self.max_draft < 1 or self.alpha <= 0:
@@ -104,6 +113,11 @@ class SamDrafter:
     ) -> None:
         self.config = config
         self.static = static_source(static) if static is not None else None
+        # An n-gram table matches at most max_n tokens: a static threshold above that would never
+        # trigger, so it is capped at max_n (the bias may turn negative).
+        self._static_bias = config.static_bias
+        if isinstance(self.static, StaticNgramSource):
+            self._static_bias = min(config.dyn_threshold + config.static_bias, static.config.max_n) - config.dyn_threshold
         self.fallback = fallback
         self.name = "sam" if fallback is None else f"sam+{fallback.name}"
         self.dynamic = SuffixAutomaton.empty(1024, occurrence=config.occurrence)
@@ -138,7 +152,7 @@ class SamDrafter:
         cfg = self.config
         dyn_state, m_dyn = self.dynamic.step(self.dyn_state, self.dyn_length, t0)
         m_st, handle = self.static.peek(t0) if self.static is not None else (0, None)
-        m_st_biased = m_st - cfg.static_bias
+        m_st_biased = m_st - self._static_bias
         if max(m_dyn, m_st_biased) < cfg.dyn_threshold:
             return np.zeros(0, dtype=np.int32), "none"
         if m_dyn >= m_st_biased:

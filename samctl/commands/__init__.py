@@ -13,6 +13,7 @@ _MODULES = [
     ("generate", "generate"),
     ("simulate", "simulate"),
     ("bench", "bench"),
+    ("calibrate", "calibrate"),
 ]
 
 

@@ -90,7 +90,7 @@ class Runner(Protocol):
 @click.option("--sam", "store_path", metavar="STORE", type=click.Path(dir_okay=False), help="Static datastore (sam methods, rest).")
 @click.option("--questions", "questions_path", required=True, type=click.Path(exists=True, dir_okay=False),
               help="Spec-Bench-format JSONL: question_id, category, turns.")
-@click.option("--methods", "methods_spec", default="ar,pld,sam,sam+recycle,recycle,hf-greedy,hf-pld", show_default=True,
+@click.option("--methods", "methods_spec", default="ar,adaptive,pld,sam,sam+recycle,recycle,hf-greedy,hf-pld", show_default=True,
               help=f"Comma-separated, from {', '.join(ALL_BENCH_METHODS)}; ar is always run (the baseline).")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--limit", type=int, default=None, help="First N questions of each reported category.")
@@ -323,7 +323,15 @@ def _warm_up(runners: dict[str, Runner], engine: Engine, question: Question, cha
     # First calls pay for JIT loading, allocator growth and lazy imports; keep them out of the numbers.
     prompt = engine.encode_conversation([{"role": "user", "content": question.turns[0]}], chat)
     for runner in runners.values():
+        _remember(runner, False)
         runner.run(prompt, WARMUP_TOKENS)
+
+
+def _remember(runner: Runner, flag: bool) -> None:
+    """Whether the runner's drafter keeps the coming outputs in its cross-request memory."""
+    drafter = getattr(runner, "drafter", None)
+    if hasattr(drafter, "remember"):
+        drafter.remember = flag
 
 
 def _run_all(runners: dict[str, Runner], engine: Engine, questions: list[Question], opts: dict[str, Any],
@@ -334,8 +342,11 @@ def _run_all(runners: dict[str, Runner], engine: Engine, questions: list[Questio
             progress_bar("bench", "run", opts["quiet"], total=len(questions) * len(runners) * repeats) as bar:
         for q in questions:
             runs: dict[str, list[list[Turn]]] = {name: [] for name in runners}
-            for _ in range(repeats):  # repeats interleave the methods too
+            for r in range(repeats):  # repeats interleave the methods too
                 for name, runner in runners.items():
+                    # Only the last repeat's outputs join a cross-request memory: a repeat must not
+                    # find its own question's answer remembered from the repeat before.
+                    _remember(runner, r == repeats - 1)
                     runs[name].append(_run_question(runner, engine, q, opts["max_new_tokens"], opts["chat"]))
                     bar.update(1)
             baseline = _median_run(runs[BASELINE])

@@ -18,11 +18,12 @@ import click
 from decode.drafters.base import Drafter, NoDraft
 from decode.drafters.draft import DraftConfig, SpecDecConfig
 from decode.loop import GenerationConfig, GenerationResult, generate as decode_generate
-from decode.methods import ALL_METHODS
+from decode.methods import ALL_METHODS, DEFAULT_METHOD, method as method_entry
 from decode.sampling import SamplingConfig
 from index.errors import UserError
 from samctl.options import method_config as shared_method_config
 from samctl.options import method_options, set_threads
+from samctl.memory import load_memory, save_memory
 from samctl.runtime import (Engine, build_drafter, load_acc_head, load_draft, load_engine, load_store,
                             resolve_draft_paths)
 
@@ -32,12 +33,19 @@ PROMPT_FIELDS = ("prompt", "turns", "text", "question", "instruction")
 @click.command("generate")
 @click.option("--model", "model_path", metavar="PATH", help="Local model folder (default: the embedded model).")
 @click.option("--sam", "store_path", metavar="STORE", type=click.Path(dir_okay=False), help="Static datastore built by `samctl build` with the model's tokenizer.")
-@click.option("--method", type=click.Choice(ALL_METHODS), default="sam+recycle", show_default=True, help="Drafting method.")
+@click.option("--method", type=click.Choice(ALL_METHODS), default=DEFAULT_METHOD, show_default=True, help="Drafting method (README's method table; adaptive needs no tuning).")
 @click.option("--prompt", help="Prompt text.")
 @click.option("--prompt-file", type=click.File("r", encoding="utf-8"), help="File holding the prompt.")
 @click.option("--input", "input_file", type=click.File("r", encoding="utf-8"), help="JSONL batch, '-' for stdin (field prompt, turns, or --field).")
 @click.option("--output", "output_file", type=click.File("w", encoding="utf-8"), default="-", show_default=True, help="JSONL results of a batch, '-' for stdout.")
 @click.option("--field", "prompt_field", metavar="NAME", help="Batch: the record field holding the prompt.")
+@click.option("--prediction", "prediction_file", type=click.File("r", encoding="utf-8"),
+              help="adaptive: the expected output (e.g. the file being edited), drafted from like the prompt; "
+                   "in a batch, a record's `prediction` field.")
+@click.option("--memory-file", "memory_file", metavar="STORE", type=click.Path(exists=True, dir_okay=False),
+              help="adaptive: preload the memory of earlier outputs from this store.")
+@click.option("--memory-save", "memory_save", metavar="STORE", type=click.Path(dir_okay=False),
+              help="adaptive: write the memory of outputs to this store at the end (atomically).")
 @click.option("--max-new-tokens", type=int, default=256, show_default=True)
 @click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template to the prompt.")
 @click.option("--json", "as_json", is_flag=True, help="Single prompt: print one JSON object instead of streaming text.")
@@ -86,7 +94,14 @@ def generate(**opts: Any) -> None:
     head = load_acc_head(head_path, engine, draft) if head_path is not None else None
     gen_config = GenerationConfig(max_new_tokens=opts["max_new_tokens"], eos_token_ids=engine.eos_token_ids,
                                   sampling=sampling)
-    drafter = build_drafter(opts["method"], engine, store, method_config, draft=draft, head=head, sampling=sampling)
+    drafter = build_drafter(opts["method"], engine, store, method_config, draft=draft, head=head, sampling=sampling,
+                            quiet=opts["quiet"])
+    if opts["memory_file"]:
+        load_memory(opts["memory_file"], engine, drafter)
+    prediction = opts["prediction_file"].read() if opts["prediction_file"] is not None else None
+    if prediction is not None and not method_entry(opts["method"]).takes_prediction:
+        raise UserError(f"method {opts['method']} does not draft from a prediction: drop --prediction "
+                        "or use --method adaptive")
     runner = Runner(engine, drafter, gen_config, opts["compare"], opts["chat"], record={
         "method": opts["method"], "model": engine.name, "store": opts["store_path"],
         "draft_model": draft_path, "acc_head": head_path,
@@ -94,12 +109,14 @@ def generate(**opts: Any) -> None:
     })
     if opts["input_file"] is not None:
         failed = runner.batch(opts["input_file"], opts["output_file"], opts["prompt_field"])
+        _save_memory(opts, engine, drafter)
         if failed:
             click.echo(f"samctl: {failed} record(s) failed; see their `error` fields", err=True)
             sys.exit(1)
         return
     text = opts["prompt"] if opts["prompt"] is not None else opts["prompt_file"].read()
-    mismatch = runner.single(text, opts["as_json"], opts["quiet"])
+    mismatch = runner.single(text, opts["as_json"], opts["quiet"], prediction)
+    _save_memory(opts, engine, drafter)
     if mismatch:
         sys.exit(1)
 
@@ -114,10 +131,11 @@ class Runner:
         if compare:
             self._warm_up()
 
-    def single(self, text: str, as_json: bool, quiet: bool) -> bool:
+    def single(self, text: str, as_json: bool, quiet: bool, prediction: str | None = None) -> bool:
         """Generate for one prompt; True when --compare found greedy outputs that differ."""
         ids = self.engine.encode(text, self.chat)
         stream = None if as_json else _Streamer(self.engine)
+        self._expect(prediction)
         result = self._run(self.drafter, ids, stream)
         if stream is not None:
             stream.finish()
@@ -150,11 +168,15 @@ class Runner:
 
     def _run_record(self, record: dict[str, Any], field: str | None) -> dict[str, Any]:
         turns = _prompt_turns(record, field)
+        prediction = record.get("prediction")
+        if prediction is not None and not isinstance(prediction, str):
+            raise UserError("the record's `prediction` is not text: give the expected output as a string")
         messages: list[dict[str, str]] = []
         texts, results = [], []
         for turn in turns:
             messages.append({"role": "user", "content": turn})
             ids = self.engine.encode_conversation(messages, self.chat)
+            self._expect(prediction if len(messages) == 1 else None)
             result = self._run(self.drafter, ids, None)
             text = self.engine.decode(result.tokens)
             messages.append({"role": "assistant", "content": text})
@@ -167,6 +189,12 @@ class Runner:
         if self.compare:
             out["compare"] = [self._compare(ids, r) for ids, r in results] if len(turns) > 1 else self._compare(*results[0])
         return out
+
+    def _expect(self, prediction: str | None) -> None:
+        """Hand the drafter the request's expected output (tokenized as plain text), if it takes one."""
+        expect = getattr(self.drafter, "expect", None)
+        if expect is not None:
+            expect(None if not prediction else self.engine.tokenizer(prediction, add_special_tokens=False)["input_ids"])
 
     def _run(self, drafter: Drafter, ids: list[int], stream: "_Streamer | None") -> GenerationResult:
         return decode_generate(self.engine.target, drafter, ids, self.config,
@@ -217,6 +245,13 @@ class _Streamer:
         text = self.engine.decode(self.tokens)
         sys.stdout.write(text[self.written :] + "\n")
         sys.stdout.flush()
+
+
+def _save_memory(opts: dict[str, Any], engine: Engine, drafter: Drafter) -> None:
+    if opts["memory_save"]:
+        saved = save_memory(opts["memory_save"], engine, drafter)
+        if not opts["quiet"]:
+            click.echo(f"samctl: memory of {saved} output(s) written to {opts['memory_save']}", err=True)
 
 
 def _compare_line(method: str, compare: dict[str, Any], result: GenerationResult) -> str:

@@ -29,13 +29,13 @@ from typing import Any, Iterator
 import click
 import torch
 
-from decode.methods import METHODS, MethodConfig, make_drafter
-from decode.simulate import (
-    REPLAYABLE, CostModel, Tally, Trace, check_replayable, make_trace, replay, sweep_configs, tally_by_category,
-)
+from decode.drafters.adaptive import linear_cost
+from decode.methods import METHODS, REPLAYABLE, MethodConfig, make_drafter
+from decode.simulate import CostModel, Tally, Trace, check_replayable, make_trace, replay, sweep_configs, tally_by_category
 from index.datastore import Datastore, load_datastore
 from index.errors import UserError
 from samctl.commands.bench import report_category
+from samctl.costs import read_cost_curve
 from samctl.options import method_config, method_options, parse_methods
 from samctl.progress import progress_bar
 from samctl.tokenizer import Tokenizer, load_store_tokenizer, load_tokenizer
@@ -48,13 +48,16 @@ _OUTPUT_FIELDS = ("output", "completion", "response", "reference")
               help="JSONL (or .json list) of prompts with reference outputs.")
 @click.option("--sam", "store_path", metavar="STORE", type=click.Path(dir_okay=False), help="Static datastore (for sam and rest).")
 @click.option("--tokenizer", "tokenizer_spec", metavar="T", help="Tokenizer for text traces (default: the store's, else the embedded model's).")
-@click.option("--methods", "methods_spec", default=None, help=f"Comma-separated, from {', '.join(REPLAYABLE)} [default: ar,pld,sam, and rest with --sam].")
+@click.option("--methods", "methods_spec", default=None, help=f"Comma-separated, from {', '.join(REPLAYABLE)} [default: adaptive,ar,pld,sam, and rest with --sam].")
 @click.option("--max-new-tokens", type=int, default=None, help="Cut references to this many tokens (default: whole references).")
 @click.option("--limit", type=int, default=None, help="Use only the first N traces.")
 @click.option("--chat", is_flag=True, help="Render text prompts with the tokenizer's chat template.")
 @click.option("--sweep", is_flag=True, help="Replay a grid of settings per method and print the best per category.")
 @click.option("--forward-ms", type=float, default=CostModel.forward_ms, show_default=True, help="Cost model: one target forward, ms.")
 @click.option("--token-cost", type=float, default=CostModel.token_cost, show_default=True, help="Cost model: extra forward cost per drafted token, as a fraction of a forward.")
+@click.option("--cost-curve", "cost_curve", type=click.Path(exists=True, dir_okay=False),
+              help="Verify-cost curve from `samctl calibrate --json` (sizes adaptive's drafts and projects speedups; "
+                   "default: the linear model of --forward-ms and --token-cost).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 @method_options
 @click.option("--quiet", is_flag=True, help="No progress bar or notes on stderr.")
@@ -68,13 +71,15 @@ def simulate(**opts: Any) -> None:
     store = load_datastore(opts["store_path"], occurrence=opts["occurrence"]) if opts["store_path"] else None
     tokenizer = (load_store_tokenizer(store.meta, store.path, opts["tokenizer_spec"]) if store is not None
                  else load_tokenizer(opts["tokenizer_spec"]))
-    default_methods = "ar,pld,sam" + (",rest" if store is not None else "")
+    default_methods = "adaptive,ar,pld,sam" + (",rest" if store is not None else "")
     methods = parse_methods(opts["methods_spec"] or default_methods, METHODS)
     for method in methods:
         check_replayable(method)
     traces = read_traces(Path(opts["traces_path"]), tokenizer, opts["chat"], opts["max_new_tokens"], opts["limit"])
     config = method_config(opts)
     cost = CostModel(forward_ms=opts["forward_ms"], token_cost=opts["token_cost"])
+    if opts["cost_curve"]:
+        cost = CostModel.from_curve(read_cost_curve(opts["cost_curve"]))
     sim = _Simulation(traces, store, tokenizer, cost, opts["quiet"])
     if opts["sweep"]:
         result = sim.sweep(methods, config)
@@ -95,16 +100,22 @@ class _Simulation:
         self.traces, self.store, self.tokenizer, self.cost, self.quiet = traces, store, tokenizer, cost, quiet
 
     def run(self, method: str, config: MethodConfig, label: str = "") -> dict[str, Tally]:
-        drafter = make_drafter(method, vocab_size=self.tokenizer.vocab_size, device=torch.device("cpu"),
-                               eos_token_ids=self.tokenizer.eos_token_ids,
-                               static=self.store.structure if self.store is not None else None, config=config)
-        replay(drafter, self.traces[0])  # warm-up: JIT caches load on first calls, keep that out of the timings
+        # Warm-up on a drafter of its own: JIT caches load on first calls (kept out of the timings),
+        # and a drafter that remembers earlier requests must not have seen the first trace already.
+        replay(self._drafter(method, config), self.traces[0])
+        drafter = self._drafter(method, config)
         metrics = []
         with progress_bar(f"simulate {label or method}", "trace", self.quiet, total=len(self.traces)) as bar:
             for trace in self.traces:
                 metrics.append(replay(drafter, trace))
                 bar.update(1)
         return tally_by_category(self.traces, metrics)
+
+    def _drafter(self, method: str, config: MethodConfig):
+        return make_drafter(method, vocab_size=self.tokenizer.vocab_size, device=torch.device("cpu"),
+                            eos_token_ids=self.tokenizer.eos_token_ids,
+                            static=self.store.structure if self.store is not None else None, config=config,
+                            cost=self.cost.curve())
 
     def sweep(self, methods: list[str], base: MethodConfig) -> dict[str, Any]:
         """Every grid point of every method; the best setting per (method, category)."""

@@ -1,0 +1,62 @@
+"""The target's verify-cost curve t(n): the time of one forward over n input tokens.
+
+`measure_verify_cost` times verify forwards of 1..n_max tokens (t0 plus a chain of n - 1 draft
+nodes) after a fixed context, as the decode loop runs them, median of a few repeats, and sampled
+at a geometric grid of widths then interpolated (the curve is smooth and a full sweep costs
+seconds more than it tells). `relative_cost` turns it into what drafters size drafts by:
+cost[k] = t(1 + k) / t(1), the price of k draft nodes relative to plain decoding.
+
+It knows the target and token ids; caching curves on disk is the caller's business.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from decode.target import TargetModel
+from decode.tree import DraftTree
+
+MEASURED_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def relative_cost(t_ms: np.ndarray | list[float], n: int = 256) -> np.ndarray:
+    """t_ms: [w] times of verifying 1..w tokens -> cost [n + 1] with cost[k] = t(1 + k) / t(1),
+    made non-decreasing and extended past w along the last measured slope."""
+    t = np.maximum.accumulate(np.asarray(t_ms, dtype=np.float64))
+    rel = t / t[0]
+    slope = (rel[-1] - rel[-2]) if len(rel) > 1 else 0.0
+    k = np.arange(n + 1)
+    return np.where(k < len(rel), rel[np.minimum(k, len(rel) - 1)], rel[-1] + slope * (k - len(rel) + 1))
+
+
+@torch.inference_mode()
+def measure_verify_cost(target: TargetModel, n_max: int = 64, context: int = 256, repeats: int = 3,
+                        widths: tuple[int, ...] = MEASURED_WIDTHS) -> list[float]:
+    """-> t_ms [n_max]: milliseconds of a verify forward over n = 1..n_max tokens after `context`
+    cached tokens (median of `repeats`, measured at `widths` and interpolated between them)."""
+    vocab = int(getattr(target.model.config, "vocab_size", 1000))
+    gen = torch.Generator().manual_seed(0)
+    context = max(1, min(context, target.max_positions - n_max - 64))
+    prompt = torch.randint(0, vocab, (context,), generator=gen).to(target.device)
+    target.prefill(prompt)
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    points = [w for w in widths if w <= n_max] or [1]
+    if points[-1] != n_max:
+        points.append(n_max)
+    times = []
+    for w in [points[0]] + points:  # the first width twice: the first forward warms up
+        ids = torch.randint(0, vocab, (w,), generator=gen).to(target.device)
+        tree = DraftTree.chain(ids[1:].cpu().numpy())
+        samples = []
+        for _ in range(repeats):
+            sync()
+            tic = time.perf_counter()
+            target.verify(ids, tree)
+            sync()
+            samples.append(1e3 * (time.perf_counter() - tic))
+            target.keep(np.zeros(1, dtype=np.int64))  # the context grows by one: immaterial here
+        times.append(float(np.median(samples)))
+    measured = np.asarray(times[1:])
+    return list(np.interp(np.arange(1, n_max + 1), points, measured))

@@ -1,0 +1,345 @@
+"""`adaptive`, samctl's default drafter: every retrieval source, scored, sized by the verify cost.
+
+Each step (t0 = the pending token):
+    1) match   t0 moves the match pointers of every source (no mutation):
+               dynamic  the automaton over this request's prediction (if any), prompt and output
+               static   the datastore (--sam), a suffix automaton or an n-gram table
+               memory   an automaton over the outputs of earlier requests in this process
+               recycle  Token Recycle's table of each token's likely successors (engine only: it
+                        learns from the target's logits)
+    2) score   each source proposes a best-first tree; the dynamic and memory automata start from
+               the longest match and from its shorter suffixes, so a diverged long match still
+               offers the short ones. A node's probability is the product of calibrated edge
+               estimates (decode/drafters/candidates.py: source, match length, continuation
+               frequency and support, learned online from what verification accepts).
+    3) select  the trees merge into one trie; the most probable nodes are kept, as many as
+               maximise expected tokens per unit of verify time under the cost curve t(n).
+    4) learn   (observe) every tried node updates its calibration cell; the pointers advance;
+               the dynamic automaton grows; Token Recycle's table takes the verified logits.
+Between requests (`start`), the previous output joins the memory (FIFO over requests).
+
+It knows token ids and a relative cost curve, not models or files; the memory's persistence is
+`memory_documents` / `load_memory`, written to disk by the caller.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from decode.drafters.candidates import (
+    N_CELLS, SRC_DYNAMIC, SRC_MEMORY, SRC_STATIC, SOURCES, automaton_candidates, learn, ngram_candidates,
+    prior_means, recycle_candidates, select,
+)
+from decode.tree import DraftTree
+from index.automaton import SuffixAutomaton
+from index.errors import UserError
+
+if TYPE_CHECKING:
+    from index.ngram import NgramTable
+
+
+@dataclass(frozen=True)
+class AdaptiveConfig:
+    max_nodes: int = field(default=64, metadata={
+        "cli": "--max-nodes", "help": "adaptive: most draft nodes per step (the cost curve usually picks fewer)."})
+    min_prob: float = field(default=0.02, metadata={
+        "cli": "--min-prob", "help": "adaptive: drop draft nodes less likely than this to be accepted."})
+    memory: int = field(default=1024, metadata={
+        "cli": "--memory", "help": "adaptive: earlier outputs remembered across requests (0: off)."})
+    memory_tokens: int = 4_000_000  # the memory's token budget; the oldest requests go first
+    recycle: bool = field(default=True, metadata={
+        "cli": "--recycle/--no-recycle", "help": "adaptive: Token Recycle candidates where retrieval has none."})
+    prior_weight: float = 4.0  # pseudo-trials behind each cell's prior estimate
+    max_trials: float = 4000.0  # a cell's evidence is rescaled at this size, so it keeps adapting
+    width: int = 3  # children expanded per node and per match level
+    levels: int = 6  # match lengths (suffix-link levels) that propose first tokens
+    recycle_k: int = 8  # successors kept per token
+
+    def __post_init__(self) -> None:
+        if self.max_nodes < 0 or not 0.0 <= self.min_prob < 1.0 or self.memory < 0 or self.memory_tokens < 0:
+            raise UserError(f"invalid adaptive settings {asdict(self)}: --max-nodes >= 0, 0 <= --min-prob < 1, "
+                            "--memory >= 0")
+        if self.width < 1 or self.levels < 1 or self.recycle_k < 1 or self.prior_weight <= 0:
+            raise UserError(f"invalid adaptive settings {asdict(self)}")
+
+
+def linear_cost(token_cost: float, n: int = 256) -> np.ndarray:
+    """cost[k] = 1 + token_cost * k: a verify of t0 plus k nodes, relative to t0 alone."""
+    return 1.0 + token_cost * np.arange(n + 1, dtype=np.float64)
+
+
+class Calibration:
+    """Per-cell acceptance evidence: mean = (hits + w * prior) / (trials + w)."""
+
+    def __init__(self, config: AdaptiveConfig) -> None:
+        self.prior = prior_means()
+        self.weight = config.prior_weight
+        self.max_trials = config.max_trials
+        self.hits = np.zeros(N_CELLS, dtype=np.float64)
+        self.trials = np.zeros(N_CELLS, dtype=np.float64)
+        self.means = self.prior.copy()
+
+    def update(self, tokens: np.ndarray, parents: np.ndarray, cells: np.ndarray, accepted: np.ndarray) -> None:
+        learn(tokens, parents, cells, accepted, self.hits, self.trials)
+        full = self.trials > self.max_trials
+        if full.any():
+            scale = self.max_trials / self.trials[full]
+            self.hits[full] *= scale
+            self.trials[full] *= scale
+        self.means = (self.hits + self.weight * self.prior) / (self.trials + self.weight)
+
+    def table(self) -> dict[str, dict[str, float]]:
+        """Observed acceptance per source (trials and rate), for reports."""
+        per = len(self.trials) // len(SOURCES)
+        out = {}
+        for i, name in enumerate(SOURCES):
+            t, h = self.trials[i * per:(i + 1) * per].sum(), self.hits[i * per:(i + 1) * per].sum()
+            out[name] = {"trials": round(float(t), 1), "rate": round(float(h / t), 4) if t else 0.0}
+        return out
+
+
+class _AutomatonPointer:
+    """A match pointer into an automaton that does not grow during the request."""
+
+    def __init__(self, automaton: SuffixAutomaton) -> None:
+        self.automaton = automaton
+        self.state, self.length = 0, 0
+
+    def reset(self, context: np.ndarray) -> None:
+        self.state, self.length = self.automaton.match(context[-256:].astype(np.int32))
+
+    def advance(self, tokens: np.ndarray) -> None:
+        self.state, self.length = self.automaton.walk(self.state, self.length, tokens)
+
+
+class Memory:
+    """Outputs of earlier requests in one automaton, FIFO by request. An automaton cannot forget,
+    so it is rebuilt from the newest requests once it holds a quarter more than the limits."""
+
+    def __init__(self, max_requests: int, max_tokens: int) -> None:
+        self.max_requests, self.max_tokens = max_requests, max_tokens
+        self.documents: deque[np.ndarray] = deque()
+        self.tokens = 0
+        self.automaton = SuffixAutomaton.empty(1024)
+        self.held = 0  # documents in the automaton, evicted ones included
+
+    def add(self, document: np.ndarray) -> None:
+        if self.max_requests == 0 or len(document) == 0:
+            return
+        document = np.asarray(document, dtype=np.int32)
+        self.documents.append(document)
+        self.tokens += len(document)
+        self.automaton.extend(document)
+        self.automaton.end_document()
+        self.held += 1
+        while len(self.documents) > self.max_requests or self.tokens > self.max_tokens:
+            self.tokens -= len(self.documents.popleft())
+        if self.held > 1.25 * self.max_requests or self.automaton.num_tokens > 1.25 * self.max_tokens + 1024:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        docs = list(self.documents)
+        tokens = np.concatenate(docs) if docs else np.zeros(0, dtype=np.int32)
+        self.automaton = SuffixAutomaton.empty(max(1024, len(tokens) + len(docs)))
+        for doc in docs:
+            self.automaton.extend(doc)
+            self.automaton.end_document()
+        self.held = len(docs)
+
+    def __len__(self) -> int:
+        return len(self.documents)
+
+
+class _Recycle:
+    """Token Recycle's successor table on the host ([V, k] int32, -1 = unknown). On a GPU the
+    verified logits' top-k reach the host one step late through a pinned buffer, so learning adds
+    no host synchronization."""
+
+    def __init__(self, vocab_size: int, k: int, device: torch.device) -> None:
+        k = min(k, vocab_size)
+        self.table = np.full((vocab_size, k), -1, dtype=np.int32)
+        self.vocab_size, self.k, self.device = vocab_size, k, torch.device(device)
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def learn(self, ids: torch.Tensor, logits: torch.Tensor) -> None:
+        # ids: [q] int64 (placeholders < 0), logits: [q, V] on the model's device
+        successors = torch.topk(logits[:, : self.vocab_size], self.k, dim=-1).indices
+        if self.device.type == "cpu":
+            self._write(ids.numpy(), successors.numpy())
+            return
+        if self._pending is not None:
+            self._write(*(t.numpy() for t in self._pending))
+        pinned = (torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True),
+                  torch.empty(successors.shape, dtype=successors.dtype, pin_memory=True))
+        pinned[0].copy_(ids, non_blocking=True)
+        pinned[1].copy_(successors, non_blocking=True)
+        self._pending = pinned
+
+    def _write(self, ids: np.ndarray, successors: np.ndarray) -> None:
+        ok = (ids >= 0) & (ids < self.vocab_size)
+        self.table[ids[ok]] = successors[ok]
+
+
+class AdaptiveDrafter:
+    name = "adaptive"
+    prefill_logits = "last"  # Token Recycle learns from decode steps only, never the prompt
+
+    def __init__(self, config: AdaptiveConfig = AdaptiveConfig(), static: "SuffixAutomaton | NgramTable | None" = None,
+                 cost: np.ndarray | None = None, vocab_size: int = 0, device: torch.device | str = "cpu") -> None:
+        self.config = config
+        self.cost = np.asarray(cost if cost is not None else linear_cost(0.005), dtype=np.float64)
+        if self.cost.ndim != 1 or len(self.cost) < 2 or self.cost[0] <= 0 or np.any(np.diff(self.cost) < 0):
+            raise UserError("the verify-cost curve must be positive and non-decreasing from n = 1: "
+                            "re-measure it with samctl calibrate")
+        self.calibration = Calibration(config)
+        self.static = static
+        self.static_pointer = _AutomatonPointer(static) if isinstance(static, SuffixAutomaton) else None
+        self._ngram_arrays = static.to_arrays() if static is not None and self.static_pointer is None else None
+        self.memory = Memory(config.memory, config.memory_tokens)
+        self.memory_pointer = _AutomatonPointer(self.memory.automaton)
+        self.recycle = _Recycle(vocab_size, config.recycle_k, device) if config.recycle and vocab_size > 0 else None
+        self.dynamic = SuffixAutomaton.empty(1024)
+        self.dyn_state, self.dyn_length = 0, 0
+        self.context = np.zeros(0, dtype=np.int32)  # the last tokens, for the n-gram table
+        self.output: list[np.ndarray] = []
+        self.remember = True
+        self.prediction: np.ndarray | None = None
+        self.last = (np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32))
+        capacity = 4 * (config.max_nodes + 8) * 4
+        self._tok = np.empty(capacity, dtype=np.int32)
+        self._par = np.empty(capacity, dtype=np.int32)
+        self._prob = np.empty(capacity, dtype=np.float64)
+        self._cell = np.empty(capacity, dtype=np.int32)
+        self.sources = {name: 0 for name in SOURCES}  # kept nodes per source, for reports
+        self._warm_up()
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def expect(self, prediction: np.ndarray | list[int] | None) -> None:
+        """The next request's expected output (e.g. the file being edited): drafted from like the
+        prompt. Applies to the next `start` only."""
+        self.prediction = None if prediction is None else np.asarray(prediction, dtype=np.int32)
+
+    def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor | None) -> None:
+        if self.output:
+            self.memory.add(np.concatenate(self.output))
+            self.memory_pointer = _AutomatonPointer(self.memory.automaton)
+        self.output = []
+        prompt = np.asarray(prompt, dtype=np.int32)
+        size = len(prompt) + (0 if self.prediction is None else len(self.prediction))
+        self.dynamic = SuffixAutomaton.empty(max(1024, 2 * size))
+        if self.prediction is not None and len(self.prediction):
+            self.dynamic.extend(self.prediction)
+            self.dynamic.end_document()
+        self.prediction = None
+        self.dyn_state, self.dyn_length = self.dynamic.extend_tracking(prompt, 0, 0)
+        self.context = prompt[-self._context_size():]
+        if self.static_pointer is not None:
+            self.static_pointer.reset(prompt)
+        if len(self.memory):
+            self.memory_pointer.reset(prompt)
+        self.last = (np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32))
+
+    def finish(self, output: np.ndarray) -> None:
+        """The whole output of the request (the loop's last step has no `observe`); it joins the
+        memory at the next `start` unless `remember` is off (benchmark repeats turn it off)."""
+        self.output = [np.asarray(output, dtype=np.int32)] if self.remember else []
+
+    # -- steps -------------------------------------------------------------------------------
+
+    def propose(self, t0: int) -> DraftTree:
+        cfg, means = self.config, self.calibration.means
+        buf = (self._tok, self._par, self._prob, self._cell)
+        n = 0
+        state, length = self.dynamic.step(self.dyn_state, self.dyn_length, t0)
+        arrays = self.dynamic.kernel_arrays
+        n = automaton_candidates(arrays.states, arrays.edges, state, length, SRC_DYNAMIC, means, 1, cfg.levels,
+                                 cfg.max_nodes, cfg.width, *buf, n)
+        n = self._static_candidates(t0, means, buf, n)
+        if len(self.memory):
+            state, length = self.memory.automaton.step(self.memory_pointer.state, self.memory_pointer.length, t0)
+            arrays = self.memory.automaton.kernel_arrays
+            n = automaton_candidates(arrays.states, arrays.edges, state, length, SRC_MEMORY, means, 2, cfg.levels,
+                                     cfg.max_nodes, cfg.width, *buf, n)
+        if self.recycle is not None:
+            n = recycle_candidates(self.recycle.table, t0, means, 6, min(cfg.max_nodes, 16), *buf, n)
+        tokens, parents, cells = select(*buf, n, self.cost, cfg.max_nodes, cfg.min_prob)
+        self.last = (tokens, parents, cells)
+        if len(parents) and np.array_equal(parents, np.arange(-1, len(parents) - 1, dtype=np.int32)):
+            return DraftTree.chain(tokens)
+        return DraftTree(tokens=tokens, parents=parents)
+
+    def observe(self, committed: np.ndarray, input_ids: torch.Tensor | None, logits: torch.Tensor | None) -> None:
+        committed = np.asarray(committed, dtype=np.int32)
+        tokens, parents, cells = self.last
+        if len(tokens):
+            self.calibration.update(tokens, parents, cells, committed[1:].astype(np.int64))
+            self._count_sources(cells)
+        self.output.append(committed)
+        self.dyn_state, self.dyn_length = self.dynamic.extend_tracking(committed, self.dyn_state, self.dyn_length)
+        keep = self._context_size()
+        self.context = np.concatenate((self.context, committed))[-keep:]
+        if self.static_pointer is not None:
+            self.static_pointer.advance(committed)
+        if len(self.memory):
+            self.memory_pointer.advance(committed)
+        if self.recycle is not None and logits is not None:
+            self.recycle.learn(input_ids, logits)
+
+    # -- memory persistence ------------------------------------------------------------------
+
+    def memory_documents(self) -> list[np.ndarray]:
+        """The remembered outputs, oldest first, the current request's included."""
+        docs = list(self.memory.documents)
+        if self.output:
+            docs.append(np.concatenate(self.output))
+        return docs
+
+    def load_memory(self, documents: list[np.ndarray]) -> None:
+        for doc in documents:
+            self.memory.add(np.asarray(doc, dtype=np.int32))
+        self.memory_pointer = _AutomatonPointer(self.memory.automaton)
+
+    def report(self) -> dict:
+        return {"calibration": self.calibration.table(), "memory_requests": len(self.memory)}
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _static_candidates(self, t0: int, means: np.ndarray, buf: tuple, n: int) -> int:
+        cfg = self.config
+        if self.static_pointer is not None:
+            automaton = self.static_pointer.automaton
+            state, length = automaton.step(self.static_pointer.state, self.static_pointer.length, t0)
+            arrays = automaton.kernel_arrays
+            return automaton_candidates(arrays.states, arrays.edges, state, length, SRC_STATIC, means, 2,
+                                        cfg.levels, cfg.max_nodes, cfg.width, *buf, n)
+        if self.static is not None:
+            a = self._ngram_arrays
+            context = np.append(self.context, np.int32(t0))
+            return ngram_candidates(a["keys"], a["ctx"], a["order_start"], a["ctx_start"], a["offsets"], a["next"],
+                                    a["counts"], a["totals"], self.static.config.max_n, context, means, 1,
+                                    cfg.max_nodes, cfg.width, *buf, n)
+        return n
+
+    def _context_size(self) -> int:
+        return 64 if self.static is None or self.static_pointer is not None else self.static.config.max_n
+
+    def _count_sources(self, cells: np.ndarray) -> None:
+        per = N_CELLS // len(SOURCES)
+        for c in cells:
+            self.sources[SOURCES[int(c) // per]] += 1
+
+    def _warm_up(self) -> None:
+        # Compile (or load the numba cache) now, not inside the first timed step.
+        self.start(np.array([1, 2, 1], dtype=np.int64), None)
+        self.observe(np.array([2], dtype=np.int64), None, None)
+        self.propose(1)
+        self.start(np.array([1], dtype=np.int64), None)
+        self.output = []
+        self.memory = Memory(self.config.memory, self.config.memory_tokens)
+        self.memory_pointer = _AutomatonPointer(self.memory.automaton)
+        self.calibration = Calibration(self.config)

@@ -1,0 +1,83 @@
+"""Verify-cost curves on disk: measured once per model, device, dtype and thread count.
+
+`cost_curve(engine)` returns the cached curve t(1..64) in ms, measuring it (a second or two) on
+first use; `adaptive` sizes its drafts by it. Files live in `<cache>/costs/<key>.json`, where the
+cache is $SAMCTL_CACHE or the user's cache folder (~/.cache/samctl); written atomically.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+
+from decode.cost import measure_verify_cost
+from index.errors import UserError
+
+CURVE_WIDTH = 64
+
+
+def cache_dir() -> Path:
+    """$SAMCTL_CACHE, else $XDG_CACHE_HOME/samctl, else ~/.cache/samctl."""
+    if os.environ.get("SAMCTL_CACHE"):
+        return Path(os.environ["SAMCTL_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "samctl"
+
+
+def curve_key(engine: Any) -> dict[str, Any]:
+    """What a curve depends on: the model (its folder and config), device, dtype, CPU threads."""
+    device = engine.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"model": str(Path(engine.name).resolve()) if Path(engine.name).exists() else engine.name,
+            "config": hashlib.sha256(engine.model.config.to_json_string().encode()).hexdigest()[:16],
+            "device": name, "dtype": str(engine.target.dtype).replace("torch.", ""),
+            "threads": torch.get_num_threads() if device.type == "cpu" else 0}
+
+
+def cost_curve(engine: Any, quiet: bool = False, refresh: bool = False) -> list[float]:
+    """t_ms [64]: the engine's verify time for 1..64 tokens, from the cache or measured now."""
+    key = curve_key(engine)
+    path = cache_dir() / "costs" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + ".json")
+    if path.is_file() and not refresh:
+        try:
+            record = json.loads(path.read_text())
+            if record.get("key") == key and len(record["t_ms"]) == CURVE_WIDTH:
+                return [float(t) for t in record["t_ms"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # a damaged cache entry is measured again and replaced
+    if not quiet:
+        click.echo(f"samctl: measuring the verify cost of {Path(engine.name).name} on {key['device']} "
+                   f"({key['dtype']}), once per model and device", err=True)
+    t_ms = measure_verify_cost(engine.target, CURVE_WIDTH)
+    _write_atomically(path, {"key": key, "t_ms": t_ms})
+    return t_ms
+
+
+def read_cost_curve(path: str | os.PathLike) -> list[float]:
+    """A curve file written by `samctl calibrate --json` (or a cache entry): its t_ms list."""
+    try:
+        record = json.loads(Path(path).read_text())
+        t_ms = [float(t) for t in record["t_ms"]]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UserError(f"{path} is not a cost curve ({type(err).__name__}): write one with "
+                        "samctl calibrate --json > curve.json") from err
+    if len(t_ms) < 2 or min(t_ms) <= 0:
+        raise UserError(f"{path}: a cost curve needs at least two positive times: re-run samctl calibrate")
+    return t_ms
+
+
+def _write_atomically(path: Path, record: dict[str, Any]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as handle:
+            json.dump(record, handle)
+        os.replace(tmp, path)
+    except OSError as err:  # a read-only cache only costs a re-measure next time
+        click.echo(f"samctl: note: cannot cache the cost curve in {path.parent} ({err.strerror})", err=True)

@@ -1,0 +1,145 @@
+"""`adaptive`: sources, scoring, cost-aware size, memory across requests, predictions.
+
+Model-free: drafts are replayed against known references (decode.simulate.replay, which equals the
+engine on the model's own output; tests/test_simulate.py). Greedy equality with plain decoding
+and the chi-square sampling test run for every method in test_decode_greedy / _sampling.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from decode.drafters.adaptive import AdaptiveConfig, AdaptiveDrafter, Calibration, linear_cost
+from decode.drafters.candidates import N_CELLS, select
+from decode.simulate import make_trace, replay
+from index.automaton import SuffixAutomaton
+from index.ngram import NgramConfig, NgramTable
+
+VOCAB = 500
+
+
+def drafter(**settings) -> AdaptiveDrafter:
+    cost = settings.pop("cost", None)
+    static = settings.pop("static", None)
+    return AdaptiveDrafter(AdaptiveConfig(recycle=False, **settings), static=static, cost=cost)
+
+
+def random_doc(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(3, VOCAB, n)
+
+
+def test_copy_from_prompt_drafts_long_and_is_accepted():
+    doc = random_doc(0, 300)
+    m = replay(drafter(), make_trace(np.concatenate((doc, random_doc(1, 20), doc[:4])), doc[4:260]))
+    assert m.mean_accepted > 8, m.to_dict()
+
+
+def test_steep_cost_drafts_narrow_flat_cost_drafts_wide():
+    # Two competing continuations of the same context: a flat cost curve buys both branches, a
+    # steep one (each node costing a whole forward) keeps only what is nearly sure.
+    tok = np.array([10, 11, 12, 20, 21, 22], dtype=np.int32)
+    par = np.array([-1, 0, 1, -1, 3, 4], dtype=np.int32)
+    prob = np.array([0.6, 0.5, 0.4, 0.3, 0.2, 0.1])
+    cell = np.zeros(6, dtype=np.int32)
+    flat = select(tok, par, prob, cell, 6, linear_cost(0.0), 64, 0.0)
+    steep = select(tok, par, prob, cell, 6, linear_cost(1.0), 64, 0.0)
+    assert len(flat[0]) == 6 and len(steep[0]) == 0
+    mid = select(tok, par, prob, cell, 6, linear_cost(0.3), 64, 0.0)
+    assert 0 < len(mid[0]) < 6
+    # kept nodes are the most probable, parents first
+    assert mid[0].tolist() == [10, 11, 12, 20][: len(mid[0])]
+    assert all(p < i for i, p in enumerate(mid[1]))
+
+
+def test_select_merges_same_path_from_two_sources():
+    tok = np.array([7, 8, 7, 9], dtype=np.int32)
+    par = np.array([-1, 0, -1, 2], dtype=np.int32)  # two sources: 7->8 and 7->9
+    prob = np.array([0.5, 0.4, 0.9, 0.3])
+    tokens, parents, _ = select(tok, par, prob, np.zeros(4, np.int32), 4, linear_cost(0.0), 64, 0.0)
+    assert sorted(tokens.tolist()) == [7, 8, 9] and (parents == -1).sum() == 1
+
+
+def test_ngram_store_with_a_long_match_drafts_at_default_settings():
+    # An n-gram store's matches are at most max_n tokens long, so length thresholds made for
+    # automata never fire; a 30-token exact match must still draft.
+    answer = random_doc(2, 200)
+    table = NgramTable.build(answer.astype(np.int32), np.array([0, len(answer)]), NgramConfig(max_n=4, min_count=1))
+    prompt = np.concatenate((random_doc(3, 30), answer[:30]))
+    m = replay(drafter(static=table), make_trace(prompt, answer[30:150]))
+    assert m.mean_accepted > 4, m.to_dict()
+    from decode.drafters.sam import SamDrafter
+    assert replay(SamDrafter(static=table), make_trace(prompt, answer[30:150])).mean_accepted > 2
+
+
+def test_memory_raises_acceptance_on_a_repeated_request_and_survives_eviction():
+    d = drafter(memory=3)
+    requests = [(random_doc(10 + i, 30), random_doc(100 + i, 120)) for i in range(6)]
+    first = [replay(d, make_trace(p, out)).mean_accepted for p, out in requests]
+    assert max(first) < 2.0, first  # nothing to copy the first time
+    again = replay(d, make_trace(*requests[-1])).mean_accepted
+    assert again > 6, again
+    assert len(d.memory) == 3  # FIFO: the oldest went first
+    evicted = replay(d, make_trace(*requests[0])).mean_accepted
+    assert evicted < 2.0, evicted
+    off = drafter(memory=0)
+    for p, out in requests:
+        replay(off, make_trace(p, out))
+    assert replay(off, make_trace(*requests[-1])).mean_accepted < 2.0
+
+
+def test_memory_round_trips_through_documents():
+    d = drafter()
+    requests = [(random_doc(20 + i, 30), random_doc(200 + i, 80)) for i in range(3)]
+    for p, out in requests:
+        replay(d, make_trace(p, out))
+    docs = d.memory_documents()
+    assert [len(x) for x in docs] == [80, 80, 80]
+    fresh = drafter()
+    fresh.load_memory(docs)
+    assert replay(fresh, make_trace(*requests[1])).mean_accepted > 6
+
+
+def test_prediction_outside_the_prompt_drafts_like_the_prompt():
+    # A code edit: the output is the file with a few changes. Given as --prediction (not in the
+    # prompt) it must serve about as well as when the file is in the prompt.
+    original = random_doc(5, 400)
+    edited = original.copy()
+    edited[100:103] = [1, 2, 1]
+    edited[250:252] = [2, 1]
+    instruction = random_doc(6, 20)
+    in_prompt = replay(drafter(), make_trace(np.concatenate((instruction, original)), edited)).mean_accepted
+    d = drafter()
+    d.expect(original)
+    predicted = replay(d, make_trace(instruction, edited)).mean_accepted
+    without = replay(drafter(), make_trace(instruction, edited)).mean_accepted
+    assert without < 1.5 and predicted >= 0.95 * in_prompt, (without, predicted, in_prompt)
+
+
+def test_calibration_learns_from_rejections():
+    cal = Calibration(AdaptiveConfig())
+    tokens = np.array([5, 6], dtype=np.int64)
+    parents = np.array([-1, 0], dtype=np.int32)
+    cells = np.array([7, 8], dtype=np.int32)
+    before = cal.means[7]
+    for _ in range(50):
+        cal.update(tokens, parents, cells, np.zeros(0, dtype=np.int64))  # nothing accepted
+    assert cal.means[7] < 0.1 * before and cal.trials[8] == 0  # node 8 was never tried
+    for _ in range(200):
+        cal.update(tokens, parents, cells, np.array([5, 6]))
+    assert cal.means[7] > 0.75 and cal.means[8] > 0.9  # 200 hits after 50 misses
+    assert cal.hits.shape == (N_CELLS,)
+
+
+def test_static_automaton_and_dynamic_sources_combine():
+    corpus = random_doc(7, 500)
+    store = SuffixAutomaton.build(corpus.astype(np.int32), np.array([0, len(corpus)]))
+    prompt = np.concatenate((random_doc(8, 20), corpus[100:110]))
+    m = replay(drafter(static=store), make_trace(prompt, corpus[110:300]))
+    assert m.mean_accepted > 6, m.to_dict()
+
+
+@pytest.mark.parametrize("bad", [dict(max_nodes=-1), dict(min_prob=1.0), dict(memory=-2), dict(width=0)])
+def test_bad_settings_are_refused(bad):
+    from index.errors import UserError
+    with pytest.raises(UserError):
+        AdaptiveConfig(**bad)
