@@ -55,7 +55,7 @@ def test_select_merges_same_path_from_two_sources():
     tok = np.array([7, 8, 7, 9], dtype=np.int32)
     par = np.array([-1, 0, -1, 2], dtype=np.int32)  # two sources: 7->8 and 7->9
     prob = np.array([0.5, 0.4, 0.9, 0.3])
-    tokens, parents, _ = select(tok, par, prob, np.zeros(4, np.int32), 4, linear_cost(0.0), 64, 0.0)
+    tokens, parents, _, _ = select(tok, par, prob, np.zeros(4, np.int32), 4, linear_cost(0.0), 64, 0.0)
     assert sorted(tokens.tolist()) == [7, 8, 9] and (parents == -1).sum() == 1
 
 

@@ -84,13 +84,8 @@ class Calibration:
         self.means = self.prior.copy()
 
     def update(self, tokens: np.ndarray, parents: np.ndarray, cells: np.ndarray, accepted: np.ndarray) -> None:
-        learn(tokens, parents, cells, accepted, self.hits, self.trials)
-        full = self.trials > self.max_trials
-        if full.any():
-            scale = self.max_trials / self.trials[full]
-            self.hits[full] *= scale
-            self.trials[full] *= scale
-        self.means = (self.hits + self.weight * self.prior) / (self.trials + self.weight)
+        learn(tokens, parents, cells, accepted, self.hits, self.trials, self.prior, self.means, self.weight,
+              self.max_trials)
 
     def table(self) -> dict[str, dict[str, float]]:
         """Observed acceptance per source (trials and rate), for reports."""
@@ -209,12 +204,13 @@ class AdaptiveDrafter:
         self.remember = True
         self.prediction: np.ndarray | None = None
         self.last = (np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32))
-        capacity = 4 * (config.max_nodes + 8) * 4
+        capacity = 4 * (config.max_nodes + 8)
         self._tok = np.empty(capacity, dtype=np.int32)
         self._par = np.empty(capacity, dtype=np.int32)
         self._prob = np.empty(capacity, dtype=np.float64)
         self._cell = np.empty(capacity, dtype=np.int32)
-        self.sources = {name: 0 for name in SOURCES}  # kept nodes per source, for reports
+        # Each source proposes its best nodes up to this many; `select` keeps the best of all.
+        self._budget = max(1, min(config.max_nodes, 48))
         self._warm_up()
 
     # -- requests ----------------------------------------------------------------------------
@@ -257,28 +253,26 @@ class AdaptiveDrafter:
         n = 0
         state, length = self.dynamic.step(self.dyn_state, self.dyn_length, t0)
         arrays = self.dynamic.kernel_arrays
+        budget = self._budget
         n = automaton_candidates(arrays.states, arrays.edges, state, length, SRC_DYNAMIC, means, 1, cfg.levels,
-                                 cfg.max_nodes, cfg.width, *buf, n)
+                                 budget, cfg.width, cfg.min_prob, *buf, n)
         n = self._static_candidates(t0, means, buf, n)
         if len(self.memory):
             state, length = self.memory.automaton.step(self.memory_pointer.state, self.memory_pointer.length, t0)
             arrays = self.memory.automaton.kernel_arrays
             n = automaton_candidates(arrays.states, arrays.edges, state, length, SRC_MEMORY, means, 2, cfg.levels,
-                                     cfg.max_nodes, cfg.width, *buf, n)
+                                     budget, cfg.width, cfg.min_prob, *buf, n)
         if self.recycle is not None:
-            n = recycle_candidates(self.recycle.table, t0, means, 6, min(cfg.max_nodes, 16), *buf, n)
-        tokens, parents, cells = select(*buf, n, self.cost, cfg.max_nodes, cfg.min_prob)
+            n = recycle_candidates(self.recycle.table, t0, means, 6, min(budget, 16), cfg.min_prob, *buf, n)
+        tokens, parents, cells, is_chain = select(*buf, n, self.cost, cfg.max_nodes, cfg.min_prob)
         self.last = (tokens, parents, cells)
-        if len(parents) and np.array_equal(parents, np.arange(-1, len(parents) - 1, dtype=np.int32)):
-            return DraftTree.chain(tokens)
-        return DraftTree(tokens=tokens, parents=parents)
+        return DraftTree(tokens=tokens, parents=parents, is_chain=is_chain)
 
     def observe(self, committed: np.ndarray, input_ids: torch.Tensor | None, logits: torch.Tensor | None) -> None:
         committed = np.asarray(committed, dtype=np.int32)
         tokens, parents, cells = self.last
         if len(tokens):
             self.calibration.update(tokens, parents, cells, committed[1:].astype(np.int64))
-            self._count_sources(cells)
         self.output.append(committed)
         self.dyn_state, self.dyn_length = self.dynamic.extend_tracking(committed, self.dyn_state, self.dyn_length)
         keep = self._context_size()
@@ -316,22 +310,17 @@ class AdaptiveDrafter:
             state, length = automaton.step(self.static_pointer.state, self.static_pointer.length, t0)
             arrays = automaton.kernel_arrays
             return automaton_candidates(arrays.states, arrays.edges, state, length, SRC_STATIC, means, 2,
-                                        cfg.levels, cfg.max_nodes, cfg.width, *buf, n)
+                                        cfg.levels, self._budget, cfg.width, cfg.min_prob, *buf, n)
         if self.static is not None:
             a = self._ngram_arrays
             context = np.append(self.context, np.int32(t0))
             return ngram_candidates(a["keys"], a["ctx"], a["order_start"], a["ctx_start"], a["offsets"], a["next"],
                                     a["counts"], a["totals"], self.static.config.max_n, context, means, 1,
-                                    cfg.max_nodes, cfg.width, *buf, n)
+                                    self._budget, cfg.width, cfg.min_prob, *buf, n)
         return n
 
     def _context_size(self) -> int:
         return 64 if self.static is None or self.static_pointer is not None else self.static.config.max_n
-
-    def _count_sources(self, cells: np.ndarray) -> None:
-        per = N_CELLS // len(SOURCES)
-        for c in cells:
-            self.sources[SOURCES[int(c) // per]] += 1
 
     def _warm_up(self) -> None:
         # Compile (or load the numba cache) now, not inside the first timed step.

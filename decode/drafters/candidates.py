@@ -110,13 +110,14 @@ def _pop(heap, size, key):
 
 
 @njit(cache=True)
-def automaton_candidates(states, edges, state, length, source, means, min_length, max_levels, budget, k,
+def automaton_candidates(states, edges, state, length, source, means, min_length, max_levels, budget, k, min_prob,
                          tok, par, prob, cell, n):
     # states/edges: a suffix automaton's kernel arrays; (state, length): the match of the text
     # ending at t0. Appends up to `budget` rows to tok/par/prob/cell from row n; returns the count.
     # Roots: the match state and its suffix-link ancestors down to min_length (at most
     # max_levels of them), each proposing its top-k next tokens at its own match length; then
     # best-first: pop the most probable pending candidate, keep it, push its top-k children.
+    # Candidates below min_prob are never pushed: `select` would drop them anyway.
     cap = len(tok)
     budget = min(budget, cap - n)
     if budget <= 0 or length < min_length or state <= 0:
@@ -134,7 +135,7 @@ def automaton_candidates(states, edges, state, length, source, means, min_length
     n_c, size = 0, 0
     s, ell, levels = state, length, 0
     while s > 0 and ell >= min_length and levels < max_levels:
-        n_c, size = _push_children(states, edges, s, ell, -1, 1.0, source, means, k, kid_tok, kid_dst,
+        n_c, size = _push_children(states, edges, s, ell, -1, 1.0, source, means, k, min_prob, kid_tok, kid_dst,
                                    c_prob, c_tok, c_par, c_state, c_len, c_cell, heap, n_c, size)
         levels += 1
         s = states[s, LINK]
@@ -146,18 +147,21 @@ def automaton_candidates(states, edges, state, length, source, means, min_length
         n += 1
         if n_c + k <= pending:
             n_c, size = _push_children(states, edges, c_state[c], c_len[c], n - 1, c_prob[c], source, means, k,
-                                       kid_tok, kid_dst, c_prob, c_tok, c_par, c_state, c_len, c_cell, heap, n_c, size)
+                                       min_prob, kid_tok, kid_dst, c_prob, c_tok, c_par, c_state, c_len, c_cell,
+                                       heap, n_c, size)
     return n
 
 
 @njit(cache=True)
-def _push_children(states, edges, s, ell, parent_row, parent_prob, source, means, k, kid_tok, kid_dst,
+def _push_children(states, edges, s, ell, parent_row, parent_prob, source, means, k, min_prob, kid_tok, kid_dst,
                    c_prob, c_tok, c_par, c_state, c_len, c_cell, heap, n_c, size):
     support = states[s, COUNT]
     m = sam_topk_children(states, edges, s, k, kid_tok, kid_dst)
     for j in range(m):
         freq = states[kid_dst[j], COUNT] / support if support > 0 else 0.0
         ci = cell_index(source, ell, min(freq, 1.0), support)
+        if parent_prob * means[ci] < min_prob:
+            continue
         c_prob[n_c] = parent_prob * means[ci]
         c_tok[n_c], c_par[n_c], c_state[n_c], c_len[n_c], c_cell[n_c] = kid_tok[j], parent_row, kid_dst[j], ell + 1, ci
         size = _push(heap, size, c_prob, n_c)
@@ -167,7 +171,7 @@ def _push_children(states, edges, s, ell, parent_row, parent_prob, source, means
 
 @njit(cache=True)
 def ngram_candidates(keys, ctx, order_start, ctx_start, offsets, nxt, counts, totals, max_n, context, means,
-                     min_length, budget, k, tok, par, prob, cell, n):
+                     min_length, budget, k, min_prob, tok, par, prob, cell, n):
     # context: [c] int32, the text ending at t0 (its last max_n tokens suffice). The children of a
     # node are the top-k next tokens of the longest table context that is a suffix of
     # (context + path to the node). Appends up to `budget` rows from row n; returns the count.
@@ -201,6 +205,8 @@ def ngram_candidates(keys, ctx, order_start, ctx_start, offsets, nxt, counts, to
             for e in range(offsets[i], min(offsets[i + 1], offsets[i] + k)):
                 freq = counts[e] / total if total > 0 else 0.0
                 ci = cell_index(SRC_STATIC, length, min(freq, 1.0), total)
+                if node_prob * means[ci] < min_prob:
+                    continue
                 c_prob[n_c], c_tok[n_c], c_par[n_c], c_cell[n_c] = node_prob * means[ci], nxt[e], node, ci
                 size = _push(heap, size, c_prob, n_c)
                 n_c += 1
@@ -216,7 +222,7 @@ def ngram_candidates(keys, ctx, order_start, ctx_start, offsets, nxt, counts, to
 
 
 @njit(cache=True)
-def recycle_candidates(table, t0, means, max_depth, budget, tok, par, prob, cell, n):
+def recycle_candidates(table, t0, means, max_depth, budget, min_prob, tok, par, prob, cell, n):
     # table: [V, k] int32, each token's most likely successors by rank (-1 = unknown). Best-first
     # over (node, rank) with the rank's calibrated chance. Appends up to `budget` rows from n.
     cap = len(tok)
@@ -241,6 +247,8 @@ def recycle_candidates(table, t0, means, max_depth, budget, tok, par, prob, cell
                 if succ < 0:
                     break
                 ci = cell_index(SRC_RECYCLE, node_depth + 1, min(r, N_FREQ - 1) / N_FREQ + 1e-9, 0)
+                if node_prob * means[ci] < min_prob:
+                    continue
                 c_prob[n_c], c_tok[n_c], c_par[n_c] = node_prob * means[ci], succ, node
                 c_depth[n_c], c_cell[n_c] = node_depth + 1, ci
                 size = _push(heap, size, c_prob, n_c)
@@ -263,7 +271,7 @@ def select(tok, par, prob, cell, n, cost, max_nodes, min_prob):
     # probability and its cell), then keep the most probable nodes, as many as maximise
     # (1 + sum prob) / cost[kept]. A child never outranks its parent (its probability is its
     # parent's times an estimate <= 1, and merging keeps maxima), so every kept node's parent is
-    # kept. -> (tokens [m] int64, parents [m] int32, cells [m] int32) with parents[i] < i.
+    # kept. -> (tokens [m] int64, parents [m] int32, cells [m] int32, is_chain) with parents[i] < i.
     node_of = np.empty(n, dtype=np.int32)  # row -> merged node
     m_tok = np.empty(n, dtype=np.int32)
     m_par = np.empty(n, dtype=np.int32)
@@ -304,30 +312,38 @@ def select(tok, par, prob, cell, n, cost, max_nodes, min_prob):
     out_tok = np.empty(best_n, dtype=np.int64)
     out_par = np.empty(best_n, dtype=np.int32)
     out_cell = np.empty(best_n, dtype=np.int32)
+    is_chain = True
     for i in range(best_n):
         v = order[i]
         rank_of[v] = i
         out_tok[i] = m_tok[v]
         out_par[i] = rank_of[m_par[v]] if m_par[v] >= 0 else -1
         out_cell[i] = m_cell[v]
-    return out_tok, out_par, out_cell
+        is_chain = is_chain and out_par[i] == i - 1
+    return out_tok, out_par, out_cell, is_chain
 
 
 @njit(cache=True)
-def learn(tokens, parents, cells, accepted, hits, trials):
+def learn(tokens, parents, cells, accepted, hits, trials, prior, means, weight, max_trials):
     # tokens/parents/cells: the last draft tree; accepted: [a] the draft tokens it committed, in
     # order. Every node whose parent was accepted (or is the root) was tried: a hit when it is
-    # the accepted child. The tried nodes' cells count one trial each.
+    # the accepted child. A tried cell's mean becomes (hits + weight * prior) / (trials + weight);
+    # past max_trials its evidence is rescaled, so the estimate keeps following the workload.
     current = -1
     depth = 0
     while True:
         nxt = -1
         for i in range(len(parents)):
             if parents[i] == current:
-                trials[cells[i]] += 1.0
+                c = cells[i]
+                trials[c] += 1.0
                 if depth < len(accepted) and tokens[i] == accepted[depth] and nxt < 0:
                     nxt = i
-                    hits[cells[i]] += 1.0
+                    hits[c] += 1.0
+                if trials[c] > max_trials:
+                    hits[c] *= max_trials / trials[c]
+                    trials[c] = max_trials
+                means[c] = (hits[c] + weight * prior[c]) / (trials[c] + weight)
         if nxt < 0:
             return
         current = nxt
