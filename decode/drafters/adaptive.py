@@ -57,6 +57,10 @@ class AdaptiveConfig:
     max_trials: float = 4000.0  # a cell's evidence is rescaled at this size, so it keeps adapting
     width: int = 3  # children expanded per node and per match level
     levels: int = 6  # match lengths (suffix-link levels) that propose first tokens
+    # A large store's short contexts have thousands of continuations, each a cost to rank and
+    # rarely right: the store proposes from fewer, longer matches.
+    static_levels: int = 2
+    static_min_length: int = 3
     recycle_k: int = 8  # successors kept per token
 
     def __post_init__(self) -> None:
@@ -102,6 +106,7 @@ class _AutomatonPointer:
 
     def __init__(self, automaton: SuffixAutomaton) -> None:
         self.automaton = automaton
+        self.arrays = automaton.kernel_arrays  # valid while it does not grow
         self.state, self.length = 0, 0
 
     def reset(self, context: np.ndarray) -> None:
@@ -251,16 +256,15 @@ class AdaptiveDrafter:
         cfg, means = self.config, self.calibration.means
         buf = (self._tok, self._par, self._prob, self._cell)
         n = 0
-        state, length = self.dynamic.step(self.dyn_state, self.dyn_length, t0)
         arrays = self.dynamic.kernel_arrays
         budget = self._budget
-        n = automaton_candidates(arrays.states, arrays.edges, state, length, SRC_DYNAMIC, means, 1, cfg.levels,
-                                 budget, cfg.width, cfg.min_prob, *buf, n)
+        n = automaton_candidates(arrays.states, arrays.edges, arrays.slots, self.dyn_state, self.dyn_length, t0,
+                                 SRC_DYNAMIC, means, 1, cfg.levels, budget, cfg.width, cfg.min_prob, *buf, n)
         n = self._static_candidates(t0, means, buf, n)
         if len(self.memory):
-            state, length = self.memory.automaton.step(self.memory_pointer.state, self.memory_pointer.length, t0)
-            arrays = self.memory.automaton.kernel_arrays
-            n = automaton_candidates(arrays.states, arrays.edges, state, length, SRC_MEMORY, means, 2, cfg.levels,
+            arrays = self.memory_pointer.arrays
+            n = automaton_candidates(arrays.states, arrays.edges, arrays.slots, self.memory_pointer.state,
+                                     self.memory_pointer.length, t0, SRC_MEMORY, means, 2, cfg.levels,
                                      budget, cfg.width, cfg.min_prob, *buf, n)
         if self.recycle is not None:
             n = recycle_candidates(self.recycle.table, t0, means, 6, min(budget, 16), cfg.min_prob, *buf, n)
@@ -272,11 +276,11 @@ class AdaptiveDrafter:
         committed = np.asarray(committed, dtype=np.int32)
         tokens, parents, cells = self.last
         if len(tokens):
-            self.calibration.update(tokens, parents, cells, committed[1:].astype(np.int64))
+            self.calibration.update(tokens, parents, cells, committed[1:])
         self.output.append(committed)
         self.dyn_state, self.dyn_length = self.dynamic.extend_tracking(committed, self.dyn_state, self.dyn_length)
-        keep = self._context_size()
-        self.context = np.concatenate((self.context, committed))[-keep:]
+        if self._ngram_arrays is not None:
+            self.context = np.concatenate((self.context, committed))[-self._context_size():]
         if self.static_pointer is not None:
             self.static_pointer.advance(committed)
         if len(self.memory):
@@ -306,11 +310,11 @@ class AdaptiveDrafter:
     def _static_candidates(self, t0: int, means: np.ndarray, buf: tuple, n: int) -> int:
         cfg = self.config
         if self.static_pointer is not None:
-            automaton = self.static_pointer.automaton
-            state, length = automaton.step(self.static_pointer.state, self.static_pointer.length, t0)
-            arrays = automaton.kernel_arrays
-            return automaton_candidates(arrays.states, arrays.edges, state, length, SRC_STATIC, means, 2,
-                                        cfg.levels, self._budget, cfg.width, cfg.min_prob, *buf, n)
+            arrays = self.static_pointer.arrays
+            return automaton_candidates(arrays.states, arrays.edges, arrays.slots, self.static_pointer.state,
+                                        self.static_pointer.length, t0, SRC_STATIC, means,
+                                        cfg.static_min_length, cfg.static_levels, self._budget, cfg.width,
+                                        cfg.min_prob, *buf, n)
         if self.static is not None:
             a = self._ngram_arrays
             context = np.append(self.context, np.int32(t0))

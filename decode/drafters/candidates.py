@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from index.automaton import COUNT, LEN, LINK, sam_topk_children
+from index.automaton import COUNT, LEN, LINK, sam_step, sam_topk_children
 from index.ngram import ngram_find
 
 SRC_DYNAMIC, SRC_STATIC, SRC_MEMORY, SRC_RECYCLE = range(4)
@@ -110,14 +110,16 @@ def _pop(heap, size, key):
 
 
 @njit(cache=True)
-def automaton_candidates(states, edges, state, length, source, means, min_length, max_levels, budget, k, min_prob,
-                         tok, par, prob, cell, n):
-    # states/edges: a suffix automaton's kernel arrays; (state, length): the match of the text
-    # ending at t0. Appends up to `budget` rows to tok/par/prob/cell from row n; returns the count.
+def automaton_candidates(states, edges, slots, state, length, t0, source, means, min_length, max_levels, budget, k,
+                         min_prob, tok, par, prob, cell, n):
+    # states/edges/slots: a suffix automaton's kernel arrays; (state, length): the match of the
+    # text before t0, moved here over t0 without changing the caller's pointer. Appends up to
+    # `budget` rows to tok/par/prob/cell from row n; returns the new row count.
     # Roots: the match state and its suffix-link ancestors down to min_length (at most
     # max_levels of them), each proposing its top-k next tokens at its own match length; then
     # best-first: pop the most probable pending candidate, keep it, push its top-k children.
     # Candidates below min_prob are never pushed: `select` would drop them anyway.
+    state, length = sam_step(states, edges, slots, state, length, t0)
     cap = len(tok)
     budget = min(budget, cap - n)
     if budget <= 0 or length < min_length or state <= 0:
