@@ -1,9 +1,10 @@
 """The target's verify-cost curve t(n): the time of one forward over n input tokens.
 
 `measure_verify_cost` times verify forwards of 1..n_max tokens (t0 plus a chain of n - 1 draft
-nodes) after a fixed context, as the decode loop runs them, median of a few repeats, and sampled
-at a geometric grid of widths then interpolated (the curve is smooth and a full sweep costs
-seconds more than it tells). `relative_cost` turns it into what drafters size drafts by:
+nodes) after a fixed context, as the decode loop runs them, at a geometric grid of widths then
+interpolated (the curve is smooth and a full sweep costs seconds more than it tells). The widths
+are visited round-robin and each keeps its fastest time: on a shared machine another process only
+ever adds time, so the minimum is the forward's own cost and a busy moment cannot bend one width. `relative_cost` turns it into what drafters size drafts by:
 cost[k] = t(1 + k) / t(1), the price of k draft nodes relative to plain decoding.
 
 It knows the target and token ids; caching curves on disk is the caller's business.
@@ -32,10 +33,10 @@ def relative_cost(t_ms: np.ndarray | list[float], n: int = 256) -> np.ndarray:
 
 
 @torch.inference_mode()
-def measure_verify_cost(target: TargetModel, n_max: int = 64, context: int = 256, repeats: int = 3,
+def measure_verify_cost(target: TargetModel, n_max: int = 64, context: int = 256, rounds: int = 4,
                         widths: tuple[int, ...] = MEASURED_WIDTHS) -> list[float]:
     """-> t_ms [n_max]: milliseconds of a verify forward over n = 1..n_max tokens after `context`
-    cached tokens (median of `repeats`, measured at `widths` and interpolated between them)."""
+    cached tokens (fastest of `rounds`, measured at `widths` and interpolated between them)."""
     vocab = int(getattr(target.model.config, "vocab_size", 1000))
     gen = torch.Generator().manual_seed(0)
     context = max(1, min(context, target.max_positions - n_max - 64))
@@ -45,18 +46,29 @@ def measure_verify_cost(target: TargetModel, n_max: int = 64, context: int = 256
     points = [w for w in widths if w <= n_max] or [1]
     if points[-1] != n_max:
         points.append(n_max)
-    times = []
-    for w in [points[0]] + points:  # the first width twice: the first forward warms up
-        ids = torch.randint(0, vocab, (w,), generator=gen).to(target.device)
-        tree = DraftTree.chain(ids[1:].cpu().numpy())
-        samples = []
-        for _ in range(repeats):
+    best = np.full(len(points), np.inf)
+    inputs = [torch.randint(0, vocab, (w,), generator=gen).to(target.device) for w in points]
+    for r in range(rounds + 1):  # round 0 warms up and is not kept
+        for i, ids in enumerate(inputs):
+            tree = DraftTree.chain(ids[1:].cpu().numpy())
             sync()
             tic = time.perf_counter()
             target.verify(ids, tree)
             sync()
-            samples.append(1e3 * (time.perf_counter() - tic))
+            if r:
+                best[i] = min(best[i], 1e3 * (time.perf_counter() - tic))
             target.keep(np.zeros(1, dtype=np.int64))  # the context grows by one: immaterial here
-        times.append(float(np.median(samples)))
-    measured = np.asarray(times[1:])
-    return list(np.interp(np.arange(1, n_max + 1), points, measured))
+    return list(np.interp(np.arange(1, n_max + 1), points, monotone_fit(best)))
+
+
+def monotone_fit(values: np.ndarray) -> np.ndarray:
+    """The non-decreasing sequence closest to `values` in least squares (pool adjacent violators):
+    a slow outlier at one width is averaged with its neighbours instead of lifting every later one."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in np.asarray(values, dtype=np.float64):
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return np.concatenate([np.full(int(c), s / c) for s, c in blocks])

@@ -415,110 +415,6 @@ def sam_topk_next(states, edges, state, k):
     return out_tok[:m].copy(), counts
 
 
-@njit(cache=True)
-def _heap_better(prob, a, b):
-    """Candidate a before b: higher path probability, then pushed first (ids rise with pushes)."""
-    return prob[a] > prob[b] or (prob[a] == prob[b] and a < b)
-
-
-@njit(cache=True)
-def _heap_push(heap, size, prob, item):
-    heap[size] = item
-    i = size
-    while i > 0:
-        parent = (i - 1) // 2
-        if not _heap_better(prob, heap[i], heap[parent]):
-            break
-        heap[i], heap[parent] = heap[parent], heap[i]
-        i = parent
-    return size + 1
-
-
-@njit(cache=True)
-def _heap_pop(heap, size, prob):
-    top = heap[0]
-    size -= 1
-    heap[0] = heap[size]
-    i = 0
-    while True:
-        best = i
-        for child in (2 * i + 1, 2 * i + 2):
-            if child < size and _heap_better(prob, heap[child], heap[best]):
-                best = child
-        if best == i:
-            break
-        heap[i], heap[best] = heap[best], heap[i]
-        i = best
-    return top, size
-
-
-@njit(cache=True)
-def sam_tree_draft(states, edges, state, max_nodes, k):
-    """Best-first draft tree below `state` (SAM-Decoding sam_only).
-
-    A candidate is (node state, token, parent node, depth) with path probability
-    P(child) = P(parent) * count[child] / count[parent state]; the children of a node are its
-    top-k out-edges by count. Candidates are taken best first (ties: first pushed); a candidate
-    whose depth already holds k nodes is dropped. Stops at max_nodes - 1 nodes (the root, the
-    current token, counts as one) or when no candidate is left.
-    Returns (tokens [m] int32, parents [m] int32) in creation order; parents[i] < i, -1 = root.
-    """
-    m_max = max(max_nodes - 1, 0)
-    out_tok = np.empty(m_max, dtype=np.int32)
-    out_par = np.empty(m_max, dtype=np.int32)
-    if m_max == 0 or k <= 0:
-        return out_tok, out_par
-    cap = k * (m_max + 1)
-    prob = np.empty(cap, dtype=np.float64)
-    c_state = np.empty(cap, dtype=np.int32)
-    c_tok = np.empty(cap, dtype=np.int32)
-    c_par = np.empty(cap, dtype=np.int32)
-    c_depth = np.empty(cap, dtype=np.int32)
-    heap = np.empty(cap, dtype=np.int64)
-    per_depth = np.zeros(m_max + 1, dtype=np.int32)
-    kid_tok = np.empty(k, dtype=np.int32)
-    kid_dst = np.empty(k, dtype=np.int32)
-    n_cand = 0
-    size = 0
-    node_state = state
-    node_prob = 1.0
-    node = -1
-    depth = 0
-    m = 0
-    while True:
-        # 1) push the children of the node just created (first: of the root)
-        parent_cnt = states[node_state, COUNT]
-        n_kids = _topk_children(states, edges, node_state, k, kid_tok, kid_dst)
-        for j in range(n_kids):
-            c = n_cand
-            n_cand += 1
-            ratio = states[kid_dst[j], COUNT] / parent_cnt if parent_cnt > 0 else 0.0
-            prob[c] = node_prob * ratio
-            c_state[c] = kid_dst[j]
-            c_tok[c] = kid_tok[j]
-            c_par[c] = node
-            c_depth[c] = depth
-            size = _heap_push(heap, size, prob, c)
-        # 2) pop the best candidate whose depth has room
-        found = False
-        while size > 0 and not found:
-            c, size = _heap_pop(heap, size, prob)
-            found = per_depth[c_depth[c]] < k
-        if not found:
-            break
-        per_depth[c_depth[c]] += 1
-        out_tok[m] = c_tok[c]
-        out_par[m] = c_par[c]
-        node = m
-        m += 1
-        if m == m_max:
-            break
-        node_state = c_state[c]
-        node_prob = prob[c]
-        depth = c_depth[c] + 1
-    return out_tok[:m], out_par[:m]
-
-
 # ---------------------------------------------------------------------------------------------
 # Validation of untrusted arrays
 # ---------------------------------------------------------------------------------------------
@@ -810,14 +706,6 @@ class SuffixAutomaton:
         """The k most frequent next tokens of state and their counts ([m] int32 each), by count
         descending, then token ascending."""
         return sam_topk_next(self._states, self._edges, state, k)
-
-    def tree_draft(self, state: int, max_nodes: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Best-first tree of at most max_nodes - 1 draft tokens below state; see sam_tree_draft.
-
-        Returns (tokens [m] int32, parents [m] int32): creation order, parents[i] < i, -1 means
-        a child of the root (the current token, not included).
-        """
-        return sam_tree_draft(self._states, self._edges, state, max_nodes, k)
 
     def length(self, state: int) -> int:
         return int(self._states[state, LEN])

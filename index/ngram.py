@@ -213,108 +213,6 @@ def ngram_continuation(keys, ctx, order_start, ctx_start, offsets, nxt, context,
     return work[keep : keep + m].copy()
 
 
-@njit(cache=True)
-def _heap_better(prob, a, b):
-    return prob[a] > prob[b] or (prob[a] == prob[b] and a < b)
-
-
-@njit(cache=True)
-def _heap_push(heap, size, prob, item):
-    heap[size] = item
-    i = size
-    while i > 0:
-        parent = (i - 1) // 2
-        if not _heap_better(prob, heap[i], heap[parent]):
-            break
-        heap[i], heap[parent] = heap[parent], heap[i]
-        i = parent
-    return size + 1
-
-
-@njit(cache=True)
-def _heap_pop(heap, size, prob):
-    top = heap[0]
-    size -= 1
-    heap[0] = heap[size]
-    i = 0
-    while True:
-        best = i
-        for child in (2 * i + 1, 2 * i + 2):
-            if child < size and _heap_better(prob, heap[child], heap[best]):
-                best = child
-        if best == i:
-            break
-        heap[i], heap[best] = heap[best], heap[i]
-        i = best
-    return top, size
-
-
-@njit(cache=True)
-def ngram_tree_draft(keys, ctx, order_start, ctx_start, offsets, nxt, counts, totals, context, max_nodes, k, max_n):
-    """Best-first tree, as the automaton's: the children of a node are the top-k next tokens of
-    the longest table context that is a suffix of (context + path to the node), with path
-    probability P(parent) * count / total. At most k nodes per depth, max_nodes - 1 nodes.
-    Returns (tokens [m] int32, parents [m] int32): creation order, parents[i] < i, -1 = root.
-    """
-    m_max = max(max_nodes - 1, 0)
-    out_tok = np.empty(m_max, dtype=np.int32)
-    out_par = np.empty(m_max, dtype=np.int32)
-    out_depth = np.empty(m_max, dtype=np.int32)
-    if m_max == 0 or k <= 0:
-        return out_tok, out_par
-    cap = k * (m_max + 1)
-    prob = np.empty(cap, dtype=np.float64)
-    c_tok = np.empty(cap, dtype=np.int32)
-    c_par = np.empty(cap, dtype=np.int32)
-    heap = np.empty(cap, dtype=np.int64)
-    per_depth = np.zeros(m_max + 1, dtype=np.int32)
-    keep = min(len(context), max_n)
-    work = np.empty(keep + m_max + 1, dtype=np.int32)
-    n_cand = 0
-    size = 0
-    node = -1
-    node_prob = 1.0
-    cand_depth = 0
-    c = 0
-    m = 0
-    while True:
-        # 1) the text ending at `node`: context tail + the path from the root
-        depth = out_depth[node] + 1 if node >= 0 else 0
-        work[:keep] = context[len(context) - keep :]
-        v = node
-        for q in range(depth - 1, -1, -1):
-            work[keep + q] = out_tok[v]
-            v = out_par[v]
-        length, i = ngram_find(keys, ctx, order_start, ctx_start, work, keep + depth, max_n)
-        # 2) push its top-k next tokens
-        if length > 0:
-            for e in range(offsets[i], min(offsets[i + 1], offsets[i] + k)):
-                c = n_cand
-                n_cand += 1
-                prob[c] = node_prob * (counts[e] / totals[i] if totals[i] > 0 else 0.0)
-                c_tok[c] = nxt[e]
-                c_par[c] = node
-                size = _heap_push(heap, size, prob, c)
-        # 3) pop the best candidate whose depth has room
-        found = False
-        while size > 0 and not found:
-            c, size = _heap_pop(heap, size, prob)
-            cand_depth = out_depth[c_par[c]] + 1 if c_par[c] >= 0 else 0
-            found = per_depth[cand_depth] < k
-        if not found:
-            break
-        per_depth[cand_depth] += 1
-        out_tok[m] = c_tok[c]
-        out_par[m] = c_par[c]
-        out_depth[m] = cand_depth
-        node = m
-        node_prob = prob[c]
-        m += 1
-        if m == m_max:
-            break
-    return out_tok[:m], out_par[:m]
-
-
 # ---------------------------------------------------------------------------------------------
 # The table
 # ---------------------------------------------------------------------------------------------
@@ -425,13 +323,6 @@ class NgramTable:
         context = np.asarray(context, dtype=np.int32)
         a = self._a
         return ngram_continuation(*self._args, a["offsets"], a["next"], context, max(n, 0), self.config.max_n)
-
-    def tree_draft(self, context: np.ndarray, max_nodes: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Best-first tree of at most max_nodes - 1 tokens after context; see ngram_tree_draft."""
-        context = np.asarray(context, dtype=np.int32)
-        a = self._a
-        return ngram_tree_draft(*self._args, a["offsets"], a["next"], a["counts"], a["totals"],
-                                context, max_nodes, k, self.config.max_n)
 
     @property
     def num_contexts(self) -> int:

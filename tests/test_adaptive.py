@@ -143,3 +143,31 @@ def test_bad_settings_are_refused(bad):
     from index.errors import UserError
     with pytest.raises(UserError):
         AdaptiveConfig(**bad)
+
+
+@pytest.mark.parametrize("seed", range(15))
+def test_automaton_candidates_are_continuations_in_the_documents(seed):
+    # Every candidate path, after the pending token, occurs in one document; probabilities never
+    # rise along a path; parents come first.
+    from decode.drafters.candidates import N_CELLS, automaton_candidates
+
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(0, 5, int(rng.integers(5, 40))).astype(np.int32) for _ in range(3)]
+    sam = SuffixAutomaton.build(np.concatenate(docs), np.concatenate(([0], np.cumsum([len(d) for d in docs]))))
+    query = rng.integers(0, 5, 6).astype(np.int32)
+    state, length = sam.match(query[:-1])
+    a = sam.kernel_arrays
+    out = [np.empty(128, np.int32), np.empty(128, np.int32), np.empty(128, np.float64), np.empty(128, np.int32)]
+    means = np.random.default_rng(seed).uniform(0.2, 1.0, N_CELLS)
+    m = automaton_candidates(a.states, a.edges, a.slots, state, length, int(query[-1]), 0, means, 1, 6, 40, 3, 0.0,
+                             *out, 0)
+    tok, par, prob = out[0][:m], out[1][:m], out[2][:m]
+    texts = [" " + " ".join(map(str, d)) + " " for d in docs]
+    for i in range(m):
+        assert -1 <= par[i] < i and (par[i] < 0 or prob[i] <= prob[par[i]] + 1e-12)
+        path, v = [], i
+        while v >= 0:
+            path.insert(0, int(tok[v]))
+            v = par[v]
+        needle = " " + " ".join(map(str, [int(query[-1])] + path)) + " "
+        assert any(needle in t for t in texts), (needle, texts)

@@ -1,7 +1,6 @@
 """Suffix automaton against brute force on random small documents (alphabets of 2-5 symbols)."""
 from __future__ import annotations
 
-import heapq
 from collections import Counter
 
 import numpy as np
@@ -119,62 +118,6 @@ def test_topk_next_counts(seed: int) -> None:
         assert tokens.dtype == np.int32 and counts.dtype == np.int32
 
 
-def reference_tree(docs: list[list[int]], prefix: list[int], max_nodes: int, k: int) -> tuple[list[int], list[int]]:
-    """sam_only best-first tree from brute-force counts; `prefix` is the state's string."""
-    buf = buffer_of(docs)
-
-    def count(s: list[int]) -> int:
-        return len(end_positions(docs, s)) if s else sum(1 for t in buf if t >= 0)
-
-    def children(s: list[int]) -> list[tuple[int, int]]:
-        nxt = Counter()
-        for t in set(t for t in buf if t >= 0):
-            c = count(s + [t])
-            if c:
-                nxt[t] = c
-        return sorted(nxt.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
-
-    heap: list = []
-    seq = 0
-    tokens: list[int] = []
-    parents: list[int] = []
-    per_depth: Counter = Counter()
-
-    def push(path: list[int], prob: float, node: int, depth: int) -> None:
-        nonlocal seq
-        parent_count = count(prefix + path)
-        for t, c in children(prefix + path):
-            heapq.heappush(heap, (-(prob * (c / parent_count)), seq, t, node, depth, path + [t]))
-            seq += 1
-
-    push([], 1.0, -1, 0)
-    while heap and len(tokens) < max_nodes - 1:
-        neg, _, t, parent, depth, path = heapq.heappop(heap)
-        if per_depth[depth] >= k:
-            continue
-        per_depth[depth] += 1
-        tokens.append(t)
-        parents.append(parent)
-        if len(tokens) < max_nodes - 1:
-            push(path, -neg, len(tokens) - 1, depth + 1)
-    return tokens, parents
-
-
-@pytest.mark.parametrize("seed", range(25))
-def test_tree_draft_matches_reference(seed: int) -> None:
-    rng = np.random.default_rng(2000 + seed)
-    docs = random_docs(rng, max_len=18)
-    sam = SuffixAutomaton.build(*concat(docs))
-    state, _ = sam.match(np.array(random_query(rng, docs), dtype=np.int32))
-    end, n = sam.end_position(state), sam.length(state)
-    prefix = buffer_of(docs)[end - n + 1 : end + 1] if state else []
-    max_nodes, k = int(rng.integers(1, 12)), int(rng.integers(1, 4))
-    tokens, parents = sam.tree_draft(state, max_nodes, k)
-    assert (tokens.tolist(), parents.tolist()) == reference_tree(docs, prefix, max_nodes, k)
-    assert len(tokens) <= max(max_nodes - 1, 0)
-    assert all(-1 <= p < i for i, p in enumerate(parents.tolist()))
-
-
 @pytest.mark.parametrize("seed", range(30))
 @pytest.mark.parametrize("occurrence", ["first", "latest"])
 def test_incremental_equals_build(seed: int, occurrence: str) -> None:
@@ -255,7 +198,6 @@ def test_round_trip_readonly(seed: int) -> None:
         assert loaded.match(q) == (state, length)
         assert loaded.continuation(state, 4).tolist() == sam.continuation(state, 4).tolist()
         assert [x.tolist() for x in loaded.topk_next(state, 3)] == [x.tolist() for x in sam.topk_next(state, 3)]
-        assert [x.tolist() for x in loaded.tree_draft(state, 8, 2)] == [x.tolist() for x in sam.tree_draft(state, 8, 2)]
     with pytest.raises(UserError):
         loaded.extend(np.array([1], dtype=np.int32))
 

@@ -91,30 +91,35 @@ def test_pruning() -> None:
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_tree_draft_paths_are_table_continuations(seed: int) -> None:
+def test_adaptive_tree_paths_are_table_continuations(seed: int) -> None:
+    # adaptive's n-gram kernel: every child is a top-k next token of the text ending at it
+    from decode.drafters.candidates import N_CELLS, ngram_candidates
+
     rng = np.random.default_rng(500 + seed)
     docs, config = random_docs(rng), random_config(rng)
     table = NgramTable.build(*concat(docs), config)
     ref = brute_table(docs, config)
-    context = list(rng.integers(0, 4, size=int(rng.integers(0, 5))))
-    max_nodes, k = int(rng.integers(1, 12)), int(rng.integers(1, 4))
-    tokens, parents = table.tree_draft(np.array(context, dtype=np.int32), max_nodes, k)
+    context = list(rng.integers(0, 4, size=int(rng.integers(1, 5))))
+    budget, k = int(rng.integers(1, 12)), int(rng.integers(1, 4))
+    a = table.to_arrays()
+    out = [np.empty(64, np.int32), np.empty(64, np.int32), np.empty(64, np.float64), np.empty(64, np.int32)]
+    m = ngram_candidates(a["keys"], a["ctx"], a["order_start"], a["ctx_start"], a["offsets"], a["next"], a["counts"],
+                         a["totals"], config.max_n, np.array(context, dtype=np.int32), np.ones(N_CELLS), 1, budget,
+                         k, 0.0, *out, 0)
+    tokens, parents = out[0][:m], out[1][:m]
     tokens, parents = tokens.tolist(), parents.tolist()
-    assert len(tokens) <= max(max_nodes - 1, 0)
-    depth: list[int] = []
+    assert len(tokens) <= budget
     for i, (t, p) in enumerate(zip(tokens, parents)):
         assert -1 <= p < i
-        depth.append(depth[p] + 1 if p >= 0 else 0)
         path, v = [t], p
         while v >= 0:
             path.insert(0, tokens[v])
             v = parents[v]
         _, kept = brute_lookup(ref, context + path[:-1], config.max_n)
         assert t in [tok for tok, _ in kept[:k]]  # each child is a top-k next token of its text
-    assert all(c <= k for c in Counter(depth).values())
     siblings = Counter(zip(parents, tokens))
     assert all(c == 1 for c in siblings.values())
-    if max_nodes > 1 and brute_lookup(ref, context, config.max_n)[0] > 0:
+    if brute_lookup(ref, context, config.max_n)[0] > 0:
         assert tokens  # something to draft, so the tree is not empty
 
 
@@ -134,7 +139,7 @@ def test_round_trip_and_corruption(seed: int) -> None:
     for _ in range(10):
         ctx = rng.integers(0, 3, size=4).astype(np.int32)
         assert [np.asarray(x).tolist() for x in loaded.lookup(ctx)] == [np.asarray(x).tolist() for x in table.lookup(ctx)]
-        assert [x.tolist() for x in loaded.tree_draft(ctx, 9, 2)] == [x.tolist() for x in table.tree_draft(ctx, 9, 2)]
+        assert loaded.continuation(ctx, 9).tolist() == table.continuation(ctx, 9).tolist()
     with pytest.raises(UserError):
         NgramTable.from_arrays(arrays, NgramConfig(max_n=2))
 

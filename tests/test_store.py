@@ -393,9 +393,9 @@ def _try_load(path, data: bytes, queries) -> None:
         assert all(0 <= t < store.meta.vocab_size for t in found.next_tokens)
         if store.kind == "sam":
             state, _length = store.sam.match(np.array(query, dtype=np.int32))
-            store.sam.tree_draft(state, 10, 3)
+            store.sam.topk_next(state, 3)
         else:
-            store.ngram.tree_draft(np.array(query, dtype=np.int32), 10, 3)
+            store.ngram.continuation(np.array(query, dtype=np.int32), 10)
 
 
 _queries = st.lists(st.lists(st.integers(0, 8), max_size=6), min_size=1, max_size=3)

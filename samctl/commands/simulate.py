@@ -29,7 +29,6 @@ from typing import Any, Iterator
 import click
 import torch
 
-from decode.drafters.adaptive import linear_cost
 from decode.methods import METHODS, REPLAYABLE, MethodConfig, make_drafter
 from decode.simulate import CostModel, Tally, Trace, check_replayable, make_trace, replay, sweep_configs, tally_by_category
 from index.datastore import Datastore, load_datastore
@@ -136,6 +135,7 @@ class _Simulation:
                     "setting": top["setting"], **top["results"][category],
                     "default_projected_speedup": default[method][category]["projected_speedup"],
                     "default_mean_accepted": default[method][category]["mean_accepted"],
+                    "default_drafted_per_step": default[method][category]["drafted_per_step"],
                 }
         return {"traces": len(self.traces), "cost_model": asdict(self.cost), "best": best, "grid": grid}
 
@@ -277,13 +277,15 @@ def _results_table(report: dict[str, Any]) -> str:
 def _sweep_table(result: dict[str, Any]) -> str:
     lines = [f"{result['traces']} traces; best setting per category by projected speedup "
              f"(forward {result['cost_model']['forward_ms']} ms + {result['cost_model']['token_cost']} per drafted token)", "",
-             "| category | method | best setting | tokens/step | projected speedup | default: tokens/step | default: speedup |",
-             "|---|---|---|---:|---:|---:|---:|"]
+             "| category | method | best setting | tokens/step | drafted/step | projected speedup "
+             "| default: tokens/step | default: drafted/step | default: speedup |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for category in _category_order({"x": result["best"]}) if result["best"] else []:
         for method, row in result["best"][category].items():
             setting = " ".join(f"{k.split('.')[1]}={v}" for k, v in row["setting"].items()) or "(none)"
-            lines.append(f"| {category} | {method} | {setting} | {row['mean_accepted']:.2f} | {row['projected_speedup']:.2f} "
-                         f"| {row['default_mean_accepted']:.2f} | {row['default_projected_speedup']:.2f} |")
+            lines.append(f"| {category} | {method} | {setting} | {row['mean_accepted']:.2f} | {row['drafted_per_step']:.1f} "
+                         f"| {row['projected_speedup']:.2f} | {row['default_mean_accepted']:.2f} "
+                         f"| {row['default_drafted_per_step']:.1f} | {row['default_projected_speedup']:.2f} |")
     return "\n".join(lines)
 
 
