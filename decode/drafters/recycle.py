@@ -79,6 +79,7 @@ def write_rows(table: np.ndarray, ids: np.ndarray, successors: np.ndarray) -> No
 
 class TokenRecycleDrafter:
     name = "recycle"
+    prefill_logits = "all"  # the table learns every prompt position's successors
 
     def __init__(self, vocab_size: int, device: torch.device, config: RecycleConfig = RecycleConfig()) -> None:
         self.config = config
