@@ -21,6 +21,7 @@ from decode.loop import GenerationConfig, GenerationResult, generate as decode_g
 from decode.methods import ALL_METHODS
 from decode.sampling import SamplingConfig
 from index.errors import UserError
+from samctl.detok import IncrementalDetokenizer
 from samctl.options import method_config as shared_method_config
 from samctl.options import method_options, set_threads
 from samctl.runtime import (Engine, build_drafter, load_acc_head, load_draft, load_engine, load_store,
@@ -197,25 +198,20 @@ class Runner:
 
 
 class _Streamer:
-    """Writes decoded text to stdout as tokens arrive, holding back an incomplete character."""
+    """Writes decoded text to stdout as tokens arrive: only the new text, an incomplete character
+    held back (samctl.detok)."""
 
     def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.tokens: list[int] = []
-        self.written = 0
+        self.detok = IncrementalDetokenizer(engine.decode)
 
     def push(self, tokens: list[int]) -> None:
-        self.tokens.extend(tokens)
-        text = self.engine.decode(self.tokens)
-        if text.endswith("\ufffd"):
-            return
-        sys.stdout.write(text[self.written :])
-        sys.stdout.flush()
-        self.written = len(text)
+        text = self.detok.push(tokens)
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
 
     def finish(self) -> None:
-        text = self.engine.decode(self.tokens)
-        sys.stdout.write(text[self.written :] + "\n")
+        sys.stdout.write(self.detok.finish() + "\n")
         sys.stdout.flush()
 
 
