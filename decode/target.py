@@ -59,7 +59,7 @@ class TargetModel:
         self._mask = torch.zeros(0, 0, dtype=self.dtype, device=self.device)
         self._mask_block = (0, 0)  # (q, past) of the tree block written into _mask last
         self._blocked = torch.finfo(self.dtype).min
-        self.graphs = None  # decode.graphs.VerifyGraphs on CUDA when enabled
+        self.graphs = None  # decode.graphs.VerifyGraphs, set by enable_cuda_graphs on CUDA only
 
     @torch.inference_mode()
     def prefill(self, prompt_ids: torch.Tensor, all_logits: bool = False, reserve: int = 0) -> torch.Tensor:
@@ -95,12 +95,12 @@ class TargetModel:
         self.cache.reserve(past + q)
         if tree.is_chain:
             position_ids = torch.arange(past, past + q, device=self.device)[None]
-            mask = None  # the model's own causal mask is exactly the chain's tree mask
         else:
             position_ids = to_device(past + np.concatenate(([0], tree.depths())).astype(np.int64), self.device)[None]
-            mask = self._tree_mask(tree.parents, past)
-        if self.graphs is not None and self.graphs.covers(q):
+        if self.graphs is not None and self.graphs.covers(q):  # CUDA only (decode.graphs)
             return self.graphs.run(input_ids.clamp_min(0), position_ids, tree, past)
+        # A chain needs no mask: the model's own causal mask is exactly the chain's tree mask.
+        mask = None if tree.is_chain else self._tree_mask(tree.parents, past)
         out = self.model(
             input_ids=input_ids.clamp_min(0)[None],
             position_ids=position_ids,

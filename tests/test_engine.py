@@ -249,3 +249,27 @@ def test_gpu_one_host_sync_per_step():
             torch.cuda.set_sync_debug_mode("default")
         syncs = [w for w in record if "synchroniz" in str(w.message)]
         assert len(syncs) <= result.metrics.steps + 1, (method, len(syncs), result.metrics.steps)
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_graphs_equal_eager():
+    from decode.graphs import enable_cuda_graphs
+
+    model = tiny("llama", 2).cuda()
+    for prompt in prompts(96):
+        outputs = []
+        for graphs in (False, True):
+            target = TargetModel(model)
+            enable_cuda_graphs(target, graphs)
+            drafter = make_drafter("recycle", vocab_size=96, device=torch.device("cuda"))
+            outputs.append(generate(target, drafter, prompt, GenerationConfig(max_new_tokens=40)).tokens)
+        assert outputs[0] == outputs[1]
+
+
+def test_graphs_stay_off_on_cpu():
+    from decode.graphs import enable_cuda_graphs
+
+    target = TargetModel(tiny())
+    enable_cuda_graphs(target, True)
+    assert target.graphs is None
