@@ -24,7 +24,7 @@ from decode.accept import speculative_accept
 from decode.drafters.base import Drafter
 from decode.metrics import Metrics
 from decode.sampling import SamplingConfig, choose_tokens
-from decode.target import TargetModel
+from decode.target import TargetModel, to_device
 from decode.tree import DraftTree, walk_tree
 from index.errors import UserError
 
@@ -93,16 +93,17 @@ def generate(
         raise UserError("the prompt is empty: give at least one token of text")
     if len(prompt) + 1 > target.max_positions:
         raise UserError(
-            f"prompt is {len(prompt)} tokens, the model's context is {target.max_positions}: shorten the prompt"
+            f"prompt is {len(prompt)} tokens, {target.context_note} is {target.max_positions}: shorten the prompt"
         )
     generator = _make_generator(config.sampling, target.device)
     metrics = Metrics()
     out = _Output(config, on_tokens)
     start = time.perf_counter()
 
-    prompt_t = torch.from_numpy(prompt).to(target.device)
-    logits = target.prefill(prompt_t)
-    t0 = int(choose_tokens(logits[-1:], config.sampling, generator)[0])
+    # Only Token Recycle reads the logits of every prompt position; the rest need the last row.
+    all_logits = getattr(drafter, "prefill_logits", "last") == "all"
+    logits = target.prefill(to_device(prompt, target.device), all_logits, reserve=len(prompt) + config.max_new_tokens)
+    t0 = int(choose_tokens(logits[-1:], config.sampling, generator)[0])  # the prefill's one host sync
     metrics.prefill_s = time.perf_counter() - start
     tic = time.perf_counter()
     drafter.start(prompt, logits)
@@ -134,12 +135,12 @@ def _step(
     tic = time.perf_counter()
     tree = drafter.propose(t0)
     tree = tree.limit_depth(min(out.remaining - 1, target.max_positions - target.cached - 1))
-    input_ids = _verify_input(t0, tree, target.device)
+    input_ids = target.verify_input(t0, tree)
     draft_s = time.perf_counter() - tic
 
     # 2) verify and 3) accept
     tic = time.perf_counter()
-    logits = target.verify(input_ids.clamp_min(0), tree)
+    logits = target.verify(input_ids, tree)
     if tree.q is not None and not sampling.greedy:
         path, bonus, host_inputs = speculative_accept(logits, tree, input_ids, sampling, generator)
     else:
@@ -163,17 +164,6 @@ def _step(
         drafter.observe(committed, input_ids, logits)
     metrics.record_draft(draft_s + time.perf_counter() - tic)
     return bonus
-
-
-def _verify_input(t0: int, tree: DraftTree, device: torch.device) -> torch.Tensor:
-    # -> [1 + m] int64 on device: the pending token then the draft nodes
-    root = torch.tensor([t0], dtype=torch.int64, device=device)
-    if len(tree) == 0:
-        return root
-    tokens = tree.tokens
-    if not isinstance(tokens, torch.Tensor):
-        tokens = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
-    return torch.cat((root, tokens.to(device=device, dtype=torch.int64)))
 
 
 def _make_generator(sampling: SamplingConfig, device: torch.device) -> torch.Generator | None:

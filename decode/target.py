@@ -1,16 +1,39 @@
 """The target model behind one interface: prefill, verify a draft tree, keep the accepted path.
 
 Works with any Hugging Face causal LM that takes a 4D additive attention mask, explicit
-`position_ids` and a `DynamicCache` (Llama, Qwen2, Mistral, GPT-NeoX families). Knows nothing
-of drafters or acceptance rules: it runs forwards and edits the KV cache.
+`position_ids` and a transformers `Cache` (Llama, Qwen2, Mistral, GPT-NeoX families), under the
+sdpa or eager attention paths; others (flash, flex) ignore a 4D mask, so the model is switched to
+sdpa or refused. Sliding-window models work while prompt + output fit in the window, which then
+caps the context.
+
+The engine owns a preallocated KV cache (`decode.kv_cache`): no per-step concatenation, and an
+accepted tree path is compacted with one gather over all layers. Nothing here reads a device
+value on the host: inputs go host -> device through pinned memory without waiting, and the tree
+mask is edited on the device where only the [q, q] block of the verified tokens changes.
+Knows nothing of drafters or acceptance rules.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
-from decode.tree import DraftTree, tree_attention_mask
+from decode.kv_cache import StaticKVCache
+from decode.tree import DraftTree, ancestor_matrix
+from index.errors import UserError
+
+MASK_ATTENTION = ("sdpa", "eager")  # attention paths that apply a custom 4D additive mask
+VERIFY_SLACK = 256  # cache room reserved beyond prompt + output for the largest verify block
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    # array: any host array -> the same values on device, without a host synchronization.
+    # A pageable host->device copy waits for the GPU queue to drain; a pinned one with
+    # non_blocking does not, and the caching host allocator keeps the pinned block alive until
+    # the copy has run.
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class TargetModel:
@@ -20,32 +43,66 @@ class TargetModel:
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30) or (1 << 30))
-        self.cache: DynamicCache | None = None
+        config = model.config
+        _require_mask_attention(model)
+        self.max_positions = int(getattr(config, "max_position_embeddings", 1 << 30) or (1 << 30))
+        self.context_note = "the model's context"
+        window = _sliding_window(config)
+        if window is not None and window < self.max_positions:
+            # Beyond the window the model must stop seeing old tokens, which this engine's
+            # full-context mask does not do: cap the context instead of computing wrong logits.
+            self.max_positions = window
+            self.context_note = (f"{getattr(config, 'model_type', 'this model')} uses sliding-window attention, "
+                                 "which samctl supports only within the window; the window")
+        self.cache = StaticKVCache(int(config.num_hidden_layers), self.dtype, self.device)
         self.cached = 0  # tokens whose K/V are in the cache and committed
+        self._mask = torch.zeros(0, 0, dtype=self.dtype, device=self.device)
+        self._mask_block = (0, 0)  # (q, past) of the tree block written into _mask last
+        self._blocked = torch.finfo(self.dtype).min
+        self.graphs = None  # decode.graphs.VerifyGraphs, set by enable_cuda_graphs on CUDA only
 
     @torch.inference_mode()
-    def prefill(self, prompt_ids: torch.Tensor) -> torch.Tensor:
-        # prompt_ids: [n] int64 on device -> logits [n, V] of every prompt position
-        self.cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=prompt_ids[None], past_key_values=self.cache, use_cache=True)
-        self.cached = int(prompt_ids.shape[0])
-        return out.logits[0]
+    def prefill(self, prompt_ids: torch.Tensor, all_logits: bool = False, reserve: int = 0) -> torch.Tensor:
+        # prompt_ids: [n] int64 on device -> logits [n, V] of every prompt position if all_logits,
+        # else [1, V] at the last one (a [n, V] float32 block is 150 MB for 769 tokens of a 49k vocab)
+        n = int(prompt_ids.shape[0])
+        self.cache.set_length(0)
+        self.cache.reserve(max(reserve, n) + VERIFY_SLACK)
+        self._reset_mask()
+        out = self.model(
+            input_ids=prompt_ids[None], past_key_values=self.cache, use_cache=True,
+            logits_to_keep=0 if all_logits else 1,
+        )
+        self.cached = n
+        return out.logits[0] if all_logits else out.logits[0, -1:]
+
+    def verify_input(self, t0: int, tree: DraftTree) -> torch.Tensor:
+        # -> [1 + m] int64 on device: the pending token then the draft nodes (placeholders -1)
+        tokens = tree.tokens
+        if not isinstance(tokens, torch.Tensor):
+            return to_device(np.concatenate(([t0], np.asarray(tokens, dtype=np.int64))), self.device)
+        ids = torch.empty(len(tree) + 1, dtype=torch.int64, device=self.device)
+        ids[0] = t0  # a fill kernel: writing a host scalar needs no sync
+        ids[1:] = tokens
+        return ids
 
     @torch.inference_mode()
     def verify(self, input_ids: torch.Tensor, tree: DraftTree) -> torch.Tensor:
-        # input_ids: [q] int64 = [t0, nodes...] on device -> logits [q, V].
-        # Appends q entries to the cache; `keep` must follow before the next call.
+        # input_ids: [q] int64 = [t0, nodes...] on device (placeholders -1 are fed as 0)
+        # -> logits [q, V]. Appends q entries to the cache; `keep` must follow before the next call.
         q = int(input_ids.shape[0])
         past = self.cached
-        depths = np.concatenate(([0], tree.depths())) if len(tree) else np.zeros(1, dtype=np.int32)
-        position_ids = torch.from_numpy(past + depths.astype(np.int64)).to(self.device)[None]
+        self.cache.reserve(past + q)
         if tree.is_chain:
-            mask = None  # the model's own causal mask is exactly the chain's tree mask
+            position_ids = torch.arange(past, past + q, device=self.device)[None]
         else:
-            mask = tree_attention_mask(tree.parents, past, self.dtype, self.device)
+            position_ids = to_device(past + np.concatenate(([0], tree.depths())).astype(np.int64), self.device)[None]
+        if self.graphs is not None and self.graphs.covers(q):  # CUDA only (decode.graphs)
+            return self.graphs.run(input_ids.clamp_min(0), position_ids, tree, past)
+        # A chain needs no mask: the model's own causal mask is exactly the chain's tree mask.
+        mask = None if tree.is_chain else self._tree_mask(tree.parents, past)
         out = self.model(
-            input_ids=input_ids[None],
+            input_ids=input_ids.clamp_min(0)[None],
             position_ids=position_ids,
             attention_mask=mask,
             past_key_values=self.cache,
@@ -57,17 +114,61 @@ class TargetModel:
     @torch.inference_mode()
     def keep(self, path: np.ndarray) -> None:
         # path: [a+1] input indices of the accepted path of the last verify, root (0) first.
-        # Chain-shaped paths (0, 1, ..., a) only crop; others move the accepted K/V entries to
-        # the front of the verified block, then crop. RoPE stays right because every entry was
-        # computed at its true position.
+        # Chain-shaped paths (0, 1, ..., a) only shorten the cache; others gather the accepted
+        # K/V entries to the front of the verified block. RoPE stays right because every entry
+        # was computed at its true position.
         past = self.cached
-        total = self.cache.get_seq_length()
         n = len(path)
-        if not np.array_equal(path, np.arange(n)):
-            src = torch.from_numpy(past + path).to(self.device)
-            for layer in self.cache.layers:
-                layer.keys[..., past : past + n, :] = layer.keys.index_select(-2, src)
-                layer.values[..., past : past + n, :] = layer.values.index_select(-2, src)
-        if total > past + n:
-            self.cache.crop(past + n - total)  # transformers 5: a negative count removes tokens
+        if n > 1 and path[-1] != n - 1:  # paths increase, so this is "not 0..a"
+            self.cache.compact(past, to_device(past + np.asarray(path, dtype=np.int64), self.device))
+        else:
+            self.cache.set_length(past + n)
         self.cached = past + n
+
+    def _reset_mask(self) -> None:
+        q, past = self._mask_block
+        if q:
+            self._mask[:q, past : past + q] = 0.0
+        self._mask_block = (0, 0)
+
+    def _tree_mask(self, parents: np.ndarray, past: int) -> torch.Tensor:
+        # -> [1, 1, q, past+q] additive mask view: 0 = attend, finfo.min = blocked.
+        # Invariant: _mask is all zeros except the block written last, so only the previous
+        # and the new [q, q] blocks are written. Float, not bool: a bool mask is silently wrong
+        # under the eager attention path.
+        q = len(parents) + 1
+        self._reset_mask()
+        if self._mask.shape[0] < q or self._mask.shape[1] < past + q:
+            rows = max(q, self._mask.shape[0])
+            self._mask = torch.zeros(rows, max(self.cache.capacity, past + q), dtype=self.dtype, device=self.device)
+        block = np.where(ancestor_matrix(parents), 0.0, self._blocked).astype(np.float32)
+        self._mask[:q, past : past + q] = to_device(block, self.device)
+        self._mask_block = (q, past)
+        return self._mask[:q, : past + q][None, None]
+
+
+def _require_mask_attention(model: torch.nn.Module) -> None:
+    config = model.config
+    impl = getattr(config, "_attn_implementation", None)
+    if impl is None or impl in MASK_ATTENTION:
+        return
+    try:
+        model.set_attn_implementation("sdpa")
+    except (AttributeError, ValueError, ImportError) as err:
+        raise UserError(
+            f"{getattr(config, 'model_type', 'this model')} is loaded with {impl} attention, which ignores "
+            f"samctl's tree mask, and cannot switch to sdpa ({err}): load it with attn_implementation='sdpa'"
+        ) from err
+    if getattr(model.config, "_attn_implementation", None) not in MASK_ATTENTION:
+        raise UserError(f"{config.model_type}: attention {impl} ignores the tree mask; load it with sdpa")
+
+
+def _sliding_window(config) -> int | None:
+    # The window of a model whose layers really use sliding attention, else None.
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return int(window) if "sliding_attention" in layer_types else None
+    return int(window) if getattr(config, "use_sliding_window", True) else None

@@ -45,6 +45,10 @@ class DraftTree:
 
     def limit_depth(self, max_depth: int) -> "DraftTree":
         """Drop nodes deeper than max_depth (root children have depth 1)."""
+        if self.is_chain:  # a chain's depth is its length: no kernel call on the hot path
+            if len(self) <= max_depth:
+                return self
+            return DraftTree.chain(self.tokens[:max_depth], None if self.q is None else self.q[:max_depth])
         depth = self.depths()
         if len(depth) == 0 or depth.max() <= max_depth:
             return self

@@ -82,12 +82,34 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        # float32 on the CPU (fast enough, and multi-token verification is then bit-stable);
-        # float16 on GPUs, where it is what users run (greedy may drift from one-token steps).
-        return torch.float32 if device.type == "cpu" else torch.float16
-    return DTYPES[dtype]
+def resolve_dtype(dtype: str, device: torch.device, config_dtype: torch.dtype | None = None) -> torch.dtype:
+    """`auto`: float32 on the CPU (fast enough, and greedy output then equals plain greedy decoding
+    token for token). On a GPU the dtype the model was saved in (config `dtype`): bfloat16 stays
+    bfloat16, float16 stays float16; float32 or unknown becomes bfloat16, which has float32's
+    range (no overflow in a model never run in float16), else float16 where bfloat16 is
+    unsupported. Half precision keeps sampling lossless, but verifying several tokens runs other
+    kernels than one-token decoding, so greedy output can differ at near-ties."""
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    if config_dtype in (torch.float16, torch.bfloat16):
+        return config_dtype
+    bf16_ok = device.type != "cuda" or torch.cuda.is_bf16_supported()
+    return torch.bfloat16 if bf16_ok else torch.float16
+
+
+def _config_dtype(model: str) -> torch.dtype | None:
+    # The dtype a model folder or hub-cache name declares, or None when it declares none.
+    from transformers import AutoConfig
+
+    try:
+        declared = getattr(AutoConfig.from_pretrained(model, local_files_only=True), "dtype", None)
+    except (OSError, ValueError, KeyError):
+        return None  # the model load below reports the problem
+    if isinstance(declared, str):
+        declared = getattr(torch, declared, None)
+    return declared if isinstance(declared, torch.dtype) else None
 
 
 def load_engine(model: str | None, device: str = "auto", dtype: str = "auto", quiet: bool = False) -> Engine:
@@ -108,7 +130,7 @@ def load_engine(model: str | None, device: str = "auto", dtype: str = "auto", qu
     if Path(model).is_dir() and not (Path(model) / "config.json").is_file():
         raise UserError(f"model folder {model} has no config.json: pass a folder written by save_pretrained")
     torch_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, torch_device)
+    torch_dtype = resolve_dtype(dtype, torch_device, _config_dtype(model) if dtype == "auto" and torch_device.type != "cpu" else None)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
         hf_model = AutoModelForCausalLM.from_pretrained(

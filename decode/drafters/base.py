@@ -7,6 +7,10 @@ t0) together with every verified input and its logits, rejected nodes included.
 A drafter may keep state across sequences (Token Recycle's table warms up that way). Optional:
 `finish(output)` after the last step, with every new token of the sequence (the last step has no
 `observe`), for drafters that remember whole outputs across requests.
+
+Optional attribute `prefill_logits`: "last" (the default when absent) gives `start` the logits of
+the last prompt position only, [1, V]; "all" gives every position, [n, V], which costs a large
+block for long prompts and is for drafters that learn from the prompt's logits.
 """
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ class Drafter(Protocol):
     name: str
 
     def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor) -> None:
-        # prompt: [n] int64 host ids; prompt_logits: [n, V] on the model's device
+        # prompt: [n] int64 host ids; prompt_logits: [n, V] on the model's device with
+        # prefill_logits == "all", else [1, V] (the last position)
         ...
 
     def propose(self, t0: int) -> DraftTree: ...

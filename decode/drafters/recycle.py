@@ -84,6 +84,7 @@ def write_rows(table: np.ndarray, ids: np.ndarray, successors: np.ndarray) -> No
 
 class TokenRecycleDrafter:
     name = "recycle"
+    prefill_logits = "all"  # the table learns every prompt position's successors
 
     def __init__(self, vocab_size: int, device: torch.device, config: RecycleConfig = RecycleConfig()) -> None:
         self.config = config
@@ -97,6 +98,7 @@ class TokenRecycleDrafter:
             expand_template(self.table.numpy(), 0, self.parents, self.ranks)  # compile now
         else:
             self._levels = self._device_levels()
+        self._last_write = torch.empty(vocab_size + 1, dtype=torch.int64, device=self.device)
 
     def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor) -> None:
         self._learn(torch.from_numpy(prompt).to(self.device), prompt_logits)
@@ -117,10 +119,13 @@ class TokenRecycleDrafter:
             write_rows(self.table.numpy(), ids.numpy(), successors.numpy())
             return
         # On the device without a sync: send every write but the last of each token to the sink
-        # row, so the outcome is deterministic (index_put with duplicates is not).
-        q = ids.shape[0]
-        later_same = (ids[:, None] == ids[None, :]) & torch.ones(q, q, dtype=torch.bool, device=ids.device).triu(1)
-        rows = torch.where(later_same.any(dim=1) | (ids < 0), self.vocab_size, ids)
+        # row, so the outcome is deterministic (index_put with duplicates is not). The last
+        # write of a row is found with a scatter-max over a [V+1] buffer, O(q + V) memory
+        # (not a [q, q] comparison, which is gigabytes for a long prompt).
+        order = torch.arange(ids.shape[0], device=ids.device)
+        rows = torch.where(ids < 0, self.vocab_size, ids)
+        last = self._last_write.fill_(-1).scatter_reduce_(0, rows, order, "amax")
+        rows = torch.where(last[rows] == order, rows, self.vocab_size)
         self.table.index_put_((rows,), successors)
 
     def _device_levels(self) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:

@@ -123,6 +123,7 @@ class SamDrafter:
         self.dynamic = SuffixAutomaton.empty(1024, occurrence=config.occurrence)
         self.dyn_state, self.dyn_length = 0, 0
         self.sources = {"dynamic": 0, "static": 0, "fallback": 0, "none": 0}  # steps by draft source
+        self.prefill_logits = getattr(fallback, "prefill_logits", "last")
 
     def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor) -> None:
         self.dynamic = SuffixAutomaton.empty(max(1024, 2 * len(prompt)), occurrence=self.config.occurrence)

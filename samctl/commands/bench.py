@@ -40,6 +40,7 @@ import click
 import torch
 
 from decode.drafters.base import Drafter
+from decode.graphs import enable_cuda_graphs
 from decode.loop import GenerationConfig, generate as decode_generate
 from decode.acceptance_head import AcceptanceHead
 from decode.draft_model import DraftModel
@@ -99,6 +100,7 @@ class Runner(Protocol):
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder for records.jsonl, summary.md/json, speedup.png.")
 @click.option("--chat", is_flag=True, help="Render prompts with the tokenizer's chat template.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--no-compile", is_flag=True, help="CUDA: run the verify forward eagerly instead of as CUDA graphs at fixed widths (the CPU never compiles).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True)
 @click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice); 1 is steadier on a shared machine.")
 @method_options
@@ -117,6 +119,7 @@ def bench(**opts: Any) -> None:
     methods = [BASELINE] + [m for m in methods if m != BASELINE]
     questions = read_questions(Path(opts["questions_path"]), opts["categories"], opts["limit"])
     engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"])
+    enable_cuda_graphs(engine.target, not opts["no_compile"])
     store = load_store(opts["store_path"], engine, opts["occurrence"])
     config = method_config(opts, engine.device)
     drafts = _Drafts(engine, opts)
@@ -135,13 +138,21 @@ def bench(**opts: Any) -> None:
     run = _run_info(engine, opts, methods, len(fits), skipped)
     summary = write_summary(out_dir, records, methods, run)
     mismatches = sum(summary["mismatches"].values())
+    # float32: greedy output must equal ar's token for token, so a mismatch is a bug. Half
+    # precision: verifying several tokens runs other kernels, near-tied argmaxes may flip, and a
+    # divergence is reported (records hold each turn's first_difference), not failed.
+    exact = engine.target.dtype == torch.float32
+    turns = sum(len(r["turns"]) * max(1, len(r["repeat_times_s"])) for r in records if r["method"] != BASELINE)
     if not opts["quiet"]:
         overall = summary["table"]["overall"]
         best = max((m for m in methods if m != BASELINE), key=lambda m: overall[m]["speedup"] or 0.0, default=None)
         click.echo(f"samctl: {len(fits)} questions x {len(methods)} methods -> {out_dir}/summary.md"
                    + (f"; best overall: {best} {overall[best]['speedup']:.2f}x" if best else "")
-                   + f"; greedy mismatches against ar: {mismatches}", err=True)
-    if mismatches:
+                   + f"; greedy mismatches against ar: {mismatches}"
+                   + ("" if exact or not turns else
+                      f" of {turns} turns ({mismatches / turns:.1%}, {engine.target.dtype} near-ties; "
+                      "first_difference per turn in records.jsonl)"), err=True)
+    if mismatches and exact:
         sys.exit(1)
 
 

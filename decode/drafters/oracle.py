@@ -1,0 +1,38 @@
+"""`oracle`: drafts a known continuation, for measuring the engine, never for users.
+
+Given the target's own greedy continuation of a prompt (token array c, c[0] being the first token
+the prefill chooses), after committed text ... c[i] with pending t0 = c[i] it drafts the chain
+c[i+1 .. i+k]. Every draft is then accepted, so a run makes exactly k + 1 tokens per step and its
+speed against the verify cost t(k + 1) is the engine's overhead. Not registered as a method.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from decode.tree import DraftTree
+from index.errors import UserError
+
+
+class OracleDrafter:
+    name = "oracle"
+
+    def __init__(self, continuation: np.ndarray, depth: int) -> None:
+        # continuation: [N] int64 greedy output after the prompt
+        if depth < 0:
+            raise UserError(f"oracle depth must be >= 0, got {depth}")
+        self.continuation = np.asarray(continuation, dtype=np.int64)
+        self.depth = depth
+        self.position = 0  # index in `continuation` of the pending token t0
+
+    def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor) -> None:
+        self.position = 0
+
+    def propose(self, t0: int) -> DraftTree:
+        i = self.position
+        if i >= len(self.continuation) or self.continuation[i] != t0:
+            return DraftTree.empty()  # off the known text (a drift at a near-tie): draft nothing
+        return DraftTree.chain(self.continuation[i + 1 : i + 1 + self.depth])
+
+    def observe(self, committed: np.ndarray, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
+        self.position += len(committed)

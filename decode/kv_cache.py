@@ -1,0 +1,118 @@
+"""A preallocated KV cache for one sequence, with in-place compaction of an accepted tree path.
+
+Storage is one tensor `[2, layers, 1, kv_heads, capacity, head_dim]` (keys, values), allocated at
+the first `update` from the shapes the model really produces (MHA, GQA and MQA differ only in
+kv_heads) and kept across sequences. Each layer is a transformers cache layer viewing its slice,
+so any model that calls `past_key_values.update(k, v, layer_idx)` works unchanged.
+
+Invariant: every layer holds `length` valid entries at [0, length); `update` writes the new ones
+behind them and returns views of [0, length + q), exactly the tensors a DynamicCache would return,
+so eager results are bit-identical to DynamicCache's. `compact` moves an accepted tree path to
+the front of the verified block for all layers with one gather. In `fixed` mode (CUDA graphs)
+`update` writes at device positions and returns the whole capacity; the caller's mask hides the
+unused tail. Knows nothing of drafts or acceptance.
+"""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from index.errors import UserError
+
+
+class StaticLayer(CacheLayerMixin):
+    """One layer's view of the shared storage."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, owner: "StaticKVCache", index: int) -> None:
+        super().__init__()
+        self.owner, self.index = owner, index
+        self.length = 0
+        self.is_initialized = True  # storage is the owner's; nothing to initialise lazily
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.owner.allocate_like(key_states, value_states)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states, value_states: [1, kv_heads, q, head_dim] -> keys, values [1, kv_heads, n, head_dim]
+        owner = self.owner
+        if owner.storage is None:
+            owner.allocate_like(key_states, value_states)
+        keys, values = owner.storage[0, self.index], owner.storage[1, self.index]
+        if owner.write_positions is not None:  # fixed mode: static shapes for CUDA graphs
+            keys.index_copy_(2, owner.write_positions, key_states)
+            values.index_copy_(2, owner.write_positions, value_states)
+            return keys, values
+        start = self.length
+        end = start + key_states.shape[-2]
+        assert end <= keys.shape[-2], ("KV cache overflow: reserve before the forward", end, keys.shape)
+        keys.narrow(2, start, end - start).copy_(key_states)  # narrow: cheaper than slice indexing
+        values.narrow(2, start, end - start).copy_(value_states)
+        self.length = end
+        return keys.narrow(2, 0, end), values.narrow(2, 0, end)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.length = self.length - tokens_to_remove if tokens_to_remove >= 0 else self.length + tokens_to_remove
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+class StaticKVCache(Cache):
+    def __init__(self, num_layers: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(layers=[StaticLayer(self, i) for i in range(num_layers)])
+        self.dtype, self.device = dtype, device
+        self.storage: torch.Tensor | None = None
+        self.min_capacity = 0
+        self.write_positions: torch.Tensor | None = None  # [w] int64 device, fixed mode only
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.storage is None else int(self.storage.shape[-2])
+
+    def allocate_like(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        # key_states: [1, kv_heads, q, head_dim] from layer 0's first forward
+        if key_states.shape != value_states.shape:
+            raise UserError(
+                f"keys {tuple(key_states.shape)} and values {tuple(value_states.shape)} differ in shape: "
+                "samctl's KV cache supports standard multi-head/grouped-query attention only"
+            )
+        _, heads, q, dim = key_states.shape
+        capacity = max(self.min_capacity, q)
+        shape = (2, len(self.layers), 1, heads, capacity, dim)
+        self.storage = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
+
+    def reserve(self, n: int) -> None:
+        """Make room for n entries, keeping the valid ones; doubles so that growth is rare."""
+        self.min_capacity = max(self.min_capacity, n)
+        if self.storage is None or n <= self.capacity:
+            return
+        old, valid = self.storage, self.get_seq_length()
+        shape = list(old.shape)
+        shape[-2] = max(n, 2 * old.shape[-2])
+        self.storage = torch.zeros(shape, dtype=old.dtype, device=old.device)
+        self.storage[..., :valid, :] = old[..., :valid, :]
+
+    def set_length(self, n: int) -> None:
+        for layer in self.layers:
+            layer.length = n
+
+    def compact(self, past: int, src: torch.Tensor) -> None:
+        # src: [n] int64 device, absolute positions of the accepted entries in order (src[0] = past).
+        # One gather over both K and V of every layer; index_select copies first, so the
+        # overlapping destination is safe.
+        n = src.shape[0]
+        self.storage[..., past : past + n, :] = self.storage.index_select(-2, src)
+        self.set_length(past + n)
