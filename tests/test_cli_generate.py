@@ -27,7 +27,7 @@ def test_single_prompt_json_and_compare(model_dir):
                 "tokens_per_s", "time_s", "draft_s", "verify_s", "other_s"):
         assert key in metrics, key
     assert out["compare"]["identical"] is True
-    assert out["method"] == "sam+recycle" and out["config"]["generation"]["max_new_tokens"] == 40
+    assert out["method"] == "adaptive" and out["config"]["generation"]["max_new_tokens"] == 40
 
 
 def test_streamed_text_equals_json_text(model_dir):
@@ -104,3 +104,35 @@ def test_argument_errors_are_one_line(model_dir, args, message):
     proc = samctl("generate", *args)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_prediction_and_memory_files(model_dir, tmp_path):
+    # --prediction drafts from an expected output; --memory-save writes the outputs as a store
+    # that --memory-file preloads (checked against the model's tokenizer like any store).
+    prediction = tmp_path / "pred.txt"
+    prediction.write_text("def add(a, b):\n    return a + b\n")
+    memory = tmp_path / "memory.sam"
+    first = samctl("generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-new-tokens", "24", "--json",
+                   "--prediction", str(prediction), "--memory-save", str(memory), "--compare")
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout)["compare"]["identical"] is True
+    assert memory.is_file() and "memory of 1 output" in first.stderr
+    again = samctl("generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-new-tokens", "24", "--json",
+                   "--memory-file", str(memory))
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["text"] == json.loads(first.stdout)["text"]
+    info = samctl("info", str(memory), "--json")
+    assert info.returncode == 0 and json.loads(info.stdout)["corpus"]["documents"] == 1
+    refused = samctl("generate", "--model", str(model_dir), "--prompt", PROMPT, "--method", "pld",
+                     "--prediction", str(prediction))
+    assert refused.returncode == 2 and "does not draft from a prediction" in refused.stderr
+
+
+def test_calibrate_prints_a_cost_curve(model_dir, tmp_path):
+    proc = samctl("calibrate", "--model", str(model_dir), "--json", "--threads", "1")
+    assert proc.returncode == 0, proc.stderr
+    curve = json.loads(proc.stdout)
+    assert len(curve["t_ms"]) == 64 and all(t > 0 for t in curve["t_ms"])
+    assert curve["t_ms"] == sorted(curve["t_ms"])  # a monotone fit
+    table = samctl("calibrate", "--model", str(model_dir), "--threads", "1")  # cached now
+    assert table.returncode == 0 and "| 64 |" in table.stdout and "measuring" not in table.stderr

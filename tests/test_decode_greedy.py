@@ -82,7 +82,7 @@ def test_mock_copy_model_accepts_many_tokens_per_step():
     expected = model.reference(prompt, 120)
     # Token Recycle is not held to the floor: the mock's predictions in a wrong context (rejected
     # tree nodes) are unrelated to the right ones, unlike a real LM's, so its table stays noisy.
-    for method, floor in (("pld", 3.0), ("sam", 3.0), ("sam+recycle", 3.0), ("recycle", 1.0)):
+    for method, floor in (("pld", 3.0), ("sam", 3.0), ("sam+recycle", 3.0), ("adaptive", 3.0), ("recycle", 1.0)):
         result = run(model, method, prompt, 120)
         assert result.tokens == expected, method
         assert result.metrics.mean_accepted > floor, (method, result.metrics.to_dict())
