@@ -84,7 +84,7 @@ class Runner(Protocol):
 
 
 @click.command("bench")
-@click.option("--model", "model_path", metavar="PATH", help="Local model folder (default: the embedded model).")
+@click.option("--model", "model_path", metavar="PATH", help="Local model folder or .gguf file (default: the embedded model).")
 @click.option("--draft-model", "draft_path", metavar="PATH", help="Draft model sharing the tokenizer (sd, specdec++, sam+draft, hf-assisted; default: the embedded draft with the embedded target).")
 @click.option("--acc-head", "head_path", metavar="PATH", help="SpecDec++ acceptance head for the target/draft pair (specdec++).")
 @click.option("--sam", "store_path", metavar="STORE", type=click.Path(dir_okay=False), help="Static datastore (sam methods, rest).")

@@ -29,7 +29,7 @@ from samctl.tokenizer import load_tokenizer, tokenize_documents
               help="Suffix automaton (exact matches of any length) or pruned n-gram table "
                    "(fewer bytes per token).")
 @click.option("--tokenizer", default=None, metavar="PATH_OR_NAME",
-              help="Tokenizer folder, cached model name, 'bytes', or 'default' "
+              help="Tokenizer folder, .gguf model file, cached model name, 'bytes', or 'default' "
                    "[default: the embedded model's, else bytes].")
 @click.option("--include", multiple=True, metavar="GLOB",
               help="In folders, read only files matching GLOB (repeatable; replaces the "

@@ -30,7 +30,7 @@ PROMPT_FIELDS = ("prompt", "turns", "text", "question", "instruction")
 
 
 @click.command("generate")
-@click.option("--model", "model_path", metavar="PATH", help="Local model folder (default: the embedded model).")
+@click.option("--model", "model_path", metavar="PATH", help="Local model folder or .gguf file (default: the embedded model).")
 @click.option("--sam", "store_path", metavar="STORE", type=click.Path(dir_okay=False), help="Static datastore built by `samctl build` with the model's tokenizer.")
 @click.option("--method", type=click.Choice(ALL_METHODS), default="sam+recycle", show_default=True, help="Drafting method.")
 @click.option("--prompt", help="Prompt text.")
