@@ -4,21 +4,24 @@ Single prompt (--prompt / --prompt-file): the text streams to stdout as it is ac
 `--json` prints one object with the text and the metrics. Batch (--input FILE|-): one JSON record
 per line in, one per line out in input order; a bad record gets an `error` field and the rest go
 on, and the exit status is 1 when any record failed. `--compare` also runs plain decoding (`ar`)
-on the same input in the same process, checks greedy outputs are identical and reports the speedup.
+on the same input in the same process, checks greedy outputs are identical and reports the speedup:
+for a single prompt the median of --compare-runs rounds run in alternating order, with its range.
+Every timing is of the steady state: a warm-up run comes first (see Runner).
 """
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from dataclasses import asdict, replace
-from typing import IO, Any, Iterator
+from typing import IO, Any, Callable, Iterator
 
 import click
 
 from decode.drafters.base import Drafter, NoDraft
 from decode.drafters.draft import DraftConfig, SpecDecConfig
 from decode.loop import GenerationConfig, GenerationResult, generate as decode_generate
-from decode.methods import ALL_METHODS
+from decode.methods import ALL_METHODS, uses_store
 from decode.sampling import SamplingConfig
 from index.errors import UserError
 from samctl.options import method_config as shared_method_config
@@ -27,6 +30,7 @@ from samctl.runtime import (Engine, build_drafter, load_acc_head, load_draft, lo
                             resolve_draft_paths)
 
 PROMPT_FIELDS = ("prompt", "turns", "text", "question", "instruction")
+WARM_UP_TOKENS = 32
 
 
 @click.command("generate")
@@ -42,6 +46,7 @@ PROMPT_FIELDS = ("prompt", "turns", "text", "question", "instruction")
 @click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template to the prompt.")
 @click.option("--json", "as_json", is_flag=True, help="Single prompt: print one JSON object instead of streaming text.")
 @click.option("--compare", is_flag=True, help="Also run plain decoding (ar) and report the speedup and whether outputs match.")
+@click.option("--compare-runs", type=int, default=3, show_default=True, help="--compare, single prompt: timed runs of each side, alternating; the speedup is their median, with its range.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="1.0 = off.")
@@ -68,6 +73,8 @@ def generate(**opts: Any) -> None:
     sources = [name for name in ("prompt", "prompt_file", "input_file") if opts[name] is not None]
     if len(sources) != 1:
         raise UserError("give exactly one of --prompt, --prompt-file or --input")
+    if opts["compare_runs"] < 1:
+        raise UserError(f"--compare-runs must be >= 1, got {opts['compare_runs']}")
     set_threads(opts["threads"])
     sampling = SamplingConfig(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"])
     # Draft settings are checked before any file is looked for or loaded.
@@ -87,7 +94,13 @@ def generate(**opts: Any) -> None:
     gen_config = GenerationConfig(max_new_tokens=opts["max_new_tokens"], eos_token_ids=engine.eos_token_ids,
                                   sampling=sampling)
     drafter = build_drafter(opts["method"], engine, store, method_config, draft=draft, head=head, sampling=sampling)
-    runner = Runner(engine, drafter, gen_config, opts["compare"], opts["chat"], record={
+    method_store = store if uses_store(opts["method"]) else None  # build_drafter already said it is unused
+
+    def fresh_drafter() -> Drafter:
+        return build_drafter(opts["method"], engine, method_store, method_config, draft=draft, head=head,
+                             sampling=sampling)
+
+    runner = Runner(engine, drafter, fresh_drafter, gen_config, opts["compare"], opts["compare_runs"], opts["chat"], record={
         "method": opts["method"], "model": engine.name, "store": opts["store_path"],
         "draft_model": draft_path, "acc_head": head_path,
         "config": {"generation": asdict(gen_config), "method": asdict(method_config)},
@@ -105,14 +118,18 @@ def generate(**opts: Any) -> None:
 
 
 class Runner:
-    """Runs prompts through one drafter (kept warm across records) and, with compare, through ar."""
+    """Runs prompts through one drafter (kept warm across records) and, with compare, through ar.
 
-    def __init__(self, engine: Engine, drafter: Drafter, config: GenerationConfig, compare: bool,
-                 chat: bool, record: dict[str, Any]) -> None:
-        self.engine, self.drafter, self.config = engine, drafter, config
-        self.compare, self.chat, self.record = compare, chat, record
-        if compare:
-            self._warm_up()
+    Timings are of the steady state: before the first timed run, a throwaway drafter of the same
+    method and plain decoding each run once, so that JIT cache loads, lazy imports and allocator
+    growth are paid outside every measurement (the kept drafter learns nothing from it)."""
+
+    def __init__(self, engine: Engine, drafter: Drafter, fresh_drafter: Callable[[], Drafter],
+                 config: GenerationConfig, compare: bool, compare_runs: int, chat: bool,
+                 record: dict[str, Any]) -> None:
+        self.engine, self.drafter, self.fresh_drafter, self.config = engine, drafter, fresh_drafter, config
+        self.compare, self.compare_runs, self.chat, self.record = compare, compare_runs, chat, record
+        self.warm = False
 
     def single(self, text: str, as_json: bool, quiet: bool) -> bool:
         """Generate for one prompt; True when --compare found greedy outputs that differ."""
@@ -124,7 +141,7 @@ class Runner:
         out = self._result_record(result)
         mismatch = False
         if self.compare:
-            out["compare"] = self._compare(ids, result)
+            out["compare"] = self._compare(ids, result, self.compare_runs)
             mismatch = out["compare"]["identical"] is False
             if not as_json or not quiet:
                 click.echo(_compare_line(self.record["method"], out["compare"], result), err=True)
@@ -169,6 +186,8 @@ class Runner:
         return out
 
     def _run(self, drafter: Drafter, ids: list[int], stream: "_Streamer | None") -> GenerationResult:
+        if not self.warm:
+            self._warm_up(ids)
         return decode_generate(self.engine.target, drafter, ids, self.config,
                                on_tokens=stream.push if stream is not None else None)
 
@@ -176,24 +195,49 @@ class Runner:
         return {"text": self.engine.decode(result.tokens), "finish_reason": result.finish_reason,
                 "metrics": result.metrics.to_dict()}
 
-    def _compare(self, ids: list[int], result: GenerationResult) -> dict[str, Any]:
-        baseline = self._run(NoDraft(), ids, None)
+    def _compare(self, ids: list[int], result: GenerationResult, runs: int = 1) -> dict[str, Any]:
+        """ar on the same prompt; with runs > 1, more rounds of (fresh drafter, ar), in alternating
+        order so that a drift of the machine hits both sides alike. The speedup is the median of
+        the per-round ratios of tokens/s; every round's greedy output must equal the first ar's."""
+        rounds = [(result, self._run(NoDraft(), ids, None))]
+        for k in range(1, runs):
+            if k % 2:
+                baseline = self._run(NoDraft(), ids, None)
+                rounds.append((self._run(self.fresh_drafter(), ids, None), baseline))
+            else:
+                method = self._run(self.fresh_drafter(), ids, None)
+                rounds.append((method, self._run(NoDraft(), ids, None)))
+        reference = rounds[0][1].tokens
+        diffs = [_first_difference(r.tokens, reference) for pair in rounds for r in pair]
+        first_diff = next((d for d in diffs if d is not None), None)
         greedy = self.config.sampling.greedy
-        first_diff = next((i for i, (a, b) in enumerate(zip(result.tokens, baseline.tokens)) if a != b),
-                          None if len(result.tokens) == len(baseline.tokens) else min(len(result.tokens), len(baseline.tokens)))
-        speedup = result.metrics.tokens_per_s / baseline.metrics.tokens_per_s if baseline.metrics.tokens_per_s else 0.0
+        ratios = [m.metrics.tokens_per_s / b.metrics.tokens_per_s if b.metrics.tokens_per_s else 0.0
+                  for m, b in rounds]
         return {
-            "ar_metrics": baseline.metrics.to_dict(),
-            "speedup": round(speedup, 3),
+            "ar_metrics": rounds[0][1].metrics.to_dict(),
+            "speedup": round(statistics.median(ratios), 3),
+            "speedup_runs": [round(r, 3) for r in ratios],
+            "tokens_per_s": round(statistics.median(m.metrics.tokens_per_s for m, _ in rounds), 3),
+            "ar_tokens_per_s": round(statistics.median(b.metrics.tokens_per_s for _, b in rounds), 3),
             "identical": (first_diff is None) if greedy else None,
             "first_difference": first_diff if greedy else None,
         }
 
-    def _warm_up(self) -> None:
-        # One short run so that neither side of the comparison pays for first-call costs.
-        warm = GenerationConfig(max_new_tokens=8, eos_token_ids=(), sampling=self.config.sampling)
-        ids = self.engine.encode("warm up", chat=False) or [0]
+    def _warm_up(self, ids: list[int]) -> None:
+        # On the first prompt itself, so that the drafter takes the paths (and JIT-compiles the
+        # kernel signatures) the timed runs take; with a throwaway drafter, because warming the
+        # kept one would teach it (Token Recycle, memories) this very prompt.
+        self.warm = True
+        warm = GenerationConfig(max_new_tokens=WARM_UP_TOKENS, eos_token_ids=(), sampling=self.config.sampling)
+        decode_generate(self.engine.target, self.fresh_drafter(), ids, warm)
         decode_generate(self.engine.target, NoDraft(), ids, warm)
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 class _Streamer:
@@ -220,12 +264,14 @@ class _Streamer:
 
 
 def _compare_line(method: str, compare: dict[str, Any], result: GenerationResult) -> str:
-    m, ar = result.metrics, compare["ar_metrics"]
+    m, ar, ratios = result.metrics, compare["ar_metrics"], compare["speedup_runs"]
     verdict = {True: "outputs identical", False: f"OUTPUTS DIFFER at token {compare['first_difference']}",
                None: "sampling: outputs not compared"}[compare["identical"]]
-    return (f"samctl: {method}: {m.new_tokens} tokens in {m.time_s:.2f} s ({m.tokens_per_s:.1f} tok/s, "
-            f"{m.mean_accepted:.2f} tokens/step); ar: {ar['new_tokens']} tokens in {ar['time_s']:.2f} s "
-            f"({ar['tokens_per_s']:.1f} tok/s); speedup {compare['speedup']:.2f}x; {verdict}")
+    spread = (f" (median of {len(ratios)} alternating runs, range {min(ratios):.2f}-{max(ratios):.2f})"
+              if len(ratios) > 1 else " (one run; --compare-runs 3 gives a spread)")
+    return (f"samctl: {method}: {m.new_tokens} tokens, {compare['tokens_per_s']:.1f} tok/s "
+            f"({m.mean_accepted:.2f} tokens/step); ar: {ar['new_tokens']} tokens, {compare['ar_tokens_per_s']:.1f} "
+            f"tok/s; speedup {compare['speedup']:.2f}x{spread}, after a warm-up; {verdict}")
 
 
 def _records(lines: IO[str]) -> Iterator[tuple[int, str]]:
