@@ -337,7 +337,7 @@ def _run_all(runners: dict[str, Runner], engine: Engine, questions: list[Questio
             for _ in range(repeats):  # repeats interleave the methods too
                 for name, runner in runners.items():
                     runs[name].append(_run_question(runner, engine, q, opts["max_new_tokens"], opts["chat"]))
-                    bar.update(1)
+                    bar.update(1, tokens=sum(len(t.tokens) for t in runs[name][-1]))
             baseline = _median_run(runs[BASELINE])
             for name in runners:  # ar first: the others compare with it
                 record = _record(name, q, _median_run(runs[name]), baseline, engine, runs[name])

@@ -26,6 +26,7 @@ from decode.sampling import SamplingConfig
 from index.errors import UserError
 from samctl.options import method_config as shared_method_config
 from samctl.options import method_options, set_threads
+from samctl.progress import Progress, progress_bar
 from samctl.runtime import (Engine, build_drafter, load_acc_head, load_draft, load_engine, load_store,
                             resolve_draft_paths)
 
@@ -106,7 +107,7 @@ def generate(**opts: Any) -> None:
         "config": {"generation": asdict(gen_config), "method": asdict(method_config)},
     })
     if opts["input_file"] is not None:
-        failed = runner.batch(opts["input_file"], opts["output_file"], opts["prompt_field"])
+        failed = runner.batch(opts["input_file"], opts["output_file"], opts["prompt_field"], opts["quiet"])
         if failed:
             click.echo(f"samctl: {failed} record(s) failed; see their `error` fields", err=True)
             sys.exit(1)
@@ -149,8 +150,12 @@ class Runner:
             click.echo(json.dumps({**self.record, **out}, ensure_ascii=False))
         return mismatch
 
-    def batch(self, lines: IO[str], output: IO[str], field: str | None) -> int:
+    def batch(self, lines: IO[str], output: IO[str], field: str | None, quiet: bool) -> int:
         """Process a JSONL batch in order; returns the number of failed records."""
+        with progress_bar("generate", "record", quiet, total=_count_records(lines)) as progress:
+            return self._batch(lines, output, field, progress)
+
+    def _batch(self, lines: IO[str], output: IO[str], field: str | None, progress: Progress) -> int:
         failed = 0
         for number, line in _records(lines):
             record_id: Any = number
@@ -163,6 +168,7 @@ class Runner:
                 out = {"error": str(err)}
             output.write(json.dumps({"id": record_id, **out}, ensure_ascii=False) + "\n")
             output.flush()
+            progress.update(1, tokens=_new_tokens(out))
         return failed
 
     def _run_record(self, record: dict[str, Any], field: str | None) -> dict[str, Any]:
@@ -272,6 +278,20 @@ def _compare_line(method: str, compare: dict[str, Any], result: GenerationResult
     return (f"samctl: {method}: {m.new_tokens} tokens, {compare['tokens_per_s']:.1f} tok/s "
             f"({m.mean_accepted:.2f} tokens/step); ar: {ar['new_tokens']} tokens, {compare['ar_tokens_per_s']:.1f} "
             f"tok/s; speedup {compare['speedup']:.2f}x{spread}, after a warm-up; {verdict}")
+
+
+def _new_tokens(out: dict[str, Any]) -> int:
+    metrics = out.get("metrics", [])  # a list for multi-turn records, none for failed ones
+    return sum(m["new_tokens"] for m in (metrics if isinstance(metrics, list) else [metrics]))
+
+
+def _count_records(lines: IO[str]) -> int | None:
+    """Records in a seekable input (a file), for progress; None for a pipe."""
+    if not lines.seekable():
+        return None
+    count = sum(1 for line in lines if line.strip())
+    lines.seek(0)
+    return count
 
 
 def _records(lines: IO[str]) -> Iterator[tuple[int, str]]:
