@@ -65,7 +65,7 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
     tok = load_tokenizer(tokenizer)
     # 2) tokens (timed apart from loading the tokenizer, which may import transformers)
     tokenize_start = time.perf_counter()
-    with progress_bar("tokenizing", "tok", quiet) as bar:
+    with progress_bar("tokenizing", "token", quiet) as bar:
         tokens, doc_offsets = tokenize_documents((d.text for d in reader), tok,
                                                  append_eos=append_eos, on_tokens=bar.update)
     counts = reader.counts
