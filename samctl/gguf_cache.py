@@ -64,10 +64,11 @@ def model_folder(spec: str, quiet: bool = False) -> str:
     if (folder / SOURCE_FILE).is_file():
         return str(folder)
     require_extra()
+    arch = supported_architecture(path)
     if not quiet:
         click.echo(f"samctl: dequantizing {path.name} once (tens of seconds); later runs load the "
                    f"cached copy in {folder}", err=True)
-    _convert(path, digest, folder)
+    _convert(path, digest, arch, folder)
     return str(folder)
 
 
@@ -120,11 +121,9 @@ def architecture(path: Path) -> str:
                         "(tools/get_smollm2.py checks the sha256)") from err
 
 
-def _convert(path: Path, digest: str, folder: Path) -> None:
-    """Dequantize `path` with transformers and save it as an ordinary folder, renamed into place."""
-    import torch
+def supported_architecture(path: Path) -> str:
+    """The file's architecture, refused when transformers has no GGUF mapping for it."""
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     arch = architecture(path)
@@ -132,6 +131,15 @@ def _convert(path: Path, digest: str, folder: Path) -> None:
         raise UserError(f"{path} holds a {arch} model, which transformers {transformers.__version__} cannot "
                         f"read from GGUF (it reads {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))}): "
                         "convert the model to a Hugging Face folder and pass that")
+    return arch
+
+
+def _convert(path: Path, digest: str, arch: str, folder: Path) -> None:
+    """Dequantize `path` with transformers and save it as an ordinary folder, renamed into place."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     folder.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{digest[:16]}.", dir=folder.parent))
     try:
