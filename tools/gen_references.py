@@ -60,7 +60,9 @@ def write_references(a: argparse.Namespace) -> tuple[int, int, int]:
     """Answer every fitting question; returns (rows written, questions answered, questions skipped)."""
     set_threads(a.threads)
     engine = load_engine(a.model, a.device)
-    tokenizer = {"name": engine.name, "fingerprint": tokenizer_fingerprint(engine.tokenizer)}
+    # a path is recorded absolute, so that `simulate --tokenizer NAME` finds it from anywhere
+    name = str(Path(engine.name).resolve()) if Path(engine.name).exists() else engine.name
+    tokenizer = {"name": name, "fingerprint": tokenizer_fingerprint(engine.tokenizer)}
     questions = read_questions(Path(a.questions), a.categories, a.limit)
     questions, skipped = fitting_questions(questions, engine, a.max_new_tokens, a.chat)
     drafter = build_drafter(a.method, engine, None, MethodConfig())
