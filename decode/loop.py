@@ -25,7 +25,7 @@ from decode.drafters.base import Drafter
 from decode.metrics import Metrics
 from decode.sampling import SamplingConfig, choose_tokens
 from decode.target import TargetModel, to_device
-from decode.tree import DraftTree, walk_tree
+from decode.tree import walk_tree
 from index.errors import UserError
 
 

@@ -18,16 +18,9 @@ import torch
 
 from decode.cost import measure_verify_cost
 from index.errors import UserError
+from samctl.gguf_cache import cache_dir
 
 CURVE_WIDTH = 64
-
-
-def cache_dir() -> Path:
-    """$SAMCTL_CACHE, else $XDG_CACHE_HOME/samctl, else ~/.cache/samctl."""
-    if os.environ.get("SAMCTL_CACHE"):
-        return Path(os.environ["SAMCTL_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "samctl"
 
 
 def curve_key(engine: Any) -> dict[str, Any]:

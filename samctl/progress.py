@@ -1,29 +1,90 @@
-"""Progress display on stderr: a tqdm bar when stderr is a terminal, nothing otherwise.
+"""Progress of long work on stderr: a tqdm bar on a terminal, a plain line every few seconds elsewhere.
 
-Commands pass `quiet`; pipes, logs and tests get no bar and no carriage returns.
+Commands pass `quiet`. Pipes, logs and CI get no carriage returns, but they still hear from a
+long run: one line every LINE_PERIOD_S seconds with the items done (of the total when known), the
+rate (tokens/s when the caller counts tokens) and the time left, and a last line when it ends.
+Work that ends within the first period prints nothing.
 """
 from __future__ import annotations
 
 import sys
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
 from tqdm import tqdm
 
+LINE_PERIOD_S = 5.0
+
 
 def progress_enabled(quiet: bool) -> bool:
+    """Whether bars are drawn: not quiet, and stderr is a terminal."""
     return not quiet and sys.stderr.isatty()
 
 
+class Progress:
+    """Counts `unit`s done (and optionally tokens generated) for a bar or periodic lines."""
+
+    def __init__(self, description: str, unit: str, quiet: bool, total: int | None = None) -> None:
+        self.description, self.unit, self.quiet, self.total = description, unit, quiet, total
+        self.done = self.tokens = 0
+        self.start = self.last_line = time.perf_counter()
+        self.lines = 0
+        self.bar = (tqdm(total=total, desc=description, unit=unit, unit_scale=True, dynamic_ncols=True,
+                         file=sys.stderr, leave=False) if progress_enabled(quiet) else None)
+
+    def update(self, n: int = 1, tokens: int = 0) -> None:
+        self.done += n
+        self.tokens += tokens
+        if self.bar is not None:
+            self.bar.update(n)
+            if self.tokens:
+                self.bar.set_postfix_str(f"{self.tokens / self._elapsed():.1f} tok/s", refresh=False)
+        elif not self.quiet and time.perf_counter() - self.last_line >= LINE_PERIOD_S:
+            self._line()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.lines:
+            self._line(final=True)
+
+    def _elapsed(self) -> float:
+        return max(time.perf_counter() - self.start, 1e-9)
+
+    def _line(self, final: bool = False) -> None:
+        elapsed = self._elapsed()
+        count = f"{self.done}/{self.total}" if self.total is not None else f"{self.done}"
+        parts = [f"{count} {self.unit}s"]
+        if self.tokens:
+            parts.append(f"{self.tokens / elapsed:.1f} tok/s")
+        elif not final:
+            parts.append(f"{self.done / elapsed:.2f} {self.unit}s/s")
+        if final:
+            parts.append(f"done in {_duration(elapsed)}")
+        elif self.total is not None and self.done:
+            parts.append(f"ETA {_duration(elapsed * (self.total - self.done) / self.done)}")
+        print(f"samctl: {self.description}: {', '.join(parts)}", file=sys.stderr, flush=True)
+        self.last_line = time.perf_counter()
+        self.lines += 1
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, seconds = divmod(seconds, 60)
+    return f"{minutes}m{seconds:02d}s" if minutes < 60 else f"{minutes // 60}h{minutes % 60:02d}m"
+
+
 @contextmanager
-def progress_bar(description: str, unit: str, quiet: bool, total: int | None = None) -> Iterator[tqdm]:
-    """A bar counting `unit`s (with a rate); disabled when `progress_enabled` is false."""
-    bar = tqdm(total=total, desc=description, unit=unit, unit_scale=True, dynamic_ncols=True,
-               disable=not progress_enabled(quiet), file=sys.stderr, leave=False)
+def progress_bar(description: str, unit: str, quiet: bool, total: int | None = None) -> Iterator[Progress]:
+    """A Progress for the duration of a block; closed (last line printed) when it ends."""
+    progress = Progress(description, unit, quiet, total)
     try:
-        yield bar
+        yield progress
     finally:
-        bar.close()
+        progress.close()
 
 
 def status(message: str, quiet: bool) -> None:

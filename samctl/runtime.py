@@ -21,6 +21,7 @@ from decode.sampling import SamplingConfig
 from decode.target import TargetModel
 from index.datastore import Datastore, load_datastore
 from index.errors import UserError
+from samctl.gguf_cache import model_folder
 from samctl.tokenizer import DEFAULT_MODEL_DIR, check_store_tokenizer, tokenizer_fingerprint
 
 # The embedded default pair: the draft and its SpecDec++ head sit next to the default target.
@@ -113,7 +114,8 @@ def _config_dtype(model: str) -> torch.dtype | None:
 
 
 def load_engine(model: str | None, device: str = "auto", dtype: str = "auto", quiet: bool = False) -> Engine:
-    """Load a causal LM and its tokenizer from a local folder or the local HF cache (never a download)."""
+    """Load a causal LM and its tokenizer from a local folder, a `.gguf` file (dequantized once and
+    cached, see samctl/gguf_cache.py) or the local HF cache (never a download)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
 
@@ -130,11 +132,13 @@ def load_engine(model: str | None, device: str = "auto", dtype: str = "auto", qu
     if Path(model).is_dir() and not (Path(model) / "config.json").is_file():
         raise UserError(f"model folder {model} has no config.json: pass a folder written by save_pretrained")
     torch_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, torch_device, _config_dtype(model) if dtype == "auto" and torch_device.type != "cpu" else None)
+    folder = model_folder(model, quiet)  # a .gguf becomes its cached, dequantized folder
+    declared = _config_dtype(folder) if dtype == "auto" and torch_device.type != "cpu" else None
+    torch_dtype = resolve_dtype(dtype, torch_device, declared)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         hf_model = AutoModelForCausalLM.from_pretrained(
-            model, dtype=torch_dtype, attn_implementation="sdpa", local_files_only=True
+            folder, dtype=torch_dtype, attn_implementation="sdpa", local_files_only=True
         )
     except (OSError, ValueError, KeyError) as err:
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
@@ -210,22 +214,23 @@ def load_draft(path: str, engine: Engine) -> DraftModel:
     map text to the same ids as the target's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    source, path = path, model_folder(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError) as err:
-        raise UserError(f"draft model {path} has no loadable tokenizer ({_first_line(err)}): the draft must "
+        raise UserError(f"draft model {source} has no loadable tokenizer ({_first_line(err)}): the draft must "
                         "ship the tokenizer it shares with the target (copy the target's tokenizer files "
                         "there if it was trained with it)") from err
     draft_fp, target_fp = tokenizer_fingerprint(tokenizer), tokenizer_fingerprint(engine.tokenizer)
     if draft_fp != target_fp:
-        raise UserError(f"draft model {path} uses another tokenizer than the target {engine.name} "
+        raise UserError(f"draft model {source} uses another tokenizer than the target {engine.name} "
                         f"(fingerprints {draft_fp} and {target_fp}): pass a draft trained with the target's tokenizer")
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=engine.target.dtype, attn_implementation="sdpa", local_files_only=True
         )
     except (OSError, ValueError, KeyError) as err:
-        raise UserError(f"cannot load draft model {path} offline ({_first_line(err)}): pass --draft-model "
+        raise UserError(f"cannot load draft model {source} offline ({_first_line(err)}): pass --draft-model "
                         "with a local folder holding config.json, weights and tokenizer files") from err
     model.to(engine.device).eval()
     return DraftModel(model, vocab_limit=engine.vocab_size)

@@ -5,7 +5,8 @@
   installed, else the byte-level tokenizer; either way one line on stderr says so;
 - "bytes": the byte-level tokenizer (ids 0-255 are UTF-8 bytes, 256 is EOS);
 - "default": the embedded default model's tokenizer;
-- a local tokenizer folder, or a name the Hugging Face cache already holds (never downloads).
+- a local tokenizer folder, or a name the Hugging Face cache already holds (never downloads);
+- a `.gguf` model file: its tokenizer, from the folder samctl/gguf_cache.py dequantizes it to.
 
 A tokenizer's fingerprint is a hash of its vocabulary (every token -> id pair, added and special
 tokens included), so two tokenizers that map text to the same ids share it whatever their name.
@@ -30,6 +31,7 @@ import numpy as np
 
 from index.datastore import StoreMeta
 from index.errors import UserError
+from samctl.gguf_cache import is_gguf, model_folder
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "models" / "default" / "target"
 BYTES = "bytes"
@@ -130,6 +132,8 @@ def load_tokenizer(spec: str | None) -> Tokenizer:
                             "is missing): pass --tokenizer with a local tokenizer folder")
         return _load_hf(str(DEFAULT_MODEL_DIR), DEFAULT)
     path = Path(spec).expanduser()
+    if is_gguf(spec):
+        return _load_hf(model_folder(spec), str(path.resolve()))
     if path.is_dir():
         return _load_hf(str(path), str(path.resolve()))
     if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:

@@ -30,6 +30,19 @@ def test_single_prompt_json_and_compare(model_dir):
     assert out["method"] == "adaptive" and out["config"]["generation"]["max_new_tokens"] == 40
 
 
+def test_compare_runs_alternate_and_report_the_median(model_dir):
+    proc = samctl("generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-new-tokens", "20",
+                  "--method", "pld", "--compare", "--compare-runs", "3", "--json")
+    assert proc.returncode == 0, proc.stderr
+    compare = json.loads(proc.stdout)["compare"]
+    assert len(compare["speedup_runs"]) == 3 and compare["identical"] is True
+    assert compare["speedup"] == sorted(compare["speedup_runs"])[1]
+    line = next(line for line in proc.stderr.splitlines() if "speedup" in line)
+    assert "median of 3 alternating runs, range" in line and "after a warm-up" in line
+    refused = samctl("generate", "--model", str(model_dir), "--prompt", PROMPT, "--compare", "--compare-runs", "0")
+    assert refused.returncode == 2 and "--compare-runs must be >= 1" in refused.stderr
+
+
 def test_streamed_text_equals_json_text(model_dir):
     common = ("generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-new-tokens", "30", "--method", "pld")
     streamed = samctl(*common)

@@ -85,7 +85,9 @@ def test_build_info_query_sam(corpus):
     assert report["corpus"]["skipped_files"] == 1 and report["corpus"]["files"] == 5
     assert report["states"] > report["tokens"] // 2 and report["file_size"] == os.path.getsize(store)
     assert report["build"]["append_eos"] is True
-    assert "sam (suffix automaton)" in _invoke(["info", str(store)]).stdout
+    assert not {"max_n", "min_count", "top_k"} & set(report["build"])  # n-gram settings: not an automaton's
+    described = _invoke(["info", str(store)]).stdout
+    assert "sam (suffix automaton)" in described and "max_n" not in described
 
     answer = json.loads(_invoke(["query", str(store), "--text", "Please reverse(items):",
                                  "-n", "12", "--json"]).stdout)

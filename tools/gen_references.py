@@ -5,55 +5,76 @@ greedy decoding (turn by turn, the conversation rendered as `samctl bench` rende
 template with --chat, else turns joined by blank lines) and writes one JSONL row per turn:
 
     {"id": "<question_id>.<turn>", "question_id", "category", "turn",
-     "prompt_ids", "output_ids", "prompt", "output"}
+     "prompt_ids", "output_ids", "prompt", "output", "tokenizer": {"name", "fingerprint"}}
 
 `output_ids` are the generated ids (EOS included when the model stopped on it), so a replay sees
-exactly what the engine saw: simulate reads prompt_ids/output_ids as they are. Decoding runs
+exactly what the engine saw: simulate reads prompt_ids/output_ids as they are, and refuses them
+when its tokenizer's fingerprint differs from the one recorded. Every row is flushed as it is
+written, and progress goes to stderr (a line every few seconds off a terminal). Decoding runs
 through the samctl engine with a lossless drafter (--method, default pld), which gives the same
 tokens as plain greedy decoding, faster. Questions that do not fit the model's context are
 skipped, as in bench. Write the output outside the repository:
 
     python tools/gen_references.py --questions ../shared/data/specbench_question.jsonl \\
-        --out ../runs/data/specbench_refs.jsonl --max-new-tokens 256 --chat
+        --out ../runs/data/specbench_refs.jsonl --max-new-tokens 256 --chat --threads 1
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 from decode.loop import GenerationConfig, generate
 from decode.methods import MethodConfig
+from index.errors import UserError
 from samctl.commands.bench import fitting_questions, read_questions
+from samctl.options import set_threads
+from samctl.progress import progress_bar
 from samctl.runtime import build_drafter, load_engine
+from samctl.tokenizer import tokenizer_fingerprint
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--questions", required=True, help="Spec-Bench-format JSONL")
     p.add_argument("--out", required=True, help="JSONL to write (keep it outside the repository)")
-    p.add_argument("--model", default=None, help="model folder (default: the embedded model)")
+    p.add_argument("--model", default=None, help="model folder or .gguf file (default: the embedded model)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--chat", action="store_true", help="render prompts with the chat template")
     p.add_argument("--limit", type=int, default=None, help="first N questions per category (as bench --limit)")
     p.add_argument("--categories", default=None, help="comma-separated categories to keep")
     p.add_argument("--method", default="pld", help="lossless drafter used to decode faster (greedy output is the same)")
     p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is steadier on a shared machine)")
     a = p.parse_args(argv)
+    try:
+        rows, questions, skipped = write_references(a)
+    except UserError as err:
+        raise SystemExit(f"gen_references: error: {err}") from err
+    print(f"wrote {rows} turns of {questions} questions to {a.out} ({skipped} skipped: longer than the "
+          f"model's context)", file=sys.stderr)
 
+
+def write_references(a: argparse.Namespace) -> tuple[int, int, int]:
+    """Answer every fitting question; returns (rows written, questions answered, questions skipped)."""
+    set_threads(a.threads)
     engine = load_engine(a.model, a.device)
+    # a path is recorded absolute, so that `simulate --tokenizer NAME` finds it from anywhere
+    name = str(Path(engine.name).resolve()) if Path(engine.name).exists() else engine.name
+    tokenizer = {"name": name, "fingerprint": tokenizer_fingerprint(engine.tokenizer)}
     questions = read_questions(Path(a.questions), a.categories, a.limit)
     questions, skipped = fitting_questions(questions, engine, a.max_new_tokens, a.chat)
     drafter = build_drafter(a.method, engine, None, MethodConfig())
     config = GenerationConfig(max_new_tokens=a.max_new_tokens, eos_token_ids=engine.eos_token_ids)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    start, tokens, rows = time.perf_counter(), 0, 0
-    with out.open("w", encoding="utf-8") as sink:
-        for n, q in enumerate(questions, start=1):
+    rows = 0
+    with out.open("w", encoding="utf-8") as sink, \
+            progress_bar("gen_references", "question", quiet=False, total=len(questions)) as progress:
+        for q in questions:
             messages: list[dict[str, str]] = []
+            tokens = 0
             for k, turn in enumerate(q.turns):
                 messages.append({"role": "user", "content": turn})
                 prompt = engine.encode_conversation(messages, a.chat)
@@ -63,14 +84,13 @@ def main(argv: list[str] | None = None) -> None:
                 sink.write(json.dumps({
                     "id": f"{q.qid}.{k}", "question_id": q.qid, "category": q.category, "turn": k,
                     "prompt_ids": list(map(int, prompt)), "output_ids": result.tokens,
-                    "prompt": engine.tokenizer.decode(prompt), "output": answer,
+                    "prompt": engine.tokenizer.decode(prompt), "output": answer, "tokenizer": tokenizer,
                 }, ensure_ascii=False) + "\n")
+                sink.flush()  # a long run can be read (and replayed) while it goes on
                 tokens += len(result.tokens)
                 rows += 1
-            print(f"\r{n}/{len(questions)} questions, {tokens} tokens, {time.perf_counter() - start:.0f} s",
-                  end="", file=sys.stderr, flush=True)
-    print(f"\nwrote {rows} turns of {len(questions)} questions to {out} ({skipped} skipped: longer than the "
-          f"model's context)", file=sys.stderr)
+            progress.update(1, tokens=tokens)
+    return rows, len(questions), skipped
 
 
 if __name__ == "__main__":

@@ -85,7 +85,7 @@ class Runner(Protocol):
 
 
 @click.command("bench")
-@click.option("--model", "model_path", metavar="PATH", help="Local model folder (default: the embedded model).")
+@click.option("--model", "model_path", metavar="PATH", help="Local model folder or .gguf file (default: the embedded model).")
 @click.option("--draft-model", "draft_path", metavar="PATH", help="Draft model sharing the tokenizer (sd, specdec++, sam+draft, hf-assisted; default: the embedded draft with the embedded target).")
 @click.option("--acc-head", "head_path", metavar="PATH", help="SpecDec++ acceptance head for the target/draft pair (specdec++).")
 @click.option("--sam", "store_path", metavar="STORE", type=click.Path(dir_okay=False), help="Static datastore (sam methods, rest).")
@@ -359,7 +359,7 @@ def _run_all(runners: dict[str, Runner], engine: Engine, questions: list[Questio
                     # find its own question's answer remembered from the repeat before.
                     _remember(runner, r == repeats - 1)
                     runs[name].append(_run_question(runner, engine, q, opts["max_new_tokens"], opts["chat"]))
-                    bar.update(1)
+                    bar.update(1, tokens=sum(len(t.tokens) for t in runs[name][-1]))
             baseline = _median_run(runs[BASELINE])
             for name in runners:  # ar first: the others compare with it
                 record = _record(name, q, _median_run(runs[name]), baseline, engine, runs[name])

@@ -29,7 +29,7 @@ from samctl.tokenizer import load_tokenizer, tokenize_documents
               help="Suffix automaton (exact matches of any length) or pruned n-gram table "
                    "(fewer bytes per token).")
 @click.option("--tokenizer", default=None, metavar="PATH_OR_NAME",
-              help="Tokenizer folder, cached model name, 'bytes', or 'default' "
+              help="Tokenizer folder, .gguf model file, cached model name, 'bytes', or 'default' "
                    "[default: the embedded model's, else bytes].")
 @click.option("--include", multiple=True, metavar="GLOB",
               help="In folders, read only files matching GLOB (repeatable; replaces the "
@@ -65,7 +65,7 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
     tok = load_tokenizer(tokenizer)
     # 2) tokens (timed apart from loading the tokenizer, which may import transformers)
     tokenize_start = time.perf_counter()
-    with progress_bar("tokenizing", "tok", quiet) as bar:
+    with progress_bar("tokenizing", "token", quiet) as bar:
         tokens, doc_offsets = tokenize_documents((d.text for d in reader), tok,
                                                  append_eos=append_eos, on_tokens=bar.update)
     counts = reader.counts

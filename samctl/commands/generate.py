@@ -4,15 +4,19 @@ Single prompt (--prompt / --prompt-file): the text streams to stdout as it is ac
 `--json` prints one object with the text and the metrics. Batch (--input FILE|-): one JSON record
 per line in, one per line out in input order; a bad record gets an `error` field and the rest go
 on, and the exit status is 1 when any record failed. `--compare` also runs plain decoding (`ar`)
-on the same input in the same process, checks greedy outputs are identical and reports the speedup
-(float32: a difference exits 1; half precision: the first divergence and agreeing rate are reported).
+on the same input in the same process, checks greedy outputs are identical and reports the speedup:
+for a single prompt the median of --compare-runs rounds run in alternating order, with its range.
+Every timing is of the steady state: a warm-up run comes first (see Runner). In float32 a
+difference in the outputs exits 1; in half precision the first divergence and the agreeing rate
+are reported instead (near-tie drift of batched verification, not an error).
 """
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from dataclasses import asdict, replace
-from typing import IO, Any, Iterator
+from typing import IO, Any, Callable, Iterator
 
 import click
 import torch
@@ -21,21 +25,23 @@ from decode.drafters.base import Drafter, NoDraft
 from decode.drafters.draft import DraftConfig, SpecDecConfig
 from decode.graphs import enable_cuda_graphs
 from decode.loop import GenerationConfig, GenerationResult, generate as decode_generate
-from decode.methods import ALL_METHODS, DEFAULT_METHOD, method as method_entry
+from decode.methods import ALL_METHODS, DEFAULT_METHOD, method as method_entry, uses_store
 from decode.sampling import SamplingConfig
 from index.errors import UserError
 from samctl.detok import IncrementalDetokenizer
 from samctl.options import method_config as shared_method_config
 from samctl.options import method_options, set_threads
 from samctl.memory import load_memory, save_memory
+from samctl.progress import Progress, progress_bar
 from samctl.runtime import (Engine, build_drafter, load_acc_head, load_draft, load_engine, load_store,
                             resolve_draft_paths)
 
 PROMPT_FIELDS = ("prompt", "turns", "text", "question", "instruction")
+WARM_UP_TOKENS = 32
 
 
 @click.command("generate")
-@click.option("--model", "model_path", metavar="PATH", help="Local model folder (default: the embedded model).")
+@click.option("--model", "model_path", metavar="PATH", help="Local model folder or .gguf file (default: the embedded model).")
 @click.option("--sam", "store_path", metavar="STORE", type=click.Path(dir_okay=False), help="Static datastore built by `samctl build` with the model's tokenizer.")
 @click.option("--method", type=click.Choice(ALL_METHODS), default=DEFAULT_METHOD, show_default=True, help="Drafting method (README's method table; adaptive needs no tuning).")
 @click.option("--prompt", help="Prompt text.")
@@ -54,6 +60,7 @@ PROMPT_FIELDS = ("prompt", "turns", "text", "question", "instruction")
 @click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template to the prompt.")
 @click.option("--json", "as_json", is_flag=True, help="Single prompt: print one JSON object instead of streaming text.")
 @click.option("--compare", is_flag=True, help="Also run plain decoding (ar) and report the speedup and whether outputs match.")
+@click.option("--compare-runs", type=int, default=3, show_default=True, help="--compare, single prompt: timed runs of each side, alternating; the speedup is their median, with its range.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="1.0 = off.")
@@ -81,6 +88,8 @@ def generate(**opts: Any) -> None:
     sources = [name for name in ("prompt", "prompt_file", "input_file") if opts[name] is not None]
     if len(sources) != 1:
         raise UserError("give exactly one of --prompt, --prompt-file or --input")
+    if opts["compare_runs"] < 1:
+        raise UserError(f"--compare-runs must be >= 1, got {opts['compare_runs']}")
     set_threads(opts["threads"])
     sampling = SamplingConfig(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"])
     # Draft settings are checked before any file is looked for or loaded.
@@ -108,13 +117,19 @@ def generate(**opts: Any) -> None:
     if prediction is not None and not method_entry(opts["method"]).takes_prediction:
         raise UserError(f"method {opts['method']} does not draft from a prediction: drop --prediction "
                         "or use --method adaptive")
-    runner = Runner(engine, drafter, gen_config, opts["compare"], opts["chat"], record={
+    method_store = store if uses_store(opts["method"]) else None  # build_drafter already said it is unused
+
+    def fresh_drafter() -> Drafter:
+        return build_drafter(opts["method"], engine, method_store, method_config, draft=draft, head=head,
+                             sampling=sampling, quiet=True)
+
+    runner = Runner(engine, drafter, fresh_drafter, gen_config, opts["compare"], opts["compare_runs"], opts["chat"], record={
         "method": opts["method"], "model": engine.name, "store": opts["store_path"],
         "draft_model": draft_path, "acc_head": head_path,
         "config": {"generation": asdict(gen_config), "method": asdict(method_config)},
     })
     if opts["input_file"] is not None:
-        failed = runner.batch(opts["input_file"], opts["output_file"], opts["prompt_field"])
+        failed = runner.batch(opts["input_file"], opts["output_file"], opts["prompt_field"], opts["quiet"])
         _save_memory(opts, engine, drafter)
         if failed:
             click.echo(f"samctl: {failed} record(s) failed; see their `error` fields", err=True)
@@ -128,14 +143,18 @@ def generate(**opts: Any) -> None:
 
 
 class Runner:
-    """Runs prompts through one drafter (kept warm across records) and, with compare, through ar."""
+    """Runs prompts through one drafter (kept warm across records) and, with compare, through ar.
 
-    def __init__(self, engine: Engine, drafter: Drafter, config: GenerationConfig, compare: bool,
-                 chat: bool, record: dict[str, Any]) -> None:
-        self.engine, self.drafter, self.config = engine, drafter, config
-        self.compare, self.chat, self.record = compare, chat, record
-        if compare:
-            self._warm_up()
+    Timings are of the steady state: before the first timed run, a throwaway drafter of the same
+    method and plain decoding each run once, so that JIT cache loads, lazy imports and allocator
+    growth are paid outside every measurement (the kept drafter learns nothing from it)."""
+
+    def __init__(self, engine: Engine, drafter: Drafter, fresh_drafter: Callable[[], Drafter],
+                 config: GenerationConfig, compare: bool, compare_runs: int, chat: bool,
+                 record: dict[str, Any]) -> None:
+        self.engine, self.drafter, self.fresh_drafter, self.config = engine, drafter, fresh_drafter, config
+        self.compare, self.compare_runs, self.chat, self.record = compare, compare_runs, chat, record
+        self.warm = False
 
     def single(self, text: str, as_json: bool, quiet: bool, prediction: str | None = None) -> bool:
         """Generate for one prompt; True when --compare found greedy outputs that differ."""
@@ -148,7 +167,7 @@ class Runner:
         out = self._result_record(result)
         mismatch = False
         if self.compare:
-            out["compare"] = self._compare(ids, result)
+            out["compare"] = self._compare(ids, result, self.compare_runs)
             # Only float32 promises token-for-token equality; half precision reports the drift.
             mismatch = out["compare"]["identical"] is False and out["compare"]["exact_dtype"]
             if not as_json or not quiet:
@@ -157,8 +176,12 @@ class Runner:
             click.echo(json.dumps({**self.record, **out}, ensure_ascii=False))
         return mismatch
 
-    def batch(self, lines: IO[str], output: IO[str], field: str | None) -> int:
+    def batch(self, lines: IO[str], output: IO[str], field: str | None, quiet: bool) -> int:
         """Process a JSONL batch in order; returns the number of failed records."""
+        with progress_bar("generate", "record", quiet, total=_count_records(lines)) as progress:
+            return self._batch(lines, output, field, progress)
+
+    def _batch(self, lines: IO[str], output: IO[str], field: str | None, progress: Progress) -> int:
         failed = 0
         for number, line in _records(lines):
             record_id: Any = number
@@ -171,6 +194,7 @@ class Runner:
                 out = {"error": str(err)}
             output.write(json.dumps({"id": record_id, **out}, ensure_ascii=False) + "\n")
             output.flush()
+            progress.update(1, tokens=_new_tokens(out))
         return failed
 
     def _run_record(self, record: dict[str, Any], field: str | None) -> dict[str, Any]:
@@ -204,6 +228,8 @@ class Runner:
             expect(None if not prediction else self.engine.tokenizer(prediction, add_special_tokens=False)["input_ids"])
 
     def _run(self, drafter: Drafter, ids: list[int], stream: "_Streamer | None") -> GenerationResult:
+        if not self.warm:
+            self._warm_up(ids)
         return decode_generate(self.engine.target, drafter, ids, self.config,
                                on_tokens=stream.push if stream is not None else None)
 
@@ -211,28 +237,53 @@ class Runner:
         return {"text": self.engine.decode(result.tokens), "finish_reason": result.finish_reason,
                 "metrics": result.metrics.to_dict()}
 
-    def _compare(self, ids: list[int], result: GenerationResult) -> dict[str, Any]:
-        baseline = self._run(NoDraft(), ids, None)
+    def _compare(self, ids: list[int], result: GenerationResult, runs: int = 1) -> dict[str, Any]:
+        """ar on the same prompt; with runs > 1, more rounds of (fresh drafter, ar), in alternating
+        order so that a drift of the machine hits both sides alike. The speedup is the median of
+        the per-round ratios of tokens/s; every round's greedy output must equal the first ar's."""
+        rounds = [(result, self._run(NoDraft(), ids, None))]
+        for k in range(1, runs):
+            if k % 2:
+                baseline = self._run(NoDraft(), ids, None)
+                rounds.append((self._run(self.fresh_drafter(), ids, None), baseline))
+            else:
+                method = self._run(self.fresh_drafter(), ids, None)
+                rounds.append((method, self._run(NoDraft(), ids, None)))
+        reference = rounds[0][1].tokens
+        diffs = [_first_difference(r.tokens, reference) for pair in rounds for r in pair]
+        first_diff = next((d for d in diffs if d is not None), None)
         greedy = self.config.sampling.greedy
-        first_diff = next((i for i, (a, b) in enumerate(zip(result.tokens, baseline.tokens)) if a != b),
-                          None if len(result.tokens) == len(baseline.tokens) else min(len(result.tokens), len(baseline.tokens)))
-        speedup = result.metrics.tokens_per_s / baseline.metrics.tokens_per_s if baseline.metrics.tokens_per_s else 0.0
+        ratios = [m.metrics.tokens_per_s / b.metrics.tokens_per_s if b.metrics.tokens_per_s else 0.0
+                  for m, b in rounds]
         exact = self.engine.target.dtype == torch.float32
-        same = first_diff if first_diff is not None else len(baseline.tokens)
+        same = first_diff if first_diff is not None else len(reference)
         return {
-            "ar_metrics": baseline.metrics.to_dict(),
-            "speedup": round(speedup, 3),
+            "ar_metrics": rounds[0][1].metrics.to_dict(),
+            "speedup": round(statistics.median(ratios), 3),
+            "speedup_runs": [round(r, 3) for r in ratios],
+            "tokens_per_s": round(statistics.median(m.metrics.tokens_per_s for m, _ in rounds), 3),
+            "ar_tokens_per_s": round(statistics.median(b.metrics.tokens_per_s for _, b in rounds), 3),
             "identical": (first_diff is None) if greedy else None,
             "first_difference": first_diff if greedy else None,
             "exact_dtype": exact,  # float32: a difference is an error; half precision: near-tie drift
-            "agreeing_prefix_rate": round(same / len(baseline.tokens), 4) if greedy and baseline.tokens else None,
+            "agreeing_prefix_rate": round(same / len(reference), 4) if greedy and reference else None,
         }
 
-    def _warm_up(self) -> None:
-        # One short run so that neither side of the comparison pays for first-call costs.
-        warm = GenerationConfig(max_new_tokens=8, eos_token_ids=(), sampling=self.config.sampling)
-        ids = self.engine.encode("warm up", chat=False) or [0]
+    def _warm_up(self, ids: list[int]) -> None:
+        # On the first prompt itself, so that the drafter takes the paths (and JIT-compiles the
+        # kernel signatures) the timed runs take; with a throwaway drafter, because warming the
+        # kept one would teach it (Token Recycle, memories) this very prompt.
+        self.warm = True
+        warm = GenerationConfig(max_new_tokens=WARM_UP_TOKENS, eos_token_ids=(), sampling=self.config.sampling)
+        decode_generate(self.engine.target, self.fresh_drafter(), ids, warm)
         decode_generate(self.engine.target, NoDraft(), ids, warm)
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 class _Streamer:
@@ -261,15 +312,31 @@ def _save_memory(opts: dict[str, Any], engine: Engine, drafter: Drafter) -> None
 
 
 def _compare_line(method: str, compare: dict[str, Any], result: GenerationResult) -> str:
-    m, ar = result.metrics, compare["ar_metrics"]
+    m, ar, ratios = result.metrics, compare["ar_metrics"], compare["speedup_runs"]
     verdict = {True: "outputs identical", False: f"OUTPUTS DIFFER at token {compare['first_difference']}",
                None: "sampling: outputs not compared"}[compare["identical"]]
     if compare["identical"] is False and not compare["exact_dtype"]:
         verdict = (f"outputs diverge at token {compare['first_difference']} "
                    f"({compare['agreeing_prefix_rate']:.0%} agree; half precision, near-tie drift, not an error)")
-    return (f"samctl: {method}: {m.new_tokens} tokens in {m.time_s:.2f} s ({m.tokens_per_s:.1f} tok/s, "
-            f"{m.mean_accepted:.2f} tokens/step); ar: {ar['new_tokens']} tokens in {ar['time_s']:.2f} s "
-            f"({ar['tokens_per_s']:.1f} tok/s); speedup {compare['speedup']:.2f}x; {verdict}")
+    spread = (f" (median of {len(ratios)} alternating runs, range {min(ratios):.2f}-{max(ratios):.2f})"
+              if len(ratios) > 1 else " (one run; --compare-runs 3 gives a spread)")
+    return (f"samctl: {method}: {m.new_tokens} tokens, {compare['tokens_per_s']:.1f} tok/s "
+            f"({m.mean_accepted:.2f} tokens/step); ar: {ar['new_tokens']} tokens, {compare['ar_tokens_per_s']:.1f} "
+            f"tok/s; speedup {compare['speedup']:.2f}x{spread}, after a warm-up; {verdict}")
+
+
+def _new_tokens(out: dict[str, Any]) -> int:
+    metrics = out.get("metrics", [])  # a list for multi-turn records, none for failed ones
+    return sum(m["new_tokens"] for m in (metrics if isinstance(metrics, list) else [metrics]))
+
+
+def _count_records(lines: IO[str]) -> int | None:
+    """Records in a seekable input (a file), for progress; None for a pipe."""
+    if not lines.seekable():
+        return None
+    count = sum(1 for line in lines if line.strip())
+    lines.seek(0)
+    return count
 
 
 def _records(lines: IO[str]) -> Iterator[tuple[int, str]]:

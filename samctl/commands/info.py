@@ -1,6 +1,7 @@
 """`samctl info`: what a store holds, how it was built, and (with --verify) whether it is intact."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -8,6 +9,7 @@ import click
 
 from index.automaton import SuffixAutomaton
 from index.datastore import Datastore, load_datastore
+from index.ngram import NgramConfig
 
 
 def human_bytes(size: float) -> str:
@@ -38,7 +40,7 @@ def describe(store: Datastore, verified: bool) -> dict[str, Any]:
     report.update(
         tokenizer={"name": meta.tokenizer_name, "fingerprint": meta.tokenizer_fingerprint,
                    "vocab_size": meta.vocab_size, "eos_token_id": meta.eos_token_id},
-        build=meta.build.to_dict(),
+        build=_build_settings(store),
         corpus=meta.corpus.to_dict(),
         created_by=meta.created_by,
         arrays=[{"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "codec": e.codec,
@@ -47,6 +49,15 @@ def describe(store: Datastore, verified: bool) -> dict[str, Any]:
         verified=verified,
     )
     return report
+
+
+def _build_settings(store: Datastore) -> dict[str, Any]:
+    """The build config without the settings of the other kind (an automaton has no n-gram sizes)."""
+    settings = store.meta.build.to_dict()
+    if store.kind != "ngram":
+        for name in (f.name for f in dataclasses.fields(NgramConfig)):
+            settings.pop(name, None)
+    return settings
 
 
 def _text(report: dict[str, Any]) -> str:

@@ -189,6 +189,7 @@ def _record_traces(record: dict[str, Any], where: str, tok: Tokenizer, chat: boo
     """(id, prompt ids, reference ids) for each trace a record holds."""
     rid = str(record.get("id", record.get("question_id", where)))
     if "prompt_ids" in record or "output_ids" in record:
+        _check_trace_tokenizer(record.get("tokenizer"), where, tok)
         yield rid, _ids(record.get("prompt_ids"), "prompt_ids", where, tok), _ids(record.get("output_ids"), "output_ids", where, tok)
         return
     if isinstance(record.get("turns"), list):
@@ -196,6 +197,15 @@ def _record_traces(record: dict[str, Any], where: str, tok: Tokenizer, chat: boo
         return
     prompt, output = _prompt_and_output(record, where)
     yield rid, _encode_prompt(tok, [{"role": "user", "content": prompt}], chat), tok.encode(output)
+
+
+def _check_trace_tokenizer(recorded: Any, where: str, tok: Tokenizer) -> None:
+    """Ids replayed under another tokenizer would be other tokens: refuse, never fall back."""
+    if not isinstance(recorded, dict) or recorded.get("fingerprint") in (None, tok.fingerprint):
+        return
+    name = recorded.get("name", "?")
+    raise UserError(f"{where}: the ids come from tokenizer {name} (fingerprint {recorded['fingerprint']}), "
+                    f"but simulate uses {tok.name} (fingerprint {tok.fingerprint}): pass --tokenizer {name}")
 
 
 def _prompt_and_output(record: dict[str, Any], where: str) -> tuple[str, str]:

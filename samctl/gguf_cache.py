@@ -1,0 +1,201 @@
+"""`.gguf` files as models: dequantized once by transformers, then cached as an ordinary folder.
+
+`model_folder(spec)` returns what transformers' `from_pretrained` should load for a name the user
+gave: the name itself, or for a path ending in `.gguf` a folder in the cache holding the
+dequantized model (float32 safetensors), its tokenizer and generation config. The first load of a
+file reads it through transformers' own GGUF support (the `gguf` extra: gguf + accelerate) and
+takes tens of seconds; later loads read the cached folder.
+
+Cache layout, under `cache_dir()` ($SAMCTL_CACHE, else $XDG_CACHE_HOME/samctl, else
+~/.cache/samctl):
+    models/<sha256 of the .gguf file>/     the folder, renamed into place only once complete
+    stat/<key of path, size, mtime>        the file's sha256, so an unchanged file is not rehashed
+A file that is replaced or touched gets a new stat key and is hashed again (about 0.2 s per
+100 MB); identical bytes under any path share one folder.
+
+The header is untrusted input: a file without the GGUF magic, a truncated one, one transformers
+cannot map (unsupported architecture) or a missing extra each give a one-line UserError. This
+module knows files and transformers' loaders, not decoding.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import click
+
+from index.errors import UserError
+from samctl.progress import progress_enabled
+
+GGUF_MAGIC = b"GGUF"
+SUFFIX = ".gguf"
+SOURCE_FILE = "samctl-source.json"  # written last into a cached folder: where it came from
+EXTRA_HINT = "pip install 'samctl[gguf]' (or: pip install gguf accelerate)"
+
+
+def is_gguf(spec: str | None) -> bool:
+    return spec is not None and spec.lower().endswith(SUFFIX)
+
+
+def cache_dir() -> Path:
+    """samctl's cache root: $SAMCTL_CACHE, else the platform's user cache folder."""
+    if os.environ.get("SAMCTL_CACHE"):
+        return Path(os.environ["SAMCTL_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "samctl"
+
+
+def model_folder(spec: str, quiet: bool = False) -> str:
+    """The folder transformers should load for `spec`: `spec` itself unless it names a .gguf file."""
+    if not is_gguf(spec):
+        return spec
+    path = Path(spec).expanduser()
+    check_header(path)
+    digest = file_digest(path)
+    folder = cache_dir() / "models" / digest
+    if (folder / SOURCE_FILE).is_file():
+        return str(folder)
+    require_extra()
+    arch = supported_architecture(path)
+    if not quiet:
+        click.echo(f"samctl: dequantizing {path.name} once (tens of seconds); later runs load the "
+                   f"cached copy in {folder}", err=True)
+    _convert(path, digest, arch, folder)
+    return str(folder)
+
+
+def check_header(path: Path) -> None:
+    """Refuse what is not a GGUF file at all, before hashing or importing anything."""
+    if not path.is_file():
+        raise UserError(f"model file {path} does not exist: pass the path of a .gguf file "
+                        "(tools/get_smollm2.py fetches one) or a model folder")
+    with path.open("rb") as handle:
+        magic = handle.read(len(GGUF_MAGIC))
+    if magic != GGUF_MAGIC:
+        raise UserError(f"{path} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r}): "
+                        "pass a .gguf model file or a model folder")
+
+
+def require_extra() -> None:
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UserError(f"loading a .gguf model needs {' and '.join(missing)} (the gguf extra): {EXTRA_HINT}")
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of the file, remembered per (path, size, mtime) so an unchanged file is hashed once."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:32]
+    stamp = cache_dir() / "stat" / key
+    if stamp.is_file():
+        digest = stamp.read_text(encoding="ascii").strip()
+        if len(digest) == 64:
+            return digest
+    hasher = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            hasher.update(block)
+    digest = hasher.hexdigest()
+    _write_atomically(stamp, digest + "\n")
+    return digest
+
+
+def architecture(path: Path) -> str:
+    """The file's `general.architecture`; UserError when the header or tensor table is damaged."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)  # parses every tensor's extent: a truncated file fails here
+        field = reader.fields["general.architecture"]
+        return bytes(field.parts[field.data[0]]).decode("utf-8")
+    except (ValueError, KeyError, IndexError, OSError, UnicodeDecodeError) as err:
+        raise UserError(f"{path} is a damaged or truncated GGUF file ({_first_line(err)}): fetch it again "
+                        "(tools/get_smollm2.py checks the sha256)") from err
+
+
+def supported_architecture(path: Path) -> str:
+    """The file's architecture, refused when transformers has no GGUF mapping for it."""
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    arch = architecture(path)
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+        raise UserError(f"{path} holds a {arch} model, which transformers {transformers.__version__} cannot "
+                        f"read from GGUF (it reads {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))}): "
+                        "convert the model to a Hugging Face folder and pass that")
+    return arch
+
+
+def _convert(path: Path, digest: str, arch: str, folder: Path) -> None:
+    """Dequantize `path` with transformers and save it as an ordinary folder, renamed into place."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{digest[:16]}.", dir=folder.parent))
+    try:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            with _tensor_bar_on_terminals_only():
+                quantized = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                 dtype=torch.float32)
+        except (ValueError, KeyError, OSError, RuntimeError, NotImplementedError) as err:
+            raise UserError(f"transformers cannot load {path} ({_first_line(err)}): pass a model folder "
+                            "instead, or a GGUF file of a supported architecture") from err
+        # A model loaded from GGUF refuses save_pretrained ("quantized with gguf"); an unquantized
+        # copy of its config with the same (already dequantized) weights saves normally.
+        config = quantized.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(quantized.state_dict())
+        plain.generation_config = quantized.generation_config
+        plain.save_pretrained(work)
+        tokenizer.save_pretrained(work)
+        source = {"gguf": str(path.resolve()), "sha256": digest, "architecture": arch,
+                  "transformers": transformers.__version__}
+        (work / SOURCE_FILE).write_text(json.dumps(source, indent=1) + "\n", encoding="utf-8")
+        try:
+            work.rename(folder)
+        except OSError:
+            if not (folder / SOURCE_FILE).is_file():  # not another process winning the same race
+                raise
+    finally:
+        if work.exists():
+            shutil.rmtree(work, ignore_errors=True)
+
+
+@contextmanager
+def _tensor_bar_on_terminals_only() -> Iterator[None]:
+    """transformers' GGUF reader draws a tqdm bar per tensor whatever stderr is; samctl shows bars
+    on terminals only (pipes and logs get no carriage returns), so the bar is disabled elsewhere."""
+    from tqdm.auto import tqdm
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    original = gguf_utils.tqdm
+    gguf_utils.tqdm = functools.partial(tqdm, disable=not progress_enabled(quiet=False), leave=False)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
+
+
+def _write_atomically(target: Path, text: str) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, temp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    with os.fdopen(handle, "w", encoding="ascii") as sink:
+        sink.write(text)
+    os.replace(temp, target)
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]

@@ -1,0 +1,38 @@
+"""Progress on stderr: periodic plain lines when stderr is not a terminal, nothing when quiet."""
+from __future__ import annotations
+
+import pytest
+
+from samctl import progress
+
+
+@pytest.fixture
+def every_update(monkeypatch):
+    monkeypatch.setattr(progress, "LINE_PERIOD_S", 0.0)  # a line on every update
+
+
+def test_lines_report_count_rate_and_eta_then_a_last_line(every_update, capsys):
+    with progress.progress_bar("bench", "run", quiet=False, total=4) as bar:
+        for _ in range(3):
+            bar.update(1, tokens=10)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 4 and "\r" not in "".join(lines)
+    assert lines[0].startswith("samctl: bench: 1/4 runs, ") and "tok/s" in lines[0] and "ETA" in lines[0]
+    assert lines[2].startswith("samctl: bench: 3/4 runs, ")
+    assert lines[3].startswith("samctl: bench: 3/4 runs, ") and "done in" in lines[3]
+
+
+def test_without_tokens_or_total_the_rate_is_in_units(every_update, capsys):
+    with progress.progress_bar("generate", "record", quiet=False) as bar:
+        bar.update(1)
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith("samctl: generate: 1 records, ") and "records/s" in first and "ETA" not in first
+
+
+def test_quiet_and_short_runs_print_nothing(capsys, monkeypatch):
+    with progress.progress_bar("bench", "run", quiet=False, total=2) as bar:
+        bar.update(2, tokens=5)  # well within the first period
+    monkeypatch.setattr(progress, "LINE_PERIOD_S", 0.0)
+    with progress.progress_bar("bench", "run", quiet=True, total=2) as bar:
+        bar.update(2, tokens=5)
+    assert capsys.readouterr().err == ""
