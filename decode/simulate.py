@@ -225,7 +225,7 @@ def tally_by_category(traces: list[Trace], metrics: list[Metrics]) -> dict[str, 
 # Sweep grid: per method, (config section, field) -> values. Static-store fields only count when
 # a store is given.
 SWEEP_GRID: dict[str, dict[tuple[str, str], tuple]] = {
-    "adaptive": {("adaptive", "max_nodes"): (8, 16, 32, 64), ("adaptive", "min_prob"): (0.005, 0.02, 0.05, 0.1),
+    "adaptive": {("adaptive", "max_nodes"): (8, 16, 32, 64), ("adaptive", "min_prob"): (0.01, 0.02, 0.035, 0.05, 0.1),
                  ("adaptive", "width"): (2, 3, 4)},
     "sam": {("sam", "dyn_threshold"): (1, 2, 3, 5, 8), ("sam", "alpha"): (1.0, 4.0, 16.0),
             ("sam", "max_draft"): (10, 20, 39, 60), ("sam", "static_bias"): (0, 5)},

@@ -1,11 +1,11 @@
-"""Per-step drafting cost of SAM-Decoding with a large static store, beside the model's forward time.
+"""Per-step drafting cost of `adaptive` and SAM-Decoding with a large static store, beside the model's forward time.
 
 What it measures (the engine issue's performance check):
 1. A static suffix-automaton store over the Python standard library's source, tokenized with the
    model's tokenizer up to --tokens tokens (8M by default), written uncompressed and loaded the
    way `generate` loads it (memory-mapped).
-2. Drafting cost per decode step, propose + observe on the CPU, for `sam` with that store and
-   `sam` with only the dynamic automaton, replayed (decode.simulate.replay, no model) over a
+2. Drafting cost per decode step, propose + observe on the CPU, for `adaptive` and `sam`, each
+   with that store and with only the dynamic automaton, replayed (decode.simulate.replay, no model) over a
    code-editing set made by tools/make_code_edit_set.py: median and p90 over all steps.
 3. The target model's forward time on the CPU for verify inputs of 1, 16, 40 (chains) and 81
    (a Token Recycle tree) tokens after a ~1k-token context, median of --reps runs.
@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from decode.drafters.adaptive import AdaptiveDrafter
 from decode.drafters.sam import SamDrafter
 from decode.drafters.recycle import RecycleConfig, build_template
 from decode.metrics import Metrics
@@ -94,9 +95,16 @@ def drafting_cost(store, questions: Path, tokenizer, limit: int) -> dict[str, di
     traces = [make_trace(tokenizer.encode(r["turns"][0]), tokenizer.encode(r["reference"][0]),
                          tokenizer.eos_token_ids) for r in rows]
     results = {}
-    for name, static in (("sam + 8M static store", store.sam), ("sam, dynamic only", None)):
-        drafter = SamDrafter(static=static)
-        replay(drafter, traces[0])  # warm caches and the JIT before timing
+    size = f"{store.sam.num_tokens / 1e6:.0f}M"
+    drafters = {
+        f"adaptive + {size} static store": lambda: AdaptiveDrafter(static=store.sam),
+        "adaptive, dynamic only": lambda: AdaptiveDrafter(),
+        f"sam + {size} static store": lambda: SamDrafter(static=store.sam),
+        "sam, dynamic only": lambda: SamDrafter(),
+    }
+    for name, make in drafters.items():
+        replay(make(), traces[0])  # warm caches and the JIT before timing, on a drafter of its own
+        drafter = make()
         steps: list[float] = []
         accepted = Metrics()
         for trace in traces:
@@ -110,7 +118,7 @@ def drafting_cost(store, questions: Path, tokenizer, limit: int) -> dict[str, di
             "p90_us": round(float(np.quantile(steps, 0.9)), 2),
             "mean_us": round(statistics.fmean(steps), 2),
             "mean_accepted": round((accepted.new_tokens - len(traces)) / max(accepted.steps, 1), 3),
-            "sources": dict(drafter.sources),
+            "sources": dict(drafter.sources) if hasattr(drafter, "sources") else drafter.report()["calibration"],
         }
     return results
 
@@ -132,9 +140,7 @@ def forward_times(model_dir: str, reps: int) -> dict[int, float]:
             tic = time.perf_counter()
             target.verify(ids, tree)
             times.append(time.perf_counter() - tic)
-            target.keep(np.zeros(1, dtype=np.int64))
-            target.cache.crop(-1)
-            target.cached -= 1
+            target.keep(np.zeros(1, dtype=np.int64))  # the context grows by one token: immaterial
         results[q] = round(1e3 * statistics.median(times[2:]), 3)
     return results
 

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 class AdaptiveConfig:
     max_nodes: int = field(default=64, metadata={
         "cli": "--max-nodes", "help": "adaptive: most draft nodes per step (the cost curve usually picks fewer)."})
-    min_prob: float = field(default=0.02, metadata={
+    min_prob: float = field(default=0.035, metadata={
         "cli": "--min-prob", "help": "adaptive: drop draft nodes less likely than this to be accepted."})
     memory: int = field(default=1024, metadata={
         "cli": "--memory", "help": "adaptive: earlier outputs remembered across requests (0: off)."})
