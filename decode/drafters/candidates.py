@@ -105,6 +105,20 @@ def _pop(heap, size, key):
         i = best
 
 
+@njit(cache=True)
+def _pending(size):
+    # -> (prob, tok, par, cell, heap): the pending candidates of a best-first expansion
+    return (np.empty(size, dtype=np.float64), np.empty(size, dtype=np.int32), np.empty(size, dtype=np.int32),
+            np.empty(size, dtype=np.int32), np.empty(size, dtype=np.int64))
+
+
+@njit(cache=True)
+def _keep(c, c_tok, c_par, c_prob, c_cell, tok, par, prob, cell, n):
+    # pending candidate c becomes buffer row n
+    tok[n], par[n], prob[n], cell[n] = c_tok[c], c_par[c], c_prob[c], c_cell[c]
+    return n + 1
+
+
 # ---------------------------------------------------------------------------------------------
 # sources
 
@@ -125,13 +139,9 @@ def automaton_candidates(states, edges, slots, state, length, t0, source, means,
     if budget <= 0 or length < min_length or state <= 0:
         return n
     pending = budget * (k + 1) + max_levels * k
-    c_prob = np.empty(pending, dtype=np.float64)
-    c_tok = np.empty(pending, dtype=np.int32)
-    c_par = np.empty(pending, dtype=np.int32)
+    c_prob, c_tok, c_par, c_cell, heap = _pending(pending)
     c_state = np.empty(pending, dtype=np.int32)
     c_len = np.empty(pending, dtype=np.int32)
-    c_cell = np.empty(pending, dtype=np.int32)
-    heap = np.empty(pending, dtype=np.int64)
     kid_tok = np.empty(k, dtype=np.int32)
     kid_dst = np.empty(k, dtype=np.int32)
     n_c, size = 0, 0
@@ -145,8 +155,7 @@ def automaton_candidates(states, edges, slots, state, length, t0, source, means,
     start = n
     while size > 0 and n - start < budget:
         c, size = _pop(heap, size, c_prob)
-        tok[n], par[n], prob[n], cell[n] = c_tok[c], c_par[c], c_prob[c], c_cell[c]
-        n += 1
+        n = _keep(c, c_tok, c_par, c_prob, c_cell, tok, par, prob, cell, n)
         if n_c + k <= pending:
             n_c, size = _push_children(states, edges, c_state[c], c_len[c], n - 1, c_prob[c], source, means, k,
                                        min_prob, kid_tok, kid_dst, c_prob, c_tok, c_par, c_state, c_len, c_cell,
@@ -185,11 +194,7 @@ def ngram_candidates(keys, ctx, order_start, ctx_start, offsets, nxt, counts, to
     work = np.empty(keep + budget + 1, dtype=np.int32)
     depth = np.zeros(budget, dtype=np.int32)
     pending = (budget + 1) * k
-    c_prob = np.empty(pending, dtype=np.float64)
-    c_tok = np.empty(pending, dtype=np.int32)
-    c_par = np.empty(pending, dtype=np.int32)
-    c_cell = np.empty(pending, dtype=np.int32)
-    heap = np.empty(pending, dtype=np.int64)
+    c_prob, c_tok, c_par, c_cell, heap = _pending(pending)
     n_c, size = 0, 0
     start = n
     node, node_prob, node_depth = -1, 1.0, 0
@@ -216,11 +221,10 @@ def ngram_candidates(keys, ctx, order_start, ctx_start, offsets, nxt, counts, to
             return n
         # 3) keep the best pending candidate
         c, size = _pop(heap, size, c_prob)
-        tok[n], par[n], prob[n], cell[n] = c_tok[c], c_par[c], c_prob[c], c_cell[c]
         node_depth = depth[c_par[c] - start] + 1 if c_par[c] >= 0 else 1
         depth[n - start] = node_depth
         node, node_prob = n, c_prob[c]
-        n += 1
+        n = _keep(c, c_tok, c_par, c_prob, c_cell, tok, par, prob, cell, n)
 
 
 @njit(cache=True)
@@ -233,12 +237,8 @@ def recycle_candidates(table, t0, means, max_depth, budget, min_prob, tok, par, 
     if budget <= 0 or t0 < 0 or t0 >= table.shape[0]:
         return n
     pending = (budget + 1) * k
-    c_prob = np.empty(pending, dtype=np.float64)
-    c_tok = np.empty(pending, dtype=np.int32)
-    c_par = np.empty(pending, dtype=np.int32)
+    c_prob, c_tok, c_par, c_cell, heap = _pending(pending)
     c_depth = np.empty(pending, dtype=np.int32)
-    c_cell = np.empty(pending, dtype=np.int32)
-    heap = np.empty(pending, dtype=np.int64)
     n_c, size = 0, 0
     start = n
     node, node_tok, node_prob, node_depth = -1, t0, 1.0, 0
@@ -258,9 +258,8 @@ def recycle_candidates(table, t0, means, max_depth, budget, min_prob, tok, par, 
         if size == 0 or n - start >= budget:
             return n
         c, size = _pop(heap, size, c_prob)
-        tok[n], par[n], prob[n], cell[n] = c_tok[c], c_par[c], c_prob[c], c_cell[c]
         node, node_tok, node_prob, node_depth = n, c_tok[c], c_prob[c], c_depth[c]
-        n += 1
+        n = _keep(c, c_tok, c_par, c_prob, c_cell, tok, par, prob, cell, n)
 
 
 # ---------------------------------------------------------------------------------------------
