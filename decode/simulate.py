@@ -55,13 +55,15 @@ class Trace:
     max_new_tokens: int  # >= r: the engine's cap, which bounds draft depth even when EOS comes first
     category: str = ""
     id: str = ""
+    prediction: np.ndarray | None = None  # [p] int64: the expected output handed to drafters that take one
 
     def __post_init__(self) -> None:
         assert 1 <= len(self.reference) <= self.max_new_tokens, (len(self.reference), self.max_new_tokens)
 
 
 def make_trace(prompt: list[int] | np.ndarray, reference: list[int] | np.ndarray, eos_token_ids: tuple[int, ...] = (),
-               max_new_tokens: int | None = None, category: str = "", trace_id: str = "") -> Trace:
+               max_new_tokens: int | None = None, category: str = "", trace_id: str = "",
+               prediction: list[int] | np.ndarray | None = None) -> Trace:
     """A trace whose reference is cut the way the engine cuts output: after the first EOS, and at
     max_new_tokens."""
     prompt = np.asarray(prompt, dtype=np.int64)
@@ -75,7 +77,8 @@ def make_trace(prompt: list[int] | np.ndarray, reference: list[int] | np.ndarray
     if max_new_tokens is not None:
         reference = reference[:max_new_tokens]
     cap = len(reference) if max_new_tokens is None else max_new_tokens
-    return Trace(prompt=prompt, reference=reference, max_new_tokens=cap, category=category, id=trace_id)
+    return Trace(prompt=prompt, reference=reference, max_new_tokens=cap, category=category, id=trace_id,
+                 prediction=None if prediction is None else np.asarray(prediction, dtype=np.int64))
 
 
 def replay(drafter: Drafter, trace: Trace) -> Metrics:
@@ -87,6 +90,9 @@ def replay(drafter: Drafter, trace: Trace) -> Metrics:
     ref = np.concatenate((trace.reference, np.full(cap - limit, -1, dtype=np.int64)))
     metrics = Metrics()
     start = time.perf_counter()
+    expect = getattr(drafter, "expect", None)
+    if expect is not None:
+        expect(trace.prediction)
     drafter.start(trace.prompt, None)
     metrics.draft_s = time.perf_counter() - start
     emitted = 1  # the prefill's token; t0 = ref[emitted - 1]

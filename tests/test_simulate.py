@@ -199,3 +199,30 @@ def test_simulate_cli_sweep_and_errors(trace_files):
     assert refused.returncode == 2 and "samctl bench" in refused.stderr
     no_store = samctl("simulate", "--traces", str(traces), "--tokenizer", "bytes", "--methods", "rest")
     assert no_store.returncode == 2 and "--sam" in no_store.stderr
+
+
+def test_simulate_reads_predictions_and_cost_curves(tmp_path):
+    # A record's `prediction` (the file being edited) reaches adaptive as if it were in the prompt;
+    # a cost curve from `samctl calibrate --json` sizes its drafts and projects the speedup.
+    code = "".join(f"def function_{i}(value):\n    return value * {i} + {i * i}\n\n" for i in range(12))
+    edited = code.replace("value", "item")
+    traces = tmp_path / "edit.jsonl"
+    rows = [{"prompt": "Rename value to item.", "prediction": code, "output": edited},
+            {"prompt": "Rename value to item.", "output": edited}]
+    traces.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    curve = tmp_path / "curve.json"
+    curve.write_text(json.dumps({"t_ms": [10.0 + 0.5 * n for n in range(64)]}))
+    proc = samctl("simulate", "--traces", str(traces), "--tokenizer", "bytes", "--methods", "adaptive",
+                  "--memory", "0", "--cost-curve", str(curve), "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["cost_model"]["verify_ms"][0] == 10.0
+    per_trace = [replay(make_drafter("adaptive", vocab_size=256, device=torch.device("cpu"),
+                                     config=MethodConfig(adaptive=AdaptiveConfig(memory=0))),
+                        make_trace(list(b"Rename value to item."), list(edited.encode()), prediction=p))
+                 for p in (list(code.encode()), None)]
+    assert per_trace[0].mean_accepted > 3 * per_trace[1].mean_accepted, [m.to_dict() for m in per_trace]
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    refused = samctl("simulate", "--traces", str(traces), "--tokenizer", "bytes", "--cost-curve", str(bad))
+    assert refused.returncode == 2 and "samctl calibrate" in refused.stderr

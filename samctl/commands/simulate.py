@@ -6,6 +6,7 @@ Each trace is a prompt and the output the model is assumed to produce. A trace f
     prompt + output                (or completion / response / reference for the output)
     instruction [+ input] + output Alpaca
     question + answer              GSM8K
+    prediction (optional, text)    the expected output, handed to drafters that take one (adaptive)
     turns + reference              Spec-Bench: one trace per turn that has a reference; the prompt
                                    of turn k is the conversation so far (turns and references),
                                    joined by blank lines or rendered by the chat template (--chat)
@@ -152,9 +153,14 @@ def read_traces(path: Path, tokenizer: Tokenizer, chat: bool, max_new_tokens: in
         raise UserError(f"--limit must be >= 1, got {limit}")
     traces: list[Trace] = []
     for where, record in _records(path):
-        for trace_id, prompt, reference in _record_traces(record, where, tokenizer, chat):
+        prediction = record.get("prediction")
+        if prediction is not None and not isinstance(prediction, str):
+            raise UserError(f"{where}: `prediction` is not text: give the expected output as a string")
+        predicted = tokenizer.encode(prediction) if prediction else None
+        for k, (trace_id, prompt, reference) in enumerate(_record_traces(record, where, tokenizer, chat)):
             traces.append(make_trace(prompt, reference, tokenizer.eos_token_ids, max_new_tokens,
-                                     category=report_category(record.get("category")), trace_id=trace_id))
+                                     category=report_category(record.get("category")), trace_id=trace_id,
+                                     prediction=predicted if k == 0 else None))
         if limit is not None and len(traces) >= limit:
             return traces[:limit]
     if not traces:
