@@ -566,6 +566,7 @@ class SuffixAutomaton:
         self.occurrence = occurrence
         self.static = static
         self._end_col = FIRST_END if occurrence == "first" else LAST_END
+        self._scratch = (np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64))  # extend_tracking's
 
     # -- construction ------------------------------------------------------------------------
 
@@ -652,13 +653,16 @@ class SuffixAutomaton:
         """`extend`, moving the match (state, length) over each token just before inserting it;
         returns the moved match, which is then always an earlier occurrence of the text's suffix
         (so it has a continuation). One kernel call for the whole run of tokens."""
-        pointer = np.array([state, length], dtype=np.int64)
+        # Called once per decode step: scratch arrays are reused rather than allocated.
+        pointer, offsets = self._scratch
+        pointer[0], pointer[1] = state, length
         tokens = np.asarray(tokens, dtype=np.int32)
         if self.static:
             raise UserError("this suffix automaton is static: use SuffixAutomaton.empty() to grow one")
         if len(tokens) and int(tokens.min()) < 0:
             raise UserError("token ids must be >= 0")
-        self._insert(tokens, np.array([0, len(tokens)], dtype=np.int64), close_docs=False, online=True, pointer=pointer)
+        offsets[1] = len(tokens)
+        self._insert(tokens, offsets, close_docs=False, online=True, pointer=pointer)
         return int(pointer[0]), int(pointer[1])
 
     def end_document(self) -> None:
