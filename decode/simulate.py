@@ -91,7 +91,7 @@ def replay(drafter: Drafter, trace: Trace) -> Metrics:
     metrics = Metrics()
     start = time.perf_counter()
     expect = getattr(drafter, "expect", None)
-    if expect is not None:
+    if expect is not None and trace.prediction is not None:
         expect(trace.prediction)
     drafter.start(trace.prompt, None)
     metrics.draft_s = time.perf_counter() - start

@@ -30,10 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from decode.drafters.candidates import (
-    N_CELLS, SRC_DYNAMIC, SRC_MEMORY, SRC_STATIC, SOURCES, automaton_candidates, learn, ngram_candidates,
-    prior_means, recycle_candidates, select,
-)
+from decode.drafters.candidates import N_CELLS, SOURCES, learn, ngram_candidates, prior_means, propose_tree
 from decode.tree import DraftTree
 from index.automaton import SuffixAutomaton
 from index.errors import UserError
@@ -209,13 +206,16 @@ class AdaptiveDrafter:
         self.remember = True
         self.prediction: np.ndarray | None = None
         self.last = (np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32))
-        capacity = 4 * (config.max_nodes + 8)
-        self._tok = np.empty(capacity, dtype=np.int32)
-        self._par = np.empty(capacity, dtype=np.int32)
-        self._prob = np.empty(capacity, dtype=np.float64)
-        self._cell = np.empty(capacity, dtype=np.int32)
         # Each source proposes its best nodes up to this many; `select` keeps the best of all.
         self._budget = max(1, min(config.max_nodes, 48))
+        capacity = 4 * (config.max_nodes + 8)
+        # the candidate buffer: tok, par (int32), prob (float64), cell (int32); see candidates.py
+        self._buffer = (np.empty(capacity, dtype=np.int32), np.empty(capacity, dtype=np.int32),
+                        np.empty(capacity, dtype=np.float64), np.empty(capacity, dtype=np.int32))
+        self._settings = np.array([config.levels, config.width, self._budget, config.min_prob, config.max_nodes,
+                                   config.static_min_length, config.static_levels, min(self._budget, 16)],
+                                  dtype=np.float64)
+        self._no_table = np.full((1, 1), -1, dtype=np.int32)
         self._warm_up()
 
     # -- requests ----------------------------------------------------------------------------
@@ -253,22 +253,20 @@ class AdaptiveDrafter:
     # -- steps -------------------------------------------------------------------------------
 
     def propose(self, t0: int) -> DraftTree:
-        cfg, means = self.config, self.calibration.means
-        buf = (self._tok, self._par, self._prob, self._cell)
-        n = 0
-        arrays = self.dynamic.kernel_arrays
-        budget = self._budget
-        n = automaton_candidates(arrays.states, arrays.edges, arrays.slots, self.dyn_state, self.dyn_length, t0,
-                                 SRC_DYNAMIC, means, 1, cfg.levels, budget, cfg.width, cfg.min_prob, *buf, n)
-        n = self._static_candidates(t0, means, buf, n)
-        if len(self.memory):
-            arrays = self.memory_pointer.arrays
-            n = automaton_candidates(arrays.states, arrays.edges, arrays.slots, self.memory_pointer.state,
-                                     self.memory_pointer.length, t0, SRC_MEMORY, means, 2, cfg.levels,
-                                     budget, cfg.width, cfg.min_prob, *buf, n)
-        if self.recycle is not None:
-            n = recycle_candidates(self.recycle.table, t0, means, 6, min(budget, 16), cfg.min_prob, *buf, n)
-        tokens, parents, cells, is_chain = select(*buf, n, self.cost, cfg.max_nodes, cfg.min_prob)
+        # One kernel call for the automata, Token Recycle and the selection (an n-gram store's
+        # candidates go into the buffer first).
+        n = self._ngram_candidates(t0) if self._ngram_arrays is not None else 0
+        dyn = self.dynamic.kernel_arrays
+        static = self.static_pointer.arrays if self.static_pointer is not None else dyn
+        memory = self.memory_pointer.arrays if len(self.memory) else dyn
+        static_at = (self.static_pointer.state, self.static_pointer.length) if self.static_pointer is not None else (0, 0)
+        table = self.recycle.table if self.recycle is not None else self._no_table
+        tokens, parents, cells, is_chain = propose_tree(
+            dyn.states, dyn.edges, dyn.slots, self.dyn_state, self.dyn_length,
+            static.states, static.edges, static.slots, *static_at, self.static_pointer is not None,
+            memory.states, memory.edges, memory.slots, self.memory_pointer.state, self.memory_pointer.length,
+            len(self.memory) > 0, table, self.recycle is not None, t0, self.calibration.means, self.cost,
+            self._settings, *self._buffer, n)
         self.last = (tokens, parents, cells)
         return DraftTree(tokens=tokens, parents=parents, is_chain=is_chain)
 
@@ -307,21 +305,12 @@ class AdaptiveDrafter:
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _static_candidates(self, t0: int, means: np.ndarray, buf: tuple, n: int) -> int:
-        cfg = self.config
-        if self.static_pointer is not None:
-            arrays = self.static_pointer.arrays
-            return automaton_candidates(arrays.states, arrays.edges, arrays.slots, self.static_pointer.state,
-                                        self.static_pointer.length, t0, SRC_STATIC, means,
-                                        cfg.static_min_length, cfg.static_levels, self._budget, cfg.width,
-                                        cfg.min_prob, *buf, n)
-        if self.static is not None:
-            a = self._ngram_arrays
-            context = np.append(self.context, np.int32(t0))
-            return ngram_candidates(a["keys"], a["ctx"], a["order_start"], a["ctx_start"], a["offsets"], a["next"],
-                                    a["counts"], a["totals"], self.static.config.max_n, context, means, 1,
-                                    self._budget, cfg.width, cfg.min_prob, *buf, n)
-        return n
+    def _ngram_candidates(self, t0: int) -> int:
+        a, cfg = self._ngram_arrays, self.config
+        context = np.append(self.context, np.int32(t0))
+        return ngram_candidates(a["keys"], a["ctx"], a["order_start"], a["ctx_start"], a["offsets"], a["next"],
+                                a["counts"], a["totals"], self.static.config.max_n, context, self.calibration.means,
+                                1, self._budget, cfg.width, cfg.min_prob, *self._buffer, 0)
 
     def _context_size(self) -> int:
         return 64 if self.static is None or self.static_pointer is not None else self.static.config.max_n

@@ -262,6 +262,30 @@ def recycle_candidates(table, t0, means, max_depth, budget, min_prob, tok, par, 
         n = _keep(c, c_tok, c_par, c_prob, c_cell, tok, par, prob, cell, n)
 
 
+@njit(cache=True)
+def propose_tree(d_states, d_edges, d_slots, d_state, d_length,
+                 s_states, s_edges, s_slots, s_state, s_length, use_static,
+                 m_states, m_edges, m_slots, m_state, m_length, use_memory,
+                 table, use_recycle, t0, means, cost, settings, tok, par, prob, cell, n):
+    # One call per step for every automaton source, Token Recycle and `select` (each source's
+    # arrays, its match before t0, and whether it is in use). Rows 0..n-1 of the buffer may hold
+    # candidates already (an n-gram store's). settings: [8] float64 = levels, width, budget,
+    # min_prob, max_nodes, static_min_length, static_levels, recycle_budget.
+    levels, width, budget = int(settings[0]), int(settings[1]), int(settings[2])
+    min_prob, max_nodes = settings[3], int(settings[4])
+    n = automaton_candidates(d_states, d_edges, d_slots, d_state, d_length, t0, SRC_DYNAMIC, means, 1, levels,
+                             budget, width, min_prob, tok, par, prob, cell, n)
+    if use_static:
+        n = automaton_candidates(s_states, s_edges, s_slots, s_state, s_length, t0, SRC_STATIC, means,
+                                 int(settings[5]), int(settings[6]), budget, width, min_prob, tok, par, prob, cell, n)
+    if use_memory:
+        n = automaton_candidates(m_states, m_edges, m_slots, m_state, m_length, t0, SRC_MEMORY, means, 2, levels,
+                                 budget, width, min_prob, tok, par, prob, cell, n)
+    if use_recycle:
+        n = recycle_candidates(table, t0, means, 6, int(settings[7]), min_prob, tok, par, prob, cell, n)
+    return select(tok, par, prob, cell, n, cost, max_nodes, min_prob)
+
+
 # ---------------------------------------------------------------------------------------------
 # merge, select, learn
 
