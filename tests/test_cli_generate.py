@@ -76,6 +76,15 @@ def test_batch_keeps_order_reports_bad_records_and_fails(model_dir, tmp_path):
                         "--max-new-tokens", "5", stdin=lines[5] + "\n")
     assert with_field.returncode == 0 and "text" in json.loads(with_field.stdout)
 
+    # a record's `prediction` (adaptive drafts from it); one that is not text fails that record only
+    predicted = [json.dumps({"id": "p", "prompt": PROMPT, "prediction": PROMPT}),
+                 json.dumps({"id": "q", "prompt": PROMPT, "prediction": 3})]
+    with_prediction = samctl("generate", "--model", str(model_dir), "--input", "-", "--max-new-tokens", "12",
+                             "--compare", stdin="\n".join(predicted) + "\n")
+    out = [json.loads(line) for line in with_prediction.stdout.splitlines()]
+    assert with_prediction.returncode == 1 and out[0]["compare"]["identical"] is True
+    assert "prediction" in out[1]["error"]
+
 
 def test_store_from_the_models_tokenizer_is_used_and_lossless(model_dir, tmp_path):
     corpus = tmp_path / "corpus"
