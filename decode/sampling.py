@@ -6,6 +6,7 @@ acceptance rule compares the same p.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,11 +24,11 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise UserError(f"--temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise UserError(f"--temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
             raise UserError(f"--top-k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not 0.0 < self.top_p <= 1.0:  # also refuses nan
             raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
 
     @property

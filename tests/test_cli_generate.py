@@ -158,3 +158,14 @@ def test_calibrate_prints_a_cost_curve(model_dir, tmp_path):
     assert curve["t_ms"] == sorted(curve["t_ms"])  # a monotone fit
     table = samctl("calibrate", "--model", str(model_dir), "--threads", "1")  # cached now
     assert table.returncode == 0 and "| 64 |" in table.stdout and "measuring" not in table.stderr
+
+
+def test_bad_sampling_values_and_prompt_fields_are_one_line(model_dir):
+    for value in ("nan", "inf", "-1"):
+        proc = samctl("generate", "--model", str(model_dir), "--prompt", "x", "--temperature", value)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--temperature" in proc.stderr, proc.stderr
+    lines = [json.dumps({"id": "e", "prompt": ""}), json.dumps({"id": "t", "turns": "a string"})]
+    proc = samctl("generate", "--model", str(model_dir), "--input", "-", "--max-new-tokens", "4",
+                  stdin="\n".join(lines) + "\n")
+    records = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert "empty" in records[0]["error"] and "list of texts" in records[1]["error"]

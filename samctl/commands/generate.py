@@ -359,9 +359,13 @@ def _prompt_turns(record: dict[str, Any], field: str | None) -> list[str]:
     names = (field,) if field else PROMPT_FIELDS
     for name in names:
         value = record.get(name)
+        if name == "turns" and value is not None and not isinstance(value, list):
+            raise UserError("`turns` must be a list of texts, one per turn, e.g. [\"first\", \"second\"]")
         if isinstance(value, str) and value:
             return [value]
-        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        if isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):
             return value
+        if value == "" or (isinstance(value, list) and any(v == "" for v in value)):
+            raise UserError(f"the record's `{name}` is empty: give the prompt text")
     raise UserError(f"no prompt: the record has none of the fields {', '.join(names)} as text; "
                     "name the field with --field")
