@@ -22,6 +22,11 @@ from decode.tree import DraftTree
 MEASURED_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
+def linear_cost(token_cost: float, n: int = 256) -> np.ndarray:
+    """cost[k] = 1 + token_cost * k: a verify of t0 plus k nodes, relative to t0 alone."""
+    return 1.0 + token_cost * np.arange(n + 1, dtype=np.float64)
+
+
 def relative_cost(t_ms: np.ndarray | list[float], n: int = 256) -> np.ndarray:
     """t_ms: [w] times of verifying 1..w tokens -> cost [n + 1] with cost[k] = t(1 + k) / t(1),
     made non-decreasing and extended past w along the last measured slope."""

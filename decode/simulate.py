@@ -32,7 +32,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from decode.cost import relative_cost
+from decode.cost import linear_cost, relative_cost
 from decode.drafters.base import Drafter
 from decode.methods import REPLAYABLE, MethodConfig, method
 from decode.metrics import Metrics
@@ -153,7 +153,7 @@ class CostModel:
         """[n + 1] relative cost of verifying k = 0..n draft nodes."""
         if self.verify_ms:
             return relative_cost(self.verify_ms, n)
-        return 1.0 + self.token_cost * np.arange(n + 1, dtype=np.float64)
+        return linear_cost(self.token_cost, n)
 
     def speedup(self, tally: "Tally") -> float:
         f = self.forward_ms / 1e3

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from decode.drafters.adaptive import AdaptiveConfig, AdaptiveDrafter, Calibration, linear_cost
+from decode.cost import linear_cost
+from decode.drafters.adaptive import AdaptiveConfig, AdaptiveDrafter, Calibration
 from decode.drafters.candidates import N_CELLS, select
 from decode.simulate import make_trace, replay
 from index.automaton import SuffixAutomaton

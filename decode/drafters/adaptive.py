@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from decode.cost import linear_cost
 from decode.drafters.candidates import N_CELLS, SOURCES, learn, ngram_candidates, prior_means, propose_tree
 from decode.tree import DraftTree
 from index.automaton import SuffixAutomaton
@@ -66,11 +67,6 @@ class AdaptiveConfig:
                             "--memory >= 0")
         if self.width < 1 or self.levels < 1 or self.recycle_k < 1 or self.prior_weight <= 0:
             raise UserError(f"invalid adaptive settings {asdict(self)}")
-
-
-def linear_cost(token_cost: float, n: int = 256) -> np.ndarray:
-    """cost[k] = 1 + token_cost * k: a verify of t0 plus k nodes, relative to t0 alone."""
-    return 1.0 + token_cost * np.arange(n + 1, dtype=np.float64)
 
 
 class Calibration:
@@ -238,7 +234,8 @@ class AdaptiveDrafter:
             self.dynamic.end_document()
         self.prediction = None
         self.dyn_state, self.dyn_length = self.dynamic.extend_tracking(prompt, 0, 0)
-        self.context = prompt[-self._context_size():]
+        if self._ngram_arrays is not None:
+            self.context = prompt[-self.static.config.max_n:]
         if self.static_pointer is not None:
             self.static_pointer.reset(prompt)
         if len(self.memory):
@@ -278,7 +275,7 @@ class AdaptiveDrafter:
         self.output.append(committed)
         self.dyn_state, self.dyn_length = self.dynamic.extend_tracking(committed, self.dyn_state, self.dyn_length)
         if self._ngram_arrays is not None:
-            self.context = np.concatenate((self.context, committed))[-self._context_size():]
+            self.context = np.concatenate((self.context, committed))[-self.static.config.max_n:]
         if self.static_pointer is not None:
             self.static_pointer.advance(committed)
         if len(self.memory):
@@ -311,9 +308,6 @@ class AdaptiveDrafter:
         return ngram_candidates(a["keys"], a["ctx"], a["order_start"], a["ctx_start"], a["offsets"], a["next"],
                                 a["counts"], a["totals"], self.static.config.max_n, context, self.calibration.means,
                                 1, self._budget, cfg.width, cfg.min_prob, *self._buffer, 0)
-
-    def _context_size(self) -> int:
-        return 64 if self.static is None or self.static_pointer is not None else self.static.config.max_n
 
     def _warm_up(self) -> None:
         # Compile (or load the numba cache) now, not inside the first timed step.
