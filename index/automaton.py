@@ -36,17 +36,11 @@ from numba import njit
 
 from index.errors import UserError
 
-SEP = -1  # separator after each document in the token buffer; never a transition label
-
-# Columns of `states`.
-LEN, LINK, FIRST_END, LAST_END, COUNT, EDGE_TOK, EDGE_DST, HEAD = range(8)
-N_STATE_COLS = 8
-# Columns of `edges`.
-E_SRC, E_TOK, E_DST, E_NEXT = range(4)
-N_EDGE_COLS = 4
-# Entries of `meta`.
-M_STATES, M_EDGES, M_BUF, M_TOKENS, M_DOCS, M_LAST, M_DOC_OPEN, M_ROOT_DEGREE = range(8)
-N_META = 8
+# The layout constants (columns of `states` and `edges`, entries of `meta`) live in a numba-free
+# module so that reading a store's header and array shapes (`samctl info`) does not load numba.
+from index.automaton_layout import (COUNT, E_DST, E_NEXT, E_SRC, E_TOK, EDGE_DST, EDGE_TOK, FIRST_END, HEAD,
+                                    LAST_END, LEN, LINK, M_BUF, M_DOC_OPEN, M_DOCS, M_EDGES, M_LAST,
+                                    M_ROOT_DEGREE, M_STATES, M_TOKENS, N_EDGE_COLS, N_META, N_STATE_COLS, SEP, edge_count)
 
 OCCURRENCES = ("first", "latest")
 _HASH_MUL = np.uint64(0x9E3779B97F4A7C15)
@@ -732,8 +726,7 @@ class SuffixAutomaton:
     @property
     def num_edges(self) -> int:
         """All transitions: inline first edges plus the chained ones."""
-        n = self.num_states
-        return int(np.count_nonzero(self._states[:n, EDGE_TOK] >= 0)) + int(self._meta[M_EDGES])
+        return edge_count(self._states, self._meta)
 
     @property
     def num_tokens(self) -> int:

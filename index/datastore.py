@@ -19,17 +19,22 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
-from index.automaton import E_TOK, EDGE_TOK, SuffixAutomaton
 from index.errors import UserError
-from index.ngram import NgramConfig, NgramTable
+from index.ngram_config import NgramConfig
 from index.store import StoreError, StoreFile, read_store, write_store
 
+if TYPE_CHECKING:
+    from index.automaton import SuffixAutomaton
+    from index.ngram import NgramTable
+
+# The structures' modules (and numba with them) are imported where a structure is built or
+# loaded, not here: reading a store's header (`read_meta`, `samctl info`) stays light.
 KINDS = ("sam", "ngram")
-Structure = Union[SuffixAutomaton, NgramTable]
+Structure = Union["SuffixAutomaton", "NgramTable"]
 _REBUILD = "rebuild it with samctl build"
 
 
@@ -145,14 +150,14 @@ class Datastore:
 
     @property
     def sam(self) -> SuffixAutomaton:
-        if not isinstance(self.structure, SuffixAutomaton):
+        if self.kind != "sam":
             raise UserError(f"{self.path} is an n-gram store, not a suffix automaton: "
                             "rebuild it with samctl build --kind sam")
         return self.structure
 
     @property
     def ngram(self) -> NgramTable:
-        if not isinstance(self.structure, NgramTable):
+        if self.kind != "ngram":
             raise UserError(f"{self.path} is a suffix automaton store, not an n-gram table: "
                             "rebuild it with samctl build --kind ngram")
         return self.structure
@@ -164,7 +169,7 @@ class Datastore:
     def lookup(self, context: np.ndarray, n: int, k: int = 8) -> Lookup:
         """Longest suffix of context ([m] int32) in the store, then up to n tokens after it."""
         context = np.asarray(context, dtype=np.int32)
-        if isinstance(self.structure, SuffixAutomaton):
+        if self.kind == "sam":
             sam = self.structure
             state, length = sam.match(context)
             next_tokens, next_counts = sam.topk_next(state, k)
@@ -180,6 +185,8 @@ def save_datastore(
     path: str | os.PathLike, structure: Structure, meta: StoreMeta, compress: bool | None = None
 ) -> None:
     """Write structure + meta atomically; `compress` defaults to meta.build.compress."""
+    from index.automaton import SuffixAutomaton
+
     kind = "sam" if isinstance(structure, SuffixAutomaton) else "ngram"
     if kind != meta.build.kind:
         raise ValueError(f"structure is a {kind} but the build config says {meta.build.kind}")
@@ -192,8 +199,10 @@ def load_datastore(path: str | os.PathLike, verify: bool = False, occurrence: st
 
     `occurrence` picks which occurrence a suffix automaton's continuations come from.
     """
-    store = read_store(path, verify=verify)
-    meta = _parse_meta(store)
+    from index.automaton import SuffixAutomaton
+    from index.ngram import NgramTable
+
+    store, meta = read_meta(path, verify=verify)
     arrays = store.arrays
     try:
         if meta.build.kind == "sam":
@@ -207,6 +216,13 @@ def load_datastore(path: str | os.PathLike, verify: bool = False, occurrence: st
         raise StoreError(f"{store.path}: {err}") from err
     _check_token_range(store.path, meta, arrays)
     return Datastore(path=store.path, kind=meta.build.kind, structure=structure, meta=meta, file=store)
+
+
+def read_meta(path: str | os.PathLike, verify: bool = False) -> tuple[StoreFile, StoreMeta]:
+    """The store file and its validated header, without loading (or validating) the structure:
+    what `samctl info` shows. `load_datastore` is the way to use a store."""
+    store = read_store(path, verify=verify)
+    return store, _parse_meta(store)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,6 +298,8 @@ def _typed_map(data: Any, what: str, types: dict[str, Any], bad) -> dict[str, An
 
 def _check_token_range(name: str, meta: StoreMeta, arrays: dict[str, np.ndarray]) -> None:
     """Every id a draft can contain must be a valid id for the recorded vocabulary."""
+    from index.automaton import E_TOK, EDGE_TOK
+
     if meta.build.kind == "sam":
         columns = [arrays["tokens"], arrays["states"][:, EDGE_TOK], arrays["edges"][:, E_TOK]]
     else:

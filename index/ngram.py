@@ -22,30 +22,14 @@ decoder should prefer it over a suffix automaton.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 from numba import njit
 
 from index.errors import UserError
+from index.ngram_config import NgramConfig  # re-exported: index.ngram.NgramConfig
 
 _HASH_SEED = np.uint64(0x243F6A8885A308D3)
 _HASH_MUL = np.uint64(0x9E3779B97F4A7C15)
-
-
-@dataclass(frozen=True)
-class NgramConfig:
-    max_n: int = 4  # longest context
-    min_count: int = 2  # entries seen fewer times are pruned
-    top_k: int = 8  # next tokens kept per context
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.max_n <= 16:
-            raise UserError(f"n-gram max_n must be in 1..16, got {self.max_n}")
-        if self.min_count < 1:
-            raise UserError(f"n-gram min_count must be >= 1, got {self.min_count}")
-        if self.top_k < 1:
-            raise UserError(f"n-gram top_k must be >= 1, got {self.top_k}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The `samctl` command group and the single boundary where errors become one-line messages.
 
-Commands live in `samctl/commands/`, one module per command, imported on first use.
-A `UserError` (from any layer) prints `samctl: error: <message>` and exits 2; set
-SAMCTL_DEBUG=1 to get the traceback instead.
+Commands live in `samctl/commands/`, one module per command, imported on first use; `--help`
+lists them from the registry's summaries without importing any. A `UserError` (from any layer)
+and a usage error (a bad option value, a missing argument) print `samctl: error: <message>` in
+one line and exit 2; set SAMCTL_DEBUG=1 to get the traceback instead.
 """
 from __future__ import annotations
 
@@ -28,6 +29,14 @@ class _LazyGroup(click.Group):
 
         return load_command(name)
 
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from samctl.commands import COMMANDS
+
+        limit = formatter.width - 6 - max(len(name) for name, _ in COMMANDS)
+        rows = [(name, click.utils.make_default_short_help(text, limit)) for name, text in COMMANDS]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
 
 @click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="samctl")
@@ -51,6 +60,11 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         click.echo("samctl: aborted", err=True)
         sys.exit(130)
+    except click.UsageError as err:
+        # One line, as for every other error; the hint names the help of the command at fault.
+        command = err.ctx.command_path if err.ctx is not None else "samctl"
+        click.echo(f"samctl: error: {err.format_message()} (see {command} --help)", err=True)
+        sys.exit(err.exit_code)
     except click.ClickException as err:
         err.show()
         sys.exit(err.exit_code)

@@ -1,29 +1,36 @@
 """One module per command, imported only when its command runs (torch loads only for those that
-decode). `_MODULES` lists (module, click command attribute); the command is named after the module."""
+decode). `COMMANDS` is the registry, one line per command: name (= module name) and the one-line
+summary `samctl --help` lists, so listing commands imports none of them (tests/test_cli_startup.py
+checks each summary against the command's own docstring)."""
 from __future__ import annotations
 
 import importlib
 
 import click
 
-_MODULES = [
-    ("build", "build"),
-    ("info", "info"),
-    ("query", "query"),
-    ("generate", "generate"),
-    ("simulate", "simulate"),
-    ("bench", "bench"),
-    ("calibrate", "calibrate"),
+COMMANDS = [
+    ("build", "Build a datastore from folders, .json/.jsonl/.parquet files, hf:NAME[:SPLIT] or - (stdin)."),
+    ("info", "Describe a store: kind, size, tokenizer, build config and corpus statistics."),
+    ("query", "Find the longest suffix of a query in STORE and print what follows it."),
+    ("generate", "Generate from a prompt or a JSONL batch, faster, with exactly the model's output."),
+    ("simulate", "Replay drafters against reference outputs: accepted tokens per step, without a model."),
+    ("bench", "Benchmark methods end to end on a question file: speedup per category against ar."),
+    ("calibrate", "Verify cost t(n) for n = 1..64 input tokens: what `adaptive` sizes its drafts by."),
 ]
 
 
 def command_names() -> list[str]:
-    return [name for name, _ in _MODULES]
+    return [name for name, _ in COMMANDS]
+
+
+def summary(name: str) -> str:
+    """The one-line summary of command `name` from the table (no import)."""
+    return dict(COMMANDS)[name]
 
 
 def load_command(name: str) -> click.Command | None:
-    """The command called `name`, importing its module; None when there is no such command."""
-    for module, attr in _MODULES:
-        if module == name:
-            return getattr(importlib.import_module(f"samctl.commands.{module}"), attr)
-    return None
+    """The command called `name`, importing its module; None when there is no such command.
+    The module defines a click command with the module's name."""
+    if name not in dict(COMMANDS):
+        return None
+    return getattr(importlib.import_module(f"samctl.commands.{name}"), name)

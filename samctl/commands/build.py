@@ -11,11 +11,9 @@ import time
 
 import click
 
-from index.automaton import SuffixAutomaton
 from index.corpus import CorpusReader
 from index.datastore import BuildConfig, CorpusStats, StoreMeta, load_datastore, save_datastore
 from index.errors import UserError
-from index.ngram import NgramTable
 from samctl.commands.info import human_bytes
 from samctl.progress import progress_bar, status
 from samctl.tokenizer import load_tokenizer, tokenize_documents
@@ -80,8 +78,12 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
     status(f"building the {'suffix automaton' if kind == 'sam' else 'n-gram table'} over "
            f"{len(tokens):,} tokens", quiet)
     if kind == "sam":
+        from index.automaton import SuffixAutomaton  # numba loads here, not for --help
+
         structure = SuffixAutomaton.build(tokens, doc_offsets)
     else:
+        from index.ngram import NgramTable
+
         structure = NgramTable.build(tokens, doc_offsets, config.ngram_config())
     built = time.perf_counter()
     # 4) store
@@ -105,7 +107,7 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
 
 def _summary(output, size, structure, corpus, tokenizer_name, total, tokenize, build_s, write,
              verified) -> str:
-    if isinstance(structure, SuffixAutomaton):
+    if hasattr(structure, "num_states"):
         shape = f"{structure.num_states:,} states, {structure.num_edges:,} edges"
     else:
         shape = f"{structure.num_contexts:,} contexts, {structure.num_entries:,} entries"

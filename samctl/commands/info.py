@@ -1,4 +1,8 @@
-"""`samctl info`: what a store holds, how it was built, and (with --verify) whether it is intact."""
+"""`samctl info`: what a store holds, how it was built, and (with --verify) whether it is intact.
+
+It reads the header and the arrays' shapes only (numba is not loaded); `--verify` also checks
+every checksum and validates the structure as a decoder would load it.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -7,9 +11,10 @@ from typing import Any
 
 import click
 
-from index.automaton import SuffixAutomaton
-from index.datastore import Datastore, load_datastore
-from index.ngram import NgramConfig
+from index.automaton_layout import edge_count
+from index.datastore import StoreMeta, load_datastore, read_meta
+from index.ngram_config import NgramConfig
+from index.store import StoreFile
 
 
 def human_bytes(size: float) -> str:
@@ -20,41 +25,41 @@ def human_bytes(size: float) -> str:
     raise AssertionError(f"unreachable for size {size}")
 
 
-def describe(store: Datastore, verified: bool) -> dict[str, Any]:
+def describe(store: StoreFile, meta: StoreMeta, verified: bool) -> dict[str, Any]:
     """Everything `info` reports, JSON-ready."""
-    meta, structure = store.meta, store.structure
     tokens = meta.corpus.tokens
     report: dict[str, Any] = {
         "path": store.path,
-        "kind": store.kind,
+        "kind": meta.build.kind,
         "format_version": store.format_version,
         "file_size": store.file_size,
         "bytes_per_token": round(store.file_size / tokens, 3) if tokens else None,
         "documents": meta.corpus.documents,
         "tokens": tokens,
     }
-    if isinstance(structure, SuffixAutomaton):
-        report.update(states=structure.num_states, edges=structure.num_edges)
+    arrays = store.arrays
+    if meta.build.kind == "sam":
+        report.update(states=len(arrays["states"]), edges=edge_count(arrays["states"], arrays["meta"]))
     else:
-        report.update(contexts=structure.num_contexts, entries=structure.num_entries)
+        report.update(contexts=len(arrays["keys"]), entries=len(arrays["next"]))
     report.update(
         tokenizer={"name": meta.tokenizer_name, "fingerprint": meta.tokenizer_fingerprint,
                    "vocab_size": meta.vocab_size, "eos_token_id": meta.eos_token_id},
-        build=_build_settings(store),
+        build=_build_settings(meta),
         corpus=meta.corpus.to_dict(),
         created_by=meta.created_by,
         arrays=[{"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "codec": e.codec,
                  "stored_bytes": e.length, "raw_bytes": e.raw_length}
-                for e in store.file.entries.values()],
+                for e in store.entries.values()],
         verified=verified,
     )
     return report
 
 
-def _build_settings(store: Datastore) -> dict[str, Any]:
+def _build_settings(meta: StoreMeta) -> dict[str, Any]:
     """The build config without the settings of the other kind (an automaton has no n-gram sizes)."""
-    settings = store.meta.build.to_dict()
-    if store.kind != "ngram":
+    settings = meta.build.to_dict()
+    if meta.build.kind != "ngram":
         for name in (f.name for f in dataclasses.fields(NgramConfig)):
             settings.pop(name, None)
     return settings
@@ -108,6 +113,10 @@ def _pairs(values: dict[str, Any]) -> str:
               help="Check every array's checksum (raw arrays are not checked on load).")
 def info(store: str, as_json: bool, verify: bool) -> None:
     """Describe a store: kind, size, tokenizer, build config and corpus statistics."""
-    loaded = load_datastore(store, verify=verify)
-    report = describe(loaded, verified=verify)
+    if verify:
+        loaded = load_datastore(store, verify=True)
+        file, meta = loaded.file, loaded.meta
+    else:
+        file, meta = read_meta(store)
+    report = describe(file, meta, verified=verify)
     click.echo(json.dumps(report) if as_json else _text(report))

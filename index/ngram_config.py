@@ -1,0 +1,22 @@
+"""The n-gram table's build settings, apart from its numba kernels (index/ngram.py) so that reading
+a store's header (`samctl info`) does not load numba."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from index.errors import UserError
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    max_n: int = 4  # longest context
+    min_count: int = 2  # entries seen fewer times are pruned
+    top_k: int = 8  # next tokens kept per context
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_n <= 16:
+            raise UserError(f"n-gram max_n must be in 1..16, got {self.max_n}")
+        if self.min_count < 1:
+            raise UserError(f"n-gram min_count must be >= 1, got {self.min_count}")
+        if self.top_k < 1:
+            raise UserError(f"n-gram top_k must be >= 1, got {self.top_k}")
