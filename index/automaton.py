@@ -29,7 +29,8 @@ policy (which occurrence to trust, chain versus tree: decode/ decides).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, NamedTuple
 
 import numpy as np
 from numba import njit
@@ -224,7 +225,7 @@ def _sam_add(states, edges, slots, meta, last, token, pos, online):
     return cur
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)  # releases the GIL: `samctl build` reports progress meanwhile
 def _insert(states, edges, slots, buf, meta, tokens, doc_offsets, d, i, close_docs, online, pointer):
     """Insert tokens[doc_offsets[d]:] document by document from token i; returns (d, i) where it
     stopped: d == len(doc_offsets) - 1 when done, else the arrays need room first.
@@ -277,7 +278,7 @@ def _insert(states, edges, slots, buf, meta, tokens, doc_offsets, d, i, close_do
     return d, i
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)  # releases the GIL: `samctl build` reports progress meanwhile
 def _propagate_offline(states, n_states):
     """Own counts/last ends -> totals: add each state into its link by decreasing length.
 
@@ -565,12 +566,15 @@ class SuffixAutomaton:
     # -- construction ------------------------------------------------------------------------
 
     @classmethod
-    def build(cls, tokens: np.ndarray, doc_offsets: np.ndarray, occurrence: str = "first") -> "SuffixAutomaton":
+    def build(cls, tokens: np.ndarray, doc_offsets: np.ndarray, occurrence: str = "first",
+              watch: Callable[["SuffixAutomaton"], ContextManager[Any]] | None = None) -> "SuffixAutomaton":
         """Static automaton over documents tokens[doc_offsets[i]:doc_offsets[i+1]].
 
         tokens: [n] int32 >= 0, all documents concatenated without separators
         doc_offsets: [d+1] int64, non-decreasing, from 0 to n
         Both first and latest end positions are computed, so either `occurrence` works.
+        `watch(sam)`, when given, is entered around the (GIL-free) kernels with the automaton
+        being built: another thread may read its `num_tokens` to report progress.
         """
         tokens = np.ascontiguousarray(tokens)
         doc_offsets = np.ascontiguousarray(doc_offsets, dtype=np.int64)
@@ -588,8 +592,9 @@ class SuffixAutomaton:
         # Chained (second and later) edges measured 0.5-0.65 per token on code: room for 0.75
         # (untouched rows stay unmapped), and a hash table for that at load <= 1/2.
         sam = cls._allocate(2 * n + 2, 3 * n // 4, n + len(doc_offsets), occurrence, static=True)
-        sam._insert(tokens, doc_offsets, close_docs=True, online=False)
-        _propagate_offline(sam._states, sam._meta[M_STATES])
+        with watch(sam) if watch is not None else nullcontext():
+            sam._insert(tokens, doc_offsets, close_docs=True, online=False)
+            _propagate_offline(sam._states, sam._meta[M_STATES])
         return sam
 
     @classmethod

@@ -6,10 +6,13 @@ A document is a (source, text) pair; this module yields strings and never tokeni
   TEXT_EXTENSIONS (prose, markup and source code); `include` globs replace that list, `exclude`
   globs remove files. Globs match the path relative to the folder or the file name (`*.py`,
   `tests/*`). Hidden files and folders are skipped. A file that looks binary (a NUL byte in its
-  first 8 KiB) or is not UTF-8 is skipped and counted in `CorpusReader.skipped`. Each file is one
-  document; a selected `.json`/`.jsonl`/`.parquet` file is read as records (below).
-- a `.json` file (a list of records, one record, or JSON lines), a `.jsonl` file, a `.parquet`
-  file: one document per record.
+  first 8 KiB) or is not UTF-8, a dangling symbolic link, and anything that is not a regular file
+  (a FIFO would block the read for ever, a device never ends) are skipped and listed, with the
+  reason, in `CorpusCounts.skipped`. Each file is one document; a selected
+  `.json`/`.jsonl`/`.parquet` file is read as records (below). A file named explicitly is read
+  whatever it is (`<(command)` is a FIFO).
+- a `.json` file (a list of records, one record, or JSON lines), a `.jsonl` file (read line by
+  line, never whole), a `.parquet` file: one document per record.
 - any other file named explicitly: one document, its UTF-8 text.
 - `hf:NAME[:SPLIT]` or `hf:NAME:CONFIG:SPLIT`: a Hugging Face dataset through `datasets` (split
   `train` by default), or a folder written by `save_to_disk` passed as NAME.
@@ -29,6 +32,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,7 +70,7 @@ class CorpusCounts:
     documents: int = 0
     characters: int = 0
     empty: int = 0  # documents dropped because their text was blank
-    skipped: list[str] = field(default_factory=list)  # binary or non-UTF-8 files in folders
+    skipped: list[str] = field(default_factory=list)  # "path (why)": files left out of folders
 
 
 class CorpusReader:
@@ -118,6 +122,10 @@ class CorpusReader:
         for path in _walk(top):
             relative = path.relative_to(top).as_posix()
             if self._selected(relative, path.name, path.suffix.lower()):
+                problem = _not_regular(path)
+                if problem is not None:
+                    self.counts.skipped.append(f"{path} ({problem})")
+                    continue
                 yield from self._file_documents(path, explicit=False)
 
     def _selected(self, relative: str, name: str, suffix: str) -> bool:
@@ -140,7 +148,7 @@ class CorpusReader:
             if explicit:
                 raise UserError(f"{path} is binary or not UTF-8 text: pass text files, or "
                                 ".json/.jsonl/.parquet records")
-            self.counts.skipped.append(str(path))
+            self.counts.skipped.append(f"{path} (binary or not UTF-8)")
             return
         yield Document(str(path), text)
 
@@ -169,6 +177,22 @@ def _walk(top: Path) -> Iterator[Path]:
                 yield Path(directory) / name
 
 
+def _not_regular(path: Path) -> str | None:
+    """Why a file found in a folder cannot be read as a document, or None when it can."""
+    try:
+        mode = path.stat().st_mode  # follows symbolic links
+    except FileNotFoundError:
+        return "dangling symbolic link"
+    except OSError as err:
+        return f"cannot stat: {err.strerror or err}"
+    if stat.S_ISREG(mode):
+        return None
+    kinds = {stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a character device",
+             stat.S_ISBLK: "a block device"}
+    return next((f"{name}, not a regular file" for test, name in kinds.items() if test(mode)),
+                "not a regular file")
+
+
 def _read_text(path: Path) -> str | None:
     """The file's text, or None when it looks binary or is not UTF-8."""
     try:
@@ -187,6 +211,8 @@ def _read_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """(where, record) pairs; `where` names the file and line or record number."""
     if path.suffix.lower() == ".parquet":
         return _parquet_records(path)
+    if path.suffix.lower() == ".jsonl":
+        return _json_lines(_file_lines(path), str(path), start=1)
     text = _read_text(path)
     if text is None:
         raise UserError(f"{path} is binary or not UTF-8: pass a UTF-8 JSON or JSON lines file")
@@ -202,6 +228,20 @@ def _read_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
             return ((f"{path} record {i}", _as_record(r, f"{path} record {i}"))
                     for i, r in enumerate(records, 1))
     return _json_lines(text.splitlines(), str(path), start=1)
+
+
+def _file_lines(path: Path) -> Iterator[str]:
+    """The lines of a UTF-8 text file, read one at a time (a JSON lines file can be large)."""
+    try:
+        with open(path, "rb") as probe:
+            if b"\0" in probe.read(_BINARY_PROBE):
+                raise UserError(f"{path} is binary: pass a UTF-8 JSON lines file")
+        with open(path, encoding="utf-8-sig") as handle:
+            yield from handle
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path} is not UTF-8 (byte {err.start} of a line): convert it first") from err
+    except OSError as err:
+        raise UserError(f"cannot read {path}: {err.strerror or err}") from err
 
 
 def _json_lines(lines: Iterable[str], name: str, start: int) -> Iterator[tuple[str, dict]]:

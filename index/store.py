@@ -27,7 +27,10 @@ Compressed blobs are always checked, since they are read in full anyway.
 
 Writing is atomic: a temporary file in the output's directory, fsync, then `os.replace`. An error
 or Ctrl-C while writing leaves the previous file (or no file) at the path and removes the
-temporary file.
+temporary file. The temporary file is named `<name>.tmp<pid>.<random>` after its writer's
+process id, so a writer that was killed (kill -9, a power cut) can be told from one still
+writing: each write first removes the temporary files of its output whose writer no longer runs
+(on this machine; pids are not comparable across hosts sharing a folder).
 
 This module does not know what the arrays mean, which kinds of datastore exist, or tokenizers.
 """
@@ -35,6 +38,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
+import stat
 import struct
 import tempfile
 import zlib
@@ -202,8 +207,9 @@ def _write_atomically(
 ) -> None:
     """Write preamble, header and blobs (zero padding before each blob up to its offset)."""
     directory = path.parent if str(path.parent) else Path(".")
+    remove_stale_temporaries(path)
     try:
-        fd, tmp_name = tempfile.mkstemp(prefix=path.name + ".tmp", dir=directory)
+        fd, tmp_name = tempfile.mkstemp(prefix=f"{path.name}.tmp{os.getpid()}.", dir=directory)
     except OSError as err:
         raise UserError(f"cannot write {path}: {err.strerror}: choose another output path") from err
     try:
@@ -226,6 +232,52 @@ def _write_atomically(
                             "check the disk space and permissions") from err
         raise
     _fsync_directory(directory)
+
+
+def is_store_file(path: str | os.PathLike) -> bool:
+    """Whether `path` is a regular file that starts with the store magic (a damaged store counts:
+    replacing it loses nothing that could be read)."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return False  # never open a FIFO or a device to look: it could block
+        with open(path, "rb") as handle:
+            return handle.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
+
+
+def remove_stale_temporaries(path: str | os.PathLike) -> list[str]:
+    """Remove the temporary files of `path` left by writers that no longer run; return their names."""
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    pattern = re.compile(re.escape(path.name) + r"\.tmp(\d+)\.\w+")
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []  # the write that follows reports an unusable directory
+    removed = []
+    for name in names:
+        match = pattern.fullmatch(name)
+        if match and not _running(int(match.group(1))):
+            try:
+                os.unlink(directory / name)
+                removed.append(str(directory / name))
+            except OSError:
+                pass  # another writer removed it first, or it is not ours to remove
+    return removed
+
+
+def _running(pid: int) -> bool:
+    """Whether a process with this id runs on this machine (our own process counts as running)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's process; an impossible id is left alone too
+    return True
 
 
 def _umask() -> int:

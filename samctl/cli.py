@@ -3,7 +3,8 @@
 Commands live in `samctl/commands/`, one module per command, imported on first use; `--help`
 lists them from the registry's summaries without importing any. A `UserError` (from any layer)
 and a usage error (a bad option value, a missing argument) print `samctl: error: <message>` in
-one line and exit 2; set SAMCTL_DEBUG=1 to get the traceback instead.
+one line and exit 2; set SAMCTL_DEBUG=1 to get the traceback instead. A closed standard output
+(`samctl ... | head`) ends the command quietly with exit status 0.
 """
 from __future__ import annotations
 
@@ -16,8 +17,19 @@ from index.errors import UserError
 from samctl import __version__
 
 
+class _PipeClosed(Exception):
+    """Standard output's reader went away (`samctl ... | head`). Not an OSError, so that click's
+    own handler, which would exit 1, lets it through to `main`."""
+
+
 class _LazyGroup(click.Group):
     """Imports a command's module only when that command is asked for."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError as err:
+            raise _PipeClosed() from err
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         from samctl.commands import command_names
@@ -70,7 +82,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(err.exit_code)
     except click.exceptions.Exit as err:
         sys.exit(err.exit_code)
-    except BrokenPipeError:
-        # Downstream of a pipe closed early (`samctl ... | head`): not an error.
-        sys.stderr.close()
+    except _PipeClosed:
+        # Downstream of a pipe closed early (`samctl ... | head`): not an error. Standard output
+        # now points at /dev/null, so that flushing it at exit cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
         sys.exit(0)

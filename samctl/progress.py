@@ -3,14 +3,17 @@
 Commands pass `quiet`. Pipes, logs and CI get no carriage returns, but they still hear from a
 long run: one line every LINE_PERIOD_S seconds with the items done (of the total when known), the
 rate (tokens/s when the caller counts tokens) and the time left, and a last line when it ends.
-Work that ends within the first period prints nothing.
+Work that ends within the first period prints nothing. `Progress.heartbeat()` keeps those lines
+(and the bar) coming while one long step runs without updates: a numba kernel that releases the
+GIL, or a model generating one long record; `poll` can read the count the step has reached.
 """
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 from tqdm import tqdm
 
@@ -30,18 +33,45 @@ class Progress:
         self.done = self.tokens = 0
         self.start = self.last_line = time.perf_counter()
         self.lines = 0
+        self.lock = threading.Lock()  # update() and a heartbeat thread share the counters
         self.bar = (tqdm(total=total, desc=description, unit=unit, unit_scale=True, dynamic_ncols=True,
                          file=sys.stderr, leave=False) if progress_enabled(quiet) else None)
 
     def update(self, n: int = 1, tokens: int = 0) -> None:
-        self.done += n
-        self.tokens += tokens
-        if self.bar is not None:
-            self.bar.update(n)
-            if self.tokens:
-                self.bar.set_postfix_str(f"{self.tokens / self._elapsed():.1f} tok/s", refresh=False)
-        elif not self.quiet and time.perf_counter() - self.last_line >= LINE_PERIOD_S:
-            self._line()
+        with self.lock:
+            self.done += n
+            self.tokens += tokens
+            if self.bar is not None:
+                self.bar.update(n)
+                if self.tokens:
+                    self.bar.set_postfix_str(f"{self.tokens:,} tokens, {self.tokens / self._elapsed():.1f} tok/s",
+                                             refresh=False)
+            elif not self.quiet and time.perf_counter() - self.last_line >= LINE_PERIOD_S:
+                self._line()
+
+    @contextmanager
+    def heartbeat(self, poll: Callable[[], int] | None = None) -> Iterator["Progress"]:
+        """For the block's duration, a thread brings `done` up to `poll()` (when given) and prints
+        the periodic line when it is due even if nothing else updates."""
+        if self.quiet:
+            yield self
+            return
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(0.5 if self.bar is not None else min(LINE_PERIOD_S, 1.0)):
+                reached = poll() if poll is not None else self.done
+                self.update(max(0, reached - self.done))
+                if self.bar is not None:
+                    self.bar.refresh()
+
+        thread = threading.Thread(target=beat, name="samctl-progress", daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            stop.set()
+            thread.join()
 
     def close(self) -> None:
         if self.bar is not None:
@@ -57,7 +87,7 @@ class Progress:
         count = f"{self.done}/{self.total}" if self.total is not None else f"{self.done}"
         parts = [f"{count} {self.unit}s"]
         if self.tokens:
-            parts.append(f"{self.tokens / elapsed:.1f} tok/s")
+            parts.append(f"{self.tokens:,} tokens, {self.tokens / elapsed:.1f} tok/s")
         elif not final:
             parts.append(f"{self.done / elapsed:.2f} {self.unit}s/s")
         if final:

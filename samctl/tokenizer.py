@@ -14,8 +14,20 @@ Stores record name and fingerprint; `load_store_tokenizer` loads the tokenizer a
 refuses one whose fingerprint differs, and `check_store_tokenizer` does the same for a tokenizer
 the caller already holds (the model's, in `generate`).
 
-transformers is imported only when a Hugging Face tokenizer is loaded: the byte-level path stays
-light. This module does not know stores' file format or decoding.
+A folder whose tokenizer.json the `tokenizers` library reads exactly as transformers would (the
+tokenizer classes in BACKEND_CLASSES, which add nothing to their Rust backend) is loaded by
+`tokenizers` alone (FastTokenizer: same ids, vocabulary, EOS and fingerprint); any other needs
+transformers, imported only then. So `build` and `query` never load torch or transformers for
+the usual tokenizer.json folders.
+
+`tokenize_documents` streams: documents are tokenized in batches of about `batch_chars`
+characters, and a document longer than `piece_chars` is cut into pieces where the tokenizer's
+pre-tokenizer cuts anyway (`split_text`), so memory stays bounded for one huge line too. The
+cuts change no token for a `split_safe` tokenizer (bytes, and byte-level BPE without a
+normalizer, as GPT-2, Llama-3, SmolLM2 and the embedded model use; tested against whole-document
+tokenization); other tokenizers get their documents whole.
+
+This module does not know stores' file format or decoding.
 """
 from __future__ import annotations
 
@@ -23,8 +35,9 @@ import hashlib
 import itertools
 import json
 import os
+import re
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 import click
 import numpy as np
@@ -36,6 +49,8 @@ from samctl.gguf_cache import is_gguf, model_folder
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "models" / "default" / "target"
 BYTES = "bytes"
 DEFAULT = "default"
+# tokenizer_config.json classes whose encoding is their tokenizer.json's, unchanged.
+BACKEND_CLASSES = frozenset(["TokenizersBackend", "PreTrainedTokenizerFast", "GPT2Tokenizer", "GPT2TokenizerFast"])
 
 
 class Tokenizer(Protocol):
@@ -43,6 +58,7 @@ class Tokenizer(Protocol):
     fingerprint: str
     vocab_size: int  # ids are in [0, vocab_size)
     eos_token_ids: tuple[int, ...]
+    split_safe: bool  # split_text's cuts leave every token unchanged (see the module docstring)
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -57,8 +73,27 @@ def _digest(payload: bytes) -> str:
 
 def tokenizer_fingerprint(hf_tokenizer: Any) -> str:
     """Stable hash of a Hugging Face tokenizer's vocabulary, added and special tokens included."""
-    pairs = sorted(hf_tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    return _vocab_fingerprint(hf_tokenizer.get_vocab())
+
+
+def _vocab_fingerprint(vocab: dict[str, int]) -> str:
+    pairs = sorted(vocab.items(), key=lambda item: (item[1], item[0]))
     return _digest(json.dumps(pairs, ensure_ascii=False).encode("utf-8"))
+
+
+def _backend_split_safe(backend: Any) -> bool:
+    """Whether split_text's cuts are pre-tokenizer boundaries of this `tokenizers.Tokenizer`:
+    byte-level BPE with the GPT-2 regex, no normalizer, no prefix space, and no added token that
+    holds whitespace or strips it around itself."""
+    from tokenizers import pre_tokenizers
+
+    pre = backend.pre_tokenizer
+    if backend.normalizer is not None or not isinstance(pre, pre_tokenizers.ByteLevel):
+        return False
+    if not pre.use_regex or pre.add_prefix_space:
+        return False
+    added = backend.get_added_tokens_decoder().values()
+    return not any(t.lstrip or t.rstrip or any(c.isspace() for c in t.content) for t in added)
 
 
 class ByteTokenizer:
@@ -67,6 +102,7 @@ class ByteTokenizer:
     name = BYTES
     vocab_size = 257
     eos_token_ids = (256,)
+    split_safe = True  # one id per byte: any cut is exact
     fingerprint = _digest(b"samctl byte-level tokenizer v1: ids 0-255 = bytes, 256 = eos")
 
     def encode(self, text: str) -> list[int]:
@@ -89,6 +125,8 @@ class HFTokenizer:
         self.vocab_size = len(hf_tokenizer)
         eos = hf_tokenizer.eos_token_id
         self.eos_token_ids = () if eos is None else (int(eos),)
+        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        self.split_safe = backend is not None and _backend_split_safe(backend)
         # None: not yet known whether the Rust backend alone gives the same ids as __call__.
         self._backend_ok: bool | None = None if hasattr(hf_tokenizer, "backend_tokenizer") else False
 
@@ -114,15 +152,68 @@ class HFTokenizer:
         return self.hf.decode(list(ids))
 
 
-def load_tokenizer(spec: str | None) -> Tokenizer:
-    """The tokenizer `spec` names (see the module docstring); UserError when it cannot be found."""
+class FastTokenizer:
+    """A tokenizer.json read by the `tokenizers` library alone: for the classes in BACKEND_CLASSES
+    the same ids, vocabulary, EOS and fingerprint as HFTokenizer gives, without transformers."""
+
+    def __init__(self, backend: Any, name: str, eos_token: str | None) -> None:
+        self.backend = backend
+        self.name = name
+        self.fingerprint = _vocab_fingerprint(backend.get_vocab(with_added_tokens=True))
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        eos = backend.token_to_id(eos_token) if eos_token is not None else None
+        self.eos_token_ids = () if eos is None else (int(eos),)
+        self.split_safe = _backend_split_safe(backend)
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self.backend.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=False)
+
+
+def _load_fast(folder: str, name: str) -> FastTokenizer | None:
+    """FastTokenizer for `folder` when its tokenizer class is one in BACKEND_CLASSES, else None."""
+    files = Path(folder) / "tokenizer.json", Path(folder) / "tokenizer_config.json"
+    if not all(f.is_file() for f in files):
+        return None
+    try:
+        config = json.loads(files[1].read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # transformers will say what is wrong with it
+    if not isinstance(config, dict) or config.get("tokenizer_class") not in BACKEND_CLASSES:
+        return None
+    if "add_prefix_space" in config:  # transformers would rewrite the pre-tokenizer
+        return None
+    eos = config.get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if eos is not None and not isinstance(eos, str):
+        return None
+    try:
+        from tokenizers import Tokenizer as RustTokenizer
+
+        backend = RustTokenizer.from_file(str(files[0]))
+    except Exception:  # noqa: BLE001 - any failure falls back to transformers, which reports it
+        return None
+    return FastTokenizer(backend, name, eos)
+
+
+def load_tokenizer(spec: str | None, quiet: bool = False) -> Tokenizer:
+    """The tokenizer `spec` names (see the module docstring); UserError when it cannot be found.
+    Without a spec, one line on stderr says which tokenizer is used (not with `quiet`)."""
     if spec is None:
         if DEFAULT_MODEL_DIR.is_dir():
-            click.echo(f"samctl: using the embedded default tokenizer ({DEFAULT_MODEL_DIR}); "
-                       "pass --tokenizer to choose another", err=True)
+            if not quiet:
+                click.echo(f"samctl: using the embedded default tokenizer ({DEFAULT_MODEL_DIR}); "
+                           "pass --tokenizer to choose another", err=True)
             return _load_hf(str(DEFAULT_MODEL_DIR), DEFAULT)
-        click.echo("samctl: using the byte-level tokenizer (no embedded default model is "
-                   "installed); pass --tokenizer to choose another", err=True)
+        if not quiet:
+            click.echo("samctl: using the byte-level tokenizer (no embedded default model is "
+                       "installed); pass --tokenizer to choose another", err=True)
         return ByteTokenizer()
     if spec == BYTES:
         return ByteTokenizer()
@@ -142,7 +233,11 @@ def load_tokenizer(spec: str | None) -> Tokenizer:
     return _load_hf(spec, spec)
 
 
-def _load_hf(source: str, name: str) -> HFTokenizer:
+def _load_hf(source: str, name: str) -> HFTokenizer | FastTokenizer:
+    if os.path.isdir(source):
+        fast = _load_fast(source, name)
+        if fast is not None:
+            return fast
     try:
         from transformers import AutoTokenizer
     except ImportError as err:
@@ -182,45 +277,93 @@ def load_store_tokenizer(meta: StoreMeta, store_path: str, spec: str | None = No
     return tokenizer
 
 
+# A cut position p in a text: a space that starts a word after a non-space ("foo| bar"), or a
+# position after a newline that follows a non-space and precedes one ("foo\n|bar"). Under a
+# byte-level BPE pre-tokenizer (GPT-2 or Llama-3 regex) a pre-token always ends there, and the one
+# that starts there is matched the same from the cut as from the document's start, so tokenizing
+# the pieces gives the document's tokens.
+_CUT = re.compile(r"(?<=\S)(?= [^\W\d_])|(?<=\S\n)(?=\S)")
+
+
+def split_text(text: str, max_chars: int) -> Iterator[str]:
+    """`text` in pieces of at most about `max_chars` characters, each cut at the last _CUT
+    position of its window (or, when a window has none, the first one after it: a text without
+    any cut stays whole). "".join(pieces) == text; an empty text gives one empty piece."""
+    if max_chars < 2:
+        raise ValueError(f"max_chars must be >= 2, got {max_chars}")
+    start = 0
+    while len(text) - start > max_chars:
+        end = start + max_chars
+        cut = None
+        for match in _CUT.finditer(text, start + 1, end + 1):
+            cut = match.start()
+        if cut is None:
+            match = _CUT.search(text, end)
+            if match is None:
+                break
+            cut = match.start()
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
+
+
 def tokenize_documents(
     texts: Iterable[str],
     tokenizer: Tokenizer,
     append_eos: bool = True,
-    on_tokens: Callable[[int], None] | None = None,
+    on_batch: Callable[[int, int], None] | None = None,
     batch_chars: int = 1 << 20,
+    piece_chars: int = 1 << 16,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Tokenize documents in batches of about `batch_chars` characters.
+    """Tokenize documents in batches of about `batch_chars` characters (see the module docstring).
 
     Returns tokens [n] int32 (documents concatenated, each followed by the tokenizer's first EOS
     id when `append_eos` and it has one) and doc_offsets [d+1] int64 (document i is
-    tokens[doc_offsets[i]:doc_offsets[i+1]]). `on_tokens(k)` reports progress after each batch.
+    tokens[doc_offsets[i]:doc_offsets[i+1]]). `on_batch(documents, tokens)` reports progress after
+    each batch: the documents finished and the tokens made since the last call. Memory beyond the
+    result: one batch of text and its ids, and the int32 chunks until they are concatenated.
     """
     if tokenizer.vocab_size > np.iinfo(np.int32).max:
         raise UserError(f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} ids, over int32")
     eos = [tokenizer.eos_token_ids[0]] if append_eos and tokenizer.eos_token_ids else []
     chunks: list[np.ndarray] = []
-    lengths: list[int] = []
-
-    def flush(batch: list[str]) -> None:
-        ids = tokenizer.encode_batch(batch)
-        sizes = [len(x) + len(eos) for x in ids]
-        flat = itertools.chain.from_iterable(x + eos for x in ids) if eos else itertools.chain.from_iterable(ids)
-        chunks.append(np.fromiter(flat, dtype=np.int32, count=sum(sizes)))
-        lengths.extend(sizes)
-        if on_tokens is not None:
-            on_tokens(int(sum(sizes)))
-
-    batch: list[str] = []
+    lengths: list[int] = []  # tokens per document, EOS included
+    batch: list[tuple[str, int, bool]] = []  # (piece, its document's index, last piece of it)
     size = 0
-    for text in texts:
-        batch.append(text)
-        size += len(text)
+
+    def flush() -> None:
+        ids = tokenizer.encode_batch([piece for piece, _, _ in batch])
+        count = 0
+        for x, (_, doc, last) in zip(ids, batch):
+            if last:
+                x.extend(eos)
+            lengths[doc] += len(x)
+            count += len(x)
+        chunks.append(np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=count))
+        if on_batch is not None:
+            on_batch(sum(last for _, _, last in batch), count)
+        batch.clear()
+
+    def add(piece: str, last: bool) -> None:
+        nonlocal size
+        batch.append((piece, len(lengths) - 1, last))
+        size += len(piece)
         if size >= batch_chars:
-            flush(batch)
-            batch, size = [], 0
+            flush()
+            size = 0
+
+    for text in texts:
+        lengths.append(0)
+        pieces = split_text(text, piece_chars) if tokenizer.split_safe else iter((text,))
+        piece = next(pieces)
+        for following in pieces:
+            add(piece, last=False)
+            piece = following
+        add(piece, last=True)
     if batch:
-        flush(batch)
+        flush()
     tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int32)
+    del chunks
     doc_offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=doc_offsets[1:])
     return tokens, doc_offsets

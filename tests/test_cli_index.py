@@ -76,7 +76,7 @@ def test_build_info_query_sam(corpus):
     store = tmp / "s.sam"
     result = _invoke(["build", *inputs, "-o", str(store), "--tokenizer", "bytes"])
     assert "wrote" in result.stdout and "5 documents" in result.stdout
-    assert "skipped 1 binary" in result.stderr
+    assert "skipped 1 file(s)" in result.stderr and "(binary or not UTF-8)" in result.stderr
 
     report = json.loads(_invoke(["info", str(store), "--json", "--verify"]).stdout)
     assert report["kind"] == "sam" and report["format_version"] == FORMAT_VERSION
@@ -171,10 +171,12 @@ def test_field_option(tmp_path):
 def test_default_tokenizer_is_announced(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(tokenizer_module, "DEFAULT_MODEL_DIR", tmp_path / "missing")
     (tmp_path / "a.txt").write_text("hello")
-    code, _out, err = _main(["build", str(tmp_path / "a.txt"), "-o", str(tmp_path / "s.sam"), "-q"], capsys)
+    code, _out, err = _main(["build", str(tmp_path / "a.txt"), "-o", str(tmp_path / "s.sam")], capsys)
     assert code == 0
     assert "using the byte-level tokenizer" in err
     assert load_datastore(tmp_path / "s.sam").meta.tokenizer_name == "bytes"
+    code, out, err = _main(["build", str(tmp_path / "a.txt"), "-o", str(tmp_path / "s.sam"), "-q"], capsys)
+    assert (code, out, err) == (0, "", "")  # --quiet: no note either
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ def test_folder_reads_text_files_in_sorted_order(folder):
     assert reader.counts.documents == 3
     assert reader.counts.empty == 1  # blank.txt
     # latin1.txt is selected by extension but not UTF-8; data.bin is not selected at all.
-    assert [p.rsplit("/", 1)[-1] for p in reader.counts.skipped] == ["latin1.txt"]
+    assert [p.rsplit("/", 1)[-1] for p in reader.counts.skipped] == ["latin1.txt (binary or not UTF-8)"]
     assert reader.counts.characters == sum(len(d.text) for d in documents)
 
 

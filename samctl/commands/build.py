@@ -1,8 +1,10 @@
 """`samctl build`: read corpora, tokenize them, build a suffix automaton or n-gram table, save it.
 
-Phases: 1) read documents (index.corpus) 2) tokenize in batches with an EOS after each document
-3) build the structure 4) write the store atomically. The summary line goes to stdout; progress,
-notes and warnings go to stderr.
+Phases: 1) read documents (index.corpus) 2) tokenize them, streamed in bounded batches, with an
+EOS after each document 3) build the structure 4) write the store atomically. The summary line
+(total time and every phase's, loading the tokenizer included) goes to stdout; progress (documents,
+tokens, tokens/s while tokenizing; tokens inserted while building), notes and warnings go to
+stderr. Modules that load numba are imported in phase 3, so `build --help` stays fast.
 """
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ import click
 from index.corpus import CorpusReader
 from index.datastore import BuildConfig, CorpusStats, StoreMeta, load_datastore, save_datastore
 from index.errors import UserError
+from index.store import is_store_file
 from samctl.commands.info import human_bytes
-from samctl.progress import progress_bar, status
+from samctl.progress import progress_bar
 from samctl.tokenizer import load_tokenizer, tokenize_documents
 
 
@@ -46,45 +49,52 @@ from samctl.tokenizer import load_tokenizer, tokenize_documents
 @click.option("--eos/--no-eos", "append_eos", default=True, show_default=True,
               help="Append the tokenizer's EOS token after each document.")
 @click.option("--verify", is_flag=True, help="Re-read the written store and check every checksum.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress and no summary.")
+@click.option("--force", is_flag=True, help="Replace OUTPUT even when it is not a samctl store.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress, notes or summary (warnings and errors only).")
 def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_count, top_k,
-          compress, append_eos, verify, quiet) -> None:
+          compress, append_eos, verify, force, quiet) -> None:
     """Build a datastore from folders, .json/.jsonl/.parquet files, hf:NAME[:SPLIT] or - (stdin).
 
     Records are read in known shapes (Alpaca instruction/input/output, GSM8K question/answer,
     Spec-Bench turns, chat messages, a text field) or from the fields given with --field.
+    An existing OUTPUT is replaced only when it is a store (or with --force).
     """
+    start = time.perf_counter()
     config = BuildConfig(kind=kind, max_n=max_n, min_count=min_count, top_k=top_k,
                          compress=compress, append_eos=append_eos, include=include,
                          exclude=exclude, fields=fields)
-    start = time.perf_counter()
+    if os.path.lexists(output) and not force and not is_store_file(output):
+        raise UserError(f"{output} exists and is not a samctl store: pass --force to replace it, "
+                        "or choose another -o")
     # 1) documents, read lazily while tokenizing
     reader = CorpusReader(inputs, include, exclude, fields, stdin=click.get_text_stream("stdin"))
-    tok = load_tokenizer(tokenizer)
-    # 2) tokens (timed apart from loading the tokenizer, which may import transformers)
+    tok = load_tokenizer(tokenizer, quiet=quiet)
+    # 2) tokens, streamed in bounded batches (timed apart from loading the tokenizer)
     tokenize_start = time.perf_counter()
-    with progress_bar("tokenizing", "token", quiet) as bar:
-        tokens, doc_offsets = tokenize_documents((d.text for d in reader), tok,
-                                                 append_eos=append_eos, on_tokens=bar.update)
+    with progress_bar("tokenizing", "document", quiet) as bar:
+        tokens, doc_offsets = tokenize_documents((d.text for d in reader), tok, append_eos=append_eos,
+                                                 on_batch=lambda docs, count: bar.update(docs, tokens=count))
     counts = reader.counts
     if counts.skipped:
-        click.echo(f"samctl: warning: skipped {len(counts.skipped)} binary or non-UTF-8 file(s) "
+        click.echo(f"samctl: warning: skipped {len(counts.skipped)} file(s) that are not readable text "
                    f"(first: {counts.skipped[0]})", err=True)
     if len(tokens) == 0:
         raise UserError(f"the corpus is empty ({counts.files} file(s) read, {counts.empty} blank "
                         "document(s)): check the inputs and --include/--exclude")
     tokenized = time.perf_counter()
-    # 3) structure
-    status(f"building the {'suffix automaton' if kind == 'sam' else 'n-gram table'} over "
-           f"{len(tokens):,} tokens", quiet)
-    if kind == "sam":
-        from index.automaton import SuffixAutomaton  # numba loads here, not for --help
+    # 3) structure; numba loads here, not for --help
+    with progress_bar(f"building the {'suffix automaton' if kind == 'sam' else 'n-gram table'}",
+                      "token", quiet, total=len(tokens)) as bar:
+        if kind == "sam":
+            from index.automaton import SuffixAutomaton
 
-        structure = SuffixAutomaton.build(tokens, doc_offsets)
-    else:
-        from index.ngram import NgramTable
+            structure = SuffixAutomaton.build(tokens, doc_offsets,
+                                              watch=lambda sam: bar.heartbeat(lambda: sam.num_tokens))
+        else:
+            from index.ngram import NgramTable
 
-        structure = NgramTable.build(tokens, doc_offsets, config.ngram_config())
+            with bar.heartbeat():
+                structure = NgramTable.build(tokens, doc_offsets, config.ngram_config())
     built = time.perf_counter()
     # 4) store
     corpus = CorpusStats(documents=counts.documents, tokens=int(len(tokens)),
@@ -96,23 +106,23 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
                      vocab_size=tok.vocab_size, eos_token_id=eos, build=config, corpus=corpus)
     save_datastore(output, structure, meta)
     written = time.perf_counter()
+    phases = [("load tokenizer", tokenize_start - start), ("read and tokenize", tokenized - tokenize_start),
+              ("build", built - tokenized), ("write", written - built)]
     if verify:
         load_datastore(output, verify=True)
+        phases.append(("verify", time.perf_counter() - written))
     if not quiet:
-        click.echo(_summary(output, os.path.getsize(output), structure, corpus, tok.name,
-                            written - start, tokenized - tokenize_start, built - tokenized,
-                            written - built,
-                            verified=verify))
+        click.echo(_summary(output, os.path.getsize(output), structure, corpus, tok.name, phases,
+                            time.perf_counter() - start, verified=verify))
 
 
-def _summary(output, size, structure, corpus, tokenizer_name, total, tokenize, build_s, write,
-             verified) -> str:
+def _summary(output, size, structure, corpus, tokenizer_name, phases, total, verified) -> str:
     if hasattr(structure, "num_states"):
         shape = f"{structure.num_states:,} states, {structure.num_edges:,} edges"
     else:
         shape = f"{structure.num_contexts:,} contexts, {structure.num_entries:,} entries"
     check = ", checksums verified" if verified else ""
+    breakdown = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in phases)
     return (f"wrote {output}: {corpus.documents:,} documents, {corpus.tokens:,} tokens "
             f"({tokenizer_name}), {shape}, {human_bytes(size)} "
-            f"({size / corpus.tokens:.1f} bytes/token) in {total:.2f} s (tokenize {tokenize:.2f} s, "
-            f"build {build_s:.2f} s, write {write:.2f} s){check}")
+            f"({size / corpus.tokens:.1f} bytes/token) in {total:.2f} s ({breakdown}){check}")

@@ -2,8 +2,9 @@
 
 Single prompt (--prompt / --prompt-file): the text streams to stdout as it is accepted, or
 `--json` prints one object with the text and the metrics. Batch (--input FILE|-): one JSON record
-per line in, one per line out in input order; a bad record gets an `error` field and the rest go
-on, and the exit status is 1 when any record failed. `--compare` also runs plain decoding (`ar`)
+per line in, one per line out in input order, blank lines included; a bad record (a blank line too) gets an
+`error` field and the rest go on, and the exit status is 1 when any record failed. Progress lines
+come every few seconds on a non-terminal stderr, also while one long record runs. `--compare` also runs plain decoding (`ar`)
 on the same input in the same process, checks greedy outputs are identical and reports the speedup:
 for a single prompt the median of --compare-runs rounds run in alternating order, with its range.
 Every timing is of the steady state: a warm-up run comes first (see Runner). In float32 a
@@ -178,7 +179,7 @@ class Runner:
 
     def batch(self, lines: IO[str], output: IO[str], field: str | None, quiet: bool) -> int:
         """Process a JSONL batch in order; returns the number of failed records."""
-        with progress_bar("generate", "record", quiet, total=_count_records(lines)) as progress:
+        with progress_bar("generate", "record", quiet, total=_count_records(lines)) as progress, progress.heartbeat():
             return self._batch(lines, output, field, progress)
 
     def _batch(self, lines: IO[str], output: IO[str], field: str | None, progress: Progress) -> int:
@@ -334,18 +335,20 @@ def _count_records(lines: IO[str]) -> int | None:
     """Records in a seekable input (a file), for progress; None for a pipe."""
     if not lines.seekable():
         return None
-    count = sum(1 for line in lines if line.strip())
+    count = sum(1 for _ in lines)
     lines.seek(0)
     return count
 
 
 def _records(lines: IO[str]) -> Iterator[tuple[int, str]]:
-    for number, line in enumerate(lines, start=1):
-        if line.strip():
-            yield number, line
+    """Every line, blank ones included: the output has one line per input line."""
+    return enumerate(lines, start=1)
 
 
 def _parse(line: str, number: int) -> dict[str, Any]:
+    if not line.strip():
+        raise UserError(f"line {number} is blank: one JSON object per line (the output keeps one "
+                        "line per input line)")
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
