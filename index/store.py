@@ -134,25 +134,46 @@ def write_store(
     for key in _RESERVED_KEYS:
         if key in header:
             raise ValueError(f"header key {key!r} is reserved for the store format")
-    blobs, entries = _encode_arrays(arrays, compress)
-    header_bytes, offsets = _layout(header, entries)
-    _write_atomically(Path(path), header_bytes, blobs, offsets)
+    arrays = {name: _checked_array(name, array) for name, array in arrays.items()}
+    _write_atomically(Path(path), header, arrays, compress)
 
 
-def _encode_arrays(
-    arrays: dict[str, np.ndarray], compress: bool
-) -> tuple[list[bytes | memoryview], list[dict[str, Any]]]:
-    """Encode each array as a blob; offsets are filled in later by `_layout`."""
+def _checked_array(name: Any, array: np.ndarray) -> np.ndarray:
+    """`array` C-contiguous and little-endian; TypeError for a name or dtype the format refuses."""
+    if not isinstance(name, str):
+        raise TypeError(f"array names must be str, got {name!r}")
+    array = np.ascontiguousarray(array, dtype=np.asarray(array).dtype.newbyteorder("<"))
+    if array.dtype.str not in ALLOWED_DTYPES:
+        raise TypeError(f"array {name!r} has dtype {array.dtype.str}, not a fixed-width numeric type")
+    return array
+
+
+def _header_bytes(header: dict[str, Any], table: dict[str, dict[str, Any]]) -> bytes:
+    full = {**header, "format_version": FORMAT_VERSION, "arrays": table}
+    header_bytes = msgpack.packb(full, use_bin_type=True)
+    if len(header_bytes) > MAX_HEADER_BYTES:
+        raise ValueError(f"store header is {len(header_bytes)} bytes, over {MAX_HEADER_BYTES}")
+    return header_bytes
+
+
+def _data_start(header: dict[str, Any], arrays: dict[str, np.ndarray]) -> int:
+    """Where the first blob goes: after the largest header these arrays can have. Blobs are
+    written (and compressed) one at a time before the header is known, so that writing holds one
+    compressed blob in memory, not all of them; msgpack sizes grow with the value, so a table of
+    maximal integers and the longer codec name bounds the real one."""
+    most = 2**63 - 1
+    table = {name: {"dtype": a.dtype.str, "shape": [int(d) for d in a.shape], "offset": most,
+                    "length": most, "raw_length": most, "codec": "zstd", "checksum": 2**32 - 1}
+             for name, a in arrays.items()}
+    return _align(_PREAMBLE.size + len(_header_bytes(header, table)))
+
+
+def _write_blobs(out, arrays: dict[str, np.ndarray], compress: bool, offset: int) -> dict[str, dict[str, Any]]:
+    """Write each array's blob at the next aligned offset from `offset`; return the array table.
+    With `compress`, a blob is stored zstd-compressed when that saves at least MIN_SAVING."""
     compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1, write_content_size=True)
-    blobs: list[bytes | memoryview] = []
-    entries: list[dict[str, Any]] = []
+    table: dict[str, dict[str, Any]] = {}
     for name, array in arrays.items():
-        if not isinstance(name, str):
-            raise TypeError(f"array names must be str, got {name!r}")
-        array = np.ascontiguousarray(array, dtype=np.asarray(array).dtype.newbyteorder("<"))
-        dtype = array.dtype.str
-        if dtype not in ALLOWED_DTYPES:
-            raise TypeError(f"array {name!r} has dtype {dtype}, not a fixed-width numeric type")
         raw = memoryview(array.reshape(-1).view(np.uint8))
         blob: bytes | memoryview = raw
         codec = "raw"
@@ -160,66 +181,37 @@ def _encode_arrays(
             packed = compressor.compress(raw)
             if len(packed) <= (1.0 - MIN_SAVING) * array.nbytes:
                 blob, codec = packed, "zstd"
-        blobs.append(blob)
-        entries.append(
-            {
-                "name": name,
-                "dtype": dtype,
-                "shape": [int(d) for d in array.shape],
-                "length": len(blob),
-                "raw_length": int(array.nbytes),
-                "codec": codec,
-                "checksum": zlib.crc32(blob),
-            }
-        )
-    return blobs, entries
+        out.write(b"\0" * (offset - out.tell()))
+        out.write(blob)
+        table[name] = {"dtype": array.dtype.str, "shape": [int(d) for d in array.shape], "offset": offset,
+                       "length": len(blob), "raw_length": int(array.nbytes), "codec": codec,
+                       "checksum": zlib.crc32(blob)}
+        offset = _align(offset + len(blob))
+        del blob, raw  # one compressed blob alive at a time
+    return table
 
 
-def _layout(
-    header: dict[str, Any], entries: list[dict[str, Any]]
-) -> tuple[bytes, list[int]]:
-    """Assign aligned offsets to the blobs; return the encoded header and the offsets.
-
-    The header's size depends on the offsets it records and the offsets on the header's size, so
-    iterate until the data start stops moving (msgpack ints grow by a few bytes at most).
-    """
-    data_start = _align(_PREAMBLE.size + 256)
-    while True:
-        offsets, table, offset = [], {}, data_start
-        for entry in entries:
-            offsets.append(offset)
-            table[entry["name"]] = {**{k: entry[k] for k in _ENTRY_KEYS if k != "offset"},
-                                    "offset": offset}
-            offset = _align(offset + entry["length"])
-        full = {**header, "format_version": FORMAT_VERSION, "arrays": table}
-        header_bytes = msgpack.packb(full, use_bin_type=True)
-        needed = _align(_PREAMBLE.size + len(header_bytes))
-        if needed <= data_start:
-            break
-        data_start = needed
-    if len(header_bytes) > MAX_HEADER_BYTES:
-        raise ValueError(f"store header is {len(header_bytes)} bytes, over {MAX_HEADER_BYTES}")
-    return header_bytes, offsets
-
-
-def _write_atomically(
-    path: Path, header_bytes: bytes, blobs: list[bytes | memoryview], offsets: list[int]
-) -> None:
-    """Write preamble, header and blobs (zero padding before each blob up to its offset)."""
+def _write_atomically(path: Path, header: dict[str, Any], arrays: dict[str, np.ndarray], compress: bool) -> None:
+    """Zeros up to the data start, the blobs, then preamble and header over the zeros."""
     directory = path.parent if str(path.parent) else Path(".")
     remove_stale_temporaries(path)
+    data_start = _data_start(header, arrays)
     try:
         fd, tmp_name = tempfile.mkstemp(prefix=f"{path.name}.tmp{os.getpid()}.", dir=directory)
     except OSError as err:
         raise UserError(f"cannot write {path}: {err.strerror}: choose another output path") from err
     try:
         with os.fdopen(fd, "wb") as out:
+            out.write(b"\0" * data_start)
+            table = _write_blobs(out, arrays, compress, data_start)
+            end = out.tell() if table else 0  # the file ends where the last blob ends
+            header_bytes = _header_bytes(header, table)
+            assert _PREAMBLE.size + len(header_bytes) <= data_start, (len(header_bytes), data_start)
+            out.seek(0)
             out.write(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header_bytes),
                                      zlib.crc32(header_bytes), 0))
             out.write(header_bytes)
-            for offset, blob in zip(offsets, blobs):
-                out.write(b"\0" * (offset - out.tell()))
-                out.write(blob)
+            out.truncate(max(end, out.tell()))
             out.flush()
             os.fsync(out.fileno())
         os.chmod(tmp_name, 0o644 & ~_umask())

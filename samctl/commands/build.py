@@ -96,8 +96,10 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
             with bar.heartbeat():
                 structure = NgramTable.build(tokens, doc_offsets, config.ngram_config())
     built = time.perf_counter()
+    n_tokens = len(tokens)
+    del tokens, doc_offsets  # the structure holds what it needs; free the input before writing
     # 4) store
-    corpus = CorpusStats(documents=counts.documents, tokens=int(len(tokens)),
+    corpus = CorpusStats(documents=counts.documents, tokens=n_tokens,
                          characters=counts.characters, files=counts.files,
                          empty_documents=counts.empty, skipped_files=len(counts.skipped),
                          inputs=tuple(inputs))
