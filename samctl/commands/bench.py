@@ -109,7 +109,7 @@ def bench(**opts: Any) -> None:
     """Benchmark methods end to end on a question file: speedup per category against ar.
 
     \b
-    samctl bench --questions specbench_question.jsonl --limit 4 --out runs/cpu
+    samctl bench --questions samctl/data/questions/specbench_sample.jsonl --limit 1 --out runs/cpu
     samctl bench --model M --sam store.sam --questions q.jsonl --methods ar,pld,sam,rest --out runs/x
     """
     if opts["max_new_tokens"] < 1 or opts["repeats"] < 1:

@@ -1,0 +1,228 @@
+"""A newcomer's bad inputs and start-up costs (issue 18): every case gives a one-line error or the
+right result, with the documented exit status, no traceback and no hang.
+
+Start-up is checked by what a command imports (never by wall-clock time): commands that do not
+touch a model import neither torch nor transformers, and `samctl --help` imports no command.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from index import store as store_module
+from index.datastore import load_datastore
+from samctl.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = "The quick brown fox jumps over the lazy dog.\ndef reverse(items):\n    return items[::-1]\n"
+
+
+def samctl(*args: str, timeout: float = 120, stdin: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("SAMCTL_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "samctl", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env, input=stdin)
+
+
+def one_line_error(proc: subprocess.CompletedProcess, status: int = 2) -> str:
+    assert proc.returncode == status, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("samctl: error: "), proc.stderr
+    return lines[0]
+
+
+def _main(args, capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as info:
+        main(args)
+        raise SystemExit(0)
+    out, err = capsys.readouterr()
+    return info.value.code, out, err
+
+
+@pytest.fixture(autouse=True)
+def _no_debug(monkeypatch):
+    monkeypatch.delenv("SAMCTL_DEBUG", raising=False)
+
+
+@pytest.fixture
+def small_store(tmp_path) -> Path:
+    (tmp_path / "a.txt").write_text(TEXT)
+    store = tmp_path / "s.sam"
+    code = main_status(["build", str(tmp_path / "a.txt"), "-o", str(store), "--tokenizer", "bytes", "-q"])
+    assert code == 0
+    return store
+
+
+def main_status(args) -> int:
+    try:
+        main(args)
+    except SystemExit as done:
+        return int(done.code or 0)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# start-up: what each command imports
+
+
+def _modules_after(args: list[str]) -> set[str]:
+    """The top-level modules (and samctl.commands.*) loaded by running `samctl args` in a fresh process."""
+    probe = ("import sys\nfrom samctl.cli import main\n"
+             "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+             "names = {m.split('.')[0] for m in sys.modules} | {m for m in sys.modules if m.startswith('samctl.commands.')}\n"
+             "sys.stderr.write('MODULES ' + ' '.join(sorted(names)) + '\\n')\n")
+    proc = subprocess.run([sys.executable, "-c", probe, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    line = next(line for line in proc.stderr.splitlines() if line.startswith("MODULES "))
+    return set(line.split()[1:])
+
+
+def test_help_lists_commands_without_importing_them():
+    loaded = _modules_after(["--help"])
+    assert not {m for m in loaded if m.startswith("samctl.commands.")}
+    assert not loaded & {"torch", "transformers", "numba", "tokenizers"}
+
+
+def test_light_commands_import_no_model_libraries(small_store):
+    for args in (["build", "--help"], ["info", str(small_store)], ["query", "--help"]):
+        loaded = _modules_after(args)
+        assert not loaded & {"torch", "transformers", "numba"}, args
+    loaded = _modules_after(["query", str(small_store), "--text", "quick brown"])
+    assert not loaded & {"torch", "transformers"}
+
+
+def test_query_with_the_embedded_tokenizer_skips_transformers(tmp_path):
+    from samctl.tokenizer import DEFAULT_MODEL_DIR
+
+    if not DEFAULT_MODEL_DIR.is_dir():
+        pytest.skip("the embedded default model is not installed")
+    (tmp_path / "a.txt").write_text(TEXT)
+    store = tmp_path / "s.sam"
+    assert samctl("build", str(tmp_path / "a.txt"), "-o", str(store), "-q").returncode == 0
+    loaded = _modules_after(["query", str(store), "--text", "quick brown"])
+    assert not loaded & {"torch", "transformers"}
+
+
+def test_registry_summaries_match_the_commands():
+    from samctl.commands import COMMANDS, load_command
+
+    for name, text in COMMANDS:
+        command = load_command(name)
+        assert command is not None and command.name == name
+        assert (command.help or "").strip().splitlines()[0] == text, name
+
+
+# ---------------------------------------------------------------------------------------------
+# usage errors: one line, exit status 2
+
+
+def test_usage_errors_are_one_line(tmp_path, small_store):
+    cases = [
+        (["info", str(tmp_path)], "is a directory"),
+        (["query", str(tmp_path), "--text", "x"], "is a directory"),
+        (["build", str(small_store), "-o", str(tmp_path)], "is a directory"),
+        (["query", str(small_store), "unexpected"], "unexpected extra argument"),
+        (["build", str(small_store), "-o", str(tmp_path / "x.sam"), "--kind", "nope"], "'nope' is not one of"),
+        (["nope"], "No such command"),
+    ]
+    for args, message in cases:
+        line = one_line_error(samctl(*args))
+        assert message in line and "--help" in line, line
+
+
+# ---------------------------------------------------------------------------------------------
+# build: folders with special files, replacing outputs, temporary files
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_fifo_and_dangling_link_in_a_folder_are_skipped(tmp_path):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "a.txt").write_text(TEXT)
+    os.mkfifo(folder / "pipe.txt")  # nobody writes: opening it to read would block for ever
+    (folder / "gone.txt").symlink_to(tmp_path / "missing.txt")
+    proc = samctl("build", str(folder), "-o", str(tmp_path / "s.sam"), "--tokenizer", "bytes", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "skipped 2 file(s)" in proc.stderr and "Traceback" not in proc.stderr
+    assert "dangling symbolic link" in proc.stderr or "FIFO" in proc.stderr
+    assert load_datastore(tmp_path / "s.sam").meta.corpus.documents == 1
+
+
+def test_output_that_is_not_a_store_needs_force(tmp_path, small_store, capsys):
+    (tmp_path / "a.txt").write_text(TEXT)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("precious")
+    args = ["build", str(tmp_path / "a.txt"), "-o", str(notes), "--tokenizer", "bytes", "-q"]
+    code, _out, err = _main(args, capsys)
+    assert code == 2 and err.count("\n") == 1 and "--force" in err
+    assert notes.read_text() == "precious"
+    code, _out, _err = _main([*args, "--force"], capsys)
+    assert code == 0 and load_datastore(notes).meta.corpus.documents == 1
+    # an existing store is replaced without --force
+    code, _out, _err = _main(["build", str(tmp_path / "a.txt"), "-o", str(small_store), "--tokenizer", "bytes", "-q"],
+                             capsys)
+    assert code == 0
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_stale_temporary_files_of_dead_writers_are_removed(tmp_path, monkeypatch):
+    (tmp_path / "a.txt").write_text(TEXT)
+    out = tmp_path / "s.sam"
+    stale = tmp_path / f"s.sam.tmp{_dead_pid()}.k9x2"
+    live = tmp_path / f"s.sam.tmp{os.getppid()}.a1b2"  # our parent runs: its file stays
+    other = tmp_path / f"other.sam.tmp{_dead_pid()}.zz"  # another output's: not ours to judge
+    for path in (stale, live, other):
+        path.write_bytes(b"partial")
+    names = []
+    real_replace = os.replace
+
+    def spy(src, dst):
+        names.append(os.path.basename(src))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(store_module.os, "replace", spy)
+    assert main_status(["build", str(tmp_path / "a.txt"), "-o", str(out), "--tokenizer", "bytes", "-q"]) == 0
+    assert not stale.exists() and live.exists() and other.exists()
+    assert names and names[0].startswith(f"s.sam.tmp{os.getpid()}.")
+
+
+def test_killed_writer_leaves_a_pid_named_file_that_the_next_build_removes(tmp_path):
+    (tmp_path / "a.txt").write_text(TEXT * 50)
+    writer = ("import os, signal, sys\nfrom index import store\n"
+              "real = store._write_blobs\n"
+              "def die(*args, **kwargs):\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+              "store._write_blobs = die\n"
+              "from samctl.cli import main\nmain(sys.argv[1:])\n")
+    args = [str(tmp_path / "a.txt"), "-o", str(tmp_path / "s.sam"), "--tokenizer", "bytes", "-q"]
+    killed = subprocess.run([sys.executable, "-c", writer, "build", *args], cwd=ROOT, capture_output=True, timeout=120)
+    assert killed.returncode == -9
+    left = [p.name for p in tmp_path.iterdir() if ".tmp" in p.name]
+    assert len(left) == 1 and left[0].startswith("s.sam.tmp")
+    assert samctl("build", *args).returncode == 0
+    assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name]
+
+
+# ---------------------------------------------------------------------------------------------
+# the shipped question file and README's examples
+
+
+def test_shipped_question_file_is_spec_bench_format():
+    questions = ROOT / "samctl" / "data" / "questions" / "specbench_sample.jsonl"
+    records = [json.loads(line) for line in questions.read_text(encoding="utf-8").splitlines()]
+    assert len(records) >= 8 and len({r["category"] for r in records}) >= 4
+    for record in records:
+        assert isinstance(record["question_id"], int) and isinstance(record["category"], str)
+        assert isinstance(record["turns"], list) and all(isinstance(t, str) and t for t in record["turns"])
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "--questions samctl/data/questions/specbench_sample.jsonl" in readme
