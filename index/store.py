@@ -61,6 +61,7 @@ MAX_NDIM = 8
 ZSTD_LEVEL = 3
 # A blob is stored compressed only when that saves at least this fraction of its bytes.
 MIN_SAVING = 0.10
+COMPRESS_CHUNK = 16 << 20  # bytes handed to the zstd stream at a time
 
 _PREAMBLE = struct.Struct("<8sIIII")
 # Little-endian fixed-width numeric types only: no objects, strings or platform-dependent sizes.
@@ -158,9 +159,9 @@ def _header_bytes(header: dict[str, Any], table: dict[str, dict[str, Any]]) -> b
 
 def _data_start(header: dict[str, Any], arrays: dict[str, np.ndarray]) -> int:
     """Where the first blob goes: after the largest header these arrays can have. Blobs are
-    written (and compressed) one at a time before the header is known, so that writing holds one
-    compressed blob in memory, not all of them; msgpack sizes grow with the value, so a table of
-    maximal integers and the longer codec name bounds the real one."""
+    streamed to the file (compressed on the way) before the header is known, so that writing
+    holds no compressed copy of the arrays in memory; msgpack sizes grow with the value, so a
+    table of maximal integers and the longer codec name bounds the real one."""
     most = 2**63 - 1
     table = {name: {"dtype": a.dtype.str, "shape": [int(d) for d in a.shape], "offset": most,
                     "length": most, "raw_length": most, "codec": "zstd", "checksum": 2**32 - 1}
@@ -168,26 +169,48 @@ def _data_start(header: dict[str, Any], arrays: dict[str, np.ndarray]) -> int:
     return _align(_PREAMBLE.size + len(_header_bytes(header, table)))
 
 
+class _ChecksummedWriter:
+    """File writes that keep the crc32 and the length of what went through (a streamed blob)."""
+
+    def __init__(self, out) -> None:
+        self.out, self.crc, self.length = out, 0, 0
+
+    def write(self, data) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        self.length += len(data)
+        return self.out.write(data)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
 def _write_blobs(out, arrays: dict[str, np.ndarray], compress: bool, offset: int) -> dict[str, dict[str, Any]]:
     """Write each array's blob at the next aligned offset from `offset`; return the array table.
-    With `compress`, a blob is stored zstd-compressed when that saves at least MIN_SAVING."""
-    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1, write_content_size=True)
+    With `compress`, a blob is zstd-compressed as it is written, in chunks of COMPRESS_CHUNK bytes
+    (no compressed copy of an array is ever held whole), and kept only when that saves at least
+    MIN_SAVING; otherwise the raw bytes overwrite it."""
     table: dict[str, dict[str, Any]] = {}
     for name, array in arrays.items():
         raw = memoryview(array.reshape(-1).view(np.uint8))
-        blob: bytes | memoryview = raw
-        codec = "raw"
-        if compress and array.nbytes > 0:
-            packed = compressor.compress(raw)
-            if len(packed) <= (1.0 - MIN_SAVING) * array.nbytes:
-                blob, codec = packed, "zstd"
         out.write(b"\0" * (offset - out.tell()))
-        out.write(blob)
+        codec, length, checksum = "raw", len(raw), None
+        if compress and array.nbytes > 0:
+            sink = _ChecksummedWriter(out)
+            compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1, write_content_size=True)
+            with compressor.stream_writer(sink, size=array.nbytes, closefd=False) as stream:
+                for start in range(0, len(raw), COMPRESS_CHUNK):
+                    stream.write(raw[start : start + COMPRESS_CHUNK])
+            if sink.length <= (1.0 - MIN_SAVING) * array.nbytes:
+                codec, length, checksum = "zstd", sink.length, sink.crc
+            else:
+                out.seek(offset)
+                out.truncate()
+        if codec == "raw":
+            out.write(raw)
+            checksum = zlib.crc32(raw)
         table[name] = {"dtype": array.dtype.str, "shape": [int(d) for d in array.shape], "offset": offset,
-                       "length": len(blob), "raw_length": int(array.nbytes), "codec": codec,
-                       "checksum": zlib.crc32(blob)}
-        offset = _align(offset + len(blob))
-        del blob, raw  # one compressed blob alive at a time
+                       "length": length, "raw_length": int(array.nbytes), "codec": codec, "checksum": checksum}
+        offset = _align(offset + length)
     return table
 
 

@@ -169,3 +169,37 @@ def test_bad_sampling_values_and_prompt_fields_are_one_line(model_dir):
                   stdin="\n".join(lines) + "\n")
     records = [json.loads(line) for line in proc.stdout.splitlines()]
     assert "empty" in records[0]["error"] and "list of texts" in records[1]["error"]
+
+
+def test_blank_lines_get_an_error_line_and_quiet_means_no_notes(model_dir, tmp_path):
+    lines = [json.dumps({"id": "a", "prompt": PROMPT}), "", "   ", json.dumps({"id": "d", "prompt": "x"})]
+    proc = samctl("generate", "--model", str(model_dir), "--input", "-", "--max-new-tokens", "4", "--quiet",
+                  stdin="\n".join(lines) + "\n")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    records = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["id"] for r in records] == ["a", 2, 3, "d"]  # one output line per input line
+    assert "blank" in records[1]["error"] and "blank" in records[2]["error"] and "text" in records[3]
+    corpus = tmp_path / "a.txt"
+    corpus.write_text(PROMPT)
+    store = tmp_path / "s.sam"
+    assert samctl("build", str(corpus), "-o", str(store), "--tokenizer", str(model_dir), "-q").returncode == 0
+    quiet = samctl("generate", "--model", str(model_dir), "--sam", str(store), "--method", "ar", "--prompt", "x",
+                   "--max-new-tokens", "2", "--quiet")
+    assert quiet.returncode == 0 and quiet.stderr == ""
+    loud = samctl("generate", "--model", str(model_dir), "--sam", str(store), "--method", "ar", "--prompt", "x",
+                  "--max-new-tokens", "2")
+    assert "does not use the store" in loud.stderr
+
+
+def test_a_closed_output_pipe_exits_zero(model_dir):
+    records = "".join(json.dumps({"id": i, "prompt": PROMPT}) + "\n" for i in range(40))
+    proc = subprocess.Popen([sys.executable, "-m", "samctl", "generate", "--model", str(model_dir), "--input", "-",
+                             "--max-new-tokens", "8", "--quiet"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdin.write(records)
+    proc.stdin.close()
+    first = proc.stdout.readline()  # then the reader goes away, as `| head -1` does
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 0, err
+    assert json.loads(first)["id"] == 0 and "Traceback" not in err and "Exception ignored" not in err
