@@ -36,3 +36,20 @@ def test_quiet_and_short_runs_print_nothing(capsys, monkeypatch):
     with progress.progress_bar("bench", "run", quiet=True, total=2) as bar:
         bar.update(2, tokens=5)
     assert capsys.readouterr().err == ""
+
+
+def test_heartbeat_prints_while_a_long_step_runs_without_updates(monkeypatch, capsys):
+    import time
+
+    monkeypatch.setattr(progress, "LINE_PERIOD_S", 0.05)
+    reached = iter(range(0, 10_000, 100))
+    with progress.progress_bar("building", "token", quiet=False, total=10_000) as bar:
+        with bar.heartbeat(lambda: next(reached)):
+            time.sleep(0.5)  # a kernel that releases the GIL, as the automaton build does
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) >= 3 and all(line.startswith("samctl: building: ") for line in lines)
+    counts = [int(line.split(": ")[2].split("/")[0]) for line in lines[:-1]]
+    assert counts == sorted(counts) and counts[-1] > 0 and "done in" in lines[-1]
+    with progress.progress_bar("building", "token", quiet=True) as bar, bar.heartbeat(lambda: 1):
+        time.sleep(0.2)
+    assert capsys.readouterr().err == ""
