@@ -23,9 +23,10 @@ the usual tokenizer.json folders.
 `tokenize_documents` streams: documents are tokenized in batches of about `batch_chars`
 characters, and a document longer than `piece_chars` is cut into pieces where the tokenizer's
 pre-tokenizer cuts anyway (`split_text`), so memory stays bounded for one huge line too. The
-cuts change no token for a `split_safe` tokenizer (bytes, and byte-level BPE without a
-normalizer, as GPT-2, Llama-3, SmolLM2 and the embedded model use; tested against whole-document
-tokenization); other tokenizers get their documents whole.
+cuts change no token for a `split_safe` tokenizer (bytes, and byte-level BPE whose pre-tokenizer
+is ByteLevel with the GPT-2 regex and no normalizer, as GPT-2, SmolLM2 and the embedded model use;
+tested against whole-document tokenization); other tokenizers (SentencePiece, a Split + ByteLevel
+sequence as in Llama-3) get their documents whole, so one huge line costs memory there.
 
 This module does not know stores' file format or decoding.
 """
@@ -278,10 +279,10 @@ def load_store_tokenizer(meta: StoreMeta, store_path: str, spec: str | None = No
 
 
 # A cut position p in a text: a space that starts a word after a non-space ("foo| bar"), or a
-# position after a newline that follows a non-space and precedes one ("foo\n|bar"). Under a
-# byte-level BPE pre-tokenizer (GPT-2 or Llama-3 regex) a pre-token always ends there, and the one
-# that starts there is matched the same from the cut as from the document's start, so tokenizing
-# the pieces gives the document's tokens.
+# position after a newline that follows a non-space and precedes one ("foo\n|bar"). Under the
+# GPT-2 pre-tokenizer regex no pre-token spans such a position (none holds a non-space followed by
+# a space, or a newline followed by a non-space), and the one that starts there is matched the same
+# from the cut as from the document's start, so tokenizing the pieces gives the document's tokens.
 _CUT = re.compile(r"(?<=\S)(?= [^\W\d_])|(?<=\S\n)(?=\S)")
 
 
