@@ -17,7 +17,7 @@ A document is a (source, text) pair; this module yields strings and never tokeni
 - `hf:NAME[:SPLIT]` or `hf:NAME:CONFIG:SPLIT`: a Hugging Face dataset through `datasets` (split
   `train` by default), or a folder written by `save_to_disk` passed as NAME.
 - `-`: standard input. When its first non-blank line is a JSON object, every non-blank line is a
-  record (JSON lines); otherwise the whole input is one plain-text document.
+  record (JSON lines, read one at a time); otherwise the whole input is one plain-text document.
 
 A record's text (`record_text`) comes from the fields named by the user when there are any
 (joined with newlines; absent or null ones are left out), or else from the first known shape:
@@ -30,6 +30,7 @@ This module does not know tokenizers, token ids or store files.
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import json
 import os
 import stat
@@ -284,16 +285,21 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def _stdin_documents(stream: TextIO, fields: tuple[str, ...]) -> Iterator[Document]:
+    """JSON lines are read one at a time; plain text is one document (its lines joined by \\n)."""
     try:
-        lines = stream.read().splitlines()
+        head: list[str] = []
+        for line in stream:
+            head.append(line)
+            if line.strip():
+                break
+        if head and _is_json_object(head[-1]):
+            lines = itertools.chain(head, stream)
+            for where, record in _json_lines(lines, "<stdin>", start=1):
+                yield Document(where, record_text(record, fields, where))
+        else:
+            yield Document("<stdin>", "\n".join(("".join(head) + stream.read()).splitlines()))
     except UnicodeDecodeError as err:
         raise UserError("standard input is not UTF-8 text: convert it first") from err
-    first = next((line for line in lines if line.strip()), "")
-    if _is_json_object(first):
-        for where, record in _json_lines(lines, "<stdin>", start=1):
-            yield Document(where, record_text(record, fields, where))
-    else:
-        yield Document("<stdin>", "\n".join(lines))
 
 
 def _is_json_object(line: str) -> bool:
