@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
+from index.automaton_layout import E_TOK, EDGE_TOK
 from index.errors import UserError
 from index.ngram_config import NgramConfig
 from index.store import StoreError, StoreFile, read_store, write_store
@@ -298,8 +299,6 @@ def _typed_map(data: Any, what: str, types: dict[str, Any], bad) -> dict[str, An
 
 def _check_token_range(name: str, meta: StoreMeta, arrays: dict[str, np.ndarray]) -> None:
     """Every id a draft can contain must be a valid id for the recorded vocabulary."""
-    from index.automaton import E_TOK, EDGE_TOK
-
     if meta.build.kind == "sam":
         columns = [arrays["tokens"], arrays["states"][:, EDGE_TOK], arrays["edges"][:, E_TOK]]
     else:
