@@ -172,23 +172,22 @@ def test_bad_sampling_values_and_prompt_fields_are_one_line(model_dir):
 
 
 def test_blank_lines_get_an_error_line_and_quiet_means_no_notes(model_dir, tmp_path):
-    lines = [json.dumps({"id": "a", "prompt": PROMPT}), "", "   ", json.dumps({"id": "d", "prompt": "x"})]
-    proc = samctl("generate", "--model", str(model_dir), "--input", "-", "--max-new-tokens", "4", "--quiet",
-                  stdin="\n".join(lines) + "\n")
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    records = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert [r["id"] for r in records] == ["a", 2, 3, "d"]  # one output line per input line
-    assert "blank" in records[1]["error"] and "blank" in records[2]["error"] and "text" in records[3]
     corpus = tmp_path / "a.txt"
     corpus.write_text(PROMPT)
     store = tmp_path / "s.sam"
     assert samctl("build", str(corpus), "-o", str(store), "--tokenizer", str(model_dir), "-q").returncode == 0
-    quiet = samctl("generate", "--model", str(model_dir), "--sam", str(store), "--method", "ar", "--prompt", "x",
-                   "--max-new-tokens", "2", "--quiet")
-    assert quiet.returncode == 0 and quiet.stderr == ""
+    lines = [json.dumps({"id": "a", "prompt": PROMPT}), "", "   ", json.dumps({"id": "d", "prompt": "x"})]
+    proc = samctl("generate", "--model", str(model_dir), "--sam", str(store), "--method", "ar", "--input", "-",
+                  "--max-new-tokens", "4", "--quiet", stdin="\n".join(lines) + "\n")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    records = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["id"] for r in records] == ["a", 2, 3, "d"]  # one output line per input line
+    assert "blank" in records[1]["error"] and "blank" in records[2]["error"] and "text" in records[3]
+    # --quiet: the failure count (an error) stays, the note about the unused store goes
+    assert proc.stderr.strip() == "samctl: 2 record(s) failed; see their `error` fields"
     loud = samctl("generate", "--model", str(model_dir), "--sam", str(store), "--method", "ar", "--prompt", "x",
                   "--max-new-tokens", "2")
-    assert "does not use the store" in loud.stderr
+    assert loud.returncode == 0 and "does not use the store" in loud.stderr
 
 
 def test_a_closed_output_pipe_exits_zero(model_dir):
