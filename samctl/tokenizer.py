@@ -364,7 +364,7 @@ def tokenize_documents(
     if batch:
         flush()
     tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int32)
-    del chunks
+    chunks.clear()  # the copies are in `tokens` now
     doc_offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=doc_offsets[1:])
     return tokens, doc_offsets
