@@ -598,6 +598,45 @@ class SuffixAutomaton:
         _propagate_offline(sam._states, sam._meta[M_STATES])
         return sam
 
+    def appended(self, tokens: np.ndarray, doc_offsets: np.ndarray) -> "SuffixAutomaton":
+        """A new static automaton over this one's documents followed by documents
+        tokens[doc_offsets[i]:doc_offsets[i+1]] (same shapes as `build`), without re-reading
+        the old ones: equal, state for state, to `build` over all documents in that order.
+
+        The old arrays are copied once (they may be read-only memmaps) with room for the new
+        tokens; the new documents are then inserted exactly as `build` inserts them, but with
+        counts and latest ends kept as totals online (`_insert(online=True)`: a clone copies the
+        total of the state it splits), because the old states already hold propagated totals.
+        Time: the copy, plus the new tokens times their suffix-link chains.
+        """
+        tokens = np.ascontiguousarray(tokens)
+        doc_offsets = np.ascontiguousarray(doc_offsets, dtype=np.int64)
+        if tokens.ndim != 1 or tokens.dtype != np.int32:
+            raise UserError(f"tokens must be a 1-D int32 array, got {tokens.dtype} {tokens.shape}")
+        n = len(tokens)
+        if n and int(tokens.min()) < 0:
+            raise UserError("token ids must be >= 0")
+        if len(doc_offsets) < 1 or doc_offsets[0] != 0 or doc_offsets[-1] != n or np.any(np.diff(doc_offsets) < 0):
+            raise UserError("doc_offsets must rise from 0 to len(tokens)")
+        meta = self._meta.copy()
+        if meta[M_DOC_OPEN]:
+            raise UserError("this automaton has an open document: end_document() before appending")
+        n_states, n_edges, n_buf = int(meta[M_STATES]), int(meta[M_EDGES]), int(meta[M_BUF])
+        if n_buf + n + len(doc_offsets) >= 2**30:
+            raise UserError(f"{n_buf + n} tokens is too many for one automaton (int32 ids): split the corpus")
+        states = np.empty((n_states + 2 * n + 2, N_STATE_COLS), dtype=np.int32)
+        states[:n_states] = self._states[:n_states]
+        edges = np.empty((max(16, n_edges + 3 * n // 4), N_EDGE_COLS), dtype=np.int32)
+        edges[:n_edges] = self._edges[:n_edges]
+        need_slots = _pow2_at_least(2 * len(edges))
+        slots = (_rehash(edges, n_edges, need_slots) if need_slots > len(self._slots)
+                 else np.array(self._slots, dtype=np.int32))
+        buf = np.empty(n_buf + n + len(doc_offsets), dtype=np.int32)
+        buf[:n_buf] = self._buf[:n_buf]
+        sam = SuffixAutomaton(states, edges, slots, buf, meta, self.occurrence, static=True)
+        sam._insert(tokens, doc_offsets, close_docs=True, online=True)
+        return sam
+
     @classmethod
     def empty(cls, capacity: int = 1024, occurrence: str = "first") -> "SuffixAutomaton":
         """Incremental automaton with room for about `capacity` tokens before it regrows."""

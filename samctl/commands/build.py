@@ -3,11 +3,17 @@
 Phases: 1) read documents (index.corpus) 2) tokenize in batches with an EOS after each document
 3) build the structure 4) write the store atomically. The summary line goes to stdout; progress,
 notes and warnings go to stderr.
+
+`--append-to OLD.sam` grows an automaton store instead: the inputs are tokenized with the store's
+own tokenizer and build settings and inserted after its documents, without re-reading the old
+corpus (time in the new tokens, plus one copy of the old arrays); the result equals a full build
+over the old inputs followed by the new ones.
 """
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import click
 
@@ -18,7 +24,7 @@ from index.errors import UserError
 from index.ngram import NgramTable
 from samctl.commands.info import human_bytes
 from samctl.progress import progress_bar, status
-from samctl.tokenizer import load_tokenizer, tokenize_documents
+from samctl.tokenizer import load_store_tokenizer, load_tokenizer, tokenize_documents
 
 
 @click.command("build")
@@ -47,27 +53,43 @@ from samctl.tokenizer import load_tokenizer, tokenize_documents
                    "the bytes but are memory-mapped on load.")
 @click.option("--eos/--no-eos", "append_eos", default=True, show_default=True,
               help="Append the tokenizer's EOS token after each document.")
+@click.option("--append-to", "append_to", type=click.Path(exists=True, dir_okay=False), metavar="STORE",
+              help="Grow this automaton store with the inputs (its tokenizer and settings; the old "
+                   "corpus is not re-read); -o may name the same file.")
 @click.option("--verify", is_flag=True, help="Re-read the written store and check every checksum.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress and no summary.")
 def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_count, top_k,
-          compress, append_eos, verify, quiet) -> None:
+          compress, append_eos, append_to, verify, quiet) -> None:
     """Build a datastore from folders, .json/.jsonl/.parquet files, hf:NAME[:SPLIT] or - (stdin).
 
     Records are read in known shapes (Alpaca instruction/input/output, GSM8K question/answer,
     Spec-Bench turns, chat messages, a text field) or from the fields given with --field.
+
+    \b
+    samctl build docs/ -o store.sam
+    samctl build --append-to store.sam new_docs/ -o store.sam    # grow it
     """
     config = BuildConfig(kind=kind, max_n=max_n, min_count=min_count, top_k=top_k,
                          compress=compress, append_eos=append_eos, include=include,
                          exclude=exclude, fields=fields)
     start = time.perf_counter()
+    old = None
+    if append_to is not None:
+        old = load_datastore(append_to)
+        if old.kind != "sam":
+            raise UserError(f"{append_to} is an n-gram store: --append-to grows automaton stores; "
+                            "rebuild the n-gram table over all inputs")
+        if kind != "sam":
+            raise UserError("--append-to grows an automaton store: drop --kind ngram")
+        config = replace(old.meta.build, include=include, exclude=exclude, fields=fields)
     # 1) documents, read lazily while tokenizing
     reader = CorpusReader(inputs, include, exclude, fields, stdin=click.get_text_stream("stdin"))
-    tok = load_tokenizer(tokenizer)
+    tok = load_tokenizer(tokenizer) if old is None else load_store_tokenizer(old.meta, append_to, tokenizer)
     # 2) tokens (timed apart from loading the tokenizer, which may import transformers)
     tokenize_start = time.perf_counter()
     with progress_bar("tokenizing", "token", quiet) as bar:
         tokens, doc_offsets = tokenize_documents((d.text for d in reader), tok,
-                                                 append_eos=append_eos, on_tokens=bar.update)
+                                                 append_eos=config.append_eos, on_tokens=bar.update)
     counts = reader.counts
     if counts.skipped:
         click.echo(f"samctl: warning: skipped {len(counts.skipped)} binary or non-UTF-8 file(s) "
@@ -79,7 +101,9 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
     # 3) structure
     status(f"building the {'suffix automaton' if kind == 'sam' else 'n-gram table'} over "
            f"{len(tokens):,} tokens", quiet)
-    if kind == "sam":
+    if old is not None:
+        structure = old.structure.appended(tokens, doc_offsets)
+    elif kind == "sam":
         structure = SuffixAutomaton.build(tokens, doc_offsets)
     else:
         structure = NgramTable.build(tokens, doc_offsets, config.ngram_config())
@@ -89,6 +113,8 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
                          characters=counts.characters, files=counts.files,
                          empty_documents=counts.empty, skipped_files=len(counts.skipped),
                          inputs=tuple(inputs))
+    if old is not None:
+        corpus = _combined(old.meta.corpus, corpus)
     eos = tok.eos_token_ids[0] if tok.eos_token_ids else None
     meta = StoreMeta(tokenizer_name=tok.name, tokenizer_fingerprint=tok.fingerprint,
                      vocab_size=tok.vocab_size, eos_token_id=eos, build=config, corpus=corpus)
@@ -101,6 +127,14 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
                             written - start, tokenized - tokenize_start, built - tokenized,
                             written - built,
                             verified=verify))
+
+
+def _combined(old: CorpusStats, new: CorpusStats) -> CorpusStats:
+    """The corpus statistics of a store grown by --append-to: sums, and the inputs of both."""
+    return CorpusStats(documents=old.documents + new.documents, tokens=old.tokens + new.tokens,
+                       characters=old.characters + new.characters, files=old.files + new.files,
+                       empty_documents=old.empty_documents + new.empty_documents,
+                       skipped_files=old.skipped_files + new.skipped_files, inputs=old.inputs + new.inputs)
 
 
 def _summary(output, size, structure, corpus, tokenizer_name, total, tokenize, build_s, write,
