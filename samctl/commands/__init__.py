@@ -14,6 +14,7 @@ _MODULES = [
     ("simulate", "simulate"),
     ("bench", "bench"),
     ("calibrate", "calibrate"),
+    ("distill", "distill"),
 ]
 
 

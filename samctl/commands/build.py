@@ -117,7 +117,8 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
         corpus = _combined(old.meta.corpus, corpus)
     eos = tok.eos_token_ids[0] if tok.eos_token_ids else None
     meta = StoreMeta(tokenizer_name=tok.name, tokenizer_fingerprint=tok.fingerprint,
-                     vocab_size=tok.vocab_size, eos_token_id=eos, build=config, corpus=corpus)
+                     vocab_size=tok.vocab_size, eos_token_id=eos, build=config, corpus=corpus,
+                     written_by=old.meta.written_by if old is not None else {})
     save_datastore(output, structure, meta)
     written = time.perf_counter()
     if verify:
