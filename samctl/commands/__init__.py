@@ -15,6 +15,7 @@ _MODULES = [
     ("bench", "bench"),
     ("calibrate", "calibrate"),
     ("distill", "distill"),
+    ("chat", "chat"),
 ]
 
 
