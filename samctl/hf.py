@@ -40,16 +40,11 @@ from decode.methods import DEFAULT_METHOD, method as method_entry
 from decode.sampling import SamplingConfig
 from index.datastore import Datastore
 from index.errors import UserError
-from samctl.options import _cli_fields, _dest, method_config
+from samctl.options import method_config, setting_names
 from samctl.runtime import Engine, build_drafter, engine_for, load_store
 
 _STOPPING = ("MaxLengthCriteria", "EosTokenCriteria")  # the stopping criteria samctl applies itself
 _OUTPUT_FLAGS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
-
-
-def setting_names() -> list[str]:
-    """The keyword settings `make_generate` takes: the drafters' CLI options, with underscores."""
-    return sorted(_dest(f) for _, f in _cli_fields())
 
 
 @dataclass
