@@ -75,6 +75,7 @@ class SamctlGenerate:
         self.tokenizer = tokenizer
         self.settings = settings
         self._sessions: "weakref.WeakKeyDictionary[torch.nn.Module, _Session]" = weakref.WeakKeyDictionary()
+        self.last_metrics = None  # decode.metrics.Metrics of the latest call: tokens/step, timings
 
     def __repr__(self) -> str:
         return f"samctl.hf.make_generate(store={self.store_path!r}, method={self.method!r}, **{self.settings!r})"
