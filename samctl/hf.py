@@ -74,7 +74,6 @@ class SamctlGenerate:
         self.store_path = None if store is None else os.fspath(store)
         self.tokenizer = tokenizer
         self.settings = settings
-        self._sessions: "weakref.WeakKeyDictionary[torch.nn.Module, _Session]" = weakref.WeakKeyDictionary()
         self.last_metrics = None  # decode.metrics.Metrics of the latest call: tokens/step, timings
 
     def __repr__(self) -> str:
@@ -112,13 +111,19 @@ class SamctlGenerate:
         return sequences
 
     def _session(self, model) -> _Session:
-        session = self._sessions.get(model)
+        # The sessions hang off the model (keyed weakly by this callable): a session holds the
+        # model, so a table owned here would keep every model ever used alive.
+        sessions = model.__dict__.get("_samctl_sessions")
+        if sessions is None:
+            sessions = weakref.WeakKeyDictionary()
+            model.__dict__["_samctl_sessions"] = sessions
+        session = sessions.get(self)
         if session is None:
             engine = engine_for(model, self.tokenizer)
             store = self._load_store(engine)
             config = method_config(self.settings, engine.device)
             drafter = build_drafter(self.method, engine, store, config, quiet=True)
-            session = self._sessions[model] = _Session(engine, drafter)
+            session = sessions[self] = _Session(engine, drafter)
         return session
 
     def _load_store(self, engine: Engine) -> Datastore | None:

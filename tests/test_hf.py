@@ -127,6 +127,20 @@ def test_refuses_batches_and_padding(tiny_llama):
                             max_new_tokens=4, pad_token_id=0)
 
 
+def test_sessions_do_not_keep_models_alive(tiny_model_dir):
+    import gc
+    import weakref
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    custom = samctl.hf.make_generate(method="pld")
+    fast(model, [5, 6, 7], custom, do_sample=False, max_new_tokens=3)
+    fast(model, [5, 6, 7], custom, do_sample=False, max_new_tokens=3)  # the same session again
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
+
+
 def test_bad_settings_are_one_line_errors():
     with pytest.raises(UserError, match="unknown setting 'max_node'"):
         samctl.hf.make_generate(max_node=3)
