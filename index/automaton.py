@@ -335,11 +335,21 @@ def _propagate_appended(states, own, n_states):
                 union[m] = t
                 m += 1
                 t = states[t, LINK]
-    lengths = np.empty(m, dtype=np.int32)
+    # counting sort of the collected states by decreasing length
+    max_len = 0
     for k in range(m):
-        lengths[k] = -states[union[k], LEN]
-    for k in np.argsort(lengths):
-        s = union[k]
+        max_len = max(max_len, states[union[k], LEN])
+    start = np.zeros(max_len + 2, dtype=np.int64)
+    for k in range(m):
+        start[max_len - states[union[k], LEN] + 1] += 1
+    for i in range(1, max_len + 2):
+        start[i] += start[i - 1]
+    order = np.empty(m, dtype=np.int32)
+    for k in range(m):
+        slot = max_len - states[union[k], LEN]
+        order[start[slot]] = union[k]
+        start[slot] += 1
+    for s in order:
         states[s, COUNT] += own[s]  # own[s] now includes every child's new positions
         p = states[s, LINK]
         if p >= 0:
