@@ -226,7 +226,7 @@ def _sam_add(states, edges, slots, meta, last, token, pos, online):
 
 
 @njit(cache=True, nogil=True)  # releases the GIL: `samctl build` reports progress meanwhile
-def _insert(states, edges, slots, buf, meta, tokens, doc_offsets, d, i, close_docs, online, pointer):
+def _insert(states, edges, slots, buf, meta, tokens, doc_offsets, d, i, close_docs, online, pointer, own):
     """Insert tokens[doc_offsets[d]:] document by document from token i; returns (d, i) where it
     stopped: d == len(doc_offsets) - 1 when done, else the arrays need room first.
 
@@ -237,7 +237,9 @@ def _insert(states, edges, slots, buf, meta, tokens, doc_offsets, d, i, close_do
     tokens continue the open document. online: keep counts and last ends exact after every
     token by walking the new state's suffix-link chain (O(chain) per token: short on natural
     text, linear in a long run of one repeated token); offline: own counts, for
-    `_propagate_offline`.
+    `_propagate_offline`. own (non-empty: appending to an automaton whose counts are totals):
+    count[s] stays the total of the old documents (a clone copies it, as online) and the new end
+    positions at s itself go to own[s], for `_propagate_appended`.
     """
     n_docs = len(doc_offsets) - 1
     while d < n_docs:
@@ -255,8 +257,12 @@ def _insert(states, edges, slots, buf, meta, tokens, doc_offsets, d, i, close_do
                 pointer[0], pointer[1] = sam_step(states, edges, slots, pointer[0], pointer[1], token)
             pos = meta[M_BUF]
             buf[pos] = token
-            last = _sam_add(states, edges, slots, meta, meta[M_LAST], token, pos, online)
-            if online:
+            appending = len(own) > 0
+            last = _sam_add(states, edges, slots, meta, meta[M_LAST], token, pos, online or appending)
+            if appending:
+                own[last] += 1
+                states[last, LAST_END] = pos
+            elif online:
                 s = last
                 while s >= 0:
                     states[s, COUNT] += 1
@@ -302,6 +308,49 @@ def _propagate_offline(states, n_states):
         states[p, COUNT] += states[s, COUNT]
         if states[s, LAST_END] > states[p, LAST_END]:
             states[p, LAST_END] = states[s, LAST_END]
+
+
+@njit(cache=True)
+def _propagate_appended(states, own, n_states):
+    """Add the end positions an append created to the counts and latest ends of the states above.
+
+    own[s]: new end positions at s itself (from `_insert` with own). A state's new total is
+    own[s] plus its children's in the suffix-link tree, so only the link-ancestors of states with
+    own > 0 change: they are collected (each once) and summed children first, by decreasing
+    length (len[link[s]] < len[s]). count[s] held the old total already, clones included.
+    """
+    visited = np.zeros(n_states, dtype=np.uint8)
+    union = np.empty(n_states, dtype=np.int32)
+    m = 0
+    for s in range(n_states):
+        if own[s] > 0:
+            t = s
+            while t >= 0 and visited[t] == 0:
+                visited[t] = 1
+                union[m] = t
+                m += 1
+                t = states[t, LINK]
+    # counting sort of the collected states by decreasing length
+    max_len = 0
+    for k in range(m):
+        max_len = max(max_len, states[union[k], LEN])
+    start = np.zeros(max_len + 2, dtype=np.int64)
+    for k in range(m):
+        start[max_len - states[union[k], LEN] + 1] += 1
+    for i in range(1, max_len + 2):
+        start[i] += start[i - 1]
+    order = np.empty(m, dtype=np.int32)
+    for k in range(m):
+        slot = max_len - states[union[k], LEN]
+        order[start[slot]] = union[k]
+        start[slot] += 1
+    for s in order:
+        states[s, COUNT] += own[s]  # own[s] now includes every child's new positions
+        p = states[s, LINK]
+        if p >= 0:
+            own[p] += own[s]
+            if states[s, LAST_END] > states[p, LAST_END]:
+                states[p, LAST_END] = states[s, LAST_END]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -537,6 +586,7 @@ class KernelArrays(NamedTuple):
 
 
 _NO_POINTER = np.zeros(0, dtype=np.int64)
+_NO_OWN = np.zeros(0, dtype=np.int32)
 
 
 def _pow2_at_least(n: int) -> int:
@@ -597,6 +647,48 @@ class SuffixAutomaton:
             _propagate_offline(sam._states, sam._meta[M_STATES])
         return sam
 
+    def appended(self, tokens: np.ndarray, doc_offsets: np.ndarray) -> "SuffixAutomaton":
+        """A new static automaton over this one's documents followed by documents
+        tokens[doc_offsets[i]:doc_offsets[i+1]] (same shapes as `build`), without re-reading
+        the old ones: equal, state for state, to `build` over all documents in that order.
+
+        The old arrays are copied once (they may be read-only memmaps) with room for the new
+        tokens; the new documents are then inserted exactly as `build` inserts them. The old
+        states already hold total counts, so a clone copies the total of the state it splits, the
+        new end positions are counted apart and then added along the suffix links above them,
+        each affected state once (`_propagate_appended`). Time: the copy, plus the new tokens,
+        plus the states whose counts change.
+        """
+        tokens = np.ascontiguousarray(tokens)
+        doc_offsets = np.ascontiguousarray(doc_offsets, dtype=np.int64)
+        if tokens.ndim != 1 or tokens.dtype != np.int32:
+            raise UserError(f"tokens must be a 1-D int32 array, got {tokens.dtype} {tokens.shape}")
+        n = len(tokens)
+        if n and int(tokens.min()) < 0:
+            raise UserError("token ids must be >= 0")
+        if len(doc_offsets) < 1 or doc_offsets[0] != 0 or doc_offsets[-1] != n or np.any(np.diff(doc_offsets) < 0):
+            raise UserError("doc_offsets must rise from 0 to len(tokens)")
+        meta = self._meta.copy()
+        if meta[M_DOC_OPEN]:
+            raise UserError("this automaton has an open document: end_document() before appending")
+        n_states, n_edges, n_buf = int(meta[M_STATES]), int(meta[M_EDGES]), int(meta[M_BUF])
+        if n_buf + n + len(doc_offsets) >= 2**30:
+            raise UserError(f"{n_buf + n} tokens is too many for one automaton (int32 ids): split the corpus")
+        states = np.empty((n_states + 2 * n + 2, N_STATE_COLS), dtype=np.int32)
+        states[:n_states] = self._states[:n_states]
+        edges = np.empty((max(16, n_edges + 3 * n // 4), N_EDGE_COLS), dtype=np.int32)
+        edges[:n_edges] = self._edges[:n_edges]
+        need_slots = _pow2_at_least(2 * len(edges))
+        slots = (_rehash(edges, n_edges, need_slots) if need_slots > len(self._slots)
+                 else np.array(self._slots, dtype=np.int32))
+        buf = np.empty(n_buf + n + len(doc_offsets), dtype=np.int32)
+        buf[:n_buf] = self._buf[:n_buf]
+        sam = SuffixAutomaton(states, edges, slots, buf, meta, self.occurrence, static=True)
+        own = np.zeros(len(states), dtype=np.int32)  # states never regrow: 2 per token reserved above
+        sam._insert(tokens, doc_offsets, close_docs=True, online=False, own=own)
+        _propagate_appended(sam._states, own, int(sam._meta[M_STATES]))
+        return sam
+
     @classmethod
     def empty(cls, capacity: int = 1024, occurrence: str = "first") -> "SuffixAutomaton":
         """Incremental automaton with room for about `capacity` tokens before it regrows."""
@@ -615,12 +707,12 @@ class SuffixAutomaton:
         return cls(states, edges, slots, buf, meta, occurrence, static)
 
     def _insert(self, tokens: np.ndarray, doc_offsets: np.ndarray, close_docs: bool, online: bool,
-                pointer: np.ndarray = _NO_POINTER) -> None:
+                pointer: np.ndarray = _NO_POINTER, own: np.ndarray = _NO_OWN) -> None:
         """Run the insertion kernel, growing the arrays whenever it stops for room."""
         d, i, n_docs = 0, 0, len(doc_offsets) - 1
         while True:
             d, i = _insert(self._states, self._edges, self._slots, self._buf, self._meta,
-                           tokens, doc_offsets, d, i, close_docs, online, pointer)
+                           tokens, doc_offsets, d, i, close_docs, online, pointer, own)
             if d == n_docs:
                 return
             self._reserve()

@@ -8,7 +8,9 @@ does not have. `Datastore.lookup` is the kind-independent query: longest matchin
 count, a continuation and the most frequent next tokens.
 
 Header keys written here (besides the store format's own): `kind`, `created_by`, `tokenizer`
-{name, fingerprint, vocab_size, eos_token_id}, `build` (BuildConfig) and `corpus` (CorpusStats).
+{name, fingerprint, vocab_size, eos_token_id}, `build` (BuildConfig) and `corpus` (CorpusStats);
+optionally `written_by` {text: text}, for a store over a model's own outputs (`samctl distill`):
+which model wrote the documents and how.
 
 This module does not know text, tokenizers (only their recorded name and fingerprint), corpora
 formats or the command line.
@@ -104,9 +106,12 @@ class StoreMeta:
     build: BuildConfig
     corpus: CorpusStats
     created_by: str = field(default_factory=_created_by)
+    written_by: dict[str, str] = field(default_factory=dict)  # model, decoding, prompts of a distilled store
 
     def to_header(self) -> dict[str, Any]:
+        written = {"written_by": dict(self.written_by)} if self.written_by else {}
         return {
+            **written,
             "kind": self.build.kind,
             "created_by": self.created_by,
             "tokenizer": {
@@ -250,6 +255,10 @@ def _parse_meta(store: StoreFile) -> StoreMeta:
     created_by = header.get("created_by")
     if not isinstance(created_by, str):
         raise bad("created_by")
+    written_by = header.get("written_by", {})
+    if not isinstance(written_by, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in written_by.items()):
+        raise bad("written_by is not a map of text")
     return StoreMeta(
         tokenizer_name=tokenizer["name"],
         tokenizer_fingerprint=tokenizer["fingerprint"],
@@ -258,6 +267,7 @@ def _parse_meta(store: StoreFile) -> StoreMeta:
         build=build,
         corpus=corpus,
         created_by=created_by,
+        written_by=written_by,
     )
 
 

@@ -37,6 +37,12 @@ def _dest(f: dataclasses.Field) -> str:
     return f.metadata["cli"].split("/")[0].lstrip("-").replace("-", "_")
 
 
+def setting_names() -> list[str]:
+    """The parsed-option keys of every drafter setting (`max_nodes`, `sam_threshold`, ...), which
+    `method_config` reads; the Python API takes them as keyword arguments."""
+    return sorted(_dest(f) for _, f in _cli_fields())
+
+
 def _option(f: dataclasses.Field) -> Callable:
     meta = f.metadata
     if isinstance(f.default, bool):

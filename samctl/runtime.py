@@ -116,7 +116,7 @@ def _config_dtype(model: str) -> torch.dtype | None:
 def load_engine(model: str | None, device: str = "auto", dtype: str = "auto", quiet: bool = False) -> Engine:
     """Load a causal LM and its tokenizer from a local folder, a `.gguf` file (dequantized once and
     cached, see samctl/gguf_cache.py) or the local HF cache (never a download)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # its bars would break the one-line-error and stderr contracts
@@ -145,22 +145,28 @@ def load_engine(model: str | None, device: str = "auto", dtype: str = "auto", qu
         raise UserError(f"cannot load model {model} offline ({reason}): pass --model with a local "
                         "folder holding config.json, weights and tokenizer files") from err
     hf_model.to(torch_device).eval()
+    return engine_for(hf_model, tokenizer, name=model)
+
+
+def engine_for(model: torch.nn.Module, tokenizer: object | None, name: str | None = None) -> Engine:
+    """An Engine around a causal LM that is already loaded (the Python API's entry); the model is
+    switched to sdpa attention if it uses one that ignores samctl's tree mask (decode/target.py)."""
     return Engine(
-        name=model,
-        model=hf_model,
+        name=name or str(getattr(model, "name_or_path", "") or type(model).__name__),
+        model=model,
         tokenizer=tokenizer,
-        target=TargetModel(hf_model),
-        eos_token_ids=_eos_ids(hf_model, tokenizer, GenerationConfig),
+        target=TargetModel(model),
+        eos_token_ids=_eos_ids(model, tokenizer),
     )
 
 
-def _eos_ids(model, tokenizer, generation_config_cls) -> tuple[int, ...]:
+def _eos_ids(model, tokenizer) -> tuple[int, ...]:
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), model.config):
         eos = getattr(source, "eos_token_id", None) if source is not None else None
         if eos is not None:
             ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
-    if tokenizer.eos_token_id is not None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return tuple(sorted(int(i) for i in ids))
 

@@ -274,3 +274,47 @@ def test_extend_tracking_equals_step_then_extend():
         assert fast.continuation(pointer[0], 50).tolist() == slow.continuation(state, 50).tolist()
         for name, array in slow.to_arrays().items():
             np.testing.assert_array_equal(array, fast.to_arrays()[name], err_msg=name)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_appended_equals_full_build(seed: int) -> None:
+    """Appending documents to a (read-only, reloaded) store's automaton gives exactly the
+    automaton a full build over old + new documents gives, and answers queries like brute force."""
+    rng = np.random.default_rng(5000 + seed)
+    old, new = random_docs(rng), random_docs(rng, n_docs=int(rng.integers(0, 4)))
+    if rng.random() < 0.3:  # new documents that repeat old text: clones of old states
+        new.append(list(old[0]) + list(rng.integers(0, 3, size=3)))
+    arrays = {}
+    for name, a in SuffixAutomaton.build(*concat(old)).to_arrays().items():
+        a = a.copy()
+        a.flags.writeable = False
+        arrays[name] = a
+    grown = SuffixAutomaton.from_arrays(arrays).appended(*concat(new))
+    full = SuffixAutomaton.build(*concat(old + new))
+    a, b = full.to_arrays(), grown.to_arrays()
+    assert np.array_equal(a["states"], b["states"])
+    assert np.array_equal(a["edges"], b["edges"])
+    assert np.array_equal(a["tokens"], b["tokens"])
+    assert np.array_equal(a["meta"], b["meta"])
+    docs = old + new
+    for occurrence in ("first", "latest"):
+        loaded = SuffixAutomaton.from_arrays(grown.to_arrays(), occurrence=occurrence)
+        reference = SuffixAutomaton.from_arrays(full.to_arrays(), occurrence=occurrence)
+        for _ in range(8):
+            q = np.array(random_query(rng, docs), dtype=np.int32)
+            state, length = loaded.match(q)
+            assert length == longest_suffix(docs, q.tolist())
+            assert (state, length) == reference.match(q)
+            assert loaded.count(state) == (len(end_positions(docs, q[len(q) - length:].tolist())) if length
+                                           else reference.count(0))
+            assert loaded.continuation(state, 5).tolist() == reference.continuation(state, 5).tolist()
+            assert [x.tolist() for x in loaded.topk_next(state, 3)] == [x.tolist() for x in reference.topk_next(state, 3)]
+
+
+def test_appended_to_nothing_and_bad_input() -> None:
+    docs = [[1, 2, 3], [2, 3, 4]]
+    empty = SuffixAutomaton.build(np.zeros(0, dtype=np.int32), np.array([0]))
+    grown = empty.appended(*concat(docs))
+    assert np.array_equal(grown.to_arrays()["states"], SuffixAutomaton.build(*concat(docs)).to_arrays()["states"])
+    with pytest.raises(UserError):
+        grown.appended(np.array([-3], dtype=np.int32), np.array([0, 1]))

@@ -337,3 +337,23 @@ def test_tokenize_documents_offsets_and_eos():
     assert offsets.tolist() == [0, 3, 4, 6]
     tokens, offsets = tokenize_documents(["ab", "c"], ByteTokenizer(), append_eos=False)
     assert tokens.tolist() == [97, 98, 99] and offsets.tolist() == [0, 2, 3]
+
+
+def test_build_append_to_equals_full_build(corpus, tmp_path, capsys):
+    root, inputs = corpus
+    old, grown, full = (str(tmp_path / name) for name in ("old.sam", "grown.sam", "full.sam"))
+    _invoke(["build", inputs[0], "-o", old, "--tokenizer", "bytes", "-q"])
+    _invoke(["build", "--append-to", old, *inputs[1:], "-o", grown, "-q"])
+    _invoke(["build", *inputs, "-o", full, "--tokenizer", "bytes", "-q"])
+    a, b = load_datastore(grown), load_datastore(full)
+    for name in ("states", "edges", "tokens"):
+        assert np.array_equal(a.structure.to_arrays()[name], b.structure.to_arrays()[name])
+    assert (a.meta.corpus.documents, a.meta.corpus.tokens) == (b.meta.corpus.documents, b.meta.corpus.tokens)
+    assert a.meta.corpus.inputs == tuple(inputs)
+    # growing in place, and refusing an n-gram store
+    _invoke(["build", "--append-to", grown, inputs[2], "-o", grown, "-q"])
+    assert load_datastore(grown).meta.corpus.documents == b.meta.corpus.documents + 1
+    ngram = str(tmp_path / "n.sam")
+    _invoke(["build", inputs[0], "-o", ngram, "--kind", "ngram", "--tokenizer", "bytes", "-q"])
+    status, _, err = _main(["build", "--append-to", ngram, inputs[1], "-o", grown], capsys)
+    assert status == 2 and "n-gram store" in err and err.count("\n") == 1

@@ -60,11 +60,11 @@ def sample_counts(model: CopyLM, method: str, sampling: SamplingConfig) -> tuple
     return counts, accepted
 
 
-def fits(counts: dict, exact: dict) -> float:
+def fits(counts: dict, exact: dict, samples: int = SAMPLES) -> float:
     """p-value of the chi-square test; cells expected < 5 are pooled into one."""
     observed, expected, pooled_obs, pooled_exp = [], [], 0, 0.0
     for seq, p in exact.items():
-        e = p * SAMPLES
+        e = p * samples
         if e < 5:
             pooled_obs += counts.get(seq, 0)
             pooled_exp += e
@@ -74,8 +74,8 @@ def fits(counts: dict, exact: dict) -> float:
     if pooled_exp > 0:
         observed.append(pooled_obs)
         expected.append(pooled_exp)
-    assert sum(observed) == SAMPLES, "a sample fell outside the enumerated continuations"
-    expected = np.asarray(expected) * SAMPLES / np.sum(expected)
+    assert sum(observed) == samples, "a sample fell outside the enumerated continuations"
+    expected = np.asarray(expected) * samples / np.sum(expected)
     return float(chisquare(observed, expected).pvalue)
 
 

@@ -1,6 +1,6 @@
 """One module per command, imported only when its command runs (torch loads only for those that
 decode). `COMMANDS` is the registry, one line per command: name (= module name) and the one-line
-summary `samctl --help` lists, so listing commands imports none of them (tests/test_cli_startup.py
+summary `samctl --help` lists, so listing commands imports none of them (tests/test_cli_robustness.py
 checks each summary against the command's own docstring)."""
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ COMMANDS = [
     ("simulate", "Replay drafters against reference outputs: accepted tokens per step, without a model."),
     ("bench", "Benchmark methods end to end on a question file: speedup per category against ar."),
     ("calibrate", "Verify cost t(n) for n = 1..64 input tokens: what `adaptive` sizes its drafts by."),
+    ("distill", "Generate the model's own answers to prompts and build a store from them."),
+    ("chat", "Talk to the model, faster, with per-turn speed and acceptance."),
 ]
 
 

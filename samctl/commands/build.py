@@ -5,11 +5,17 @@ EOS after each document 3) build the structure 4) write the store atomically. Th
 (total time and every phase's, loading the tokenizer included) goes to stdout; progress (documents,
 tokens, tokens/s while tokenizing; tokens inserted while building), notes and warnings go to
 stderr. Modules that load numba are imported in phase 3, so `build --help` stays fast.
+
+`--append-to OLD.sam` grows an automaton store instead: the inputs are tokenized with the store's
+own tokenizer and build settings and inserted after its documents, without re-reading the old
+corpus (time in the new tokens, plus one copy of the old arrays); the result equals a full build
+over the old inputs followed by the new ones.
 """
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import click
 
@@ -19,7 +25,7 @@ from index.errors import UserError
 from index.store import is_store_file
 from samctl.commands.info import human_bytes
 from samctl.progress import progress_bar
-from samctl.tokenizer import load_tokenizer, tokenize_documents
+from samctl.tokenizer import load_store_tokenizer, load_tokenizer, tokenize_documents
 
 
 @click.command("build")
@@ -48,16 +54,23 @@ from samctl.tokenizer import load_tokenizer, tokenize_documents
                    "the bytes but are memory-mapped on load.")
 @click.option("--eos/--no-eos", "append_eos", default=True, show_default=True,
               help="Append the tokenizer's EOS token after each document.")
+@click.option("--append-to", "append_to", type=click.Path(exists=True, dir_okay=False), metavar="STORE",
+              help="Grow this automaton store with the inputs (its tokenizer and settings; the old "
+                   "corpus is not re-read); -o may name the same file.")
 @click.option("--verify", is_flag=True, help="Re-read the written store and check every checksum.")
 @click.option("--force", is_flag=True, help="Replace OUTPUT even when it is not a samctl store.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress, notes or summary (warnings and errors only).")
 def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_count, top_k,
-          compress, append_eos, verify, force, quiet) -> None:
+          compress, append_eos, append_to, verify, force, quiet) -> None:
     """Build a datastore from folders, .json/.jsonl/.parquet files, hf:NAME[:SPLIT] or - (stdin).
 
     Records are read in known shapes (Alpaca instruction/input/output, GSM8K question/answer,
     Spec-Bench turns, chat messages, a text field) or from the fields given with --field.
     An existing OUTPUT is replaced only when it is a store (or with --force).
+
+    \b
+    samctl build docs/ -o store.sam
+    samctl build --append-to store.sam new_docs/ -o store.sam    # grow it
     """
     start = time.perf_counter()
     config = BuildConfig(kind=kind, max_n=max_n, min_count=min_count, top_k=top_k,
@@ -66,13 +79,23 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
     if os.path.lexists(output) and not force and not is_store_file(output):
         raise UserError(f"{output} exists and is not a samctl store: pass --force to replace it, "
                         "or choose another -o")
+    old = None
+    if append_to is not None:
+        old = load_datastore(append_to)
+        if old.kind != "sam":
+            raise UserError(f"{append_to} is an n-gram store: --append-to grows automaton stores; "
+                            "rebuild the n-gram table over all inputs")
+        if kind != "sam":
+            raise UserError("--append-to grows an automaton store: drop --kind ngram")
+        config = replace(old.meta.build, include=include, exclude=exclude, fields=fields)
     # 1) documents, read lazily while tokenizing
     reader = CorpusReader(inputs, include, exclude, fields, stdin=click.get_text_stream("stdin"))
-    tok = load_tokenizer(tokenizer, quiet=quiet)
+    tok = (load_tokenizer(tokenizer, quiet=quiet) if old is None
+           else load_store_tokenizer(old.meta, append_to, tokenizer))
     # 2) tokens, streamed in bounded batches (timed apart from loading the tokenizer)
     tokenize_start = time.perf_counter()
     with progress_bar("tokenizing", "document", quiet) as bar:
-        tokens, doc_offsets = tokenize_documents((d.text for d in reader), tok, append_eos=append_eos,
+        tokens, doc_offsets = tokenize_documents((d.text for d in reader), tok, append_eos=config.append_eos,
                                                  on_batch=lambda docs, count: bar.update(docs, tokens=count))
     counts = reader.counts
     if counts.skipped:
@@ -85,7 +108,10 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
     # 3) structure; numba loads here, not for --help
     with progress_bar(f"building the {'suffix automaton' if kind == 'sam' else 'n-gram table'}",
                       "token", quiet, total=len(tokens)) as bar:
-        if kind == "sam":
+        if old is not None:
+            with bar.heartbeat():
+                structure = old.structure.appended(tokens, doc_offsets)
+        elif kind == "sam":
             from index.automaton import SuffixAutomaton
 
             structure = SuffixAutomaton.build(tokens, doc_offsets,
@@ -103,9 +129,12 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
                          characters=counts.characters, files=counts.files,
                          empty_documents=counts.empty, skipped_files=len(counts.skipped),
                          inputs=tuple(inputs))
+    if old is not None:
+        corpus = _combined(old.meta.corpus, corpus)
     eos = tok.eos_token_ids[0] if tok.eos_token_ids else None
     meta = StoreMeta(tokenizer_name=tok.name, tokenizer_fingerprint=tok.fingerprint,
-                     vocab_size=tok.vocab_size, eos_token_id=eos, build=config, corpus=corpus)
+                     vocab_size=tok.vocab_size, eos_token_id=eos, build=config, corpus=corpus,
+                     written_by=old.meta.written_by if old is not None else {})
     save_datastore(output, structure, meta)
     written = time.perf_counter()
     phases = [("load tokenizer", tokenize_start - start), ("read and tokenize", tokenized - tokenize_start),
@@ -116,6 +145,14 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
     if not quiet:
         click.echo(_summary(output, os.path.getsize(output), structure, corpus, tok.name, phases,
                             time.perf_counter() - start, verified=verify))
+
+
+def _combined(old: CorpusStats, new: CorpusStats) -> CorpusStats:
+    """The corpus statistics of a store grown by --append-to: sums, and the inputs of both."""
+    return CorpusStats(documents=old.documents + new.documents, tokens=old.tokens + new.tokens,
+                       characters=old.characters + new.characters, files=old.files + new.files,
+                       empty_documents=old.empty_documents + new.empty_documents,
+                       skipped_files=old.skipped_files + new.skipped_files, inputs=old.inputs + new.inputs)
 
 
 def _summary(output, size, structure, corpus, tokenizer_name, phases, total, verified) -> str:

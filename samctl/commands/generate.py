@@ -17,7 +17,7 @@ import json
 import statistics
 import sys
 from dataclasses import asdict, replace
-from typing import IO, Any, Callable, Iterator
+from typing import IO, Any, Callable, Container, Iterator
 
 import click
 import torch
@@ -177,18 +177,24 @@ class Runner:
             click.echo(json.dumps({**self.record, **out}, ensure_ascii=False))
         return mismatch
 
-    def batch(self, lines: IO[str], output: IO[str], field: str | None, quiet: bool) -> int:
-        """Process a JSONL batch in order; returns the number of failed records."""
+    def batch(self, lines: IO[str], output: IO[str], field: str | None, quiet: bool,
+              skip: Container[Any] = ()) -> int:
+        """Process a JSONL batch in order; returns the number of failed records. Records whose id
+        is in `skip` (done by an earlier run) are passed over without output."""
         with progress_bar("generate", "record", quiet, total=_count_records(lines)) as progress, progress.heartbeat():
-            return self._batch(lines, output, field, progress)
+            return self._batch(lines, output, field, progress, skip)
 
-    def _batch(self, lines: IO[str], output: IO[str], field: str | None, progress: Progress) -> int:
+    def _batch(self, lines: IO[str], output: IO[str], field: str | None, progress: Progress,
+               skip: Container[Any] = ()) -> int:
         failed = 0
         for number, line in _records(lines):
             record_id: Any = number
             try:
                 record = _parse(line, number)
-                record_id = record.get("id", record.get("question_id", number))
+                record_id = record_key(record, number)
+                if record_id in skip:
+                    progress.update(1)
+                    continue
                 out = self._run_record(record, field)
             except UserError as err:
                 failed += 1
@@ -278,6 +284,11 @@ class Runner:
         warm = GenerationConfig(max_new_tokens=WARM_UP_TOKENS, eos_token_ids=(), sampling=self.config.sampling)
         decode_generate(self.engine.target, self.fresh_drafter(), ids, warm)
         decode_generate(self.engine.target, NoDraft(), ids, warm)
+
+
+def record_key(record: dict[str, Any], number: int) -> Any:
+    """A batch record's id: its `id`, else `question_id`, else its line number."""
+    return record.get("id", record.get("question_id", number))
 
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:

@@ -48,6 +48,7 @@ def describe(store: StoreFile, meta: StoreMeta, verified: bool) -> dict[str, Any
         build=_build_settings(meta),
         corpus=meta.corpus.to_dict(),
         created_by=meta.created_by,
+        written_by=meta.written_by or None,
         arrays=[{"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "codec": e.codec,
                  "stored_bytes": e.length, "raw_bytes": e.raw_length}
                 for e in store.entries.values()],
@@ -89,6 +90,8 @@ def _text(report: dict[str, Any]) -> str:
                            if k not in ("documents", "tokens")})),
         ("created by", report["created_by"]),
     ]
+    if report["written_by"]:
+        rows.append(("written by", _pairs(report["written_by"])))
     rows += [(f"array {a['name']}", f"{a['dtype']} {tuple(a['shape'])} {a['codec']} "
                                     f"{human_bytes(a['stored_bytes'])}") for a in report["arrays"]]
     if report["verified"]:

@@ -1,0 +1,184 @@
+"""`samctl distill`: a store over the model's own answers (SAM-Decoding's self-distilled store).
+
+Phases: 1) generate an answer to every prompt of a JSONL file with samctl's decoding (batch
+semantics of `generate --input`: fields prompt/turns/text/question/instruction or --field,
+multi-turn records, a bad record gets an `error` and the rest go on), appending each answer to
+an answers file as soon as it is done; a second run skips the records already answered there, so
+an interrupted run resumes 2) build an automaton store over prompt + answer of each record (the
+turns and answers of a record joined by blank lines, EOS after each document), plus any --also
+inputs read as `samctl build` reads them 3) write it atomically, recording in its header
+(`written_by`) which model wrote the answers and how (`samctl info` shows it).
+
+Next time the same kind of prompt comes, `samctl generate --sam store.sam` drafts from what the
+model itself said, which it accepts more often than human-written text.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Iterator
+
+import click
+
+from decode.methods import DEFAULT_METHOD, METHODS
+from index.errors import UserError
+
+_PROMPT_FIELDS_HELP = "the record field holding the prompt (default: prompt, turns, text, question, instruction)"
+
+
+@click.command("distill")
+@click.option("--model", "model_path", metavar="PATH", help="Local model folder or .gguf file (default: the embedded model).")
+@click.option("--prompts", "prompts_path", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="JSONL prompts, one record per line (as `generate --input`).")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Store file to write (.sam).")
+@click.option("--answers", "answers_path", type=click.Path(dir_okay=False),
+              help="JSONL file of the answers, appended to as they come; an existing one is resumed "
+                   "[default: OUTPUT.answers.jsonl].")
+@click.option("--method", type=click.Choice(METHODS), default=DEFAULT_METHOD, show_default=True,
+              help="How the answers are generated (any method gives the same greedy answers; adaptive is fastest).")
+@click.option("--sam", "store_path", metavar="STORE", type=click.Path(exists=True, dir_okay=False),
+              help="A store to draft from while generating (not part of the output).")
+@click.option("--also", "also", multiple=True, metavar="INPUT",
+              help="Also put this corpus in the store (as `samctl build` reads it; repeatable).")
+@click.option("--field", "prompt_field", metavar="NAME", help=_PROMPT_FIELDS_HELP)
+@click.option("--max-new-tokens", type=int, default=256, show_default=True)
+@click.option("--chat/--no-chat", default=True, show_default=True,
+              help="Apply the tokenizer's chat template to the prompts (the way the model will be asked).")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="1.0 = off.")
+@click.option("--seed", type=int, default=None, help="Sampling seed (default: random).")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
+              show_default=True, help="As for generate.")
+@click.option("--threads", type=int, default=None, help="torch CPU threads; 1 is steadier on a busy machine.")
+@click.option("--compress/--no-compress", default=True, show_default=True, help="zstd-compress the store's arrays.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress, notes or summary.")
+def distill(**opts: Any) -> None:
+    """Generate the model's own answers to prompts and build a store from them.
+
+    \b
+    samctl distill --model M --prompts train_questions.jsonl -o self.sam
+    samctl generate --model M --sam self.sam --chat --prompt "..."     # drafts from its own answers
+    """
+    from decode.loop import GenerationConfig
+    from decode.sampling import SamplingConfig
+    from samctl.commands.generate import Runner
+    from samctl.options import method_config, set_threads
+    from samctl.runtime import build_drafter, load_engine, load_store
+
+    start = time.perf_counter()
+    set_threads(opts["threads"])
+    sampling = SamplingConfig(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"])
+    answers_path = Path(opts["answers_path"] or opts["output"] + ".answers.jsonl")
+    done = _answered(answers_path)
+    engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"])
+    config = method_config({}, engine.device)
+    store = load_store(opts["store_path"], engine)
+    gen_config = GenerationConfig(max_new_tokens=opts["max_new_tokens"], eos_token_ids=engine.eos_token_ids,
+                                  sampling=sampling)
+
+    def fresh():
+        return build_drafter(opts["method"], engine, store, config, sampling=sampling, quiet=True)
+
+    # 1) answers, appended one record at a time so that an interrupted run loses at most one
+    runner = Runner(engine, fresh(), fresh, gen_config, compare=False, compare_runs=1, chat=opts["chat"],
+                    record={})
+    if done and not opts["quiet"]:
+        click.echo(f"samctl: resuming: {len(done)} prompt(s) already answered in {answers_path}", err=True)
+    with open(opts["prompts_path"], encoding="utf-8") as prompts, open(answers_path, "a", encoding="utf-8") as out:
+        failed = runner.batch(prompts, out, opts["prompt_field"], opts["quiet"], skip=done)
+    if failed and not opts["quiet"]:
+        click.echo(f"samctl: {failed} prompt(s) failed (see their `error` in {answers_path}); "
+                   "run again to retry them", err=True)
+    generated = time.perf_counter()
+    # 2) documents: each record's turns and answers, then the --also corpora
+    documents = list(_documents(opts["prompts_path"], answers_path, opts["prompt_field"]))
+    if not documents:
+        raise UserError(f"no prompt was answered ({answers_path}): check the prompts file and the errors there")
+    written_by = {
+        "model": engine.name, "method": opts["method"], "prompts": str(opts["prompts_path"]),
+        "answers": str(len(documents)), "max_new_tokens": str(opts["max_new_tokens"]),
+        "decoding": "greedy" if sampling.greedy else json.dumps({k: v for k, v in asdict(sampling).items()}),
+        "chat_template": str(opts["chat"]).lower(),
+    }
+    summary = _build_store(opts, documents, written_by)
+    if not opts["quiet"]:
+        click.echo(f"{summary}; answers {generated - start:.1f} s, total {time.perf_counter() - start:.1f} s")
+
+
+def _answered(path: Path) -> set[Any]:
+    """Ids of the records answered without error in an answers file (a torn last line is skipped)."""
+    done: set[Any] = set()
+    if not path.is_file():
+        return done
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by an interruption: that record is generated again
+        if isinstance(record, dict) and "error" not in record and isinstance(record.get("text"), str):
+            done.add(record.get("id"))
+    return done
+
+
+def _documents(prompts_path: str, answers_path: Path, field: str | None) -> Iterator[str]:
+    """Prompt turns and answers of every answered record, in the prompts file's order."""
+    from samctl.commands.generate import _parse, _prompt_turns, _records, record_key
+
+    answers: dict[Any, dict[str, Any]] = {}
+    for line in answers_path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "error" not in record and isinstance(record.get("text"), str):
+            answers[record.get("id")] = record  # a later answer to the same id wins
+    with open(prompts_path, encoding="utf-8") as lines:
+        for number, line in _records(lines):
+            try:
+                record = _parse(line, number)
+                turns = _prompt_turns(record, field)
+            except UserError:
+                continue
+            answer = answers.get(record_key(record, number))
+            if answer is None:
+                continue
+            texts = answer.get("turn_texts") or [answer["text"]]
+            yield "\n\n".join(part for pair in zip(turns, texts) for part in pair)
+
+
+def _build_store(opts: dict[str, Any], documents: list[str], written_by: dict[str, str]) -> str:
+    from index.automaton import SuffixAutomaton
+    from index.corpus import CorpusReader
+    from index.datastore import BuildConfig, CorpusStats, StoreMeta, save_datastore
+    from samctl.tokenizer import load_tokenizer, tokenize_documents
+
+    tok = load_tokenizer(opts["model_path"] or "default")
+    texts: Iterator[str] = iter(documents)
+    reader = None
+    if opts["also"]:
+        reader = CorpusReader(opts["also"], (), (), (), stdin=click.get_text_stream("stdin"))
+        texts = _chain(texts, (d.text for d in reader))
+    tokens, offsets = tokenize_documents(texts, tok, append_eos=True)
+    automaton = SuffixAutomaton.build(tokens, offsets)
+    extra = reader.counts if reader is not None else None
+    corpus = CorpusStats(documents=len(offsets) - 1, tokens=int(len(tokens)),
+                         characters=sum(len(d) for d in documents) + (extra.characters if extra else 0),
+                         files=1 + (extra.files if extra else 0),
+                         inputs=(f"answers to {opts['prompts_path']}",) + tuple(opts["also"]))
+    eos = tok.eos_token_ids[0] if tok.eos_token_ids else None
+    meta = StoreMeta(tokenizer_name=tok.name, tokenizer_fingerprint=tok.fingerprint, vocab_size=tok.vocab_size,
+                     eos_token_id=eos, build=BuildConfig(kind="sam", compress=opts["compress"]), corpus=corpus,
+                     written_by=written_by)
+    save_datastore(opts["output"], automaton, meta)
+    return (f"wrote {opts['output']}: {len(documents):,} answers by {written_by['model']}"
+            f"{f' + {len(offsets) - 1 - len(documents):,} documents of --also' if reader else ''}, "
+            f"{len(tokens):,} tokens, {automaton.num_states:,} states")
+
+
+def _chain(*iterables: Iterator[str]) -> Iterator[str]:
+    for it in iterables:
+        yield from it

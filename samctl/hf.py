@@ -1,0 +1,250 @@
+"""samctl inside `model.generate`: a `custom_generate` callable that runs samctl's decode loop.
+
+    import samctl.hf
+    out = model.generate(**inputs, custom_generate=samctl.hf.custom_generate, max_new_tokens=200)
+    fast = samctl.hf.make_generate(store="store.sam", method="adaptive", max_nodes=32)
+    out = model.generate(**inputs, custom_generate=fast, do_sample=True, temperature=0.7, top_p=0.9)
+
+Contract. transformers prepares the inputs, the generation config, the logits processors and the
+stopping criteria, then calls the callable with the model and `input_ids` [1, n]. This module
+turns what it is handed into samctl settings, runs `decode.loop.generate` on the model (wrapped
+by `samctl.runtime.engine_for`, which keeps its own KV cache; transformers' empty cache is
+unused) and returns what `generate` returns: `sequences` [1, n + k] (prompt, then the new tokens,
+EOS included), or a `GenerateDecoderOnlyOutput` holding only `sequences` with
+`return_dict_in_generate=True`. Honoured: `max_new_tokens`/`max_length`, the EOS ids, `streamer`,
+`do_sample` with `temperature`, `top_k`, `top_p`. Everything whose meaning samctl cannot keep
+exactly (other logits processors or stopping criteria, beams, several sequences, a batch of more
+than one prompt, padding, scores or hidden states in the output, a pre-filled cache) raises a
+UserError naming it. Greedy output equals plain `generate` token for token (float32); sampled
+output follows the model's distribution, seeded from torch's global generator, so
+`torch.manual_seed` makes a call reproducible.
+
+State. One engine and one drafter per model and per callable, kept across calls: the drafter's
+memory of earlier outputs (adaptive) and Token Recycle's table carry over from call to call,
+as in a `samctl generate` batch. The model is put in eval mode, and switched to sdpa attention
+if it was loaded with an attention that ignores a 4D mask.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from decode.drafters.base import Drafter
+from decode.loop import GenerationConfig, generate as decode_generate
+from decode.methods import DEFAULT_METHOD, method as method_entry
+from decode.sampling import SamplingConfig
+from index.datastore import Datastore
+from index.errors import UserError
+from samctl.options import method_config, setting_names
+from samctl.runtime import Engine, build_drafter, engine_for, load_store
+
+_STOPPING = ("MaxLengthCriteria", "EosTokenCriteria")  # the stopping criteria samctl applies itself
+_OUTPUT_FLAGS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+
+
+@dataclass
+class _Session:
+    """One model's engine and drafter, kept across calls."""
+
+    engine: Engine
+    drafter: Drafter
+
+
+class SamctlGenerate:
+    """A `custom_generate` callable bound to a method, an optional store and drafter settings."""
+
+    def __init__(self, store: str | os.PathLike | None = None, method: str = DEFAULT_METHOD,
+                 tokenizer: Any = None, **settings: Any) -> None:
+        entry = method_entry(method)
+        if entry.needs_draft:
+            raise UserError(f"method {method} needs a draft model, which samctl.hf does not load yet: "
+                            f"use `samctl generate --method {method} --draft-model ...`, or a method without one")
+        unknown = sorted(set(settings) - set(setting_names()))
+        if unknown:
+            raise UserError(f"unknown setting {unknown[0]!r} for samctl.hf.make_generate: "
+                            f"choose from {', '.join(setting_names())}")
+        if store is not None and not entry.uses_store:
+            raise UserError(f"method {method} does not draft from a store: drop store= or use method='adaptive'")
+        self.method = method
+        self.store_path = None if store is None else os.fspath(store)
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.last_metrics = None  # decode.metrics.Metrics of the latest call: tokens/step, timings
+
+    def __repr__(self) -> str:
+        return f"samctl.hf.make_generate(store={self.store_path!r}, method={self.method!r}, **{self.settings!r})"
+
+    def __call__(self, model, input_ids: torch.LongTensor, logits_processor=None, stopping_criteria=None,
+                 generation_config=None, synced_gpus: bool = False, streamer=None, **model_kwargs: Any):
+        # input_ids: [1, n] int64 -> sequences [1, n + k] (or GenerateDecoderOnlyOutput)
+        # The signature mirrors GenerationMixin._sample, so transformers passes nothing else.
+        _check_inputs(model, input_ids, generation_config, synced_gpus, model_kwargs)
+        sampling = _sampling(logits_processor or [], generation_config)
+        max_length, eos = _stopping(stopping_criteria or [])
+        n = int(input_ids.shape[1])
+        if max_length is None or max_length - n < 1:
+            raise UserError(f"no room to generate: max_length {max_length} for a {n}-token prompt; "
+                            "pass max_new_tokens")
+        streamer = streamer if streamer is not None else _callers_streamer()
+        session = self._session(model)
+        config = GenerationConfig(max_new_tokens=max_length - n, eos_token_ids=eos, sampling=sampling)
+
+        def on_tokens(tokens: list[int]) -> None:
+            streamer.put(torch.tensor(tokens, dtype=torch.long))
+
+        result = decode_generate(session.engine.target, session.drafter, input_ids[0].tolist(), config,
+                                 on_tokens=on_tokens if streamer is not None else None)
+        if streamer is not None:
+            streamer.end()
+        new = torch.tensor([result.tokens], dtype=input_ids.dtype, device=input_ids.device)
+        sequences = torch.cat((input_ids, new), dim=1)
+        self.last_metrics = result.metrics
+        if generation_config is not None and generation_config.return_dict_in_generate:
+            from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+            return GenerateDecoderOnlyOutput(sequences=sequences)
+        return sequences
+
+    def _session(self, model) -> _Session:
+        # The sessions hang off the model (keyed weakly by this callable): a session holds the
+        # model, so a table owned here would keep every model ever used alive.
+        sessions = model.__dict__.get("_samctl_sessions")
+        if sessions is None:
+            sessions = weakref.WeakKeyDictionary()
+            model.__dict__["_samctl_sessions"] = sessions
+        session = sessions.get(self)
+        if session is None:
+            engine = engine_for(model, self.tokenizer)
+            store = self._load_store(engine)
+            config = method_config(self.settings, engine.device)
+            drafter = build_drafter(self.method, engine, store, config, quiet=True)
+            session = sessions[self] = _Session(engine, drafter)
+        return session
+
+    def _load_store(self, engine: Engine) -> Datastore | None:
+        if self.store_path is None:
+            return None
+        if engine.tokenizer is None:
+            engine.tokenizer = _model_tokenizer(engine.name, self.store_path)
+        return load_store(self.store_path, engine, self.settings.get("occurrence", "first"))
+
+
+def make_generate(store: str | os.PathLike | None = None, method: str = DEFAULT_METHOD, *,
+                  tokenizer: Any = None, **settings: Any) -> SamctlGenerate:
+    """A `custom_generate` callable that drafts with `method` from `store` (a `.sam` file built
+    with the model's tokenizer; `tokenizer` checks it, loaded from the model's folder when not
+    given). `settings` are the drafters' options as on the command line, with underscores
+    (`max_nodes=32`, `sam_threshold=3`; see `setting_names()`)."""
+    return SamctlGenerate(store, method, tokenizer, **settings)
+
+
+custom_generate = SamctlGenerate()
+"""The default method with no store: `model.generate(..., custom_generate=samctl.hf.custom_generate)`."""
+
+
+# -- what transformers hands over, checked ----------------------------------------------------
+
+
+def _check_inputs(model, input_ids: torch.Tensor, generation_config, synced_gpus: bool,
+                  model_kwargs: dict[str, Any]) -> None:
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise UserError("samctl.hf decodes decoder-only models; this one is encoder-decoder: use plain generate")
+    if generation_config is not None:
+        if generation_config.num_beams > 1:
+            raise UserError(f"samctl.hf does not do beam search (num_beams={generation_config.num_beams}): "
+                            "drop num_beams, or use plain generate")
+        on = [flag for flag in _OUTPUT_FLAGS if getattr(generation_config, flag, False)]
+        if on and generation_config.return_dict_in_generate:
+            raise UserError(f"samctl.hf returns sequences only, not {on[0]}: drop {on[0]}=True")
+    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+        raise UserError("samctl.hf needs input_ids (token ids, not inputs_embeds) of shape [1, n], n >= 1")
+    if input_ids.shape[0] != 1:
+        raise UserError(f"samctl.hf generates for one prompt at a time, got a batch of {input_ids.shape[0]} "
+                        "(or num_return_sequences > 1): call generate once per prompt")
+    if synced_gpus:
+        raise UserError("samctl.hf does not run under synced_gpus (DeepSpeed ZeRO-3/FSDP): use plain generate")
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool((mask == 1).all()):
+        raise UserError("samctl.hf got a padded prompt (attention_mask has zeros): pass the prompt unpadded")
+    cache = model_kwargs.get("past_key_values")
+    if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
+        raise UserError("samctl.hf starts from the prompt and keeps its own cache: drop past_key_values")
+
+
+def _sampling(processors, generation_config) -> SamplingConfig:
+    """The SamplingConfig of the prepared logits processors, which must be exactly the warpers
+    samctl applies, in transformers' order (temperature, top-k, top-p)."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    do_sample = bool(generation_config is not None and generation_config.do_sample)
+    values: dict[str, Any] = {}
+    order = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+    rank = -1
+    for proc in processors:
+        kind = type(proc)
+        if kind not in order or not do_sample:
+            raise UserError(f"samctl.hf cannot apply {kind.__name__} and stay exact: drop the setting that adds it "
+                            "(repetition_penalty, min_new_tokens, bad_words_ids, ...) or use plain generate")
+        if order.index(kind) <= rank or getattr(proc, "min_tokens_to_keep", 1) != 1:
+            raise UserError(f"samctl.hf applies temperature, top_k, top_p once each, in that order, keeping at "
+                            f"least 1 token; {kind.__name__} breaks that: use plain generate")
+        rank = order.index(kind)
+        if kind is TemperatureLogitsWarper:
+            values["temperature"] = float(proc.temperature)
+        elif kind is TopKLogitsWarper:
+            values["top_k"] = int(proc.top_k)
+        else:
+            values["top_p"] = float(proc.top_p)
+    if not do_sample:
+        return SamplingConfig()
+    return SamplingConfig(temperature=values.get("temperature", 1.0), top_k=values.get("top_k", 0),
+                          top_p=values.get("top_p", 1.0), seed=int(torch.randint(0, 2**62, (1,)).item()))
+
+
+def _stopping(criteria) -> tuple[int | None, tuple[int, ...]]:
+    """(max_length, EOS ids) of the prepared stopping criteria; any other criterion is refused."""
+    max_length, eos = None, ()
+    for crit in criteria:
+        name = type(crit).__name__
+        if name not in _STOPPING:
+            raise UserError(f"samctl.hf cannot apply the stopping criterion {name}: drop it (stop_strings, "
+                            "max_time, custom criteria) or use plain generate")
+        if name == "MaxLengthCriteria":
+            max_length = int(crit.max_length) if max_length is None else min(max_length, int(crit.max_length))
+        else:
+            eos = tuple(sorted(int(t) for t in torch.as_tensor(crit.eos_token_id).flatten().tolist()))
+    return max_length, eos
+
+
+def _callers_streamer():
+    """The `streamer` given to the calling `GenerationMixin.generate`, or None.
+
+    transformers 5.23 hands a callable custom_generate only the parameters it adds beyond
+    `_sample`'s, so `streamer` never arrives as an argument, although `generate` has already sent
+    the prompt to it; it is read from `generate`'s frame so that it also gets the new tokens."""
+    frame = sys._getframe(1)
+    for _ in range(6):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "generate" and frame.f_globals.get("__name__") == "transformers.generation.utils":
+            return frame.f_locals.get("streamer")
+    return None
+
+
+def _model_tokenizer(name: str, store_path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UserError(f"cannot load the tokenizer of {name!r} to check the store {store_path}: pass "
+                        "tokenizer= to samctl.hf.make_generate") from err
+
+
+__all__ = ["custom_generate", "make_generate", "setting_names", "SamctlGenerate"]

@@ -1,0 +1,56 @@
+"""`samctl distill`: answers by the (embedded) model, resumable, then a store over them."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from index.datastore import load_datastore
+from samctl.cli import cli
+from samctl.tokenizer import load_tokenizer
+
+PROMPTS = [{"id": "a", "prompt": "Write a Python function that adds two numbers."},
+           {"prompt": "What is 2 + 3?"},
+           {"turns": ["Name a color.", "Another one."]},
+           {"nothing": 1}]
+
+
+def _run(args):
+    result = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+@pytest.mark.slow
+def test_distill_answers_resumes_and_builds(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
+    extra = tmp_path / "extra.txt"
+    extra.write_text("An extra document about colors: red, green and blue.\n")
+    out = tmp_path / "self.sam"
+    args = ["distill", "--prompts", str(prompts), "-o", str(out), "--max-new-tokens", "12", "--threads", "1"]
+    _run(args + ["--also", str(extra)])
+    answers_path = tmp_path / "self.sam.answers.jsonl"
+    answers = [json.loads(line) for line in answers_path.read_text().splitlines()]
+    assert [a["id"] for a in answers] == ["a", 2, 3, 4]
+    assert "error" in answers[3] and all("text" in a for a in answers[:3])
+    assert len(answers[2]["turn_texts"]) == 2
+
+    store = load_datastore(out)
+    assert store.meta.written_by["method"] == "adaptive"
+    assert store.meta.written_by["answers"] == "3"
+    assert store.meta.corpus.documents == 4  # three answered records + the --also file
+    # every answer is in the store verbatim
+    tok = load_tokenizer("default")
+    for a in answers[:3]:
+        ids = np.array(tok.encode(a["text"].strip()), dtype=np.int32)
+        assert store.structure.match(ids)[1] == len(ids)
+
+    # a second run resumes: only the failed record is tried again, nothing is regenerated
+    result = _run(args)
+    assert "resuming: 3 prompt(s) already answered" in result.output
+    again = answers_path.read_text().splitlines()
+    assert len(again) == 5 and "error" in json.loads(again[-1])
+    assert load_datastore(out).meta.corpus.documents == 3
