@@ -46,7 +46,8 @@ from index.errors import UserError
 class LookaheadConfig:
     ngram: int = field(default=5, metadata={
         "cli": "--la-ngram", "help": "lookahead: N, the n-gram size (N-1 window levels, guesses of N-1 tokens)."})
-    window: int = field(default=15, metadata={"cli": "--la-window", "help": "lookahead: W, the window's columns."})
+    window: int = field(default=15, metadata={
+        "cli": "--la-window", "help": "lookahead: W, the window's columns (0: no window, the pool alone)."})
     guesses: int = field(default=15, metadata={
         "cli": "--la-guesses", "help": "lookahead: G, pool tuples per key and guesses verified per step."})
     pool_text: bool = field(default=True, metadata={
@@ -56,8 +57,8 @@ class LookaheadConfig:
     memory: int = 1024  # earlier outputs kept for --memory-save (the pool itself is bounded by G per key)
 
     def __post_init__(self) -> None:
-        if self.ngram < 2 or self.window < 1 or self.guesses < 0 or self.memory < 0:
-            raise UserError(f"invalid lookahead settings {asdict(self)}: --la-ngram >= 2, --la-window >= 1, "
+        if self.ngram < 2 or self.window < 0 or self.guesses < 0 or self.memory < 0:
+            raise UserError(f"invalid lookahead settings {asdict(self)}: --la-ngram >= 2, --la-window >= 0, "
                             "--la-guesses >= 0")
 
 
@@ -241,7 +242,7 @@ class JacobiWindow:
     def seed(self, prompt: np.ndarray, rng: np.random.Generator) -> None:
         """Row 0 from random prompt tokens, the upper levels empty (warm-up follows)."""
         self.fill = 0
-        self.active = len(prompt) > 0
+        self.active = len(prompt) > 0 and self.width > 0
         if self.active:
             picks = rng.choice(np.asarray(prompt, dtype=np.int64), size=self.grid.shape[1])
             self.grid[0] = torch.from_numpy(picks).to(self.device)
