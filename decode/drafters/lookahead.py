@@ -44,12 +44,18 @@ from index.errors import UserError
 
 @dataclass(frozen=True)
 class LookaheadConfig:
+    # The defaults are the MT-Bench script's (N 5, W = G 15) for a GPU, where a wide verify costs
+    # little; on a CPU a verify of k tokens costs about k times more (BENCHMARKS.md), so the CLI
+    # uses the small `cpu_default` there.
     ngram: int = field(default=5, metadata={
-        "cli": "--la-ngram", "help": "lookahead: N, the n-gram size (N-1 window levels, guesses of N-1 tokens)."})
+        "cli": "--la-ngram", "cpu_default": 4,
+        "help": "lookahead: N, the n-gram size (N-1 window levels, guesses of N-1 tokens) [default: 5; 4 on a CPU]."})
     window: int = field(default=15, metadata={
-        "cli": "--la-window", "help": "lookahead: W, the window's columns (0: no window, the pool alone)."})
+        "cli": "--la-window", "cpu_default": 2,
+        "help": "lookahead: W, the window's columns (0: no window, the pool alone) [default: 15; 2 on a CPU]."})
     guesses: int = field(default=15, metadata={
-        "cli": "--la-guesses", "help": "lookahead: G, pool tuples per key and guesses verified per step."})
+        "cli": "--la-guesses", "cpu_default": 4,
+        "help": "lookahead: G, pool tuples per key and guesses verified per step [default: 15; 4 on a CPU]."})
     pool_text: bool = field(default=True, metadata={
         "cli": "--la-pool-text/--no-la-pool-text",
         "help": "lookahead, ouroboros: the pool also takes the n-grams of the prompt and the output."})

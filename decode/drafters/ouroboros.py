@@ -37,9 +37,13 @@ from index.errors import UserError
 
 @dataclass(frozen=True)
 class OuroborosConfig:
-    ngram: int = field(default=6, metadata={"cli": "--ouro-ngram", "help": "ouroboros: N of the draft's lookahead."})
+    # Section 9's benchmark settings (N 6, W = G 15) for a GPU; the CLI's CPU values are smaller
+    # (the draft's wide lookahead forward costs more than it returns there, BENCHMARKS.md).
+    ngram: int = field(default=6, metadata={
+        "cli": "--ouro-ngram", "cpu_default": 4, "help": "ouroboros: N of the draft's lookahead [default: 6; 4 on a CPU]."})
     window: int = field(default=15, metadata={
-        "cli": "--ouro-window", "help": "ouroboros: W = G, the draft's window columns and pool tuples per key."})
+        "cli": "--ouro-window", "cpu_default": 4,
+        "help": "ouroboros: W = G, the draft's window columns and pool tuples per key [default: 15; 4 on a CPU]."})
     topk: int = field(default=3, metadata={"cli": "--ouro-topk", "help": "ouroboros: pool suffixes the target verifies."})
     seed: int = 0
     memory: int = 1024
