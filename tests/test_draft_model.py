@@ -18,6 +18,7 @@ from decode.accept import speculative_accept
 from decode.acceptance_head import AcceptanceHead, HeadConfig
 from decode.draft_model import DraftModel
 from decode.drafters.draft import DraftConfig, SpecDecConfig
+from decode.drafters.ouroboros import OuroborosConfig
 from decode.drafters.sam import SamConfig
 from decode.loop import GenerationConfig, generate
 from decode.methods import DRAFT_METHODS, MethodConfig, make_drafter
@@ -43,7 +44,8 @@ def drafter_for(method: str, target_model, draft_model, gamma: int = 4, sampling
                 eos: tuple[int, ...] = (), vocab_limit: int | None = None, sam=SamConfig(dyn_threshold=2, static_bias=1)):
     draft = DraftModel(draft_model, vocab_limit=vocab_limit or target_model.config.vocab_size)
     head = random_head(draft.hidden_size) if method == "specdec++" else None
-    config = MethodConfig(sam=sam, draft=DraftConfig(gamma=gamma), specdec=SPECDEC)
+    config = MethodConfig(sam=sam, draft=DraftConfig(gamma=gamma), specdec=SPECDEC,
+                          ouroboros=OuroborosConfig(ngram=4, window=4))
     drafter = make_drafter(method, vocab_size=target_model.config.vocab_size, device=torch.device("cpu"),
                            eos_token_ids=eos, config=config, draft=draft, head=head, sampling=sampling)
     return drafter, draft
@@ -307,7 +309,8 @@ def sample_counts(method: str, sampling: SamplingConfig) -> tuple[dict, dict, se
     counts: dict[tuple[int, ...], int] = {}
     totals, lengths = {"drafted": 0, "accepted": 0}, set()
     config = MethodConfig(sam=SamConfig(dyn_threshold=2, static_bias=0, alpha=1.0), draft=DraftConfig(gamma=3),
-                          specdec=SpecDecConfig(stop_threshold=0.3, min_draft=1, max_draft=4))
+                          specdec=SpecDecConfig(stop_threshold=0.3, min_draft=1, max_draft=4),
+                          ouroboros=OuroborosConfig(ngram=3, window=2))
     head = token_dependent_head(draft_model.config.hidden_size) if method == "specdec++" else None
     draft = DraftModel(draft_model)
     for i in range(SAMPLES):
