@@ -147,7 +147,7 @@ def _step(
         choices = choose_tokens(logits, sampling, generator)
         host = torch.stack((input_ids, choices)).cpu().numpy()  # the step's one host sync
         host_inputs = host[0]
-        path = walk_tree(tree.parents, host_inputs[1:], host[1])
+        path = walk_tree(tree.parents, host_inputs[1:], host[1], tree.drafts)
         bonus = int(host[1][path[-1]])
     metrics.verify_s += time.perf_counter() - tic
 
@@ -156,7 +156,7 @@ def _step(
     committed = host_inputs[path]
     before = len(out.tokens)
     out.emit([int(t) for t in committed[1:]] + [bonus])
-    metrics.record_step(drafted=len(tree), accepted=min(len(path) - 1, len(out.tokens) - before))
+    metrics.record_step(drafted=tree.drafts, accepted=min(len(path) - 1, len(out.tokens) - before))
 
     # 5) observe
     tic = time.perf_counter()

@@ -19,6 +19,8 @@ from decode.draft_model import DraftModel
 from decode.drafters.adaptive import AdaptiveConfig, AdaptiveDrafter
 from decode.drafters.base import Drafter, NoDraft
 from decode.drafters.draft import AdaptiveLength, DraftConfig, DraftModelDrafter, FixedLength, SpecDecConfig
+from decode.drafters.lookahead import LookaheadConfig, LookaheadDrafter
+from decode.drafters.ouroboros import OuroborosConfig, OuroborosDrafter
 from decode.drafters.pld import PldConfig, PromptLookupDrafter
 from decode.drafters.recycle import RecycleConfig, TokenRecycleDrafter
 from decode.drafters.rest import RestConfig, RestDrafter
@@ -42,6 +44,8 @@ class MethodConfig:
     rest: RestConfig = field(default_factory=RestConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     specdec: SpecDecConfig = field(default_factory=SpecDecConfig)
+    lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
+    ouroboros: OuroborosConfig = field(default_factory=OuroborosConfig)
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,11 @@ def _specdec(r: Resources) -> DraftModelDrafter:
     return DraftModelDrafter(r.draft, AdaptiveLength(r.head, r.config.specdec), r.sampling, r.eos_token_ids, "specdec++")
 
 
+def _ouroboros(r: Resources) -> OuroborosDrafter:
+    return OuroborosDrafter(r.draft, r.config.ouroboros, r.config.draft.gamma, r.config.lookahead.pool_text,
+                            r.vocab_size)
+
+
 _LOGITS = "its Token Recycle part learns from the target's logits"
 _DRAFT_MODEL = "its drafts come from a draft model"
 
@@ -107,6 +116,9 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
            not_replayable=_LOGITS),
     Method("rest", "REST: a tree of the most frequent continuations in the store",
            lambda r: RestDrafter(r.config.rest, r.static), uses_store=True),
+    Method("lookahead", "Lookahead decoding: a Jacobi window and an n-gram pool verified in the same forward "
+           "(simulate replays the pool only)",
+           lambda r: LookaheadDrafter(r.config.lookahead, r.vocab_size, r.device, r.eos_token_ids)),
     Method("sd", "speculative decoding with a draft model (--gamma tokens)", lambda r: _draft(r, "sd"),
            needs_draft=True, not_replayable=_DRAFT_MODEL),
     Method("specdec++", "a draft model whose acceptance head stops drafting", _specdec,
@@ -114,6 +126,9 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("sam+draft", "sam when the match is long enough, the draft model otherwise",
            lambda r: SamDrafter(r.config.sam, static=r.static, fallback=_draft(r, "draft")), uses_store=True,
            needs_draft=True, not_replayable="its fallback is a draft model"),
+    Method("ouroboros", "Dual Decoding: the draft model runs lookahead with a shared n-gram pool; the target "
+           "verifies its --gamma tokens plus the pool's suffixes", _ouroboros,
+           needs_draft=True, not_replayable=_DRAFT_MODEL),
 )}
 
 DEFAULT_METHOD = "adaptive"

@@ -105,11 +105,11 @@ def replay(drafter: Drafter, trace: Trace) -> Metrics:
         node_tokens = np.asarray(tree.tokens, dtype=np.int64)
         depths = np.concatenate(([0], tree.depths())).astype(np.int64)
         choices = ref[emitted + depths]  # depth <= cap - emitted - 1 keeps every index < cap
-        path = walk_tree(tree.parents, node_tokens, choices)
+        path = walk_tree(tree.parents, node_tokens, choices, tree.drafts)
         # 4) commit: drafts then the bonus, cut at the reference's end (its EOS, or the cap)
         accepted = len(path) - 1
         take = min(accepted + 1, limit - emitted)
-        metrics.record_step(drafted=len(tree), accepted=min(accepted, take))
+        metrics.record_step(drafted=tree.drafts, accepted=min(accepted, take))
         committed = ref[emitted - 1 : emitted + accepted]
         emitted += take
         # 5) observe, unless the output is complete (the engine skips it then too)

@@ -125,6 +125,12 @@ class TargetModel:
             self.cache.set_length(past + n)
         self.cached = past + n
 
+    def truncate(self, n: int) -> None:
+        """Keep the first n committed tokens' K/V (a drafter's engine rolling back its own text)."""
+        assert 0 <= n <= self.cached, (n, self.cached)
+        self.cache.set_length(n)
+        self.cached = n
+
     def _reset_mask(self) -> None:
         q, past = self._mask_block
         if q:

@@ -3,6 +3,9 @@
 A draft is a tree rooted at the pending token t0 (a chain is a tree). Verification input is
 `[t0, node_0, ..., node_{m-1}]`; node i sits at input index i + 1, at position L + depth(i)
 where L is the cached length, and attends to the cache plus its own ancestors.
+
+A tree may end in context rows (`accept_limit`): nodes verified in the same forward for their
+logits only (lookahead's Jacobi window), which acceptance never walks into.
 """
 from __future__ import annotations
 
@@ -18,15 +21,24 @@ class DraftTree:
     """tokens: [m] int64 (host array or device tensor); parents: [m] int32, parents[i] < i,
     -1 means "child of the root t0". A token of -1 is a placeholder that never matches
     (an empty Token Recycle row); it is fed to the model as 0.
-    q: [m, V] draft probabilities, only for drafts sampled from a draft model."""
+    q: [m, V] draft probabilities, only for drafts sampled from a draft model.
+    accept_limit: nodes i >= accept_limit are context rows, verified but never accepted (None: all
+    nodes are drafts); a context row may hang below a draft node, never the reverse."""
 
     tokens: np.ndarray | torch.Tensor
     parents: np.ndarray
     q: torch.Tensor | None = None
     is_chain: bool = field(default=False)
+    accept_limit: int | None = None
 
     def __post_init__(self) -> None:
         assert len(self.tokens) == len(self.parents), (len(self.tokens), len(self.parents))
+        assert self.accept_limit is None or 0 <= self.accept_limit <= len(self.parents), self.accept_limit
+
+    @property
+    def drafts(self) -> int:
+        """Nodes that acceptance may walk into (context rows excluded)."""
+        return len(self.parents) if self.accept_limit is None else self.accept_limit
 
     @classmethod
     def chain(cls, tokens: np.ndarray | torch.Tensor, q: torch.Tensor | None = None) -> "DraftTree":
@@ -60,7 +72,8 @@ class DraftTree:
         old_parents = self.parents[keep]
         parents = np.where(old_parents >= 0, remap[np.maximum(old_parents, 0)], -1).astype(np.int32)
         tokens = self.tokens[torch.from_numpy(keep)] if isinstance(self.tokens, torch.Tensor) else self.tokens[keep]
-        return DraftTree(tokens=tokens, parents=parents, q=None)
+        limit = None if self.accept_limit is None else int(np.searchsorted(keep, self.accept_limit))
+        return DraftTree(tokens=tokens, parents=parents, q=None, accept_limit=limit)
 
 
 @numba.njit(cache=True)
@@ -99,20 +112,25 @@ def tree_attention_mask(parents: np.ndarray, past: int, dtype: torch.dtype, devi
 
 
 @numba.njit(cache=True)
-def walk_tree(parents: np.ndarray, node_tokens: np.ndarray, choices: np.ndarray) -> np.ndarray:
+def walk_tree(parents: np.ndarray, node_tokens: np.ndarray, choices: np.ndarray, limit: int = -1,
+              start: int = -1) -> np.ndarray:
     # parents: [m] int32, node_tokens: [m] int64 (input tokens without the root),
-    # choices: [m+1] int64, the target's token (argmax or one sample) at each input.
+    # choices: [m+1] int64, the target's token (argmax or one sample) at each input;
+    # limit: nodes >= limit are context rows, never followed (-1: none are);
+    # start: nodes 0..start are a chain of known tokens, accepted without a check (-1: none).
     # -> accepted input indices, root (0) first. From the current input, follow the child whose
     # token equals the choice there; stop when no child carries it. The choice at the last
     # accepted input is the bonus token.
+    end = len(parents) if limit < 0 else limit
     path = np.empty(len(parents) + 1, dtype=np.int64)
-    path[0] = 0
-    n = 1
-    current = -1  # node index of the current input; -1 is the root
+    for i in range(start + 2):
+        path[i] = i
+    n = start + 2
+    current = start  # node index of the current input; -1 is the root
     while True:
         wanted = choices[current + 1]
         nxt = -1
-        for i in range(current + 1, len(parents)):
+        for i in range(current + 1, end):
             if parents[i] == current and node_tokens[i] == wanted:
                 nxt = i
                 break

@@ -21,7 +21,7 @@ def load_memory(path: str, engine: Engine, drafter) -> int:
     """Preload the drafter's memory from a store; returns the number of documents."""
     if not hasattr(drafter, "load_memory"):
         raise UserError(f"method {drafter.name} keeps no memory across requests: drop --memory-file "
-                        "or use --method adaptive")
+                        "or use --method adaptive, lookahead or ouroboros")
     store = load_store(path, engine)
     if not isinstance(store.structure, SuffixAutomaton):
         raise UserError(f"{path} is an n-gram store: a memory file is an automaton store "

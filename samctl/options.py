@@ -47,7 +47,7 @@ def _option(f: dataclasses.Field) -> Callable:
     meta = f.metadata
     if isinstance(f.default, bool):
         return click.option(meta["cli"], _dest(f), default=f.default, show_default=True, help=meta["help"])
-    if meta.get("device_default"):
+    if meta.get("device_default") or "cpu_default" in meta:
         return click.option(meta["cli"], _dest(f), type=type(f.default), default=None, help=meta["help"])
     kind = click.Choice(meta["choices"]) if "choices" in meta else type(f.default)
     return click.option(meta["cli"], _dest(f), type=kind, default=f.default, show_default=True, help=meta["help"])
@@ -66,8 +66,11 @@ def method_config(opts: dict[str, Any], device: torch.device | None = None) -> M
     sections: dict[str, dict[str, Any]] = {}
     for section, f in _cli_fields():
         value = opts.get(_dest(f))
+        on_cpu = device is not None and device.type == "cpu"
         if value is None and f.metadata.get("device_default"):
-            value = CPU_RECYCLE_NODES if device is not None and device.type == "cpu" else f.default
+            value = CPU_RECYCLE_NODES if on_cpu else f.default
+        if value is None and "cpu_default" in f.metadata:  # a field's own CPU value (lookahead widths)
+            value = f.metadata["cpu_default"] if on_cpu else f.default
         if value is not None:
             sections.setdefault(section, {})[f.name] = value
     base = MethodConfig()

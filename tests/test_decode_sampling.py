@@ -14,6 +14,7 @@ import torch
 from scipy.stats import chisquare
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from decode.drafters.lookahead import LookaheadConfig
 from decode.drafters.pld import PldConfig
 from decode.drafters.recycle import RecycleConfig
 from decode.drafters.sam import SamConfig
@@ -29,6 +30,7 @@ CONFIG = MethodConfig(
     sam=SamConfig(dyn_threshold=1, static_bias=0, alpha=4.0),
     pld=PldConfig(max_ngram=2, num_draft=4),
     recycle=RecycleConfig(k=3, nodes=8, max_depth=3),
+    lookahead=LookaheadConfig(ngram=3, window=2, guesses=3),
 )
 
 
@@ -88,6 +90,7 @@ SETTINGS = [
     pytest.param("sam", SamplingConfig(temperature=0.7, top_k=3, top_p=0.9), id="sam-warped"),
     pytest.param("sam+recycle", SamplingConfig(temperature=1.3, top_p=0.8), id="sam+recycle-warped"),
     pytest.param("adaptive", SamplingConfig(temperature=0.8, top_p=0.9), id="adaptive-warped"),
+    pytest.param("lookahead", SamplingConfig(temperature=0.7, top_k=3, top_p=0.9), id="lookahead-warped"),
 ]
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from decode.drafters.adaptive import AdaptiveConfig
+from decode.drafters.lookahead import LookaheadConfig
 from decode.drafters.sam import SamConfig
 from decode.loop import GenerationConfig, generate
 from decode.methods import REPLAYABLE, MethodConfig, make_drafter, uses_store
@@ -21,9 +22,10 @@ from index.automaton import SuffixAutomaton
 from index.errors import UserError
 from tests.mock_lm import CopyLM
 
-# adaptive without its Token Recycle part: that part learns from logits, which a replay has not
-# got, so only the retrieval sources replay exactly.
-EAGER = MethodConfig(sam=SamConfig(dyn_threshold=2, static_bias=1), adaptive=AdaptiveConfig(recycle=False))
+# adaptive without its Token Recycle part and lookahead without its Jacobi window: those parts
+# learn from logits, which a replay has not got, so only the retrieval sources replay exactly.
+EAGER = MethodConfig(sam=SamConfig(dyn_threshold=2, static_bias=1), adaptive=AdaptiveConfig(recycle=False),
+                     lookahead=LookaheadConfig(window=0))
 
 
 def drafter_for(method: str, vocab: int, static, config: MethodConfig = EAGER, eos: tuple[int, ...] = ()):

@@ -54,9 +54,9 @@ WARM_UP_TOKENS = 32
               help="adaptive: the expected output (e.g. the file being edited), drafted from like the prompt; "
                    "in a batch, a record's `prediction` field.")
 @click.option("--memory-file", "memory_file", metavar="STORE", type=click.Path(exists=True, dir_okay=False),
-              help="adaptive: preload the memory of earlier outputs from this store.")
+              help="adaptive, lookahead, ouroboros: preload the memory of earlier outputs from this store.")
 @click.option("--memory-save", "memory_save", metavar="STORE", type=click.Path(dir_okay=False),
-              help="adaptive: write the memory of outputs to this store at the end (atomically).")
+              help="adaptive, lookahead, ouroboros: write the memory of outputs to this store at the end (atomically).")
 @click.option("--max-new-tokens", type=int, default=256, show_default=True)
 @click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template to the prompt.")
 @click.option("--json", "as_json", is_flag=True, help="Single prompt: print one JSON object instead of streaming text.")
@@ -71,8 +71,8 @@ WARM_UP_TOKENS = 32
 @click.option("--no-compile", is_flag=True, help="CUDA: run the verify forward eagerly instead of as CUDA graphs at fixed widths (the CPU never compiles).")
 @click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice); 1 is steadier on a busy machine.")
 @method_options
-@click.option("--draft-model", "draft_path", metavar="PATH", help="sd, specdec++, sam+draft: a small model sharing the target's tokenizer (default: the embedded draft, with the embedded target only).")
-@click.option("--gamma", type=int, default=4, show_default=True, help="sd, sam+draft: draft tokens per step.")
+@click.option("--draft-model", "draft_path", metavar="PATH", help="sd, specdec++, sam+draft, ouroboros: a small model sharing the target's tokenizer (default: the embedded draft, with the embedded target only).")
+@click.option("--gamma", type=int, default=4, show_default=True, help="sd, sam+draft, ouroboros: draft tokens per step.")
 @click.option("--acc-head", "acc_head_path", metavar="PATH", help="specdec++: acceptance head folder from tools/train_acceptance_head.py (default: the embedded one, with the embedded pair only).")
 @click.option("--stop-threshold", type=float, default=0.3, show_default=True, help="specdec++: stop drafting once the predicted P(some draft token is rejected) exceeds this.")
 @click.option("--bounds", type=(int, int), default=(2, 20), show_default=True, metavar="MIN MAX", help="specdec++: inclusive bounds on the draft length.")
@@ -117,7 +117,7 @@ def generate(**opts: Any) -> None:
     prediction = opts["prediction_file"].read() if opts["prediction_file"] is not None else None
     if prediction is not None and not method_entry(opts["method"]).takes_prediction:
         raise UserError(f"method {opts['method']} does not draft from a prediction: drop --prediction "
-                        "or use --method adaptive")
+                        "or use --method adaptive, lookahead or ouroboros")
     method_store = store if uses_store(opts["method"]) else None  # build_drafter already said it is unused
 
     def fresh_drafter() -> Drafter:

@@ -1,0 +1,442 @@
+"""`lookahead` (Fu et al. 2024): a Jacobi window and an n-gram pool, verified in one forward.
+
+Each step, with lst = the pending token t0 at position p:
+    1) guess   the pool's newest tuples for key lst (at most G of N-1 tokens), merged into a trie
+               hanging from lst: the only nodes acceptance may walk into
+    2) window  N-1 levels of context rows after the guesses (`DraftTree.accept_limit`). Row 0 is
+               [lst, w_1..w_{M-1}] at positions p..p+M-1, row l holds M tokens at p+l..p+l+M-1,
+               and token (l, i) sees lst, row-0 tokens 1..i and rows 1..l of column i: row 1 of
+               column i hangs below row-0 column i, row l below row l-1, so the window is a tree
+               and the engine's ancestor mask is exactly the mask of METHODS.md section 8
+    3) verify  one target forward: the engine walks the guess trie (greedy or one draw per node;
+               a full match keeps its bonus), never the window
+    4) update  new[i] = argmax at the top row's column i (argmax even when sampling). Full window:
+               the pool takes key row0[i] -> (row1[i], .., row_{N-2}[i], new[i]) for every column,
+               rows shift down one level and new becomes the top; warm-up (the first N-2 steps
+               after the seed): every row drops its first column and new[1:] becomes a new level.
+               The window moves exactly one column per step whatever was accepted.
+
+The window's first row is seeded with prompt tokens drawn by a seeded generator. The pool is keyed
+by token, holds at most G tuples per key and evicts the least recently inserted; it lives as long
+as the drafter, so later requests in a process draft from what earlier ones learnt. Optionally
+(`pool_text`, on by default; lade fills the pool from the window only) it also takes every n-gram
+of the prompt and of the committed output, which is what `simulate` can replay without a model:
+with no prefill logits the window is off. Earlier outputs can be preloaded from and saved to a
+memory store like adaptive's (`load_memory`, `memory_documents`, `finish`, `remember`).
+
+Knows token ids and logits, not models or text. The window lives on the model's device: the tree's
+tokens and the Jacobi update never leave it, so a step keeps the engine's one host sync; the
+pool's n-grams reach the host one step late on a GPU (at once on a CPU).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+import numba
+import numpy as np
+import torch
+
+from decode.target import to_device
+from decode.tree import DraftTree
+from index.errors import UserError
+
+
+@dataclass(frozen=True)
+class LookaheadConfig:
+    # The defaults are the MT-Bench script's (N 5, W = G 15) for a GPU, where a wide verify costs
+    # little; on a CPU a verify of k tokens costs about k times more (BENCHMARKS.md), so the CLI
+    # uses the small `cpu_default` there.
+    ngram: int = field(default=5, metadata={
+        "cli": "--la-ngram", "cpu_default": 4,
+        "help": "lookahead: N, the n-gram size (N-1 window levels, guesses of N-1 tokens) [default: 5; 4 on a CPU]."})
+    window: int = field(default=15, metadata={
+        "cli": "--la-window", "cpu_default": 2,
+        "help": "lookahead: W, the window's columns (0: no window, the pool alone) [default: 15; 2 on a CPU]."})
+    guesses: int = field(default=15, metadata={
+        "cli": "--la-guesses", "cpu_default": 4,
+        "help": "lookahead: G, pool tuples per key and guesses verified per step [default: 15; 4 on a CPU]."})
+    pool_text: bool = field(default=True, metadata={
+        "cli": "--la-pool-text/--no-la-pool-text",
+        "help": "lookahead, ouroboros: the pool also takes the n-grams of the prompt and the output."})
+    seed: int = 0  # the window's seeding generator
+    memory: int = 1024  # earlier outputs kept for --memory-save (the pool itself is bounded by G per key)
+
+    def __post_init__(self) -> None:
+        if self.ngram < 2 or self.window < 0 or self.guesses < 0 or self.memory < 0:
+            raise UserError(f"invalid lookahead settings {asdict(self)}: --la-ngram >= 2, --la-window >= 0, "
+                            "--la-guesses >= 0")
+
+
+# -- the n-gram pool --------------------------------------------------------------------------
+
+
+@numba.njit(cache=True)
+def pool_insert(slot: np.ndarray, grams: np.ndarray, stamp: np.ndarray, fill: np.ndarray, clock: np.ndarray,
+                rows: int, keys: np.ndarray, tuples: np.ndarray) -> int:
+    # slot: [V] int32 key -> row (-1 none); grams: [R, G, n] int32; stamp: [R, G] int64 insertion
+    # clock of each tuple; fill: [R] int32 tuples per row; clock: [1] int64; rows: rows in use;
+    # keys: [k] int32, tuples: [k, n] int32 (R >= rows + k). -> rows in use afterwards.
+    # Invariant: row r holds fill[r] distinct tuples; re-inserting one refreshes its stamp, and a
+    # full row replaces its smallest stamp (least recently inserted).
+    g_max = grams.shape[1]
+    for k in range(len(keys)):
+        if g_max == 0:
+            break
+        r = slot[keys[k]]
+        if r < 0:
+            r = rows
+            rows += 1
+            slot[keys[k]] = r
+            fill[r] = 0
+        clock[0] += 1
+        found = -1
+        for j in range(fill[r]):
+            same = True
+            for t in range(tuples.shape[1]):
+                if grams[r, j, t] != tuples[k, t]:
+                    same = False
+                    break
+            if same:
+                found = j
+                break
+        if found < 0:
+            if fill[r] < g_max:
+                found = fill[r]
+                fill[r] += 1
+            else:
+                found = 0
+                for j in range(1, g_max):
+                    if stamp[r, j] < stamp[r, found]:
+                        found = j
+            grams[r, found] = tuples[k]
+        stamp[r, found] = clock[0]
+    return rows
+
+
+@numba.njit(cache=True)
+def text_ngrams(text: np.ndarray, first_end: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    # text: [t] int32 -> (keys [k] int32, tuples [k, n] int32): key text[e-n], tuple text[e-n+1..e]
+    # for every end e >= first_end (e >= n), oldest first.
+    start = max(first_end, n)
+    k = max(0, len(text) - start)
+    keys = np.empty(k, dtype=np.int32)
+    tuples = np.empty((k, n), dtype=np.int32)
+    for i in range(k):
+        e = start + i
+        keys[i] = text[e - n]
+        tuples[i] = text[e - n + 1 : e + 1]
+    return keys, tuples
+
+
+@numba.njit(cache=True)
+def trie_of(tuples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    # tuples: [k, n] int32 -> (tokens [m] int64, parents [m] int32): the tuples merged into a trie
+    # below the root (-1), shared prefixes once, so a walk finds the longest matching tuple.
+    tokens = np.empty(tuples.shape[0] * tuples.shape[1], dtype=np.int64)
+    parents = np.empty(len(tokens), dtype=np.int32)
+    m = 0
+    for k in range(tuples.shape[0]):
+        current = -1
+        for t in range(tuples.shape[1]):
+            nxt = -1
+            for i in range(m):
+                if parents[i] == current and tokens[i] == tuples[k, t]:
+                    nxt = i
+                    break
+            if nxt < 0:
+                nxt = m
+                tokens[m] = tuples[k, t]
+                parents[m] = current
+                m += 1
+            current = nxt
+    return tokens[:m], parents[:m]
+
+
+class NgramPool:
+    """Key token -> at most G tuples of n tokens, least recently inserted out first (flat arrays)."""
+
+    def __init__(self, n: int, capacity: int, vocab_size: int = 0) -> None:
+        self.n, self.capacity = n, capacity
+        self.slot = np.full(max(vocab_size, 1), -1, dtype=np.int32)
+        self.grams = np.zeros((64, capacity, n), dtype=np.int32)
+        self.stamp = np.zeros((64, capacity), dtype=np.int64)
+        self.fill = np.zeros(64, dtype=np.int32)
+        self.clock = np.zeros(1, dtype=np.int64)
+        self.rows = 0
+
+    def insert(self, keys: np.ndarray, tuples: np.ndarray) -> None:
+        # keys: [k] ints >= 0, tuples: [k, n] ints
+        keys = np.asarray(keys, dtype=np.int32)
+        if len(keys) == 0 or self.capacity == 0:
+            return
+        top = int(keys.max())
+        if top >= len(self.slot):
+            self.slot = np.concatenate((self.slot, np.full(top + 1 - len(self.slot), -1, dtype=np.int32)))
+        if self.rows + len(keys) > len(self.fill):
+            self._grow(self.rows + len(keys))
+        self.rows = pool_insert(self.slot, self.grams, self.stamp, self.fill, self.clock, self.rows, keys,
+                                np.ascontiguousarray(tuples, dtype=np.int32))
+
+    def learn_text(self, text: np.ndarray, first_end: int = 0) -> None:
+        """Every n+1-gram of `text` ending at index >= first_end: key its first token."""
+        self.insert(*text_ngrams(np.ascontiguousarray(text, dtype=np.int32), first_end, self.n))
+
+    def newest(self, key: int, k: int) -> np.ndarray:
+        """-> [<= k, n] int32, the key's newest tuples first."""
+        if key < 0 or key >= len(self.slot) or self.slot[key] < 0 or k <= 0:
+            return np.zeros((0, self.n), dtype=np.int32)
+        r = self.slot[key]
+        order = np.argsort(-self.stamp[r, : self.fill[r]], kind="stable")[:k]
+        return self.grams[r, order]
+
+    def __len__(self) -> int:
+        return int(self.fill[: self.rows].sum())
+
+    def snapshot(self) -> tuple:
+        return (self.slot.copy(), self.grams[: self.rows].copy(), self.stamp[: self.rows].copy(),
+                self.fill[: self.rows].copy(), self.clock.copy(), self.rows)
+
+    def restore(self, state: tuple) -> None:
+        slot, grams, stamp, fill, clock, rows = state
+        self.slot = slot.copy()
+        self.grams[:rows], self.stamp[:rows], self.fill[:rows] = grams, stamp, fill
+        self.fill[rows:] = 0
+        self.clock[:] = clock
+        self.rows = rows
+
+    def _grow(self, need: int) -> None:
+        size = max(need, 2 * len(self.fill))
+        grams = np.zeros((size, self.capacity, self.n), dtype=np.int32)
+        stamp = np.zeros((size, self.capacity), dtype=np.int64)
+        fill = np.zeros(size, dtype=np.int32)
+        grams[: self.rows], stamp[: self.rows], fill[: self.rows] = (
+            self.grams[: self.rows], self.stamp[: self.rows], self.fill[: self.rows])
+        self.grams, self.stamp, self.fill = grams, stamp, fill
+
+
+def guess_trie(pool: NgramPool, key: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The key's newest k tuples as a trie: (tokens [m] int64, parents [m] int32 below the root)."""
+    return trie_of(np.ascontiguousarray(pool.newest(key, k)))
+
+
+# -- the Jacobi window ------------------------------------------------------------------------
+
+
+class JacobiWindow:
+    """N-1 levels of W columns on the model's device (see the module docstring for the layout).
+
+    grid[l, i] is row l's column i; row 0's column 0 is lst, written at each `layout`. During
+    warm-up (fill < N-2 upper levels) rows are M = W + N-2-fill wide; afterwards M = W."""
+
+    def __init__(self, ngram: int, width: int, device: torch.device) -> None:
+        self.levels, self.width, self.device = ngram - 1, width, torch.device(device)
+        self.grid = torch.zeros((self.levels, width + ngram - 2), dtype=torch.int64, device=self.device)
+        self.fill = 0
+        self.active = False
+        self._parents: dict[int, np.ndarray] = {}
+
+    @property
+    def columns(self) -> int:
+        return self.width + self.levels - 1 - self.fill
+
+    @property
+    def size(self) -> int:
+        """Context rows this window adds to a verify: (M-1) + fill * M."""
+        return (self.columns - 1) + self.fill * self.columns if self.active else 0
+
+    def seed(self, prompt: np.ndarray, rng: np.random.Generator) -> None:
+        """Row 0 from random prompt tokens, the upper levels empty (warm-up follows)."""
+        self.fill = 0
+        self.active = len(prompt) > 0 and self.width > 0
+        if self.active:
+            picks = rng.choice(np.asarray(prompt, dtype=np.int64), size=self.grid.shape[1])
+            self.grid[0] = torch.from_numpy(picks).to(self.device)
+
+    def layout(self, lst: int, anchor: int, base: int) -> tuple[torch.Tensor, np.ndarray]:
+        # lst: the token at row 0 column 0, already an input at node index `anchor` (-1: the root);
+        # base: node index of the window's first row.
+        # -> (tokens [size] int64 on device, parents [size] int32 node indices)
+        m, f = self.columns, self.fill
+        self.grid[0, 0] = lst
+        tokens = torch.cat((self.grid[0, 1:m], self.grid[1 : f + 1, :m].reshape(-1)))
+        rel = self._parents.get(f)
+        if rel is None:
+            rel = self._parents[f] = window_parents(m, f)
+        return tokens, np.where(rel < 0, anchor, rel + base).astype(np.int32)
+
+    def top_rows(self, anchor_input: int, base_input: int) -> np.ndarray:
+        """Input indices of the top level's M tokens (row 0 starts with lst's own input)."""
+        m, f = self.columns, self.fill
+        if f == 0:
+            return np.concatenate(([anchor_input], base_input + np.arange(m - 1))).astype(np.int64)
+        return (base_input + (m - 1) + (f - 1) * m + np.arange(m)).astype(np.int64)
+
+    def update(self, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        # new: [M] int64 on device, the argmax at the top level's columns.
+        # -> (keys [W], tuples [W, N-1]) for the pool once the window is full, else None.
+        m, f = self.columns, self.fill
+        grid = self.grid
+        if f < self.levels - 1:  # warm-up: one column out, one level in
+            grid[0, 1 : m - 1] = grid[0, 2:m].clone()
+            grid[1 : f + 1, : m - 1] = grid[1 : f + 1, 1:m].clone()
+            grid[f + 1, : m - 1] = new[1:m]
+            self.fill += 1
+            return None
+        keys = grid[0, :m].clone()
+        tuples = torch.cat((grid[1:, :m].T, new[:, None]), dim=1)
+        if self.levels > 1:
+            grid[: self.levels - 1, :m] = grid[1:, :m].clone()
+        grid[self.levels - 1, :m] = new
+        return keys, tuples
+
+
+def window_parents(m: int, fill: int) -> np.ndarray:
+    # -> [(m-1) + fill*m] int32, parents of the window rows relative to the window's first node
+    # (-1 = the anchor lst): row 0 is a chain below lst; row 1 column i hangs below row 0 column i
+    # (lst for i = 0); row l column i below row l-1 column i.
+    parents = np.empty((m - 1) + fill * m, dtype=np.int32)
+    parents[: m - 1] = np.arange(-1, m - 2)
+    for level in range(1, fill + 1):
+        start = (m - 1) + (level - 1) * m
+        if level == 1:
+            parents[start : start + m] = np.arange(-1, m - 1)
+        else:
+            parents[start : start + m] = np.arange(start - m, start)
+    return parents
+
+
+class _Deferred:
+    """Pool n-grams computed on the device reach the host one step late on a GPU (a pinned copy
+    that does not wait), at once on a CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def put(self, pool: NgramPool, keys: torch.Tensor, tuples: torch.Tensor) -> None:
+        if self.device.type == "cpu":
+            pool.insert(keys.numpy(), tuples.numpy())
+            return
+        self.flush(pool)
+        pinned = (torch.empty(keys.shape, dtype=keys.dtype, pin_memory=True),
+                  torch.empty(tuples.shape, dtype=tuples.dtype, pin_memory=True))
+        pinned[0].copy_(keys, non_blocking=True)
+        pinned[1].copy_(tuples, non_blocking=True)
+        self.pending = pinned
+
+    def flush(self, pool: NgramPool) -> None:
+        if self.pending is not None:
+            pool.insert(self.pending[0].numpy(), self.pending[1].numpy())
+            self.pending = None
+
+
+class PoolMemory:
+    """The pool's cross-request part: outputs remembered for --memory-save, preloading from a
+    memory store, and `remember = False` (benchmark repeats) undoing a request's learning."""
+
+    def __init__(self, pool: NgramPool, max_requests: int) -> None:
+        self.pool = pool
+        self.documents: deque[np.ndarray] = deque(maxlen=max_requests) if max_requests else deque(maxlen=0)
+        self.remember = True
+        self._before: tuple | None = None
+
+    def begin(self) -> None:
+        self._before = None if self.remember else self.pool.snapshot()
+
+    def end(self, output: np.ndarray) -> None:
+        if self._before is not None:
+            self.pool.restore(self._before)
+        elif len(output):
+            self.documents.append(np.asarray(output, dtype=np.int32))
+        self._before = None
+
+    def load(self, documents: list[np.ndarray]) -> None:
+        for doc in documents:
+            doc = np.asarray(doc, dtype=np.int32)
+            self.pool.learn_text(doc)
+            self.documents.append(doc)
+
+
+class LookaheadDrafter:
+    name = "lookahead"
+    prefill_logits = "last"
+
+    def __init__(self, config: LookaheadConfig = LookaheadConfig(), vocab_size: int = 0,
+                 device: torch.device | str = "cpu", eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.vocab_size = vocab_size
+        self.pool = NgramPool(config.ngram - 1, config.guesses, vocab_size)
+        self.memory = PoolMemory(self.pool, config.memory)
+        self.window = JacobiWindow(config.ngram, config.window, self.device)
+        self.rng = np.random.default_rng(config.seed)
+        self.deferred = _Deferred(self.device)
+        self.text = np.zeros(0, dtype=np.int32)  # the last N-1 tokens, for the pool's text n-grams
+        self.guesses = 0  # guess nodes in the last proposed tree
+        self._warm_up()
+
+    @property
+    def remember(self) -> bool:
+        return self.memory.remember
+
+    @remember.setter
+    def remember(self, flag: bool) -> None:
+        self.memory.remember = flag
+
+    def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor | None) -> None:
+        prompt = np.asarray(prompt, dtype=np.int32)
+        self.memory.begin()
+        self.deferred.flush(self.pool)
+        if self.config.pool_text:
+            self.pool.learn_text(prompt)
+        self.text = prompt[-(self.config.ngram - 1):]
+        # No logits (model-free replay): the window cannot be updated, so it is off.
+        self.window.seed(prompt if prompt_logits is not None else prompt[:0], self.rng)
+
+    def propose(self, t0: int) -> DraftTree:
+        tokens, parents = guess_trie(self.pool, t0, self.config.guesses)
+        self.guesses = len(tokens)
+        if not self.window.active:
+            return DraftTree(tokens=tokens, parents=parents)
+        window_tokens, window_parents_ = self.window.layout(t0, -1, len(tokens))
+        guess = to_device(tokens, self.device)
+        return DraftTree(tokens=torch.cat((guess, window_tokens)), parents=np.concatenate((parents, window_parents_)),
+                         accept_limit=len(tokens))
+
+    def observe(self, committed: np.ndarray, input_ids: torch.Tensor | None, logits: torch.Tensor | None) -> None:
+        committed = np.asarray(committed, dtype=np.int32)
+        if self.config.pool_text:
+            text = np.concatenate((self.text, committed))
+            self.pool.learn_text(text, len(self.text))
+            self.text = text[-(self.config.ngram - 1):]
+        if self.window.active and logits is not None:
+            # A tree cut by the loop (the output's end is near) lacks window rows: skip the update.
+            if logits.shape[0] == 1 + self.guesses + self.window.size:
+                rows = torch.from_numpy(self.window.top_rows(0, 1 + self.guesses)).to(logits.device)
+                new = logits[rows, : self._vocab(logits)].argmax(dim=-1)
+                grams = self.window.update(new)
+                if grams is not None:
+                    self.deferred.put(self.pool, *grams)
+
+    def finish(self, output: np.ndarray) -> None:
+        self.deferred.flush(self.pool)
+        self.memory.end(output)
+
+    def memory_documents(self) -> list[np.ndarray]:
+        return list(self.memory.documents)
+
+    def load_memory(self, documents: list[np.ndarray]) -> None:
+        self.memory.load(documents)
+
+    def report(self) -> dict:
+        return {"pool_tuples": len(self.pool), "pool_keys": self.pool.rows}
+
+    def _vocab(self, logits: torch.Tensor) -> int:
+        return min(self.vocab_size, logits.shape[-1]) if self.vocab_size else logits.shape[-1]
+
+    def _warm_up(self) -> None:
+        # Compile (or load the numba cache) now, not inside the first timed step.
+        scratch = NgramPool(self.pool.n, max(self.pool.capacity, 1), 8)
+        scratch.learn_text(np.array([1, 2, 3, 1, 2, 3, 1, 2], dtype=np.int32))
+        trie_of(np.ascontiguousarray(scratch.newest(1, 2)))
