@@ -25,7 +25,10 @@ from decode.drafters.pld import PldConfig, PromptLookupDrafter
 from decode.drafters.recycle import RecycleConfig, TokenRecycleDrafter
 from decode.drafters.rest import RestConfig, RestDrafter
 from decode.drafters.sam import SamConfig, SamDrafter
+from decode.drafters.sdsat import SdsatConfig, SdsatDrafter
 from decode.sampling import SamplingConfig
+from decode.sdsat import read_settings
+from decode.target import TargetModel
 from index.errors import UserError
 
 if TYPE_CHECKING:
@@ -46,6 +49,7 @@ class MethodConfig:
     specdec: SpecDecConfig = field(default_factory=SpecDecConfig)
     lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
     ouroboros: OuroborosConfig = field(default_factory=OuroborosConfig)
+    sdsat: SdsatConfig = field(default_factory=SdsatConfig)
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ class Resources:
     head: AcceptanceHead | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     cost: np.ndarray | None = None  # relative verify cost t(1 + n) / t(1), n = 0, 1, ...
+    target: TargetModel | None = None  # the engine's target, for methods that draft with its weights
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,7 @@ class Method:
     not_replayable: str = ""  # why `simulate` cannot replay it without a model ("" = it can)
     takes_prediction: bool = False  # drafts from an expected output (--prediction)
     sized_by_cost: bool = False  # sizes drafts by the target's verify-cost curve (samctl calibrate)
+    needs_sat_model: bool = False  # a target fine-tuned with semantic adaptive tokens (tools/train_sdsat.py)
 
 
 def _recycle(r: Resources) -> TokenRecycleDrafter:
@@ -94,6 +100,11 @@ def _specdec(r: Resources) -> DraftModelDrafter:
 def _ouroboros(r: Resources) -> OuroborosDrafter:
     return OuroborosDrafter(r.draft, r.config.ouroboros, r.config.draft.gamma, r.config.lookahead.pool_text,
                             r.vocab_size)
+
+
+def _sdsat(r: Resources) -> SdsatDrafter:
+    name = getattr(r.target.model, "name_or_path", "") or "the model"
+    return SdsatDrafter(r.target, read_settings(r.target.model.config, name), r.config.sdsat)
 
 
 _LOGITS = "its Token Recycle part learns from the target's logits"
@@ -129,13 +140,18 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("ouroboros", "Dual Decoding: the draft model runs lookahead with a shared n-gram pool; the target "
            "verifies its --gamma tokens plus the pool's suffixes", _ouroboros,
            needs_draft=True, not_replayable=_DRAFT_MODEL),
+    Method("sdsat", "SDSAT: a target fine-tuned with semantic adaptive tokens drafts k tokens for itself "
+           "(tools/train_sdsat.py)", _sdsat, needs_sat_model=True,
+           not_replayable="its drafts come from the target's own forward at SAT tokens"),
 )}
 
 DEFAULT_METHOD = "adaptive"
-# Methods that need no draft model, and those that do: code looping over METHODS needs no draft.
-METHODS = tuple(name for name, m in REGISTRY.items() if not m.needs_draft)
+# Methods that run on any target without a draft model, those that need one, and those that need
+# a specially fine-tuned target: code looping over METHODS needs neither.
+METHODS = tuple(name for name, m in REGISTRY.items() if not m.needs_draft and not m.needs_sat_model)
 DRAFT_METHODS = tuple(name for name, m in REGISTRY.items() if m.needs_draft)
-ALL_METHODS = METHODS + DRAFT_METHODS
+SELF_DRAFT_METHODS = tuple(name for name, m in REGISTRY.items() if m.needs_sat_model)
+ALL_METHODS = METHODS + DRAFT_METHODS + SELF_DRAFT_METHODS
 REPLAYABLE = tuple(name for name, m in REGISTRY.items() if not m.not_replayable)
 
 
@@ -163,10 +179,12 @@ def make_drafter(
     head: AcceptanceHead | None = None,
     sampling: SamplingConfig = SamplingConfig(),
     cost: np.ndarray | None = None,
+    target: TargetModel | None = None,
 ) -> Drafter:
     """The drafter of method `name`. Draft-model methods sample their drafts with `sampling` (the
     run's settings); any mismatch with the loop's settings only costs acceptance, never
-    correctness. `cost` is the target's relative verify-cost curve (adaptive sizes drafts by it)."""
+    correctness. `cost` is the target's relative verify-cost curve (adaptive sizes drafts by it);
+    `target` is the engine's model (sdsat drafts with its weights and cache)."""
     entry = method(name)
     if entry.needs_draft and draft is None:
         raise UserError(f"method {name} needs a draft model: pass --draft-model with a small model "
@@ -174,6 +192,8 @@ def make_drafter(
     if entry.needs_head and head is None:
         raise UserError(f"method {name} needs an acceptance head: pass --acc-head "
                         "(train one with tools/train_acceptance_head.py)")
+    if entry.needs_sat_model and target is None:
+        raise UserError(f"method {name} drafts with the target itself: it needs the loaded target model")
     return entry.build(Resources(vocab_size=vocab_size, device=torch.device(device), eos_token_ids=eos_token_ids,
                                  static=static if entry.uses_store else None, config=config, draft=draft,
-                                 head=head, sampling=sampling, cost=cost))
+                                 head=head, sampling=sampling, cost=cost, target=target))

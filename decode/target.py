@@ -112,6 +112,23 @@ class TargetModel:
         return out.logits[0]
 
     @torch.inference_mode()
+    def peek(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: [q] int64 on device, a chain after the committed tokens -> logits [q, V].
+        # Runs the chain without committing it: the cache length returns to the committed one,
+        # so the next verify overwrites these entries (SDSAT's draft forward, "crop the SAT K/V").
+        q = int(input_ids.shape[0])
+        past = self.cached
+        self.cache.reserve(past + q)
+        out = self.model(
+            input_ids=input_ids[None],
+            position_ids=torch.arange(past, past + q, device=self.device)[None],
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.cache.set_length(past)
+        return out.logits[0]
+
+    @torch.inference_mode()
     def keep(self, path: np.ndarray) -> None:
         # path: [a+1] input indices of the accepted path of the last verify, root (0) first.
         # Chain-shaped paths (0, 1, ..., a) only shorten the cache; others gather the accepted

@@ -276,4 +276,5 @@ def build_drafter(name: str, engine: Engine, store: Datastore | None, config: Me
         head=head,
         sampling=sampling,
         cost=cost,
+        target=engine.target,
     )

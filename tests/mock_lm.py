@@ -29,6 +29,8 @@ class CopyLM(torch.nn.Module):
         self.config = LlamaConfig(
             vocab_size=vocab, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
             num_key_value_heads=1, intermediate_size=8, max_position_embeddings=4096,
+            # An SDSAT section, so `sdsat` runs on it too: the copy rule reads the SAT id like any token.
+            sdsat={"sat_token_id": vocab - 1, "sat_count": 3},
         )
         self.anchor = torch.nn.Parameter(torch.zeros(1))  # gives the module a device and dtype
 

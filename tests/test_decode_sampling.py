@@ -49,7 +49,7 @@ def exact_distribution(model: CopyLM, sampling: SamplingConfig) -> dict[tuple[in
 
 def sample_counts(model: CopyLM, method: str, sampling: SamplingConfig) -> tuple[dict, int]:
     target = TargetModel(model)
-    drafter = make_drafter(method, vocab_size=VOCAB, device=target.device, config=CONFIG)
+    drafter = make_drafter(method, vocab_size=VOCAB, device=target.device, config=CONFIG, target=target)
     counts: dict[tuple[int, ...], int] = {}
     accepted = 0
     for i in range(SAMPLES):
@@ -91,6 +91,7 @@ SETTINGS = [
     pytest.param("sam+recycle", SamplingConfig(temperature=1.3, top_p=0.8), id="sam+recycle-warped"),
     pytest.param("adaptive", SamplingConfig(temperature=0.8, top_p=0.9), id="adaptive-warped"),
     pytest.param("lookahead", SamplingConfig(temperature=0.7, top_k=3, top_p=0.9), id="lookahead-warped"),
+    pytest.param("sdsat", SamplingConfig(temperature=1.0), id="sdsat"),
 ]
 
 

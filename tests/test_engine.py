@@ -127,18 +127,18 @@ def device_path_recycle() -> TokenRecycleDrafter:
     return drafter
 
 
-@pytest.mark.parametrize("method", ["ar", "pld", "sam", "recycle-device", "oracle"])
+@pytest.mark.parametrize("method", ["ar", "pld", "sam", "recycle-device", "oracle", "sdsat"])
 def test_one_host_sync_per_step(method, monkeypatch):
-    model = tiny()
+    model = tiny(sdsat={"sat_token_id": 95, "sat_count": 4})  # the SAT section only matters to sdsat
     prompt = prompts(96)[0]
     expected = hf_greedy(model, prompt, 30, eos=None)
+    target = TargetModel(model)
     if method == "recycle-device":
         drafter = device_path_recycle()
     elif method == "oracle":
         drafter = OracleDrafter(np.asarray(expected), 3)
     else:
-        drafter = make_drafter(method, vocab_size=96, device=torch.device("cpu"))
-    target = TargetModel(model)
+        drafter = make_drafter(method, vocab_size=96, device=torch.device("cpu"), target=target)
     counter = SyncCounter(monkeypatch)
     result = generate(target, drafter, prompt, GenerationConfig(max_new_tokens=30))
     monkeypatch.undo()

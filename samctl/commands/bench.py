@@ -44,7 +44,7 @@ from decode.graphs import enable_cuda_graphs
 from decode.loop import GenerationConfig, generate as decode_generate
 from decode.acceptance_head import AcceptanceHead
 from decode.draft_model import DraftModel
-from decode.methods import DRAFT_METHODS, METHODS, MethodConfig, uses_store
+from decode.methods import DRAFT_METHODS, METHODS, SELF_DRAFT_METHODS, MethodConfig, uses_store
 from index.errors import UserError
 from samctl.bench_report import BASELINE, write_summary
 from samctl.options import method_config, method_options, parse_methods, set_threads
@@ -53,7 +53,7 @@ from samctl.runtime import Engine, build_drafter, load_acc_head, load_draft, loa
 
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 HF_METHODS = ("hf-greedy", "hf-pld", "hf-assisted")
-ALL_BENCH_METHODS = METHODS + DRAFT_METHODS + HF_METHODS
+ALL_BENCH_METHODS = METHODS + DRAFT_METHODS + SELF_DRAFT_METHODS + HF_METHODS
 WARMUP_TOKENS = 16
 
 

@@ -1,0 +1,63 @@
+"""`sdsat`: the target drafts for itself at semantic adaptive tokens (Liu & Zhu 2024).
+
+The model was fine-tuned (tools/train_sdsat.py) so that, after the committed text, the input
+`[t0, SAT x k]` at positions p..p+k yields at t0 the next token t1 and at SAT j a guess d_{j+1}
+for the token at p+j+1. Each step:
+  1) draft:  peek `[t0, SAT x k]` on the engine's own cache without committing (the SAT K/V is
+             overwritten by the verify that follows: the paper's "crop the SAT K/V");
+  2) verify: the chain [t1, d_2..d_{k+1}] through the engine's loop like any draft.
+This is the paper's greedy two-step iteration: two forwards per step, accepted + 1 tokens out
+(t1 is the target's own argmax, so in greedy it is always accepted). The drafts stay on the device
+(the argmax is never read on the host), so a step still has the loop's single host sync.
+
+Lossless by the loop's rule: greedy output is plain greedy decoding of the fine-tuned model;
+sampling treats the argmax drafts as deterministic drafts (decode.accept). The paper's nucleus
+variant (static trees of sampled tokens, best-of-paths acceptance) changes the output
+distribution and is not implemented here. Knows nothing of text, files or training.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from decode.sdsat import SatSettings
+from decode.target import TargetModel
+from decode.tree import DraftTree
+from index.errors import UserError
+
+
+@dataclass(frozen=True)
+class SdsatConfig:
+    sat_count: int = field(default=0, metadata={
+        "cli": "--sat-count", "help": "SAT slots per step (sdsat; default 0 = the count the model was trained with)"})
+
+    def __post_init__(self) -> None:
+        if self.sat_count < 0:
+            raise UserError(f"--sat-count must be >= 0, got {self.sat_count}")
+
+
+class SdsatDrafter:
+    name = "sdsat"
+
+    def __init__(self, target: TargetModel, settings: SatSettings, config: SdsatConfig = SdsatConfig()) -> None:
+        k = config.sat_count or settings.sat_count
+        if k > settings.sat_count:
+            raise UserError(f"--sat-count {k} is more than the {settings.sat_count} SAT slots the model was "
+                            f"trained with: use at most {settings.sat_count}")
+        self.target = target
+        self.settings = settings
+        # [1 + k] int64 device: t0 then k SAT ids; only slot 0 changes from step to step
+        self._input = torch.full((1 + k,), settings.sat_token_id, dtype=torch.int64, device=target.device)
+
+    def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor) -> None:
+        pass
+
+    def propose(self, t0: int) -> DraftTree:
+        self._input[0] = t0  # a fill kernel: no host sync
+        logits = self.target.peek(self._input)  # [1 + k, V]
+        return DraftTree.chain(logits.argmax(-1))  # [t1, d_2..d_{k+1}] on the device
+
+    def observe(self, committed: np.ndarray, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
+        pass

@@ -1,0 +1,147 @@
+"""SDSAT: the training layout keeps standard tokens blind to SATs, the settings are checked, and
+`sdsat` decoding is plain greedy decoding of the fine-tuned model, token for token."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from decode.drafters.sdsat import SdsatConfig, SdsatDrafter
+from decode.loop import GenerationConfig, generate
+from decode.methods import MethodConfig, make_drafter
+from decode.sdsat import IGNORE, SatSettings, make_batch, read_settings, sample_anchors, sat_layout
+from decode.target import TargetModel
+from index.errors import UserError
+from tests.mock_lm import CopyLM
+from tests.test_decode_greedy import hf_greedy, prompts
+
+SAT = {"sat_token_id": 90, "sat_count": 4}
+
+
+def test_layout_matches_naive_definition():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        t, k = int(rng.integers(2, 12)), int(rng.integers(1, 5))
+        anchors = np.sort(rng.choice(t - 1, size=int(rng.integers(1, t)), replace=False))
+        positions, visible, source = sat_layout(t, anchors, k)
+        for i in range(t + len(anchors) * k):
+            for j in range(t + len(anchors) * k):
+                if i < t:  # standard rows: causal over standard tokens, never a SAT
+                    want = j <= i
+                else:
+                    b, slot = divmod(i - t, k)
+                    if j < t:
+                        want = j <= anchors[b]
+                    else:
+                        b2, slot2 = divmod(j - t, k)
+                        want = b2 == b and slot2 <= slot
+                assert visible[i, j] == want, (t, k, anchors, i, j)
+        for b, p in enumerate(anchors):
+            rows = t + b * k + np.arange(k)
+            assert positions[rows].tolist() == [p + j for j in range(1, k + 1)]
+            assert source[rows].tolist() == [p + j + 1 for j in range(1, k + 1)]
+
+
+def test_training_batch_standard_logits_are_the_models_own(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(3, 90, size=n) for n in (20, 13)]
+    anchors = [sample_anchors(4, len(s), 3, rng) for s in seqs]
+    batch = make_batch(seqs, [4, 4], anchors, 3, sat_id=91, pad_id=0)
+    with torch.no_grad():
+        out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=batch.mask,
+                    use_cache=False).logits
+        width = max(len(s) for s in seqs)
+        for r, seq in enumerate(seqs):
+            alone = model(input_ids=torch.tensor(seq)[None]).logits[0]
+            torch.testing.assert_close(out[r, : len(seq)], alone, atol=1e-4, rtol=1e-4)
+            p = int(anchors[r][0])  # block 0 equals feeding [x_0..x_p, SAT x 3] on its own
+            explicit = model(input_ids=torch.tensor([*seq[: p + 1], 91, 91, 91])[None]).logits[0, p + 1 :]
+            torch.testing.assert_close(out[r, width : width + 3], explicit, atol=1e-4, rtol=1e-4)
+            labels = batch.labels[r, width : width + 3].tolist()
+            assert labels == [int(seq[p + j + 1]) if p + j + 1 < len(seq) else IGNORE for j in (1, 2, 3)]
+            assert batch.labels[r, : len(seq) - 1][3:].tolist() == seq[4:].tolist()  # response labels only
+
+
+def test_settings_are_read_or_refused_in_one_line():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=100, sdsat={"sat_token_id": 7, "sat_count": 5, "sat_token": "<x>"})
+    assert read_settings(config) == SatSettings(7, 5, "<x>", False)
+    for bad, words in ((None, "tools/train_sdsat.py --model m"), ({"sat_count": 5}, "damaged"),
+                       ({"sat_token_id": 100, "sat_count": 5}, "outside the vocabulary"),
+                       ({"sat_token_id": 3, "sat_count": 0}, "sat_count >= 1")):
+        config = LlamaConfig(vocab_size=100, sdsat=bad)
+        with pytest.raises(UserError, match=words):
+            read_settings(config, "m")
+
+
+def test_sat_count_beyond_training_is_refused():
+    model = CopyLM(vocab=16)
+    with pytest.raises(UserError, match="at most 3"):
+        SdsatDrafter(TargetModel(model), read_settings(model.config), SdsatConfig(sat_count=5))
+
+
+def test_greedy_equals_generate(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    model.config.sdsat = SAT
+    for k in (1, 4):
+        for prompt in prompts(model.config.vocab_size):
+            target = TargetModel(model)
+            drafter = make_drafter("sdsat", vocab_size=96, device=target.device, target=target,
+                                   config=MethodConfig(sdsat=SdsatConfig(sat_count=k)))
+            for new, eos in ((60, ()), (7, (int(hf_greedy(model, prompt, 5, None)[3]),))):
+                expected = hf_greedy(model, prompt, new, eos=eos[0] if eos else None)
+                result = generate(target, drafter, prompt, GenerationConfig(max_new_tokens=new, eos_token_ids=eos))
+                assert result.tokens == expected, (k, prompt, eos)
+
+
+def test_copy_model_accepts_sat_drafts():
+    # The copy rule reads SATs as tokens: after a repeated phrase its SAT guesses are often right,
+    # so steps of more than t1 + the bonus token show the drafts are verified and kept.
+    model = CopyLM(vocab=32)
+    target = TargetModel(model)
+    prompt = list(range(3, 20)) * 3
+    result = generate(target, make_drafter("sdsat", vocab_size=32, device=target.device, target=target),
+                      prompt, GenerationConfig(max_new_tokens=40))
+    assert result.tokens == model.reference(prompt, 40)
+    assert result.metrics.new_tokens / result.metrics.steps >= 2.0
+
+
+def test_cli_refuses_a_model_without_sats(tmp_path):
+    from click.testing import CliRunner
+
+    from samctl.cli import cli
+
+    result = CliRunner().invoke(cli, ["generate", "--method", "sdsat", "--prompt", "hi", "--max-new-tokens", "4"],
+                                standalone_mode=False)
+    assert isinstance(result.exception, UserError)
+    assert "tools/train_sdsat.py" in str(result.exception) and "\n" not in str(result.exception)
+
+
+def test_train_script_writes_a_folder_sdsat_loads(tmp_path):
+    import tools.train_sdsat as train
+
+    data = tmp_path / "gsm.jsonl"
+    rows = [{"question": f"What is {i} plus {i}?", "answer": f"{i} plus {i} is {2 * i}. The answer is {2 * i}."}
+            for i in range(24)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "sat-model"
+    report = train.main(["--model", "samctl/models/default/target", "--out", str(out), "--data", str(data),
+                         "--num-prompts", "20", "--heldout", "4", "--responses", "data", "--max-steps", "3",
+                         "--sat-count", "3", "--blocks", "4", "--threads", "1"])
+    assert report["training"]["steps"] == 3 and len(report["after"]["sat_accuracy"]) == 3
+    assert report["added_to_vocab"]  # the embedded tokenizer has no spare special token
+    saved = json.loads((out / "sdsat_report.json").read_text())
+    assert saved["sat_token_id"] == report["sat_token_id"]
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    settings = read_settings(model.config)
+    assert settings.sat_count == 3 and settings.added_to_vocab
+    target = TargetModel(model)
+    prompt = [5, 6, 7, 8, 9]
+    result = generate(target, make_drafter("sdsat", vocab_size=model.config.vocab_size, device=target.device,
+                                           target=target), prompt, GenerationConfig(max_new_tokens=12))
+    assert result.tokens == hf_greedy(model, prompt, 12, eos=None)

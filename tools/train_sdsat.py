@@ -1,0 +1,322 @@
+"""Fine-tune a causal LM with semantic adaptive tokens (SDSAT) so that `--method sdsat` can use it.
+
+    python tools/train_sdsat.py --model ../shared/models/<smollm2>.gguf --out runs/smollm2-sdsat \
+        --data ../shared/data --max-minutes 50 --threads 1
+
+1. Data: Alpaca-shape JSON lists (`instruction`, `input`, `output`) and GSM8K JSONL (`question`,
+   `answer`) from --data (files or folders), shuffled with --seed; --heldout prompts are kept apart.
+   The chat template is applied when the tokenizer has one.
+2. Responses: --responses self (default) has the model write its own greedy answers (transformers'
+   batched `generate`, --max-new-tokens), so the SATs learn to predict what greedy decoding will
+   emit, which is what acceptance counts; --responses data trains on the files' answers.
+3. The SAT token: --sat-token names a token of the vocabulary; by default the last special token
+   that is not BOS/EOS/PAD, never occurs in the data and is not in the chat template; when the
+   tokenizer has none, a new token `<|sat|>` is added (vocabulary + 1). Which one is recorded.
+4. Training (decode.sdsat.make_batch): each sequence carries --blocks blocks of k = --sat-count
+   SATs at random anchors; loss = next-token CE on the response's standard tokens + --sat-weight x
+   CE at the SAT slots. Standard tokens never attend to SATs (a 4D mask), so their loss is the
+   ordinary one. --train-layers N trains only the top N decoder layers and the final norm (and
+   the SAT embedding row unless --freeze-sat-embedding): on a CPU this halves the backward pass.
+   AdamW, linear warm-up and decay; stops at --max-steps or --max-minutes.
+5. Report (stdout JSON and sdsat_report.json in --out): held-out next-token loss on standard tokens
+   before and after (on the training kind of answer and, with --responses self, on the files'
+   answers too), per-slot SAT top-1 accuracy, and the mean accepted run per anchor (leading slots
+   that are all right), before and after. The folder (model, tokenizer, config with "sdsat") loads
+   with `samctl generate --model OUT --method sdsat`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shlex
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from decode.sdsat import IGNORE, SatSettings, make_batch, sample_anchors, write_settings  # noqa: E402
+from samctl.runtime import Engine, load_engine  # noqa: E402
+
+NEW_SAT_TOKEN = "<|sat|>"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="model folder or .gguf file to fine-tune")
+    ap.add_argument("--out", required=True, help="folder for the fine-tuned model")
+    ap.add_argument("--data", nargs="+", default=["../shared/data"],
+                    help="Alpaca JSON / GSM8K JSONL files or folders holding them")
+    ap.add_argument("--num-prompts", type=int, default=1200)
+    ap.add_argument("--heldout", type=int, default=48, help="prompts kept apart for the report")
+    ap.add_argument("--responses", choices=("self", "data"), default="self")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="length of self-written answers")
+    ap.add_argument("--response-batch", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=320, help="prompt + answer tokens kept per sequence")
+    ap.add_argument("--sat-count", type=int, default=5, help="k: SAT slots per block")
+    ap.add_argument("--sat-token", default="", help="token used as the SAT (default: chosen, see above)")
+    ap.add_argument("--blocks", type=int, default=16, help="SAT blocks per sequence")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--sat-weight", type=float, default=1.0)
+    ap.add_argument("--train-layers", type=int, default=0, help="train the top N layers only (0 = all)")
+    ap.add_argument("--freeze-sat-embedding", action="store_true")
+    ap.add_argument("--max-steps", type=int, default=1000)
+    ap.add_argument("--max-minutes", type=float, default=55.0, help="stop training after this long")
+    ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-chat", action="store_true", help="do not apply the tokenizer's chat template")
+    return ap.parse_args(argv)
+
+
+# 1) data ---------------------------------------------------------------------------------------
+
+def read_pairs(paths: list[str]) -> list[tuple[str, str]]:
+    """(prompt, answer) pairs from Alpaca JSON lists and GSM8K-style JSONL files."""
+    files: list[Path] = []
+    for p in map(Path, paths):
+        files += sorted(f for f in p.iterdir() if f.suffix in (".json", ".jsonl")) if p.is_dir() else [p]
+    pairs: list[tuple[str, str]] = []
+    for f in files:
+        text = f.read_text(encoding="utf-8")
+        rows = json.loads(text) if f.suffix == ".json" else [json.loads(x) for x in text.splitlines() if x.strip()]
+        for row in rows if isinstance(rows, list) else []:
+            if "instruction" in row and "output" in row:
+                prompt = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
+                pairs.append((prompt, row["output"]))
+            elif "question" in row and "answer" in row:
+                pairs.append((row["question"], row["answer"]))
+    if not pairs:
+        raise SystemExit(f"train_sdsat: no Alpaca or question/answer records in {' '.join(paths)}")
+    return pairs
+
+
+def choose_sat_token(engine: Engine, requested: str, texts: list[str]) -> tuple[int, str, bool]:
+    """(id, text, added): the requested token, an unused special token, or a new one."""
+    tok = engine.tokenizer
+    if requested:
+        ids = tok.convert_tokens_to_ids([requested])
+        if ids[0] is None or ids[0] == tok.unk_token_id:
+            raise SystemExit(f"train_sdsat: --sat-token {requested!r} is not a token of this tokenizer")
+        return int(ids[0]), requested, False
+    reserved = {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, *engine.eos_token_ids}
+    template = str(getattr(tok, "chat_template", "") or "")
+    sample = "".join(texts[:2000])
+    for token_id, added in sorted(tok.added_tokens_decoder.items(), reverse=True):
+        content = added.content
+        if token_id not in reserved and content not in template and content not in sample:
+            return int(token_id), content, False
+    tok.add_special_tokens({"additional_special_tokens": [NEW_SAT_TOKEN]})
+    new_id = tok.convert_tokens_to_ids(NEW_SAT_TOKEN)
+    engine.model.resize_token_embeddings(len(tok), mean_resizing=True)
+    return int(new_id), NEW_SAT_TOKEN, True
+
+
+def write_responses(engine: Engine, prompts: list[list[int]], args: argparse.Namespace) -> list[list[int]]:
+    """The model's own greedy answers, batched (left-padded), cut after EOS."""
+    eos = list(engine.eos_token_ids)
+    pad = eos[0] if eos else 0
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    responses: list[list[int]] = [[] for _ in prompts]
+    for done, start in enumerate(range(0, len(order), args.response_batch)):
+        batch = order[start : start + args.response_batch]
+        width = max(len(prompts[i]) for i in batch)
+        ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in batch], device=engine.device)
+        mask = (torch.arange(width, device=engine.device)[None] >= torch.tensor(
+            [width - len(prompts[i]) for i in batch], device=engine.device)[:, None]).long()
+        with torch.inference_mode():
+            out = engine.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                        max_new_tokens=args.max_new_tokens, pad_token_id=pad,
+                                        eos_token_id=eos or None)[:, width:].tolist()
+        for i, row in zip(batch, out):
+            cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+            responses[i] = row[:cut]
+        print(f"responses: {min(start + len(batch), len(order))}/{len(order)}", file=sys.stderr, flush=True)
+    return responses
+
+
+# 2) evaluation ---------------------------------------------------------------------------------
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, rows: list[tuple[np.ndarray, int]], k: int, sat_id: int, pad: int,
+             device: torch.device, seed: int, blocks: int) -> dict:
+    """Held-out standard-token loss, per-slot SAT accuracy and mean accepted run per anchor."""
+    rng = np.random.default_rng(seed)
+    model.eval()
+    nll, count = 0.0, 0
+    right = np.zeros(k)
+    seen = np.zeros(k)
+    runs: list[int] = []
+    for seq, start in rows:
+        anchors = sample_anchors(start, len(seq), blocks, rng)
+        batch = make_batch([seq], [start], [anchors], k, sat_id, pad)
+        logits = forward(model, batch, device)[0]
+        labels = batch.labels[0].to(device)
+        std = ~batch.is_sat[0].to(device) & (labels != IGNORE)
+        nll += float(F.cross_entropy(logits[std], labels[std], reduction="sum"))
+        count += int(std.sum())
+        sat = batch.is_sat[0].to(device)
+        hit = (logits.argmax(-1) == labels) & sat & (labels != IGNORE)
+        has = sat & (labels != IGNORE)
+        slot = batch.slot[0].to(device)
+        for j in range(1, k + 1):
+            right[j - 1] += int((hit & (slot == j)).sum())
+            seen[j - 1] += int((has & (slot == j)).sum())
+        for block in hit[sat].view(-1, k).cpu().numpy():
+            runs.append(int(np.argmin(np.append(block, False))))
+    model.train()
+    return {"standard_loss": nll / max(count, 1), "standard_tokens": count,
+            "sat_accuracy": [round(float(r / s), 4) if s else None for r, s in zip(right, seen)],
+            "mean_accepted_run": float(np.mean(runs)) if runs else 0.0}
+
+
+def forward(model: torch.nn.Module, batch, device: torch.device) -> torch.Tensor:
+    # -> logits [B, L, V] float32
+    dtype = next(model.parameters()).dtype
+    out = model(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device),
+                attention_mask=batch.mask.to(device=device, dtype=dtype), use_cache=False)
+    return out.logits.float()
+
+
+# 3) training -----------------------------------------------------------------------------------
+
+def trainable(model: torch.nn.Module, args: argparse.Namespace, sat_id: int) -> list[torch.nn.Parameter]:
+    """Freeze all but the top --train-layers layers (+ final norm) and the SAT embedding row."""
+    layers = model.model.layers
+    top = len(layers) if args.train_layers <= 0 else min(args.train_layers, len(layers))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    params: list[torch.nn.Parameter] = []
+    for layer in layers[len(layers) - top :]:
+        params += list(layer.parameters())
+    params += list(model.model.norm.parameters())
+    if not args.freeze_sat_embedding:
+        params.append(model.get_input_embeddings().weight)
+    for p in params:
+        p.requires_grad_(True)
+    if not args.freeze_sat_embedding:
+        emb = params[-1]
+        row = torch.zeros_like(emb)
+        row[sat_id] = 1.0
+        emb.register_hook(lambda grad: grad * row)  # only the SAT row learns (tied lm_head included)
+    return params
+
+
+def train(model, train_rows, args, sat_id: int, pad: int, device: torch.device) -> dict:
+    params = trainable(model, args, sat_id)
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    total = args.max_steps
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / max(args.warmup, 1)) * max(0.05, 1 - s / max(total, 1)))
+    rng = np.random.default_rng(args.seed + 1)
+    model.train()
+    began = time.perf_counter()
+    step, tokens, log = 0, 0, []
+    while step < total and time.perf_counter() - began < args.max_minutes * 60:
+        pick = rng.choice(len(train_rows), size=min(args.batch_size, len(train_rows)), replace=False)
+        seqs = [train_rows[i][0] for i in pick]
+        starts = [train_rows[i][1] for i in pick]
+        anchors = [sample_anchors(s, len(q), args.blocks, rng) for q, s in zip(seqs, starts)]
+        batch = make_batch(seqs, starts, anchors, args.sat_count, sat_id, pad)
+        logits = forward(model, batch, device)
+        labels = batch.labels.to(device)
+        sat = batch.is_sat.to(device)
+        std_loss = F.cross_entropy(logits[~sat], labels[~sat], ignore_index=IGNORE)
+        sat_loss = F.cross_entropy(logits[sat], labels[sat], ignore_index=IGNORE)
+        loss = std_loss + args.sat_weight * sat_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        step += 1
+        tokens += int(batch.input_ids.numel())
+        if step % 10 == 0 or step == 1:
+            elapsed = time.perf_counter() - began
+            log.append({"step": step, "std_loss": round(std_loss.item(), 4), "sat_loss": round(sat_loss.item(), 4),
+                        "seconds": round(elapsed, 1)})
+            print(f"step {step}: standard {float(std_loss):.3f}, sat {float(sat_loss):.3f}, "
+                  f"{tokens / elapsed:.0f} tok/s", file=sys.stderr, flush=True)
+    return {"steps": step, "tokens": tokens, "seconds": round(time.perf_counter() - began, 1), "log": log}
+
+
+# 4) main ---------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    began = time.perf_counter()
+    engine = load_engine(args.model, args.device, "float32", quiet=True)
+    model, device = engine.model, engine.device
+    chat = not args.no_chat and bool(getattr(engine.tokenizer, "chat_template", None))
+
+    pairs = read_pairs(args.data)
+    random.Random(args.seed).shuffle(pairs)
+    pairs = pairs[: args.num_prompts + args.heldout]
+    sat_id, sat_text, added = choose_sat_token(engine, args.sat_token, [a for _, a in pairs])
+    prompts = [engine.encode(p, chat)[: args.seq_len // 2] for p, _ in pairs]
+    eos = list(engine.eos_token_ids)
+    data_answers = [engine.tokenizer(a, add_special_tokens=False)["input_ids"] + eos[:1] for _, a in pairs]
+    answers = write_responses(engine, prompts, args) if args.responses == "self" else data_answers
+
+    def rows(indices, kind):
+        out = []
+        for i in indices:
+            seq = np.asarray((prompts[i] + kind[i])[: args.seq_len], dtype=np.int64)
+            if len(seq) - len(prompts[i]) >= 2:
+                out.append((seq, len(prompts[i])))
+        return out
+
+    held = range(args.heldout)
+    train_rows = rows(range(args.heldout, len(pairs)), answers)
+    held_rows = rows(held, answers)
+    pad = eos[0] if eos else 0
+    k = args.sat_count
+    report = {"model": args.model, "out": args.out, "command": "python tools/train_sdsat.py " + shlex.join(
+        sys.argv[1:] if argv is None else argv), "sat_token": sat_text, "sat_token_id": sat_id,
+        "added_to_vocab": added, "train_sequences": len(train_rows), "heldout_sequences": len(held_rows),
+        "responses": args.responses, "device": str(device), "threads": torch.get_num_threads()}
+    report["before"] = evaluate(model, held_rows, k, sat_id, pad, device, args.seed, args.blocks)
+    if args.responses == "self":
+        report["before_data_answers"] = evaluate(model, rows(held, data_answers), k, sat_id, pad, device,
+                                                 args.seed, args.blocks)
+    report["training"] = train(model, train_rows, args, sat_id, pad, device)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    report["after"] = evaluate(model, held_rows, k, sat_id, pad, device, args.seed, args.blocks)
+    if args.responses == "self":
+        report["after_data_answers"] = evaluate(model, rows(held, data_answers), k, sat_id, pad, device,
+                                                args.seed, args.blocks)
+    before, after = report["before"]["standard_loss"], report["after"]["standard_loss"]
+    report["standard_loss_change"] = round(after / before - 1.0, 4) if before else math.nan
+    report["total_seconds"] = round(time.perf_counter() - began, 1)
+
+    settings = SatSettings(sat_id, k, sat_text, added)
+    record = {key: report[key] for key in ("command", "responses", "train_sequences", "device")}
+    record.update(steps=report["training"]["steps"], sat_weight=args.sat_weight, train_layers=args.train_layers,
+                  blocks=args.blocks, lr=args.lr)
+    write_settings(model.config, settings, record)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    engine.tokenizer.save_pretrained(out)
+    (out / "sdsat_report.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({key: v for key, v in report.items() if key != "training"}, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
