@@ -3,6 +3,10 @@
 Phases: 1) read documents (index.corpus) 2) tokenize in batches with an EOS after each document
 3) build the structure 4) write the store atomically. The summary line goes to stdout; progress,
 notes and warnings go to stderr.
+
+With --shards N the output is a store directory (index/sharded.py): the documents are split into
+N contiguous runs and each shard is built in its own process, one per core at a time, or with
+--ray as Ray tasks after tokenizing with Ray Data (samctl/cluster.py).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from index.corpus import CorpusReader
 from index.datastore import BuildConfig, CorpusStats, StoreMeta, load_datastore, save_datastore
 from index.errors import UserError
 from index.ngram import NgramTable
+from index.sharded import StoreDirectoryWriter, plan_shards
 from samctl.commands.info import human_bytes
 from samctl.progress import progress_bar, status
 from samctl.tokenizer import load_tokenizer, tokenize_documents
@@ -23,8 +28,8 @@ from samctl.tokenizer import load_tokenizer, tokenize_documents
 
 @click.command("build")
 @click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
-              help="Store file to write (.sam).")
+@click.option("-o", "--output", required=True, type=click.Path(),
+              help="Store file to write (.sam), or with --shards a store directory (.samd).")
 @click.option("--kind", type=click.Choice(["sam", "ngram"]), default="sam", show_default=True,
               help="Suffix automaton (exact matches of any length) or pruned n-gram table "
                    "(fewer bytes per token).")
@@ -47,10 +52,19 @@ from samctl.tokenizer import load_tokenizer, tokenize_documents
                    "the bytes but are memory-mapped on load.")
 @click.option("--eos/--no-eos", "append_eos", default=True, show_default=True,
               help="Append the tokenizer's EOS token after each document.")
+@click.option("--shards", type=int, default=None, metavar="N",
+              help="Write a store directory of N suffix-automaton shards (whole documents each), built "
+                   "in parallel: one process per core, or Ray tasks with --ray.")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
+              help="With --shards: tokenize with Ray Data and build each shard as a Ray task on the cluster at "
+                   "ADDRESS (a local Ray instance when omitted; write -o to a path every node sees). Put it "
+                   "after the inputs or write --ray=ADDRESS.")
+@click.option("--workers", type=int, default=None,
+              help="With --shards, without --ray: shards built at once [default: the CPU count].")
 @click.option("--verify", is_flag=True, help="Re-read the written store and check every checksum.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress and no summary.")
 def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_count, top_k,
-          compress, append_eos, verify, quiet) -> None:
+          compress, append_eos, shards, ray_address, workers, verify, quiet) -> None:
     """Build a datastore from folders, .json/.jsonl/.parquet files, hf:NAME[:SPLIT] or - (stdin).
 
     Records are read in known shapes (Alpaca instruction/input/output, GSM8K question/answer,
@@ -59,6 +73,7 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
     config = BuildConfig(kind=kind, max_n=max_n, min_count=min_count, top_k=top_k,
                          compress=compress, append_eos=append_eos, include=include,
                          exclude=exclude, fields=fields)
+    _check_sharding(kind, shards, ray_address, workers)
     start = time.perf_counter()
     # 1) documents, read lazily while tokenizing
     reader = CorpusReader(inputs, include, exclude, fields, stdin=click.get_text_stream("stdin"))
@@ -66,8 +81,14 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
     # 2) tokens (timed apart from loading the tokenizer, which may import transformers)
     tokenize_start = time.perf_counter()
     with progress_bar("tokenizing", "token", quiet) as bar:
-        tokens, doc_offsets = tokenize_documents((d.text for d in reader), tok,
-                                                 append_eos=append_eos, on_tokens=bar.update)
+        if ray_address is not None:
+            from samctl.cluster import tokenize_on_ray
+
+            tokens, doc_offsets = tokenize_on_ray(ray_address, (d.text for d in reader), tokenizer,
+                                                  append_eos, on_tokens=bar.update)
+        else:
+            tokens, doc_offsets = tokenize_documents((d.text for d in reader), tok,
+                                                     append_eos=append_eos, on_tokens=bar.update)
     counts = reader.counts
     if counts.skipped:
         click.echo(f"samctl: warning: skipped {len(counts.skipped)} binary or non-UTF-8 file(s) "
@@ -76,6 +97,23 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
         raise UserError(f"the corpus is empty ({counts.files} file(s) read, {counts.empty} blank "
                         "document(s)): check the inputs and --include/--exclude")
     tokenized = time.perf_counter()
+    corpus = CorpusStats(documents=counts.documents, tokens=int(len(tokens)),
+                         characters=counts.characters, files=counts.files,
+                         empty_documents=counts.empty, skipped_files=len(counts.skipped),
+                         inputs=tuple(inputs))
+    eos = tok.eos_token_ids[0] if tok.eos_token_ids else None
+    meta = StoreMeta(tokenizer_name=tok.name, tokenizer_fingerprint=tok.fingerprint,
+                     vocab_size=tok.vocab_size, eos_token_id=eos, build=config, corpus=corpus)
+    if shards is not None:
+        # 3-4) shards, each built and written by its own worker, then the manifest
+        peaks = _build_sharded(output, tokens, doc_offsets, meta, shards, ray_address, workers, quiet)
+        written = time.perf_counter()
+        store = load_datastore(output, verify=verify)
+        if not quiet:
+            click.echo(_summary(output, store.file_size, store.structure, corpus, tok.name, written - start,
+                                tokenized - tokenize_start, written - tokenized, 0.0, verified=verify,
+                                shards=(shards, max(peaks), ray_address)))
+        return
     # 3) structure
     status(f"building the {'suffix automaton' if kind == 'sam' else 'n-gram table'} over "
            f"{len(tokens):,} tokens", quiet)
@@ -85,13 +123,8 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
         structure = NgramTable.build(tokens, doc_offsets, config.ngram_config())
     built = time.perf_counter()
     # 4) store
-    corpus = CorpusStats(documents=counts.documents, tokens=int(len(tokens)),
-                         characters=counts.characters, files=counts.files,
-                         empty_documents=counts.empty, skipped_files=len(counts.skipped),
-                         inputs=tuple(inputs))
-    eos = tok.eos_token_ids[0] if tok.eos_token_ids else None
-    meta = StoreMeta(tokenizer_name=tok.name, tokenizer_fingerprint=tok.fingerprint,
-                     vocab_size=tok.vocab_size, eos_token_id=eos, build=config, corpus=corpus)
+    if os.path.isdir(output):
+        raise UserError(f"{output} is a directory: pass a file path, or --shards N to write a store directory")
     save_datastore(output, structure, meta)
     written = time.perf_counter()
     if verify:
@@ -103,8 +136,53 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
                             verified=verify))
 
 
+def _check_sharding(kind: str, shards: int | None, ray_address: str | None, workers: int | None) -> None:
+    if shards is None:
+        if ray_address is not None or workers is not None:
+            raise UserError("--ray and --workers build shards: add --shards N")
+        return
+    if kind != "sam":
+        raise UserError("--shards splits suffix automata; an n-gram table is small enough for one file: "
+                        "drop --shards or use --kind sam")
+    if shards < 1:
+        raise UserError(f"--shards must be >= 1, got {shards}")
+    if workers is not None and (workers < 1 or ray_address is not None):
+        raise UserError("--workers must be >= 1, and Ray schedules its own workers: drop --workers with --ray")
+
+
+def _build_sharded(output: str, tokens, doc_offsets, meta: StoreMeta, shards: int, ray_address: str | None,
+                   workers: int | None, quiet: bool) -> list[int]:
+    """Write the store directory; returns each shard's peak worker memory in bytes."""
+    from samctl.cluster import run_local, run_on_ray, shard_jobs
+
+    if os.path.isfile(output):
+        raise UserError(f"{output} is a store file: --shards writes a directory, pass another -o path")
+    bounds = plan_shards(doc_offsets, shards)
+    with StoreDirectoryWriter(output) as writer:
+        jobs = shard_jobs(writer.tmp, tokens, doc_offsets, bounds, meta, writer.shard_path)
+        where = f"as Ray tasks ({ray_address})" if ray_address else f"in {workers or os.cpu_count()} processes"
+        status(f"building {shards} suffix-automaton shards over {len(tokens):,} tokens {where}", quiet)
+
+        def done(index: int, peak: int) -> None:
+            status(f"shard {index} built (worker peak {human_bytes(peak)})", quiet)
+
+        if ray_address is not None:
+            results = run_on_ray(ray_address, jobs, done)
+        else:
+            results = run_local(jobs, min(shards, workers or os.cpu_count() or 1), done)
+        writer.commit(meta, [entry for entry, _ in results])
+    return [peak for _, peak in results]
+
+
 def _summary(output, size, structure, corpus, tokenizer_name, total, tokenize, build_s, write,
-             verified) -> str:
+             verified, shards=None) -> str:
+    if shards is not None:
+        count, peak, ray_address = shards
+        return (f"wrote {output}: {count} shards, {corpus.documents:,} documents, {corpus.tokens:,} tokens "
+                f"({tokenizer_name}), {structure.num_states:,} states, {human_bytes(size)} "
+                f"({size / corpus.tokens:.1f} bytes/token) in {total:.2f} s (tokenize {tokenize:.2f} s, "
+                f"build and write {build_s:.2f} s{', on Ray' if ray_address else ''}; largest worker peak "
+                f"{human_bytes(peak)}){', checksums verified' if verified else ''}")
     if isinstance(structure, SuffixAutomaton):
         shape = f"{structure.num_states:,} states, {structure.num_edges:,} edges"
     else:

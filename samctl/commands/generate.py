@@ -42,7 +42,7 @@ WARM_UP_TOKENS = 32
 
 @click.command("generate")
 @click.option("--model", "model_path", metavar="PATH", help="Local model folder or .gguf file (default: the embedded model).")
-@click.option("--sam", "store_path", metavar="STORE", type=click.Path(dir_okay=False), help="Static datastore built by `samctl build` with the model's tokenizer.")
+@click.option("--sam", "store_path", metavar="STORE", type=click.Path(), help="Static datastore built by `samctl build` with the model's tokenizer: a .sam file or a sharded store directory (--shards).")
 @click.option("--method", type=click.Choice(ALL_METHODS), default=DEFAULT_METHOD, show_default=True, help="Drafting method (README's method table; adaptive needs no tuning).")
 @click.option("--prompt", help="Prompt text.")
 @click.option("--prompt-file", type=click.File("r", encoding="utf-8"), help="File holding the prompt.")

@@ -10,6 +10,7 @@ import click
 from index.automaton import SuffixAutomaton
 from index.datastore import Datastore, load_datastore
 from index.ngram import NgramConfig
+from index.sharded import ShardedAutomaton, ShardedDatastore
 
 
 def human_bytes(size: float) -> str:
@@ -33,7 +34,7 @@ def describe(store: Datastore, verified: bool) -> dict[str, Any]:
         "documents": meta.corpus.documents,
         "tokens": tokens,
     }
-    if isinstance(structure, SuffixAutomaton):
+    if isinstance(structure, (SuffixAutomaton, ShardedAutomaton)):
         report.update(states=structure.num_states, edges=structure.num_edges)
     else:
         report.update(contexts=structure.num_contexts, entries=structure.num_entries)
@@ -43,11 +44,15 @@ def describe(store: Datastore, verified: bool) -> dict[str, Any]:
         build=_build_settings(store),
         corpus=meta.corpus.to_dict(),
         created_by=meta.created_by,
-        arrays=[{"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "codec": e.codec,
-                 "stored_bytes": e.length, "raw_bytes": e.raw_length}
-                for e in store.file.entries.values()],
         verified=verified,
     )
+    if isinstance(store, ShardedDatastore):
+        report["shards"] = [{**entry, "states": shard.sam.num_states}
+                            for entry, shard in zip(store.manifest["shards"], store.shards)]
+    else:
+        report["arrays"] = [{"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "codec": e.codec,
+                             "stored_bytes": e.length, "raw_bytes": e.raw_length}
+                            for e in store.file.entries.values()]
     return report
 
 
@@ -65,7 +70,7 @@ def _text(report: dict[str, Any]) -> str:
     tok = report["tokenizer"]
     per_token = f" ({report['bytes_per_token']:.1f} bytes/token)" if report["bytes_per_token"] else ""
     rows = [
-        ("store", report["path"]),
+        ("store", report["path"] + (f" (directory of {len(report['shards'])} shards)" if "shards" in report else "")),
         ("kind", kind),
         ("format version", report["format_version"]),
         ("file size", f"{human_bytes(report['file_size'])}{per_token}"),
@@ -85,7 +90,9 @@ def _text(report: dict[str, Any]) -> str:
         ("created by", report["created_by"]),
     ]
     rows += [(f"array {a['name']}", f"{a['dtype']} {tuple(a['shape'])} {a['codec']} "
-                                    f"{human_bytes(a['stored_bytes'])}") for a in report["arrays"]]
+                                    f"{human_bytes(a['stored_bytes'])}") for a in report.get("arrays", [])]
+    rows += [(f"shard {s['file']}", f"{s['documents']:,} documents, {s['tokens']:,} tokens, {s['states']:,} states, "
+                                    f"{human_bytes(s['bytes'])}") for s in report.get("shards", [])]
     if report["verified"]:
         rows.append(("checksums", "ok"))
     width = max(len(name) for name, _ in rows)
@@ -102,12 +109,13 @@ def _pairs(values: dict[str, Any]) -> str:
 
 
 @click.command("info")
-@click.argument("store", type=click.Path(dir_okay=False))
+@click.argument("store", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--verify", is_flag=True,
               help="Check every array's checksum (raw arrays are not checked on load).")
 def info(store: str, as_json: bool, verify: bool) -> None:
-    """Describe a store: kind, size, tokenizer, build config and corpus statistics."""
+    """Describe a store (a .sam file or a sharded store directory): kind, size, tokenizer, build
+    config, corpus statistics, and its arrays or shards."""
     loaded = load_datastore(store, verify=verify)
     report = describe(loaded, verified=verify)
     click.echo(json.dumps(report) if as_json else _text(report))
