@@ -89,8 +89,9 @@ def _data_context(ray):
     """Ray Data settings of every samctl pipeline: rows in input order, no progress bars."""
     context = ray.data.DataContext.get_current()
     context.execution_options.preserve_order = True
-    context.enable_progress_bars = False
     context.print_on_execution_start = False
+    logging.getLogger("ray.data").setLevel(logging.ERROR)  # its progress lines and notes
+    context.enable_progress_bars = False
     return context
 
 
@@ -207,11 +208,11 @@ def tokenize_on_ray(address: str, texts: Iterable[str], tokenizer_spec: str | No
     items = [{"chunk": i, "docs": chunk} for i, chunk in enumerate(_chunks(texts))]
     if not items:
         return np.zeros(0, dtype=np.int32), np.zeros(1, dtype=np.int64)
-    context = _data_context(ray)
+    _data_context(ray)
     workers = max(1, min(len(items), int(ray.cluster_resources().get("CPU", 1))))
     dataset = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-        _Tokenize, fn_constructor_args=(tokenizer_spec, append_eos), batch_size=1, concurrency=workers,
-        num_cpus=1)
+        _Tokenize, fn_constructor_args=(tokenizer_spec, append_eos), batch_size=1,
+        compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=1, max_restarts=0)
     tokens, lengths = [], []
     try:
         for row in dataset.iter_rows():
@@ -227,3 +228,70 @@ def tokenize_on_ray(address: str, texts: Iterable[str], tokenizer_spec: str | No
     offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
     np.cumsum(sizes, out=offsets[1:])
     return np.concatenate(tokens), offsets
+
+
+# ---------------------------------------------------------------------------------------------
+# batch generation on Ray Data
+
+
+class _GenerateWorker:
+    """Ray Data actor: one Session (model, store memory-mapped, drafter with its cross-request
+    memory) for the actor's life; a batch of input lines -> their output lines and failures."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        from samctl.commands.generate import Session
+
+        self.runner = Session(options).runner
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        lines, failed = [], []
+        for number, line in zip(batch["number"], batch["line"]):
+            out, bad = self.runner.process(int(number), str(line))
+            lines.append(out)
+            failed.append(bad)
+        return {"number": batch["number"], "out": np.array(lines, dtype=object), "failed": np.array(failed)}
+
+
+def _worker_count(ray, requested: int | None, threads: int, gpus: float) -> int:
+    if requested is not None:
+        return requested
+    resources = ray.cluster_resources()
+    if gpus > 0:
+        return max(1, int(resources.get("GPU", 0) // gpus))
+    return max(1, int(resources.get("CPU", 1) // threads))
+
+
+def generate_on_ray(opts: dict[str, Any], records: Iterable[tuple[int, str]], write: Callable[[str], None]) -> int:
+    """`generate --input` on Ray: write each output line in input order; returns the failures."""
+    from samctl.commands.generate import worker_options
+    from samctl.progress import progress_bar
+
+    threads = opts["threads"] or 1
+    options = worker_options(opts) | {"threads": threads}
+    items = [{"number": number, "line": line} for number, line in records]
+    if not items:
+        return 0
+    local_cpus = None
+    if opts["ray_address"] == LOCAL and opts["workers"] is not None:
+        local_cpus = max(os.cpu_count() or 1, opts["workers"] * threads)  # room for every actor asked for
+    ray = start_ray(opts["ray_address"], num_cpus=local_cpus)
+    _data_context(ray)
+    workers = min(len(items), _worker_count(ray, opts["workers"], threads, opts["gpus_per_worker"]))
+    # Small blocks spread the records over the actors and let finished ones stream out in order.
+    dataset = ray.data.from_items(items, override_num_blocks=min(len(items), 32 * workers)).map_batches(
+        _GenerateWorker, fn_constructor_args=(options,), batch_size=1,
+        compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=threads,
+        num_gpus=opts["gpus_per_worker"] or None, max_restarts=0)
+    failed = 0
+    try:
+        with progress_bar(f"generate on {workers} Ray worker(s)", "record", opts["quiet"], total=len(items)) as bar:
+            for row in dataset.iter_rows():
+                write(row["out"])
+                failed += bool(row["failed"])
+                bar.update(1)
+    except Exception as err:  # Ray Data wraps a worker's error (a missing model or store) in its own types
+        unwrapped = _unwrap(err)
+        if unwrapped is err:
+            raise
+        raise unwrapped from err
+    return failed
