@@ -90,7 +90,9 @@ def _data_context(ray):
     context = ray.data.DataContext.get_current()
     context.execution_options.preserve_order = True
     context.print_on_execution_start = False
-    logging.getLogger("ray.data").setLevel(logging.ERROR)  # its progress lines and notes
+    # its progress lines, and the traceback it logs before raising a worker's error, which
+    # samctl turns into one line when it is a UserError and re-raises otherwise
+    logging.getLogger("ray.data").setLevel(logging.CRITICAL)
     context.enable_progress_bars = False
     return context
 
@@ -241,15 +243,26 @@ class _GenerateWorker:
     def __init__(self, options: dict[str, Any]) -> None:
         from samctl.commands.generate import Session
 
-        self.runner = Session(options).runner
+        # A UserError here (a missing model or store) goes back as data, the `fatal` column of
+        # every row: Ray hands the driver a worker's exception without its type.
+        self.fatal = ""
+        try:
+            self.runner = Session(options).runner
+        except UserError as err:
+            self.fatal = str(err)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.fatal:
+            n = len(batch["number"])
+            return {"number": batch["number"], "out": np.array([""] * n, dtype=object),
+                    "failed": np.ones(n, dtype=bool), "fatal": np.array([self.fatal] * n, dtype=object)}
         lines, failed = [], []
         for number, line in zip(batch["number"], batch["line"]):
             out, bad = self.runner.process(int(number), str(line))
             lines.append(out)
             failed.append(bad)
-        return {"number": batch["number"], "out": np.array(lines, dtype=object), "failed": np.array(failed)}
+        return {"number": batch["number"], "out": np.array(lines, dtype=object), "failed": np.array(failed),
+                "fatal": np.array([""] * len(lines), dtype=object)}
 
 
 def _worker_count(ray, requested: int | None, threads: int, gpus: float) -> int:
@@ -286,12 +299,11 @@ def generate_on_ray(opts: dict[str, Any], records: Iterable[tuple[int, str]], wr
     try:
         with progress_bar(f"generate on {workers} Ray worker(s)", "record", opts["quiet"], total=len(items)) as bar:
             for row in dataset.iter_rows():
+                if row["fatal"]:
+                    raise UserError(row["fatal"])
                 write(row["out"])
                 failed += bool(row["failed"])
                 bar.update(1)
-    except Exception as err:  # Ray Data wraps a worker's error (a missing model or store) in its own types
-        unwrapped = _unwrap(err)
-        if unwrapped is err:
-            raise
-        raise unwrapped from err
+    except ray.exceptions.RayError as err:
+        raise _unwrap(err) from err
     return failed
