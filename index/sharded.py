@@ -436,11 +436,15 @@ def build_shard(path: str | os.PathLike, tokens: np.ndarray, doc_offsets: np.nda
 
     tokens: [n] int32 of the shard's documents; doc_offsets: [d+1] int64 from 0 to n. `meta` is
     the whole store's: the shard's header keeps its tokenizer and build config, with its own
-    corpus counts. Peak memory is this shard's automaton.
+    corpus counts.
     """
     automaton = SuffixAutomaton.build(np.ascontiguousarray(tokens, dtype=np.int32), doc_offsets)
-    documents = len(doc_offsets) - 1
-    corpus = CorpusStats(documents=documents, tokens=int(len(tokens)),
+    return save_shard(path, automaton, meta)
+
+
+def save_shard(path: str | os.PathLike, automaton: SuffixAutomaton, meta: StoreMeta) -> dict[str, Any]:
+    """Write one shard's automaton (see build_shard); returns its manifest entry."""
+    corpus = CorpusStats(documents=automaton.num_documents, tokens=automaton.num_tokens,
                          inputs=(f"shard {os.path.basename(path)} of {', '.join(meta.corpus.inputs)}",))
     save_datastore(path, automaton, dataclasses.replace(meta, corpus=corpus))
-    return shard_entry(path, documents, len(tokens))
+    return shard_entry(path, automaton.num_documents, automaton.num_tokens)

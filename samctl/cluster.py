@@ -32,7 +32,8 @@ import numpy as np
 
 from index.datastore import StoreMeta
 from index.errors import UserError
-from index.sharded import build_shard
+from index.automaton import SuffixAutomaton
+from index.sharded import save_shard
 
 LOCAL = "local"  # --ray without an address: start a local Ray instance
 CHUNK_CHARS = 1 << 20  # characters of documents per Ray Data row when tokenizing
@@ -118,10 +119,17 @@ class ShardJob:
 
 
 def build_shard_job(job: ShardJob) -> tuple[int, dict[str, Any], int]:
-    """Build and write one shard from its slice of the tokens file: (index, entry, peak bytes)."""
-    tokens = np.load(job.tokens_file, mmap_mode="r")
+    """Build and write one shard from its slice of the tokens file: (index, entry, peak bytes).
+
+    Only the slice is read, and it is freed before writing (the automaton holds its own copy),
+    so the peak is the automaton plus its compressed blobs."""
     lo, hi = int(job.offsets[0]), int(job.offsets[-1])
-    entry = build_shard(job.path, np.array(tokens[lo:hi]), job.offsets - lo, job.meta)
+    mapped = np.load(job.tokens_file, mmap_mode="r")
+    tokens = np.array(mapped[lo:hi])
+    del mapped  # unmapped: its pages leave this process's resident set
+    automaton = SuffixAutomaton.build(tokens, job.offsets - lo)
+    del tokens
+    entry = save_shard(job.path, automaton, job.meta)
     return job.index, entry, peak_rss_bytes()
 
 

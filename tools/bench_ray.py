@@ -47,11 +47,13 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", default="48")
     parser.add_argument("--rounds", type=int, default=2, help="pairs of (1 worker, 2 workers) runs")
     parser.add_argument("--cpus", type=int, default=2)
+    parser.add_argument("--chat", action="store_true", help="apply the model's chat template")
     args = parser.parse_args()
 
     start_ray(LOCAL, num_cpus=args.cpus, object_store_mb=500)
     base = ["generate", "--model", args.model, "--input", args.input, "--max-new-tokens", args.max_new_tokens,
-            "--threads", "1", "--quiet", "--ray"] + (["--sam", args.sam] if args.sam else [])
+            "--threads", "1", "--quiet", "--ray"] + (["--sam", args.sam] if args.sam else []) \
+        + (["--chat"] if args.chat else [])
     walls: dict[int, list[float]] = {1: [], 2: []}
     reference = None
     tokens = 0
