@@ -358,10 +358,15 @@ def shard_entry(path: str | os.PathLike, documents: int, tokens: int) -> dict[st
 class StoreDirectoryWriter:
     """Writes a store directory atomically: shards go into a temporary directory beside `path`;
     `commit` writes the manifest, fsyncs, and renames the directory into place (replacing an
-    older store at `path`). Leaving the `with` block without `commit` removes everything."""
+    older store at `path`; any other directory there is refused). Leaving the `with` block without `commit` removes everything."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
+        # Only a store (directory with a manifest, or a file) is ever replaced: never a folder
+        # that merely sits at the path, which the final swap would delete.
+        if self.path.is_dir() and not (self.path / MANIFEST).is_file():
+            raise UserError(f"{self.path} is a directory but not a sharded store (no {MANIFEST}): "
+                            "choose another output path")
         parent = self.path.parent if str(self.path.parent) else Path(".")
         try:
             self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.tmp", dir=parent))

@@ -11,6 +11,7 @@ from index.automaton import SuffixAutomaton
 from index.datastore import BuildConfig, CorpusStats, StoreMeta, load_datastore, save_datastore
 from index.sharded import (MANIFEST, ShardedAutomaton, StoreDirectoryWriter, build_shard, children, load_sharded,
                            plan_shards)
+from index.errors import UserError
 from index.store import StoreError
 
 
@@ -158,3 +159,53 @@ def test_store_directory_appears_complete_or_not_at_all(tmp_path):
     write_sharded(path, tokens, offsets, 3)  # replaces the older store in one rename
     assert len(load_sharded(path).manifest["shards"]) == 3 != len(first["shards"])
     assert sorted(os.listdir(tmp_path)) == ["s.samd"]
+
+
+def test_a_directory_that_is_not_a_store_is_never_replaced(tmp_path):
+    folder = tmp_path / "precious"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("keep me")
+    with pytest.raises(UserError, match="not a sharded store"):
+        StoreDirectoryWriter(folder)
+    assert (folder / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--shards", "2", "--kind", "ngram"], "n-gram table"),
+    (["--shards", "0"], "--shards must be >= 1"),
+    (["--ray"], "add --shards N"),
+    (["--shards", "99"], "at least 99 documents"),
+])
+def test_build_shard_options_are_checked_in_one_line(tmp_path, capsys, args, message):
+    from samctl.cli import main
+
+    docs = tmp_path / "d.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(3)))
+    with pytest.raises(SystemExit) as info:
+        main(["build", str(docs), "-o", str(tmp_path / "s.samd"), "--tokenizer", "bytes", "-q", *args])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_info_and_query_read_a_store_directory(tmp_path, capsys):
+    from samctl.cli import main
+
+    docs = tmp_path / "d.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"the number {i} and the word {i % 3}"}) + "\n" for i in range(9)))
+    for out, extra in (("one.sam", []), ("many.samd", ["--shards", "3", "--workers", "1"])):
+        with pytest.raises(SystemExit) as info:
+            main(["build", str(docs), "-o", str(tmp_path / out), "--tokenizer", "bytes", "-q", *extra])
+            raise SystemExit(0)
+        assert info.value.code == 0, capsys.readouterr().err
+    answers = []
+    for out in ("one.sam", "many.samd"):
+        with pytest.raises(SystemExit):
+            main(["query", str(tmp_path / out), "--text", "and the word 1", "--json"])
+            raise SystemExit(0)
+        answers.append(json.loads(capsys.readouterr().out))
+    assert answers[0] == answers[1] and answers[0]["match_length"] == len("and the word 1")
+    with pytest.raises(SystemExit):
+        main(["info", str(tmp_path / "many.samd"), "--json", "--verify"])
+        raise SystemExit(0)
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["shards"]) == 3 and report["tokens"] == sum(s["tokens"] for s in report["shards"])
