@@ -295,6 +295,25 @@ def load_sharded(path: str | os.PathLike, verify: bool = False, occurrence: str 
     return store
 
 
+def verify_sharded(path: str | os.PathLike) -> dict[str, Any]:
+    """Check a store directory completely, one shard at a time (a shard's arrays are released
+    before the next is read, so this needs the memory of one shard): everything `load_sharded`
+    checks, plus every file's crc32 and every blob's checksum. Returns the manifest."""
+    name = str(path)
+    manifest = _read_manifest(name)
+    parse_meta(manifest, os.path.join(name, MANIFEST))
+    for entry in manifest["shards"]:
+        file = os.path.join(name, entry["file"])
+        if not os.path.isfile(file) or os.path.getsize(file) != entry["bytes"] or _file_crc32(file) != entry["crc32"]:
+            raise StoreError(f"{file} is missing or does not match {MANIFEST}: {_REBUILD}")
+        shard = load_single(file, verify=True)
+        if shard.sam.num_tokens != entry["tokens"]:
+            raise StoreError(f"{file} holds {shard.sam.num_tokens} tokens, {MANIFEST} says {entry['tokens']}: "
+                             f"{_REBUILD}")
+        del shard
+    return manifest
+
+
 def _read_manifest(name: str) -> dict[str, Any]:
     file = os.path.join(name, MANIFEST)
 

@@ -118,8 +118,9 @@ class ShardJob:
     meta: StoreMeta
 
 
-def build_shard_job(job: ShardJob) -> tuple[int, dict[str, Any], int]:
-    """Build and write one shard from its slice of the tokens file: (index, entry, peak bytes).
+def build_shard_job(job: ShardJob) -> tuple[int, dict[str, Any], int, int]:
+    """Build and write one shard from its slice of the tokens file: (index, entry, peak bytes,
+    states).
 
     Only the slice is read, and it is freed before writing (the automaton holds its own copy),
     so the peak is the automaton plus its compressed blobs."""
@@ -130,7 +131,7 @@ def build_shard_job(job: ShardJob) -> tuple[int, dict[str, Any], int]:
     automaton = SuffixAutomaton.build(tokens, job.offsets - lo)
     del tokens
     entry = save_shard(job.path, automaton, job.meta)
-    return job.index, entry, peak_rss_bytes()
+    return job.index, entry, peak_rss_bytes(), automaton.num_states
 
 
 def shard_jobs(tmp: Path, tokens: np.ndarray, doc_offsets: np.ndarray, bounds: np.ndarray, meta: StoreMeta,
@@ -142,33 +143,34 @@ def shard_jobs(tmp: Path, tokens: np.ndarray, doc_offsets: np.ndarray, bounds: n
             for i in range(len(bounds) - 1)]
 
 
-def run_local(jobs: list[ShardJob], workers: int, on_done: Callable[[int, int], None]) -> list[tuple[dict, int]]:
-    """Each job in a fresh spawned process, `workers` at a time; results in shard order."""
-    results: dict[int, tuple[dict, int]] = {}
+def run_local(jobs: list[ShardJob], workers: int, on_done: Callable[[int, int], None]) -> list[tuple[dict, int, int]]:
+    """Each job in a fresh spawned process, `workers` at a time; (entry, peak bytes, states) in
+    shard order."""
+    results: dict[int, tuple[dict, int, int]] = {}
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context,
                                                 max_tasks_per_child=1) as pool:
         for future in concurrent.futures.as_completed([pool.submit(build_shard_job, job) for job in jobs]):
-            index, entry, peak = future.result()
-            results[index] = (entry, peak)
+            index, entry, peak, states = future.result()
+            results[index] = (entry, peak, states)
             on_done(index, peak)
     return [results[i] for i in range(len(jobs))]
 
 
-def run_on_ray(address: str, jobs: list[ShardJob], on_done: Callable[[int, int], None]) -> list[tuple[dict, int]]:
-    """Each job as a Ray task (one CPU, a fresh worker process each); results in shard order."""
+def run_on_ray(address: str, jobs: list[ShardJob], on_done: Callable[[int, int], None]) -> list[tuple[dict, int, int]]:
+    """Each job as a Ray task (one CPU, a fresh worker process each); results as run_local's."""
     ray = start_ray(address)
     task = ray.remote(num_cpus=1, max_calls=1)(build_shard_job)
     pending = {task.remote(job): job.index for job in jobs}
-    results: dict[int, tuple[dict, int]] = {}
+    results: dict[int, tuple[dict, int, int]] = {}
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1)
         try:
-            index, entry, peak = ray.get(done[0])
+            index, entry, peak, states = ray.get(done[0])
         except ray.exceptions.RayError as err:
             raise _unwrap(err) from err
         del pending[done[0]]
-        results[index] = (entry, peak)
+        results[index] = (entry, peak, states)
         on_done(index, peak)
     return [results[i] for i in range(len(jobs))]
 

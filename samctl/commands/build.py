@@ -20,7 +20,7 @@ from index.corpus import CorpusReader
 from index.datastore import BuildConfig, CorpusStats, StoreMeta, load_datastore, save_datastore
 from index.errors import UserError
 from index.ngram import NgramTable
-from index.sharded import StoreDirectoryWriter, plan_shards
+from index.sharded import StoreDirectoryWriter, plan_shards, verify_sharded
 from samctl.commands.info import human_bytes
 from samctl.progress import progress_bar, status
 from samctl.tokenizer import load_tokenizer, tokenize_documents
@@ -106,13 +106,14 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
                      vocab_size=tok.vocab_size, eos_token_id=eos, build=config, corpus=corpus)
     if shards is not None:
         # 3-4) shards, each built and written by its own worker, then the manifest
-        peaks = _build_sharded(output, tokens, doc_offsets, meta, shards, ray_address, workers, quiet)
+        results = _build_sharded(output, tokens, doc_offsets, meta, shards, ray_address, workers, quiet)
         written = time.perf_counter()
-        store = load_datastore(output, verify=verify)
+        if verify:
+            verify_sharded(output)  # shard by shard: the driver never holds the whole store
         if not quiet:
-            click.echo(_summary(output, store.file_size, store.structure, corpus, tok.name, written - start,
-                                tokenized - tokenize_start, written - tokenized, 0.0, verified=verify,
-                                shards=(shards, max(peaks), ray_address)))
+            size = sum(entry["bytes"] for entry, _, _ in results)
+            click.echo(_sharded_summary(output, size, corpus, tok.name, results, written - start,
+                                        tokenized - tokenize_start, written - tokenized, ray_address, verify))
         return
     # 3) structure
     status(f"building the {'suffix automaton' if kind == 'sam' else 'n-gram table'} over "
@@ -151,8 +152,8 @@ def _check_sharding(kind: str, shards: int | None, ray_address: str | None, work
 
 
 def _build_sharded(output: str, tokens, doc_offsets, meta: StoreMeta, shards: int, ray_address: str | None,
-                   workers: int | None, quiet: bool) -> list[int]:
-    """Write the store directory; returns each shard's peak worker memory in bytes."""
+                   workers: int | None, quiet: bool) -> list[tuple[dict, int, int]]:
+    """Write the store directory; returns each shard's (manifest entry, worker peak bytes, states)."""
     from samctl.cluster import run_local, run_on_ray, shard_jobs
 
     if os.path.isfile(output):
@@ -170,19 +171,23 @@ def _build_sharded(output: str, tokens, doc_offsets, meta: StoreMeta, shards: in
             results = run_on_ray(ray_address, jobs, done)
         else:
             results = run_local(jobs, min(shards, workers or os.cpu_count() or 1), done)
-        writer.commit(meta, [entry for entry, _ in results])
-    return [peak for _, peak in results]
+        writer.commit(meta, [entry for entry, _, _ in results])
+    return results
+
+
+def _sharded_summary(output, size, corpus, tokenizer_name, results, total, tokenize, build_s, ray_address,
+                     verified) -> str:
+    peaks = sorted(peak for _, peak, _ in results)
+    states = sum(n for _, _, n in results)
+    return (f"wrote {output}: {len(results)} shards, {corpus.documents:,} documents, {corpus.tokens:,} tokens "
+            f"({tokenizer_name}), {states:,} states, {human_bytes(size)} ({size / corpus.tokens:.1f} bytes/token) "
+            f"in {total:.2f} s (tokenize {tokenize:.2f} s, build and write {build_s:.2f} s"
+            f"{', on Ray' if ray_address else ''}); worker peak memory {peaks[len(peaks) // 2] / 1e6:,.1f} MB median, "
+            f"{peaks[-1] / 1e6:,.1f} MB largest{', checksums verified' if verified else ''}")
 
 
 def _summary(output, size, structure, corpus, tokenizer_name, total, tokenize, build_s, write,
-             verified, shards=None) -> str:
-    if shards is not None:
-        count, peak, ray_address = shards
-        return (f"wrote {output}: {count} shards, {corpus.documents:,} documents, {corpus.tokens:,} tokens "
-                f"({tokenizer_name}), {structure.num_states:,} states, {human_bytes(size)} "
-                f"({size / corpus.tokens:.1f} bytes/token) in {total:.2f} s (tokenize {tokenize:.2f} s, "
-                f"build and write {build_s:.2f} s{', on Ray' if ray_address else ''}; largest worker peak "
-                f"{human_bytes(peak)}){', checksums verified' if verified else ''}")
+             verified) -> str:
     if isinstance(structure, SuffixAutomaton):
         shape = f"{structure.num_states:,} states, {structure.num_edges:,} edges"
     else:
