@@ -224,7 +224,7 @@ def tokenize_on_ray(address: str, texts: Iterable[str], tokenizer_spec: str | No
     workers = max(1, min(len(items), int(ray.cluster_resources().get("CPU", 1))))
     dataset = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
         _Tokenize, fn_constructor_args=(tokenizer_spec, append_eos), batch_size=1,
-        compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=1, max_restarts=0)
+        compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=1)
     tokens, lengths = [], []
     try:
         for row in dataset.iter_rows():
@@ -304,7 +304,7 @@ def generate_on_ray(opts: dict[str, Any], records: Iterable[tuple[int, str]], wr
     dataset = ray.data.from_items(items, override_num_blocks=min(len(items), 32 * workers)).map_batches(
         _GenerateWorker, fn_constructor_args=(options,), batch_size=1,
         compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=threads,
-        num_gpus=opts["gpus_per_worker"] or None, max_restarts=0)
+        num_gpus=opts["gpus_per_worker"] or None)
     failed = 0
     try:
         with progress_bar(f"generate on {workers} Ray worker(s)", "record", opts["quiet"], total=len(items)) as bar:

@@ -8,7 +8,8 @@ walk), the code path of an unsharded store. Every variant's match lengths are ch
 (the longest over the shards is the single store's match). The variants are interleaved in
 one process, `--rounds` times; the median per variant is reported.
 
-    python tools/bench_shards.py --store /work/runs/ray/py25m_1.samd --traces /work/runs/ray/py100m.jsonl
+    python tools/bench_shards.py --store /work/runs/ray/py25m_1.samd --traces /work/runs/ray/py100m.jsonl \
+        --max-tokens 6000000
 
 The store and the trace use the byte-level tokenizer; the trace is the text of the last records
 of --traces (JSONL, field `text`), which should not be in the store (held-out text).
@@ -31,14 +32,19 @@ from index.datastore import load_datastore  # noqa: E402
 from index.sharded import ShardedAutomaton, plan_shards  # noqa: E402
 
 
-def split(sam: SuffixAutomaton, n: int) -> ShardedAutomaton:
-    """The single store's documents rebuilt as n shards (contiguous whole documents)."""
+def documents(sam: SuffixAutomaton, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """The store's first whole documents, up to max_tokens: (tokens [n] int32, offsets [d+1] int64)."""
     buf = np.asarray(sam.tokens)
     ends = np.flatnonzero(buf < 0)
     starts = np.concatenate(([0], ends[:-1] + 1))
-    lengths = ends - starts
-    tokens = buf[buf >= 0].astype(np.int32)
-    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    offsets = np.concatenate(([0], np.cumsum(ends - starts))).astype(np.int64)
+    keep = max(1, int(np.searchsorted(offsets, max_tokens, side="right")) - 1)
+    tokens = buf[buf >= 0].astype(np.int32)[:offsets[keep]]
+    return tokens, offsets[:keep + 1]
+
+
+def split(tokens: np.ndarray, offsets: np.ndarray, n: int) -> ShardedAutomaton:
+    """The documents built as n shards (contiguous whole documents)."""
     bounds = plan_shards(offsets, n)
     return ShardedAutomaton([SuffixAutomaton.build(tokens[offsets[lo]:offsets[hi]], offsets[lo:hi + 1] - offsets[lo])
                              for lo, hi in zip(bounds[:-1], bounds[1:])])
@@ -70,10 +76,15 @@ def main() -> None:
     parser.add_argument("--shards", default="1,2,4,8")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=200_000, help="tokens replayed")
+    parser.add_argument("--max-tokens", type=int, default=6_000_000,
+                        help="the store's first documents up to this many tokens (every variant holds them all)")
     args = parser.parse_args()
 
     store = load_datastore(args.store)
-    sam = store.sam if not isinstance(store.sam, ShardedAutomaton) else store.sam.shards[0]
+    whole = store.sam if not isinstance(store.sam, ShardedAutomaton) else store.sam.shards[0]
+    tokens, offsets = documents(whole, args.max_tokens)
+    del store, whole  # every variant below is built from these tokens
+    sam = SuffixAutomaton.build(tokens, offsets)
     lines = Path(args.traces).read_text().splitlines()
     texts: list[bytes] = []
     while lines and sum(map(len, texts)) < args.steps:
@@ -82,7 +93,7 @@ def main() -> None:
     counts = [int(n) for n in args.shards.split(",")]
     variants = {"single store": lambda: replay_single(sam, trace)}
     for n in counts:
-        sharded = split(sam, n)
+        sharded = split(tokens, offsets, n)
         variants[f"{n} shard(s)"] = (lambda s=sharded: replay_sharded(s, trace))
     for run in variants.values():  # compile and fault the pages in
         run()
