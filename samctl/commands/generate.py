@@ -9,6 +9,10 @@ for a single prompt the median of --compare-runs rounds run in alternating order
 Every timing is of the steady state: a warm-up run comes first (see Runner). In float32 a
 difference in the outputs exits 1; in half precision the first divergence and the agreeing rate
 are reported instead (near-tie drift of batched verification, not an error).
+
+`--resume` skips the records whose id the output file already holds (a torn last line is cut)
+and appends the rest. `--ray` runs a batch on Ray Data actors, each with its own Session
+(samctl/cluster.py); `Runner.process` turns one input line into one output line for both.
 """
 from __future__ import annotations
 
@@ -51,7 +55,8 @@ WARM_UP_TOKENS = 32
 @click.option("--resume", is_flag=True, help="Batch: skip records whose id is already in --output and append the rest (after a killed run).")
 @click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
               help="Batch: generate on the Ray cluster at ADDRESS (a local Ray instance when omitted) with Ray Data, one "
-                   "model + store + drafter per worker; output in input order, as without --ray.")
+                   "model + store + drafter per worker, each with --threads CPU threads (default 1); output in "
+                   "input order, as without --ray.")
 @click.option("--workers", type=int, default=None, help="--ray: worker actors [default: the cluster's CPUs / --threads, or its GPUs / --gpus-per-worker].")
 @click.option("--gpus-per-worker", type=float, default=0.0, show_default=True, help="--ray: GPUs each worker holds (0: CPU workers).")
 @click.option("--field", "prompt_field", metavar="NAME", help="Batch: the record field holding the prompt.")
