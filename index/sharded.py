@@ -14,8 +14,9 @@ never split). Since no match crosses a document, for any text:
     its first occurrence lies in the lowest such shard, its latest in the highest;
     the counts of its next tokens add up over those shards in the same way.
 So `ShardedDatastore.lookup` answers exactly what one store over the same corpus answers. The
-drafters follow one pointer per shard (`ShardedAutomaton.walk`, one kernel call for all shards)
-and draft from the shard holding the longest match (`peek`): for `sam` and its continuation this
+drafters follow one pointer per shard (`ShardedAutomaton.walk`, one kernel call for all shards,
+reusing the steps of the last `peek` over the same token) and draft from the shard holding the
+longest match (`peek`): for `sam` and its continuation this
 is again exactly the single store's draft; tree drafters (`rest`, `adaptive`) rank next tokens by
 that shard's counts only.
 
@@ -86,23 +87,32 @@ def plan_shards(doc_offsets: np.ndarray, n: int) -> np.ndarray:
 
 
 @njit(cache=True)
-def shards_walk(states_t, edges_t, slots_t, st, ln, tokens):
+def shards_walk(states_t, edges_t, slots_t, st, ln, tokens, peeked_st, peeked_ln, use_peeked):
     # states_t/edges_t/slots_t: tuples of the shards' kernel arrays; st, ln: [N] int64 pointers,
-    # moved in place over tokens ([k] int32) in every shard.
+    # moved in place over tokens ([k] int32) in every shard. With use_peeked, the step over
+    # tokens[0] is taken from peeked_st/peeked_ln ([N] int64, what shards_peek computed for it
+    # from this same pointer): a decode step then probes each shard once, not twice.
+    start = 0
+    if use_peeked:
+        for i in range(len(st)):
+            st[i], ln[i] = peeked_st[i], peeked_ln[i]
+        start = 1
     for i in range(len(states_t)):
         s, m = st[i], ln[i]
-        for t in tokens:
-            s, m = sam_step(states_t[i], edges_t[i], slots_t[i], s, m, t)
+        for j in range(start, len(tokens)):
+            s, m = sam_step(states_t[i], edges_t[i], slots_t[i], s, m, tokens[j])
         st[i], ln[i] = s, m
 
 
 @njit(cache=True)
-def shards_peek(states_t, edges_t, slots_t, st, ln, t0, prefer_last):
+def shards_peek(states_t, edges_t, slots_t, st, ln, t0, prefer_last, out_st, out_ln):
     # -> (shard, state, length) of the longest match after t0 without moving the pointers; ties
     # go to the lowest shard (first occurrence) or, with prefer_last, the highest (latest).
+    # Every shard's moved pointer goes to out_st/out_ln ([N] int64).
     best, best_state, best_len = 0, 0, -1
     for i in range(len(states_t)):
         s, m = sam_step(states_t[i], edges_t[i], slots_t[i], st[i], ln[i], t0)
+        out_st[i], out_ln[i] = s, m
         if m > best_len or (prefer_last and m == best_len):
             best, best_state, best_len = i, s, m
     return best, best_state, best_len
@@ -151,12 +161,16 @@ class ShardedAutomaton:
         self.states = tuple(_readonly(a.states) for a in arrays)
         self.edges = tuple(_readonly(a.edges) for a in arrays)
         self.slots = tuple(_readonly(a.slots) for a in arrays)
+        self._peek_st = np.zeros(len(self.shards), dtype=np.int64)  # the last peek's moved pointer
+        self._peek_ln = np.zeros(len(self.shards), dtype=np.int64)
+        self._peeked_for: tuple[int, int] | None = None  # (id of the peeked pointer, its token)
 
     def __len__(self) -> int:
         return len(self.shards)
 
     def pointer(self) -> tuple[np.ndarray, np.ndarray]:
         """A fresh pointer: ([N] int64 states, [N] int64 lengths) at every shard's root."""
+        self._peeked_for = None
         return np.zeros(len(self.shards), dtype=np.int64), np.zeros(len(self.shards), dtype=np.int64)
 
     def match(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -167,12 +181,18 @@ class ShardedAutomaton:
 
     def walk(self, states: np.ndarray, lengths: np.ndarray, tokens: np.ndarray) -> None:
         """Move the pointer over tokens ([k] int32) in every shard, in place."""
-        shards_walk(self.states, self.edges, self.slots, states, lengths, np.asarray(tokens, dtype=np.int32))
+        tokens = np.asarray(tokens, dtype=np.int32)
+        # the last peek's steps are reused when they were taken from this pointer, unmoved since
+        # (every walk and new pointer clears the record), over this first token
+        reuse = len(tokens) > 0 and self._peeked_for == (id(states), int(tokens[0]))
+        self._peeked_for = None
+        shards_walk(self.states, self.edges, self.slots, states, lengths, tokens, self._peek_st, self._peek_ln, reuse)
 
     def peek(self, states: np.ndarray, lengths: np.ndarray, token: int) -> tuple[int, int, int]:
         """(shard, state, length) of the longest match once token follows; the pointer stays."""
         shard, state, length = shards_peek(self.states, self.edges, self.slots, states, lengths, token,
-                                           self._prefer_last)
+                                           self._prefer_last, self._peek_st, self._peek_ln)
+        self._peeked_for = (id(states), int(token))
         return int(shard), int(state), int(length)
 
     def best(self, states: np.ndarray, lengths: np.ndarray) -> tuple[int, int, int]:
