@@ -171,6 +171,7 @@ def test_bad_sampling_values_and_prompt_fields_are_one_line(model_dir):
     assert "empty" in records[0]["error"] and "list of texts" in records[1]["error"]
 
 
+@pytest.mark.slow
 def test_resume_after_a_kill_skips_finished_records(model_dir, tmp_path):
     import os
     import signal

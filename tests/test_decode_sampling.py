@@ -21,8 +21,6 @@ from decode.loop import GenerationConfig, generate
 from decode.methods import MethodConfig, make_drafter
 from decode.sampling import SamplingConfig, warp_probs
 from decode.target import TargetModel
-from index.automaton import SuffixAutomaton
-from index.sharded import ShardedAutomaton
 from tests.mock_lm import CopyLM, copy_rule
 
 VOCAB, NEW, SAMPLES, ALPHA = 4, 3, 2500, 1e-3
@@ -47,15 +45,9 @@ def exact_distribution(model: CopyLM, sampling: SamplingConfig) -> dict[tuple[in
     return probs
 
 
-def sharded_store() -> ShardedAutomaton:
-    # two shards whose text follows the copy rule's favourite continuations and one that does not
-    docs = [np.array(PROMPT + [2, 3, 0, 1], dtype=np.int32), np.array([3, 2, 1, 0, 3, 2, 1, 0], dtype=np.int32)]
-    return ShardedAutomaton([SuffixAutomaton.build(d, np.array([0, len(d)])) for d in docs])
-
-
-def sample_counts(model: CopyLM, method: str, sampling: SamplingConfig, static=None) -> tuple[dict, int]:
+def sample_counts(model: CopyLM, method: str, sampling: SamplingConfig) -> tuple[dict, int]:
     target = TargetModel(model)
-    drafter = make_drafter(method, vocab_size=VOCAB, device=target.device, config=CONFIG, static=static)
+    drafter = make_drafter(method, vocab_size=VOCAB, device=target.device, config=CONFIG)
     counts: dict[tuple[int, ...], int] = {}
     accepted = 0
     for i in range(SAMPLES):
@@ -96,7 +88,6 @@ SETTINGS = [
     pytest.param("sam", SamplingConfig(temperature=0.7, top_k=3, top_p=0.9), id="sam-warped"),
     pytest.param("sam+recycle", SamplingConfig(temperature=1.3, top_p=0.8), id="sam+recycle-warped"),
     pytest.param("adaptive", SamplingConfig(temperature=0.8, top_p=0.9), id="adaptive-warped"),
-    pytest.param("adaptive+sharded", SamplingConfig(temperature=1.0), id="adaptive-sharded-store"),
 ]
 
 
@@ -104,9 +95,7 @@ SETTINGS = [
 @pytest.mark.parametrize("method,sampling", SETTINGS)
 def test_sampling_matches_target_distribution(method, sampling):
     model = CopyLM(vocab=VOCAB, peak=1.5)
-    sharded = method.endswith("+sharded")  # drafting from a sharded static store
-    method = method.removesuffix("+sharded")
-    counts, accepted = sample_counts(model, method, sampling, static=sharded_store() if sharded else None)
+    counts, accepted = sample_counts(model, method, sampling)
     if method != "ar":
         assert accepted > SAMPLES // 10, f"{method} accepted only {accepted} drafts: the test would prove nothing"
     p_value = fits(counts, exact_distribution(model, sampling))

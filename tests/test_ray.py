@@ -12,6 +12,7 @@ from samctl.cli import main
 from tests.test_cli_generate import PROMPT
 
 ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow  # a Ray instance, actors and spawned build processes: ~2 minutes in all
 
 
 @pytest.fixture(scope="module", autouse=True)
