@@ -128,8 +128,9 @@ def queries(args: argparse.Namespace, docs: list[np.ndarray], path: Path) -> dic
     buf = np.asarray(ours.tokens)  # documents separated by -1: a scan stops at a boundary
     rng = np.random.default_rng(0)
     agree_seed = agree_ours = 0
+    texts = [d[:-1] for d in docs if len(d) > 1]  # without their EOS; empty files have nothing to query
     for _ in range(args.queries):
-        doc = docs[int(rng.integers(len(docs)))][:-1]  # without its EOS
+        doc = texts[int(rng.integers(len(texts)))]
         length = int(rng.integers(1, min(32, len(doc)) + 1))
         start = int(rng.integers(0, len(doc) - length + 1))
         query = doc[start:start + length]
@@ -179,7 +180,10 @@ def main() -> None:
                                ("queries", "both")):
                 cmd = [sys.executable, __file__, "--child", "--seed", args.seed, "--side", side, "--what", what,
                        "--n", str(n), "--dir", tmp, "--queries", str(args.queries), "--stdlib", args.stdlib]
-                out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode:
+                    sys.exit(f"{what} {side} at {n} tokens failed:\n{done.stderr}")
+                out = done.stdout
                 row[f"{what}_{side}"] = json.loads(out.strip().splitlines()[-1])
                 print(n, what, side, row[f"{what}_{side}"], flush=True)
             results[n] = row
