@@ -203,9 +203,19 @@ def save_datastore(
 def load_datastore(path: str | os.PathLike, verify: bool = False, occurrence: str = "first") -> Datastore:
     """Read and validate a store; raises UserError (StoreError for the file) on any problem.
 
-    `occurrence` picks which occurrence a suffix automaton's continuations come from.
+    `occurrence` picks which occurrence a suffix automaton's continuations come from. A directory
+    is a sharded store (index/sharded.py), returned as a ShardedDatastore with the same queries.
     """
-    from index.automaton import SuffixAutomaton
+    if os.path.isdir(path):
+        from index.sharded import load_sharded  # sharded.py builds on this module
+
+        return load_sharded(path, verify=verify, occurrence=occurrence)
+    return load_single(path, verify=verify, occurrence=occurrence)
+
+
+def load_single(path: str | os.PathLike, verify: bool = False, occurrence: str = "first") -> Datastore:
+    """`load_datastore` for one `.sam` file."""
+    from index.automaton import SuffixAutomaton  # numba loads here, not for `samctl info`
     from index.ngram import NgramTable
 
     store, meta = read_meta(path, verify=verify)
@@ -236,7 +246,11 @@ def read_meta(path: str | os.PathLike, verify: bool = False) -> tuple[StoreFile,
 
 
 def _parse_meta(store: StoreFile) -> StoreMeta:
-    header, name = store.header, store.path
+    return parse_meta(store.header, store.path)
+
+
+def parse_meta(header: dict[str, Any], name: str) -> StoreMeta:
+    """StoreMeta from an untrusted header map (a store's, or a sharded store's manifest)."""
 
     def bad(what: str) -> StoreError:
         return StoreError(f"{name} has a malformed header ({what}): {_REBUILD}")

@@ -24,8 +24,8 @@ def load_memory(path: str, engine: Engine, drafter) -> int:
                         "or use --method adaptive, lookahead or ouroboros")
     store = load_store(path, engine)
     if not isinstance(store.structure, SuffixAutomaton):
-        raise UserError(f"{path} is an n-gram store: a memory file is an automaton store "
-                        "(samctl build --kind sam, or one written by --memory-save)")
+        raise UserError(f"{path} is not a single automaton store: a memory file is one .sam automaton store "
+                        "(samctl build --kind sam without --shards, or one written by --memory-save)")
     tokens = np.asarray(store.structure.tokens)
     ends = np.flatnonzero(tokens < 0)
     starts = np.concatenate(([0], ends[:-1] + 1))

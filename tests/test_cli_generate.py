@@ -202,3 +202,37 @@ def test_a_closed_output_pipe_exits_zero(model_dir):
     err = proc.stderr.read()
     assert proc.wait(timeout=300) == 0, err
     assert json.loads(first)["id"] == 0 and "Traceback" not in err and "Exception ignored" not in err
+
+@pytest.mark.slow
+def test_resume_after_a_kill_skips_finished_records(model_dir, tmp_path):
+    import os
+    import signal
+    import time
+
+    records = [json.dumps({"id": f"r{i}", "prompt": PROMPT + " " * i}) for i in range(8)]
+    records.insert(5, "not json")
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text("\n".join(records) + "\n")
+    common = [sys.executable, "-m", "samctl", "generate", "--model", str(model_dir), "--input", str(inputs),
+              "--max-new-tokens", "12", "--threads", "1", "--quiet", "--method", "pld"]
+    whole = samctl(*common[3:], "--output", str(tmp_path / "whole.jsonl"))
+    assert whole.returncode == 1, whole.stderr
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen([*common, "--output", str(out)], stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if out.exists() and out.read_text().count("\n") >= 3:
+            os.kill(proc.pid, signal.SIGKILL)  # a kill mid-batch, without any cleanup
+            break
+        time.sleep(0.02)
+    proc.wait()
+    done_before = out.read_text().count("\n")
+    resumed = samctl(*common[3:], "--output", str(out), "--resume")
+    assert resumed.returncode == 1, resumed.stderr
+
+    def strip(path) -> list[dict]:
+        return [{k: v for k, v in json.loads(line).items() if k != "metrics"} for line in path.read_text().splitlines()]
+
+    assert strip(out) == strip(tmp_path / "whole.jsonl") and done_before >= 3
+    refused = samctl(*common[3:], "--resume")
+    assert refused.returncode == 2 and "not stdout" in refused.stderr

@@ -12,6 +12,7 @@ from decode.drafters.sam import SamConfig
 from decode.target import TargetModel
 from index.automaton import SuffixAutomaton
 from index.ngram import NgramConfig, NgramTable
+from index.sharded import ShardedAutomaton
 from tests.mock_lm import CopyLM
 
 # Low thresholds so that retrieval drafts fire often on tiny random models.
@@ -50,7 +51,11 @@ def test_greedy_equals_generate(tiny_model_dir, method):
         corpus = np.asarray(expected[:40], dtype=np.int32), np.array([0, 40])
         static = SuffixAutomaton.build(*corpus)
         ngram = NgramTable.build(*corpus, NgramConfig(min_count=1))
-        stores = (static,) if method == "rest" else (None, static, ngram) if uses_store(method) else (None,)
+        # two shards of 25 and 15 tokens (a sharded store drafts from the shard with the longest match)
+        sharded = ShardedAutomaton([SuffixAutomaton.build(corpus[0][:25], np.array([0, 25])),
+                                    SuffixAutomaton.build(corpus[0][25:], np.array([0, 15]))])
+        stores = (static, sharded) if method == "rest" else (None, static, sharded, ngram) if uses_store(method) \
+            else (None,)
         for store in stores:
             result = run(model, method, prompt, 80, static=store)
             assert result.tokens == expected, (method, prompt, store is not None)

@@ -3,7 +3,8 @@
 Each step (t0 = the pending token):
     1) match   t0 moves the match pointers of every source (no mutation):
                dynamic  the automaton over this request's prediction (if any), prompt and output
-               static   the datastore (--sam), a suffix automaton or an n-gram table
+               static   the datastore (--sam): a suffix automaton, a sharded store (the shard
+                        with the longest match proposes) or an n-gram table
                memory   an automaton over the outputs of earlier requests in this process
                recycle  Token Recycle's table of each token's likely successors (engine only: it
                         learns from the target's logits)
@@ -35,6 +36,7 @@ from decode.drafters.candidates import N_CELLS, SOURCES, learn, ngram_candidates
 from decode.tree import DraftTree
 from index.automaton import SuffixAutomaton
 from index.errors import UserError
+from index.sharded import ShardedAutomaton
 
 if TYPE_CHECKING:
     from index.ngram import NgramTable
@@ -107,6 +109,31 @@ class _AutomatonPointer:
 
     def advance(self, tokens: np.ndarray) -> None:
         self.state, self.length = self.automaton.walk(self.state, self.length, tokens)
+
+    def select(self, t0: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+        """(states, edges, slots, state, length) to draft from once t0 follows."""
+        return self.arrays.states, self.arrays.edges, self.arrays.slots, self.state, self.length
+
+
+class _ShardedPointer:
+    """One match pointer per shard of a sharded store; each step drafts from the shard with the
+    longest match after t0 (one kernel call for all shards), so its counts rank the tree."""
+
+    def __init__(self, sharded: ShardedAutomaton) -> None:
+        self.sharded = sharded
+        self.states, self.lengths = sharded.pointer()
+
+    def reset(self, context: np.ndarray) -> None:
+        self.states, self.lengths = self.sharded.match(context[-256:].astype(np.int32))
+
+    def advance(self, tokens: np.ndarray) -> None:
+        self.sharded.walk(self.states, self.lengths, tokens)
+
+    def select(self, t0: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+        shard = self.sharded.peek(self.states, self.lengths, t0)[0]
+        sharded = self.sharded
+        return (sharded.states[shard], sharded.edges[shard], sharded.slots[shard], int(self.states[shard]),
+                int(self.lengths[shard]))
 
 
 class Memory:
@@ -181,7 +208,7 @@ class AdaptiveDrafter:
     name = "adaptive"
     prefill_logits = "last"  # Token Recycle learns from decode steps only, never the prompt
 
-    def __init__(self, config: AdaptiveConfig = AdaptiveConfig(), static: "SuffixAutomaton | NgramTable | None" = None,
+    def __init__(self, config: AdaptiveConfig = AdaptiveConfig(), static: "SuffixAutomaton | ShardedAutomaton | NgramTable | None" = None,
                  cost: np.ndarray | None = None, vocab_size: int = 0, device: torch.device | str = "cpu") -> None:
         self.config = config
         self.cost = np.asarray(cost if cost is not None else linear_cost(0.005), dtype=np.float64)
@@ -190,7 +217,11 @@ class AdaptiveDrafter:
                             "re-measure it with samctl calibrate")
         self.calibration = Calibration(config)
         self.static = static
-        self.static_pointer = _AutomatonPointer(static) if isinstance(static, SuffixAutomaton) else None
+        self.static_pointer: _AutomatonPointer | _ShardedPointer | None = None
+        if isinstance(static, SuffixAutomaton):
+            self.static_pointer = _AutomatonPointer(static)
+        elif isinstance(static, ShardedAutomaton):
+            self.static_pointer = _ShardedPointer(static)
         self._ngram_arrays = static.to_arrays() if static is not None and self.static_pointer is None else None
         self.memory = Memory(config.memory, config.memory_tokens)
         self.memory_pointer = _AutomatonPointer(self.memory.automaton)
@@ -254,13 +285,13 @@ class AdaptiveDrafter:
         # candidates go into the buffer first).
         n = self._ngram_candidates(t0) if self._ngram_arrays is not None else 0
         dyn = self.dynamic.kernel_arrays
-        static = self.static_pointer.arrays if self.static_pointer is not None else dyn
+        static = (self.static_pointer.select(t0) if self.static_pointer is not None
+                  else (dyn.states, dyn.edges, dyn.slots, 0, 0))
         memory = self.memory_pointer.arrays if len(self.memory) else dyn
-        static_at = (self.static_pointer.state, self.static_pointer.length) if self.static_pointer is not None else (0, 0)
         table = self.recycle.table if self.recycle is not None else self._no_table
         tokens, parents, cells, is_chain = propose_tree(
             dyn.states, dyn.edges, dyn.slots, self.dyn_state, self.dyn_length,
-            static.states, static.edges, static.slots, *static_at, self.static_pointer is not None,
+            *static, self.static_pointer is not None,
             memory.states, memory.edges, memory.slots, self.memory_pointer.state, self.memory_pointer.length,
             len(self.memory) > 0, table, self.recycle is not None, t0, self.calibration.means, self.cost,
             self._settings, *self._buffer, n)

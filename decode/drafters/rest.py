@@ -13,7 +13,8 @@ a child never outnumbers its parent. All occurrences count here, not the first 5
 
 The pointer into the store streams over committed tokens like SAM-Decoding's static pointer; the
 suffix of length max_span is its state, or the ancestor along suffix links whose length range
-holds max_span. This module knows the automaton's arrays, not store files.
+holds max_span. A sharded store has one pointer per shard, and the tree comes from the shard with
+the longest match (its counts only). This module knows the automaton's arrays, not store files.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from numba import njit
 from decode.tree import DraftTree
 from index.automaton import LEN, LINK, SuffixAutomaton, sam_step, sam_topk_next
 from index.errors import UserError
+from index.sharded import ShardedAutomaton
 
 if TYPE_CHECKING:
     from index.ngram import NgramTable
@@ -109,30 +111,30 @@ def rest_tree(states, edges, slots, state, num_nodes, max_depth):
 class RestDrafter:
     name = "rest"
 
-    def __init__(self, config: RestConfig, static: "SuffixAutomaton | NgramTable | None") -> None:
+    def __init__(self, config: RestConfig, static: "SuffixAutomaton | ShardedAutomaton | NgramTable | None") -> None:
         if static is None:
             raise UserError("method rest drafts from a datastore: pass --sam STORE (built by samctl build)")
-        if not isinstance(static, SuffixAutomaton):
+        if not isinstance(static, (SuffixAutomaton, ShardedAutomaton)):
             raise UserError("method rest needs a suffix-automaton store: rebuild it with samctl build --kind sam")
         self.config = config
-        self.automaton = static
-        self.state, self.length = 0, 0
-        arrays = static.kernel_arrays
-        rest_tree(arrays.states, arrays.edges, arrays.slots, 0, 1, 1)  # compile (or load the cache) now
+        # One pointer per shard (a single store is one shard); the tree grows in the shard that
+        # holds the longest match, so with several shards its counts are that shard's.
+        self.sharded = static if isinstance(static, ShardedAutomaton) else ShardedAutomaton([static])
+        self.states, self.lengths = self.sharded.pointer()
+        rest_tree(self.sharded.states[0], self.sharded.edges[0], self.sharded.slots[0], 0, 1, 1)  # compile now
 
     def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor | None) -> None:
-        self.state, self.length = self.automaton.match(prompt.astype(np.int32))
+        self.states, self.lengths = self.sharded.match(prompt.astype(np.int32))
 
     def propose(self, t0: int) -> DraftTree:
         cfg = self.config
-        state, length = self.automaton.step(self.state, self.length, t0)
+        shard, state, length = self.sharded.peek(self.states, self.lengths, t0)
         if length < cfg.min_span:
             return DraftTree.empty()
-        arrays = self.automaton.kernel_arrays
-        state = span_state(arrays.states, state, length, cfg.max_span)
-        tokens, parents = rest_tree(arrays.states, arrays.edges, arrays.slots, state, cfg.num_nodes, cfg.max_depth)
+        states, edges, slots = self.sharded.states[shard], self.sharded.edges[shard], self.sharded.slots[shard]
+        state = span_state(states, state, length, cfg.max_span)
+        tokens, parents = rest_tree(states, edges, slots, state, cfg.num_nodes, cfg.max_depth)
         return DraftTree(tokens=tokens.astype(np.int64), parents=parents)
 
     def observe(self, committed: np.ndarray, input_ids: torch.Tensor | None, logits: torch.Tensor | None) -> None:
-        for token in committed:
-            self.state, self.length = self.automaton.step(self.state, self.length, int(token))
+        self.sharded.walk(self.states, self.lengths, np.asarray(committed, dtype=np.int32))

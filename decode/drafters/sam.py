@@ -3,7 +3,8 @@
 Two match pointers, each the longest suffix of the committed text found in a structure:
 - dynamic: an automaton grown over prompt + output. Its pointer moves on a token *before* the
   token is inserted, so the match is always an earlier occurrence, which has a continuation.
-- static: a prebuilt datastore (suffix automaton or n-gram table); only the pointer moves.
+- static: a prebuilt datastore (suffix automaton, sharded store or n-gram table); only the
+  pointer moves (one per shard: the longest match over the shards counts and drafts).
 
 Each step (t0 = the pending token):
     m_dyn, m_st = matches after a non-mutating step on t0 (both count t0)
@@ -26,6 +27,7 @@ from decode.drafters.base import Drafter
 from decode.tree import DraftTree
 from index.automaton import SuffixAutomaton
 from index.errors import UserError
+from index.sharded import ShardedAutomaton
 
 if TYPE_CHECKING:
     from index.ngram import NgramTable
@@ -98,9 +100,33 @@ class StaticNgramSource:
         return self.table.continuation(handle, n)
 
 
-def static_source(structure: SuffixAutomaton | NgramTable) -> StaticAutomatonSource | StaticNgramSource:
+class StaticShardedSource:
+    """One pointer per shard of a sharded store; the longest match drafts, from its shard (the
+    lowest on ties: the first occurrence, as one store over all shards would give)."""
+
+    def __init__(self, sharded: ShardedAutomaton) -> None:
+        self.sharded = sharded
+        self.states, self.lengths = sharded.pointer()
+
+    def reset(self, prompt: np.ndarray) -> None:
+        self.states, self.lengths = self.sharded.match(prompt.astype(np.int32))
+
+    def advance(self, tokens: np.ndarray) -> None:
+        self.sharded.walk(self.states, self.lengths, tokens)
+
+    def peek(self, t0: int) -> tuple[int, tuple[int, int]]:
+        shard, state, length = self.sharded.peek(self.states, self.lengths, t0)
+        return length, (shard, state)
+
+    def draft(self, handle: tuple[int, int], n: int) -> np.ndarray:
+        return self.sharded.continuation(*handle, n)
+
+
+def static_source(structure: SuffixAutomaton | ShardedAutomaton | NgramTable):
     if isinstance(structure, SuffixAutomaton):
         return StaticAutomatonSource(structure)
+    if isinstance(structure, ShardedAutomaton):
+        return StaticShardedSource(structure)
     return StaticNgramSource(structure)
 
 
@@ -108,7 +134,7 @@ class SamDrafter:
     def __init__(
         self,
         config: SamConfig = SamConfig(),
-        static: SuffixAutomaton | NgramTable | None = None,
+        static: SuffixAutomaton | ShardedAutomaton | NgramTable | None = None,
         fallback: Drafter | None = None,
     ) -> None:
         self.config = config

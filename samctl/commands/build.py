@@ -10,6 +10,10 @@ stderr. Modules that load numba are imported in phase 3, so `build --help` stays
 own tokenizer and build settings and inserted after its documents, without re-reading the old
 corpus (time in the new tokens, plus one copy of the old arrays); the result equals a full build
 over the old inputs followed by the new ones.
+
+With --shards N the output is a store directory (index/sharded.py): the documents are split into
+N contiguous runs and each shard is built in its own process, one per core at a time, or with
+--ray as Ray tasks after tokenizing with Ray Data (samctl/cluster.py).
 """
 from __future__ import annotations
 
@@ -22,9 +26,10 @@ import click
 from index.corpus import CorpusReader
 from index.datastore import BuildConfig, CorpusStats, StoreMeta, load_datastore, save_datastore
 from index.errors import UserError
+from index.sharded import StoreDirectoryWriter, plan_shards, verify_sharded
 from index.store import is_store_file
 from samctl.commands.info import human_bytes
-from samctl.progress import progress_bar
+from samctl.progress import progress_bar, status
 from samctl.tokenizer import load_store_tokenizer, load_tokenizer, tokenize_documents
 
 
@@ -57,11 +62,20 @@ from samctl.tokenizer import load_store_tokenizer, load_tokenizer, tokenize_docu
 @click.option("--append-to", "append_to", type=click.Path(exists=True, dir_okay=False), metavar="STORE",
               help="Grow this automaton store with the inputs (its tokenizer and settings; the old "
                    "corpus is not re-read); -o may name the same file.")
+@click.option("--shards", type=int, default=None, metavar="N",
+              help="Write a store directory of N suffix-automaton shards (whole documents each), built "
+                   "in parallel: one process per core, or Ray tasks with --ray.")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
+              help="With --shards: tokenize with Ray Data and build each shard as a Ray task on the cluster at "
+                   "ADDRESS (a local Ray instance when omitted; write -o to a path every node sees). Put it "
+                   "after the inputs or write --ray=ADDRESS.")
+@click.option("--workers", type=int, default=None,
+              help="With --shards, without --ray: shards built at once [default: the CPU count].")
 @click.option("--verify", is_flag=True, help="Re-read the written store and check every checksum.")
 @click.option("--force", is_flag=True, help="Replace OUTPUT even when it is not a samctl store.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress, notes or summary (warnings and errors only).")
 def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_count, top_k,
-          compress, append_eos, append_to, verify, force, quiet) -> None:
+          compress, append_eos, append_to, shards, ray_address, workers, verify, force, quiet) -> None:
     """Build a datastore from folders, .json/.jsonl/.parquet files, hf:NAME[:SPLIT] or - (stdin).
 
     Records are read in known shapes (Alpaca instruction/input/output, GSM8K question/answer,
@@ -76,7 +90,10 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
     config = BuildConfig(kind=kind, max_n=max_n, min_count=min_count, top_k=top_k,
                          compress=compress, append_eos=append_eos, include=include,
                          exclude=exclude, fields=fields)
-    if os.path.lexists(output) and not force and not is_store_file(output):
+    _check_sharding(kind, shards, ray_address, workers)
+    if shards is not None and append_to is not None:
+        raise UserError("--append-to grows one store file: drop --shards, or rebuild the sharded store")
+    if shards is None and os.path.lexists(output) and not force and not is_store_file(output):
         raise UserError(f"{output} exists and is not a samctl store: pass --force to replace it, "
                         "or choose another -o")
     old = None
@@ -95,8 +112,15 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
     # 2) tokens, streamed in bounded batches (timed apart from loading the tokenizer)
     tokenize_start = time.perf_counter()
     with progress_bar("tokenizing", "document", quiet) as bar:
-        tokens, doc_offsets = tokenize_documents((d.text for d in reader), tok, append_eos=config.append_eos,
-                                                 on_batch=lambda docs, count: bar.update(docs, tokens=count))
+        if ray_address is not None:
+            from samctl.cluster import tokenize_on_ray
+
+            tokens, doc_offsets = tokenize_on_ray(ray_address, (d.text for d in reader), tokenizer, append_eos,
+                                                  on_tokens=lambda count: bar.update(0, tokens=count))
+        else:
+            tokens, doc_offsets = tokenize_documents(
+                (d.text for d in reader), tok, append_eos=config.append_eos,
+                on_batch=lambda docs, count: bar.update(docs, tokens=count))
     counts = reader.counts
     if counts.skipped:
         click.echo(f"samctl: warning: skipped {len(counts.skipped)} file(s) that are not readable text "
@@ -105,6 +129,12 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
         raise UserError(f"the corpus is empty ({counts.files} file(s) read, {counts.empty} blank "
                         "document(s)): check the inputs and --include/--exclude")
     tokenized = time.perf_counter()
+    if shards is not None:
+        _build_and_write_sharded(output, tokens, doc_offsets, counts, inputs, tok, config, shards, ray_address,
+                                 workers, verify, quiet, (start, tokenize_start, tokenized))
+        return
+    if os.path.isdir(output):
+        raise UserError(f"{output} is a directory: pass a file path, or --shards N to write a store directory")
     # 3) structure; numba loads here, not for --help
     with progress_bar(f"building the {'suffix automaton' if kind == 'sam' else 'n-gram table'}",
                       "token", quiet, total=len(tokens)) as bar:
@@ -145,6 +175,76 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
     if not quiet:
         click.echo(_summary(output, os.path.getsize(output), structure, corpus, tok.name, phases,
                             time.perf_counter() - start, verified=verify))
+
+
+def _build_and_write_sharded(output, tokens, doc_offsets, counts, inputs, tok, config, shards, ray_address,
+                             workers, verify, quiet, times) -> None:
+    """Phases 3-4 with --shards: each shard built and written by its own worker, then the manifest."""
+    start, tokenize_start, tokenized = times
+    corpus = CorpusStats(documents=counts.documents, tokens=int(len(tokens)),
+                         characters=counts.characters, files=counts.files,
+                         empty_documents=counts.empty, skipped_files=len(counts.skipped),
+                         inputs=tuple(inputs))
+    eos = tok.eos_token_ids[0] if tok.eos_token_ids else None
+    meta = StoreMeta(tokenizer_name=tok.name, tokenizer_fingerprint=tok.fingerprint,
+                     vocab_size=tok.vocab_size, eos_token_id=eos, build=config, corpus=corpus)
+    results = _build_sharded(output, tokens, doc_offsets, meta, shards, ray_address, workers, quiet)
+    written = time.perf_counter()
+    if verify:
+        verify_sharded(output)  # shard by shard: the driver never holds the whole store
+    if not quiet:
+        size = sum(entry["bytes"] for entry, _, _ in results)
+        click.echo(_sharded_summary(output, size, corpus, tok.name, results, written - start,
+                                    tokenized - tokenize_start, written - tokenized, ray_address, verify))
+
+
+def _check_sharding(kind: str, shards: int | None, ray_address: str | None, workers: int | None) -> None:
+    if shards is None:
+        if ray_address is not None or workers is not None:
+            raise UserError("--ray and --workers build shards: add --shards N")
+        return
+    if kind != "sam":
+        raise UserError("--shards splits suffix automata; an n-gram table is small enough for one file: "
+                        "drop --shards or use --kind sam")
+    if shards < 1:
+        raise UserError(f"--shards must be >= 1, got {shards}")
+    if workers is not None and (workers < 1 or ray_address is not None):
+        raise UserError("--workers must be >= 1, and Ray schedules its own workers: drop --workers with --ray")
+
+
+def _build_sharded(output: str, tokens, doc_offsets, meta: StoreMeta, shards: int, ray_address: str | None,
+                   workers: int | None, quiet: bool) -> list[tuple[dict, int, int]]:
+    """Write the store directory; returns each shard's (manifest entry, worker peak bytes, states)."""
+    from samctl.cluster import run_local, run_on_ray, shard_jobs
+
+    if os.path.isfile(output):
+        raise UserError(f"{output} is a store file: --shards writes a directory, pass another -o path")
+    bounds = plan_shards(doc_offsets, shards)
+    with StoreDirectoryWriter(output) as writer:
+        jobs = shard_jobs(writer.tmp, tokens, doc_offsets, bounds, meta, writer.shard_path)
+        where = f"as Ray tasks ({ray_address})" if ray_address else f"in {workers or os.cpu_count()} processes"
+        status(f"building {shards} suffix-automaton shards over {len(tokens):,} tokens {where}", quiet)
+
+        def done(index: int, peak: int) -> None:
+            status(f"shard {index} built (worker peak {human_bytes(peak)})", quiet)
+
+        if ray_address is not None:
+            results = run_on_ray(ray_address, jobs, done)
+        else:
+            results = run_local(jobs, min(shards, workers or os.cpu_count() or 1), done)
+        writer.commit(meta, [entry for entry, _, _ in results])
+    return results
+
+
+def _sharded_summary(output, size, corpus, tokenizer_name, results, total, tokenize, build_s, ray_address,
+                     verified) -> str:
+    peaks = sorted(peak for _, peak, _ in results)
+    states = sum(n for _, _, n in results)
+    return (f"wrote {output}: {len(results)} shards, {corpus.documents:,} documents, {corpus.tokens:,} tokens "
+            f"({tokenizer_name}), {states:,} states, {human_bytes(size)} ({size / corpus.tokens:.1f} bytes/token) "
+            f"in {total:.2f} s (tokenize {tokenize:.2f} s, build and write {build_s:.2f} s"
+            f"{', on Ray' if ray_address else ''}); worker peak memory {peaks[len(peaks) // 2] / 1e6:,.1f} MB median, "
+            f"{peaks[-1] / 1e6:,.1f} MB largest{', checksums verified' if verified else ''}")
 
 
 def _combined(old: CorpusStats, new: CorpusStats) -> CorpusStats:

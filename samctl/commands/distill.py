@@ -85,11 +85,15 @@ def distill(**opts: Any) -> None:
 
     # 1) answers, appended one record at a time so that an interrupted run loses at most one
     runner = Runner(engine, fresh(), fresh, gen_config, compare=False, compare_runs=1, chat=opts["chat"],
-                    record={})
+                    record={}, field=opts["prompt_field"])
     if done and not opts["quiet"]:
         click.echo(f"samctl: resuming: {len(done)} prompt(s) already answered in {answers_path}", err=True)
     with open(opts["prompts_path"], encoding="utf-8") as prompts, open(answers_path, "a", encoding="utf-8") as out:
-        failed = runner.batch(prompts, out, opts["prompt_field"], opts["quiet"], skip=done)
+        def write(line: str) -> None:
+            out.write(line + "\n")
+            out.flush()
+
+        failed = runner.batch(_unanswered(prompts, done), write, opts["quiet"])
     if failed and not opts["quiet"]:
         click.echo(f"samctl: {failed} prompt(s) failed (see their `error` in {answers_path}); "
                    "run again to retry them", err=True)
@@ -107,6 +111,19 @@ def distill(**opts: Any) -> None:
     summary = _build_store(opts, documents, written_by)
     if not opts["quiet"]:
         click.echo(f"{summary}; answers {generated - start:.1f} s, total {time.perf_counter() - start:.1f} s")
+
+
+def _unanswered(lines, done: set[Any]) -> Iterator[tuple[int, str]]:
+    """The (line number, line) batch records whose id is not among the answered ones."""
+    from samctl.commands.generate import _parse, _records, record_key
+
+    for number, line in _records(lines):
+        try:
+            key = record_key(_parse(line, number), number)
+        except UserError:
+            key = number
+        if key not in done:
+            yield number, line
 
 
 def _answered(path: Path) -> set[Any]:

@@ -2,14 +2,18 @@
 
 Single prompt (--prompt / --prompt-file): the text streams to stdout as it is accepted, or
 `--json` prints one object with the text and the metrics. Batch (--input FILE|-): one JSON record
-per line in, one per line out in input order, blank lines included; a bad record (a blank line too) gets an
-`error` field and the rest go on, and the exit status is 1 when any record failed. Progress lines
-come every few seconds on a non-terminal stderr, also while one long record runs. `--compare` also runs plain decoding (`ar`)
+per line in, one per line out in input order, blank lines included; a bad record (a blank line too)
+gets an `error` field and the rest go on, and the exit status is 1 when any record failed. Progress
+lines come every few seconds on a non-terminal stderr, also while one long record runs. `--compare` also runs plain decoding (`ar`)
 on the same input in the same process, checks greedy outputs are identical and reports the speedup:
 for a single prompt the median of --compare-runs rounds run in alternating order, with its range.
 Every timing is of the steady state: a warm-up run comes first (see Runner). In float32 a
 difference in the outputs exits 1; in half precision the first divergence and the agreeing rate
 are reported instead (near-tie drift of batched verification, not an error).
+
+`--resume` skips the records whose id the output file already holds (a torn last line is cut)
+and appends the rest. `--ray` runs a batch on Ray Data actors, each with its own Session
+(samctl/cluster.py); `Runner.process` turns one input line into one output line for both.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import json
 import statistics
 import sys
 from dataclasses import asdict, replace
-from typing import IO, Any, Callable, Container, Iterator
+from typing import IO, Any, Callable, Iterable, Iterator
 
 import click
 import torch
@@ -33,7 +37,7 @@ from samctl.detok import IncrementalDetokenizer
 from samctl.options import method_config as shared_method_config
 from samctl.options import method_options, set_threads
 from samctl.memory import load_memory, save_memory
-from samctl.progress import Progress, progress_bar
+from samctl.progress import progress_bar
 from samctl.runtime import (Engine, build_drafter, load_acc_head, load_draft, load_engine, load_store,
                             resolve_draft_paths)
 
@@ -43,12 +47,19 @@ WARM_UP_TOKENS = 32
 
 @click.command("generate")
 @click.option("--model", "model_path", metavar="PATH", help="Local model folder or .gguf file (default: the embedded model).")
-@click.option("--sam", "store_path", metavar="STORE", type=click.Path(dir_okay=False), help="Static datastore built by `samctl build` with the model's tokenizer.")
+@click.option("--sam", "store_path", metavar="STORE", type=click.Path(), help="Static datastore built by `samctl build` with the model's tokenizer: a .sam file or a sharded store directory (--shards).")
 @click.option("--method", type=click.Choice(ALL_METHODS), default=DEFAULT_METHOD, show_default=True, help="Drafting method (README's method table; adaptive needs no tuning).")
 @click.option("--prompt", help="Prompt text.")
 @click.option("--prompt-file", type=click.File("r", encoding="utf-8"), help="File holding the prompt.")
 @click.option("--input", "input_file", type=click.File("r", encoding="utf-8"), help="JSONL batch, '-' for stdin (field prompt, turns, or --field).")
-@click.option("--output", "output_file", type=click.File("w", encoding="utf-8"), default="-", show_default=True, help="JSONL results of a batch, '-' for stdout.")
+@click.option("--output", "output_path", type=click.Path(dir_okay=False, allow_dash=True), default="-", show_default=True, help="JSONL results of a batch, '-' for stdout.")
+@click.option("--resume", is_flag=True, help="Batch: skip records whose id is already in --output and append the rest (after a killed run).")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
+              help="Batch: generate on the Ray cluster at ADDRESS (a local Ray instance when omitted) with Ray Data, one "
+                   "model + store + drafter per worker, each with --threads CPU threads (default 1); output in "
+                   "input order, as without --ray.")
+@click.option("--workers", type=int, default=None, help="--ray: worker actors [default: the cluster's CPUs / --threads, or its GPUs / --gpus-per-worker].")
+@click.option("--gpus-per-worker", type=float, default=0.0, show_default=True, help="--ray: GPUs each worker holds (0: CPU workers).")
 @click.option("--field", "prompt_field", metavar="NAME", help="Batch: the record field holding the prompt.")
 @click.option("--prediction", "prediction_file", type=click.File("r", encoding="utf-8"),
               help="adaptive: the expected output (e.g. the file being edited), drafted from like the prompt; "
@@ -91,56 +102,159 @@ def generate(**opts: Any) -> None:
         raise UserError("give exactly one of --prompt, --prompt-file or --input")
     if opts["compare_runs"] < 1:
         raise UserError(f"--compare-runs must be >= 1, got {opts['compare_runs']}")
-    set_threads(opts["threads"])
-    sampling = SamplingConfig(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"])
-    # Draft settings are checked before any file is looked for or loaded.
-    draft_config = DraftConfig(gamma=opts["gamma"])
-    specdec_config = SpecDecConfig(opts["stop_threshold"], *opts["bounds"])
-    draft_path, head_path = resolve_draft_paths(opts["method"], opts["model_path"], opts["draft_path"],
-                                                opts["acc_head_path"], opts["quiet"], greedy=sampling.greedy)
-    engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"])
-    enable_cuda_graphs(engine.target, not opts["no_compile"])
-    method_config = replace(
-        shared_method_config(opts, engine.device),
-        draft=draft_config,
-        specdec=specdec_config,
-    )
-    store = load_store(opts["store_path"], engine, opts["occurrence"])
-    draft = load_draft(draft_path, engine) if draft_path is not None else None
-    head = load_acc_head(head_path, engine, draft) if head_path is not None else None
-    gen_config = GenerationConfig(max_new_tokens=opts["max_new_tokens"], eos_token_ids=engine.eos_token_ids,
-                                  sampling=sampling)
-    drafter = build_drafter(opts["method"], engine, store, method_config, draft=draft, head=head, sampling=sampling,
-                            quiet=opts["quiet"])
-    if opts["memory_file"]:
-        load_memory(opts["memory_file"], engine, drafter)
+    _check_batch_options(opts)
+    if opts["ray_address"] is not None:
+        from samctl.cluster import generate_on_ray
+
+        failed = _batch_to_output(opts, lambda records, write: generate_on_ray(opts, records, write))
+        _exit_for(failed)
+        return
+    session = Session(opts)
+    runner, engine, drafter = session.runner, session.engine, session.drafter
+    if opts["input_file"] is not None:
+        total = _count_records(opts["input_file"])
+        failed = _batch_to_output(opts, lambda records, write: runner.batch(records, write, opts["quiet"], total))
+        _save_memory(opts, engine, drafter)
+        _exit_for(failed)
+        return
     prediction = opts["prediction_file"].read() if opts["prediction_file"] is not None else None
     if prediction is not None and not method_entry(opts["method"]).takes_prediction:
         raise UserError(f"method {opts['method']} does not draft from a prediction: drop --prediction "
                         "or use --method adaptive, lookahead or ouroboros")
-    method_store = store if uses_store(opts["method"]) else None  # build_drafter already said it is unused
-
-    def fresh_drafter() -> Drafter:
-        return build_drafter(opts["method"], engine, method_store, method_config, draft=draft, head=head,
-                             sampling=sampling, quiet=True)
-
-    runner = Runner(engine, drafter, fresh_drafter, gen_config, opts["compare"], opts["compare_runs"], opts["chat"], record={
-        "method": opts["method"], "model": engine.name, "store": opts["store_path"],
-        "draft_model": draft_path, "acc_head": head_path,
-        "config": {"generation": asdict(gen_config), "method": asdict(method_config)},
-    })
-    if opts["input_file"] is not None:
-        failed = runner.batch(opts["input_file"], opts["output_file"], opts["prompt_field"], opts["quiet"])
-        _save_memory(opts, engine, drafter)
-        if failed:
-            click.echo(f"samctl: {failed} record(s) failed; see their `error` fields", err=True)
-            sys.exit(1)
-        return
     text = opts["prompt"] if opts["prompt"] is not None else opts["prompt_file"].read()
     mismatch = runner.single(text, opts["as_json"], opts["quiet"], prediction)
     _save_memory(opts, engine, drafter)
     if mismatch:
         sys.exit(1)
+
+
+# Options that hold open files or only matter to the driver: a Ray worker gets the others.
+DRIVER_ONLY = ("prompt", "prompt_file", "input_file", "output_path", "prediction_file", "memory_save", "resume")
+
+
+class Session:
+    """Everything one process needs to generate: the engine, the store, the drafter (kept across
+    records: its cross-request memory lives here) and the Runner. Built from the command's options,
+    here or, with --ray, in each worker from `worker_options(opts)`."""
+
+    def __init__(self, opts: dict[str, Any]) -> None:
+        set_threads(opts["threads"])
+        sampling = SamplingConfig(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"])
+        # Draft settings are checked before any file is looked for or loaded.
+        draft_config = DraftConfig(gamma=opts["gamma"])
+        specdec_config = SpecDecConfig(opts["stop_threshold"], *opts["bounds"])
+        draft_path, head_path = resolve_draft_paths(opts["method"], opts["model_path"], opts["draft_path"],
+                                                    opts["acc_head_path"], opts["quiet"], greedy=sampling.greedy)
+        engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"])
+        enable_cuda_graphs(engine.target, not opts["no_compile"])
+        method_config = replace(
+            shared_method_config(opts, engine.device),
+            draft=draft_config,
+            specdec=specdec_config,
+        )
+        store = load_store(opts["store_path"], engine, opts["occurrence"])
+        draft = load_draft(draft_path, engine) if draft_path is not None else None
+        head = load_acc_head(head_path, engine, draft) if head_path is not None else None
+        gen_config = GenerationConfig(max_new_tokens=opts["max_new_tokens"], eos_token_ids=engine.eos_token_ids,
+                                      sampling=sampling)
+        drafter = build_drafter(opts["method"], engine, store, method_config, draft=draft, head=head,
+                                sampling=sampling, quiet=opts["quiet"])
+        if opts["memory_file"]:
+            load_memory(opts["memory_file"], engine, drafter)
+        method_store = store if uses_store(opts["method"]) else None  # build_drafter already said it is unused
+
+        def fresh_drafter() -> Drafter:
+            return build_drafter(opts["method"], engine, method_store, method_config, draft=draft, head=head,
+                                 sampling=sampling, quiet=True)
+
+        self.engine, self.drafter = engine, drafter
+        self.runner = Runner(engine, drafter, fresh_drafter, gen_config, opts["compare"], opts["compare_runs"],
+                             opts["chat"], field=opts["prompt_field"], record={
+            "method": opts["method"], "model": engine.name, "store": opts["store_path"],
+            "draft_model": draft_path, "acc_head": head_path,
+            "config": {"generation": asdict(gen_config), "method": asdict(method_config)},
+        })
+
+
+def worker_options(opts: dict[str, Any]) -> dict[str, Any]:
+    """The options a --ray worker builds its Session from (no open files, no driver-only ones)."""
+    return {k: v for k, v in opts.items() if k not in DRIVER_ONLY} | {"quiet": True}
+
+
+def _check_batch_options(opts: dict[str, Any]) -> None:
+    batch = opts["input_file"] is not None
+    for flag, used in (("--resume", opts["resume"]), ("--ray", opts["ray_address"] is not None),
+                       ("--workers", opts["workers"] is not None), ("--gpus-per-worker", opts["gpus_per_worker"] != 0)):
+        if used and not batch:
+            raise UserError(f"{flag} applies to a batch: give --input FILE")
+    if opts["resume"] and opts["output_path"] == "-":
+        raise UserError("--resume appends to the --output file: give a file, not stdout")
+    if opts["ray_address"] is None and (opts["workers"] is not None or opts["gpus_per_worker"] != 0):
+        raise UserError("--workers and --gpus-per-worker size the Ray workers: add --ray [ADDRESS]")
+    if opts["ray_address"] is not None:
+        if opts["memory_save"]:
+            raise UserError("--memory-save keeps one process's memory; each --ray worker has its own: drop one of them")
+        if opts["workers"] is not None and opts["workers"] < 1 or opts["gpus_per_worker"] < 0:
+            raise UserError("--workers must be >= 1 and --gpus-per-worker >= 0")
+
+
+def _batch_to_output(opts: dict[str, Any], run: Callable[[Iterable[tuple[int, str]], Callable[[str], None]], int]) -> int:
+    """Run the batch's records (read lazily, so a pipe streams) through `run`, which calls
+    `write` with each output line in input order and returns the number that failed; --resume
+    drops the records already in the output and appends."""
+    records: Iterable[tuple[int, str]] = _records(opts["input_file"])
+    path = opts["output_path"]
+    if opts["resume"]:
+        done = _finished_ids(path)
+        records = ((n, line) for n, line in records if _record_key(n, line) not in done)
+        output = open(path, "a", encoding="utf-8")
+    else:
+        output = sys.stdout if path == "-" else open(path, "w", encoding="utf-8")
+
+    def write(line: str) -> None:
+        output.write(line + "\n")
+        output.flush()
+
+    try:
+        return run(records, write)
+    finally:
+        if output is not sys.stdout:
+            output.close()
+
+
+def _exit_for(failed: int) -> None:
+    if failed:
+        click.echo(f"samctl: {failed} record(s) failed; see their `error` fields", err=True)
+        sys.exit(1)
+
+
+def _record_key(number: int, line: str) -> str:
+    """A record's id as the output will write it (JSON text, so 7 and "7" differ)."""
+    try:
+        record = _parse(line, number)
+    except UserError:
+        return json.dumps(number)
+    return json.dumps(record_key(record, number))
+
+
+def _finished_ids(path: str) -> set[str]:
+    """Ids already in the output file; a torn last line (a killed run) is cut off first."""
+    try:
+        with open(path, "rb+") as handle:
+            data = handle.read()
+            end = data.rfind(b"\n") + 1
+            if end < len(data):
+                handle.truncate(end)
+    except FileNotFoundError:
+        return set()
+    done = set()
+    for number, line in enumerate(data[:end].decode("utf-8", errors="replace").splitlines(), start=1):
+        try:
+            done.add(json.dumps(json.loads(line)["id"]))
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise UserError(f"--resume: line {number} of {path} is not a samctl output record: "
+                            "pass the --output file of the run to resume") from err
+    return done
 
 
 class Runner:
@@ -152,9 +266,10 @@ class Runner:
 
     def __init__(self, engine: Engine, drafter: Drafter, fresh_drafter: Callable[[], Drafter],
                  config: GenerationConfig, compare: bool, compare_runs: int, chat: bool,
-                 record: dict[str, Any]) -> None:
+                 record: dict[str, Any], field: str | None = None) -> None:
         self.engine, self.drafter, self.fresh_drafter, self.config = engine, drafter, fresh_drafter, config
         self.compare, self.compare_runs, self.chat, self.record = compare, compare_runs, chat, record
+        self.field = field
         self.warm = False
 
     def single(self, text: str, as_json: bool, quiet: bool, prediction: str | None = None) -> bool:
@@ -177,32 +292,29 @@ class Runner:
             click.echo(json.dumps({**self.record, **out}, ensure_ascii=False))
         return mismatch
 
-    def batch(self, lines: IO[str], output: IO[str], field: str | None, quiet: bool,
-              skip: Container[Any] = ()) -> int:
-        """Process a JSONL batch in order; returns the number of failed records. Records whose id
-        is in `skip` (done by an earlier run) are passed over without output."""
-        with progress_bar("generate", "record", quiet, total=_count_records(lines)) as progress, progress.heartbeat():
-            return self._batch(lines, output, field, progress, skip)
-
-    def _batch(self, lines: IO[str], output: IO[str], field: str | None, progress: Progress,
-               skip: Container[Any] = ()) -> int:
+    def batch(self, records: Iterable[tuple[int, str]], write: Callable[[str], None], quiet: bool,
+              total: int | None = None) -> int:
+        """Process (line number, line) records in order, writing each output line; returns the
+        number of failed records."""
         failed = 0
-        for number, line in _records(lines):
-            record_id: Any = number
-            try:
-                record = _parse(line, number)
-                record_id = record_key(record, number)
-                if record_id in skip:
-                    progress.update(1)
-                    continue
-                out = self._run_record(record, field)
-            except UserError as err:
-                failed += 1
-                out = {"error": str(err)}
-            output.write(json.dumps({"id": record_id, **out}, ensure_ascii=False) + "\n")
-            output.flush()
-            progress.update(1, tokens=_new_tokens(out))
+        with progress_bar("generate", "record", quiet, total=total) as progress, progress.heartbeat():
+            for number, line in records:
+                out, bad = self.process(number, line)
+                failed += bad
+                write(out)
+                progress.update(1, tokens=output_tokens(out))
         return failed
+
+    def process(self, number: int, line: str) -> tuple[str, bool]:
+        """One input line -> (its output line, whether it failed): a bad record gets an `error`."""
+        record_id: Any = number
+        try:
+            record = _parse(line, number)
+            record_id = record_key(record, number)
+            out = self._run_record(record, self.field)
+        except UserError as err:
+            return json.dumps({"id": record_id, "error": str(err)}, ensure_ascii=False), True
+        return json.dumps({"id": record_id, **out}, ensure_ascii=False), False
 
     def _run_record(self, record: dict[str, Any], field: str | None) -> dict[str, Any]:
         turns = _prompt_turns(record, field)
@@ -286,11 +398,6 @@ class Runner:
         decode_generate(self.engine.target, NoDraft(), ids, warm)
 
 
-def record_key(record: dict[str, Any], number: int) -> Any:
-    """A batch record's id: its `id`, else `question_id`, else its line number."""
-    return record.get("id", record.get("question_id", number))
-
-
 def _first_difference(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -337,8 +444,9 @@ def _compare_line(method: str, compare: dict[str, Any], result: GenerationResult
             f"tok/s; speedup {compare['speedup']:.2f}x{spread}, after a warm-up; {verdict}")
 
 
-def _new_tokens(out: dict[str, Any]) -> int:
-    metrics = out.get("metrics", [])  # a list for multi-turn records, none for failed ones
+def output_tokens(line: str) -> int:
+    """New tokens of an output line, for progress."""
+    metrics = json.loads(line).get("metrics", [])  # a list for multi-turn records, none for failed ones
     return sum(m["new_tokens"] for m in (metrics if isinstance(metrics, list) else [metrics]))
 
 
@@ -354,6 +462,11 @@ def _count_records(lines: IO[str]) -> int | None:
 def _records(lines: IO[str]) -> Iterator[tuple[int, str]]:
     """Every line, blank ones included: the output has one line per input line."""
     return enumerate(lines, start=1)
+
+
+def record_key(record: dict[str, Any], number: int) -> Any:
+    """A batch record's id: its `id`, else `question_id`, else its line number."""
+    return record.get("id", record.get("question_id", number))
 
 
 def _parse(line: str, number: int) -> dict[str, Any]:

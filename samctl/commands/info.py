@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import Any
 
 import click
@@ -57,6 +58,26 @@ def describe(store: StoreFile, meta: StoreMeta, verified: bool) -> dict[str, Any
     return report
 
 
+def describe_sharded(store, verified: bool) -> dict[str, Any]:
+    """`describe` for a sharded store directory (index/sharded.py): the manifest's shards instead of arrays."""
+    meta, sam = store.meta, store.structure
+    tokens = meta.corpus.tokens
+    report: dict[str, Any] = {
+        "path": store.path, "kind": store.kind, "format_version": store.format_version,
+        "file_size": store.file_size,
+        "bytes_per_token": round(store.file_size / tokens, 3) if tokens else None,
+        "documents": meta.corpus.documents, "tokens": tokens,
+        "states": sam.num_states, "edges": sam.num_edges,
+        "tokenizer": {"name": meta.tokenizer_name, "fingerprint": meta.tokenizer_fingerprint,
+                      "vocab_size": meta.vocab_size, "eos_token_id": meta.eos_token_id},
+        "build": _build_settings(meta), "corpus": meta.corpus.to_dict(), "created_by": meta.created_by,
+        "written_by": meta.written_by or None, "verified": verified,
+        "shards": [{**entry, "states": shard.sam.num_states}
+                   for entry, shard in zip(store.manifest["shards"], store.shards)],
+    }
+    return report
+
+
 def _build_settings(meta: StoreMeta) -> dict[str, Any]:
     """The build config without the settings of the other kind (an automaton has no n-gram sizes)."""
     settings = meta.build.to_dict()
@@ -93,7 +114,9 @@ def _text(report: dict[str, Any]) -> str:
     if report["written_by"]:
         rows.append(("written by", _pairs(report["written_by"])))
     rows += [(f"array {a['name']}", f"{a['dtype']} {tuple(a['shape'])} {a['codec']} "
-                                    f"{human_bytes(a['stored_bytes'])}") for a in report["arrays"]]
+                                    f"{human_bytes(a['stored_bytes'])}") for a in report.get("arrays", [])]
+    rows += [(f"shard {s['file']}", f"{s['documents']:,} documents, {s['tokens']:,} tokens, {s['states']:,} states, "
+                                    f"{human_bytes(s['bytes'])}") for s in report.get("shards", [])]
     if report["verified"]:
         rows.append(("checksums", "ok"))
     width = max(len(name) for name, _ in rows)
@@ -116,6 +139,10 @@ def _pairs(values: dict[str, Any]) -> str:
               help="Check every array's checksum (raw arrays are not checked on load).")
 def info(store: str, as_json: bool, verify: bool) -> None:
     """Describe a store: kind, size, tokenizer, build config and corpus statistics."""
+    if os.path.isdir(store):  # a sharded store directory: its shards are loaded to count states
+        report = describe_sharded(load_datastore(store, verify=verify), verify)
+        click.echo(json.dumps(report) if as_json else _text(report))
+        return
     if verify:
         loaded = load_datastore(store, verify=True)
         file, meta = loaded.file, loaded.meta

@@ -81,7 +81,7 @@ def _text(result: dict[str, Any]) -> str:
 
 
 @click.command("query")
-@click.argument("store", type=click.Path(dir_okay=False))
+@click.argument("store", type=click.Path())
 @click.option("--text", "query_text", default=None, help="Query text (tokenized with the store's tokenizer).")
 @click.option("--ids", default=None, help="Query token ids, comma or space separated.")
 @click.option("-n", "--n", "n", default=16, show_default=True, type=click.IntRange(0, 100_000),

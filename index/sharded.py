@@ -1,0 +1,494 @@
+"""Sharded stores: a directory of suffix-automaton shards plus a manifest, queried as one store.
+
+Layout of a store directory (conventionally named `*.samd`):
+
+    manifest.json     {"format": "samctl-sharded-store", "format_version": 1, "kind": "sam",
+                       "created_by", "tokenizer", "build", "corpus"  (as in a .sam header),
+                       "shards": [{"file", "documents", "tokens", "bytes", "crc32"}, ...]}
+    shard-00000.sam   one `.sam` store per shard (index/store.py), same tokenizer and build config
+
+Shards hold contiguous runs of whole documents in corpus order (`plan_shards`: a document is
+never split). Since no match crosses a document, for any text:
+    the longest suffix found in the union = the longest found in any shard (length L);
+    its count = the sum of its counts over the shards whose match has length L;
+    its first occurrence lies in the lowest such shard, its latest in the highest;
+    the counts of its next tokens add up over those shards in the same way.
+So `ShardedDatastore.lookup` answers exactly what one store over the same corpus answers. The
+drafters follow one pointer per shard (`ShardedAutomaton.walk`, one kernel call for all shards,
+reusing the steps of the last `peek` over the same token) and draft from the shard holding the
+longest match (`peek`): for `sam` and its continuation this
+is again exactly the single store's draft; tree drafters (`rest`, `adaptive`) rank next tokens by
+that shard's counts only.
+
+The manifest is untrusted input, like a store header: a missing or malformed manifest, a shard
+file missing, resized, from another tokenizer or holding other counts than the manifest says,
+each raise a one-line StoreError. Whole-file checksums (crc32) are checked with `verify=True`,
+as blob checksums are in index/store.py. Writing (`StoreDirectoryWriter`) fills a temporary
+directory beside the target, fsyncs it and renames it into place: the directory appears
+complete or not at all.
+
+This module knows store files and automata, not tokenizers, text, processes or Ray.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+from index.automaton import COUNT, E_DST, E_NEXT, E_TOK, EDGE_DST, EDGE_TOK, HEAD, SuffixAutomaton, sam_step
+from index.datastore import CorpusStats, Datastore, Lookup, StoreMeta, load_single, parse_meta, save_datastore
+from index.errors import UserError
+from index.store import StoreError
+
+MANIFEST = "manifest.json"
+FORMAT = "samctl-sharded-store"
+FORMAT_VERSION = 1
+MAX_SHARDS = 4096
+_REBUILD = "rebuild it with samctl build --shards N"
+_SHARD_KEYS = {"file": str, "documents": int, "tokens": int, "bytes": int, "crc32": int}
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.sam"
+
+
+def plan_shards(doc_offsets: np.ndarray, n: int) -> np.ndarray:
+    """Document boundaries of n shards ([n+1] int64, from 0 to d, strictly rising): shard i holds
+    documents [b[i], b[i+1]), contiguous and in order, about total/n tokens each.
+
+    doc_offsets: [d+1] int64 token offsets of d documents.
+    """
+    n_docs = len(doc_offsets) - 1
+    if n < 1:
+        raise UserError(f"--shards must be >= 1, got {n}")
+    if n > min(n_docs, MAX_SHARDS):
+        raise UserError(f"{n} shards need at least {n} documents (the corpus has {n_docs}) and at most "
+                        f"{MAX_SHARDS} shards: pass a smaller --shards")
+    total = int(doc_offsets[-1])
+    targets = np.arange(n + 1, dtype=np.float64) * total / n
+    bounds = np.searchsorted(doc_offsets, targets, side="left").astype(np.int64)
+    bounds[0], bounds[-1] = 0, n_docs
+    for i in range(1, n):  # every shard keeps at least one document on each side
+        bounds[i] = min(max(bounds[i], bounds[i - 1] + 1), n_docs - (n - i))
+    return bounds
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels: one pointer (state, length) per shard, all shards in one call
+
+
+@njit(cache=True)
+def shards_walk(states_t, edges_t, slots_t, st, ln, tokens, peeked_st, peeked_ln, use_peeked):
+    # states_t/edges_t/slots_t: tuples of the shards' kernel arrays; st, ln: [N] int64 pointers,
+    # moved in place over tokens ([k] int32) in every shard. With use_peeked, the step over
+    # tokens[0] is taken from peeked_st/peeked_ln ([N] int64, what shards_peek computed for it
+    # from this same pointer): a decode step then probes each shard once, not twice.
+    start = 0
+    if use_peeked:
+        for i in range(len(st)):
+            st[i], ln[i] = peeked_st[i], peeked_ln[i]
+        start = 1
+    for i in range(len(states_t)):
+        s, m = st[i], ln[i]
+        for j in range(start, len(tokens)):
+            s, m = sam_step(states_t[i], edges_t[i], slots_t[i], s, m, tokens[j])
+        st[i], ln[i] = s, m
+
+
+@njit(cache=True)
+def shards_peek(states_t, edges_t, slots_t, st, ln, t0, prefer_last, out_st, out_ln):
+    # -> (shard, state, length) of the longest match after t0 without moving the pointers; ties
+    # go to the lowest shard (first occurrence) or, with prefer_last, the highest (latest).
+    # Every shard's moved pointer goes to out_st/out_ln ([N] int64).
+    best, best_state, best_len = 0, 0, -1
+    for i in range(len(states_t)):
+        s, m = sam_step(states_t[i], edges_t[i], slots_t[i], st[i], ln[i], t0)
+        out_st[i], out_ln[i] = s, m
+        if m > best_len or (prefer_last and m == best_len):
+            best, best_state, best_len = i, s, m
+    return best, best_state, best_len
+
+
+@njit(cache=True)
+def children(states, edges, state):
+    # -> (tokens [m] int32, counts [m] int64): every out-edge of state and its destination count
+    n = 0
+    e = states[state, HEAD]
+    while e >= 0:
+        n += 1
+        e = edges[e, E_NEXT]
+    tok = np.empty(n + 1, dtype=np.int32)
+    cnt = np.empty(n + 1, dtype=np.int64)
+    m = 0
+    if states[state, EDGE_TOK] >= 0:
+        tok[0], cnt[0] = states[state, EDGE_TOK], states[states[state, EDGE_DST], COUNT]
+        m = 1
+    e = states[state, HEAD]
+    while e >= 0:
+        tok[m], cnt[m] = edges[e, E_TOK], states[edges[e, E_DST], COUNT]
+        m += 1
+        e = edges[e, E_NEXT]
+    return tok[:m], cnt[:m]
+
+
+def _readonly(array: np.ndarray) -> np.ndarray:
+    # one numba type for every shard (memory-mapped shards are read-only, built ones are not),
+    # so the shards' arrays form a homogeneous tuple that kernels index at run time
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
+class ShardedAutomaton:
+    """Static suffix automata over disjoint document runs, queried through one pointer per shard."""
+
+    def __init__(self, shards: list[SuffixAutomaton], occurrence: str = "first") -> None:
+        if not shards:
+            raise UserError("a sharded store needs at least one shard")
+        self.shards = list(shards)
+        self.occurrence = occurrence
+        self._prefer_last = occurrence == "latest"
+        arrays = [s.kernel_arrays for s in self.shards]
+        self.states = tuple(_readonly(a.states) for a in arrays)
+        self.edges = tuple(_readonly(a.edges) for a in arrays)
+        self.slots = tuple(_readonly(a.slots) for a in arrays)
+        self._peek_st = np.zeros(len(self.shards), dtype=np.int64)  # the last peek's moved pointer
+        self._peek_ln = np.zeros(len(self.shards), dtype=np.int64)
+        self._peeked_for: tuple[int, int] | None = None  # (id of the peeked pointer, its token)
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def pointer(self) -> tuple[np.ndarray, np.ndarray]:
+        """A fresh pointer: ([N] int64 states, [N] int64 lengths) at every shard's root."""
+        self._peeked_for = None
+        return np.zeros(len(self.shards), dtype=np.int64), np.zeros(len(self.shards), dtype=np.int64)
+
+    def match(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per-shard longest suffix of tokens ([k] int32): a new pointer."""
+        states, lengths = self.pointer()
+        self.walk(states, lengths, tokens)
+        return states, lengths
+
+    def walk(self, states: np.ndarray, lengths: np.ndarray, tokens: np.ndarray) -> None:
+        """Move the pointer over tokens ([k] int32) in every shard, in place."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        # the last peek's steps are reused when they were taken from this pointer, unmoved since
+        # (every walk and new pointer clears the record), over this first token
+        reuse = len(tokens) > 0 and self._peeked_for == (id(states), int(tokens[0]))
+        self._peeked_for = None
+        shards_walk(self.states, self.edges, self.slots, states, lengths, tokens, self._peek_st, self._peek_ln, reuse)
+
+    def peek(self, states: np.ndarray, lengths: np.ndarray, token: int) -> tuple[int, int, int]:
+        """(shard, state, length) of the longest match once token follows; the pointer stays."""
+        shard, state, length = shards_peek(self.states, self.edges, self.slots, states, lengths, token,
+                                           self._prefer_last, self._peek_st, self._peek_ln)
+        self._peeked_for = (id(states), int(token))
+        return int(shard), int(state), int(length)
+
+    def best(self, states: np.ndarray, lengths: np.ndarray) -> tuple[int, int, int]:
+        """(shard, state, length) of the pointer's longest match, ties as in `peek`."""
+        order = np.arange(len(self.shards))[::-1] if self._prefer_last else np.arange(len(self.shards))
+        shard = int(order[np.argmax(lengths[order])])
+        return shard, int(states[shard]), int(lengths[shard])
+
+    def continuation(self, shard: int, state: int, n: int) -> np.ndarray:
+        return self.shards[shard].continuation(state, n)
+
+    def lookup(self, context: np.ndarray, n: int, k: int) -> Lookup:
+        """What `Datastore.lookup` answers for one store over all the shards' documents."""
+        states, lengths = self.match(np.asarray(context, dtype=np.int32))
+        shard, state, length = self.best(states, lengths)
+        holders = np.flatnonzero(lengths == length)
+        count = sum(self.shards[i].count(int(states[i])) for i in holders) if length else 0
+        tokens, counts = [], []
+        for i in holders:
+            tok, cnt = children(self.states[i], self.edges[i], int(states[i]))
+            tokens.append(tok)
+            counts.append(cnt)
+        ids, inverse = np.unique(np.concatenate(tokens), return_inverse=True)
+        totals = np.zeros(len(ids), dtype=np.int64)
+        np.add.at(totals, inverse, np.concatenate(counts))
+        order = np.lexsort((ids, -totals))[:k]  # count descending, then token ascending
+        return Lookup(int(length), int(count), np.array(self.continuation(shard, state, n)),
+                      ids[order].astype(np.int32), totals[order].astype(np.int32))
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.shards)
+
+    @property
+    def num_states(self) -> int:
+        return sum(s.num_states for s in self.shards)
+
+    @property
+    def num_edges(self) -> int:
+        return sum(s.num_edges for s in self.shards)
+
+    @property
+    def num_documents(self) -> int:
+        return sum(s.num_documents for s in self.shards)
+
+
+# ---------------------------------------------------------------------------------------------
+# the store directory
+
+
+@dataclass(frozen=True)
+class ShardedDatastore:
+    """A loaded store directory; the same surface as `Datastore` for the commands and drafters."""
+
+    path: str
+    kind: str
+    structure: ShardedAutomaton
+    meta: StoreMeta
+    shards: tuple[Datastore, ...]
+    manifest: dict[str, Any]
+
+    @property
+    def format_version(self) -> int:
+        return int(self.manifest["format_version"])
+
+    @property
+    def file_size(self) -> int:
+        return sum(int(s["bytes"]) for s in self.manifest["shards"]) + os.path.getsize(
+            os.path.join(self.path, MANIFEST))
+
+    @property
+    def sam(self) -> ShardedAutomaton:
+        return self.structure
+
+    def verify(self) -> None:
+        """Check every shard file's crc32 against the manifest and every blob's checksum."""
+        for entry, shard in zip(self.manifest["shards"], self.shards):
+            if _file_crc32(shard.path) != entry["crc32"]:
+                raise StoreError(f"{shard.path} does not match its checksum in {MANIFEST}: the shard is damaged, "
+                                 f"{_REBUILD}")
+            shard.verify()
+
+    def lookup(self, context: np.ndarray, n: int, k: int = 8) -> Lookup:
+        return self.structure.lookup(context, n, k)
+
+
+def load_sharded(path: str | os.PathLike, verify: bool = False, occurrence: str = "first") -> ShardedDatastore:
+    """Open a store directory; raises StoreError (one line) for anything damaged or inconsistent."""
+    name = str(path)
+    manifest = _read_manifest(name)
+    meta = parse_meta(manifest, os.path.join(name, MANIFEST))
+    if meta.build.kind != "sam":
+        raise StoreError(f"{name}/{MANIFEST} declares kind {meta.build.kind!r}: sharded stores hold suffix "
+                         f"automata, {_REBUILD}")
+    shards = []
+    for i, entry in enumerate(manifest["shards"]):
+        file = os.path.join(name, entry["file"])
+        try:
+            size = os.path.getsize(file)
+        except OSError as err:
+            raise StoreError(f"{name} lacks shard {entry['file']} listed in {MANIFEST}: {_REBUILD}") from err
+        if size != entry["bytes"]:
+            raise StoreError(f"{file} has {size} bytes, {MANIFEST} says {entry['bytes']}: the shard is damaged "
+                             f"or replaced, {_REBUILD}")
+        shard = load_single(file, verify=verify, occurrence=occurrence)
+        if shard.kind != "sam" or shard.meta.tokenizer_fingerprint != meta.tokenizer_fingerprint:
+            raise StoreError(f"{file} is not a suffix automaton of the tokenizer {MANIFEST} names "
+                             f"({meta.tokenizer_fingerprint}): {_REBUILD}")
+        if shard.sam.num_tokens != entry["tokens"] or shard.meta.corpus.tokens != entry["tokens"]:
+            raise StoreError(f"{file} holds {shard.sam.num_tokens} tokens, {MANIFEST} says {entry['tokens']}: "
+                             f"{_REBUILD}")
+        shards.append(shard)
+    if sum(e["tokens"] for e in manifest["shards"]) != meta.corpus.tokens:
+        raise StoreError(f"{name}/{MANIFEST}: the shards' token counts do not add up to the corpus's "
+                         f"{meta.corpus.tokens}: {_REBUILD}")
+    store = ShardedDatastore(path=name, kind="sam", meta=meta, manifest=manifest, shards=tuple(shards),
+                             structure=ShardedAutomaton([s.sam for s in shards], occurrence=occurrence))
+    if verify:
+        store.verify()
+    return store
+
+
+def verify_sharded(path: str | os.PathLike) -> dict[str, Any]:
+    """Check a store directory completely, one shard at a time (a shard's arrays are released
+    before the next is read, so this needs the memory of one shard): everything `load_sharded`
+    checks, plus every file's crc32 and every blob's checksum. Returns the manifest."""
+    name = str(path)
+    manifest = _read_manifest(name)
+    parse_meta(manifest, os.path.join(name, MANIFEST))
+    for entry in manifest["shards"]:
+        file = os.path.join(name, entry["file"])
+        if not os.path.isfile(file) or os.path.getsize(file) != entry["bytes"] or _file_crc32(file) != entry["crc32"]:
+            raise StoreError(f"{file} is missing or does not match {MANIFEST}: {_REBUILD}")
+        shard = load_single(file, verify=True)
+        if shard.sam.num_tokens != entry["tokens"]:
+            raise StoreError(f"{file} holds {shard.sam.num_tokens} tokens, {MANIFEST} says {entry['tokens']}: "
+                             f"{_REBUILD}")
+        del shard
+    return manifest
+
+
+def _read_manifest(name: str) -> dict[str, Any]:
+    file = os.path.join(name, MANIFEST)
+
+    def bad(what: str) -> StoreError:
+        return StoreError(f"{file} is damaged ({what}): {_REBUILD}")
+
+    try:
+        with open(file, "rb") as handle:
+            raw = handle.read(16 << 20)
+    except FileNotFoundError as err:
+        raise StoreError(f"{name} is a directory without {MANIFEST}: pass a .sam file or a store directory "
+                         "written by samctl build --shards") from err
+    except OSError as err:
+        raise StoreError(f"cannot read {file}: {err.strerror or err}") from err
+    try:
+        manifest = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise bad(f"not JSON: {getattr(err, 'msg', type(err).__name__)}") from err
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise bad(f"format is not {FORMAT!r}")
+    version = manifest.get("format_version")
+    if type(version) is not int or version < 1:
+        raise bad(f"format version {version!r}")
+    if version > FORMAT_VERSION:
+        raise StoreError(f"{file} has sharded-store format version {version}, this samctl reads up to "
+                         f"{FORMAT_VERSION}: upgrade samctl or {_REBUILD}")
+    shards = manifest.get("shards")
+    if not isinstance(shards, list) or not 1 <= len(shards) <= MAX_SHARDS:
+        raise bad("no shard list")
+    seen = set()
+    for entry in shards:
+        if not isinstance(entry, dict) or set(entry) != set(_SHARD_KEYS):
+            raise bad("a shard entry has other fields than " + ", ".join(_SHARD_KEYS))
+        for key, kind in _SHARD_KEYS.items():
+            value = entry[key]
+            if type(value) is not kind or (kind is int and value < 0):
+                raise bad(f"shard field {key} is {value!r}")
+        file_name = entry["file"]
+        # the file name is untrusted: a plain name inside the directory, never a path
+        if file_name in seen or os.path.basename(file_name) != file_name or file_name in ("", ".", "..") \
+                or not file_name.endswith(".sam"):
+            raise bad(f"shard file name {file_name!r}")
+        seen.add(file_name)
+    return manifest
+
+
+def _file_crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def shard_entry(path: str | os.PathLike, documents: int, tokens: int) -> dict[str, Any]:
+    """The manifest entry of a written shard file."""
+    return {"file": os.path.basename(path), "documents": int(documents), "tokens": int(tokens),
+            "bytes": os.path.getsize(path), "crc32": _file_crc32(str(path))}
+
+
+class StoreDirectoryWriter:
+    """Writes a store directory atomically: shards go into a temporary directory beside `path`;
+    `commit` writes the manifest, fsyncs, and renames the directory into place (replacing an
+    older store at `path`; any other directory there is refused). Leaving the `with` block without `commit` removes everything."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        # Only a store (directory with a manifest, or a file) is ever replaced: never a folder
+        # that merely sits at the path, which the final swap would delete.
+        if self.path.is_dir() and not (self.path / MANIFEST).is_file():
+            raise UserError(f"{self.path} is a directory but not a sharded store (no {MANIFEST}): "
+                            "choose another output path")
+        parent = self.path.parent if str(self.path.parent) else Path(".")
+        try:
+            self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.tmp", dir=parent))
+        except OSError as err:
+            raise UserError(f"cannot write {self.path}: {err.strerror}: choose another output path") from err
+        self.committed = False
+
+    def __enter__(self) -> "StoreDirectoryWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.committed:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def shard_path(self, index: int) -> Path:
+        return self.tmp / shard_name(index)
+
+    def commit(self, meta: StoreMeta, entries: list[dict[str, Any]]) -> None:
+        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **meta.to_header(), "shards": entries}
+        manifest_path = self.tmp / MANIFEST
+        with open(manifest_path, "w", encoding="utf-8") as out:
+            json.dump(manifest, out, indent=1)
+            out.flush()
+            os.fsync(out.fileno())
+        for leftover in set(os.listdir(self.tmp)) - {MANIFEST} - {e["file"] for e in entries}:
+            os.unlink(self.tmp / leftover)
+        _fsync_directory(self.tmp)
+        os.chmod(self.tmp, 0o755 & ~_umask())
+        self._swap()
+        self.committed = True
+
+    def _swap(self) -> None:
+        old = None
+        if self.path.exists() or self.path.is_symlink():
+            old = self.path.parent / f".{self.path.name}.old{os.getpid()}"
+            os.replace(self.path, old)
+        try:
+            os.replace(self.tmp, self.path)
+        except OSError as err:
+            if old is not None:
+                os.replace(old, self.path)
+            raise UserError(f"cannot write {self.path}: {err.strerror or err}") from err
+        _fsync_directory(self.path.parent if str(self.path.parent) else Path("."))
+        if old is not None:
+            if old.is_dir() and not old.is_symlink():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.unlink()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_directory(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def build_shard(path: str | os.PathLike, tokens: np.ndarray, doc_offsets: np.ndarray, meta: StoreMeta) -> dict[str, Any]:
+    """Build the automaton of one shard and write it to path; returns its manifest entry.
+
+    tokens: [n] int32 of the shard's documents; doc_offsets: [d+1] int64 from 0 to n. `meta` is
+    the whole store's: the shard's header keeps its tokenizer and build config, with its own
+    corpus counts.
+    """
+    automaton = SuffixAutomaton.build(np.ascontiguousarray(tokens, dtype=np.int32), doc_offsets)
+    return save_shard(path, automaton, meta)
+
+
+def save_shard(path: str | os.PathLike, automaton: SuffixAutomaton, meta: StoreMeta) -> dict[str, Any]:
+    """Write one shard's automaton (see build_shard); returns its manifest entry."""
+    corpus = CorpusStats(documents=automaton.num_documents, tokens=automaton.num_tokens,
+                         inputs=(f"shard {os.path.basename(path)} of {', '.join(meta.corpus.inputs)}",))
+    save_datastore(path, automaton, dataclasses.replace(meta, corpus=corpus))
+    return shard_entry(path, automaton.num_documents, automaton.num_tokens)

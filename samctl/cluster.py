@@ -1,0 +1,319 @@
+"""Scale-out glue: building store shards in worker processes or Ray tasks, and batch generation
+with Ray Data actors. The optional `ray` extra; nothing here is imported unless asked for.
+
+Building (`build_shards`): the driver has tokenized the corpus; it writes the tokens once into
+the store's temporary directory (beside the output, so on a shared filesystem on a cluster),
+and each shard is built by `build_shard_job` in a fresh process (a Ray task with max_calls=1,
+or a spawned local process with max_tasks_per_child=1) that memory-maps only its own slice:
+its peak memory is its shard's automaton plus the interpreter, and it reports that peak.
+Tokenizing on Ray (`tokenize_on_ray`): documents, read by samctl's corpus reader on the driver,
+are grouped into chunks and tokenized by Ray Data `map_batches` on the cluster, in order.
+
+Generating (`generate_on_ray`): Ray Data `map_batches` over the input records with one actor
+per worker; each actor holds the model, the store (memory-mapped) and one drafter with its
+cross-request memory, and turns a record into its output line exactly as the local batch does
+(samctl.commands.generate.Worker). Records come back in input order and are written as they
+arrive, so a killed run can be resumed.
+
+Not in index/ or decode/: they never import ray.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import multiprocessing
+import os
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+
+from index.datastore import StoreMeta
+from index.errors import UserError
+from index.automaton import SuffixAutomaton
+from index.sharded import save_shard
+
+LOCAL = "local"  # --ray without an address: start a local Ray instance
+CHUNK_CHARS = 1 << 20  # characters of documents per Ray Data row when tokenizing
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError as err:
+        raise UserError("--ray needs Ray: pip install 'samctl[ray]' (or pip install 'ray[data]')") from err
+    return ray
+
+
+def start_ray(address: str, num_cpus: int | None = None, object_store_mb: int = 1024):
+    """Connect to the cluster at `address`, or start a local instance for LOCAL.
+
+    A local instance runs workers with this process's code (PYTHONPATH points at the package
+    being run), no dashboard and a small object store; on a real cluster samctl must be
+    installed on every node and stores must live on a filesystem every node sees.
+    """
+    ray = import_ray()
+    if ray.is_initialized():
+        return ray
+    logging.getLogger("ray").setLevel(logging.WARNING)  # stderr is for samctl's own progress
+    if address == LOCAL:
+        root = str(Path(__file__).resolve().parent.parent)
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False,
+                 object_store_memory=object_store_mb << 20, configure_logging=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": path}})
+    else:
+        try:
+            ray.init(address=address, log_to_driver=False, configure_logging=False)
+        except (ConnectionError, ValueError, RuntimeError) as err:
+            raise UserError(f"cannot reach the Ray cluster at {address} ({str(err).splitlines()[0][:160]}): "
+                            "start it with `ray start --head` and pass its address, or --ray alone "
+                            "for a local instance") from err
+    return ray
+
+
+def _unwrap(err: BaseException) -> BaseException:
+    """The UserError a Ray task raised (wrapped once or more by Ray), so that it reaches the CLI's
+    one-line boundary; any other error as it is."""
+    seen, current = 0, err
+    while current is not None and seen < 10:
+        if isinstance(current, UserError):
+            return current
+        current = getattr(current, "cause", None) or current.__cause__
+        seen += 1
+    return err
+
+
+def _data_context(ray):
+    """Ray Data settings of every samctl pipeline: rows in input order, no progress bars."""
+    context = ray.data.DataContext.get_current()
+    context.execution_options.preserve_order = True
+    context.print_on_execution_start = False
+    # its progress lines, and the traceback it logs before raising a worker's error, which
+    # samctl turns into one line when it is a UserError and re-raises otherwise
+    logging.getLogger("ray.data").setLevel(logging.CRITICAL)
+    context.enable_progress_bars = False
+    return context
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (Linux reports kilobytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# building shards
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    """One shard to build: documents [doc_lo, doc_hi) of the tokens file."""
+
+    index: int
+    path: str
+    tokens_file: str  # a .npy of all the corpus's int32 tokens
+    offsets: np.ndarray  # [d+1] int64, the shard's document offsets into the tokens file
+    meta: StoreMeta
+
+
+def build_shard_job(job: ShardJob) -> tuple[int, dict[str, Any], int, int]:
+    """Build and write one shard from its slice of the tokens file: (index, entry, peak bytes,
+    states).
+
+    Only the slice is read, and it is freed before writing (the automaton holds its own copy),
+    so the peak is the automaton plus its compressed blobs."""
+    lo, hi = int(job.offsets[0]), int(job.offsets[-1])
+    mapped = np.load(job.tokens_file, mmap_mode="r")
+    tokens = np.array(mapped[lo:hi])
+    del mapped  # unmapped: its pages leave this process's resident set
+    automaton = SuffixAutomaton.build(tokens, job.offsets - lo)
+    del tokens
+    entry = save_shard(job.path, automaton, job.meta)
+    return job.index, entry, peak_rss_bytes(), automaton.num_states
+
+
+def shard_jobs(tmp: Path, tokens: np.ndarray, doc_offsets: np.ndarray, bounds: np.ndarray, meta: StoreMeta,
+               shard_path: Callable[[int], Path]) -> list[ShardJob]:
+    """Write tokens ([n] int32) into tmp once; one job per shard (bounds: [N+1] document indices)."""
+    tokens_file = tmp / "tokens.npy"
+    np.save(tokens_file, np.ascontiguousarray(tokens, dtype=np.int32))
+    return [ShardJob(i, str(shard_path(i)), str(tokens_file), doc_offsets[bounds[i]:bounds[i + 1] + 1].copy(), meta)
+            for i in range(len(bounds) - 1)]
+
+
+def run_local(jobs: list[ShardJob], workers: int, on_done: Callable[[int, int], None]) -> list[tuple[dict, int, int]]:
+    """Each job in a fresh spawned process, `workers` at a time; (entry, peak bytes, states) in
+    shard order."""
+    results: dict[int, tuple[dict, int, int]] = {}
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context,
+                                                max_tasks_per_child=1) as pool:
+        for future in concurrent.futures.as_completed([pool.submit(build_shard_job, job) for job in jobs]):
+            index, entry, peak, states = future.result()
+            results[index] = (entry, peak, states)
+            on_done(index, peak)
+    return [results[i] for i in range(len(jobs))]
+
+
+def run_on_ray(address: str, jobs: list[ShardJob], on_done: Callable[[int, int], None]) -> list[tuple[dict, int, int]]:
+    """Each job as a Ray task (one CPU, a fresh worker process each); results as run_local's."""
+    ray = start_ray(address)
+    task = ray.remote(num_cpus=1, max_calls=1)(build_shard_job)
+    pending = {task.remote(job): job.index for job in jobs}
+    results: dict[int, tuple[dict, int, int]] = {}
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1)
+        try:
+            index, entry, peak, states = ray.get(done[0])
+        except ray.exceptions.RayError as err:
+            raise _unwrap(err) from err
+        del pending[done[0]]
+        results[index] = (entry, peak, states)
+        on_done(index, peak)
+    return [results[i] for i in range(len(jobs))]
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizing on Ray Data
+
+
+class _Tokenize:
+    """Ray Data callable: a batch of document chunks -> their tokens and document lengths."""
+
+    def __init__(self, tokenizer_spec: str | None, append_eos: bool) -> None:
+        from samctl.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(tokenizer_spec)
+        self.append_eos = append_eos
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from samctl.tokenizer import tokenize_documents
+
+        tokens, lengths = [], []
+        for docs in batch["docs"]:
+            ids, offsets = tokenize_documents(list(docs), self.tokenizer, append_eos=self.append_eos)
+            tokens.append(ids.tobytes())
+            lengths.append(np.diff(offsets).tobytes())
+        return {"chunk": batch["chunk"], "tokens": np.array(tokens, dtype=object),
+                "lengths": np.array(lengths, dtype=object)}
+
+
+def _chunks(texts: Iterable[str]) -> Iterator[list[str]]:
+    chunk: list[str] = []
+    size = 0
+    for text in texts:
+        chunk.append(text)
+        size += len(text)
+        if size >= CHUNK_CHARS:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def tokenize_on_ray(address: str, texts: Iterable[str], tokenizer_spec: str | None, append_eos: bool,
+                    on_tokens: Callable[[int], None]) -> tuple[np.ndarray, np.ndarray]:
+    """tokenize_documents on the cluster: (tokens [n] int32, doc_offsets [d+1] int64), in order."""
+    ray = start_ray(address)
+    items = [{"chunk": i, "docs": chunk} for i, chunk in enumerate(_chunks(texts))]
+    if not items:
+        return np.zeros(0, dtype=np.int32), np.zeros(1, dtype=np.int64)
+    _data_context(ray)
+    workers = max(1, min(len(items), int(ray.cluster_resources().get("CPU", 1))))
+    dataset = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+        _Tokenize, fn_constructor_args=(tokenizer_spec, append_eos), batch_size=1,
+        compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=1)
+    tokens, lengths = [], []
+    try:
+        for row in dataset.iter_rows():
+            tokens.append(np.frombuffer(row["tokens"], dtype=np.int32))
+            lengths.append(np.frombuffer(row["lengths"], dtype=np.int64))
+            on_tokens(len(tokens[-1]))
+    except Exception as err:  # Ray Data wraps a worker's error in its own types
+        unwrapped = _unwrap(err)
+        if unwrapped is err:
+            raise
+        raise unwrapped from err
+    sizes = np.concatenate(lengths)
+    offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    return np.concatenate(tokens), offsets
+
+
+# ---------------------------------------------------------------------------------------------
+# batch generation on Ray Data
+
+
+class _GenerateWorker:
+    """Ray Data actor: one Session (model, store memory-mapped, drafter with its cross-request
+    memory) for the actor's life; a batch of input lines -> their output lines and failures."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        from samctl.commands.generate import Session
+
+        # A UserError here (a missing model or store) goes back as data, the `fatal` column of
+        # every row: Ray hands the driver a worker's exception without its type.
+        self.fatal = ""
+        try:
+            self.runner = Session(options).runner
+        except UserError as err:
+            self.fatal = str(err)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.fatal:
+            n = len(batch["number"])
+            return {"number": batch["number"], "out": np.array([""] * n, dtype=object),
+                    "failed": np.ones(n, dtype=bool), "fatal": np.array([self.fatal] * n, dtype=object)}
+        lines, failed = [], []
+        for number, line in zip(batch["number"], batch["line"]):
+            out, bad = self.runner.process(int(number), str(line))
+            lines.append(out)
+            failed.append(bad)
+        return {"number": batch["number"], "out": np.array(lines, dtype=object), "failed": np.array(failed),
+                "fatal": np.array([""] * len(lines), dtype=object)}
+
+
+def _worker_count(ray, requested: int | None, threads: int, gpus: float) -> int:
+    if requested is not None:
+        return requested
+    resources = ray.cluster_resources()
+    if gpus > 0:
+        return max(1, int(resources.get("GPU", 0) // gpus))
+    return max(1, int(resources.get("CPU", 1) // threads))
+
+
+def generate_on_ray(opts: dict[str, Any], records: Iterable[tuple[int, str]], write: Callable[[str], None]) -> int:
+    """`generate --input` on Ray: write each output line in input order; returns the failures."""
+    from samctl.commands.generate import worker_options
+    from samctl.progress import progress_bar
+
+    threads = opts["threads"] or 1
+    options = worker_options(opts) | {"threads": threads}
+    items = [{"number": number, "line": line} for number, line in records]
+    if not items:
+        return 0
+    local_cpus = None
+    if opts["ray_address"] == LOCAL and opts["workers"] is not None:
+        local_cpus = max(os.cpu_count() or 1, opts["workers"] * threads)  # room for every actor asked for
+    ray = start_ray(opts["ray_address"], num_cpus=local_cpus)
+    _data_context(ray)
+    workers = min(len(items), _worker_count(ray, opts["workers"], threads, opts["gpus_per_worker"]))
+    # Small blocks spread the records over the actors and let finished ones stream out in order.
+    dataset = ray.data.from_items(items, override_num_blocks=min(len(items), 32 * workers)).map_batches(
+        _GenerateWorker, fn_constructor_args=(options,), batch_size=1,
+        compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=threads,
+        num_gpus=opts["gpus_per_worker"] or None)
+    failed = 0
+    try:
+        with progress_bar(f"generate on {workers} Ray worker(s)", "record", opts["quiet"], total=len(items)) as bar:
+            for row in dataset.iter_rows():
+                if row["fatal"]:
+                    raise UserError(row["fatal"])
+                write(row["out"])
+                failed += bool(row["failed"])
+                bar.update(1)
+    except ray.exceptions.RayError as err:
+        raise _unwrap(err) from err
+    return failed
