@@ -133,7 +133,7 @@ def _pairs(values: dict[str, Any]) -> str:
 
 
 @click.command("info")
-@click.argument("store", type=click.Path(dir_okay=False))
+@click.argument("store", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--verify", is_flag=True,
               help="Check every array's checksum (raw arrays are not checked on load).")
