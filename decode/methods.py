@@ -16,8 +16,10 @@ import torch
 
 from decode.acceptance_head import AcceptanceHead
 from decode.draft_model import DraftModel
+from decode.eagle_head import EagleHead
 from decode.drafters.adaptive import AdaptiveConfig, AdaptiveDrafter
 from decode.drafters.base import Drafter, NoDraft
+from decode.drafters.eagle import EagleConfig, EagleDrafter
 from decode.drafters.draft import AdaptiveLength, DraftConfig, DraftModelDrafter, FixedLength, SpecDecConfig
 from decode.drafters.pld import PldConfig, PromptLookupDrafter
 from decode.drafters.recycle import RecycleConfig, TokenRecycleDrafter
@@ -42,6 +44,7 @@ class MethodConfig:
     rest: RestConfig = field(default_factory=RestConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     specdec: SpecDecConfig = field(default_factory=SpecDecConfig)
+    eagle: EagleConfig = field(default_factory=EagleConfig)
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class Resources:
     head: AcceptanceHead | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     cost: np.ndarray | None = None  # relative verify cost t(1 + n) / t(1), n = 0, 1, ...
+    eagle: EagleHead | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,7 @@ class Method:
     uses_store: bool = False
     needs_draft: bool = False  # a draft model (--draft-model)
     needs_head: bool = False  # a SpecDec++ acceptance head (--acc-head)
+    needs_eagle: bool = False  # an EAGLE head trained for the target (--eagle-head)
     not_replayable: str = ""  # why `simulate` cannot replay it without a model ("" = it can)
     takes_prediction: bool = False  # drafts from an expected output (--prediction)
     sized_by_cost: bool = False  # sizes drafts by the target's verify-cost curve (samctl calibrate)
@@ -87,6 +92,11 @@ def _specdec(r: Resources) -> DraftModelDrafter:
     return DraftModelDrafter(r.draft, AdaptiveLength(r.head, r.config.specdec), r.sampling, r.eos_token_ids, "specdec++")
 
 
+def _eagle(r: Resources) -> EagleDrafter:
+    return EagleDrafter(r.eagle, r.config.eagle, r.cost)
+
+
+_EAGLE = "its drafts come from a head over the target's hidden states"
 _LOGITS = "its Token Recycle part learns from the target's logits"
 _DRAFT_MODEL = "its drafts come from a draft model"
 
@@ -114,13 +124,20 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("sam+draft", "sam when the match is long enough, the draft model otherwise",
            lambda r: SamDrafter(r.config.sam, static=r.static, fallback=_draft(r, "draft")), uses_store=True,
            needs_draft=True, not_replayable="its fallback is a draft model"),
+    Method("eagle", "EAGLE-2: a dynamic tree from a head trained on the target's hidden states (--eagle-head)",
+           _eagle, needs_eagle=True, not_replayable=_EAGLE, sized_by_cost=True),
+    Method("sam+eagle", "sam when the match is long enough, the EAGLE-2 tree otherwise",
+           lambda r: SamDrafter(r.config.sam, static=r.static, fallback=_eagle(r)), uses_store=True,
+           needs_eagle=True, not_replayable=_EAGLE, sized_by_cost=True),
 )}
 
 DEFAULT_METHOD = "adaptive"
-# Methods that need no draft model, and those that do: code looping over METHODS needs no draft.
-METHODS = tuple(name for name, m in REGISTRY.items() if not m.needs_draft)
+# Methods that need nothing trained, those that need a draft model and those that need an EAGLE
+# head: code looping over METHODS needs neither.
+METHODS = tuple(name for name, m in REGISTRY.items() if not m.needs_draft and not m.needs_eagle)
 DRAFT_METHODS = tuple(name for name, m in REGISTRY.items() if m.needs_draft)
-ALL_METHODS = METHODS + DRAFT_METHODS
+EAGLE_METHODS = tuple(name for name, m in REGISTRY.items() if m.needs_eagle)
+ALL_METHODS = METHODS + DRAFT_METHODS + EAGLE_METHODS
 REPLAYABLE = tuple(name for name, m in REGISTRY.items() if not m.not_replayable)
 
 
@@ -148,10 +165,12 @@ def make_drafter(
     head: AcceptanceHead | None = None,
     sampling: SamplingConfig = SamplingConfig(),
     cost: np.ndarray | None = None,
+    eagle: EagleHead | None = None,
 ) -> Drafter:
     """The drafter of method `name`. Draft-model methods sample their drafts with `sampling` (the
     run's settings); any mismatch with the loop's settings only costs acceptance, never
-    correctness. `cost` is the target's relative verify-cost curve (adaptive sizes drafts by it)."""
+    correctness. `cost` is the target's relative verify-cost curve (adaptive and eagle size drafts
+    by it); `eagle` an EAGLE head bound to the target."""
     entry = method(name)
     if entry.needs_draft and draft is None:
         raise UserError(f"method {name} needs a draft model: pass --draft-model with a small model "
@@ -159,6 +178,9 @@ def make_drafter(
     if entry.needs_head and head is None:
         raise UserError(f"method {name} needs an acceptance head: pass --acc-head "
                         "(train one with tools/train_acceptance_head.py)")
+    if entry.needs_eagle and eagle is None:
+        raise UserError(f"method {name} needs an EAGLE head: pass --eagle-head with a folder written by "
+                        "tools/train_eagle.py for this model")
     return entry.build(Resources(vocab_size=vocab_size, device=torch.device(device), eos_token_ids=eos_token_ids,
                                  static=static if entry.uses_store else None, config=config, draft=draft,
-                                 head=head, sampling=sampling, cost=cost))
+                                 head=head, sampling=sampling, cost=cost, eagle=eagle))
