@@ -5,7 +5,8 @@ for (samctl.heads.model_fingerprint: architecture config, tokenizer, a digest of
 weights) and a free-form `training` record (data, steps, held-out accuracy). The head's shapes
 follow from the target's config, so a head is refused for any other target architecture or
 tokenizer; other weights of the same architecture only get a note. The weights hold the head's own
-parameters (fc and one decoder layer); the target's embedding and lm_head are never stored. The
+parameters (fc and one decoder layer) and, if it has one, its draft vocabulary (int64 ids); the
+target's embedding and lm_head are never stored. The
 JSON is untrusted input: every field is checked before use. No pickle.
 
 This module knows files and fingerprints; the head itself is `decode.eagle_head`.
@@ -36,7 +37,8 @@ def save_eagle_head(path: str | Path, head: EagleHead, target: dict[str, str], t
 
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().cpu().to(dtype).contiguous() for name, t in head.state_dict().items()}
+    tensors = {name: t.detach().cpu().to(dtype if t.is_floating_point() else t.dtype).contiguous()
+               for name, t in head.state_dict().items()}
     save_file(tensors, str(folder / WEIGHTS))
     meta = {"format": FORMAT, "version": VERSION, "hidden_size": head.hidden_size, "target": target,
             "training": training}
@@ -69,13 +71,16 @@ def load_eagle_head(path: str | Path, target_model: torch.nn.Module, target: dic
     except (OSError, SafetensorError) as err:
         raise UserError(f"cannot read {folder / WEIGHTS} ({err}): retrain or copy the head again") from err
     param = next(target_model.parameters())
-    head = EagleHead(target_model)
+    vocab = tensors.get("vocab")
+    if vocab is not None and (vocab.ndim != 1 or vocab.dtype != torch.int64):
+        raise UserError(f"{folder / WEIGHTS} has a malformed draft vocabulary: retrain the head")
+    head = EagleHead(target_model, vocab=vocab)
     try:
         head.load_state_dict(tensors)
     except RuntimeError as err:
         first = str(err).strip().splitlines()[0][:200]
         raise UserError(f"{folder / WEIGHTS} does not match its {CONFIG} ({first}): retrain the head") from err
-    return head.to(device=param.device, dtype=param.dtype).eval()
+    return head.to(device=param.device, dtype=param.dtype).eval()  # .to(dtype) leaves the int64 vocab alone
 
 
 def read_meta(folder: Path) -> dict[str, Any]:

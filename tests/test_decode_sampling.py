@@ -14,11 +14,13 @@ import torch
 from scipy.stats import chisquare
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from decode.drafters.eagle import EagleConfig
 from decode.drafters.pld import PldConfig
 from decode.drafters.recycle import RecycleConfig
 from decode.drafters.sam import SamConfig
 from decode.loop import GenerationConfig, generate
-from decode.methods import MethodConfig, make_drafter
+from decode.eagle_head import EagleHead
+from decode.methods import MethodConfig, make_drafter, method as method_entry
 from decode.sampling import SamplingConfig, warp_probs
 from decode.target import TargetModel
 from tests.mock_lm import CopyLM, copy_rule
@@ -29,6 +31,7 @@ CONFIG = MethodConfig(
     sam=SamConfig(dyn_threshold=1, static_bias=0, alpha=4.0),
     pld=PldConfig(max_ngram=2, num_draft=4),
     recycle=RecycleConfig(k=3, nodes=8, max_depth=3),
+    eagle=EagleConfig(top_k=VOCAB, depth=2, max_nodes=12, min_prob=0.0),  # top-k = V: every draw is a child
 )
 
 
@@ -47,7 +50,8 @@ def exact_distribution(model: CopyLM, sampling: SamplingConfig) -> dict[tuple[in
 
 def sample_counts(model: CopyLM, method: str, sampling: SamplingConfig) -> tuple[dict, int]:
     target = TargetModel(model)
-    drafter = make_drafter(method, vocab_size=VOCAB, device=target.device, config=CONFIG)
+    eagle = EagleHead(model).eval() if method_entry(method).needs_eagle else None  # untrained: any head is lossless
+    drafter = make_drafter(method, vocab_size=VOCAB, device=target.device, config=CONFIG, eagle=eagle)
     counts: dict[tuple[int, ...], int] = {}
     accepted = 0
     for i in range(SAMPLES):
@@ -88,6 +92,8 @@ SETTINGS = [
     pytest.param("sam", SamplingConfig(temperature=0.7, top_k=3, top_p=0.9), id="sam-warped"),
     pytest.param("sam+recycle", SamplingConfig(temperature=1.3, top_p=0.8), id="sam+recycle-warped"),
     pytest.param("adaptive", SamplingConfig(temperature=0.8, top_p=0.9), id="adaptive-warped"),
+    pytest.param("eagle", SamplingConfig(temperature=1.0), id="eagle"),
+    pytest.param("sam+eagle", SamplingConfig(temperature=0.7, top_k=3, top_p=0.9), id="sam+eagle-warped"),
 ]
 
 

@@ -210,7 +210,8 @@ class EagleDrafter:
         blocked = torch.finfo(self.dtype).min
         logq = torch.log_softmax(head.logits(root).float(), dim=-1)  # [V]
         k = min(k, logq.shape[-1])
-        scores, tokens = logq.topk(k)
+        scores, index = logq.topk(k)
+        tokens = head.token_ids(index)
         cand_tokens, cand_scores = [tokens], [scores]
         cand_parents = [torch.full((k,), -1, dtype=torch.int64, device=device)]
         count = k
@@ -230,7 +231,8 @@ class EagleDrafter:
             positions = torch.full((1, k), position, device=device)
             out = head(frontier_features[None], frontier_tokens[None], positions, self.cache, mask[None, None])[0]
             logq = torch.log_softmax(head.logits(out).float(), dim=-1)  # [k, V]
-            top_scores, top_tokens = logq.topk(k, dim=-1)  # [k, k]
+            top_scores, top_index = logq.topk(k, dim=-1)  # [k, k]
+            top_tokens = head.token_ids(top_index)
             child_scores = (frontier_scores[:, None] + top_scores).flatten()
             cand_tokens.append(top_tokens.flatten())
             cand_scores.append(child_scores)
