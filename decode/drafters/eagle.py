@@ -222,7 +222,7 @@ class EagleDrafter:
         position = self.processed  # the pair (f_{N-1}, t0) sits at N - 1; its children at N
         on_cpu = device.type == "cpu"
         for _ in range(cfg.depth):
-            if on_cpu and float(frontier_scores.max()) < np.log(cfg.min_prob):
+            if on_cpu and cfg.min_prob > 0 and float(frontier_scores.max()) < np.log(cfg.min_prob):
                 break
             past = self.cache.get_seq_length()
             visible = torch.cat((ancestors, torch.eye(k, dtype=torch.bool, device=device)), dim=1)
