@@ -259,7 +259,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--noise", type=float, default=0.2, help="uniform feature noise width (EAGLE: 0.2)")
     p.add_argument("--replay", type=Path, default=None, help="reference traces (prompt_ids, output_ids) to replay")
     p.add_argument("--replay-max-new-tokens", type=int, default=256)
-    p.add_argument("--cost", type=Path, default=None, help="verify-cost curve JSON ({t_ms: [...]}) to size replayed trees")
+    p.add_argument("--replay-only", action="store_true", help="no training: replay the head already in --out")
+    p.add_argument("--cost", type=Path, default=None,
+                   help="verify-cost curve JSON ({t_ms: [...]}, samctl calibrate --json) to size replayed trees "
+                        "(default: the linear GPU-like curve, 0.5%% per node)")
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -273,6 +276,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     engine = load_engine(args.model, args.device, "float32", quiet=True)
     args.device = engine.device
+    cost = None
+    if args.cost is not None:
+        cost = relative_cost(json.loads(args.cost.read_text(encoding="utf-8"))["t_ms"])
+    if args.replay_only:  # measure an existing head (--out) on --replay, e.g. under another cost curve
+        from samctl.eagle_heads import load_eagle_head
+
+        head = load_eagle_head(args.out, engine.model, model_fingerprint(engine.model, engine.tokenizer))
+        result = {"head": args.out, "file": str(args.replay), "cost": str(args.cost),
+                  **replay_traces(engine, head, args.replay, cost, args.replay_max_new_tokens, EagleConfig())}
+        print(json.dumps(result, indent=2))
+        return result
     for param in engine.model.parameters():
         param.requires_grad_(False)
     fingerprint = model_fingerprint(engine.model, engine.tokenizer)
@@ -305,9 +319,6 @@ def main(argv: list[str] | None = None) -> dict:
     }
     save_eagle_head(args.out, head, fingerprint, report)
     if args.replay is not None:
-        cost = None
-        if args.cost is not None:
-            cost = relative_cost(json.loads(args.cost.read_text(encoding="utf-8"))["t_ms"])
         head.eval()
         report["replay"] = {"file": str(args.replay), "cost": str(args.cost),
                             **replay_traces(engine, head, args.replay, cost, args.replay_max_new_tokens, EagleConfig())}
