@@ -215,3 +215,16 @@ def test_cli_generate_eagle_is_lossless(tmp_path, model_dir):
     assert result["compare"]["identical"] is True and result["eagle_head"] == str(tmp_path / "h")
     with pytest.raises(UserError, match="--eagle-head"):
         resolve_eagle_path("eagle", str(model_dir), None)
+
+
+def test_embedded_head_loads_for_the_embedded_target_only(model_dir):
+    from samctl.runtime import DEFAULT_EAGLE_DIR, load_eagle, load_engine, resolve_eagle_path
+
+    if not DEFAULT_EAGLE_DIR.is_dir():
+        pytest.skip("no embedded EAGLE head in this checkout")
+    path = resolve_eagle_path("sam+eagle", None, None, quiet=True)
+    assert path == str(DEFAULT_EAGLE_DIR) and resolve_eagle_path("pld", None, None, quiet=True) is None
+    head = load_eagle(path, load_engine(None, "cpu", "float32", quiet=True))
+    assert head.vocab is None and head.hidden_size == 256
+    with pytest.raises(UserError, match="trained for another model"):
+        load_eagle(path, load_engine(str(model_dir), "cpu", "float32", quiet=True))
