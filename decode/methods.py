@@ -19,7 +19,7 @@ from decode.draft_model import DraftModel
 from decode.eagle_head import EagleHead
 from decode.drafters.adaptive import AdaptiveConfig, AdaptiveDrafter
 from decode.drafters.base import Drafter, NoDraft
-from decode.drafters.eagle import EagleConfig, EagleDrafter
+from decode.drafters.eagle import AdaptiveEagleDrafter, EagleConfig, EagleDrafter
 from decode.drafters.draft import AdaptiveLength, DraftConfig, DraftModelDrafter, FixedLength, SpecDecConfig
 from decode.drafters.pld import PldConfig, PromptLookupDrafter
 from decode.drafters.recycle import RecycleConfig, TokenRecycleDrafter
@@ -129,6 +129,11 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("sam+eagle", "sam when the match is long enough, the EAGLE-2 tree otherwise",
            lambda r: SamDrafter(r.config.sam, static=r.static, fallback=_eagle(r)), uses_store=True,
            needs_eagle=True, not_replayable=_EAGLE, sized_by_cost=True),
+    Method("adaptive+eagle", "adaptive's candidates and the EAGLE-2 head's best nodes in one tree, each priced "
+           "by its own calibrated estimate and cut by the verify cost",
+           lambda r: AdaptiveEagleDrafter(_eagle(r), config=r.config.adaptive, static=r.static, cost=r.cost,
+                                          vocab_size=r.vocab_size, device=r.device),
+           uses_store=True, needs_eagle=True, not_replayable=_EAGLE, takes_prediction=True, sized_by_cost=True),
 )}
 
 DEFAULT_METHOD = "adaptive"

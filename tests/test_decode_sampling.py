@@ -94,6 +94,7 @@ SETTINGS = [
     pytest.param("adaptive", SamplingConfig(temperature=0.8, top_p=0.9), id="adaptive-warped"),
     pytest.param("eagle", SamplingConfig(temperature=1.0), id="eagle"),
     pytest.param("sam+eagle", SamplingConfig(temperature=0.7, top_k=3, top_p=0.9), id="sam+eagle-warped"),
+    pytest.param("adaptive+eagle", SamplingConfig(temperature=1.0), id="adaptive+eagle"),
 ]
 
 

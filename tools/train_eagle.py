@@ -21,8 +21,9 @@
    target chooses most often in the training part, which makes its output layer V / N times cheaper.
 4. Report: held-out top-1 accuracy (the head's next-token argmax equals the target's, teacher-
    forced), before and after training, and, with --replay (reference traces: the target's own
-   greedy outputs, e.g. tools/gen_references.py), tokens per step of `eagle` and `sam+eagle` in
-   replay (decode.simulate.replay with the target's features, no target forward per step).
+   greedy outputs, e.g. tools/gen_references.py), tokens per step of `eagle`, `sam+eagle`,
+   `adaptive+eagle` and `adaptive` in replay (decode.simulate.replay with the target's features,
+   no target forward per step; Token Recycle, which learns from logits, is off in a replay).
 5. Output: --out holds eagle.safetensors and eagle.json (the target's fingerprint and this run's
    record); samctl refuses the head for any other model. A JSON summary goes to stdout.
 
@@ -49,8 +50,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from decode.cost import relative_cost  # noqa: E402
-from decode.drafters.eagle import EagleConfig, EagleDrafter  # noqa: E402
-from decode.drafters.sam import SamConfig, SamDrafter  # noqa: E402
+from decode.drafters.eagle import EagleConfig  # noqa: E402
+from decode.methods import MethodConfig, make_drafter  # noqa: E402
 from decode.eagle_head import EagleHead, eagle_loss, target_features  # noqa: E402
 from decode.simulate import Tally, make_trace, replay  # noqa: E402
 from index.errors import UserError  # noqa: E402
@@ -214,9 +215,13 @@ def train(head: EagleHead, batches: Batches, train_pool: list[int], args, log) -
     return {"steps": step, "positions_seen": seen, "seconds": round(time.time() - tic, 1)}
 
 
+# adaptive replays without its Token Recycle part (no logits in a replay), in both of its rows
+REPLAYED = ("eagle", "sam+eagle", "adaptive+eagle", "adaptive")
+
+
 def replay_traces(engine: Engine, head: EagleHead, path: Path, cost: np.ndarray | None, max_new_tokens: int,
                   config: EagleConfig) -> dict:
-    """tokens/step of eagle and sam+eagle replayed on reference traces (target features by one
+    """tokens/step of the REPLAYED methods on reference traces (target features by one
     teacher-forced forward per trace), per category."""
     out: dict[str, dict[str, Tally]] = {}
     for line in path.read_text(encoding="utf-8").splitlines():
@@ -229,9 +234,11 @@ def replay_traces(engine: Engine, head: EagleHead, path: Path, cost: np.ndarray 
         hidden, _ = target_features(engine.model, ids)
         hidden = hidden.to(next(head.parameters()).dtype)
         group = "mt_bench" if row.get("question_id", 0) in range(81, 161) else trace.category
-        for name in ("eagle", "sam+eagle"):
-            eagle = EagleDrafter(head, config, cost)
-            drafter = eagle if name == "eagle" else SamDrafter(SamConfig(), fallback=eagle)
+        for name in REPLAYED:
+            drafter = make_drafter(name, vocab_size=engine.vocab_size, device=engine.device, cost=cost, eagle=head,
+                                   eos_token_ids=engine.eos_token_ids, config=MethodConfig(eagle=config))
+            if hasattr(drafter, "remember"):
+                drafter.remember = False  # no memory across traces: each trace stands alone, as in bench
             metrics = replay(drafter, trace, hidden=hidden)
             out.setdefault(name, {}).setdefault(group, Tally()).add(metrics)
     return {name: {group: {"traces": t.traces, "tokens_per_step": round(t.mean_accepted, 3),

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 
 from decode.cost import linear_cost
+from decode.drafters.adaptive import AdaptiveDrafter
+from decode.drafters.candidates import N_CELLS
 from decode.eagle_head import EagleHead
 from decode.kv_cache import StaticKVCache
 from decode.tree import DraftTree, tree_depths
@@ -97,6 +99,69 @@ def rerank(scores: np.ndarray, parents: np.ndarray, depths: np.ndarray, scale: n
     return keep, tree_parents
 
 
+class AdaptiveEagleDrafter(AdaptiveDrafter):
+    """`adaptive+eagle`: adaptive's candidates (every retrieval source, Token Recycle) and the EAGLE
+    head's best `offer` nodes in one trie, each node priced by its own calibrated estimate, cut
+    by the verify-cost curve: retrieval wins where it is long and likely, the head elsewhere, and
+    both can share one tree. The head's rows use one calibration cell of their own (N_CELLS) for
+    adaptive's bookkeeping; their probabilities come from the head's own per-depth calibration."""
+
+    name = "adaptive+eagle"
+    needs_hidden = True
+
+    def __init__(self, eagle: EagleDrafter, offer: int = 32, **adaptive) -> None:
+        self.eagle, self.n_offer = eagle, offer
+        self._eagle_on = False
+        super().__init__(**adaptive)
+        c = self.calibration  # one more cell, for the head's rows
+        c.prior, c.hits, c.trials = np.append(c.prior, 1.0), np.append(c.hits, 0.0), np.append(c.trials, 0.0)
+        c.means = np.append(c.means, 1.0)
+
+    def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor | None, hidden: torch.Tensor | None = None) -> None:
+        super().start(prompt, prompt_logits)
+        self._eagle_on = hidden is not None  # adaptive's own warm-up runs without the head
+        if self._eagle_on:
+            self.eagle.start(prompt, prompt_logits, hidden=hidden)
+
+    def propose(self, t0: int) -> DraftTree:
+        tree = super().propose(t0)
+        if self._eagle_on:  # which offered rows made it into the verified tree
+            self.eagle.offered(_rows_in_tree(self._offer_rows, tree.tokens, tree.parents))
+        return tree
+
+    def observe(self, committed: np.ndarray, input_ids: torch.Tensor | None, logits: torch.Tensor | None,
+                hidden: torch.Tensor | None = None) -> None:
+        super().observe(committed, input_ids, logits)
+        if self._eagle_on:
+            self.eagle.observe(committed, input_ids, logits, hidden=hidden)
+
+    def _first_candidates(self, t0: int) -> int:
+        n = super()._first_candidates(t0)
+        if not self._eagle_on:
+            return n
+        tokens, parents, probs = self.eagle.offer(t0, min(self.n_offer, len(self._buffer[0]) // 2))
+        tok, par, prob, cell = self._buffer
+        m = len(tokens)
+        tok[n : n + m] = tokens
+        par[n : n + m] = np.where(parents >= 0, parents + n, -1)
+        prob[n : n + m] = probs
+        cell[n : n + m] = N_CELLS
+        self._offer_rows = (tokens, parents)
+        return n + m
+
+
+def _rows_in_tree(rows: tuple[np.ndarray, np.ndarray], tokens: np.ndarray, parents: np.ndarray) -> np.ndarray:
+    # rows: (tokens [m], parents [m] into rows) of an offered tree; tokens/parents: the final tree
+    # -> [m] bool: the row's token path exists in the final tree
+    where = {(int(p), int(t)): i for i, (p, t) in enumerate(zip(parents, tokens))}
+    row_tokens, row_parents = rows
+    node = np.full(len(row_tokens), -2, dtype=np.int64)  # -2: not in the tree
+    for i in range(len(row_tokens)):
+        up = -1 if row_parents[i] < 0 else node[row_parents[i]]
+        node[i] = where.get((int(up), int(row_tokens[i])), -2) if up != -2 else -2
+    return node >= 0
+
+
 class _History:
     """The committed tokens of the request (prompt first), in a buffer that doubles."""
 
@@ -138,7 +203,7 @@ class EagleDrafter:
         self.hits = np.zeros(MAX_DEPTH + 1)
         self.predicted = np.zeros(MAX_DEPTH + 1)
         self.scale = np.ones(MAX_DEPTH + 1)
-        self.last: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # tokens, depths, probs of the last tree
+        self.last: tuple[np.ndarray, ...] | None = None  # tokens, parents, depths, probs of the last tree
         rerank(np.zeros(1), np.full(1, -1, dtype=np.int64), np.ones(1, dtype=np.int64), self.scale,
                self.cost, 1)  # compile (or load the numba cache) now, not in the first timed step
 
@@ -158,7 +223,7 @@ class EagleDrafter:
                 hidden: torch.Tensor | None = None) -> None:
         # committed: [1+a] host ids; hidden: [1+a, H] the target's features at those positions
         if self.last is not None:
-            self._learn(len(committed) - 1)
+            self._learn(np.asarray(committed[1:], dtype=np.int64))
             self.last = None
         self.cache.set_length(self.processed)  # drop the draft entries; the real pairs stay
         self.history.extend(np.asarray(committed, dtype=np.int64))
@@ -178,9 +243,33 @@ class EagleDrafter:
         scores = scores.astype(np.float64)
         depths = _candidate_depths(parents)
         keep, tree_parents = rerank(scores, parents, depths, self.scale, self.cost, cfg.max_nodes)
-        kept_depths = depths[keep]
-        self.last = (tokens[keep], kept_depths, np.exp(scores[keep]))
+        self.last = (tokens[keep], tree_parents, depths[keep], np.exp(scores[keep]))
         return DraftTree(tokens=tokens[keep].astype(np.int64), parents=tree_parents)
+
+    @torch.inference_mode()
+    def offer(self, t0: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The head's best `n` candidates for a caller that merges them with other drafts:
+        -> (tokens [m] int64, parents [m] int32 into these rows, p [m] float64 calibrated path
+        probabilities, never above the parent's). Call `offered` with what was kept."""
+        root = self._catch_up(t0)
+        tokens, scores, parents = (t.cpu().numpy() for t in self._expand(root, self.config.top_k))
+        scores = scores.astype(np.float64)
+        depths = _candidate_depths(parents)
+        keep, tree_parents = rerank(scores, parents, depths, self.scale, np.ones(n + 1), n)
+        probs = np.minimum(1.0, np.exp(scores[keep]) * self.scale[np.minimum(depths[keep], MAX_DEPTH)])
+        for i, parent in enumerate(tree_parents):  # parents come first: a child never outranks its parent
+            if parent >= 0:
+                probs[i] = min(probs[i], probs[parent])
+        self._offered = (tokens[keep].astype(np.int64), tree_parents, depths[keep], np.exp(scores[keep]))
+        return self._offered[0], tree_parents, probs
+
+    def offered(self, verified: np.ndarray) -> None:
+        """verified: [m] bool over the last `offer`'s rows, true where the row reached the verified
+        tree (a row's parent then did too): the head's calibration learns from those."""
+        tokens, parents, depths, probs = self._offered
+        remap = np.cumsum(verified) - 1
+        kept_parents = np.where(parents >= 0, remap[np.maximum(parents, 0)], -1).astype(np.int32)[verified]
+        self.last = (tokens[verified], kept_parents, depths[verified], probs[verified])
 
     def _catch_up(self, t0: int) -> torch.Tensor:
         # -> [H] the head's predicted feature after the pair (f_{N-1}, t0)
@@ -247,14 +336,21 @@ class EagleDrafter:
             position += 1
         return torch.cat(cand_tokens), torch.cat(cand_scores), torch.cat(cand_parents)
 
-    def _learn(self, accepted: int) -> None:
-        # The last tree's nodes at depth d were worth sum(p) by the head; one was accepted at each
-        # depth 1..accepted. scale[d] = (hits + w) / (predicted + w), a prior of 1.
-        tokens, depths, probs = self.last
+    def _learn(self, accepted: np.ndarray) -> None:
+        # accepted: [a] the draft tokens the step committed. The last tree's nodes at depth d were
+        # worth sum(p) by the head; a hit at depth d when the accepted path runs through one of
+        # its nodes there. scale[d] = (hits + w) / (predicted + w), a prior of 1.
+        tokens, parents, depths, probs = self.last
         if len(tokens) == 0:
             return
         np.add.at(self.predicted, np.minimum(depths, MAX_DEPTH), probs)
-        self.hits[1 : min(accepted, MAX_DEPTH) + 1] += 1.0
+        current = -1
+        for depth, token in enumerate(accepted, start=1):
+            nxt = np.flatnonzero((parents == current) & (tokens == token))
+            if len(nxt) == 0:
+                break
+            self.hits[min(depth, MAX_DEPTH)] += 1.0
+            current = int(nxt[0])
         w = self.config.prior_weight
         self.scale = (self.hits + w) / (self.predicted + w)
 
