@@ -21,6 +21,10 @@ how often the head's nodes are really accepted, learned online, so a weak head d
 
 On the CPU the expansion stops early once no frontier node reaches `min_prob` (one host read per
 level costs nothing there); on a GPU every level runs and the one host read is the final tree.
+
+`sam+eagle` is SamDrafter with this drafter as its fallback (it observes every step, so its
+features stay current). `adaptive+eagle` (AdaptiveEagleDrafter, below) hands the head's best
+nodes to adaptive's candidate buffer instead, where they compete with retrieval node by node.
 """
 from __future__ import annotations
 
