@@ -58,7 +58,7 @@ class VerifyGraphs:
         self._fill_mask(g.mask[0, 0], tree, past, q)
         g.graph.replay()
         cache.set_length(past + q)
-        if g.hidden is not None:
+        if g.hidden is not None and self.target._hidden_hook is not None:  # only while hidden states are wanted
             self.target.hidden = g.hidden[:q]
         return g.logits[:q]
 
