@@ -89,7 +89,7 @@ class Runner(Protocol):
 @click.option("--model", "model_path", metavar="PATH", help="Local model folder or .gguf file (default: the embedded model).")
 @click.option("--draft-model", "draft_path", metavar="PATH", help="Draft model sharing the tokenizer (sd, specdec++, sam+draft, hf-assisted; default: the embedded draft with the embedded target).")
 @click.option("--acc-head", "head_path", metavar="PATH", help="SpecDec++ acceptance head for the target/draft pair (specdec++).")
-@click.option("--eagle-head", "eagle_path", metavar="PATH", help="EAGLE head for the target (eagle, sam+eagle; default: the embedded one with the embedded target).")
+@click.option("--eagle-head", "eagle_path", metavar="PATH", help="EAGLE head for the target (eagle, sam+eagle, adaptive+eagle; default: the embedded one with the embedded target).")
 @click.option("--sam", "store_path", metavar="STORE", type=click.Path(dir_okay=False), help="Static datastore (sam methods, rest).")
 @click.option("--questions", "questions_path", required=True, type=click.Path(exists=True, dir_okay=False),
               help="Spec-Bench-format JSONL: question_id, category, turns.")

@@ -75,7 +75,7 @@ WARM_UP_TOKENS = 32
 @click.option("--acc-head", "acc_head_path", metavar="PATH", help="specdec++: acceptance head folder from tools/train_acceptance_head.py (default: the embedded one, with the embedded pair only).")
 @click.option("--stop-threshold", type=float, default=0.3, show_default=True, help="specdec++: stop drafting once the predicted P(some draft token is rejected) exceeds this.")
 @click.option("--bounds", type=(int, int), default=(2, 20), show_default=True, metavar="MIN MAX", help="specdec++: inclusive bounds on the draft length.")
-@click.option("--eagle-head", "eagle_path", metavar="PATH", help="eagle, sam+eagle: EAGLE head folder from tools/train_eagle.py for this model (default: the embedded one, with the embedded target only).")
+@click.option("--eagle-head", "eagle_path", metavar="PATH", help="eagle, sam+eagle, adaptive+eagle: EAGLE head folder from tools/train_eagle.py for this model (default: the embedded one, with the embedded target only).")
 @click.option("--quiet", is_flag=True, help="No notes on stderr.")
 def generate(**opts: Any) -> None:
     """Generate from a prompt or a JSONL batch, faster, with exactly the model's output.
