@@ -48,13 +48,13 @@ MAX_DEPTH = 32  # calibration cells (depth of a node, 1-based); deeper nodes sha
 @dataclass(frozen=True)
 class EagleConfig:
     top_k: int = field(default=8, metadata={
-        "cli": "--eagle-top-k", "help": "eagle, sam+eagle: children per expanded node and frontier width."})
+        "cli": "--eagle-top-k", "help": "eagle, sam+eagle, adaptive+eagle: children per expanded node and frontier width."})
     depth: int = field(default=5, metadata={
-        "cli": "--eagle-depth", "help": "eagle, sam+eagle: frontier expansions per step (levels up to depth + 1)."})
+        "cli": "--eagle-depth", "help": "eagle, sam+eagle, adaptive+eagle: frontier expansions per step (levels up to depth + 1)."})
     max_nodes: int = field(default=60, metadata={
-        "cli": "--eagle-nodes", "help": "eagle, sam+eagle: most draft nodes per step (the cost curve usually picks fewer)."})
+        "cli": "--eagle-nodes", "help": "eagle, sam+eagle, adaptive+eagle: most draft nodes per step (the cost curve usually picks fewer)."})
     min_prob: float = field(default=0.02, metadata={
-        "cli": "--eagle-min-prob", "help": "eagle, sam+eagle (CPU): stop expanding once no frontier path is this likely."})
+        "cli": "--eagle-min-prob", "help": "eagle, sam+eagle, adaptive+eagle (CPU): stop expanding once no frontier path is this likely."})
     prior_weight: float = 8.0  # pseudo-observations behind the calibration's prior scale 1
 
     def __post_init__(self) -> None:
