@@ -25,6 +25,7 @@ class _Graph:
         self.mask = torch.zeros(1, 1, width, capacity, dtype=dtype, device=device)
         self.graph = torch.cuda.CUDAGraph()
         self.logits: torch.Tensor | None = None
+        self.hidden: torch.Tensor | None = None  # [w, H], captured when the target keeps hidden states
 
 
 class VerifyGraphs:
@@ -57,6 +58,8 @@ class VerifyGraphs:
         self._fill_mask(g.mask[0, 0], tree, past, q)
         g.graph.replay()
         cache.set_length(past + q)
+        if g.hidden is not None and self.target._hidden_hook is not None:  # only while hidden states are wanted
+            self.target.hidden = g.hidden[:q]
         return g.logits[:q]
 
     def _fill_mask(self, mask: torch.Tensor, tree: DraftTree, past: int, q: int) -> None:
@@ -93,6 +96,8 @@ class VerifyGraphs:
         torch.cuda.current_stream().wait_stream(side)
         with torch.cuda.graph(g.graph):
             g.logits = forward()
+            # the target's hidden hook (if any) ran inside the capture: its output is graph memory
+            g.hidden = self.target.hidden if self.target._hidden_hook is not None else None
         cache.set_length(saved)
         self.graphs[width] = g
         return g

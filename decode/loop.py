@@ -6,6 +6,8 @@
                 in the step's only synchronization; walk the tree along those choices
     4) commit   keep the accepted path's K/V, emit its tokens, stop at EOS or max_new_tokens
     5) observe  the drafter learns what was committed and sees every verified input's logits
+                (and, for a drafter with `needs_hidden`, the target's last hidden state at each
+                committed position, from the same verify forward)
 
 Greedy output equals plain greedy decoding token for token. With sampling, one draw per node
 shared by every path through it keeps the output distribution exactly the target's (lossless for
@@ -102,11 +104,16 @@ def generate(
 
     # Only Token Recycle reads the logits of every prompt position; the rest need the last row.
     all_logits = getattr(drafter, "prefill_logits", "last") == "all"
+    hidden = getattr(drafter, "needs_hidden", False)  # EAGLE heads read the target's features
+    target.capture_hidden(hidden)
     logits = target.prefill(to_device(prompt, target.device), all_logits, reserve=len(prompt) + config.max_new_tokens)
     t0 = int(choose_tokens(logits[-1:], config.sampling, generator)[0])  # the prefill's one host sync
     metrics.prefill_s = time.perf_counter() - start
     tic = time.perf_counter()
-    drafter.start(prompt, logits)
+    if hidden:
+        drafter.start(prompt, logits, hidden=target.hidden)
+    else:
+        drafter.start(prompt, logits)
     metrics.draft_s += time.perf_counter() - tic
     out.emit([t0])
 
@@ -161,7 +168,10 @@ def _step(
     # 5) observe
     tic = time.perf_counter()
     if not out.done:
-        drafter.observe(committed, input_ids, logits)
+        if target.hidden is not None:  # [q, H] of this verify -> [1 + a, H] at the committed inputs
+            drafter.observe(committed, input_ids, logits, hidden=target.hidden[to_device(path, target.device)])
+        else:
+            drafter.observe(committed, input_ids, logits)
     metrics.record_draft(draft_s + time.perf_counter() - tic)
     return bonus
 

@@ -16,8 +16,10 @@ import torch
 
 from decode.acceptance_head import AcceptanceHead
 from decode.draft_model import DraftModel
+from decode.eagle_head import EagleHead
 from decode.drafters.adaptive import AdaptiveConfig, AdaptiveDrafter
 from decode.drafters.base import Drafter, NoDraft
+from decode.drafters.eagle import AdaptiveEagleDrafter, EagleConfig, EagleDrafter
 from decode.drafters.draft import AdaptiveLength, DraftConfig, DraftModelDrafter, FixedLength, SpecDecConfig
 from decode.drafters.lookahead import LookaheadConfig, LookaheadDrafter
 from decode.drafters.ouroboros import OuroborosConfig, OuroborosDrafter
@@ -50,6 +52,7 @@ class MethodConfig:
     lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
     ouroboros: OuroborosConfig = field(default_factory=OuroborosConfig)
     sdsat: SdsatConfig = field(default_factory=SdsatConfig)
+    eagle: EagleConfig = field(default_factory=EagleConfig)
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class Resources:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     cost: np.ndarray | None = None  # relative verify cost t(1 + n) / t(1), n = 0, 1, ...
     target: TargetModel | None = None  # the engine's target, for methods that draft with its weights
+    eagle: EagleHead | None = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ class Method:
     uses_store: bool = False
     needs_draft: bool = False  # a draft model (--draft-model)
     needs_head: bool = False  # a SpecDec++ acceptance head (--acc-head)
+    needs_eagle: bool = False  # an EAGLE head trained for the target (--eagle-head)
     not_replayable: str = ""  # why `simulate` cannot replay it without a model ("" = it can)
     takes_prediction: bool = False  # drafts from an expected output (--prediction)
     sized_by_cost: bool = False  # sizes drafts by the target's verify-cost curve (samctl calibrate)
@@ -107,6 +112,11 @@ def _sdsat(r: Resources) -> SdsatDrafter:
     return SdsatDrafter(r.target, read_settings(r.target.model.config, name), r.config.sdsat)
 
 
+def _eagle(r: Resources) -> EagleDrafter:
+    return EagleDrafter(r.eagle, r.config.eagle, r.cost)
+
+
+_EAGLE = "its drafts come from a head over the target's hidden states"
 _LOGITS = "its Token Recycle part learns from the target's logits"
 _DRAFT_MODEL = "its drafts come from a draft model"
 
@@ -143,15 +153,28 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("sdsat", "SDSAT: a target fine-tuned with semantic adaptive tokens drafts k tokens for itself "
            "(tools/train_sdsat.py)", _sdsat, needs_sat_model=True,
            not_replayable="its drafts come from the target's own forward at SAT tokens"),
+    Method("eagle", "EAGLE-2: a dynamic tree from a head trained on the target's hidden states (--eagle-head)",
+           _eagle, needs_eagle=True, not_replayable=_EAGLE, sized_by_cost=True),
+    Method("sam+eagle", "sam when the match is long enough, the EAGLE-2 tree otherwise",
+           lambda r: SamDrafter(r.config.sam, static=r.static, fallback=_eagle(r)), uses_store=True,
+           needs_eagle=True, not_replayable=_EAGLE, sized_by_cost=True),
+    Method("adaptive+eagle", "adaptive's candidates and the EAGLE-2 head's best nodes in one tree, each priced "
+           "by its own calibrated estimate and cut by the verify cost",
+           lambda r: AdaptiveEagleDrafter(_eagle(r), config=r.config.adaptive, static=r.static, cost=r.cost,
+                                          vocab_size=r.vocab_size, device=r.device),
+           uses_store=True, needs_eagle=True, not_replayable=_EAGLE, takes_prediction=True, sized_by_cost=True),
 )}
 
 DEFAULT_METHOD = "adaptive"
-# Methods that run on any target without a draft model, those that need one, and those that need
-# a specially fine-tuned target: code looping over METHODS needs neither.
-METHODS = tuple(name for name, m in REGISTRY.items() if not m.needs_draft and not m.needs_sat_model)
+# Methods that run on any target with nothing trained for it, and those that need a draft model,
+# an EAGLE head, or a target fine-tuned with semantic adaptive tokens: code looping over METHODS
+# needs none of them.
+METHODS = tuple(name for name, m in REGISTRY.items()
+                if not m.needs_draft and not m.needs_eagle and not m.needs_sat_model)
 DRAFT_METHODS = tuple(name for name, m in REGISTRY.items() if m.needs_draft)
+EAGLE_METHODS = tuple(name for name, m in REGISTRY.items() if m.needs_eagle)
 SELF_DRAFT_METHODS = tuple(name for name, m in REGISTRY.items() if m.needs_sat_model)
-ALL_METHODS = METHODS + DRAFT_METHODS + SELF_DRAFT_METHODS
+ALL_METHODS = METHODS + DRAFT_METHODS + EAGLE_METHODS + SELF_DRAFT_METHODS
 REPLAYABLE = tuple(name for name, m in REGISTRY.items() if not m.not_replayable)
 
 
@@ -180,11 +203,13 @@ def make_drafter(
     sampling: SamplingConfig = SamplingConfig(),
     cost: np.ndarray | None = None,
     target: TargetModel | None = None,
+    eagle: EagleHead | None = None,
 ) -> Drafter:
     """The drafter of method `name`. Draft-model methods sample their drafts with `sampling` (the
     run's settings); any mismatch with the loop's settings only costs acceptance, never
-    correctness. `cost` is the target's relative verify-cost curve (adaptive sizes drafts by it);
-    `target` is the engine's model (sdsat drafts with its weights and cache)."""
+    correctness. `cost` is the target's relative verify-cost curve (adaptive and eagle size drafts
+    by it); `target` is the engine's model (sdsat drafts with its weights and cache); `eagle` an
+    EAGLE head bound to the target."""
     entry = method(name)
     if entry.needs_draft and draft is None:
         raise UserError(f"method {name} needs a draft model: pass --draft-model with a small model "
@@ -194,6 +219,9 @@ def make_drafter(
                         "(train one with tools/train_acceptance_head.py)")
     if entry.needs_sat_model and target is None:
         raise UserError(f"method {name} drafts with the target itself: it needs the loaded target model")
+    if entry.needs_eagle and eagle is None:
+        raise UserError(f"method {name} needs an EAGLE head: pass --eagle-head with a folder written by "
+                        "tools/train_eagle.py for this model")
     return entry.build(Resources(vocab_size=vocab_size, device=torch.device(device), eos_token_ids=eos_token_ids,
                                  static=static if entry.uses_store else None, config=config, draft=draft,
-                                 head=head, sampling=sampling, cost=cost, target=target))
+                                 head=head, sampling=sampling, cost=cost, target=target, eagle=eagle))

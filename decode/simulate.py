@@ -16,6 +16,10 @@ Only inputs on the accepted path are ever compared, and those spell the referenc
 are the ones the real model makes there when the reference is its own greedy output: steps,
 accepted tokens and draft lengths then equal the engine's exactly. Drafters that learn from the
 target's logits (Token Recycle, draft models) cannot be replayed; `check_replayable` says so.
+Drafters that read the target's hidden states (EAGLE heads, `needs_hidden`) replay when the caller
+passes `hidden`, the target's features over prompt + reference from one teacher-forced forward
+(tools/train_eagle.py does): each step hands them the rows of the committed positions, as the
+engine's verify forward would.
 
 Also here: `Tally`, totals over traces with the pooled per-step means, and `CostModel`, a two-
 number model of a target forward that turns steps and draft sizes into a projected speedup, used
@@ -81,10 +85,12 @@ def make_trace(prompt: list[int] | np.ndarray, reference: list[int] | np.ndarray
                  prediction=None if prediction is None else np.asarray(prediction, dtype=np.int64))
 
 
-def replay(drafter: Drafter, trace: Trace) -> Metrics:
+def replay(drafter: Drafter, trace: Trace, hidden: Any = None) -> Metrics:
     """The metrics `generate` would report for this drafter if the model emitted trace.reference.
 
-    draft_s counts start + propose + observe, as in the engine; time_s is the whole replay."""
+    hidden: [n + r, H] tensor, the target's features at every prompt and reference position, for
+    drafters with `needs_hidden`. draft_s counts start + propose + observe, as in the engine;
+    time_s is the whole replay."""
     limit, cap = len(trace.reference), trace.max_new_tokens
     # The model's choices after the reference's end (past its EOS) are unknown: -1 never matches.
     ref = np.concatenate((trace.reference, np.full(cap - limit, -1, dtype=np.int64)))
@@ -93,7 +99,12 @@ def replay(drafter: Drafter, trace: Trace) -> Metrics:
     expect = getattr(drafter, "expect", None)
     if expect is not None and trace.prediction is not None:
         expect(trace.prediction)
-    drafter.start(trace.prompt, None)
+    features = hidden is not None and getattr(drafter, "needs_hidden", False)
+    n = len(trace.prompt)
+    if features:
+        drafter.start(trace.prompt, None, hidden=hidden[:n])
+    else:
+        drafter.start(trace.prompt, None)
     metrics.draft_s = time.perf_counter() - start
     emitted = 1  # the prefill's token; t0 = ref[emitted - 1]
     while emitted < limit:
@@ -111,11 +122,15 @@ def replay(drafter: Drafter, trace: Trace) -> Metrics:
         take = min(accepted + 1, limit - emitted)
         metrics.record_step(drafted=tree.drafts, accepted=min(accepted, take))
         committed = ref[emitted - 1 : emitted + accepted]
+        rows = slice(n + emitted - 1, n + emitted + accepted)  # committed's positions in prompt + reference
         emitted += take
         # 5) observe, unless the output is complete (the engine skips it then too)
         tic = time.perf_counter()
         if emitted < limit:
-            drafter.observe(committed, None, None)
+            if features:
+                drafter.observe(committed, None, None, hidden=hidden[rows])
+            else:
+                drafter.observe(committed, None, None)
         metrics.record_draft(draft_s + time.perf_counter() - tic)
     finish = getattr(drafter, "finish", None)
     if finish is not None:

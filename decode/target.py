@@ -10,7 +10,10 @@ The engine owns a preallocated KV cache (`decode.kv_cache`): no per-step concate
 accepted tree path is compacted with one gather over all layers. Nothing here reads a device
 value on the host: inputs go host -> device through pinned memory without waiting, and the tree
 mask is edited on the device where only the [q, q] block of the verified tokens changes.
-Knows nothing of drafters or acceptance rules.
+With `capture_hidden(True)` (EAGLE's head reads them) every prefill and verify also leaves the
+target's last hidden state, post-final-norm (the lm_head input), in `hidden`: [q, H] on the device,
+taken by a forward hook on the final norm of the same forward, so no second forward and no host
+sync; without it the forward is untouched. Knows nothing of drafters or acceptance rules.
 """
 from __future__ import annotations
 
@@ -60,6 +63,25 @@ class TargetModel:
         self._mask_block = (0, 0)  # (q, past) of the tree block written into _mask last
         self._blocked = torch.finfo(self.dtype).min
         self.graphs = None  # decode.graphs.VerifyGraphs, set by enable_cuda_graphs on CUDA only
+        self.hidden: torch.Tensor | None = None  # [q, H] of the last forward, with capture_hidden only
+        self._hidden_hook = None
+
+    def capture_hidden(self, enabled: bool) -> None:
+        """Keep the last hidden state of every prefill and verify position in `hidden`."""
+        if enabled == (self._hidden_hook is not None):
+            return
+        if not enabled:
+            self._hidden_hook.remove()
+            self._hidden_hook, self.hidden = None, None
+            return
+        norm = final_norm(self.model)
+        self._hidden_hook = norm.register_forward_hook(self._keep_hidden)
+        if self.graphs is not None:
+            self.graphs.graphs.clear()  # graphs captured without the hook hold no hidden output
+
+    def _keep_hidden(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+        # output: [1, q, H] the final norm's output = the lm_head input at every input position
+        self.hidden = output[0]
 
     @torch.inference_mode()
     def prefill(self, prompt_ids: torch.Tensor, all_logits: bool = False, reserve: int = 0) -> torch.Tensor:
@@ -168,6 +190,16 @@ class TargetModel:
         self._mask[:q, past : past + q] = to_device(block, self.device)
         self._mask_block = (q, past)
         return self._mask[:q, : past + q][None, None]
+
+
+def final_norm(model: torch.nn.Module) -> torch.nn.Module:
+    """The norm whose output is the lm_head input (Llama, Qwen2, Mistral: model.model.norm)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    norm = getattr(decoder, "norm", None)
+    if not isinstance(norm, torch.nn.Module):
+        raise UserError(f"{getattr(model.config, 'model_type', 'this model')}: no final norm found (model.model.norm), "
+                        "so its last hidden states cannot be read for an EAGLE head: use another method")
+    return norm
 
 
 def _require_mask_attention(model: torch.nn.Module) -> None:

@@ -15,6 +15,7 @@ import torch
 from decode.acceptance_head import AcceptanceHead
 from decode.draft_model import DraftModel
 from decode.cost import relative_cost
+from decode.eagle_head import EagleHead
 from decode.methods import DRAFT_METHODS, MethodConfig, make_drafter, method, uses_store
 from decode.drafters.base import Drafter
 from decode.sampling import SamplingConfig
@@ -28,6 +29,7 @@ from samctl.tokenizer import DEFAULT_MODEL_DIR, check_store_tokenizer, tokenizer
 DEFAULT_DRAFT_DIR = DEFAULT_MODEL_DIR.parent / "draft"
 DEFAULT_HEAD_DIR = DEFAULT_MODEL_DIR.parent / "acc_head"  # the paper's labels min(1, p/q) at T = 1
 DEFAULT_GREEDY_HEAD_DIR = DEFAULT_MODEL_DIR.parent / "acc_head_greedy"  # labels: argmax matches
+DEFAULT_EAGLE_DIR = DEFAULT_MODEL_DIR.parent / "eagle_head"  # EAGLE head of the embedded target
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -251,13 +253,40 @@ def load_acc_head(path: str, engine: Engine, draft: DraftModel) -> AcceptanceHea
                      model_fingerprint(draft.model, engine.tokenizer), engine.device)
 
 
+def resolve_eagle_path(method_name: str, model: str | None, path: str | None, quiet: bool = False) -> str | None:
+    """The EAGLE head folder `method_name` runs with, or None where unused. Without --eagle-head the
+    embedded head serves the embedded default target only."""
+    if not method(method_name).needs_eagle:
+        if path is not None and not quiet:
+            click.echo(f"samctl: note: method {method_name} does not use --eagle-head", err=True)
+        return None
+    if path is not None:
+        return path
+    if model is not None or not DEFAULT_EAGLE_DIR.is_dir():
+        raise UserError(f"method {method_name} needs an EAGLE head: pass --eagle-head with a folder written by "
+                        "tools/train_eagle.py for this model")
+    if not quiet:
+        click.echo(f"samctl: using the embedded EAGLE head ({DEFAULT_EAGLE_DIR.parent.name}/{DEFAULT_EAGLE_DIR.name})",
+                   err=True)
+    return str(DEFAULT_EAGLE_DIR)
+
+
+def load_eagle(path: str, engine: Engine) -> EagleHead:
+    """Load an EAGLE head bound to the engine's target, refusing one trained for another model."""
+    from samctl.eagle_heads import load_eagle_head
+    from samctl.heads import model_fingerprint
+
+    return load_eagle_head(path, engine.model, model_fingerprint(engine.model, engine.tokenizer))
+
+
 def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
 
 
 def build_drafter(name: str, engine: Engine, store: Datastore | None, config: MethodConfig,
                   draft: DraftModel | None = None, head: AcceptanceHead | None = None,
-                  sampling: SamplingConfig = SamplingConfig(), quiet: bool = False) -> Drafter:
+                  sampling: SamplingConfig = SamplingConfig(), quiet: bool = False,
+                  eagle: EagleHead | None = None) -> Drafter:
     """The drafter of method `name` for this engine; methods that size drafts by the verify cost
     get the engine's measured curve (cached per model and device; measured on first use)."""
     from samctl.costs import cost_curve
@@ -277,4 +306,5 @@ def build_drafter(name: str, engine: Engine, store: Datastore | None, config: Me
         sampling=sampling,
         cost=cost,
         target=engine.target,
+        eagle=eagle,
     )

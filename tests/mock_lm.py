@@ -4,6 +4,10 @@ After context ... a b it predicts the token that followed the most recent earlie
 (7 b + 3) mod V. It reads its context only through the KV cache and the 4D mask the engine
 passes, and asserts that the visible positions are exactly 0..n-1, so a wrong mask, wrong
 position ids or a wrong KV rollback changes its output or fails loudly.
+
+For EAGLE heads it also has the parts a head binds to: a tiny Llama decoder (embedding, one layer,
+rotary, final norm) and lm_head, never used for its logits. Its "last hidden state" is the final
+norm of the predicted token's embedding, so a hook on that norm sees one row per input.
 """
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-from transformers import LlamaConfig
+from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def copy_rule(context: list[int], vocab: int) -> int:
@@ -33,6 +37,18 @@ class CopyLM(torch.nn.Module):
             sdsat={"sat_token_id": vocab - 1, "sat_count": 3},
         )
         self.anchor = torch.nn.Parameter(torch.zeros(1))  # gives the module a device and dtype
+        with torch.random.fork_rng():  # building the parts must not move the caller's random state
+            torch.manual_seed(0)
+            self.parts = LlamaForCausalLM(self.config)
+
+    def get_decoder(self) -> torch.nn.Module:
+        return self.parts.model
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.parts.model.embed_tokens
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.parts.lm_head
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, past_key_values=None, use_cache=True, **_):
         q = input_ids.shape[1]
@@ -53,6 +69,8 @@ class CopyLM(torch.nn.Module):
             order = np.argsort(positions[visible], kind="stable")
             assert np.array_equal(positions[visible][order], np.arange(visible.sum())), positions[visible]
             logits[0, i, copy_rule(tokens[visible][order].tolist(), self.vocab)] = self.peak
+        decoder = self.parts.model
+        decoder.norm(decoder.embed_tokens(logits.argmax(-1)))  # the "last hidden state": [1, q, 8]
         return SimpleNamespace(logits=logits)
 
     def reference(self, prompt: list[int], n: int) -> list[int]:

@@ -7,7 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from decode.loop import GenerationConfig, generate
-from decode.methods import METHODS, MethodConfig, make_drafter, uses_store
+from decode.eagle_head import EagleHead
+from decode.methods import EAGLE_METHODS, METHODS, MethodConfig, make_drafter, method as method_entry, uses_store
 from decode.drafters.sam import SamConfig
 from decode.target import TargetModel
 from index.automaton import SuffixAutomaton
@@ -28,11 +29,17 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | None) ->
     return out[0, len(prompt) :].tolist()
 
 
+def eagle_head(model) -> EagleHead:
+    """An untrained (random) EAGLE head: equality must hold whatever the head drafts."""
+    torch.manual_seed(0)
+    return EagleHead(model).eval()
+
+
 def run(model, method: str, prompt: list[int], max_new_tokens: int, eos: tuple[int, ...] = (), static=None):
     target = TargetModel(model)
     drafter = make_drafter(
         method, vocab_size=model.config.vocab_size, device=target.device, eos_token_ids=eos,
-        static=static, config=EAGER,
+        static=static, config=EAGER, eagle=eagle_head(model) if method_entry(method).needs_eagle else None,
     )
     return generate(target, drafter, prompt, GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos))
 
@@ -43,7 +50,7 @@ def prompts(vocab: int) -> list[list[int]]:
     return [base + base[:7] + rng.integers(3, vocab, 5).tolist(), rng.integers(3, vocab, 30).tolist(), [5]]
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", METHODS + EAGLE_METHODS)
 def test_greedy_equals_generate(tiny_model_dir, method):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     for prompt in prompts(model.config.vocab_size):
@@ -62,7 +69,7 @@ def test_greedy_equals_generate(tiny_model_dir, method):
             assert result.metrics.new_tokens == 80 and result.finish_reason == "length"
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", METHODS + EAGLE_METHODS)
 def test_eos_and_max_tokens_edges(tiny_llama, method):
     prompt = prompts(tiny_llama.config.vocab_size)[0]
     expected = hf_greedy(tiny_llama, prompt, 60, eos=None)

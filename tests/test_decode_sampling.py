@@ -15,11 +15,13 @@ from scipy.stats import chisquare
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from decode.drafters.lookahead import LookaheadConfig
+from decode.drafters.eagle import EagleConfig
 from decode.drafters.pld import PldConfig
 from decode.drafters.recycle import RecycleConfig
 from decode.drafters.sam import SamConfig
 from decode.loop import GenerationConfig, generate
-from decode.methods import MethodConfig, make_drafter
+from decode.eagle_head import EagleHead
+from decode.methods import MethodConfig, make_drafter, method as method_entry
 from decode.sampling import SamplingConfig, warp_probs
 from decode.target import TargetModel
 from tests.mock_lm import CopyLM, copy_rule
@@ -31,6 +33,7 @@ CONFIG = MethodConfig(
     pld=PldConfig(max_ngram=2, num_draft=4),
     recycle=RecycleConfig(k=3, nodes=8, max_depth=3),
     lookahead=LookaheadConfig(ngram=3, window=2, guesses=3),
+    eagle=EagleConfig(top_k=VOCAB, depth=2, max_nodes=12, min_prob=0.0),  # top-k = V: every draw is a child
 )
 
 
@@ -49,7 +52,8 @@ def exact_distribution(model: CopyLM, sampling: SamplingConfig) -> dict[tuple[in
 
 def sample_counts(model: CopyLM, method: str, sampling: SamplingConfig) -> tuple[dict, int]:
     target = TargetModel(model)
-    drafter = make_drafter(method, vocab_size=VOCAB, device=target.device, config=CONFIG, target=target)
+    eagle = EagleHead(model).eval() if method_entry(method).needs_eagle else None  # untrained: any head is lossless
+    drafter = make_drafter(method, vocab_size=VOCAB, device=target.device, config=CONFIG, target=target, eagle=eagle)
     counts: dict[tuple[int, ...], int] = {}
     accepted = 0
     for i in range(SAMPLES):
@@ -92,6 +96,9 @@ SETTINGS = [
     pytest.param("adaptive", SamplingConfig(temperature=0.8, top_p=0.9), id="adaptive-warped"),
     pytest.param("lookahead", SamplingConfig(temperature=0.7, top_k=3, top_p=0.9), id="lookahead-warped"),
     pytest.param("sdsat", SamplingConfig(temperature=1.0), id="sdsat"),
+    pytest.param("eagle", SamplingConfig(temperature=1.0), id="eagle"),
+    pytest.param("sam+eagle", SamplingConfig(temperature=0.7, top_k=3, top_p=0.9), id="sam+eagle-warped"),
+    pytest.param("adaptive+eagle", SamplingConfig(temperature=1.0), id="adaptive+eagle"),
 ]
 
 

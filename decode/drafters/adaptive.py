@@ -283,7 +283,7 @@ class AdaptiveDrafter:
     def propose(self, t0: int) -> DraftTree:
         # One kernel call for the automata, Token Recycle and the selection (an n-gram store's
         # candidates go into the buffer first).
-        n = self._ngram_candidates(t0) if self._ngram_arrays is not None else 0
+        n = self._first_candidates(t0)
         dyn = self.dynamic.kernel_arrays
         static = (self.static_pointer.select(t0) if self.static_pointer is not None
                   else (dyn.states, dyn.edges, dyn.slots, 0, 0))
@@ -332,6 +332,11 @@ class AdaptiveDrafter:
         return {"calibration": self.calibration.table(), "memory_requests": len(self.memory)}
 
     # -- helpers -----------------------------------------------------------------------------
+
+    def _first_candidates(self, t0: int) -> int:
+        # Rows the buffer holds before the automata's: an n-gram store's (a subclass may add its
+        # own, e.g. adaptive+eagle's head tree). -> the row count.
+        return self._ngram_candidates(t0) if self._ngram_arrays is not None else 0
 
     def _ngram_candidates(self, t0: int) -> int:
         a, cfg = self._ngram_arrays, self.config

@@ -11,6 +11,11 @@ A drafter may keep state across sequences (Token Recycle's table warms up that w
 Optional attribute `prefill_logits`: "last" (the default when absent) gives `start` the logits of
 the last prompt position only, [1, V]; "all" gives every position, [n, V], which costs a large
 block for long prompts and is for drafters that learn from the prompt's logits.
+
+Optional attribute `needs_hidden` (EAGLE heads): when true, `start` and `observe` also get
+`hidden=`, the target's last hidden state (post-final-norm, the lm_head input) on the device at
+every prompt position ([n, H]) and at every committed position of the step ([1+a, H]), from the
+same forward that produced the logits.
 """
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ Each step (t0 = the pending token):
         chain of min(max_draft, alpha * m) tokens after the occurrence, from the dynamic automaton
         when m_dyn >= m_st - static_bias (ties go to dynamic), else from the static store
     else: the fallback drafter's tree (Token Recycle, a draft model) or no draft.
-The fallback observes every step, chain steps included, so it keeps learning.
+The fallback observes every step, chain steps included, so it keeps learning (an EAGLE head's
+feature cache stays current: the target's hidden states pass through to it).
 """
 from __future__ import annotations
 
@@ -150,15 +151,17 @@ class SamDrafter:
         self.dyn_state, self.dyn_length = 0, 0
         self.sources = {"dynamic": 0, "static": 0, "fallback": 0, "none": 0}  # steps by draft source
         self.prefill_logits = getattr(fallback, "prefill_logits", "last")
+        self.needs_hidden = getattr(fallback, "needs_hidden", False)
 
-    def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor) -> None:
+    def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor, **hidden: torch.Tensor) -> None:
+        # hidden: `hidden=` [n, H] when the fallback needs the target's features, else nothing
         self.dynamic = SuffixAutomaton.empty(max(1024, 2 * len(prompt)), occurrence=self.config.occurrence)
         self.dyn_state, self.dyn_length = 0, 0
         self._insert(prompt)
         if self.static is not None:
             self.static.reset(prompt)
         if self.fallback is not None:
-            self.fallback.start(prompt, prompt_logits)
+            self.fallback.start(prompt, prompt_logits, **hidden)
 
     def propose(self, t0: int) -> DraftTree:
         draft, source = self._retrieve(t0)
@@ -168,12 +171,13 @@ class SamDrafter:
         self.sources[source if len(draft) else "none"] += 1
         return DraftTree.chain(draft.astype(np.int64))
 
-    def observe(self, committed: np.ndarray, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
+    def observe(self, committed: np.ndarray, input_ids: torch.Tensor, logits: torch.Tensor,
+                **hidden: torch.Tensor) -> None:
         self._insert(committed)
         if self.static is not None:
             self.static.advance(committed)
         if self.fallback is not None:
-            self.fallback.observe(committed, input_ids, logits)
+            self.fallback.observe(committed, input_ids, logits, **hidden)
 
     def _retrieve(self, t0: int) -> tuple[np.ndarray, str]:
         cfg = self.config

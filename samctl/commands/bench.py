@@ -44,16 +44,17 @@ from decode.graphs import enable_cuda_graphs
 from decode.loop import GenerationConfig, generate as decode_generate
 from decode.acceptance_head import AcceptanceHead
 from decode.draft_model import DraftModel
-from decode.methods import DRAFT_METHODS, METHODS, SELF_DRAFT_METHODS, MethodConfig, uses_store
+from decode.methods import DRAFT_METHODS, EAGLE_METHODS, METHODS, SELF_DRAFT_METHODS, MethodConfig, method as method_entry, uses_store
 from index.errors import UserError
 from samctl.bench_report import BASELINE, write_summary
 from samctl.options import method_config, method_options, parse_methods, set_threads
 from samctl.progress import progress_bar
-from samctl.runtime import Engine, build_drafter, load_acc_head, load_draft, load_engine, load_store, resolve_draft_paths
+from samctl.runtime import (Engine, build_drafter, load_acc_head, load_draft, load_eagle, load_engine, load_store,
+                            resolve_draft_paths, resolve_eagle_path)
 
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 HF_METHODS = ("hf-greedy", "hf-pld", "hf-assisted")
-ALL_BENCH_METHODS = METHODS + DRAFT_METHODS + SELF_DRAFT_METHODS + HF_METHODS
+ALL_BENCH_METHODS = METHODS + DRAFT_METHODS + EAGLE_METHODS + SELF_DRAFT_METHODS + HF_METHODS
 WARMUP_TOKENS = 16
 
 
@@ -88,6 +89,7 @@ class Runner(Protocol):
 @click.option("--model", "model_path", metavar="PATH", help="Local model folder or .gguf file (default: the embedded model).")
 @click.option("--draft-model", "draft_path", metavar="PATH", help="Draft model sharing the tokenizer (sd, specdec++, sam+draft, ouroboros, hf-assisted; default: the embedded draft with the embedded target).")
 @click.option("--acc-head", "head_path", metavar="PATH", help="SpecDec++ acceptance head for the target/draft pair (specdec++).")
+@click.option("--eagle-head", "eagle_path", metavar="PATH", help="EAGLE head for the target (eagle, sam+eagle, adaptive+eagle; default: the embedded one with the embedded target).")
 @click.option("--sam", "store_path", metavar="STORE", type=click.Path(), help="Static datastore (sam methods, rest): a .sam file or a sharded store directory.")
 @click.option("--questions", "questions_path", required=True, type=click.Path(exists=True, dir_okay=False),
               help="Spec-Bench-format JSONL: question_id, category, turns.")
@@ -299,15 +301,26 @@ def _runner(method: str, engine: Engine, store, config: MethodConfig, drafts: "_
         head = drafts.head(method, draft) if method == "specdec++" else None
         return EngineRunner(method, engine, build_drafter(method, engine, store if uses_store(method) else None,
                                                           config, draft=draft, head=head))
+    if method_entry(method).needs_eagle:
+        return EngineRunner(method, engine, build_drafter(method, engine, store if uses_store(method) else None,
+                                                          config, eagle=drafts.eagle(method)))
     return EngineRunner(method, engine, build_drafter(method, engine, store if uses_store(method) else None, config))
 
 
 class _Drafts:
-    """The draft model (and SpecDec++ head), loaded once for every method that uses them."""
+    """The draft model (and SpecDec++ head, EAGLE head), loaded once for every method that uses them."""
 
     def __init__(self, engine: Engine, opts: dict[str, Any]) -> None:
         self.engine, self.opts = engine, opts
         self._draft: DraftModel | None = None
+        self._eagle = None
+
+    def eagle(self, method: str):
+        """The EAGLE head (eagle, sam+eagle), loaded once."""
+        if self._eagle is None:
+            path = resolve_eagle_path(method, self.opts["model_path"], self.opts["eagle_path"], quiet=True)
+            self._eagle = load_eagle(path, self.engine)
+        return self._eagle
 
     def draft(self, method: str) -> DraftModel:
         if self._draft is None:

@@ -38,8 +38,8 @@ from samctl.options import method_config as shared_method_config
 from samctl.options import method_options, set_threads
 from samctl.memory import load_memory, save_memory
 from samctl.progress import progress_bar
-from samctl.runtime import (Engine, build_drafter, load_acc_head, load_draft, load_engine, load_store,
-                            resolve_draft_paths)
+from samctl.runtime import (Engine, build_drafter, load_acc_head, load_draft, load_eagle, load_engine, load_store,
+                            resolve_draft_paths, resolve_eagle_path)
 
 PROMPT_FIELDS = ("prompt", "turns", "text", "question", "instruction")
 WARM_UP_TOKENS = 32
@@ -87,6 +87,7 @@ WARM_UP_TOKENS = 32
 @click.option("--acc-head", "acc_head_path", metavar="PATH", help="specdec++: acceptance head folder from tools/train_acceptance_head.py (default: the embedded one, with the embedded pair only).")
 @click.option("--stop-threshold", type=float, default=0.3, show_default=True, help="specdec++: stop drafting once the predicted P(some draft token is rejected) exceeds this.")
 @click.option("--bounds", type=(int, int), default=(2, 20), show_default=True, metavar="MIN MAX", help="specdec++: inclusive bounds on the draft length.")
+@click.option("--eagle-head", "eagle_path", metavar="PATH", help="eagle, sam+eagle, adaptive+eagle: EAGLE head folder from tools/train_eagle.py for this model (default: the embedded one, with the embedded target only).")
 @click.option("--quiet", is_flag=True, help="No notes on stderr.")
 def generate(**opts: Any) -> None:
     """Generate from a prompt or a JSONL batch, faster, with exactly the model's output.
@@ -145,6 +146,7 @@ class Session:
         specdec_config = SpecDecConfig(opts["stop_threshold"], *opts["bounds"])
         draft_path, head_path = resolve_draft_paths(opts["method"], opts["model_path"], opts["draft_path"],
                                                     opts["acc_head_path"], opts["quiet"], greedy=sampling.greedy)
+        eagle_path = resolve_eagle_path(opts["method"], opts["model_path"], opts["eagle_path"], opts["quiet"])
         engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"])
         enable_cuda_graphs(engine.target, not opts["no_compile"])
         method_config = replace(
@@ -155,23 +157,24 @@ class Session:
         store = load_store(opts["store_path"], engine, opts["occurrence"])
         draft = load_draft(draft_path, engine) if draft_path is not None else None
         head = load_acc_head(head_path, engine, draft) if head_path is not None else None
+        eagle = load_eagle(eagle_path, engine) if eagle_path is not None else None
         gen_config = GenerationConfig(max_new_tokens=opts["max_new_tokens"], eos_token_ids=engine.eos_token_ids,
                                       sampling=sampling)
         drafter = build_drafter(opts["method"], engine, store, method_config, draft=draft, head=head,
-                                sampling=sampling, quiet=opts["quiet"])
+                                sampling=sampling, quiet=opts["quiet"], eagle=eagle)
         if opts["memory_file"]:
             load_memory(opts["memory_file"], engine, drafter)
         method_store = store if uses_store(opts["method"]) else None  # build_drafter already said it is unused
 
         def fresh_drafter() -> Drafter:
             return build_drafter(opts["method"], engine, method_store, method_config, draft=draft, head=head,
-                                 sampling=sampling, quiet=True)
+                                 sampling=sampling, quiet=True, eagle=eagle)
 
         self.engine, self.drafter = engine, drafter
         self.runner = Runner(engine, drafter, fresh_drafter, gen_config, opts["compare"], opts["compare_runs"],
                              opts["chat"], field=opts["prompt_field"], record={
             "method": opts["method"], "model": engine.name, "store": opts["store_path"],
-            "draft_model": draft_path, "acc_head": head_path,
+            "draft_model": draft_path, "acc_head": head_path, "eagle_head": eagle_path,
             "config": {"generation": asdict(gen_config), "method": asdict(method_config)},
         })
 
