@@ -23,6 +23,7 @@ import torch
 
 from decode.eagle_head import EagleHead
 from index.errors import UserError
+from samctl.heads import read_head_header
 
 FORMAT = "samctl-eagle-head"
 VERSION = 1
@@ -84,18 +85,7 @@ def load_eagle_head(path: str | Path, target_model: torch.nn.Module, target: dic
 
 
 def read_meta(folder: Path) -> dict[str, Any]:
-    if not (folder / CONFIG).is_file() or not (folder / WEIGHTS).is_file():
-        raise UserError(f"{folder} is not an EAGLE head folder (needs {CONFIG} and {WEIGHTS}): pass the --out "
-                        "folder of tools/train_eagle.py")
-    try:
-        meta = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise UserError(f"cannot read {folder / CONFIG} ({err}): retrain the head") from err
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise UserError(f"{folder / CONFIG} is not a samctl EAGLE head: pass a folder from tools/train_eagle.py")
-    if meta.get("version") != VERSION:
-        raise UserError(f"{folder / CONFIG} has format version {meta.get('version')!r}, this samctl reads "
-                        f"{VERSION}: retrain the head or upgrade samctl")
+    meta = read_head_header(folder, CONFIG, WEIGHTS, FORMAT, VERSION, "an EAGLE head", "tools/train_eagle.py")
     target = meta.get("target")
     ok = (isinstance(meta.get("hidden_size"), int) and 0 < meta["hidden_size"] <= 1 << 16
           and isinstance(target, dict) and all(isinstance(target.get(k), str) for k in ("config", "tokenizer")))

@@ -97,19 +97,28 @@ def load_head(path: str | Path, target: dict[str, str], draft: dict[str, str],
     return head.to(device).eval()
 
 
-def _read_meta(folder: Path) -> dict[str, Any]:
-    if not (folder / CONFIG).is_file() or not (folder / WEIGHTS).is_file():
-        raise UserError(f"{folder} is not an acceptance head folder (needs {CONFIG} and {WEIGHTS}): "
-                        "pass the --out folder of tools/train_acceptance_head.py")
+def read_head_header(folder: Path, config: str, weights: str, form: str, version: int, what: str,
+                     tool: str) -> dict[str, Any]:
+    """The JSON header of a head folder (`config` beside `weights`), checked for format and version;
+    shared by every kind of head samctl saves (acceptance heads, EAGLE heads)."""
+    if not (folder / config).is_file() or not (folder / weights).is_file():
+        raise UserError(f"{folder} is not {what} folder (needs {config} and {weights}): "
+                        f"pass the --out folder of {tool}")
     try:
-        meta = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
+        meta = json.loads((folder / config).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise UserError(f"cannot read {folder / CONFIG} ({err}): retrain the head") from err
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise UserError(f"{folder / CONFIG} is not a samctl acceptance head: pass a head folder")
-    if meta.get("version") != VERSION:
-        raise UserError(f"{folder / CONFIG} has format version {meta.get('version')!r}, this samctl reads "
-                        f"{VERSION}: retrain the head or upgrade samctl")
+        raise UserError(f"cannot read {folder / config} ({err}): retrain the head") from err
+    if not isinstance(meta, dict) or meta.get("format") != form:
+        raise UserError(f"{folder / config} is not a samctl {what.split(' ', 1)[1]}: pass a folder from {tool}")
+    if meta.get("version") != version:
+        raise UserError(f"{folder / config} has format version {meta.get('version')!r}, this samctl reads "
+                        f"{version}: retrain the head or upgrade samctl")
+    return meta
+
+
+def _read_meta(folder: Path) -> dict[str, Any]:
+    meta = read_head_header(folder, CONFIG, WEIGHTS, FORMAT, VERSION, "an acceptance head",
+                            "tools/train_acceptance_head.py")
     ok = (isinstance(meta.get("hidden_size"), int) and 0 < meta["hidden_size"] <= 1 << 16
           and isinstance(meta.get("num_blocks"), int) and 0 <= meta["num_blocks"] <= 64
           and isinstance(meta.get("shared_blocks"), bool)
