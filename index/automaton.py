@@ -600,6 +600,21 @@ def _grown(a: np.ndarray, used: int, need: int) -> np.ndarray:
     return out
 
 
+def _checked_corpus(tokens: np.ndarray, doc_offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Documents as `build` and `appended` take them: tokens [n] int32 >= 0 and doc_offsets
+    [d+1] int64 rising from 0 to n, both contiguous; a UserError otherwise."""
+    tokens = np.ascontiguousarray(tokens)
+    doc_offsets = np.ascontiguousarray(doc_offsets, dtype=np.int64)
+    if tokens.ndim != 1 or tokens.dtype != np.int32:
+        raise UserError(f"tokens must be a 1-D int32 array, got {tokens.dtype} {tokens.shape}")
+    n = len(tokens)
+    if n and int(tokens.min()) < 0:
+        raise UserError("token ids must be >= 0")
+    if len(doc_offsets) < 1 or doc_offsets[0] != 0 or doc_offsets[-1] != n or np.any(np.diff(doc_offsets) < 0):
+        raise UserError("doc_offsets must rise from 0 to len(tokens)")
+    return tokens, doc_offsets
+
+
 class SuffixAutomaton:
     """Static (`build`) or incremental (`empty`) generalized suffix automaton; see the module doc."""
 
@@ -626,15 +641,8 @@ class SuffixAutomaton:
         `watch(sam)`, when given, is entered around the (GIL-free) kernels with the automaton
         being built: another thread may read its `num_tokens` to report progress.
         """
-        tokens = np.ascontiguousarray(tokens)
-        doc_offsets = np.ascontiguousarray(doc_offsets, dtype=np.int64)
-        if tokens.ndim != 1 or tokens.dtype != np.int32:
-            raise UserError(f"tokens must be a 1-D int32 array, got {tokens.dtype} {tokens.shape}")
+        tokens, doc_offsets = _checked_corpus(tokens, doc_offsets)
         n = len(tokens)
-        if n and int(tokens.min()) < 0:
-            raise UserError("token ids must be >= 0")
-        if len(doc_offsets) < 1 or doc_offsets[0] != 0 or doc_offsets[-1] != n or np.any(np.diff(doc_offsets) < 0):
-            raise UserError("doc_offsets must rise from 0 to len(tokens)")
         if n + len(doc_offsets) >= 2**30:
             raise UserError(f"{n} tokens is too many for one automaton (int32 ids): split the corpus")
         # States <= 2n+1 (generalized SAM over a trie of <= n+1 nodes); np.empty only maps the
@@ -659,15 +667,8 @@ class SuffixAutomaton:
         each affected state once (`_propagate_appended`). Time: the copy, plus the new tokens,
         plus the states whose counts change.
         """
-        tokens = np.ascontiguousarray(tokens)
-        doc_offsets = np.ascontiguousarray(doc_offsets, dtype=np.int64)
-        if tokens.ndim != 1 or tokens.dtype != np.int32:
-            raise UserError(f"tokens must be a 1-D int32 array, got {tokens.dtype} {tokens.shape}")
+        tokens, doc_offsets = _checked_corpus(tokens, doc_offsets)
         n = len(tokens)
-        if n and int(tokens.min()) < 0:
-            raise UserError("token ids must be >= 0")
-        if len(doc_offsets) < 1 or doc_offsets[0] != 0 or doc_offsets[-1] != n or np.any(np.diff(doc_offsets) < 0):
-            raise UserError("doc_offsets must rise from 0 to len(tokens)")
         meta = self._meta.copy()
         if meta[M_DOC_OPEN]:
             raise UserError("this automaton has an open document: end_document() before appending")
