@@ -58,25 +58,14 @@ from index.errors import UserError  # noqa: E402
 from samctl.eagle_heads import save_eagle_head  # noqa: E402
 from samctl.heads import model_fingerprint  # noqa: E402
 from samctl.runtime import Engine, load_engine  # noqa: E402
+from tools.train_reference import read_instruction_rows  # noqa: E402
 
 
 def read_pairs(data_dir: Path) -> list[tuple[str, str, str]]:
-    """(source, instruction, response) from the instruction sets present in data_dir."""
-    rows = []
-    gsm = data_dir / "gsm8k_train.jsonl"
-    if gsm.exists():
-        for line in gsm.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                row = json.loads(line)
-                rows.append(("gsm8k", row["question"], row["answer"]))
-    for name, filename in (("codealpaca", "codealpaca.json"), ("roleplay", "gpteacher_roleplay.json")):
-        path = data_dir / filename
-        if path.exists():
-            for row in json.loads(path.read_text(encoding="utf-8")):
-                instruction = row["instruction"].strip()
-                if row.get("input", "").strip():
-                    instruction += "\n\n" + row["input"].strip()
-                rows.append((name, instruction, row["output"].strip()))
+    """(source, instruction, response) from the instruction sets present in data_dir (the reference
+    models' reader, tools/train_reference.py)."""
+    rows = [(name, instruction, response) for name, pairs in read_instruction_rows(data_dir).items()
+            for instruction, response in pairs]
     if not rows:
         raise UserError(f"{data_dir} holds none of gsm8k_train.jsonl, codealpaca.json, gpteacher_roleplay.json: "
                         "pass --data-dir with the shared data folder")
