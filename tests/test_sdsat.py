@@ -66,6 +66,35 @@ def test_training_batch_standard_logits_are_the_models_own(tiny_model_dir):
             assert batch.labels[r, : len(seq) - 1][3:].tolist() == seq[4:].tolist()  # response labels only
 
 
+def test_kl_teacher_sees_what_the_untrained_model_sees(tiny_model_dir):
+    # The training forward (lower layers once, top layers on top) gives the model's own logits,
+    # and before any step the frozen teacher's distribution at the standard positions is the
+    # model's: the KL term starts at 0 and only measures drift of the trained top layers.
+    import tools.train_sdsat as train
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    rng = np.random.default_rng(5)
+    seqs = [rng.integers(3, 90, size=n) for n in (18, 11)]
+    batch = make_batch(seqs, [3, 3], [sample_anchors(3, len(s), 2, rng) for s in seqs], 3, sat_id=91, pad_id=0)
+    with torch.no_grad():
+        whole = model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=batch.mask,
+                      use_cache=False).logits
+        for top in (1, len(model.model.layers)):
+            logits, base = train.split_forward(model, batch, top, torch.device("cpu"))
+            torch.testing.assert_close(logits, whole, atol=1e-4, rtol=1e-4)
+            width = max(len(s) for s in seqs)
+            frozen = train.FrozenTop(model, top)
+            args = (base[:, :width], batch.mask[:, :, :width, :width], batch.position_ids[:, :width],
+                    model.model.rotary_emb)
+            original = torch.log_softmax(whole[:, :width], -1)
+            torch.testing.assert_close(frozen.log_probs(*args), original, atol=1e-4, rtol=1e-4)
+            model.model.layers[-1].mlp.down_proj.weight.add_(0.05)  # training moves the model, not the copy
+            moved, _ = train.split_forward(model, batch, top, torch.device("cpu"))
+            assert not torch.allclose(torch.log_softmax(moved[:, :width], -1), original, atol=1e-3)
+            torch.testing.assert_close(frozen.log_probs(*args), original, atol=1e-4, rtol=1e-4)
+            model.model.layers[-1].mlp.down_proj.weight.sub_(0.05)
+
+
 def test_settings_are_read_or_refused_in_one_line():
     from transformers import LlamaConfig
 

@@ -13,11 +13,15 @@
    that is not BOS/EOS/PAD, never occurs in the data and is not in the chat template; when the
    tokenizer has none, a new token `<|sat|>` is added (vocabulary + 1). Which one is recorded.
 4. Training (decode.sdsat.make_batch): each sequence carries --blocks blocks of k = --sat-count
-   SATs at random anchors; loss = next-token CE on the response's standard tokens + --sat-weight x
-   CE at the SAT slots. Standard tokens never attend to SATs (a 4D mask), so their loss is the
-   ordinary one. --train-layers N trains only the top N decoder layers and the final norm (and
-   the SAT embedding row unless --freeze-sat-embedding): on a CPU this halves the backward pass.
-   AdamW, linear warm-up and decay; stops at --max-steps or --max-minutes.
+   SATs at random anchors; loss = --standard-weight x the standard term on the response's
+   standard tokens + --sat-weight x CE at the SAT slots. Standard tokens never attend to SATs (a
+   4D mask). The standard term (--keep-standard) is by default `kl`: KL(original || tuned) of
+   the next-token distributions, against the frozen original layers (only the trained top layers
+   are run twice: the frozen lower ones give both the same input), so the fine-tune keeps the
+   model's distribution instead of sharpening it toward its own greedy answers, as `ce` (next-token
+   cross-entropy on the answers) does. --train-layers N trains only the top N decoder layers and
+   the final norm (and the SAT embedding row unless --freeze-sat-embedding). AdamW, linear
+   warm-up and decay; stops at --max-steps or --max-minutes.
 5. Report (stdout JSON and sdsat_report.json in --out): held-out next-token loss on standard tokens
    before and after (on the training kind of answer and, with --responses self, on the files'
    answers too), per-slot SAT top-1 accuracy, and the mean accepted run per anchor (leading slots
@@ -27,6 +31,8 @@
 from __future__ import annotations
 
 import argparse
+import copy
+import hashlib
 import json
 import math
 import os
@@ -44,6 +50,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from decode.sdsat import IGNORE, SatSettings, make_batch, sample_anchors, write_settings  # noqa: E402
+from samctl.heads import model_fingerprint  # noqa: E402
 from samctl.runtime import Engine, load_engine  # noqa: E402
 
 NEW_SAT_TOKEN = "<|sat|>"
@@ -69,6 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--sat-weight", type=float, default=1.0)
+    ap.add_argument("--keep-standard", choices=("kl", "ce"), default="kl",
+                    help="standard-token term: KL to the original model (default) or CE on the answers")
+    ap.add_argument("--standard-weight", type=float, default=1.0)
+    ap.add_argument("--cache", default="", help="folder for the self-written answers (reused when the selection matches)")
     ap.add_argument("--train-layers", type=int, default=0, help="train the top N layers only (0 = all)")
     ap.add_argument("--freeze-sat-embedding", action="store_true")
     ap.add_argument("--max-steps", type=int, default=1000)
@@ -146,6 +157,23 @@ def write_responses(engine: Engine, prompts: list[list[int]], args: argparse.Nam
     return responses
 
 
+def cached_responses(engine: Engine, prompts: list[list[int]], args: argparse.Namespace) -> list[list[int]]:
+    """write_responses, reused from --cache when the model, prompts and length are the same."""
+    if not args.cache:
+        return write_responses(engine, prompts, args)
+    key = hashlib.sha256(json.dumps([model_fingerprint(engine.model, engine.tokenizer), prompts,
+                                     args.max_new_tokens], sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(args.cache) / f"sdsat-responses-{key}.json"
+    if path.exists():
+        print(f"responses: reusing {path}", file=sys.stderr, flush=True)
+        return json.loads(path.read_text())
+    responses = write_responses(engine, prompts, args)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(f".{os.getpid()}.tmp").write_text(json.dumps(responses))
+    os.replace(path.with_suffix(f".{os.getpid()}.tmp"), path)
+    return responses
+
+
 # 2) evaluation ---------------------------------------------------------------------------------
 
 @torch.no_grad()
@@ -213,8 +241,46 @@ def trainable(model: torch.nn.Module, args: argparse.Namespace, sat_id: int) -> 
     return params
 
 
+class FrozenTop:
+    """The original top layers, final norm and output matrix: the teacher of the `kl` term."""
+
+    def __init__(self, model: torch.nn.Module, top: int) -> None:
+        self.layers = copy.deepcopy(model.model.layers[len(model.model.layers) - top :]).requires_grad_(False)
+        self.norm = copy.deepcopy(model.model.norm).requires_grad_(False)
+        self.head = model.get_output_embeddings().weight.detach().clone()  # tied to the trained SAT row
+
+    @torch.no_grad()
+    def log_probs(self, hidden: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor,
+                  rotary: torch.nn.Module) -> torch.Tensor:
+        # hidden: [B, T, H] inputs of the top layers (standard part); mask [B, 1, T, T] -> [B, T, V]
+        pe = rotary(hidden, position_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=pe)
+        return F.log_softmax(F.linear(self.norm(hidden), self.head).float(), -1)
+
+
+def split_forward(model: torch.nn.Module, batch, top: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # -> logits [B, L, V] float32 of the model being trained, and the input of its top `top`
+    # layers [B, L, H] (equal to the original model's there: the layers below are frozen)
+    core = model.model
+    ids, pos = batch.input_ids.to(device), batch.position_ids.to(device)
+    mask = batch.mask.to(device=device, dtype=next(model.parameters()).dtype)
+    hidden = core.embed_tokens(ids)
+    pe = core.rotary_emb(hidden, pos)
+    low = len(core.layers) - top
+    base = hidden
+    for i, layer in enumerate(core.layers):
+        if i == low:
+            base = hidden
+        hidden = layer(hidden, attention_mask=mask, position_ids=pos, position_embeddings=pe)
+    return model.lm_head(core.norm(hidden)).float(), base
+
+
 def train(model, train_rows, args, sat_id: int, pad: int, device: torch.device) -> dict:
     params = trainable(model, args, sat_id)
+    layers = len(model.model.layers)
+    top = layers if args.train_layers <= 0 else min(args.train_layers, layers)
+    teacher = FrozenTop(model, top) if args.keep_standard == "kl" else None
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     total = args.max_steps
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -229,12 +295,21 @@ def train(model, train_rows, args, sat_id: int, pad: int, device: torch.device) 
         starts = [train_rows[i][1] for i in pick]
         anchors = [sample_anchors(s, len(q), args.blocks, rng) for q, s in zip(seqs, starts)]
         batch = make_batch(seqs, starts, anchors, args.sat_count, sat_id, pad)
-        logits = forward(model, batch, device)
+        logits, base = split_forward(model, batch, top, device)
         labels = batch.labels.to(device)
         sat = batch.is_sat.to(device)
-        std_loss = F.cross_entropy(logits[~sat], labels[~sat], ignore_index=IGNORE)
         sat_loss = F.cross_entropy(logits[sat], labels[sat], ignore_index=IGNORE)
-        loss = std_loss + args.sat_weight * sat_loss
+        if teacher is None:
+            std_loss = F.cross_entropy(logits[~sat], labels[~sat], ignore_index=IGNORE)
+        else:  # KL(original || tuned) at the standard positions that have a next token in the answer
+            width = max(len(q) for q in seqs)
+            std = labels[:, :width] != IGNORE
+            mask = batch.mask[:, :, :width, :width].to(device=device, dtype=base.dtype)
+            original = teacher.log_probs(base[:, :width].detach(), mask, batch.position_ids[:, :width].to(device),
+                                         model.model.rotary_emb)[std]
+            std_loss = F.kl_div(F.log_softmax(logits[:, :width][std], -1), original, log_target=True,
+                                reduction="batchmean")
+        loss = args.standard_weight * std_loss + args.sat_weight * sat_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -246,7 +321,7 @@ def train(model, train_rows, args, sat_id: int, pad: int, device: torch.device) 
             elapsed = time.perf_counter() - began
             log.append({"step": step, "std_loss": round(std_loss.item(), 4), "sat_loss": round(sat_loss.item(), 4),
                         "seconds": round(elapsed, 1)})
-            print(f"step {step}: standard {float(std_loss):.3f}, sat {float(sat_loss):.3f}, "
+            print(f"step {step}: standard {args.keep_standard} {std_loss.item():.4f}, sat {sat_loss.item():.3f}, "
                   f"{tokens / elapsed:.0f} tok/s", file=sys.stderr, flush=True)
     return {"steps": step, "tokens": tokens, "seconds": round(time.perf_counter() - began, 1), "log": log}
 
@@ -270,7 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [engine.encode(p, chat)[: args.seq_len // 2] for p, _ in pairs]
     eos = list(engine.eos_token_ids)
     data_answers = [engine.tokenizer(a, add_special_tokens=False)["input_ids"] + eos[:1] for _, a in pairs]
-    answers = write_responses(engine, prompts, args) if args.responses == "self" else data_answers
+    answers = cached_responses(engine, prompts, args) if args.responses == "self" else data_answers
 
     def rows(indices, kind):
         out = []
@@ -306,7 +381,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     settings = SatSettings(sat_id, k, sat_text, added)
     record = {key: report[key] for key in ("command", "responses", "train_sequences", "device")}
-    record.update(steps=report["training"]["steps"], sat_weight=args.sat_weight, train_layers=args.train_layers,
+    record.update(steps=report["training"]["steps"], sat_weight=args.sat_weight, keep_standard=args.keep_standard,
+                  standard_weight=args.standard_weight, train_layers=args.train_layers,
                   blocks=args.blocks, lr=args.lr)
     write_settings(model.config, settings, record)
     out = Path(args.out)
