@@ -148,7 +148,10 @@ def _step(
     # 2) verify and 3) accept
     tic = time.perf_counter()
     logits = target.verify(input_ids, tree)
-    if tree.q is not None and not sampling.greedy:
+    own_rule = getattr(drafter, "accept", None)  # only reference reproductions that are not lossless
+    if own_rule is not None:
+        path, bonus, host_inputs = own_rule(logits, tree, input_ids, sampling, generator)
+    elif tree.q is not None and not sampling.greedy:
         path, bonus, host_inputs = speculative_accept(logits, tree, input_ids, sampling, generator)
     else:
         choices = choose_tokens(logits, sampling, generator)

@@ -28,6 +28,7 @@ from decode.drafters.recycle import RecycleConfig, TokenRecycleDrafter
 from decode.drafters.rest import RestConfig, RestDrafter
 from decode.drafters.sam import SamConfig, SamDrafter
 from decode.drafters.sdsat import SdsatConfig, SdsatDrafter
+from decode.drafters.sdsat_nucleus import SdsatNucleusDrafter
 from decode.sampling import SamplingConfig
 from decode.sdsat import read_settings
 from decode.target import TargetModel
@@ -85,6 +86,7 @@ class Method:
     takes_prediction: bool = False  # drafts from an expected output (--prediction)
     sized_by_cost: bool = False  # sizes drafts by the target's verify-cost curve (samctl calibrate)
     needs_sat_model: bool = False  # a target fine-tuned with semantic adaptive tokens (tools/train_sdsat.py)
+    lossless: bool = True  # False only for reference reproductions whose sampling is biased
 
 
 def _recycle(r: Resources) -> TokenRecycleDrafter:
@@ -110,6 +112,11 @@ def _ouroboros(r: Resources) -> OuroborosDrafter:
 def _sdsat(r: Resources) -> SdsatDrafter:
     name = getattr(r.target.model, "name_or_path", "") or "the model"
     return SdsatDrafter(r.target, read_settings(r.target.model.config, name), r.config.sdsat)
+
+
+def _sdsat_nucleus(r: Resources) -> SdsatNucleusDrafter:
+    name = getattr(r.target.model, "name_or_path", "") or "the model"
+    return SdsatNucleusDrafter(r.target, read_settings(r.target.model.config, name), r.sampling, r.config.sdsat)
 
 
 def _eagle(r: Resources) -> EagleDrafter:
@@ -153,6 +160,10 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("sdsat", "SDSAT: a target fine-tuned with semantic adaptive tokens drafts k tokens for itself "
            "(tools/train_sdsat.py)", _sdsat, needs_sat_model=True,
            not_replayable="its drafts come from the target's own forward at SAT tokens"),
+    Method("sdsat-nucleus-reference", "NOT LOSSLESS when sampling: the SDSAT paper's nucleus variant (a static "
+           "tree of sampled SAT candidates, the best of independently drawn paths), for comparison only",
+           _sdsat_nucleus, needs_sat_model=True, lossless=False,
+           not_replayable="its drafts come from the target's own forward at SAT tokens"),
     Method("eagle", "EAGLE-2: a dynamic tree from a head trained on the target's hidden states (--eagle-head)",
            _eagle, needs_eagle=True, not_replayable=_EAGLE, sized_by_cost=True),
     Method("sam+eagle", "sam when the match is long enough, the EAGLE-2 tree otherwise",
@@ -175,6 +186,7 @@ DRAFT_METHODS = tuple(name for name, m in REGISTRY.items() if m.needs_draft)
 EAGLE_METHODS = tuple(name for name, m in REGISTRY.items() if m.needs_eagle)
 SELF_DRAFT_METHODS = tuple(name for name, m in REGISTRY.items() if m.needs_sat_model)
 ALL_METHODS = METHODS + DRAFT_METHODS + EAGLE_METHODS + SELF_DRAFT_METHODS
+NOT_LOSSLESS = tuple(name for name, m in REGISTRY.items() if not m.lossless)  # biased when sampling
 REPLAYABLE = tuple(name for name, m in REGISTRY.items() if not m.not_replayable)
 
 

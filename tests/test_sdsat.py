@@ -174,3 +174,75 @@ def test_train_script_writes_a_folder_sdsat_loads(tmp_path):
     result = generate(target, make_drafter("sdsat", vocab_size=model.config.vocab_size, device=target.device,
                                            target=target), prompt, GenerationConfig(max_new_tokens=12))
     assert result.tokens == hf_greedy(model, prompt, 12, eos=None)
+
+
+def test_nucleus_reference_trees_are_the_papers():
+    from decode.drafters.sdsat_nucleus import TREES, static_tree
+    from decode.tree import tree_depths
+
+    widths = {5: [4, 8, 8, 5, 3], 7: [4, 8, 8, 6, 5, 3, 2], 9: [4, 8, 8, 6, 6, 5, 4, 3, 2],
+              11: [4, 8, 8, 8, 6, 6, 6, 5, 4, 3, 2], 13: [4, 8, 8, 8, 8, 8, 6, 6, 6, 5, 4, 3, 2]}
+    for k in TREES:
+        parents, slot = static_tree(k)
+        depth = tree_depths(parents)  # node 0 (t1) at depth 1, the paper's depth j at j + 1
+        assert np.bincount(depth)[2:].tolist() == widths[k]
+        assert (parents[1:] < np.arange(1, len(parents))).all() and slot[0] == -1
+        assert ((slot[1:] // 10) == depth[1:] - 2).all()  # a node at depth j reads SAT j's candidates
+    with pytest.raises(UserError, match="k = 5, 7, 9, 11, 13"):
+        static_tree(4)
+
+
+def test_nucleus_reference_greedy_equals_generate(tiny_model_dir):
+    # Greedy, the paper's nucleus variant is argmax everywhere: plain greedy decoding.
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    model.config.sdsat = {"sat_token_id": 90, "sat_count": 5}
+    for prompt in prompts(model.config.vocab_size):
+        target = TargetModel(model)
+        drafter = make_drafter("sdsat-nucleus-reference", vocab_size=96, device=target.device, target=target)
+        for new in (40, 3):
+            result = generate(target, drafter, prompt, GenerationConfig(max_new_tokens=new))
+            assert result.tokens == hf_greedy(model, prompt, new, eos=None), prompt
+
+
+def test_nucleus_reference_is_biased_and_the_loop_is_not():
+    # t1 has two children that both offer token A; the target says A or B with 1/2 each. The
+    # reference's independent draw per path accepts A with 3/4 and re-draws after a miss, so A
+    # comes out with 7/8; the loop's one draw per node keeps the target's 1/2.
+    from decode.drafters.sdsat_nucleus import best_of_paths
+    from decode.sampling import SamplingConfig
+    from decode.tree import walk_tree
+
+    a, b, t1 = 3, 4, 5
+    logits = torch.full((4, 8), -30.0)
+    logits[:, [a, b]] = 0.0  # every row: A or B, 1/2 each
+    parents = np.array([-1, 0, 0], dtype=np.int32)
+    input_ids = torch.tensor([1, t1, a, a])
+    sampling = SamplingConfig(temperature=1.0)
+    generator = torch.Generator().manual_seed(0)
+    n, ours = 2000, 0
+    for _ in range(n):
+        path, bonus, host = best_of_paths(logits, parents, input_ids, sampling, generator)
+        assert path[:2].tolist() == [0, 1]  # t1 is always kept
+        ours += (host[path[2]] if len(path) > 2 else bonus) == a
+    # the loop: one draw at t1's row decides, and a child carries it or the draw itself is the bonus
+    choices = torch.multinomial(torch.softmax(logits[1], -1), n, replacement=True, generator=generator).numpy()
+    loops = sum(walk_tree(parents, input_ids[1:].numpy(), np.array([t1, c, 0, 0]), -1, 0)[-1] == 2 or c == a
+                for c in choices)
+    assert abs(ours / n - 7 / 8) < 0.03 and abs(loops / n - 1 / 2) < 0.03, (ours / n, loops / n)
+
+
+def test_nucleus_reference_samples_and_is_reproducible(tiny_model_dir):
+    from decode.sampling import SamplingConfig
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    model.config.sdsat = {"sat_token_id": 90, "sat_count": 5}
+    target = TargetModel(model)
+    runs = []
+    for _ in range(2):
+        sampling = SamplingConfig(temperature=1.0, top_p=0.9, seed=3)
+        drafter = make_drafter("sdsat-nucleus-reference", vocab_size=96, device=target.device, target=target,
+                               sampling=sampling)
+        runs.append(generate(target, drafter, [5, 6, 7, 8], GenerationConfig(max_new_tokens=30,
+                                                                              sampling=sampling)))
+    assert runs[0].tokens == runs[1].tokens and len(runs[0].tokens) == 30
+    assert runs[0].metrics.drafted > 0

@@ -16,6 +16,11 @@ Optional attribute `needs_hidden` (EAGLE heads): when true, `start` and `observe
 `hidden=`, the target's last hidden state (post-final-norm, the lm_head input) on the device at
 every prompt position ([n, H]) and at every committed position of the step ([1+a, H]), from the
 same forward that produced the logits.
+
+Optional method `accept(logits, tree, input_ids, sampling, generator) -> (path, bonus, host
+input_ids)`: the drafter's own acceptance rule in place of the loop's. Only a reference
+reproduction of a rule that is not lossless has one (`sdsat-nucleus-reference`); every other
+method leaves acceptance to the loop, which is what makes it lossless.
 """
 from __future__ import annotations
 

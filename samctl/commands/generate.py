@@ -30,7 +30,7 @@ from decode.drafters.base import Drafter, NoDraft
 from decode.drafters.draft import DraftConfig, SpecDecConfig
 from decode.graphs import enable_cuda_graphs
 from decode.loop import GenerationConfig, GenerationResult, generate as decode_generate
-from decode.methods import ALL_METHODS, DEFAULT_METHOD, method as method_entry, uses_store
+from decode.methods import ALL_METHODS, DEFAULT_METHOD, NOT_LOSSLESS, method as method_entry, uses_store
 from decode.sampling import SamplingConfig
 from index.errors import UserError
 from samctl.detok import IncrementalDetokenizer
@@ -48,7 +48,8 @@ WARM_UP_TOKENS = 32
 @click.command("generate")
 @click.option("--model", "model_path", metavar="PATH", help="Local model folder or .gguf file (default: the embedded model).")
 @click.option("--sam", "store_path", metavar="STORE", type=click.Path(), help="Static datastore built by `samctl build` with the model's tokenizer: a .sam file or a sharded store directory (--shards).")
-@click.option("--method", type=click.Choice(ALL_METHODS), default=DEFAULT_METHOD, show_default=True, help="Drafting method (README's method table; adaptive needs no tuning).")
+@click.option("--method", type=click.Choice(ALL_METHODS), default=DEFAULT_METHOD, show_default=True, help="Drafting method (README's method table; adaptive needs no tuning). "
+              f"{', '.join(NOT_LOSSLESS)}: NOT lossless when sampling, reference reproductions only.")
 @click.option("--prompt", help="Prompt text.")
 @click.option("--prompt-file", type=click.File("r", encoding="utf-8"), help="File holding the prompt.")
 @click.option("--input", "input_file", type=click.File("r", encoding="utf-8"), help="JSONL batch, '-' for stdin (field prompt, turns, or --field).")
@@ -141,6 +142,9 @@ class Session:
     def __init__(self, opts: dict[str, Any]) -> None:
         set_threads(opts["threads"])
         sampling = SamplingConfig(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"])
+        if not sampling.greedy and not method_entry(opts["method"]).lossless and not opts["quiet"]:
+            click.echo(f"samctl: note: {opts['method']} is not lossless when sampling: its outputs do not "
+                       "follow the model's distribution (use sdsat for that)", err=True)
         # Draft settings are checked before any file is looked for or loaded.
         draft_config = DraftConfig(gamma=opts["gamma"])
         specdec_config = SpecDecConfig(opts["stop_threshold"], *opts["bounds"])
