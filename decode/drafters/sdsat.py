@@ -13,7 +13,8 @@ This is the paper's greedy two-step iteration: two forwards per step, accepted +
 Lossless by the loop's rule: greedy output is plain greedy decoding of the fine-tuned model;
 sampling treats the argmax drafts as deterministic drafts (decode.accept). The paper's nucleus
 variant (static trees of sampled tokens, best-of-paths acceptance) changes the output
-distribution and is not implemented here. Knows nothing of text, files or training.
+distribution: it is `sdsat-nucleus-reference` (sdsat_nucleus.py), for comparison only. Knows
+nothing of text, files or training.
 """
 from __future__ import annotations
 
