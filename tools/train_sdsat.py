@@ -45,6 +45,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from decode.sdsat import IGNORE, SatSettings, make_batch, sample_anchors, write_settings  # noqa: E402
 from samctl.runtime import Engine, load_engine  # noqa: E402
+from tools.self_distill import write_responses  # noqa: E402
 
 NEW_SAT_TOKEN = "<|sat|>"
 
@@ -121,29 +122,6 @@ def choose_sat_token(engine: Engine, requested: str, texts: list[str]) -> tuple[
     new_id = tok.convert_tokens_to_ids(NEW_SAT_TOKEN)
     engine.model.resize_token_embeddings(len(tok), mean_resizing=True)
     return int(new_id), NEW_SAT_TOKEN, True
-
-
-def write_responses(engine: Engine, prompts: list[list[int]], args: argparse.Namespace) -> list[list[int]]:
-    """The model's own greedy answers, batched (left-padded), cut after EOS."""
-    eos = list(engine.eos_token_ids)
-    pad = eos[0] if eos else 0
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    responses: list[list[int]] = [[] for _ in prompts]
-    for done, start in enumerate(range(0, len(order), args.response_batch)):
-        batch = order[start : start + args.response_batch]
-        width = max(len(prompts[i]) for i in batch)
-        ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in batch], device=engine.device)
-        mask = (torch.arange(width, device=engine.device)[None] >= torch.tensor(
-            [width - len(prompts[i]) for i in batch], device=engine.device)[:, None]).long()
-        with torch.inference_mode():
-            out = engine.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                        max_new_tokens=args.max_new_tokens, pad_token_id=pad,
-                                        eos_token_id=eos or None)[:, width:].tolist()
-        for i, row in zip(batch, out):
-            cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
-            responses[i] = row[:cut]
-        print(f"responses: {min(start + len(batch), len(order))}/{len(order)}", file=sys.stderr, flush=True)
-    return responses
 
 
 # 2) evaluation ---------------------------------------------------------------------------------
@@ -270,7 +248,10 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [engine.encode(p, chat)[: args.seq_len // 2] for p, _ in pairs]
     eos = list(engine.eos_token_ids)
     data_answers = [engine.tokenizer(a, add_special_tokens=False)["input_ids"] + eos[:1] for _, a in pairs]
-    answers = write_responses(engine, prompts, args) if args.responses == "self" else data_answers
+    answers = data_answers
+    if args.responses == "self":
+        answers = write_responses(engine, prompts, args.max_new_tokens, args.response_batch,
+                                  log=lambda text: print(text, file=sys.stderr, flush=True))
 
     def rows(indices, kind):
         out = []
