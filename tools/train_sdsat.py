@@ -7,8 +7,9 @@
    `answer`) from --data (files or folders), shuffled with --seed; --heldout prompts are kept apart.
    The chat template is applied when the tokenizer has one.
 2. Responses: --responses self (default) has the model write its own greedy answers (transformers'
-   batched `generate`, --max-new-tokens), so the SATs learn to predict what greedy decoding will
-   emit, which is what acceptance counts; --responses data trains on the files' answers.
+   batched `generate`, --max-new-tokens; tools/self_distill.py, shared with train_eagle.py), so
+   the SATs learn to predict what greedy decoding will emit, which is what acceptance counts;
+   --responses data trains on the files' answers.
 3. The SAT token: --sat-token names a token of the vocabulary; by default the last special token
    that is not BOS/EOS/PAD, never occurs in the data and is not in the chat template; when the
    tokenizer has none, a new token `<|sat|>` is added (vocabulary + 1). Which one is recorded.
