@@ -7,8 +7,9 @@
    `answer`) from --data (files or folders), shuffled with --seed; --heldout prompts are kept apart.
    The chat template is applied when the tokenizer has one.
 2. Responses: --responses self (default) has the model write its own greedy answers (transformers'
-   batched `generate`, --max-new-tokens), so the SATs learn to predict what greedy decoding will
-   emit, which is what acceptance counts; --responses data trains on the files' answers.
+   batched `generate`, --max-new-tokens; tools/self_distill.py, shared with train_eagle.py), so
+   the SATs learn to predict what greedy decoding will emit, which is what acceptance counts;
+   --responses data trains on the files' answers.
 3. The SAT token: --sat-token names a token of the vocabulary; by default the last special token
    that is not BOS/EOS/PAD, never occurs in the data and is not in the chat template; when the
    tokenizer has none, a new token `<|sat|>` is added (vocabulary + 1). Which one is recorded.
@@ -52,6 +53,7 @@ import torch.nn.functional as F  # noqa: E402
 from decode.sdsat import IGNORE, SatSettings, make_batch, sample_anchors, write_settings  # noqa: E402
 from samctl.heads import model_fingerprint  # noqa: E402
 from samctl.runtime import Engine, load_engine  # noqa: E402
+from tools.self_distill import cached_responses, write_responses  # noqa: E402
 
 NEW_SAT_TOKEN = "<|sat|>"
 
@@ -134,44 +136,17 @@ def choose_sat_token(engine: Engine, requested: str, texts: list[str]) -> tuple[
     return int(new_id), NEW_SAT_TOKEN, True
 
 
-def write_responses(engine: Engine, prompts: list[list[int]], args: argparse.Namespace) -> list[list[int]]:
-    """The model's own greedy answers, batched (left-padded), cut after EOS."""
-    eos = list(engine.eos_token_ids)
-    pad = eos[0] if eos else 0
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    responses: list[list[int]] = [[] for _ in prompts]
-    for done, start in enumerate(range(0, len(order), args.response_batch)):
-        batch = order[start : start + args.response_batch]
-        width = max(len(prompts[i]) for i in batch)
-        ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in batch], device=engine.device)
-        mask = (torch.arange(width, device=engine.device)[None] >= torch.tensor(
-            [width - len(prompts[i]) for i in batch], device=engine.device)[:, None]).long()
-        with torch.inference_mode():
-            out = engine.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                        max_new_tokens=args.max_new_tokens, pad_token_id=pad,
-                                        eos_token_id=eos or None)[:, width:].tolist()
-        for i, row in zip(batch, out):
-            cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
-            responses[i] = row[:cut]
-        print(f"responses: {min(start + len(batch), len(order))}/{len(order)}", file=sys.stderr, flush=True)
-    return responses
+def self_written(engine: Engine, prompts: list[list[int]], args: argparse.Namespace) -> list[list[int]]:
+    """The model's own answers; with --cache, reused (and resumed) when model, prompts and length match."""
+    def log(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
 
-
-def cached_responses(engine: Engine, prompts: list[list[int]], args: argparse.Namespace) -> list[list[int]]:
-    """write_responses, reused from --cache when the model, prompts and length are the same."""
     if not args.cache:
-        return write_responses(engine, prompts, args)
+        return write_responses(engine, prompts, args.max_new_tokens, args.response_batch, log=log)
     key = hashlib.sha256(json.dumps([model_fingerprint(engine.model, engine.tokenizer), prompts,
                                      args.max_new_tokens], sort_keys=True).encode()).hexdigest()[:16]
-    path = Path(args.cache) / f"sdsat-responses-{key}.json"
-    if path.exists():
-        print(f"responses: reusing {path}", file=sys.stderr, flush=True)
-        return json.loads(path.read_text())
-    responses = write_responses(engine, prompts, args)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(f".{os.getpid()}.tmp").write_text(json.dumps(responses))
-    os.replace(path.with_suffix(f".{os.getpid()}.tmp"), path)
-    return responses
+    return cached_responses(engine, prompts, args.max_new_tokens, args.response_batch, Path(args.cache),
+                            f"sdsat-{key}", log=log)
 
 
 # 2) evaluation ---------------------------------------------------------------------------------
@@ -345,7 +320,9 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [engine.encode(p, chat)[: args.seq_len // 2] for p, _ in pairs]
     eos = list(engine.eos_token_ids)
     data_answers = [engine.tokenizer(a, add_special_tokens=False)["input_ids"] + eos[:1] for _, a in pairs]
-    answers = cached_responses(engine, prompts, args) if args.responses == "self" else data_answers
+    answers = data_answers
+    if args.responses == "self":
+        answers = self_written(engine, prompts, args)
 
     def rows(indices, kind):
         out = []
