@@ -247,7 +247,7 @@ def train(head: EagleHead, batches: Batches, train_pool: list[int], args, log) -
         seen += int(stats["count"])
         if time.time() - last_log > 60:
             last_log = time.time()
-            log(f"step {step}: loss {float(loss):.4f} (regression {stats['regression']:.4f}, ce {stats['ce']:.3f}), "
+            log(f"step {step}: loss {loss.item():.4f} (regression {stats['regression']:.4f}, ce {stats['ce']:.3f}), "
                 f"top1 {stats['top1_hits'] / max(stats['count'], 1):.3f}, {seen / (time.time() - tic):.0f} positions/s")
     return {"steps": step, "positions_seen": seen, "seconds": round(time.time() - tic, 1)}
 
