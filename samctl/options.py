@@ -1,7 +1,8 @@
-"""Command-line options shared by the commands that compare methods (`simulate`, `bench`).
+"""Command-line options shared by the commands that run or compare methods.
 
 `method_options` adds the drafters' settings as options, `method_config` turns the parsed values
-into a `MethodConfig`, and `parse_methods` reads a comma-separated method list.
+into a `MethodConfig`, `sampling_options` adds the sampling and device flags of every command that
+generates, and `parse_methods` reads a comma-separated method list.
 """
 from __future__ import annotations
 
@@ -57,6 +58,19 @@ def method_options(command: Callable) -> Callable:
     """Add every drafter setting that has a `cli` flag in its config's field metadata."""
     for _, f in reversed(_cli_fields()):
         command = _option(f)(command)
+    return command
+
+
+def sampling_options(command: Callable) -> Callable:
+    """--temperature, --top-k, --top-p, --seed and --device, as `generate`, `chat` and `distill` take them."""
+    for option in reversed((
+        click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
+        click.option("--top-k", type=int, default=0, show_default=True, help="0 = off."),
+        click.option("--top-p", type=float, default=1.0, show_default=True, help="1.0 = off."),
+        click.option("--seed", type=int, default=None, help="Sampling seed (default: random)."),
+        click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N."),
+    )):
+        command = option(command)
     return command
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from decode.methods import DEFAULT_METHOD, METHODS
+from samctl.options import sampling_options
 
 HELP = """commands:
   /method NAME   draft with another method ({methods}); each keeps its own memory
@@ -34,11 +35,7 @@ HELP = """commands:
 @click.option("--system", metavar="TEXT", help="A system message at the start of the conversation.")
 @click.option("--max-new-tokens", type=int, default=512, show_default=True, help="Longest answer per turn.")
 @click.option("--compare", is_flag=True, help="Start with the side-by-side ar comparison on (/compare toggles it).")
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
-@click.option("--top-p", type=float, default=1.0, show_default=True, help="1.0 = off.")
-@click.option("--seed", type=int, default=None, help="Sampling seed (default: random).")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@sampling_options
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True, help="As for generate.")
 @click.option("--threads", type=int, default=None, help="torch CPU threads; 1 is steadier on a busy machine.")
 @click.option("--quiet", is_flag=True, help="No loading notes on stderr.")

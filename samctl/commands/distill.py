@@ -24,6 +24,7 @@ import click
 
 from decode.methods import DEFAULT_METHOD, METHODS
 from index.errors import UserError
+from samctl.options import sampling_options
 
 _PROMPT_FIELDS_HELP = "the record field holding the prompt (default: prompt, turns, text, question, instruction)"
 
@@ -46,11 +47,7 @@ _PROMPT_FIELDS_HELP = "the record field holding the prompt (default: prompt, tur
 @click.option("--max-new-tokens", type=int, default=256, show_default=True)
 @click.option("--chat/--no-chat", default=True, show_default=True,
               help="Apply the tokenizer's chat template to the prompts (the way the model will be asked).")
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
-@click.option("--top-p", type=float, default=1.0, show_default=True, help="1.0 = off.")
-@click.option("--seed", type=int, default=None, help="Sampling seed (default: random).")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@sampling_options
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
               show_default=True, help="As for generate.")
 @click.option("--threads", type=int, default=None, help="torch CPU threads; 1 is steadier on a busy machine.")

@@ -35,7 +35,7 @@ from decode.sampling import SamplingConfig
 from index.errors import UserError
 from samctl.detok import IncrementalDetokenizer
 from samctl.options import method_config as shared_method_config
-from samctl.options import method_options, set_threads
+from samctl.options import method_options, sampling_options, set_threads
 from samctl.memory import load_memory, save_memory
 from samctl.progress import progress_bar
 from samctl.runtime import (Engine, build_drafter, load_acc_head, load_draft, load_eagle, load_engine, load_store,
@@ -74,11 +74,7 @@ WARM_UP_TOKENS = 32
 @click.option("--json", "as_json", is_flag=True, help="Single prompt: print one JSON object instead of streaming text.")
 @click.option("--compare", is_flag=True, help="Also run plain decoding (ar) and report the speedup and whether outputs match.")
 @click.option("--compare-runs", type=int, default=3, show_default=True, help="--compare, single prompt: timed runs of each side, alternating; the speedup is their median, with its range.")
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
-@click.option("--top-p", type=float, default=1.0, show_default=True, help="1.0 = off.")
-@click.option("--seed", type=int, default=None, help="Sampling seed (default: random).")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@sampling_options
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True, help="auto: float32 on CPU; on GPU the model's saved dtype (float32 models run in bfloat16). Greedy output equals plain greedy decoding token for token in float32; in half precision the distribution is the model's and greedy can differ at near-ties.")
 @click.option("--no-compile", is_flag=True, help="CUDA: run the verify forward eagerly instead of as CUDA graphs at fixed widths (the CPU never compiles).")
 @click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice); 1 is steadier on a busy machine.")
