@@ -117,8 +117,9 @@ def generate(
     metrics.draft_s += time.perf_counter() - tic
     out.emit([t0])
 
+    own_rule = getattr(drafter, "accept", None)  # only reference reproductions that are not lossless
     while not out.done and target.cached + 1 < target.max_positions:
-        t0 = _step(target, drafter, t0, config.sampling, generator, out, metrics)
+        t0 = _step(target, drafter, t0, config.sampling, generator, out, metrics, own_rule)
     if not out.done:
         out.finish_reason = "length"  # the model's context is full
     finish = getattr(drafter, "finish", None)  # optional: drafters that remember whole outputs
@@ -137,6 +138,7 @@ def _step(
     generator: torch.Generator | None,
     out: _Output,
     metrics: Metrics,
+    own_rule: Callable | None = None,
 ) -> int:
     # 1) propose: drafts deeper than the tokens still wanted, or than the context allows, are waste
     tic = time.perf_counter()
@@ -148,8 +150,7 @@ def _step(
     # 2) verify and 3) accept
     tic = time.perf_counter()
     logits = target.verify(input_ids, tree)
-    own_rule = getattr(drafter, "accept", None)  # only reference reproductions that are not lossless
-    if own_rule is not None:
+    if own_rule is not None:  # the drafter's own acceptance (decode/drafters/base.py)
         path, bonus, host_inputs = own_rule(logits, tree, input_ids, sampling, generator)
     elif tree.q is not None and not sampling.greedy:
         path, bonus, host_inputs = speculative_accept(logits, tree, input_ids, sampling, generator)

@@ -358,7 +358,21 @@ class PoolMemory:
             self.documents.append(doc)
 
 
-class LookaheadDrafter:
+class RemembersPool:
+    """`remember` (the flag bench turns off between repeats) of a drafter whose pool has a PoolMemory."""
+
+    memory: PoolMemory
+
+    @property
+    def remember(self) -> bool:
+        return self.memory.remember
+
+    @remember.setter
+    def remember(self, flag: bool) -> None:
+        self.memory.remember = flag
+
+
+class LookaheadDrafter(RemembersPool):
     name = "lookahead"
     prefill_logits = "last"
 
@@ -375,14 +389,6 @@ class LookaheadDrafter:
         self.text = np.zeros(0, dtype=np.int32)  # the last N-1 tokens, for the pool's text n-grams
         self.guesses = 0  # guess nodes in the last proposed tree
         self._warm_up()
-
-    @property
-    def remember(self) -> bool:
-        return self.memory.remember
-
-    @remember.setter
-    def remember(self, flag: bool) -> None:
-        self.memory.remember = flag
 
     def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor | None) -> None:
         prompt = np.asarray(prompt, dtype=np.int32)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from decode.draft_model import DraftModel
-from decode.drafters.lookahead import JacobiWindow, NgramPool, PoolMemory, guess_trie
+from decode.drafters.lookahead import JacobiWindow, NgramPool, PoolMemory, RemembersPool, guess_trie
 from decode.target import TargetModel, to_device
 from decode.tree import DraftTree, walk_tree
 from index.errors import UserError
@@ -54,7 +54,7 @@ class OuroborosConfig:
                             "--ouro-topk >= 0")
 
 
-class OuroborosDrafter:
+class OuroborosDrafter(RemembersPool):
     name = "ouroboros"
     prefill_logits = "last"
 
@@ -72,14 +72,6 @@ class OuroborosDrafter:
         self.tree: DraftTree | None = None
         self.chain = 0  # drafts in the last proposed tree's chain
         self.forwards = 0  # draft forwards, for reports
-
-    @property
-    def remember(self) -> bool:
-        return self.memory.remember
-
-    @remember.setter
-    def remember(self, flag: bool) -> None:
-        self.memory.remember = flag
 
     def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor | None) -> None:
         self.memory.begin()

@@ -39,26 +39,35 @@ class SdsatConfig:
             raise UserError(f"--sat-count must be >= 0, got {self.sat_count}")
 
 
+class SatPeek:
+    """The draft forward of both SDSAT methods: `[t0, SAT x k]` on the target's cache, not committed."""
+
+    def __init__(self, target: TargetModel, settings: SatSettings, config: SdsatConfig) -> None:
+        self.k = config.sat_count or settings.sat_count
+        if self.k > settings.sat_count:
+            raise UserError(f"--sat-count {self.k} is more than the {settings.sat_count} SAT slots the model was "
+                            f"trained with: use at most {settings.sat_count}")
+        self.target = target
+        # [1 + k] int64 device: t0 then k SAT ids; only slot 0 changes from step to step
+        self._input = torch.full((1 + self.k,), settings.sat_token_id, dtype=torch.int64, device=target.device)
+
+    def __call__(self, t0: int) -> torch.Tensor:
+        # -> logits [1 + k, V] at t0 and the k SATs
+        self._input[0] = t0  # a fill kernel: no host sync
+        return self.target.peek(self._input)
+
+
 class SdsatDrafter:
     name = "sdsat"
 
     def __init__(self, target: TargetModel, settings: SatSettings, config: SdsatConfig = SdsatConfig()) -> None:
-        k = config.sat_count or settings.sat_count
-        if k > settings.sat_count:
-            raise UserError(f"--sat-count {k} is more than the {settings.sat_count} SAT slots the model was "
-                            f"trained with: use at most {settings.sat_count}")
-        self.target = target
-        self.settings = settings
-        # [1 + k] int64 device: t0 then k SAT ids; only slot 0 changes from step to step
-        self._input = torch.full((1 + k,), settings.sat_token_id, dtype=torch.int64, device=target.device)
+        self.peek = SatPeek(target, settings, config)
 
     def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor) -> None:
         pass
 
     def propose(self, t0: int) -> DraftTree:
-        self._input[0] = t0  # a fill kernel: no host sync
-        logits = self.target.peek(self._input)  # [1 + k, V]
-        return DraftTree.chain(logits.argmax(-1))  # [t1, d_2..d_{k+1}] on the device
+        return DraftTree.chain(self.peek(t0).argmax(-1))  # [t1, d_2..d_{k+1}] on the device
 
     def observe(self, committed: np.ndarray, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
         pass

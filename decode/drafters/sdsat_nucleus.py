@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from decode.drafters.sdsat import SdsatConfig
+from decode.drafters.sdsat import SatPeek, SdsatConfig
 from decode.sampling import SamplingConfig, warp_probs
 from decode.sdsat import SatSettings
 from decode.target import TargetModel
@@ -90,15 +90,10 @@ class SdsatNucleusDrafter:
 
     def __init__(self, target: TargetModel, settings: SatSettings, sampling: SamplingConfig,
                  config: SdsatConfig = SdsatConfig()) -> None:
-        k = config.sat_count or settings.sat_count
-        if k > settings.sat_count:
-            raise UserError(f"--sat-count {k} is more than the {settings.sat_count} SAT slots the model was "
-                            f"trained with: use at most {settings.sat_count}")
-        self.target = target
+        self.peek = SatPeek(target, settings, config)
         self.sampling = sampling
-        self.parents, slot = static_tree(k)
+        self.parents, slot = static_tree(self.peek.k)
         self._slot = torch.from_numpy(slot[1:]).to(target.device)
-        self._input = torch.full((1 + k,), settings.sat_token_id, dtype=torch.int64, device=target.device)
         self.generator: torch.Generator | None = None
         if not sampling.greedy:
             self.generator = torch.Generator(device=target.device)
@@ -111,8 +106,7 @@ class SdsatNucleusDrafter:
         pass
 
     def propose(self, t0: int) -> DraftTree:
-        self._input[0] = t0
-        logits = self.target.peek(self._input)  # [1 + k, V]
+        logits = self.peek(t0)  # [1 + k, V]
         if self.sampling.greedy:
             t1 = logits[:1].argmax(-1)
             candidates = torch.topk(logits[1:], TOP_K, dim=-1).indices  # [k, TOP_K]
