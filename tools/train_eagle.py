@@ -110,17 +110,9 @@ def build_sequences(engine: Engine, args, fingerprint: str, log) -> tuple[list[n
     rows, dropped = drop_excluded(read_pairs(Path(args.data_dir)), args.exclude)
     random.Random(args.seed).shuffle(rows)
     record = {"responses": args.responses, "excluded_instructions": dropped}
-    seqs, prompt_lens, total = [], [], 0
     if args.responses == "data":
-        for _, instruction, response in rows:
-            ids, p = encode_pair(engine, instruction, response, args.max_len)
-            if len(ids) - p < 4:
-                continue
-            seqs.append(ids)
-            prompt_lens.append(p)
-            total += len(ids)
-            if total >= args.max_tokens:
-                break
+        seqs, prompt_lens = _take((encode_pair(engine, instruction, response, args.max_len)
+                                   for _, instruction, response in rows), args.max_tokens)
         return seqs, prompt_lens, record
     # self-distilled: the target answers the shuffled prompts in order until --max-tokens is reached
     encode = ((lambda text: engine.encode(text, chat=True)) if getattr(engine.tokenizer, "chat_template", None)
@@ -134,18 +126,25 @@ def build_sequences(engine: Engine, args, fingerprint: str, log) -> tuple[list[n
 
     answers = cached_responses(engine, prompts, args.max_new_tokens, args.response_batch, Path(args.cache), key,
                                enough=enough, log=log)
-    for prompt, answer in zip(prompts, answers):
-        ids = np.asarray((prompt + answer)[: args.max_len], dtype=np.int64)
-        if len(ids) - len(prompt) < 4:
-            continue
-        seqs.append(ids)
-        prompt_lens.append(len(prompt))
-        total += len(ids)
-        if total >= args.max_tokens:
-            break
+    seqs, prompt_lens = _take(((np.asarray((prompt + answer)[: args.max_len], dtype=np.int64), len(prompt))
+                               for prompt, answer in zip(prompts, answers)), args.max_tokens)
     record.update(responses_key=key, max_new_tokens=args.max_new_tokens,
                   responses_ending_in_eos=sum(bool(a) and a[-1] in engine.eos_token_ids for a in answers[: len(seqs)]))
     return seqs, prompt_lens, record
+
+
+def _take(pairs, max_tokens: int) -> tuple[list[np.ndarray], list[int]]:
+    """(ids, prompt length) pairs with at least 4 response tokens, in order, until max_tokens."""
+    seqs, prompt_lens, total = [], [], 0
+    for ids, p in pairs:
+        if len(ids) - p < 4:
+            continue
+        seqs.append(ids)
+        prompt_lens.append(p)
+        total += len(ids)
+        if total >= max_tokens:
+            break
+    return seqs, prompt_lens
 
 
 def cached_features(engine: Engine, seqs: list[np.ndarray], cache: Path, key: str, log) -> tuple[torch.Tensor, torch.Tensor]:
