@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from decode.sampling import SamplingConfig, warp_probs
-from decode.tree import DraftTree
+from samctl.decode.sampling import SamplingConfig, warp_probs
+from samctl.decode.tree import DraftTree
 
 
 def speculative_accept(

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from index.errors import UserError
+from samctl.index.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from samctl.decode.engine.kv_cache import with_cache
+
 
 class DraftModel:
     """Holds one draft LM and its cache for one sequence at a time (batch size 1)."""
@@ -44,7 +46,7 @@ class DraftModel:
         out = self.model(
             input_ids=input_ids[None],
             position_ids=position_ids,
-            past_key_values=self.cache,
+            **with_cache(self.model, self.cache),
             use_cache=True,
             logits_to_keep=1,
             output_hidden_states=hidden,

@@ -26,8 +26,8 @@ import copy
 import torch
 from torch import nn
 
-from decode.kv_cache import StaticKVCache
-from index.errors import UserError
+from samctl.decode.engine.kv_cache import StaticKVCache, with_cache
+from samctl.index.errors import UserError
 
 
 def head_config(target_config):
@@ -85,7 +85,7 @@ class EagleHead(nn.Module):
         # -> predicted next features [B, n, H]
         x = self.fc(torch.cat((self.target_embed(tokens).to(features.dtype), features), dim=-1))
         position_embeddings = self.rotary(x, position_ids=positions)
-        return self.layer(x, attention_mask=mask, position_ids=positions, past_key_values=cache,
+        return self.layer(x, attention_mask=mask, position_ids=positions, **with_cache(self.layer, cache),
                           use_cache=cache is not None, position_embeddings=position_embeddings)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:

@@ -22,13 +22,13 @@ from typing import Callable
 import numpy as np
 import torch
 
-from decode.accept import speculative_accept
-from decode.drafters.base import Drafter
-from decode.metrics import Metrics
-from decode.sampling import SamplingConfig, choose_tokens
-from decode.target import TargetModel, to_device
-from decode.tree import walk_tree
-from index.errors import UserError
+from samctl.decode.accept import speculative_accept
+from samctl.decode.drafters.base import Drafter
+from samctl.decode.metrics import Metrics
+from samctl.decode.sampling import SamplingConfig, choose_tokens
+from samctl.decode.engine.target import TargetModel, to_device
+from samctl.decode.tree import walk_tree
+from samctl.index.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -14,29 +14,29 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from decode.acceptance_head import AcceptanceHead
-from decode.draft_model import DraftModel
-from decode.eagle_head import EagleHead
-from decode.drafters.adaptive import AdaptiveConfig, AdaptiveDrafter
-from decode.drafters.base import Drafter, NoDraft
-from decode.drafters.eagle import AdaptiveEagleDrafter, EagleConfig, EagleDrafter
-from decode.drafters.draft import AdaptiveLength, DraftConfig, DraftModelDrafter, FixedLength, SpecDecConfig
-from decode.drafters.lookahead import LookaheadConfig, LookaheadDrafter
-from decode.drafters.ouroboros import OuroborosConfig, OuroborosDrafter
-from decode.drafters.pld import PldConfig, PromptLookupDrafter
-from decode.drafters.recycle import RecycleConfig, TokenRecycleDrafter
-from decode.drafters.rest import RestConfig, RestDrafter
-from decode.drafters.sam import SamConfig, SamDrafter
-from decode.drafters.sdsat import SdsatConfig, SdsatDrafter
-from decode.drafters.sdsat_nucleus import SdsatNucleusDrafter
-from decode.sampling import SamplingConfig
-from decode.sdsat import read_settings
-from decode.target import TargetModel
-from index.errors import UserError
+from samctl.decode.acceptance_head import AcceptanceHead
+from samctl.decode.draft_model import DraftModel
+from samctl.decode.eagle_head import EagleHead
+from samctl.decode.drafters.adaptive import AdaptiveConfig, AdaptiveDrafter
+from samctl.decode.drafters.base import Drafter, NoDraft
+from samctl.decode.drafters.eagle import AdaptiveEagleDrafter, EagleConfig, EagleDrafter
+from samctl.decode.drafters.draft import AdaptiveLength, DraftConfig, DraftModelDrafter, FixedLength, SpecDecConfig
+from samctl.decode.drafters.lookahead import LookaheadConfig, LookaheadDrafter
+from samctl.decode.drafters.ouroboros import OuroborosConfig, OuroborosDrafter
+from samctl.decode.drafters.pld import PldConfig, PromptLookupDrafter
+from samctl.decode.drafters.recycle import RecycleConfig, TokenRecycleDrafter
+from samctl.decode.drafters.rest import RestConfig, RestDrafter
+from samctl.decode.drafters.sam import SamConfig, SamDrafter
+from samctl.decode.drafters.sdsat import SdsatConfig, SdsatDrafter
+from samctl.decode.drafters.sdsat_nucleus import SdsatNucleusDrafter
+from samctl.decode.sampling import SamplingConfig
+from samctl.decode.sdsat import read_settings
+from samctl.decode.engine.target import TargetModel
+from samctl.index.errors import UserError
 
 if TYPE_CHECKING:
-    from index.automaton import SuffixAutomaton
-    from index.ngram import NgramTable
+    from samctl.index.automaton import SuffixAutomaton
+    from samctl.index.ngram import NgramTable
 
 
 @dataclass(frozen=True)

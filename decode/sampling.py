@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from index.errors import UserError
+from samctl.index.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from index.errors import UserError
+from samctl.index.errors import UserError
 
 CONFIG_KEY = "sdsat"
 IGNORE = -100  # label of a position without a loss term (torch cross_entropy's ignore_index)

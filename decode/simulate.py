@@ -36,12 +36,12 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from decode.cost import linear_cost, relative_cost
-from decode.drafters.base import Drafter
-from decode.methods import REPLAYABLE, MethodConfig, method
-from decode.metrics import Metrics
-from decode.tree import walk_tree
-from index.errors import UserError
+from samctl.decode.engine.cost import linear_cost, relative_cost
+from samctl.decode.drafters.base import Drafter
+from samctl.decode.methods import REPLAYABLE, MethodConfig, method
+from samctl.decode.metrics import Metrics
+from samctl.decode.tree import walk_tree
+from samctl.index.errors import UserError
 
 def check_replayable(name: str) -> None:
     why = method(name).not_replayable

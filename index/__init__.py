@@ -3,6 +3,6 @@
 Knows numpy and numba only: no torch, no transformers, no click. Text enters as already
 tokenized int32 id arrays; corpora are read here as strings and tokenized by the caller.
 """
-from index.errors import UserError
+from samctl.index.errors import UserError
 
 __all__ = ["UserError"]

@@ -35,11 +35,11 @@ from typing import Any, Callable, ContextManager, NamedTuple
 import numpy as np
 from numba import njit
 
-from index.errors import UserError
+from samctl.index.errors import UserError
 
 # The layout constants (columns of `states` and `edges`, entries of `meta`) live in a numba-free
 # module so that reading a store's header and array shapes (`samctl info`) does not load numba.
-from index.automaton_layout import (COUNT, E_DST, E_NEXT, E_SRC, E_TOK, EDGE_DST, EDGE_TOK, FIRST_END, HEAD,
+from samctl.index.automaton_layout import (COUNT, E_DST, E_NEXT, E_SRC, E_TOK, EDGE_DST, EDGE_TOK, FIRST_END, HEAD,
                                     LAST_END, LEN, LINK, M_BUF, M_DOC_OPEN, M_DOCS, M_EDGES, M_LAST,
                                     M_ROOT_DEGREE, M_STATES, M_TOKENS, N_EDGE_COLS, N_META, N_STATE_COLS, SEP, edge_count)
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, TextIO
 
-from index.errors import UserError
+from samctl.index.errors import UserError
 
 TEXT_EXTENSIONS = frozenset(
     """

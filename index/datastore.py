@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
-from index.automaton_layout import E_TOK, EDGE_TOK
-from index.errors import UserError
-from index.ngram_config import NgramConfig
-from index.store import StoreError, StoreFile, read_store, write_store
+from samctl.index.automaton_layout import E_TOK, EDGE_TOK
+from samctl.index.errors import UserError
+from samctl.index.ngram_config import NgramConfig
+from samctl.index.store import StoreError, StoreFile, read_store, write_store
 
 if TYPE_CHECKING:
-    from index.automaton import SuffixAutomaton
-    from index.ngram import NgramTable
+    from samctl.index.automaton import SuffixAutomaton
+    from samctl.index.ngram import NgramTable
 
 # The structures' modules (and numba with them) are imported where a structure is built or
 # loaded, not here: reading a store's header (`read_meta`, `samctl info`) stays light.
@@ -191,7 +191,7 @@ def save_datastore(
     path: str | os.PathLike, structure: Structure, meta: StoreMeta, compress: bool | None = None
 ) -> None:
     """Write structure + meta atomically; `compress` defaults to meta.build.compress."""
-    from index.automaton import SuffixAutomaton
+    from samctl.index.automaton import SuffixAutomaton
 
     kind = "sam" if isinstance(structure, SuffixAutomaton) else "ngram"
     if kind != meta.build.kind:
@@ -207,7 +207,7 @@ def load_datastore(path: str | os.PathLike, verify: bool = False, occurrence: st
     is a sharded store (index/sharded.py), returned as a ShardedDatastore with the same queries.
     """
     if os.path.isdir(path):
-        from index.sharded import load_sharded  # sharded.py builds on this module
+        from samctl.index.sharded import load_sharded  # sharded.py builds on this module
 
         return load_sharded(path, verify=verify, occurrence=occurrence)
     return load_single(path, verify=verify, occurrence=occurrence)
@@ -215,8 +215,8 @@ def load_datastore(path: str | os.PathLike, verify: bool = False, occurrence: st
 
 def load_single(path: str | os.PathLike, verify: bool = False, occurrence: str = "first") -> Datastore:
     """`load_datastore` for one `.sam` file."""
-    from index.automaton import SuffixAutomaton  # numba loads here, not for `samctl info`
-    from index.ngram import NgramTable
+    from samctl.index.automaton import SuffixAutomaton  # numba loads here, not for `samctl info`
+    from samctl.index.ngram import NgramTable
 
     store, meta = read_meta(path, verify=verify)
     arrays = store.arrays

@@ -25,8 +25,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from index.errors import UserError
-from index.ngram_config import NgramConfig  # re-exported: index.ngram.NgramConfig
+from samctl.index.errors import UserError
+from samctl.index.ngram_config import NgramConfig  # re-exported: index.ngram.NgramConfig
 
 _HASH_SEED = np.uint64(0x243F6A8885A308D3)
 _HASH_MUL = np.uint64(0x9E3779B97F4A7C15)

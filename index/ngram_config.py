@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from index.errors import UserError
+from samctl.index.errors import UserError
 
 
 @dataclass(frozen=True)

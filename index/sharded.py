@@ -45,10 +45,10 @@ import numba
 import numpy as np
 from numba import njit
 
-from index.automaton import COUNT, E_DST, E_NEXT, E_TOK, EDGE_DST, EDGE_TOK, HEAD, SuffixAutomaton, sam_step
-from index.datastore import CorpusStats, Datastore, Lookup, StoreMeta, load_single, parse_meta, save_datastore
-from index.errors import UserError
-from index.store import StoreError, _fsync_directory
+from samctl.index.automaton import COUNT, E_DST, E_NEXT, E_TOK, EDGE_DST, EDGE_TOK, HEAD, SuffixAutomaton, sam_step
+from samctl.index.datastore import CorpusStats, Datastore, Lookup, StoreMeta, load_single, parse_meta, save_datastore
+from samctl.index.errors import UserError
+from samctl.index.store import StoreError, _fsync_directory
 
 MANIFEST = "manifest.json"
 FORMAT = "samctl-sharded-store"

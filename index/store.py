@@ -51,7 +51,7 @@ import msgpack
 import numpy as np
 import zstandard
 
-from index.errors import UserError
+from samctl.index.errors import UserError
 
 MAGIC = b"\x89SAMCTL\n"
 FORMAT_VERSION = 1

@@ -13,7 +13,7 @@ import sys
 
 import click
 
-from index.errors import UserError
+from samctl.index.errors import UserError
 from samctl import __version__
 
 

@@ -30,10 +30,10 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from index.datastore import StoreMeta
-from index.errors import UserError
-from index.automaton import SuffixAutomaton
-from index.sharded import save_shard
+from samctl.index.datastore import StoreMeta
+from samctl.index.errors import UserError
+from samctl.index.automaton import SuffixAutomaton
+from samctl.index.sharded import save_shard
 
 LOCAL = "local"  # --ray without an address: start a local Ray instance
 CHUNK_CHARS = 1 << 20  # characters of documents per Ray Data row when tokenizing

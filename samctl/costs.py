@@ -16,8 +16,8 @@ from typing import Any
 import click
 import torch
 
-from decode.cost import measure_verify_cost
-from index.errors import UserError
+from samctl.decode.engine.cost import measure_verify_cost
+from samctl.index.errors import UserError
 from samctl.gguf_cache import cache_dir
 
 CURVE_WIDTH = 64

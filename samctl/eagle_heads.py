@@ -21,8 +21,8 @@ from typing import Any
 import click
 import torch
 
-from decode.eagle_head import EagleHead
-from index.errors import UserError
+from samctl.decode.eagle_head import EagleHead
+from samctl.index.errors import UserError
 from samctl.heads import read_head_header
 
 FORMAT = "samctl-eagle-head"

@@ -32,7 +32,7 @@ from typing import Iterator
 
 import click
 
-from index.errors import UserError
+from samctl.index.errors import UserError
 from samctl.progress import progress_enabled
 
 GGUF_MAGIC = b"GGUF"

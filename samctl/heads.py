@@ -22,8 +22,8 @@ from typing import Any
 import click
 import torch
 
-from decode.acceptance_head import AcceptanceHead, HeadConfig
-from index.errors import UserError
+from samctl.decode.acceptance_head import AcceptanceHead, HeadConfig
+from samctl.index.errors import UserError
 from samctl.tokenizer import tokenizer_fingerprint
 
 FORMAT = "samctl-acceptance-head"

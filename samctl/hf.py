@@ -34,12 +34,12 @@ from typing import Any
 
 import torch
 
-from decode.drafters.base import Drafter
-from decode.loop import GenerationConfig, generate as decode_generate
-from decode.methods import DEFAULT_METHOD, method as method_entry
-from decode.sampling import SamplingConfig
-from index.datastore import Datastore
-from index.errors import UserError
+from samctl.decode.drafters.base import Drafter
+from samctl.decode.loop import GenerationConfig, generate as decode_generate
+from samctl.decode.methods import DEFAULT_METHOD, method as method_entry
+from samctl.decode.sampling import SamplingConfig
+from samctl.index.datastore import Datastore
+from samctl.index.errors import UserError
 from samctl.options import method_config, setting_names
 from samctl.runtime import Engine, build_drafter, engine_for, load_store
 
@@ -171,9 +171,10 @@ def _check_inputs(model, input_ids: torch.Tensor, generation_config, synced_gpus
     mask = model_kwargs.get("attention_mask")
     if mask is not None and not bool((mask == 1).all()):
         raise UserError("samctl.hf got a padded prompt (attention_mask has zeros): pass the prompt unpadded")
-    cache = model_kwargs.get("past_key_values")
-    if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
-        raise UserError("samctl.hf starts from the prompt and keeps its own cache: drop past_key_values")
+    for name in ("cache", "past_key_values"):  # transformers 5.24 renamed past_key_values to cache
+        cache = model_kwargs.get(name)
+        if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
+            raise UserError(f"samctl.hf starts from the prompt and keeps its own cache: drop {name}")
 
 
 def _sampling(processors, generation_config) -> SamplingConfig:

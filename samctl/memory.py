@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from index.automaton import SuffixAutomaton
-from index.datastore import BuildConfig, CorpusStats, StoreMeta, save_datastore
-from index.errors import UserError
+from samctl.index.automaton import SuffixAutomaton
+from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, save_datastore
+from samctl.index.errors import UserError
 from samctl.runtime import Engine, load_store
 from samctl.tokenizer import tokenizer_fingerprint
 

@@ -13,8 +13,8 @@ import click
 
 import torch
 
-from decode.methods import MethodConfig
-from index.errors import UserError
+from samctl.decode.methods import MethodConfig
+from samctl.index.errors import UserError
 
 # On a CPU a verify of q tokens costs about q times a small fixed cost once q passes a handful
 # (tools/bench_draft.py: 4.4 ms at 1 token, 10 ms at 16, 28 ms at 81 for the embedded model), so

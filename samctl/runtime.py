@@ -6,22 +6,24 @@ drafter for a method name. Decoding itself lives in `decode/`.
 """
 from __future__ import annotations
 
+import warnings
+
 from dataclasses import dataclass
 from pathlib import Path
 
 import click
 import torch
 
-from decode.acceptance_head import AcceptanceHead
-from decode.draft_model import DraftModel
-from decode.cost import relative_cost
-from decode.eagle_head import EagleHead
-from decode.methods import DRAFT_METHODS, MethodConfig, make_drafter, method, uses_store
-from decode.drafters.base import Drafter
-from decode.sampling import SamplingConfig
-from decode.target import TargetModel
-from index.datastore import Datastore, load_datastore
-from index.errors import UserError
+from samctl.decode.acceptance_head import AcceptanceHead
+from samctl.decode.draft_model import DraftModel
+from samctl.decode.engine.cost import relative_cost
+from samctl.decode.eagle_head import EagleHead
+from samctl.decode.methods import DRAFT_METHODS, MethodConfig, make_drafter, method, uses_store
+from samctl.decode.drafters.base import Drafter
+from samctl.decode.sampling import SamplingConfig
+from samctl.decode.engine.target import TargetModel
+from samctl.index.datastore import Datastore, load_datastore
+from samctl.index.errors import UserError
 from samctl.gguf_cache import model_folder
 from samctl.tokenizer import DEFAULT_MODEL_DIR, check_store_tokenizer, tokenizer_fingerprint
 
@@ -122,6 +124,10 @@ def load_engine(model: str | None, device: str = "auto", dtype: str = "auto", qu
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # its bars would break the one-line-error and stderr contracts
+    # transformers' warnings (deprecations, generation-flag notes) address developers of code that
+    # calls it, which here is samctl, not its user; samctl says what a user can act on itself.
+    hf_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers(\.|$)")
 
     if model is None:
         if not DEFAULT_MODEL_DIR.is_dir():

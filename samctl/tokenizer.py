@@ -43,8 +43,8 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 import click
 import numpy as np
 
-from index.datastore import StoreMeta
-from index.errors import UserError
+from samctl.index.datastore import StoreMeta
+from samctl.index.errors import UserError
 from samctl.gguf_cache import is_gguf, model_folder
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "models" / "default" / "target"

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from decode.acceptance_head import (AcceptanceHead, Examples, HeadConfig, TrainConfig, collect_examples,
+from samctl.decode.acceptance_head import (AcceptanceHead, Examples, HeadConfig, TrainConfig, collect_examples,
                                     evaluate_head, train_head, weighted_bce)
-from decode.draft_model import DraftModel
-from decode.drafters.draft import AdaptiveLength, DraftModelDrafter, SpecDecConfig
-from index.errors import UserError
+from samctl.decode.draft_model import DraftModel
+from samctl.decode.drafters.draft import AdaptiveLength, DraftModelDrafter, SpecDecConfig
+from samctl.index.errors import UserError
 from samctl.heads import CONFIG, load_head, save_head
 from tests.conftest import _tiny
 from tests.test_draft_model import save_model_with_tokenizer_of

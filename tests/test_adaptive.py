@@ -9,12 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from decode.cost import linear_cost
-from decode.drafters.adaptive import AdaptiveConfig, AdaptiveDrafter, Calibration
-from decode.drafters.candidates import N_CELLS, select
-from decode.simulate import make_trace, replay
-from index.automaton import SuffixAutomaton
-from index.ngram import NgramConfig, NgramTable
+from samctl.decode.engine.cost import linear_cost
+from samctl.decode.drafters.adaptive import AdaptiveConfig, AdaptiveDrafter, Calibration
+from samctl.decode.drafters.candidates import N_CELLS, select
+from samctl.decode.simulate import make_trace, replay
+from samctl.index.automaton import SuffixAutomaton
+from samctl.index.ngram import NgramConfig, NgramTable
 
 VOCAB = 500
 
@@ -68,7 +68,7 @@ def test_ngram_store_with_a_long_match_drafts_at_default_settings():
     prompt = np.concatenate((random_doc(3, 30), answer[:30]))
     m = replay(drafter(static=table), make_trace(prompt, answer[30:150]))
     assert m.mean_accepted > 4, m.to_dict()
-    from decode.drafters.sam import SamDrafter
+    from samctl.decode.drafters.sam import SamDrafter
     assert replay(SamDrafter(static=table), make_trace(prompt, answer[30:150])).mean_accepted > 2
 
 
@@ -141,7 +141,7 @@ def test_static_automaton_and_dynamic_sources_combine():
 
 @pytest.mark.parametrize("bad", [dict(max_nodes=-1), dict(min_prob=1.0), dict(memory=-2), dict(width=0)])
 def test_bad_settings_are_refused(bad):
-    from index.errors import UserError
+    from samctl.index.errors import UserError
     with pytest.raises(UserError):
         AdaptiveConfig(**bad)
 
@@ -150,7 +150,7 @@ def test_bad_settings_are_refused(bad):
 def test_automaton_candidates_are_continuations_in_the_documents(seed):
     # Every candidate path, after the pending token, occurs in one document; probabilities never
     # rise along a path; parents come first.
-    from decode.drafters.candidates import N_CELLS, automaton_candidates
+    from samctl.decode.drafters.candidates import N_CELLS, automaton_candidates
 
     rng = np.random.default_rng(seed)
     docs = [rng.integers(0, 5, int(rng.integers(5, 40))).astype(np.int32) for _ in range(3)]

@@ -6,8 +6,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from index.automaton import COUNT, LINK, SuffixAutomaton
-from index.errors import UserError
+from samctl.index.automaton import COUNT, LINK, SuffixAutomaton
+from samctl.index.errors import UserError
 
 
 def random_docs(rng: np.random.Generator, n_docs: int | None = None, max_len: int = 25) -> list[list[int]]:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from index.errors import UserError
+from samctl.index.errors import UserError
 from samctl.bench_report import aggregate, markdown
 from samctl.commands.bench import _cut, _first_difference, read_questions
 from tests.conftest import save_tiny_model_with_tokenizer

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from index.datastore import load_datastore
-from index.store import FORMAT_VERSION, StoreError, read_store
+from samctl.index.datastore import load_datastore
+from samctl.index.store import FORMAT_VERSION, StoreError, read_store
 from samctl import tokenizer as tokenizer_module
 from samctl.cli import cli, main
 from samctl.tokenizer import ByteTokenizer, load_tokenizer, tokenize_documents
@@ -253,14 +253,14 @@ def test_query_argument_errors(built, capsys, args, message):
 
 
 def test_interrupted_build_keeps_the_old_store(built, monkeypatch, capsys):
-    import index.store
+    import samctl.index.store
 
     old = built.read_bytes()
 
     def interrupt(_fd):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(index.store.os, "fsync", interrupt)
+    monkeypatch.setattr(samctl.index.store.os, "fsync", interrupt)
     code, _out, _err = _main(["build", str(built.parent / "alpaca.jsonl"), "-o", str(built),
                               "--tokenizer", "bytes", "-q"], capsys)
     assert code == 130

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from index import store as store_module
-from index.datastore import load_datastore
+from samctl.index import store as store_module
+from samctl.index.datastore import load_datastore
 from samctl.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -201,7 +201,7 @@ def test_stale_temporary_files_of_dead_writers_are_removed(tmp_path, monkeypatch
 
 def test_killed_writer_leaves_a_pid_named_file_that_the_next_build_removes(tmp_path):
     (tmp_path / "a.txt").write_text(TEXT * 50)
-    writer = ("import os, signal, sys\nfrom index import store\n"
+    writer = ("import os, signal, sys\nfrom samctl.index import store\n"
               "real = store._write_blobs\n"
               "def die(*args, **kwargs):\n    os.kill(os.getpid(), signal.SIGKILL)\n"
               "store._write_blobs = die\n"

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from index.corpus import CorpusReader, iter_documents, record_text
-from index.errors import UserError
+from samctl.index.corpus import CorpusReader, iter_documents, record_text
+from samctl.index.errors import UserError
 
 
 def _texts(*args, **kwargs) -> list[str]:

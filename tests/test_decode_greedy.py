@@ -6,14 +6,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from decode.loop import GenerationConfig, generate
-from decode.eagle_head import EagleHead
-from decode.methods import EAGLE_METHODS, METHODS, MethodConfig, make_drafter, method as method_entry, uses_store
-from decode.drafters.sam import SamConfig
-from decode.target import TargetModel
-from index.automaton import SuffixAutomaton
-from index.ngram import NgramConfig, NgramTable
-from index.sharded import ShardedAutomaton
+from samctl.decode.loop import GenerationConfig, generate
+from samctl.decode.eagle_head import EagleHead
+from samctl.decode.methods import EAGLE_METHODS, METHODS, MethodConfig, make_drafter, method as method_entry, uses_store
+from samctl.decode.drafters.sam import SamConfig
+from samctl.decode.engine.target import TargetModel
+from samctl.index.automaton import SuffixAutomaton
+from samctl.index.ngram import NgramConfig, NgramTable
+from samctl.index.sharded import ShardedAutomaton
 from tests.mock_lm import CopyLM
 
 # Low thresholds so that retrieval drafts fire often on tiny random models.
@@ -118,7 +118,7 @@ def test_tree_paths_and_kv_compaction_on_mock():
 
 
 def test_unknown_method_is_a_user_error():
-    from index.errors import UserError
+    from samctl.index.errors import UserError
 
     with pytest.raises(UserError, match="unknown method"):
         make_drafter("nope", vocab_size=10, device=torch.device("cpu"))

@@ -14,16 +14,16 @@ import torch
 from scipy.stats import chisquare
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from decode.drafters.lookahead import LookaheadConfig
-from decode.drafters.eagle import EagleConfig
-from decode.drafters.pld import PldConfig
-from decode.drafters.recycle import RecycleConfig
-from decode.drafters.sam import SamConfig
-from decode.loop import GenerationConfig, generate
-from decode.eagle_head import EagleHead
-from decode.methods import MethodConfig, make_drafter, method as method_entry
-from decode.sampling import SamplingConfig, warp_probs
-from decode.target import TargetModel
+from samctl.decode.drafters.lookahead import LookaheadConfig
+from samctl.decode.drafters.eagle import EagleConfig
+from samctl.decode.drafters.pld import PldConfig
+from samctl.decode.drafters.recycle import RecycleConfig
+from samctl.decode.drafters.sam import SamConfig
+from samctl.decode.loop import GenerationConfig, generate
+from samctl.decode.eagle_head import EagleHead
+from samctl.decode.methods import MethodConfig, make_drafter, method as method_entry
+from samctl.decode.sampling import SamplingConfig, warp_probs
+from samctl.decode.engine.target import TargetModel
 from tests.mock_lm import CopyLM, copy_rule
 
 VOCAB, NEW, SAMPLES, ALPHA = 4, 3, 2500, 1e-3

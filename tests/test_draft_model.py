@@ -14,18 +14,18 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from decode.accept import speculative_accept
-from decode.acceptance_head import AcceptanceHead, HeadConfig
-from decode.draft_model import DraftModel
-from decode.drafters.draft import DraftConfig, SpecDecConfig
-from decode.drafters.ouroboros import OuroborosConfig
-from decode.drafters.sam import SamConfig
-from decode.loop import GenerationConfig, generate
-from decode.methods import DRAFT_METHODS, MethodConfig, make_drafter
-from decode.sampling import SamplingConfig, warp_probs
-from decode.target import TargetModel
-from decode.tree import DraftTree
-from index.errors import UserError
+from samctl.decode.accept import speculative_accept
+from samctl.decode.acceptance_head import AcceptanceHead, HeadConfig
+from samctl.decode.draft_model import DraftModel
+from samctl.decode.drafters.draft import DraftConfig, SpecDecConfig
+from samctl.decode.drafters.ouroboros import OuroborosConfig
+from samctl.decode.drafters.sam import SamConfig
+from samctl.decode.loop import GenerationConfig, generate
+from samctl.decode.methods import DRAFT_METHODS, MethodConfig, make_drafter
+from samctl.decode.sampling import SamplingConfig, warp_probs
+from samctl.decode.engine.target import TargetModel
+from samctl.decode.tree import DraftTree
+from samctl.index.errors import UserError
 from tests.conftest import _tiny, save_tiny_model_with_tokenizer
 from tests.mock_lm import CopyLM
 from tests.test_decode_greedy import hf_greedy, prompts

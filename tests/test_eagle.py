@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from decode.drafters.eagle import EagleConfig, EagleDrafter, rerank
-from decode.eagle_head import EagleHead, eagle_loss, target_features
-from decode.target import TargetModel
-from decode.tree import DraftTree
-from index.errors import UserError
+from samctl.decode.drafters.eagle import EagleConfig, EagleDrafter, rerank
+from samctl.decode.eagle_head import EagleHead, eagle_loss, target_features
+from samctl.decode.engine.target import TargetModel
+from samctl.decode.tree import DraftTree
+from samctl.index.errors import UserError
 
 
 def _head(model, seed: int = 0, vocab=None, scale: float = 4.0) -> EagleHead:

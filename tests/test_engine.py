@@ -7,13 +7,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaConfig, Qwen2Config
 
-from decode.drafters.oracle import OracleDrafter
-from decode.drafters.recycle import TokenRecycleDrafter
-from decode.loop import GenerationConfig, generate
-from decode.methods import make_drafter
-from decode.target import TargetModel
-from decode.tree import DraftTree
-from index.errors import UserError
+from samctl.decode.drafters.oracle import OracleDrafter
+from samctl.decode.drafters.recycle import TokenRecycleDrafter
+from samctl.decode.loop import GenerationConfig, generate
+from samctl.decode.methods import make_drafter
+from samctl.decode.engine.target import TargetModel
+from samctl.decode.tree import DraftTree
+from samctl.index.errors import UserError
 from samctl.detok import IncrementalDetokenizer
 from samctl.tokenizer import DEFAULT_MODEL_DIR
 from tests.test_decode_greedy import hf_greedy, prompts
@@ -254,7 +254,7 @@ def test_gpu_one_host_sync_per_step():
 @pytest.mark.gpu
 @cuda
 def test_gpu_graphs_equal_eager():
-    from decode.graphs import enable_cuda_graphs
+    from samctl.decode.engine.graphs import enable_cuda_graphs
 
     model = tiny("llama", 2).cuda()
     for prompt in prompts(96):
@@ -268,7 +268,7 @@ def test_gpu_graphs_equal_eager():
 
 
 def test_graphs_stay_off_on_cpu():
-    from decode.graphs import enable_cuda_graphs
+    from samctl.decode.engine.graphs import enable_cuda_graphs
 
     target = TargetModel(tiny())
     enable_cuda_graphs(target, True)

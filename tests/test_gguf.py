@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from index.errors import UserError
+from samctl.index.errors import UserError
 from samctl import gguf_cache
 
 REPO = Path(__file__).resolve().parent.parent
@@ -125,9 +125,9 @@ def test_real_gguf_every_method_matches_transformers_greedy(tmp_path, private_ca
 
     import numpy as np
 
-    from decode.loop import GenerationConfig, generate
-    from decode.methods import METHODS, MethodConfig, make_drafter, uses_store
-    from index.automaton import SuffixAutomaton
+    from samctl.decode.loop import GenerationConfig, generate
+    from samctl.decode.methods import METHODS, MethodConfig, make_drafter, uses_store
+    from samctl.index.automaton import SuffixAutomaton
     from samctl.runtime import load_engine
 
     torch.set_num_threads(1)

@@ -15,10 +15,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.generation.streamers import BaseStreamer
 
 import samctl.hf
-from decode.sampling import SamplingConfig, warp_probs
-from index.automaton import SuffixAutomaton
-from index.datastore import BuildConfig, CorpusStats, StoreMeta, save_datastore
-from index.errors import UserError
+from samctl.decode.sampling import SamplingConfig, warp_probs
+from samctl.index.automaton import SuffixAutomaton
+from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, save_datastore
+from samctl.index.errors import UserError
 from tests.test_decode_sampling import fits
 
 

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from decode.draft_model import DraftModel
-from decode.drafters.lookahead import (JacobiWindow, LookaheadConfig, LookaheadDrafter, NgramPool, trie_of,
+from samctl.decode.draft_model import DraftModel
+from samctl.decode.drafters.lookahead import (JacobiWindow, LookaheadConfig, LookaheadDrafter, NgramPool, trie_of,
                                        window_parents)
-from decode.drafters.ouroboros import OuroborosConfig
-from decode.loop import GenerationConfig, generate
-from decode.methods import MethodConfig, make_drafter
-from decode.target import TargetModel
-from decode.tree import ancestor_matrix, tree_depths, walk_tree
+from samctl.decode.drafters.ouroboros import OuroborosConfig
+from samctl.decode.loop import GenerationConfig, generate
+from samctl.decode.methods import MethodConfig, make_drafter
+from samctl.decode.engine.target import TargetModel
+from samctl.decode.tree import ancestor_matrix, tree_depths, walk_tree
 from tests.mock_lm import CopyLM
 from tests.test_decode_greedy import hf_greedy, prompts
 
@@ -154,7 +154,7 @@ def test_pool_persists_across_requests_unless_remember_is_off():
 
 
 def test_simulate_replays_the_pool_without_a_window():
-    from decode.simulate import make_trace, replay
+    from samctl.decode.simulate import make_trace, replay
 
     drafter = LookaheadDrafter(LookaheadConfig(ngram=3, guesses=4), 50)
     trace = make_trace([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 1, 2, 3], max_new_tokens=9)

@@ -6,8 +6,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from index.errors import UserError
-from index.ngram import NgramConfig, NgramTable
+from samctl.index.errors import UserError
+from samctl.index.ngram import NgramConfig, NgramTable
 
 
 def random_docs(rng: np.random.Generator, max_len: int = 40) -> list[list[int]]:
@@ -93,7 +93,7 @@ def test_pruning() -> None:
 @pytest.mark.parametrize("seed", range(20))
 def test_adaptive_tree_paths_are_table_continuations(seed: int) -> None:
     # adaptive's n-gram kernel: every child is a top-k next token of the text ending at it
-    from decode.drafters.candidates import N_CELLS, ngram_candidates
+    from samctl.decode.drafters.candidates import N_CELLS, ngram_candidates
 
     rng = np.random.default_rng(500 + seed)
     docs, config = random_docs(rng), random_config(rng)
@@ -172,7 +172,7 @@ def test_config_validation() -> None:
 
 def test_hash_collisions_are_grouped_exactly() -> None:
     """Give every context the same hash: grouping must still count each context separately."""
-    from index.ngram import _contexts, _count_order, _group, _positions
+    from samctl.index.ngram import _contexts, _count_order, _group, _positions
 
     rng = np.random.default_rng(3)
     docs = [list(rng.integers(0, 3, size=30)) for _ in range(3)]

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from index.datastore import load_datastore
+from samctl.index.datastore import load_datastore
 from samctl.cli import main
 from tests.test_cli_generate import PROMPT
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from decode.drafters.rest import RestConfig, RestDrafter
-from index.automaton import SuffixAutomaton
-from index.errors import UserError
+from samctl.decode.drafters.rest import RestConfig, RestDrafter
+from samctl.index.automaton import SuffixAutomaton
+from samctl.index.errors import UserError
 
 
 def build(docs: list[list[int]]) -> SuffixAutomaton:

@@ -9,12 +9,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from decode.drafters.sdsat import SdsatConfig, SdsatDrafter
-from decode.loop import GenerationConfig, generate
-from decode.methods import MethodConfig, make_drafter
-from decode.sdsat import IGNORE, SatSettings, make_batch, read_settings, sample_anchors, sat_layout
-from decode.target import TargetModel
-from index.errors import UserError
+from samctl.decode.drafters.sdsat import SdsatConfig, SdsatDrafter
+from samctl.decode.loop import GenerationConfig, generate
+from samctl.decode.methods import MethodConfig, make_drafter
+from samctl.decode.sdsat import IGNORE, SatSettings, make_batch, read_settings, sample_anchors, sat_layout
+from samctl.decode.engine.target import TargetModel
+from samctl.index.errors import UserError
 from tests.mock_lm import CopyLM
 from tests.test_decode_greedy import hf_greedy, prompts
 
@@ -177,8 +177,8 @@ def test_train_script_writes_a_folder_sdsat_loads(tmp_path):
 
 
 def test_nucleus_reference_trees_are_the_papers():
-    from decode.drafters.sdsat_nucleus import TREES, static_tree
-    from decode.tree import tree_depths
+    from samctl.decode.drafters.sdsat_nucleus import TREES, static_tree
+    from samctl.decode.tree import tree_depths
 
     widths = {5: [4, 8, 8, 5, 3], 7: [4, 8, 8, 6, 5, 3, 2], 9: [4, 8, 8, 6, 6, 5, 4, 3, 2],
               11: [4, 8, 8, 8, 6, 6, 6, 5, 4, 3, 2], 13: [4, 8, 8, 8, 8, 8, 6, 6, 6, 5, 4, 3, 2]}
@@ -208,9 +208,9 @@ def test_nucleus_reference_is_biased_and_the_loop_is_not():
     # t1 has two children that both offer token A; the target says A or B with 1/2 each. The
     # reference's independent draw per path accepts A with 3/4 and re-draws after a miss, so A
     # comes out with 7/8; the loop's one draw per node keeps the target's 1/2.
-    from decode.drafters.sdsat_nucleus import best_of_paths
-    from decode.sampling import SamplingConfig
-    from decode.tree import walk_tree
+    from samctl.decode.drafters.sdsat_nucleus import best_of_paths
+    from samctl.decode.sampling import SamplingConfig
+    from samctl.decode.tree import walk_tree
 
     a, b, t1 = 3, 4, 5
     logits = torch.full((4, 8), -30.0)
@@ -232,7 +232,7 @@ def test_nucleus_reference_is_biased_and_the_loop_is_not():
 
 
 def test_nucleus_reference_samples_and_is_reproducible(tiny_model_dir):
-    from decode.sampling import SamplingConfig
+    from samctl.decode.sampling import SamplingConfig
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     model.config.sdsat = {"sat_token_id": 90, "sat_count": 5}

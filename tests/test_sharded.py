@@ -7,12 +7,12 @@ import os
 import numpy as np
 import pytest
 
-from index.automaton import SuffixAutomaton
-from index.datastore import BuildConfig, CorpusStats, StoreMeta, load_datastore, save_datastore
-from index.sharded import (MANIFEST, ShardedAutomaton, StoreDirectoryWriter, build_shard, children, load_sharded,
+from samctl.index.automaton import SuffixAutomaton
+from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, load_datastore, save_datastore
+from samctl.index.sharded import (MANIFEST, ShardedAutomaton, StoreDirectoryWriter, build_shard, children, load_sharded,
                            plan_shards)
-from index.errors import UserError
-from index.store import StoreError
+from samctl.index.errors import UserError
+from samctl.index.store import StoreError
 
 
 def corpus(seed: int, n_docs: int = 12, vocab: int = 6) -> tuple[np.ndarray, np.ndarray]:

@@ -9,17 +9,17 @@ import numpy as np
 import pytest
 import torch
 
-from decode.drafters.adaptive import AdaptiveConfig
-from decode.drafters.lookahead import LookaheadConfig
-from decode.drafters.sam import SamConfig
-from decode.loop import GenerationConfig, generate
-from decode.methods import REPLAYABLE, MethodConfig, make_drafter, uses_store
-from decode.simulate import (
+from samctl.decode.drafters.adaptive import AdaptiveConfig
+from samctl.decode.drafters.lookahead import LookaheadConfig
+from samctl.decode.drafters.sam import SamConfig
+from samctl.decode.loop import GenerationConfig, generate
+from samctl.decode.methods import REPLAYABLE, MethodConfig, make_drafter, uses_store
+from samctl.decode.simulate import (
     CostModel, Tally, check_replayable, make_trace, replay, sweep_configs, tally_by_category,
 )
-from decode.target import TargetModel
-from index.automaton import SuffixAutomaton
-from index.errors import UserError
+from samctl.decode.engine.target import TargetModel
+from samctl.index.automaton import SuffixAutomaton
+from samctl.index.errors import UserError
 from tests.mock_lm import CopyLM
 
 # adaptive without its Token Recycle part and lookahead without its Jacobi window: those parts

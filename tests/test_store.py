@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from index import store
-from index.errors import UserError
-from index.store import StoreError, read_store, write_store
+from samctl.index import store
+from samctl.index.errors import UserError
+from samctl.index.store import StoreError, read_store, write_store
 
 ARRAYS = {
     "tokens": np.arange(1000, dtype=np.int32) % 17,
@@ -356,9 +356,9 @@ def test_fuzz_header(tmp_path, fuzz_seeds, seed, array, field, value, verify):
 
 @pytest.fixture(scope="module")
 def datastore_seeds(tmp_path_factory):
-    from index.automaton import SuffixAutomaton
-    from index.datastore import BuildConfig, CorpusStats, StoreMeta, save_datastore
-    from index.ngram import NgramTable
+    from samctl.index.automaton import SuffixAutomaton
+    from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, save_datastore
+    from samctl.index.ngram import NgramTable
 
     rng = np.random.default_rng(2)
     tokens = rng.integers(0, 6, 120).astype(np.int32)
@@ -377,7 +377,7 @@ def datastore_seeds(tmp_path_factory):
 
 
 def _try_load(path, data: bytes, queries) -> None:
-    from index.datastore import load_datastore
+    from samctl.index.datastore import load_datastore
 
     path.write_bytes(data)
     try:

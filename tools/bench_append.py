@@ -24,8 +24,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from index.automaton import SuffixAutomaton  # noqa: E402
-from index.datastore import BuildConfig, CorpusStats, StoreMeta, load_datastore, save_datastore  # noqa: E402
+from samctl.index.automaton import SuffixAutomaton  # noqa: E402
+from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, load_datastore, save_datastore  # noqa: E402
 from tools.bench_index import DEFAULT_TOKENIZER, corpus, head  # noqa: E402
 
 

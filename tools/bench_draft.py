@@ -29,14 +29,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from decode.drafters.adaptive import AdaptiveDrafter
-from decode.drafters.sam import SamDrafter
-from decode.drafters.recycle import RecycleConfig, build_template
-from decode.metrics import Metrics
-from decode.simulate import make_trace, replay
-from decode.tree import DraftTree
-from index.automaton import SuffixAutomaton
-from index.datastore import BuildConfig, CorpusStats, StoreMeta, load_datastore, save_datastore
+from samctl.decode.drafters.adaptive import AdaptiveDrafter
+from samctl.decode.drafters.sam import SamDrafter
+from samctl.decode.drafters.recycle import RecycleConfig, build_template
+from samctl.decode.metrics import Metrics
+from samctl.decode.simulate import make_trace, replay
+from samctl.decode.tree import DraftTree
+from samctl.index.automaton import SuffixAutomaton
+from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, load_datastore, save_datastore
 from samctl.runtime import load_engine
 from samctl.tokenizer import DEFAULT_MODEL_DIR, load_tokenizer, tokenize_documents
 

@@ -23,9 +23,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from decode.drafters.base import NoDraft  # noqa: E402
-from decode.drafters.oracle import OracleDrafter  # noqa: E402
-from decode.loop import GenerationConfig, generate  # noqa: E402
+from samctl.decode.drafters.base import NoDraft  # noqa: E402
+from samctl.decode.engine.kv_cache import with_cache  # noqa: E402
+from samctl.decode.drafters.oracle import OracleDrafter  # noqa: E402
+from samctl.decode.loop import GenerationConfig, generate  # noqa: E402
 from samctl.runtime import load_engine  # noqa: E402
 
 PROMPT = (
@@ -76,7 +77,7 @@ def verify_cost(target, prompt: list[int], context: int, widths: list[int], repe
             times = []
             for _ in range(repeats):
                 tic = time.perf_counter()
-                target.model(input_ids=tokens, position_ids=positions, past_key_values=target.cache, use_cache=True)
+                target.model(input_ids=tokens, position_ids=positions, **with_cache(target.model, target.cache), use_cache=True)
                 times.append(time.perf_counter() - tic)
                 target.cache.set_length(context)
             costs[n] = statistics.median(times)

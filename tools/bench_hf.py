@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import samctl.hf  # noqa: E402
-from decode.loop import GenerationConfig, generate as decode_generate  # noqa: E402
+from samctl.decode.loop import GenerationConfig, generate as decode_generate  # noqa: E402
 from samctl.options import method_config  # noqa: E402
 from samctl.runtime import build_drafter, load_engine  # noqa: E402
 

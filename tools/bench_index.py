@@ -186,8 +186,8 @@ def cold_load(path: str) -> dict:
     """A fresh process: import time, then the first and second load of the store (the first one
     also loads the compiled kernels from numba's cache)."""
     t0 = time.perf_counter()
-    from index.automaton import SuffixAutomaton
-    from index.store import read_store
+    from samctl.index.automaton import SuffixAutomaton
+    from samctl.index.store import read_store
 
     out = {"import_s": time.perf_counter() - t0}
     for key in ("first_load_s", "second_load_s"):
@@ -206,7 +206,7 @@ def child(task: str, n: int, args: argparse.Namespace) -> dict:
     tokens, offsets = tokens.copy(), offsets.copy()
     out: dict = {"tokens": int(len(tokens)), "docs": int(len(offsets) - 1)}
     if task == "sam":
-        from index.automaton import SuffixAutomaton
+        from samctl.index.automaton import SuffixAutomaton
 
         SuffixAutomaton.build(tokens[:1000], np.array([0, 1000]))  # compile outside the measurement
         m = _measure(lambda: SuffixAutomaton.build(tokens, offsets))
@@ -214,7 +214,7 @@ def child(task: str, n: int, args: argparse.Namespace) -> dict:
         out.update(m, states=sam.num_states, edges=sam.num_edges,
                    bytes=sum(a.nbytes for a in sam.to_arrays().values()))
     elif task == "ngram":
-        from index.ngram import NgramConfig, NgramTable
+        from samctl.index.ngram import NgramConfig, NgramTable
 
         NgramTable.build(tokens[:1000], np.array([0, 1000]), NgramConfig())
         m = _measure(lambda: NgramTable.build(tokens, offsets, NgramConfig()))
@@ -273,7 +273,7 @@ def per_call_us(fn, calls: int, repeats: int = 5) -> float:
 def build_ratio(tokens: np.ndarray, offsets: np.ndarray, repeats: int) -> dict:
     """Flat versus dict automaton build on the same tokens, alternating in this process so that
     both see the same machine load; medians of `repeats` runs each."""
-    from index.automaton import SuffixAutomaton
+    from samctl.index.automaton import SuffixAutomaton
 
     SuffixAutomaton.build(tokens[:1000], np.array([0, 1000]))  # compile first
     as_list, off_list = tokens.tolist(), offsets.tolist()
@@ -296,7 +296,7 @@ def build_ratio(tokens: np.ndarray, offsets: np.ndarray, repeats: int) -> dict:
 
 
 def query_costs(sam, queries: np.ndarray) -> dict:
-    from index.automaton import sam_continuation_span, sam_step
+    from samctl.index.automaton import sam_continuation_span, sam_step
 
     q = queries.tolist()
     pairs = []
@@ -347,8 +347,8 @@ def query_costs(sam, queries: np.ndarray) -> dict:
 
 
 def store_costs(sam, table, path: Path) -> dict:
-    from index.automaton import SuffixAutomaton
-    from index.store import read_store, write_store
+    from samctl.index.automaton import SuffixAutomaton
+    from samctl.index.store import read_store, write_store
 
     out = {}
     arrays = sam.to_arrays()
@@ -472,8 +472,8 @@ def main() -> None:
         r[key] = run_child(task, n, args)
         print(f"{key}: {r[key]}", file=sys.stderr)
 
-    from index.automaton import SuffixAutomaton
-    from index.ngram import NgramConfig, NgramTable
+    from samctl.index.automaton import SuffixAutomaton
+    from samctl.index.ngram import NgramConfig, NgramTable
 
     sam = SuffixAutomaton.build(tokens, offsets)
     table = NgramTable.build(tokens, offsets, NgramConfig())

@@ -27,9 +27,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from index.automaton import SuffixAutomaton  # noqa: E402
-from index.datastore import load_datastore  # noqa: E402
-from index.sharded import ShardedAutomaton, plan_shards  # noqa: E402
+from samctl.index.automaton import SuffixAutomaton  # noqa: E402
+from samctl.index.datastore import load_datastore  # noqa: E402
+from samctl.index.sharded import ShardedAutomaton, plan_shards  # noqa: E402
 
 
 def documents(sam: SuffixAutomaton, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:

@@ -25,9 +25,9 @@ import json
 import sys
 from pathlib import Path
 
-from decode.loop import GenerationConfig, generate
-from decode.methods import MethodConfig
-from index.errors import UserError
+from samctl.decode.loop import GenerationConfig, generate
+from samctl.decode.methods import MethodConfig
+from samctl.index.errors import UserError
 from samctl.commands.bench import fitting_questions, read_questions
 from samctl.options import set_threads
 from samctl.progress import progress_bar

@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from decode.acceptance_head import (AcceptanceHead, Examples, HeadConfig, TrainConfig,  # noqa: E402
+from samctl.decode.acceptance_head import (AcceptanceHead, Examples, HeadConfig, TrainConfig,  # noqa: E402
                                     collect_examples, evaluate_head, train_head, weighted_bce)
-from index.errors import UserError  # noqa: E402
+from samctl.index.errors import UserError  # noqa: E402
 from samctl.heads import model_fingerprint, save_head  # noqa: E402
 from samctl.runtime import Engine, load_draft, load_engine  # noqa: E402
 

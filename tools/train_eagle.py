@@ -54,12 +54,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from decode.cost import relative_cost  # noqa: E402
-from decode.drafters.eagle import EagleConfig  # noqa: E402
-from decode.methods import MethodConfig, make_drafter  # noqa: E402
-from decode.eagle_head import EagleHead, eagle_loss, target_features  # noqa: E402
-from decode.simulate import Tally, make_trace, replay  # noqa: E402
-from index.errors import UserError  # noqa: E402
+from samctl.decode.engine.cost import relative_cost  # noqa: E402
+from samctl.decode.drafters.eagle import EagleConfig  # noqa: E402
+from samctl.decode.methods import MethodConfig, make_drafter  # noqa: E402
+from samctl.decode.eagle_head import EagleHead, eagle_loss, target_features  # noqa: E402
+from samctl.decode.simulate import Tally, make_trace, replay  # noqa: E402
+from samctl.index.errors import UserError  # noqa: E402
 from samctl.eagle_heads import save_eagle_head  # noqa: E402
 from samctl.heads import model_fingerprint  # noqa: E402
 from samctl.runtime import Engine, load_engine  # noqa: E402

@@ -50,7 +50,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from decode.sdsat import IGNORE, SatSettings, make_batch, sample_anchors, write_settings  # noqa: E402
+from samctl.decode.sdsat import IGNORE, SatSettings, make_batch, sample_anchors, write_settings  # noqa: E402
 from samctl.heads import model_fingerprint  # noqa: E402
 from samctl.runtime import Engine, load_engine  # noqa: E402
 from tools.self_distill import cached_responses, write_responses  # noqa: E402

@@ -31,15 +31,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from decode.cost import linear_cost
-from decode.drafters.candidates import N_CELLS, SOURCES, learn, ngram_candidates, prior_means, propose_tree
-from decode.tree import DraftTree
-from index.automaton import SuffixAutomaton
-from index.errors import UserError
-from index.sharded import ShardedAutomaton
+from samctl.decode.engine.cost import linear_cost
+from samctl.decode.drafters.candidates import N_CELLS, SOURCES, learn, ngram_candidates, prior_means, propose_tree
+from samctl.decode.tree import DraftTree
+from samctl.index.automaton import SuffixAutomaton
+from samctl.index.errors import UserError
+from samctl.index.sharded import ShardedAutomaton
 
 if TYPE_CHECKING:
-    from index.ngram import NgramTable
+    from samctl.index.ngram import NgramTable
 
 
 @dataclass(frozen=True)

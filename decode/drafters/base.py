@@ -29,7 +29,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from decode.tree import DraftTree
+from samctl.decode.tree import DraftTree
 
 
 class Drafter(Protocol):

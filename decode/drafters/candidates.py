@@ -23,8 +23,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from index.automaton import COUNT, LEN, LINK, sam_step, sam_topk_children
-from index.ngram import ngram_find
+from samctl.index.automaton import COUNT, LEN, LINK, sam_step, sam_topk_children
+from samctl.index.ngram import ngram_find
 
 SRC_DYNAMIC, SRC_STATIC, SRC_MEMORY, SRC_RECYCLE = range(4)
 SOURCES = ("dynamic", "static", "memory", "recycle")

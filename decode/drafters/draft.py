@@ -26,11 +26,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from decode.acceptance_head import AcceptanceHead
-from decode.draft_model import DraftModel
-from decode.sampling import SamplingConfig, warp_probs
-from decode.tree import DraftTree
-from index.errors import UserError
+from samctl.decode.acceptance_head import AcceptanceHead
+from samctl.decode.draft_model import DraftModel
+from samctl.decode.sampling import SamplingConfig, warp_probs
+from samctl.decode.tree import DraftTree
+from samctl.index.errors import UserError
 
 
 @dataclass(frozen=True)

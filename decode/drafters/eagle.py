@@ -34,13 +34,13 @@ import numba
 import numpy as np
 import torch
 
-from decode.cost import linear_cost
-from decode.drafters.adaptive import AdaptiveDrafter
-from decode.drafters.candidates import N_CELLS
-from decode.eagle_head import EagleHead
-from decode.kv_cache import StaticKVCache
-from decode.tree import DraftTree, tree_depths
-from index.errors import UserError
+from samctl.decode.engine.cost import linear_cost
+from samctl.decode.drafters.adaptive import AdaptiveDrafter
+from samctl.decode.drafters.candidates import N_CELLS
+from samctl.decode.eagle_head import EagleHead
+from samctl.decode.engine.kv_cache import StaticKVCache
+from samctl.decode.tree import DraftTree, tree_depths
+from samctl.index.errors import UserError
 
 MAX_DEPTH = 32  # calibration cells (depth of a node, 1-based); deeper nodes share the last
 

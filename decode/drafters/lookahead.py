@@ -37,9 +37,9 @@ import numba
 import numpy as np
 import torch
 
-from decode.target import to_device
-from decode.tree import DraftTree
-from index.errors import UserError
+from samctl.decode.engine.target import to_device
+from samctl.decode.tree import DraftTree
+from samctl.index.errors import UserError
 
 
 @dataclass(frozen=True)

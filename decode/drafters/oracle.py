@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from decode.tree import DraftTree
-from index.errors import UserError
+from samctl.decode.tree import DraftTree
+from samctl.index.errors import UserError
 
 
 class OracleDrafter:

@@ -28,11 +28,11 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from decode.draft_model import DraftModel
-from decode.drafters.lookahead import JacobiWindow, NgramPool, PoolMemory, RemembersPool, guess_trie
-from decode.target import TargetModel, to_device
-from decode.tree import DraftTree, walk_tree
-from index.errors import UserError
+from samctl.decode.draft_model import DraftModel
+from samctl.decode.drafters.lookahead import JacobiWindow, NgramPool, PoolMemory, RemembersPool, guess_trie
+from samctl.decode.engine.target import TargetModel, to_device
+from samctl.decode.tree import DraftTree, walk_tree
+from samctl.index.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import numba
 import numpy as np
 import torch
 
-from decode.tree import DraftTree
-from index.errors import UserError
+from samctl.decode.tree import DraftTree
+from samctl.index.errors import UserError
 
 
 @dataclass(frozen=True)

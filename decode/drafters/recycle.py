@@ -19,8 +19,8 @@ import numba
 import numpy as np
 import torch
 
-from decode.tree import DraftTree
-from index.errors import UserError
+from samctl.decode.tree import DraftTree
+from samctl.index.errors import UserError
 
 # Rank acceptance model behind the default template: the r-th candidate of a token is the target's
 # next choice with about this probability (measured shape from the paper's Vicuna runs, rounded).

@@ -25,13 +25,13 @@ import numpy as np
 import torch
 from numba import njit
 
-from decode.tree import DraftTree
-from index.automaton import LEN, LINK, SuffixAutomaton, sam_step, sam_topk_next
-from index.errors import UserError
-from index.sharded import ShardedAutomaton
+from samctl.decode.tree import DraftTree
+from samctl.index.automaton import LEN, LINK, SuffixAutomaton, sam_step, sam_topk_next
+from samctl.index.errors import UserError
+from samctl.index.sharded import ShardedAutomaton
 
 if TYPE_CHECKING:
-    from index.ngram import NgramTable
+    from samctl.index.ngram import NgramTable
 
 
 @dataclass(frozen=True)

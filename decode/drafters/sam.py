@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from decode.drafters.base import Drafter
-from decode.tree import DraftTree
-from index.automaton import SuffixAutomaton
-from index.errors import UserError
-from index.sharded import ShardedAutomaton
+from samctl.decode.drafters.base import Drafter
+from samctl.decode.tree import DraftTree
+from samctl.index.automaton import SuffixAutomaton
+from samctl.index.errors import UserError
+from samctl.index.sharded import ShardedAutomaton
 
 if TYPE_CHECKING:
-    from index.ngram import NgramTable
+    from samctl.index.ngram import NgramTable
 
 
 @dataclass(frozen=True)

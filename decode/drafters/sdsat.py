@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from decode.sdsat import SatSettings
-from decode.target import TargetModel
-from decode.tree import DraftTree
-from index.errors import UserError
+from samctl.decode.sdsat import SatSettings
+from samctl.decode.engine.target import TargetModel
+from samctl.decode.tree import DraftTree
+from samctl.index.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from decode.drafters.sdsat import SatPeek, SdsatConfig
-from decode.sampling import SamplingConfig, warp_probs
-from decode.sdsat import SatSettings
-from decode.target import TargetModel
-from decode.tree import DraftTree
-from index.errors import UserError
+from samctl.decode.drafters.sdsat import SatPeek, SdsatConfig
+from samctl.decode.sampling import SamplingConfig, warp_probs
+from samctl.decode.sdsat import SatSettings
+from samctl.decode.engine.target import TargetModel
+from samctl.decode.tree import DraftTree
+from samctl.index.errors import UserError
 
 TOP_K = 10  # distinct candidates drawn at each SAT (the paper's top_k)
 

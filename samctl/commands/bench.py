@@ -39,13 +39,13 @@ from typing import Any, Protocol
 import click
 import torch
 
-from decode.drafters.base import Drafter
-from decode.graphs import enable_cuda_graphs
-from decode.loop import GenerationConfig, generate as decode_generate
-from decode.acceptance_head import AcceptanceHead
-from decode.draft_model import DraftModel
-from decode.methods import DRAFT_METHODS, EAGLE_METHODS, METHODS, SELF_DRAFT_METHODS, MethodConfig, method as method_entry, uses_store
-from index.errors import UserError
+from samctl.decode.drafters.base import Drafter
+from samctl.decode.engine.graphs import enable_cuda_graphs
+from samctl.decode.loop import GenerationConfig, generate as decode_generate
+from samctl.decode.acceptance_head import AcceptanceHead
+from samctl.decode.draft_model import DraftModel
+from samctl.decode.methods import DRAFT_METHODS, EAGLE_METHODS, METHODS, SELF_DRAFT_METHODS, MethodConfig, method as method_entry, uses_store
+from samctl.index.errors import UserError
 from samctl.bench_report import BASELINE, write_summary
 from samctl.options import method_config, method_options, parse_methods, set_threads
 from samctl.progress import progress_bar

@@ -23,10 +23,10 @@ from dataclasses import replace
 
 import click
 
-from index.corpus import CorpusReader
-from index.datastore import BuildConfig, CorpusStats, StoreMeta, load_datastore, save_datastore
-from index.errors import UserError
-from index.store import is_store_file
+from samctl.index.corpus import CorpusReader
+from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, load_datastore, save_datastore
+from samctl.index.errors import UserError
+from samctl.index.store import is_store_file
 from samctl.commands.info import human_bytes
 from samctl.progress import progress_bar, status
 from samctl.tokenizer import load_store_tokenizer, load_tokenizer, tokenize_documents
@@ -141,12 +141,12 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
             with bar.heartbeat():
                 structure = old.structure.appended(tokens, doc_offsets)
         elif kind == "sam":
-            from index.automaton import SuffixAutomaton
+            from samctl.index.automaton import SuffixAutomaton
 
             structure = SuffixAutomaton.build(tokens, doc_offsets,
                                               watch=lambda sam: bar.heartbeat(lambda: sam.num_tokens))
         else:
-            from index.ngram import NgramTable
+            from samctl.index.ngram import NgramTable
 
             with bar.heartbeat():
                 structure = NgramTable.build(tokens, doc_offsets, config.ngram_config())
@@ -179,7 +179,7 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
 def _build_and_write_sharded(output, tokens, doc_offsets, counts, inputs, tok, config, shards, ray_address,
                              workers, verify, quiet, times) -> None:
     """Phases 3-4 with --shards: each shard built and written by its own worker, then the manifest."""
-    from index.sharded import verify_sharded  # numba loads here, not for --help
+    from samctl.index.sharded import verify_sharded  # numba loads here, not for --help
 
     start, tokenize_start, tokenized = times
     corpus = CorpusStats(documents=counts.documents, tokens=int(len(tokens)),
@@ -216,7 +216,7 @@ def _check_sharding(kind: str, shards: int | None, ray_address: str | None, work
 def _build_sharded(output: str, tokens, doc_offsets, meta: StoreMeta, shards: int, ray_address: str | None,
                    workers: int | None, quiet: bool) -> list[tuple[dict, int, int]]:
     """Write the store directory; returns each shard's (manifest entry, worker peak bytes, states)."""
-    from index.sharded import StoreDirectoryWriter, plan_shards
+    from samctl.index.sharded import StoreDirectoryWriter, plan_shards
     from samctl.cluster import run_local, run_on_ray, shard_jobs
 
     if os.path.isfile(output):

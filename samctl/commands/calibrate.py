@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from decode.cost import relative_cost
+from samctl.decode.engine.cost import relative_cost
 from samctl.costs import cost_curve, curve_key
 from samctl.options import set_threads
 from samctl.runtime import load_engine

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from decode.methods import DEFAULT_METHOD, METHODS
+from samctl.decode.methods import DEFAULT_METHOD, METHODS
 from samctl.options import sampling_options
 
 HELP = """commands:
@@ -46,8 +46,8 @@ def chat(**opts: Any) -> None:
     samctl chat
     samctl chat --model ./SmolLM2-135M-Instruct --sam store.sam --compare
     """
-    from decode.loop import GenerationConfig
-    from decode.sampling import SamplingConfig
+    from samctl.decode.loop import GenerationConfig
+    from samctl.decode.sampling import SamplingConfig
     from samctl.options import method_config, set_threads
     from samctl.runtime import load_engine, load_store
 
@@ -98,7 +98,7 @@ class Console:
 
     def command(self, line: str) -> bool:
         """Run one /command; False to leave."""
-        from decode.methods import method as method_entry
+        from samctl.decode.methods import method as method_entry
 
         name, _, arg = line.partition(" ")
         arg = arg.strip()
@@ -152,7 +152,7 @@ class Console:
         self.messages.append({"role": "assistant", "content": self.engine.decode(result.tokens)})
 
     def sources(self) -> str:
-        from decode.methods import method as method_entry
+        from samctl.decode.methods import method as method_entry
 
         entry = method_entry(self.method)
         store = self.store_name if self.store is not None and entry.uses_store else "none"
@@ -169,7 +169,7 @@ class Console:
         return "\n".join(lines)
 
     def _runner(self):
-        from decode.methods import uses_store
+        from samctl.decode.methods import uses_store
         from samctl.commands.generate import Runner
         from samctl.runtime import build_drafter
 

@@ -22,8 +22,8 @@ from typing import Any, Iterator
 
 import click
 
-from decode.methods import DEFAULT_METHOD, METHODS
-from index.errors import UserError
+from samctl.decode.methods import DEFAULT_METHOD, METHODS
+from samctl.index.errors import UserError
 from samctl.options import sampling_options
 
 _PROMPT_FIELDS_HELP = "the record field holding the prompt (default: prompt, turns, text, question, instruction)"
@@ -60,8 +60,8 @@ def distill(**opts: Any) -> None:
     samctl distill --model M --prompts train_questions.jsonl -o self.sam
     samctl generate --model M --sam self.sam --chat --prompt "..."     # drafts from its own answers
     """
-    from decode.loop import GenerationConfig
-    from decode.sampling import SamplingConfig
+    from samctl.decode.loop import GenerationConfig
+    from samctl.decode.sampling import SamplingConfig
     from samctl.commands.generate import Runner
     from samctl.options import method_config, set_threads
     from samctl.runtime import build_drafter, load_engine, load_store
@@ -165,9 +165,9 @@ def _documents(prompts_path: str, answers_path: Path, field: str | None) -> Iter
 
 
 def _build_store(opts: dict[str, Any], documents: list[str], written_by: dict[str, str]) -> str:
-    from index.automaton import SuffixAutomaton
-    from index.corpus import CorpusReader
-    from index.datastore import BuildConfig, CorpusStats, StoreMeta, save_datastore
+    from samctl.index.automaton import SuffixAutomaton
+    from samctl.index.corpus import CorpusReader
+    from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, save_datastore
     from samctl.tokenizer import load_tokenizer, tokenize_documents
 
     tok = load_tokenizer(opts["model_path"] or "default")

@@ -26,13 +26,13 @@ from typing import IO, Any, Callable, Iterable, Iterator
 import click
 import torch
 
-from decode.drafters.base import Drafter, NoDraft
-from decode.drafters.draft import DraftConfig, SpecDecConfig
-from decode.graphs import enable_cuda_graphs
-from decode.loop import GenerationConfig, GenerationResult, generate as decode_generate
-from decode.methods import ALL_METHODS, DEFAULT_METHOD, NOT_LOSSLESS, method as method_entry, uses_store
-from decode.sampling import SamplingConfig
-from index.errors import UserError
+from samctl.decode.drafters.base import Drafter, NoDraft
+from samctl.decode.drafters.draft import DraftConfig, SpecDecConfig
+from samctl.decode.engine.graphs import enable_cuda_graphs
+from samctl.decode.loop import GenerationConfig, GenerationResult, generate as decode_generate
+from samctl.decode.methods import ALL_METHODS, DEFAULT_METHOD, NOT_LOSSLESS, method as method_entry, uses_store
+from samctl.decode.sampling import SamplingConfig
+from samctl.index.errors import UserError
 from samctl.detok import IncrementalDetokenizer
 from samctl.options import method_config as shared_method_config
 from samctl.options import method_options, sampling_options, set_threads

@@ -12,10 +12,10 @@ from typing import Any
 
 import click
 
-from index.automaton_layout import edge_count
-from index.datastore import StoreMeta, load_datastore, read_meta
-from index.ngram_config import NgramConfig
-from index.store import StoreFile
+from samctl.index.automaton_layout import edge_count
+from samctl.index.datastore import StoreMeta, load_datastore, read_meta
+from samctl.index.ngram_config import NgramConfig
+from samctl.index.store import StoreFile
 
 
 def human_bytes(size: float) -> str:

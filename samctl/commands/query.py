@@ -12,8 +12,8 @@ from typing import Any
 import click
 import numpy as np
 
-from index.datastore import Datastore, load_datastore
-from index.errors import UserError
+from samctl.index.datastore import Datastore, load_datastore
+from samctl.index.errors import UserError
 from samctl.tokenizer import Tokenizer, load_store_tokenizer
 
 

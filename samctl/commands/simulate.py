@@ -30,10 +30,10 @@ from typing import Any, Iterator
 import click
 import torch
 
-from decode.methods import METHODS, REPLAYABLE, MethodConfig, make_drafter
-from decode.simulate import CostModel, Tally, Trace, check_replayable, make_trace, replay, sweep_configs, tally_by_category
-from index.datastore import Datastore, load_datastore
-from index.errors import UserError
+from samctl.decode.methods import METHODS, REPLAYABLE, MethodConfig, make_drafter
+from samctl.decode.simulate import CostModel, Tally, Trace, check_replayable, make_trace, replay, sweep_configs, tally_by_category
+from samctl.index.datastore import Datastore, load_datastore
+from samctl.index.errors import UserError
 from samctl.commands.bench import report_category
 from samctl.costs import read_cost_curve
 from samctl.options import method_config, method_options, parse_methods

@@ -14,10 +14,28 @@ unused tail. Knows nothing of drafts or acceptance.
 """
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from index.errors import UserError
+from samctl.index.errors import UserError
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_name(forward) -> str:
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def with_cache(module: torch.nn.Module, cache: Cache | None) -> dict:
+    """The keyword argument that hands `cache` to `module`'s forward.
+
+    transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name warns and
+    goes in 5.40); earlier versions know only `past_key_values`. Read from the signature, once per
+    forward function.
+    """
+    return {_cache_name(type(module).forward): cache}
 
 
 class StaticLayer(CacheLayerMixin):

@@ -16,8 +16,8 @@ import time
 import numpy as np
 import torch
 
-from decode.target import TargetModel
-from decode.tree import DraftTree
+from samctl.decode.engine.target import TargetModel
+from samctl.decode.tree import DraftTree
 
 MEASURED_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 

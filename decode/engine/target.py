@@ -6,7 +6,7 @@ sdpa or eager attention paths; others (flash, flex) ignore a 4D mask, so the mod
 sdpa or refused. Sliding-window models work while prompt + output fit in the window, which then
 caps the context.
 
-The engine owns a preallocated KV cache (`decode.kv_cache`): no per-step concatenation, and an
+The engine owns a preallocated KV cache (`decode.engine.kv_cache`): no per-step concatenation, and an
 accepted tree path is compacted with one gather over all layers. Nothing here reads a device
 value on the host: inputs go host -> device through pinned memory without waiting, and the tree
 mask is edited on the device where only the [q, q] block of the verified tokens changes.
@@ -20,9 +20,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from decode.kv_cache import StaticKVCache
-from decode.tree import DraftTree, ancestor_matrix
-from index.errors import UserError
+from samctl.decode.engine.kv_cache import StaticKVCache, with_cache
+from samctl.decode.tree import DraftTree, ancestor_matrix
+from samctl.index.errors import UserError
 
 MASK_ATTENTION = ("sdpa", "eager")  # attention paths that apply a custom 4D additive mask
 VERIFY_SLACK = 256  # cache room reserved beyond prompt + output for the largest verify block
@@ -62,7 +62,7 @@ class TargetModel:
         self._mask = torch.zeros(0, 0, dtype=self.dtype, device=self.device)
         self._mask_block = (0, 0)  # (q, past) of the tree block written into _mask last
         self._blocked = torch.finfo(self.dtype).min
-        self.graphs = None  # decode.graphs.VerifyGraphs, set by enable_cuda_graphs on CUDA only
+        self.graphs = None  # decode.engine.graphs.VerifyGraphs, set by enable_cuda_graphs on CUDA only
         self.hidden: torch.Tensor | None = None  # [q, H] of the last forward, with capture_hidden only
         self._hidden_hook = None
 
@@ -92,7 +92,7 @@ class TargetModel:
         self.cache.reserve(max(reserve, n) + VERIFY_SLACK)
         self._reset_mask()
         out = self.model(
-            input_ids=prompt_ids[None], past_key_values=self.cache, use_cache=True,
+            input_ids=prompt_ids[None], **with_cache(self.model, self.cache), use_cache=True,
             logits_to_keep=0 if all_logits else 1,
         )
         self.cached = n
@@ -119,7 +119,7 @@ class TargetModel:
             position_ids = torch.arange(past, past + q, device=self.device)[None]
         else:
             position_ids = to_device(past + np.concatenate(([0], tree.depths())).astype(np.int64), self.device)[None]
-        if self.graphs is not None and self.graphs.covers(q):  # CUDA only (decode.graphs)
+        if self.graphs is not None and self.graphs.covers(q):  # CUDA only (decode.engine.graphs)
             return self.graphs.run(input_ids.clamp_min(0), position_ids, tree, past)
         # A chain needs no mask: the model's own causal mask is exactly the chain's tree mask.
         mask = None if tree.is_chain else self._tree_mask(tree.parents, past)
@@ -127,7 +127,7 @@ class TargetModel:
             input_ids=input_ids.clamp_min(0)[None],
             position_ids=position_ids,
             attention_mask=mask,
-            past_key_values=self.cache,
+            **with_cache(self.model, self.cache),
             use_cache=True,
         )
         assert self.cache.get_seq_length() == past + q, (self.cache.get_seq_length(), past, q)
@@ -144,7 +144,7 @@ class TargetModel:
         out = self.model(
             input_ids=input_ids[None],
             position_ids=torch.arange(past, past + q, device=self.device)[None],
-            past_key_values=self.cache,
+            **with_cache(self.model, self.cache),
             use_cache=True,
         )
         self.cache.set_length(past)

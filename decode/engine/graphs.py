@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from decode.tree import DraftTree, ancestor_matrix
+from samctl.decode.engine.kv_cache import with_cache
+from samctl.decode.tree import DraftTree, ancestor_matrix
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -80,7 +81,7 @@ class VerifyGraphs:
             cache.write_positions = g.write_positions
             try:
                 out = model(input_ids=g.ids, position_ids=g.positions, attention_mask=g.mask,
-                            past_key_values=cache, use_cache=True)
+                            **with_cache(model, cache), use_cache=True)
             finally:
                 cache.write_positions = None
             return out.logits[0]
