@@ -8,8 +8,9 @@ its drafter module plus one entry in `REGISTRY`.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -237,3 +238,51 @@ def make_drafter(
     return entry.build(Resources(vocab_size=vocab_size, device=torch.device(device), eos_token_ids=eos_token_ids,
                                  static=static if entry.uses_store else None, config=config, draft=draft,
                                  head=head, sampling=sampling, cost=cost, target=target, eagle=eagle))
+
+
+# -- settings by name: the command line's options and the Python API's keyword arguments ---------
+
+# On a CPU a verify of q tokens costs about q times a small fixed cost once q passes a handful
+# (tools/bench_draft.py: 4.4 ms at 1 token, 10 ms at 16, 28 ms at 81 for the embedded model), so
+# the GPU-sized 80-node Token Recycle tree costs more than it saves there.
+CPU_RECYCLE_NODES = 16
+
+
+def cli_fields() -> list[tuple[str, dataclasses.Field]]:
+    """(config section, field) of every drafter setting that has a command-line option: the
+    fields of MethodConfig's sections whose metadata names a `cli` flag."""
+    out = []
+    for section in dataclasses.fields(MethodConfig):
+        for f in dataclasses.fields(section.default_factory):
+            if "cli" in f.metadata:
+                out.append((section.name, f))
+    return out
+
+
+def setting_name(f: dataclasses.Field) -> str:
+    """The parsed option's key: click's name for the (first) flag."""
+    return f.metadata["cli"].split("/")[0].lstrip("-").replace("-", "_")
+
+
+def setting_names() -> list[str]:
+    """The parsed-option keys of every drafter setting (`max_nodes`, `sam_threshold`, ...), which
+    `method_config` reads; the Python API takes them as keyword arguments."""
+    return sorted(setting_name(f) for _, f in cli_fields())
+
+
+def method_config(settings: dict[str, Any], device: torch.device | None = None) -> MethodConfig:
+    """The drafters' settings from their Python names (`setting_names()`); `device` sizes the defaults that depend on it
+    (a device default left unset: the CPU value on a CPU, the config's own default elsewhere)."""
+    sections: dict[str, dict[str, Any]] = {}
+    for section, f in cli_fields():
+        value = settings.get(setting_name(f))
+        on_cpu = device is not None and device.type == "cpu"
+        if value is None and f.metadata.get("device_default"):
+            value = CPU_RECYCLE_NODES if on_cpu else f.default
+        if value is None and "cpu_default" in f.metadata:  # a field's own CPU value (lookahead widths)
+            value = f.metadata["cpu_default"] if on_cpu else f.default
+        if value is not None:
+            sections.setdefault(section, {})[f.name] = value
+    base = MethodConfig()
+    return dataclasses.replace(base, **{name: dataclasses.replace(getattr(base, name), **values)
+                                        for name, values in sections.items()})

@@ -26,7 +26,7 @@ import os
 import resource
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -34,6 +34,9 @@ from samctl.index.datastore import StoreMeta
 from samctl.index.errors import UserError
 from samctl.index.automaton import SuffixAutomaton
 from samctl.index.sharded import save_shard
+
+if TYPE_CHECKING:
+    from samctl.session import SessionConfig
 
 LOCAL = "local"  # --ray without an address: start a local Ray instance
 CHUNK_CHARS = 1 << 20  # characters of documents per Ray Data row when tokenizing
@@ -250,14 +253,15 @@ class _GenerateWorker:
     """Ray Data actor: one Session (model, store memory-mapped, drafter with its cross-request
     memory) for the actor's life; a batch of input lines -> their output lines and failures."""
 
-    def __init__(self, options: dict[str, Any]) -> None:
-        from samctl.commands.generate import Session
+    def __init__(self, config: "SessionConfig", field: str | None, compare: bool) -> None:
+        from samctl.records import RecordRunner
+        from samctl.session import Session
 
         # A UserError here (a missing model or store) goes back as data, the `fatal` column of
         # every row: Ray hands the driver a worker's exception without its type.
         self.fatal = ""
         try:
-            self.runner = Session(options).runner
+            self.runner = RecordRunner(Session(config), field=field, compare=compare)
         except UserError as err:
             self.fatal = str(err)
 
@@ -284,13 +288,16 @@ def _worker_count(ray, requested: int | None, threads: int, gpus: float) -> int:
     return max(1, int(resources.get("CPU", 1) // threads))
 
 
-def generate_on_ray(opts: dict[str, Any], records: Iterable[tuple[int, str]], write: Callable[[str], None]) -> int:
-    """`generate --input` on Ray: write each output line in input order; returns the failures."""
-    from samctl.commands.generate import worker_options
+def generate_on_ray(opts: dict[str, Any], config: "SessionConfig", records: Iterable[tuple[int, str]],
+                    write: Callable[[str], None]) -> int:
+    """`generate --input` on Ray, each worker a Session of `config`: write each output line in
+    input order; returns the failures."""
+    from dataclasses import replace
+
     from samctl.progress import progress_bar
 
-    threads = opts["threads"] or 1
-    options = worker_options(opts) | {"threads": threads}
+    threads = config.threads or 1
+    config = replace(config, threads=threads)
     items = [{"number": number, "line": line} for number, line in records]
     if not items:
         return 0
@@ -302,7 +309,7 @@ def generate_on_ray(opts: dict[str, Any], records: Iterable[tuple[int, str]], wr
     workers = min(len(items), _worker_count(ray, opts["workers"], threads, opts["gpus_per_worker"]))
     # Small blocks spread the records over the actors and let finished ones stream out in order.
     dataset = ray.data.from_items(items, override_num_blocks=min(len(items), 32 * workers)).map_batches(
-        _GenerateWorker, fn_constructor_args=(options,), batch_size=1,
+        _GenerateWorker, fn_constructor_args=(config, opts["prompt_field"], opts["compare"]), batch_size=1,
         compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=threads,
         num_gpus=opts["gpus_per_worker"] or None)
     failed = 0

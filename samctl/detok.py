@@ -10,7 +10,8 @@ Invariant: the concatenation of every push and finish equals decode(all tokens).
 """
 from __future__ import annotations
 
-from typing import Callable
+import sys
+from typing import Any, Callable
 
 
 class IncrementalDetokenizer:
@@ -35,3 +36,24 @@ class IncrementalDetokenizer:
         text = self.decode(self.tokens[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.tokens)
         return text[len(prefix) :]
+
+
+class TextStream:
+    """Writes decoded text to a stream (stdout) as tokens arrive: only the new text, an incomplete
+    character held back; `push` fits a Session's `on_tokens`."""
+
+    def __init__(self, decode: Callable[[list[int]], str], out: Any = None) -> None:
+        self.detok = IncrementalDetokenizer(decode)
+        self.out = out
+
+    def push(self, tokens: list[int]) -> None:
+        text = self.detok.push(tokens)
+        if text:
+            out = self.out or sys.stdout  # looked up late: click's test runner swaps sys.stdout
+            out.write(text)
+            out.flush()
+
+    def finish(self) -> None:
+        out = self.out or sys.stdout
+        out.write(self.detok.finish() + "\n")
+        out.flush()

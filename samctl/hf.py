@@ -29,30 +29,20 @@ from __future__ import annotations
 import os
 import sys
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from samctl.decode.drafters.base import Drafter
 from samctl.decode.loop import GenerationConfig, generate as decode_generate
-from samctl.decode.methods import DEFAULT_METHOD, method as method_entry
+from samctl.decode.methods import DEFAULT_METHOD, method as method_entry, setting_names
 from samctl.decode.sampling import SamplingConfig
 from samctl.index.datastore import Datastore
 from samctl.index.errors import UserError
-from samctl.options import method_config, setting_names
-from samctl.runtime import Engine, build_drafter, engine_for, load_store
+from samctl.runtime import Engine, engine_for, load_store
+from samctl.session import Session, SessionConfig
 
 _STOPPING = ("MaxLengthCriteria", "EosTokenCriteria")  # the stopping criteria samctl applies itself
 _OUTPUT_FLAGS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
-
-
-@dataclass
-class _Session:
-    """One model's engine and drafter, kept across calls."""
-
-    engine: Engine
-    drafter: Drafter
 
 
 class SamctlGenerate:
@@ -110,7 +100,7 @@ class SamctlGenerate:
             return GenerateDecoderOnlyOutput(sequences=sequences)
         return sequences
 
-    def _session(self, model) -> _Session:
+    def _session(self, model) -> Session:
         # The sessions hang off the model (keyed weakly by this callable): a session holds the
         # model, so a table owned here would keep every model ever used alive.
         sessions = model.__dict__.get("_samctl_sessions")
@@ -120,10 +110,9 @@ class SamctlGenerate:
         session = sessions.get(self)
         if session is None:
             engine = engine_for(model, self.tokenizer)
-            store = self._load_store(engine)
-            config = method_config(self.settings, engine.device)
-            drafter = build_drafter(self.method, engine, store, config, quiet=True)
-            session = sessions[self] = _Session(engine, drafter)
+            config = SessionConfig(method=self.method, store=self.store_path, settings=self.settings, quiet=True,
+                                   occurrence=self.settings.get("occurrence", "first"))
+            session = sessions[self] = Session.over(engine, config, self._load_store(engine))
         return session
 
     def _load_store(self, engine: Engine) -> Datastore | None:

@@ -1,62 +1,37 @@
 """Command-line options shared by the commands that run or compare methods.
 
-`method_options` adds the drafters' settings as options, `method_config` turns the parsed values
-into a `MethodConfig`, `sampling_options` adds the sampling and device flags of every command that
-generates, and `parse_methods` reads a comma-separated method list.
+`method_options` adds the drafters' settings as options (their Python names and `method_config`,
+which turns them into a `MethodConfig`, are decode/methods.py's), `sampling_options` adds the
+sampling and device flags of every command that generates, `session_config` turns a command's
+parsed options into the `SessionConfig` every command runs on, and `parse_methods` reads a
+comma-separated method list.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import click
 
-import torch
-
-from samctl.decode.methods import MethodConfig
+from samctl.decode.methods import DEFAULT_METHOD, cli_fields, setting_name, setting_names
 from samctl.index.errors import UserError
 
-# On a CPU a verify of q tokens costs about q times a small fixed cost once q passes a handful
-# (tools/bench_draft.py: 4.4 ms at 1 token, 10 ms at 16, 28 ms at 81 for the embedded model), so
-# the GPU-sized 80-node Token Recycle tree costs more than it saves there.
-CPU_RECYCLE_NODES = 16
-
-
-def _cli_fields() -> list[tuple[str, dataclasses.Field]]:
-    """(config section, field) of every drafter setting that has a command-line option: the
-    fields of MethodConfig's sections whose metadata names a `cli` flag."""
-    out = []
-    for section in dataclasses.fields(MethodConfig):
-        for f in dataclasses.fields(section.default_factory):
-            if "cli" in f.metadata:
-                out.append((section.name, f))
-    return out
-
-
-def _dest(f: dataclasses.Field) -> str:
-    """The parsed option's key: click's name for the (first) flag."""
-    return f.metadata["cli"].split("/")[0].lstrip("-").replace("-", "_")
-
-
-def setting_names() -> list[str]:
-    """The parsed-option keys of every drafter setting (`max_nodes`, `sam_threshold`, ...), which
-    `method_config` reads; the Python API takes them as keyword arguments."""
-    return sorted(_dest(f) for _, f in _cli_fields())
-
+if TYPE_CHECKING:
+    from samctl.session import SessionConfig
 
 def _option(f: dataclasses.Field) -> Callable:
     meta = f.metadata
     if isinstance(f.default, bool):
-        return click.option(meta["cli"], _dest(f), default=f.default, show_default=True, help=meta["help"])
+        return click.option(meta["cli"], setting_name(f), default=f.default, show_default=True, help=meta["help"])
     if meta.get("device_default") or "cpu_default" in meta:
-        return click.option(meta["cli"], _dest(f), type=type(f.default), default=None, help=meta["help"])
+        return click.option(meta["cli"], setting_name(f), type=type(f.default), default=None, help=meta["help"])
     kind = click.Choice(meta["choices"]) if "choices" in meta else type(f.default)
-    return click.option(meta["cli"], _dest(f), type=kind, default=f.default, show_default=True, help=meta["help"])
+    return click.option(meta["cli"], setting_name(f), type=kind, default=f.default, show_default=True, help=meta["help"])
 
 
 def method_options(command: Callable) -> Callable:
     """Add every drafter setting that has a `cli` flag in its config's field metadata."""
-    for _, f in reversed(_cli_fields()):
+    for _, f in reversed(cli_fields()):
         command = _option(f)(command)
     return command
 
@@ -74,31 +49,57 @@ def sampling_options(command: Callable) -> Callable:
     return command
 
 
-def method_config(opts: dict[str, Any], device: torch.device | None = None) -> MethodConfig:
-    """The drafters' settings from parsed options; `device` sizes the defaults that depend on it
-    (a device default left unset: the CPU value on a CPU, the config's own default elsewhere)."""
-    sections: dict[str, dict[str, Any]] = {}
-    for section, f in _cli_fields():
-        value = opts.get(_dest(f))
-        on_cpu = device is not None and device.type == "cpu"
-        if value is None and f.metadata.get("device_default"):
-            value = CPU_RECYCLE_NODES if on_cpu else f.default
-        if value is None and "cpu_default" in f.metadata:  # a field's own CPU value (lookahead widths)
-            value = f.metadata["cpu_default"] if on_cpu else f.default
-        if value is not None:
-            sections.setdefault(section, {})[f.name] = value
-    base = MethodConfig()
-    return dataclasses.replace(base, **{name: dataclasses.replace(getattr(base, name), **values)
-                                        for name, values in sections.items()})
+def engine_options(command: Callable) -> Callable:
+    """--dtype, --threads and --no-compile, as every command that loads a model takes them."""
+    for option in reversed((
+        click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
+                     show_default=True, help="auto: float32 on CPU; on GPU the model's saved dtype (float32 models run "
+                     "in bfloat16). Greedy output equals plain greedy decoding token for token in float32; in half "
+                     "precision the distribution is the model's and greedy can differ at near-ties."),
+        click.option("--threads", type=int, default=None,
+                     help="torch CPU threads (default: torch's choice); 1 is steadier on a busy machine."),
+        click.option("--no-compile", is_flag=True, help="CUDA: run the verify forward eagerly instead of as CUDA "
+                     "graphs at fixed widths (the CPU never compiles)."),
+    )):
+        command = option(command)
+    return command
 
 
-def set_threads(threads: int | None) -> None:
-    """--threads: torch's CPU threads; None leaves torch's choice."""
-    if threads is None:
-        return
-    if threads < 1:
-        raise UserError(f"--threads must be >= 1, got {threads}")
-    torch.set_num_threads(threads)
+def draft_options(command: Callable) -> Callable:
+    """The settings of the methods that draft with a second model or a head, declared once."""
+    for option in reversed((
+        click.option("--draft-model", "draft_path", metavar="PATH", help="sd, specdec++, sam+draft, ouroboros: a "
+                     "small model sharing the target's tokenizer (default: the embedded draft, with the embedded target only)."),
+        click.option("--gamma", type=int, default=4, show_default=True, help="sd, sam+draft, ouroboros: draft tokens per step."),
+        click.option("--acc-head", "acc_head_path", metavar="PATH", help="specdec++: acceptance head folder for this "
+                     "target and draft (default: the embedded one, with the embedded pair only)."),
+        click.option("--stop-threshold", type=float, default=0.3, show_default=True, help="specdec++: stop drafting "
+                     "once the predicted P(some draft token is rejected) exceeds this."),
+        click.option("--bounds", type=(int, int), default=(2, 20), show_default=True, metavar="MIN MAX",
+                     help="specdec++: inclusive bounds on the draft length."),
+        click.option("--eagle-head", "eagle_path", metavar="PATH", help="eagle, sam+eagle, adaptive+eagle: EAGLE head "
+                     "folder for this model (default: the embedded one, with the embedded target only)."),
+    )):
+        command = option(command)
+    return command
+
+
+def session_config(opts: dict[str, Any], **changes: Any) -> "SessionConfig":
+    """The SessionConfig of a command's parsed options (an option a command lacks keeps its default)."""
+    from samctl.decode.sampling import SamplingConfig
+    from samctl.session import DRAFT_SETTINGS, SessionConfig
+
+    settings = {name: opts[name] for name in (*setting_names(), *DRAFT_SETTINGS) if opts.get(name) is not None}
+    sampling = SamplingConfig(opts.get("temperature", 0.0), opts.get("top_k", 0), opts.get("top_p", 1.0),
+                              opts.get("seed"))
+    config = SessionConfig(
+        model=opts.get("model_path"), device=opts.get("device", "auto"), dtype=opts.get("dtype", "auto"),
+        threads=opts.get("threads"), graphs=not opts.get("no_compile", False), store=opts.get("store_path"),
+        occurrence=opts.get("occurrence", "first"), method=opts.get("method", DEFAULT_METHOD), settings=settings,
+        draft_model=opts.get("draft_path"), acc_head=opts.get("acc_head_path"), eagle_head=opts.get("eagle_path"),
+        max_new_tokens=opts.get("max_new_tokens", 256), sampling=sampling, chat=opts.get("chat", False),
+        memory_file=opts.get("memory_file"), quiet=opts.get("quiet", False))
+    return dataclasses.replace(config, **changes) if changes else config
 
 
 def parse_methods(spec: str, known: tuple[str, ...]) -> list[str]:

@@ -9,7 +9,8 @@ import pytest
 
 from samctl.index.errors import UserError
 from samctl.bench_report import aggregate, markdown
-from samctl.commands.bench import _cut, _first_difference, read_questions
+from samctl.commands.bench import _cut, read_questions
+from samctl.session import first_difference as _first_difference
 from tests.conftest import save_tiny_model_with_tokenizer
 
 QUESTIONS = [

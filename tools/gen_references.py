@@ -25,13 +25,10 @@ import json
 import sys
 from pathlib import Path
 
-from samctl.decode.loop import GenerationConfig, generate
-from samctl.decode.methods import MethodConfig
 from samctl.index.errors import UserError
 from samctl.commands.bench import fitting_questions, read_questions
-from samctl.options import set_threads
 from samctl.progress import progress_bar
-from samctl.runtime import build_drafter, load_engine
+from samctl.session import Session, SessionConfig
 from samctl.tokenizer import tokenizer_fingerprint
 
 
@@ -58,15 +55,14 @@ def main(argv: list[str] | None = None) -> None:
 
 def write_references(a: argparse.Namespace) -> tuple[int, int, int]:
     """Answer every fitting question; returns (rows written, questions answered, questions skipped)."""
-    set_threads(a.threads)
-    engine = load_engine(a.model, a.device)
+    session = Session(SessionConfig(model=a.model, device=a.device, threads=a.threads, method=a.method,
+                                    max_new_tokens=a.max_new_tokens, chat=a.chat))
+    engine = session.engine
     # a path is recorded absolute, so that `simulate --tokenizer NAME` finds it from anywhere
     name = str(Path(engine.name).resolve()) if Path(engine.name).exists() else engine.name
     tokenizer = {"name": name, "fingerprint": tokenizer_fingerprint(engine.tokenizer)}
     questions = read_questions(Path(a.questions), a.categories, a.limit)
     questions, skipped = fitting_questions(questions, engine, a.max_new_tokens, a.chat)
-    drafter = build_drafter(a.method, engine, None, MethodConfig())
-    config = GenerationConfig(max_new_tokens=a.max_new_tokens, eos_token_ids=engine.eos_token_ids)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = 0
@@ -77,9 +73,9 @@ def write_references(a: argparse.Namespace) -> tuple[int, int, int]:
             tokens = 0
             for k, turn in enumerate(q.turns):
                 messages.append({"role": "user", "content": turn})
-                prompt = engine.encode_conversation(messages, a.chat)
-                result = generate(engine.target, drafter, prompt, config)
-                answer = engine.decode(result.tokens)
+                prompt = session.encode(messages)
+                result = session.generate(prompt)
+                answer = session.decode(result.tokens)
                 messages.append({"role": "assistant", "content": answer})
                 sink.write(json.dumps({
                     "id": f"{q.qid}.{k}", "question_id": q.qid, "category": q.category, "turn": k,

@@ -31,7 +31,7 @@ import platform
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
@@ -39,18 +39,14 @@ from typing import Any, Protocol
 import click
 import torch
 
-from samctl.decode.drafters.base import Drafter
-from samctl.decode.engine.graphs import enable_cuda_graphs
 from samctl.decode.loop import GenerationConfig, generate as decode_generate
-from samctl.decode.acceptance_head import AcceptanceHead
-from samctl.decode.draft_model import DraftModel
-from samctl.decode.methods import DRAFT_METHODS, EAGLE_METHODS, METHODS, SELF_DRAFT_METHODS, MethodConfig, method as method_entry, uses_store
+from samctl.decode.methods import DRAFT_METHODS, EAGLE_METHODS, METHODS, SELF_DRAFT_METHODS
 from samctl.index.errors import UserError
 from samctl.bench_report import BASELINE, write_summary
-from samctl.options import method_config, method_options, parse_methods, set_threads
+from samctl.options import draft_options, engine_options, method_options, parse_methods, session_config
 from samctl.progress import progress_bar
-from samctl.runtime import (Engine, build_drafter, load_acc_head, load_draft, load_eagle, load_engine, load_store,
-                            resolve_draft_paths, resolve_eagle_path)
+from samctl.runtime import Engine
+from samctl.session import Session, first_difference
 
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 HF_METHODS = ("hf-greedy", "hf-pld", "hf-assisted")
@@ -87,9 +83,6 @@ class Runner(Protocol):
 
 @click.command("bench")
 @click.option("--model", "model_path", metavar="PATH", help="Local model folder or .gguf file (default: the embedded model).")
-@click.option("--draft-model", "draft_path", metavar="PATH", help="Draft model sharing the tokenizer (sd, specdec++, sam+draft, ouroboros, hf-assisted; default: the embedded draft with the embedded target).")
-@click.option("--acc-head", "head_path", metavar="PATH", help="SpecDec++ acceptance head for the target/draft pair (specdec++).")
-@click.option("--eagle-head", "eagle_path", metavar="PATH", help="EAGLE head for the target (eagle, sam+eagle, adaptive+eagle; default: the embedded one with the embedded target).")
 @click.option("--sam", "store_path", metavar="STORE", type=click.Path(), help="Static datastore (sam methods, rest): a .sam file or a sharded store directory.")
 @click.option("--questions", "questions_path", required=True, type=click.Path(exists=True, dir_okay=False),
               help="Spec-Bench-format JSONL: question_id, category, turns.")
@@ -102,10 +95,9 @@ class Runner(Protocol):
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder for records.jsonl, summary.md/json, speedup.png.")
 @click.option("--chat", is_flag=True, help="Render prompts with the tokenizer's chat template.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option("--no-compile", is_flag=True, help="CUDA: run the verify forward eagerly instead of as CUDA graphs at fixed widths (the CPU never compiles).")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True)
-@click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice); 1 is steadier on a shared machine.")
+@engine_options
 @method_options
+@draft_options
 @click.option("--quiet", is_flag=True, help="No progress bar or notes on stderr.")
 def bench(**opts: Any) -> None:
     """Benchmark methods end to end on a question file: speedup per category against ar.
@@ -116,16 +108,15 @@ def bench(**opts: Any) -> None:
     """
     if opts["max_new_tokens"] < 1 or opts["repeats"] < 1:
         raise UserError(f"--max-new-tokens and --repeats must be >= 1, got {opts['max_new_tokens']} and {opts['repeats']}")
-    set_threads(opts["threads"])
     methods = parse_methods(opts["methods_spec"], ALL_BENCH_METHODS)
     methods = [BASELINE] + [m for m in methods if m != BASELINE]
     questions = read_questions(Path(opts["questions_path"]), opts["categories"], opts["limit"])
-    engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"])
-    enable_cuda_graphs(engine.target, not opts["no_compile"])
-    store = load_store(opts["store_path"], engine, opts["occurrence"])
-    config = method_config(opts, engine.device)
-    drafts = _Drafts(engine, opts)
-    runners = {m: _runner(m, engine, store, config, drafts) for m in methods}
+    # bench decodes greedily: a draft pair's embedded head is the one trained for that
+    config = session_config(opts, method=BASELINE)
+    models = {"draft_model": config.draft_model, "acc_head": config.acc_head, "eagle_head": config.eagle_head}
+    session = Session(replace(config, **dict.fromkeys(models)))  # ar's: the draft and heads are the methods'
+    engine = session.engine
+    runners = {m: _runner(m, session, models) for m in methods}
     out_dir = Path(opts["out_dir"])
     out_dir.mkdir(parents=True, exist_ok=True)
     fits, skipped = fitting_questions(questions, engine, opts["max_new_tokens"], opts["chat"])
@@ -137,7 +128,7 @@ def bench(**opts: Any) -> None:
                    f"model's context ({engine.target.max_positions})", err=True)
     _warm_up(runners, engine, fits[0], opts["chat"])
     records = _run_all(runners, engine, fits, opts, out_dir / "records.jsonl")
-    run = _run_info(engine, opts, methods, len(fits), skipped)
+    run = _run_info(session, opts, methods, len(fits), skipped)
     summary = write_summary(out_dir, records, methods, run)
     mismatches = sum(summary["mismatches"].values())
     # float32: greedy output must equal ar's token for token, so a mismatch is a bug. Half
@@ -232,10 +223,11 @@ def fitting_questions(questions: list[Question], engine: Engine, max_new: int, c
 
 
 class EngineRunner:
-    """A samctl method through decode.loop; its drafter stays warm across questions."""
+    """A samctl method through its session; the session's drafter stays warm across questions."""
 
-    def __init__(self, name: str, engine: Engine, drafter: Drafter) -> None:
-        self.name, self.engine, self.drafter = name, engine, drafter
+    def __init__(self, name: str, session: "Session") -> None:
+        self.name, self.session = name, session
+        self.engine, self.drafter = session.engine, session.drafter
 
     def run(self, prompt: list[int], max_new_tokens: int) -> Turn:
         config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=self.engine.eos_token_ids)
@@ -288,55 +280,18 @@ def _cut(tokens: list[int], eos: set[int], limit: int) -> list[int]:
     return tokens[:limit]
 
 
-def _runner(method: str, engine: Engine, store, config: MethodConfig, drafts: "_Drafts") -> Runner:
+def _runner(method: str, session: Session, models: dict[str, str | None]) -> Runner:
+    """The runner of `method` on the session's engine (samctl methods get sessions of their own,
+    sharing the engine, store and heads)."""
+    config = session.method_config
     if method == "hf-greedy":
-        return HfRunner(method, engine, {})
+        return HfRunner(method, session.engine, {})
     if method == "hf-pld":
-        return HfRunner(method, engine, {"prompt_lookup_num_tokens": config.pld.num_draft,
-                                         "max_matching_ngram_size": config.pld.max_ngram})
+        return HfRunner(method, session.engine, {"prompt_lookup_num_tokens": config.pld.num_draft,
+                                                 "max_matching_ngram_size": config.pld.max_ngram})
     if method == "hf-assisted":
-        return HfRunner(method, engine, {"assistant_model": drafts.draft("sd").model})
-    if method in DRAFT_METHODS:
-        draft = drafts.draft(method)
-        head = drafts.head(method, draft) if method == "specdec++" else None
-        return EngineRunner(method, engine, build_drafter(method, engine, store if uses_store(method) else None,
-                                                          config, draft=draft, head=head))
-    if method_entry(method).needs_eagle:
-        return EngineRunner(method, engine, build_drafter(method, engine, store if uses_store(method) else None,
-                                                          config, eagle=drafts.eagle(method)))
-    return EngineRunner(method, engine, build_drafter(method, engine, store if uses_store(method) else None, config))
-
-
-class _Drafts:
-    """The draft model (and SpecDec++ head, EAGLE head), loaded once for every method that uses them."""
-
-    def __init__(self, engine: Engine, opts: dict[str, Any]) -> None:
-        self.engine, self.opts = engine, opts
-        self._draft: DraftModel | None = None
-        self._eagle = None
-
-    def eagle(self, method: str):
-        """The EAGLE head (eagle, sam+eagle), loaded once."""
-        if self._eagle is None:
-            path = resolve_eagle_path(method, self.opts["model_path"], self.opts["eagle_path"], quiet=True)
-            self._eagle = load_eagle(path, self.engine)
-        return self._eagle
-
-    def draft(self, method: str) -> DraftModel:
-        if self._draft is None:
-            if self.opts["draft_path"] is None and self.opts["model_path"] is not None:
-                raise UserError(f"method {method} needs a draft model: pass --draft-model with a small model "
-                                "that shares the target's tokenizer")
-            # resolve as for sd: the same draft (or the embedded default) serves every method
-            path, _ = resolve_draft_paths("sd", self.opts["model_path"], self.opts["draft_path"], None, quiet=True)
-            self._draft = load_draft(path, self.engine)
-        return self._draft
-
-    def head(self, method: str, draft: DraftModel) -> AcceptanceHead:
-        # bench decodes greedily: the embedded default pair has a head trained for that
-        _, path = resolve_draft_paths(method, self.opts["model_path"], self.opts["draft_path"], self.opts["head_path"],
-                                      quiet=True, greedy=True)
-        return load_acc_head(path, self.engine, draft)
+        return HfRunner(method, session.engine, {"assistant_model": session.for_method("sd", **models).draft_model.model})
+    return EngineRunner(method, session.for_method(method, **models))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,9 +357,9 @@ def _run_question(runner: Runner, engine: Engine, q: Question, max_new: int, cha
 
 def _record(method: str, q: Question, turns: list[Turn], baseline: list[Turn], engine: Engine,
             repeats: list[list[Turn]]) -> dict[str, Any]:
-    diffs = [_first_difference(t.tokens, b.tokens) for t, b in zip(turns, baseline)]
+    diffs = [first_difference(t.tokens, b.tokens) for t, b in zip(turns, baseline)]
     # Every repeat's turns are checked against ar's: greedy output must not vary between runs either.
-    mismatched = sum(_first_difference(t.tokens, b.tokens) is not None for run in repeats for t, b in zip(run, baseline))
+    mismatched = sum(first_difference(t.tokens, b.tokens) is not None for run in repeats for t, b in zip(run, baseline))
     new_tokens = sum(len(t.tokens) for t in turns)
     time_s = sum(t.time_s for t in turns)
     return {
@@ -421,14 +376,8 @@ def _record(method: str, q: Question, turns: list[Turn], baseline: list[Turn], e
     }
 
 
-def _first_difference(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def _run_info(engine: Engine, opts: dict[str, Any], methods: list[str], questions: int, skipped: int) -> dict[str, Any]:
+def _run_info(session: Session, opts: dict[str, Any], methods: list[str], questions: int, skipped: int) -> dict[str, Any]:
+    engine = session.engine
     return {
         "command": "samctl bench " + shlex.join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "samctl bench",
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -445,5 +394,5 @@ def _run_info(engine: Engine, opts: dict[str, Any], methods: list[str], question
         "skipped_questions": skipped,
         "chat": opts["chat"],
         "methods": ", ".join(methods),
-        "method_config": json.dumps(asdict(method_config(opts, engine.device))),
+        "method_config": json.dumps(asdict(session.method_config)),
     }

@@ -15,8 +15,9 @@ from typing import Any
 
 import click
 
-from samctl.decode.methods import DEFAULT_METHOD, METHODS
-from samctl.options import sampling_options
+from samctl.decode.methods import ALL_METHODS, DEFAULT_METHOD
+from samctl.index.errors import UserError
+from samctl.options import draft_options, engine_options, method_options, sampling_options, session_config
 
 HELP = """commands:
   /method NAME   draft with another method ({methods}); each keeps its own memory
@@ -29,15 +30,16 @@ HELP = """commands:
 
 @click.command("chat")
 @click.option("--model", "model_path", metavar="PATH", help="Local model folder or .gguf file (default: the embedded model).")
-@click.option("--sam", "store_path", metavar="STORE", type=click.Path(exists=True, dir_okay=False),
-              help="Static datastore built with the model's tokenizer.")
-@click.option("--method", type=click.Choice(METHODS), default=DEFAULT_METHOD, show_default=True, help="Drafting method to start with.")
+@click.option("--sam", "store_path", metavar="STORE", type=click.Path(exists=True),
+              help="Static datastore built with the model's tokenizer: a .sam file or a sharded store directory.")
+@click.option("--method", type=click.Choice(ALL_METHODS), default=DEFAULT_METHOD, show_default=True, help="Drafting method to start with.")
 @click.option("--system", metavar="TEXT", help="A system message at the start of the conversation.")
 @click.option("--max-new-tokens", type=int, default=512, show_default=True, help="Longest answer per turn.")
 @click.option("--compare", is_flag=True, help="Start with the side-by-side ar comparison on (/compare toggles it).")
 @sampling_options
-@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True, help="As for generate.")
-@click.option("--threads", type=int, default=None, help="torch CPU threads; 1 is steadier on a busy machine.")
+@engine_options
+@method_options
+@draft_options
 @click.option("--quiet", is_flag=True, help="No loading notes on stderr.")
 def chat(**opts: Any) -> None:
     """Talk to the model, faster, with per-turn speed and acceptance.
@@ -46,32 +48,24 @@ def chat(**opts: Any) -> None:
     samctl chat
     samctl chat --model ./SmolLM2-135M-Instruct --sam store.sam --compare
     """
-    from samctl.decode.loop import GenerationConfig
-    from samctl.decode.sampling import SamplingConfig
-    from samctl.options import method_config, set_threads
-    from samctl.runtime import load_engine, load_store
+    from samctl.session import Session
 
-    set_threads(opts["threads"])
-    sampling = SamplingConfig(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"])
-    engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"])
-    gen_config = GenerationConfig(max_new_tokens=opts["max_new_tokens"], eos_token_ids=engine.eos_token_ids,
-                                  sampling=sampling)
-    store = load_store(opts["store_path"], engine)
-    console = Console(engine, store, method_config({}, engine.device), gen_config, opts)
+    console = Console(Session(session_config(opts)), opts)
     console.loop()
 
 
 class Console:
-    """The conversation, the drafters (one per method, kept) and the read-eval loop."""
+    """The conversation, the sessions (one per method, on one engine, each keeping its drafter)
+    and the read-eval loop."""
 
-    def __init__(self, engine, store, config, gen_config, opts: dict[str, Any]) -> None:
-        self.engine, self.store, self.config, self.gen_config = engine, store, config, gen_config
-        self.method = opts["method"]
+    def __init__(self, session, opts: dict[str, Any]) -> None:
+        self.engine = session.engine
+        self.sessions = {session.config.method: session}
+        self.method = session.config.method
         self.compare = opts["compare"]
         self.system = opts["system"]
         self.store_name = opts["store_path"]
-        self.chat_template = bool(getattr(engine.tokenizer, "chat_template", None))
-        self.runners: dict[str, Any] = {}
+        self.chat_template = bool(getattr(self.engine.tokenizer, "chat_template", None))
         self.messages: list[dict[str, str]] = []
         self.reset()
 
@@ -105,10 +99,10 @@ class Console:
         if name in ("/quit", "/exit"):
             return False
         if name == "/help":
-            click.echo(HELP.format(methods=", ".join(METHODS)))
+            click.echo(HELP.format(methods=", ".join(ALL_METHODS)))
         elif name == "/method":
-            if arg not in METHODS:
-                click.echo(f"unknown method {arg!r}: choose one of {', '.join(METHODS)}")
+            if arg not in ALL_METHODS:
+                click.echo(f"unknown method {arg!r}: choose one of {', '.join(ALL_METHODS)}")
             else:
                 self.method = arg
                 click.echo(f"method: {arg} ({method_entry(arg).summary})")
@@ -128,14 +122,19 @@ class Console:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
 
     def turn(self, text: str) -> None:
-        from samctl.commands.generate import _Streamer
+        from samctl.detok import TextStream
 
         self.messages.append({"role": "user", "content": text})
         ids = self.engine.encode_conversation(self.messages, chat=self.chat_template)
-        runner = self._runner()
-        stream = _Streamer(self.engine)
         try:
-            result = runner._run(runner.drafter, ids, stream)
+            session = self._session()
+        except UserError as err:  # a method that needs what this session lacks (a draft model, a head)
+            click.echo(f"samctl: {err}")
+            self.messages.pop()
+            return
+        stream = TextStream(session.decode)
+        try:
+            result = session.generate(ids, on_tokens=stream.push)
         except KeyboardInterrupt:
             sys.stdout.write("\n[stopped]\n")
             self.messages.pop()
@@ -145,7 +144,7 @@ class Console:
         line = (f"[{self.method}: {m.new_tokens} tokens, {m.tokens_per_s:.1f} tok/s, "
                 f"{m.mean_accepted:.2f} tokens/step")
         if self.compare:
-            c = runner._compare(ids, result)
+            c = session.compare(ids, result)
             same = {True: "identical", False: f"DIFFER at token {c['first_difference']}", None: "sampled"}[c["identical"]]
             line += f" | ar: {c['ar_tokens_per_s']:.1f} tok/s, speedup {c['speedup']:.2f}x, {same}"
         click.echo(line + "]")
@@ -155,9 +154,10 @@ class Console:
         from samctl.decode.methods import method as method_entry
 
         entry = method_entry(self.method)
-        store = self.store_name if self.store is not None and entry.uses_store else "none"
+        any_session = next(iter(self.sessions.values()))
+        store = self.store_name if any_session.store is not None and entry.uses_store else "none"
         lines = [f"method {self.method}: {entry.summary}", f"store: {store}"]
-        drafter = self.runners[self.method].drafter if self.method in self.runners else None
+        drafter = self.sessions[self.method].drafter if self.method in self.sessions else None
         report = getattr(drafter, "report", None)
         if report is not None:
             info = report()
@@ -168,20 +168,9 @@ class Console:
             lines.append("(no turn with this method yet)")
         return "\n".join(lines)
 
-    def _runner(self):
-        from samctl.decode.methods import uses_store
-        from samctl.commands.generate import Runner
-        from samctl.runtime import build_drafter
-
-        if self.method not in self.runners:
-            name = self.method
-            store = self.store if uses_store(name) else None
-
-            def fresh():
-                return build_drafter(name, self.engine, store, self.config, sampling=self.gen_config.sampling,
-                                     quiet=True)
-
-            self.runners[name] = Runner(self.engine, fresh(), fresh, self.gen_config, compare=True, compare_runs=1,
-                                        chat=self.chat_template, record={"method": name})
-        return self.runners[self.method]
-
+    def _session(self):
+        """The kept session of the current method, on the same engine as the others."""
+        if self.method not in self.sessions:
+            first = next(iter(self.sessions.values()))
+            self.sessions[self.method] = first.for_method(self.method)
+        return self.sessions[self.method]

@@ -22,9 +22,9 @@ from typing import Any, Iterator
 
 import click
 
-from samctl.decode.methods import DEFAULT_METHOD, METHODS
+from samctl.decode.methods import ALL_METHODS, DEFAULT_METHOD
 from samctl.index.errors import UserError
-from samctl.options import sampling_options
+from samctl.options import draft_options, engine_options, method_options, sampling_options, session_config
 
 _PROMPT_FIELDS_HELP = "the record field holding the prompt (default: prompt, turns, text, question, instruction)"
 
@@ -37,10 +37,10 @@ _PROMPT_FIELDS_HELP = "the record field holding the prompt (default: prompt, tur
 @click.option("--answers", "answers_path", type=click.Path(dir_okay=False),
               help="JSONL file of the answers, appended to as they come; an existing one is resumed "
                    "[default: OUTPUT.answers.jsonl].")
-@click.option("--method", type=click.Choice(METHODS), default=DEFAULT_METHOD, show_default=True,
+@click.option("--method", type=click.Choice(ALL_METHODS), default=DEFAULT_METHOD, show_default=True,
               help="How the answers are generated (any method gives the same greedy answers; adaptive is fastest).")
-@click.option("--sam", "store_path", metavar="STORE", type=click.Path(exists=True, dir_okay=False),
-              help="A store to draft from while generating (not part of the output).")
+@click.option("--sam", "store_path", metavar="STORE", type=click.Path(exists=True),
+              help="A store to draft from while generating (not part of the output): a .sam file or a sharded store directory.")
 @click.option("--also", "also", multiple=True, metavar="INPUT",
               help="Also put this corpus in the store (as `samctl build` reads it; repeatable).")
 @click.option("--field", "prompt_field", metavar="NAME", help=_PROMPT_FIELDS_HELP)
@@ -48,9 +48,9 @@ _PROMPT_FIELDS_HELP = "the record field holding the prompt (default: prompt, tur
 @click.option("--chat/--no-chat", default=True, show_default=True,
               help="Apply the tokenizer's chat template to the prompts (the way the model will be asked).")
 @sampling_options
-@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
-              show_default=True, help="As for generate.")
-@click.option("--threads", type=int, default=None, help="torch CPU threads; 1 is steadier on a busy machine.")
+@engine_options
+@method_options
+@draft_options
 @click.option("--compress/--no-compress", default=True, show_default=True, help="zstd-compress the store's arrays.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress, notes or summary.")
 def distill(**opts: Any) -> None:
@@ -60,29 +60,17 @@ def distill(**opts: Any) -> None:
     samctl distill --model M --prompts train_questions.jsonl -o self.sam
     samctl generate --model M --sam self.sam --chat --prompt "..."     # drafts from its own answers
     """
-    from samctl.decode.loop import GenerationConfig
-    from samctl.decode.sampling import SamplingConfig
-    from samctl.commands.generate import Runner
-    from samctl.options import method_config, set_threads
-    from samctl.runtime import build_drafter, load_engine, load_store
+    from samctl.records import RecordRunner
+    from samctl.session import Session
 
     start = time.perf_counter()
-    set_threads(opts["threads"])
-    sampling = SamplingConfig(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"])
     answers_path = Path(opts["answers_path"] or opts["output"] + ".answers.jsonl")
     done = _answered(answers_path)
-    engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"])
-    config = method_config({}, engine.device)
-    store = load_store(opts["store_path"], engine)
-    gen_config = GenerationConfig(max_new_tokens=opts["max_new_tokens"], eos_token_ids=engine.eos_token_ids,
-                                  sampling=sampling)
-
-    def fresh():
-        return build_drafter(opts["method"], engine, store, config, sampling=sampling, quiet=True)
+    session = Session(session_config(opts))
+    engine, sampling = session.engine, session.config.sampling
 
     # 1) answers, appended one record at a time so that an interrupted run loses at most one
-    runner = Runner(engine, fresh(), fresh, gen_config, compare=False, compare_runs=1, chat=opts["chat"],
-                    record={}, field=opts["prompt_field"])
+    runner = RecordRunner(session, field=opts["prompt_field"])
     if done and not opts["quiet"]:
         click.echo(f"samctl: resuming: {len(done)} prompt(s) already answered in {answers_path}", err=True)
     with open(opts["prompts_path"], encoding="utf-8") as prompts, open(answers_path, "a", encoding="utf-8") as out:
@@ -112,11 +100,11 @@ def distill(**opts: Any) -> None:
 
 def _unanswered(lines, done: set[Any]) -> Iterator[tuple[int, str]]:
     """The (line number, line) batch records whose id is not among the answered ones."""
-    from samctl.commands.generate import _parse, _records, record_key
+    from samctl.records import parse_record, read_records, record_key
 
-    for number, line in _records(lines):
+    for number, line in read_records(lines):
         try:
-            key = record_key(_parse(line, number), number)
+            key = record_key(parse_record(line, number), number)
         except UserError:
             key = number
         if key not in done:
@@ -140,7 +128,7 @@ def _answered(path: Path) -> set[Any]:
 
 def _documents(prompts_path: str, answers_path: Path, field: str | None) -> Iterator[str]:
     """Prompt turns and answers of every answered record, in the prompts file's order."""
-    from samctl.commands.generate import _parse, _prompt_turns, _records, record_key
+    from samctl.records import parse_record, prompt_turns, read_records, record_key
 
     answers: dict[Any, dict[str, Any]] = {}
     for line in answers_path.read_text(encoding="utf-8").splitlines():
@@ -151,10 +139,10 @@ def _documents(prompts_path: str, answers_path: Path, field: str | None) -> Iter
         if isinstance(record, dict) and "error" not in record and isinstance(record.get("text"), str):
             answers[record.get("id")] = record  # a later answer to the same id wins
     with open(prompts_path, encoding="utf-8") as lines:
-        for number, line in _records(lines):
+        for number, line in read_records(lines):
             try:
-                record = _parse(line, number)
-                turns = _prompt_turns(record, field)
+                record = parse_record(line, number)
+                turns = prompt_turns(record, field)
             except UserError:
                 continue
             answer = answers.get(record_key(record, number))

@@ -36,7 +36,8 @@ from samctl.index.datastore import Datastore, load_datastore
 from samctl.index.errors import UserError
 from samctl.commands.bench import report_category
 from samctl.costs import read_cost_curve
-from samctl.options import method_config, method_options, parse_methods
+from samctl.decode.methods import method_config
+from samctl.options import method_options, parse_methods
 from samctl.progress import progress_bar
 from samctl.tokenizer import Tokenizer, load_store_tokenizer, load_tokenizer
 

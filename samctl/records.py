@@ -1,0 +1,166 @@
+"""JSONL batches over a Session: one input line -> one output line, in input order.
+
+A record is a JSON object whose prompt is in `prompt`, `turns` (a multi-turn conversation),
+`text`, `question` or `instruction` (or the field the caller names); its `id` (else
+`question_id`, else its line number) is copied to the output, with the text, finish reason and
+metrics (and with compare, plain decoding's result beside them). A bad record, a blank line
+included, gets an `error` field and the rest go on. `generate --input`, `distill` and the Ray
+worker all run records through `RecordRunner`; resuming a killed run reads the ids already
+written (`finished_ids`).
+"""
+from __future__ import annotations
+
+import json
+from typing import IO, Any, Callable, Iterable, Iterator
+
+from samctl.decode.loop import GenerationResult
+from samctl.index.errors import UserError
+from samctl.progress import progress_bar
+from samctl.session import Session
+
+PROMPT_FIELDS = ("prompt", "turns", "text", "question", "instruction")
+
+
+class RecordRunner:
+    """Runs records through one session (its drafter kept warm across records)."""
+
+    def __init__(self, session: Session, field: str | None = None, compare: bool = False) -> None:
+        self.session, self.field, self.compare = session, field, compare
+
+    def batch(self, records: Iterable[tuple[int, str]], write: Callable[[str], None], quiet: bool,
+              total: int | None = None) -> int:
+        """Process (line number, line) records in order, writing each output line; returns the
+        number of failed records."""
+        failed = 0
+        with progress_bar("generate", "record", quiet, total=total) as progress, progress.heartbeat():
+            for number, line in records:
+                out, bad = self.process(number, line)
+                failed += bad
+                write(out)
+                progress.update(1, tokens=output_tokens(out))
+        return failed
+
+    def process(self, number: int, line: str) -> tuple[str, bool]:
+        """One input line -> (its output line, whether it failed): a bad record gets an `error`."""
+        record_id: Any = number
+        try:
+            record = parse_record(line, number)
+            record_id = record_key(record, number)
+            out = self.run(record)
+        except UserError as err:
+            return json.dumps({"id": record_id, "error": str(err)}, ensure_ascii=False), True
+        return json.dumps({"id": record_id, **out}, ensure_ascii=False), False
+
+    def run(self, record: dict[str, Any]) -> dict[str, Any]:
+        """One parsed record -> its output fields (every turn of a conversation in order)."""
+        session = self.session
+        turns = prompt_turns(record, self.field)
+        prediction = record.get("prediction")
+        if prediction is not None and not isinstance(prediction, str):
+            raise UserError("the record's `prediction` is not text: give the expected output as a string")
+        messages: list[dict[str, str]] = []
+        texts, results = [], []
+        for turn in turns:
+            messages.append({"role": "user", "content": turn})
+            ids = session.encode(messages)
+            result = session.generate(ids, prediction=prediction if len(messages) == 1 else None)
+            text = session.decode(result.tokens)
+            messages.append({"role": "assistant", "content": text})
+            texts.append(text)
+            results.append((ids, result))
+        out = result_fields(session, results[-1][1])
+        if len(turns) > 1:
+            out["turn_texts"] = texts
+            out["metrics"] = [result_fields(session, r)["metrics"] for _, r in results]
+        if self.compare:
+            compared = [session.compare(ids, r) for ids, r in results]
+            out["compare"] = compared if len(turns) > 1 else compared[0]
+        return out
+
+
+def result_fields(session: Session, result: GenerationResult) -> dict[str, Any]:
+    return {"text": session.decode(result.tokens), "finish_reason": result.finish_reason,
+            "metrics": result.metrics.to_dict()}
+
+
+def output_tokens(line: str) -> int:
+    """New tokens of an output line, for progress."""
+    metrics = json.loads(line).get("metrics", [])  # a list for multi-turn records, none for failed ones
+    return sum(m["new_tokens"] for m in (metrics if isinstance(metrics, list) else [metrics]))
+
+
+def count_records(lines: IO[str]) -> int | None:
+    """Records in a seekable input (a file), for progress; None for a pipe."""
+    if not lines.seekable():
+        return None
+    count = sum(1 for _ in lines)
+    lines.seek(0)
+    return count
+
+
+def read_records(lines: IO[str]) -> Iterator[tuple[int, str]]:
+    """Every line, blank ones included: the output has one line per input line."""
+    return enumerate(lines, start=1)
+
+
+def record_key(record: dict[str, Any], number: int) -> Any:
+    """A batch record's id: its `id`, else `question_id`, else its line number."""
+    return record.get("id", record.get("question_id", number))
+
+
+def output_key(number: int, line: str) -> str:
+    """A record's id as the output will write it (JSON text, so 7 and "7" differ)."""
+    try:
+        record = parse_record(line, number)
+    except UserError:
+        return json.dumps(number)
+    return json.dumps(record_key(record, number))
+
+
+def finished_ids(path: str) -> set[str]:
+    """Ids already in an output file; a torn last line (a killed run) is cut off first."""
+    try:
+        with open(path, "rb+") as handle:
+            data = handle.read()
+            end = data.rfind(b"\n") + 1
+            if end < len(data):
+                handle.truncate(end)
+    except FileNotFoundError:
+        return set()
+    done = set()
+    for number, line in enumerate(data[:end].decode("utf-8", errors="replace").splitlines(), start=1):
+        try:
+            done.add(json.dumps(json.loads(line)["id"]))
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise UserError(f"--resume: line {number} of {path} is not a samctl output record: "
+                            "pass the --output file of the run to resume") from err
+    return done
+
+
+def parse_record(line: str, number: int) -> dict[str, Any]:
+    if not line.strip():
+        raise UserError(f"line {number} is blank: one JSON object per line (the output keeps one "
+                        "line per input line)")
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise UserError(f"line {number} is not JSON ({err.msg}): one JSON object per line") from err
+    if not isinstance(record, dict):
+        raise UserError(f"line {number} is not a JSON object: one object per line, e.g. {{\"prompt\": \"...\"}}")
+    return record
+
+
+def prompt_turns(record: dict[str, Any], field: str | None) -> list[str]:
+    names = (field,) if field else PROMPT_FIELDS
+    for name in names:
+        value = record.get(name)
+        if name == "turns" and value is not None and not isinstance(value, list):
+            raise UserError("`turns` must be a list of texts, one per turn, e.g. [\"first\", \"second\"]")
+        if isinstance(value, str) and value:
+            return [value]
+        if isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):
+            return value
+        if value == "" or (isinstance(value, list) and any(v == "" for v in value)):
+            raise UserError(f"the record's `{name}` is empty: give the prompt text")
+    raise UserError(f"no prompt: the record has none of the fields {', '.join(names)} as text; "
+                    "name the field with --field")

@@ -1,0 +1,301 @@
+"""The one way samctl runs a model: a frozen configuration builds a Session.
+
+A `SessionConfig` names everything a run depends on (model, device, dtype, threads, CUDA graphs,
+store, method and its settings, the draft model and heads, generation length, sampling, chat
+template, memory file); it is validated when built and recorded verbatim in every output record
+(`Session.record`). A `Session` owns what the configuration names, loaded once: the engine (with
+CUDA graphs chosen at construction), the store, the draft model and heads, and the drafter, which
+is kept across requests so that its cross-request memory lives here. It offers one prompt (text,
+token ids or a conversation, optionally streamed), compare (plain decoding on the same prompt,
+alternating rounds, the speedup and whether the outputs are identical) and warm-up.
+
+Every command (`generate`, `chat`, `bench`, `distill`, `calibrate`), `samctl.hf` and the Ray
+worker are adapters over this module; none of them builds an engine or a drafter itself. JSONL
+records (one input line -> one output line) are `samctl.records`'s.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable, Sequence
+
+import click
+import torch
+
+from samctl.decode.drafters.base import Drafter, NoDraft
+from samctl.decode.drafters.draft import DraftConfig, SpecDecConfig
+from samctl.decode.engine.graphs import enable_cuda_graphs
+from samctl.decode.loop import GenerationConfig, GenerationResult, generate as decode_generate
+from samctl.decode.methods import (ALL_METHODS, DEFAULT_METHOD, MethodConfig, method as method_entry, method_config,
+                                   setting_names, uses_store)
+from samctl.decode.sampling import SamplingConfig
+from samctl.index.datastore import Datastore
+from samctl.index.errors import UserError
+from samctl.memory import load_memory, save_memory
+from samctl.runtime import (Engine, build_drafter, load_acc_head, load_draft, load_eagle, load_engine,
+                            load_store, resolve_draft_paths, resolve_eagle_path)
+
+WARM_UP_TOKENS = 32
+# Draft-model settings that are not drafter-section fields with a `cli` flag of their own.
+DRAFT_SETTINGS = ("gamma", "stop_threshold", "bounds")
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """Everything a session's output depends on. `settings` holds the drafters' options by their
+    Python names (`max_nodes`, `sam_threshold`, ..., `gamma`, `stop_threshold`, `bounds`; see
+    `setting_names()`); options left out take the device's defaults."""
+
+    model: str | None = None  # a model folder, a .gguf file, or None for the embedded default
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int | None = None
+    graphs: bool = True  # CUDA only: the verify forward as CUDA graphs at fixed widths
+    store: str | None = None
+    occurrence: str = "first"
+    method: str = DEFAULT_METHOD
+    settings: dict[str, Any] = field(default_factory=dict)
+    draft_model: str | None = None
+    acc_head: str | None = None
+    eagle_head: str | None = None
+    max_new_tokens: int = 256
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    chat: bool = False  # render prompts with the tokenizer's chat template
+    memory_file: str | None = None
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method not in ALL_METHODS:
+            raise UserError(f"unknown method {self.method!r}: choose from {', '.join(ALL_METHODS)}")
+        if self.threads is not None and self.threads < 1:
+            raise UserError(f"--threads must be >= 1, got {self.threads}")
+        if self.max_new_tokens < 1:
+            raise UserError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        unknown = sorted(set(self.settings) - set(setting_names()) - set(DRAFT_SETTINGS))
+        if unknown:
+            raise UserError(f"unknown setting {unknown[0]!r}: choose from "
+                            f"{', '.join(setting_names() + list(DRAFT_SETTINGS))}")
+        # Draft settings are checked before any file is looked for or loaded.
+        self._draft_sections()
+
+    def _draft_sections(self) -> tuple[DraftConfig, SpecDecConfig]:
+        s = self.settings
+        bounds = s.get("bounds") or (SpecDecConfig.min_draft, SpecDecConfig.max_draft)
+        return (DraftConfig(gamma=s.get("gamma", DraftConfig.gamma)),
+                SpecDecConfig(s.get("stop_threshold", SpecDecConfig.stop_threshold), *bounds))
+
+    def method_config(self, device: torch.device) -> MethodConfig:
+        """The drafters' settings on `device` (a setting left unset takes that device's default)."""
+        draft, specdec = self._draft_sections()
+        return replace(method_config(self.settings, device), draft=draft, specdec=specdec)
+
+    def to_record(self) -> dict[str, Any]:
+        """The configuration as JSON-ready values, as every output record carries it."""
+        return {k: v for k, v in asdict(self).items() if k != "quiet"}
+
+
+class _Loaded:
+    """What several sessions of one process share: the engine, the store and the models that
+    drafters run with (draft model, acceptance heads, EAGLE head), each loaded once on first use."""
+
+    def __init__(self, engine: Engine, store: Datastore | None) -> None:
+        self.engine, self.store = engine, store
+        self.drafts: dict[str, Any] = {}
+        self.heads: dict[str, Any] = {}
+        self.eagles: dict[str, Any] = {}
+
+    def draft(self, path: str):
+        if path not in self.drafts:
+            self.drafts[path] = load_draft(path, self.engine)
+        return self.drafts[path]
+
+    def head(self, path: str, draft):
+        if path not in self.heads:
+            self.heads[path] = load_acc_head(path, self.engine, draft)
+        return self.heads[path]
+
+    def eagle(self, path: str):
+        if path not in self.eagles:
+            self.eagles[path] = load_eagle(path, self.engine)
+        return self.eagles[path]
+
+
+class Session:
+    """An engine, a store, heads and a drafter, built from a SessionConfig and kept across requests.
+
+        session = Session(SessionConfig(store="store.sam", chat=True))
+        result = session.generate("Rewrite this function ...")
+        print(session.decode(result.tokens), result.metrics.mean_accepted)
+    """
+
+    def __init__(self, config: SessionConfig, *, _shared: _Loaded | None = None) -> None:
+        self.config = config
+        if _shared is None:
+            set_threads(config.threads)
+            self._note_sampling()
+            self._resolve_paths()  # a missing draft model or head is refused before the model loads
+            engine = load_engine(config.model, config.device, config.dtype, quiet=config.quiet)
+            enable_cuda_graphs(engine.target, config.graphs)
+            _shared = _Loaded(engine, load_store(config.store, engine, config.occurrence))
+        self._shared = _shared
+        self.engine: Engine = _shared.engine
+        self.method_config = config.method_config(self.engine.device)
+        draft_path, head_path, eagle_path = self._resolve_paths()
+        self._draft = _shared.draft(draft_path) if draft_path else None
+        self._head = _shared.head(head_path, self._draft) if head_path else None
+        self._eagle = _shared.eagle(eagle_path) if eagle_path else None
+        self.generation = GenerationConfig(max_new_tokens=config.max_new_tokens,
+                                           eos_token_ids=self.engine.eos_token_ids, sampling=config.sampling)
+        self.drafter = self._build_drafter(quiet=config.quiet)
+        if config.memory_file:
+            load_memory(config.memory_file, self.engine, self.drafter)
+        self.record = {"method": config.method, "model": self.engine.name, "store": config.store,
+                       "draft_model": draft_path, "acc_head": head_path, "eagle_head": eagle_path,
+                       "config": {"session": config.to_record(), "generation": asdict(self.generation),
+                                  "method": asdict(self.method_config)}}
+        self.warm = False
+
+    @classmethod
+    def over(cls, engine: Engine, config: SessionConfig, store: Datastore | None = None) -> "Session":
+        """A session on an engine that is already built (samctl.hf wraps a loaded model in one);
+        config.model, device, dtype, threads, graphs and store are not read."""
+        return cls(replace(config, model=engine.name), _shared=_Loaded(engine, store))
+
+    def for_method(self, method: str, **changes: Any) -> "Session":
+        """A session of another method (or other settings) on the same engine, store and heads."""
+        changes = {"memory_file": None, "quiet": True, **changes}  # notes were said by the first session
+        return Session(replace(self.config, method=method, **changes), _shared=self._shared)
+
+    @property
+    def store(self) -> Datastore | None:
+        return self._shared.store
+
+    @property
+    def draft_model(self):
+        """The draft model the method runs with (decode.draft_model.DraftModel), or None."""
+        return self._draft
+
+    # -- text ----------------------------------------------------------------------------------
+
+    def encode(self, prompt: str | Sequence[int] | list[dict[str, str]]) -> list[int]:
+        """Token ids of a prompt: text, ids as they are, or a conversation (a list of messages)."""
+        if isinstance(prompt, str):
+            return self.engine.encode(prompt, self.config.chat)
+        if prompt and isinstance(prompt[0], dict):
+            return self.engine.encode_conversation(list(prompt), self.config.chat)
+        return [int(t) for t in prompt]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.engine.decode(ids)
+
+    # -- generation ----------------------------------------------------------------------------
+
+    def generate(self, prompt: str | Sequence[int] | list[dict[str, str]], *, prediction: str | None = None,
+                 on_tokens: Callable[[list[int]], None] | None = None, drafter: Drafter | None = None
+                 ) -> GenerationResult:
+        """Generate after `prompt` with the session's drafter (or `drafter`); `prediction` is the
+        expected output (e.g. the file being edited), for the methods that draft from one."""
+        ids = self.encode(prompt)
+        drafter = self.drafter if drafter is None else drafter
+        self._expect(drafter, prediction)
+        if not self.warm:
+            self.warm_up(ids)
+        return decode_generate(self.engine.target, drafter, ids, self.generation, on_tokens=on_tokens)
+
+    def fresh_drafter(self) -> Drafter:
+        """A new drafter of the session's method that shares nothing learned with the kept one."""
+        return self._build_drafter(quiet=True)
+
+    def warm_up(self, ids: list[int]) -> None:
+        """Run a throwaway drafter and plain decoding once, so that JIT cache loads, lazy imports
+        and allocator growth are paid outside every timed run. On the prompt itself, so that the
+        drafter takes the paths the timed runs take; with a throwaway drafter, because warming the
+        kept one would teach it (Token Recycle, memories) this very prompt."""
+        self.warm = True
+        warm = GenerationConfig(max_new_tokens=WARM_UP_TOKENS, eos_token_ids=(), sampling=self.config.sampling)
+        decode_generate(self.engine.target, self.fresh_drafter(), ids, warm)
+        decode_generate(self.engine.target, NoDraft(), ids, warm)
+
+    def compare(self, prompt: str | Sequence[int] | list[dict[str, str]], result: GenerationResult,
+                runs: int = 1) -> dict[str, Any]:
+        """Plain decoding (ar) on the same prompt; with runs > 1, more rounds of (fresh drafter,
+        ar) in alternating order, so that a drift of the machine hits both sides alike. The speedup
+        is the median of the per-round ratios of tokens/s; every round's greedy output must equal
+        the first ar's."""
+        ids = self.encode(prompt)
+        rounds = [(result, self.generate(ids, drafter=NoDraft()))]
+        for k in range(1, runs):
+            if k % 2:
+                baseline = self.generate(ids, drafter=NoDraft())
+                rounds.append((self.generate(ids, drafter=self.fresh_drafter()), baseline))
+            else:
+                method = self.generate(ids, drafter=self.fresh_drafter())
+                rounds.append((method, self.generate(ids, drafter=NoDraft())))
+        reference = rounds[0][1].tokens
+        diffs = [first_difference(r.tokens, reference) for pair in rounds for r in pair]
+        first_diff = next((d for d in diffs if d is not None), None)
+        greedy = self.config.sampling.greedy
+        ratios = [m.metrics.tokens_per_s / b.metrics.tokens_per_s if b.metrics.tokens_per_s else 0.0
+                  for m, b in rounds]
+        same = first_diff if first_diff is not None else len(reference)
+        return {
+            "ar_metrics": rounds[0][1].metrics.to_dict(),
+            "speedup": round(statistics.median(ratios), 3),
+            "speedup_runs": [round(r, 3) for r in ratios],
+            "tokens_per_s": round(statistics.median(m.metrics.tokens_per_s for m, _ in rounds), 3),
+            "ar_tokens_per_s": round(statistics.median(b.metrics.tokens_per_s for _, b in rounds), 3),
+            "identical": (first_diff is None) if greedy else None,
+            "first_difference": first_diff if greedy else None,
+            # float32: a difference is an error; half precision: near-tie drift
+            "exact_dtype": self.engine.target.dtype == torch.float32,
+            "agreeing_prefix_rate": round(same / len(reference), 4) if greedy and reference else None,
+        }
+
+    def save_memory(self, path: str) -> int:
+        """Write the drafter's memory of outputs to a store; returns the number of outputs."""
+        return save_memory(path, self.engine, self.drafter)
+
+    # -- building ------------------------------------------------------------------------------
+
+    def _resolve_paths(self) -> tuple[str | None, str | None, str | None]:
+        c = self.config
+        draft, head = resolve_draft_paths(c.method, c.model, c.draft_model, c.acc_head, quiet=c.quiet,
+                                          greedy=c.sampling.greedy)
+        return draft, head, resolve_eagle_path(c.method, c.model, c.eagle_head, quiet=c.quiet)
+
+    def _build_drafter(self, quiet: bool) -> Drafter:
+        store = self.store if uses_store(self.config.method) else None
+        if self.store is not None and store is None and not quiet:
+            click.echo(f"samctl: note: method {self.config.method} does not use the store {self.config.store}", err=True)
+        return build_drafter(self.config.method, self.engine, store, self.method_config, draft=self._draft,
+                             head=self._head, sampling=self.config.sampling, quiet=quiet, eagle=self._eagle)
+
+    def _note_sampling(self) -> None:
+        c = self.config
+        if not c.sampling.greedy and not method_entry(c.method).lossless and not c.quiet:
+            click.echo(f"samctl: note: {c.method} is not lossless when sampling: its outputs do not "
+                       "follow the model's distribution (use sdsat for that)", err=True)
+
+    def _expect(self, drafter: Drafter, prediction: str | None) -> None:
+        """Hand the drafter the request's expected output (tokenized as plain text), if it takes one."""
+        expect = getattr(drafter, "expect", None)
+        if expect is not None:
+            expect(None if not prediction else
+                   self.engine.tokenizer(prediction, add_special_tokens=False)["input_ids"])
+
+
+def set_threads(threads: int | None) -> None:
+    """torch's CPU threads; None leaves torch's choice."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise UserError(f"--threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where two token lists differ (the shorter length if one extends the other)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))

@@ -1,0 +1,63 @@
+"""The Session: one configuration, validated up front, behind every command and the Python API."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from samctl.decode.sampling import SamplingConfig
+from samctl.index.errors import UserError
+from samctl.session import Session, SessionConfig
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"method": "no-such"}, "unknown method"),
+    ({"threads": 0}, "--threads"),
+    ({"max_new_tokens": 0}, "--max-new-tokens"),
+    ({"settings": {"max_nodez": 3}}, "max_nodez"),
+    ({"settings": {"gamma": 0}}, "--gamma"),
+])
+def test_a_bad_configuration_is_refused_before_anything_loads(changes, named):
+    with pytest.raises(UserError, match=re.escape(named)):
+        SessionConfig(model="/nonexistent/model", **changes)
+
+
+def test_a_session_generates_compares_and_records_its_configuration(model_dir):
+    config = SessionConfig(model=str(model_dir), method="pld", max_new_tokens=12, quiet=True,
+                           settings={"pld_tokens": 3})
+    session = Session(config)
+    result = session.generate("def f(x):\n    return x + 1\n\ndef g(x):\n")
+    check = session.compare("def f(x):\n    return x + 1\n\ndef g(x):\n", result)
+    assert check["identical"] and len(result.tokens) == 12
+    recorded = session.record["config"]["session"]
+    assert recorded["method"] == "pld" and recorded["settings"] == {"pld_tokens": 3}
+    assert session.record["config"]["method"]["pld"]["num_draft"] == 3  # settings reached the drafter
+
+
+def test_sessions_of_other_methods_share_the_loaded_engine(model_dir):
+    session = Session(SessionConfig(model=str(model_dir), method="ar", max_new_tokens=8, quiet=True))
+    other = session.for_method("adaptive")
+    assert other.engine is session.engine and other.drafter is not session.drafter
+    prompt = [{"role": "user", "content": "abc abc abc abc"}]
+    assert other.generate(prompt).tokens == session.generate(prompt).tokens
+
+
+def test_sampling_settings_reach_the_generation(model_dir):
+    sampling = SamplingConfig(temperature=0.8, top_k=0, top_p=1.0, seed=7)
+    session = Session(SessionConfig(model=str(model_dir), method="pld", max_new_tokens=10, sampling=sampling,
+                                    quiet=True))
+    first = session.generate("hello hello")
+    again = session.generate("hello hello")
+    assert first.tokens == again.tokens  # one seed, one sample
+    assert session.generation.sampling == sampling
+
+
+def test_readme_python_api_example_runs_as_written(capsys):
+    text = README.read_text(encoding="utf-8")
+    block = text.split("<!-- python-api-example -->", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(block, "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "tokens per step" in out
