@@ -106,7 +106,7 @@ class EagleHead(nn.Module):
         return index if self.vocab is None else self.vocab[index]
 
 
-# -- training (EAGLE-1's objective; the tool is tools/train_eagle.py) ------------------------------
+# -- training (EAGLE-1's objective; the tool is `samctl train eagle`) ------------------------------
 
 
 @torch.inference_mode()

@@ -86,8 +86,12 @@ class Method:
     not_replayable: str = ""  # why `simulate` cannot replay it without a model ("" = it can)
     takes_prediction: bool = False  # drafts from an expected output (--prediction)
     sized_by_cost: bool = False  # sizes drafts by the target's verify-cost curve (samctl calibrate)
-    needs_sat_model: bool = False  # a target fine-tuned with semantic adaptive tokens (tools/train_sdsat.py)
+    needs_sat_model: bool = False  # a target fine-tuned with semantic adaptive tokens (`samctl train sdsat`)
     lossless: bool = True  # False only for reference reproductions whose sampling is biased
+    # `simulate --sweep`: (config section, field) -> values; fields of `store_fields` count only
+    # when a store is given
+    sweep: dict[tuple[str, str], tuple] = field(default_factory=dict)
+    store_fields: tuple[tuple[str, str], ...] = ()
 
 
 def _recycle(r: Resources) -> TokenRecycleDrafter:
@@ -132,19 +136,26 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("adaptive", "every retrieval source (prompt and output, store, memory of earlier requests, "
            "--prediction) and Token Recycle, scored and sized by the verify cost (the default)",
            lambda r: AdaptiveDrafter(r.config.adaptive, r.static, r.cost, r.vocab_size, r.device),
-           uses_store=True, takes_prediction=True, sized_by_cost=True),
+           uses_store=True, takes_prediction=True, sized_by_cost=True,
+           sweep={("adaptive", "max_nodes"): (8, 16, 32, 64), ("adaptive", "min_prob"): (0.01, 0.02, 0.035, 0.05, 0.1),
+                  ("adaptive", "width"): (2, 3, 4)}),
     Method("ar", "nothing: plain decoding through the same loop, the baseline", lambda r: NoDraft()),
     Method("pld", "prompt lookup: the earliest earlier match of the last 1..3 tokens",
-           lambda r: PromptLookupDrafter(r.config.pld, r.eos_token_ids)),
+           lambda r: PromptLookupDrafter(r.config.pld, r.eos_token_ids),
+           sweep={("pld", "max_ngram"): (1, 2, 3, 4, 5), ("pld", "num_draft"): (5, 10, 20, 40)}),
     Method("sam", "SAM-Decoding: longest suffix match in the prompt/output automaton and the store",
-           lambda r: SamDrafter(r.config.sam, static=r.static), uses_store=True),
+           lambda r: SamDrafter(r.config.sam, static=r.static), uses_store=True,
+           sweep={("sam", "dyn_threshold"): (1, 2, 3, 5, 8), ("sam", "alpha"): (1.0, 4.0, 16.0),
+                  ("sam", "max_draft"): (10, 20, 39, 60), ("sam", "static_bias"): (0, 5)},
+           store_fields=(("sam", "static_bias"),)),
     Method("recycle", "Token Recycle: a static tree over each token's recorded likely successors", _recycle,
            not_replayable="Token Recycle learns its table from the target's logits"),
     Method("sam+recycle", "sam when the match is long enough, Token Recycle otherwise",
            lambda r: SamDrafter(r.config.sam, static=r.static, fallback=_recycle(r)), uses_store=True,
            not_replayable=_LOGITS),
     Method("rest", "REST: a tree of the most frequent continuations in the store",
-           lambda r: RestDrafter(r.config.rest, r.static), uses_store=True),
+           lambda r: RestDrafter(r.config.rest, r.static), uses_store=True,
+           sweep={("rest", "num_nodes"): (16, 32, 64), ("rest", "max_depth"): (4, 6, 10)}),
     Method("lookahead", "Lookahead decoding: a Jacobi window and an n-gram pool verified in the same forward "
            "(simulate replays the pool only)",
            lambda r: LookaheadDrafter(r.config.lookahead, r.vocab_size, r.device, r.eos_token_ids)),
@@ -159,7 +170,7 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
            "verifies its --gamma tokens plus the pool's suffixes", _ouroboros,
            needs_draft=True, not_replayable=_DRAFT_MODEL),
     Method("sdsat", "SDSAT: a target fine-tuned with semantic adaptive tokens drafts k tokens for itself "
-           "(tools/train_sdsat.py)", _sdsat, needs_sat_model=True,
+           "(`samctl train sdsat`)", _sdsat, needs_sat_model=True,
            not_replayable="its drafts come from the target's own forward at SAT tokens"),
     Method("sdsat-nucleus-reference", "NOT LOSSLESS when sampling: the SDSAT paper's nucleus variant (a static "
            "tree of sampled SAT candidates, the best of independently drawn paths), for comparison only",
@@ -229,12 +240,12 @@ def make_drafter(
                         "that shares the target's tokenizer")
     if entry.needs_head and head is None:
         raise UserError(f"method {name} needs an acceptance head: pass --acc-head "
-                        "(train one with tools/train_acceptance_head.py)")
+                        "(train one with `samctl train acc-head`)")
     if entry.needs_sat_model and target is None:
         raise UserError(f"method {name} drafts with the target itself: it needs the loaded target model")
     if entry.needs_eagle and eagle is None:
         raise UserError(f"method {name} needs an EAGLE head: pass --eagle-head with a folder written by "
-                        "tools/train_eagle.py for this model")
+                        "`samctl train eagle` for this model")
     return entry.build(Resources(vocab_size=vocab_size, device=torch.device(device), eos_token_ids=eos_token_ids,
                                  static=static if entry.uses_store else None, config=config, draft=draft,
                                  head=head, sampling=sampling, cost=cost, target=target, eagle=eagle))

@@ -48,18 +48,18 @@ def read_settings(config: Any, name: str = "the model") -> SatSettings:
     raw = getattr(config, CONFIG_KEY, None)
     if not isinstance(raw, dict):
         raise UserError(f"{name} has no semantic adaptive tokens (no \"{CONFIG_KEY}\" in its config.json): "
-                        f"fine-tune it with `python tools/train_sdsat.py --model {name} --out DIR`, "
+                        f"fine-tune it with `samctl train sdsat --model {name} --out DIR`, "
                         "then pass --model DIR")
     try:
         settings = SatSettings(int(raw["sat_token_id"]), int(raw["sat_count"]), str(raw.get("sat_token", "")),
                                bool(raw.get("added_to_vocab", False)))
     except (KeyError, TypeError, ValueError) as err:
         raise UserError(f"{name}: the \"{CONFIG_KEY}\" section of config.json is damaged ({err}): "
-                        "fine-tune again with tools/train_sdsat.py") from None
+                        "fine-tune again with `samctl train sdsat`") from None
     vocab = int(getattr(config, "vocab_size", settings.sat_token_id + 1))
     if settings.sat_token_id >= vocab:
         raise UserError(f"{name}: SAT id {settings.sat_token_id} is outside the vocabulary ({vocab}): "
-                        "fine-tune again with tools/train_sdsat.py")
+                        "fine-tune again with `samctl train sdsat`")
     return settings
 
 

@@ -18,7 +18,7 @@ accepted tokens and draft lengths then equal the engine's exactly. Drafters that
 target's logits (Token Recycle, draft models) cannot be replayed; `check_replayable` says so.
 Drafters that read the target's hidden states (EAGLE heads, `needs_hidden`) replay when the caller
 passes `hidden`, the target's features over prompt + reference from one teacher-forced forward
-(tools/train_eagle.py does): each step hands them the rows of the committed positions, as the
+(`samctl train eagle` does): each step hands them the rows of the committed positions, as the
 engine's verify forward would.
 
 Also here: `Tally`, totals over traces with the pooled per-step means, and `CostModel`, a two-
@@ -38,13 +38,13 @@ import numpy as np
 
 from samctl.decode.engine.cost import linear_cost, relative_cost
 from samctl.decode.drafters.base import Drafter
-from samctl.decode.methods import REPLAYABLE, MethodConfig, method
+from samctl.decode.methods import REPLAYABLE, MethodConfig, method as method_entry
 from samctl.decode.metrics import Metrics
 from samctl.decode.tree import walk_tree
 from samctl.index.errors import UserError
 
 def check_replayable(name: str) -> None:
-    why = method(name).not_replayable
+    why = method_entry(name).not_replayable
     if why:
         raise UserError(f"method {name} cannot be replayed without a model ({why}): simulate takes "
                         f"{', '.join(REPLAYABLE)}; measure {name} with samctl bench")
@@ -243,22 +243,11 @@ def tally_by_category(traces: list[Trace], metrics: list[Metrics]) -> dict[str, 
     return tallies
 
 
-# Sweep grid: per method, (config section, field) -> values. Static-store fields only count when
-# a store is given.
-SWEEP_GRID: dict[str, dict[tuple[str, str], tuple]] = {
-    "adaptive": {("adaptive", "max_nodes"): (8, 16, 32, 64), ("adaptive", "min_prob"): (0.01, 0.02, 0.035, 0.05, 0.1),
-                 ("adaptive", "width"): (2, 3, 4)},
-    "sam": {("sam", "dyn_threshold"): (1, 2, 3, 5, 8), ("sam", "alpha"): (1.0, 4.0, 16.0),
-            ("sam", "max_draft"): (10, 20, 39, 60), ("sam", "static_bias"): (0, 5)},
-    "pld": {("pld", "max_ngram"): (1, 2, 3, 4, 5), ("pld", "num_draft"): (5, 10, 20, 40)},
-    "rest": {("rest", "num_nodes"): (16, 32, 64), ("rest", "max_depth"): (4, 6, 10)},
-}
-_STORE_FIELDS = {("sam", "static_bias")}
-
-
 def sweep_configs(method: str, base: MethodConfig, has_store: bool) -> Iterator[tuple[dict[str, Any], MethodConfig]]:
-    """Every grid point of `method` as (setting {"section.field": value}, config based on base)."""
-    grid = {k: v for k, v in SWEEP_GRID.get(method, {}).items() if has_store or k not in _STORE_FIELDS}
+    """Every grid point of `method`'s sweep (its registry entry) as (setting {"section.field":
+    value}, config based on base)."""
+    entry = method_entry(method)
+    grid = {k: v for k, v in entry.sweep.items() if has_store or k not in entry.store_fields}
     keys = list(grid)
     for values in itertools.product(*(grid[k] for k in keys)):
         config = base

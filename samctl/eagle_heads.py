@@ -28,7 +28,7 @@ from samctl.heads import read_head_header
 FORMAT = "samctl-eagle-head"
 VERSION = 1
 WEIGHTS, CONFIG = "eagle.safetensors", "eagle.json"
-_TRAIN_HINT = "train one for this model with tools/train_eagle.py"
+_TRAIN_HINT = "train one for this model with `samctl train eagle`"
 
 
 def save_eagle_head(path: str | Path, head: EagleHead, target: dict[str, str], training: dict[str, Any],
@@ -85,7 +85,7 @@ def load_eagle_head(path: str | Path, target_model: torch.nn.Module, target: dic
 
 
 def read_meta(folder: Path) -> dict[str, Any]:
-    meta = read_head_header(folder, CONFIG, WEIGHTS, FORMAT, VERSION, "an EAGLE head", "tools/train_eagle.py")
+    meta = read_head_header(folder, CONFIG, WEIGHTS, FORMAT, VERSION, "an EAGLE head", "`samctl train eagle`")
     target = meta.get("target")
     ok = (isinstance(meta.get("hidden_size"), int) and 0 < meta["hidden_size"] <= 1 << 16
           and isinstance(target, dict) and all(isinstance(target.get(k), str) for k in ("config", "tokenizer")))

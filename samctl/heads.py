@@ -77,7 +77,7 @@ def load_head(path: str | Path, target: dict[str, str], draft: dict[str, str],
             raise UserError(f"acceptance head {folder} was trained for another {role} model "
                             f"(config {trained['config']}, tokenizer {trained['tokenizer']}; this one has "
                             f"{wanted['config']}, {wanted['tokenizer']}): train a head for this pair with "
-                            "tools/train_acceptance_head.py")
+                            "`samctl train acc-head`")
         if trained.get("weights") not in (None, wanted.get("weights")):
             click.echo(f"samctl: note: acceptance head {folder} was trained on other weights of this {role} "
                        "architecture; its predictions may be off (retrain it for these weights)", err=True)
@@ -118,7 +118,7 @@ def read_head_header(folder: Path, config: str, weights: str, form: str, version
 
 def _read_meta(folder: Path) -> dict[str, Any]:
     meta = read_head_header(folder, CONFIG, WEIGHTS, FORMAT, VERSION, "an acceptance head",
-                            "tools/train_acceptance_head.py")
+                            "`samctl train acc-head`")
     ok = (isinstance(meta.get("hidden_size"), int) and 0 < meta["hidden_size"] <= 1 << 16
           and isinstance(meta.get("num_blocks"), int) and 0 <= meta["num_blocks"] <= 64
           and isinstance(meta.get("shared_blocks"), bool)

@@ -18,7 +18,7 @@ from samctl.decode.acceptance_head import AcceptanceHead
 from samctl.decode.draft_model import DraftModel
 from samctl.decode.engine.cost import relative_cost
 from samctl.decode.eagle_head import EagleHead
-from samctl.decode.methods import DRAFT_METHODS, MethodConfig, make_drafter, method, uses_store
+from samctl.decode.methods import DRAFT_METHODS, MethodConfig, make_drafter, method as method_entry, uses_store
 from samctl.decode.drafters.base import Drafter
 from samctl.decode.sampling import SamplingConfig
 from samctl.decode.engine.target import TargetModel
@@ -209,14 +209,14 @@ def resolve_draft_paths(method: str, model: str | None, draft: str | None, head:
         draft = str(DEFAULT_DRAFT_DIR)
         note(f"using the embedded default draft model ({DEFAULT_DRAFT_DIR.parent.name}/{DEFAULT_DRAFT_DIR.name}); "
              "pass --draft-model to choose another")
-    if method != "specdec++":
+    if not method_entry(method).needs_head:
         if head is not None:
             note(f"note: method {method} does not use --acc-head")
         return draft, None
     if head is None:
         if draft != str(DEFAULT_DRAFT_DIR) or not DEFAULT_HEAD_DIR.is_dir():
             raise UserError("method specdec++ needs an acceptance head: pass --acc-head with a folder written "
-                            "by tools/train_acceptance_head.py for this target and draft")
+                            "by `samctl train acc-head` for this target and draft")
         chosen = DEFAULT_GREEDY_HEAD_DIR if greedy and DEFAULT_GREEDY_HEAD_DIR.is_dir() else DEFAULT_HEAD_DIR
         head = str(chosen)
         note(f"using the embedded default acceptance head ({chosen.parent.name}/{chosen.name})")
@@ -262,7 +262,7 @@ def load_acc_head(path: str, engine: Engine, draft: DraftModel) -> AcceptanceHea
 def resolve_eagle_path(method_name: str, model: str | None, path: str | None, quiet: bool = False) -> str | None:
     """The EAGLE head folder `method_name` runs with, or None where unused. Without --eagle-head the
     embedded head serves the embedded default target only."""
-    if not method(method_name).needs_eagle:
+    if not method_entry(method_name).needs_eagle:
         if path is not None and not quiet:
             click.echo(f"samctl: note: method {method_name} does not use --eagle-head", err=True)
         return None
@@ -270,7 +270,7 @@ def resolve_eagle_path(method_name: str, model: str | None, path: str | None, qu
         return path
     if model is not None or not DEFAULT_EAGLE_DIR.is_dir():
         raise UserError(f"method {method_name} needs an EAGLE head: pass --eagle-head with a folder written by "
-                        "tools/train_eagle.py for this model")
+                        "`samctl train eagle` for this model")
     if not quiet:
         click.echo(f"samctl: using the embedded EAGLE head ({DEFAULT_EAGLE_DIR.parent.name}/{DEFAULT_EAGLE_DIR.name})",
                    err=True)
@@ -299,7 +299,7 @@ def build_drafter(name: str, engine: Engine, store: Datastore | None, config: Me
 
     if store is not None and not uses_store(name) and not quiet:
         click.echo(f"samctl: note: method {name} does not use the store {Path(store.path).name}", err=True)
-    cost = relative_cost(cost_curve(engine, quiet=quiet)) if method(name).sized_by_cost else None
+    cost = relative_cost(cost_curve(engine, quiet=quiet)) if method_entry(name).sized_by_cost else None
     return make_drafter(
         name,
         vocab_size=engine.vocab_size,

@@ -184,7 +184,7 @@ def test_training_tool_end_to_end(model_dir, tmp_path):
             for i in range(30)]
     (tmp_path / "prompts.json").write_text(json.dumps(rows))
     out = tmp_path / "head"
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "train_acceptance_head.py"), "--target", str(model_dir),
+    proc = subprocess.run([sys.executable, "-m", "samctl", "train", "acc-head", "--target", str(model_dir),
                            "--draft", str(draft_dir), "--prompts", str(tmp_path / "prompts.json"), "--num-prompts", "30",
                            "--heldout", "0.2", "--max-new-tokens", "16", "--steps", "300", "--out", str(out)],
                           capture_output=True, text=True, timeout=600)

@@ -1,5 +1,5 @@
-"""tools/self_distill.py (the target's own greedy answers, shared by train_eagle and train_sdsat)
-and tools/train_eagle.py's data selection, on the embedded target."""
+"""samctl/train/answers.py (the target's own greedy answers, shared by train_eagle and train_sdsat)
+and `samctl train eagle`'s data selection, on the embedded target."""
 from __future__ import annotations
 
 import json
@@ -33,7 +33,7 @@ def naive_greedy(engine, prompt: list[int], max_new_tokens: int) -> list[int]:
 
 
 def test_batched_left_padded_answers_equal_naive_greedy(engine):
-    from tools.self_distill import write_responses
+    from samctl.train.answers import write_responses
 
     texts = ["def add(a, b):", "Write a function that reverses a list in Python.", "x", "Question: 2 + 2 = ?"]
     prompts = [engine.encode(t, chat=False) for t in texts]
@@ -43,7 +43,7 @@ def test_batched_left_padded_answers_equal_naive_greedy(engine):
 
 
 def test_cached_answers_are_reused_and_extended(engine, tmp_path, monkeypatch):
-    import tools.self_distill as sd
+    import samctl.train.answers as sd
 
     prompts = [engine.encode(f"def f{i}(x):", chat=False) for i in range(5)]
     first = sd.cached_responses(engine, prompts, 6, 2, tmp_path, "k", chunk=2, enough=lambda a: len(a) >= 2)
@@ -58,7 +58,7 @@ def test_cached_answers_are_reused_and_extended(engine, tmp_path, monkeypatch):
 
 
 def test_spec_bench_turns_are_kept_out(tmp_path):
-    from tools.train_eagle import drop_excluded
+    from samctl.train.eagle import drop_excluded
 
     questions = tmp_path / "q.jsonl"
     questions.write_text(json.dumps({"question_id": 1, "turns": ["What is  2+2?", "And 3+3?"]}) + "\n")
@@ -68,7 +68,7 @@ def test_spec_bench_turns_are_kept_out(tmp_path):
 
 
 def test_train_eagle_self_distilled_run_records_its_data(tmp_path):
-    import tools.train_eagle as train
+    import samctl.train.eagle as train
 
     data = tmp_path / "data"
     data.mkdir()

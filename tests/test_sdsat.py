@@ -70,7 +70,7 @@ def test_kl_teacher_sees_what_the_untrained_model_sees(tiny_model_dir):
     # The training forward (lower layers once, top layers on top) gives the model's own logits,
     # and before any step the frozen teacher's distribution at the standard positions is the
     # model's: the KL term starts at 0 and only measures drift of the trained top layers.
-    import tools.train_sdsat as train
+    import samctl.train.sdsat as train
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     rng = np.random.default_rng(5)
@@ -100,7 +100,7 @@ def test_settings_are_read_or_refused_in_one_line():
 
     config = LlamaConfig(vocab_size=100, sdsat={"sat_token_id": 7, "sat_count": 5, "sat_token": "<x>"})
     assert read_settings(config) == SatSettings(7, 5, "<x>", False)
-    for bad, words in ((None, "tools/train_sdsat.py --model m"), ({"sat_count": 5}, "damaged"),
+    for bad, words in ((None, "samctl train sdsat --model m"), ({"sat_count": 5}, "damaged"),
                        ({"sat_token_id": 100, "sat_count": 5}, "outside the vocabulary"),
                        ({"sat_token_id": 3, "sat_count": 0}, "sat_count >= 1")):
         config = LlamaConfig(vocab_size=100, sdsat=bad)
@@ -148,11 +148,11 @@ def test_cli_refuses_a_model_without_sats(tmp_path):
     result = CliRunner().invoke(cli, ["generate", "--method", "sdsat", "--prompt", "hi", "--max-new-tokens", "4"],
                                 standalone_mode=False)
     assert isinstance(result.exception, UserError)
-    assert "tools/train_sdsat.py" in str(result.exception) and "\n" not in str(result.exception)
+    assert "`samctl train sdsat --model" in str(result.exception) and "\n" not in str(result.exception)
 
 
 def test_train_script_writes_a_folder_sdsat_loads(tmp_path):
-    import tools.train_sdsat as train
+    import samctl.train.sdsat as train
 
     data = tmp_path / "gsm.jsonl"
     rows = [{"question": f"What is {i} plus {i}?", "answer": f"{i} plus {i} is {2 * i}. The answer is {2 * i}."}

@@ -15,7 +15,7 @@ median. Counting follows METHODS.md section 12:
   over ar's (a ratio of means of per-prompt rates, as Spec-Bench).
 Every method's output is checked equal to ar's, token for token.
 
-Prompts: an Alpaca-shape JSON list (shuffled with --seed exactly as tools/train_acceptance_head.py
+Prompts: an Alpaca-shape JSON list (shuffled with --seed exactly as `samctl train acc-head`
 does, then taken from the end, so they are not among the head's training prompts as long as both
 counts fit in the file) or a Spec-Bench JSONL (first turn of each row, in file order).
 Writes a JSON record to --out and prints a Markdown table.
@@ -76,7 +76,7 @@ def read_prompts(path: str, n: int, seed: int) -> list[str]:
     rows = json.loads(Path(path).read_text(encoding="utf-8"))
     texts = [r["instruction"] + (f"\n\n{r['input']}" if isinstance(r.get("input"), str) and r["input"].strip() else "")
              for r in rows if isinstance(r, dict) and isinstance(r.get("instruction"), str) and r["instruction"].strip()]
-    random.Random(seed).shuffle(texts)  # the same order as tools/train_acceptance_head.py
+    random.Random(seed).shuffle(texts)  # the same order as `samctl train acc-head`
     return texts[-n:]
 
 

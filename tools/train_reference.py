@@ -50,6 +50,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from samctl.train.prompts import read_instruction_rows
+
 EOS_TOKEN = "<|endoftext|>"
 INSTRUCTION_HEADER = "### Instruction:\n"
 RESPONSE_HEADER = "### Response:\n"
@@ -284,28 +286,6 @@ def read_docs(root: Path, max_bytes: int = 300_000) -> list[Document]:
         seen.add(digest)
         docs.append(Document(f"doc/{path.relative_to(root).as_posix()}", text))
     return docs
-
-
-def read_instruction_rows(data_dir: Path | None) -> dict[str, list[tuple[str, str]]]:
-    """(instruction, response) pairs per instruction set; missing files give empty lists."""
-    rows: dict[str, list[tuple[str, str]]] = {"gsm8k": [], "codealpaca": [], "roleplay": []}
-    if data_dir is None:
-        return rows
-    gsm = data_dir / "gsm8k_train.jsonl"
-    if gsm.exists():
-        for line in gsm.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                row = json.loads(line)
-                rows["gsm8k"].append((row["question"], row["answer"]))
-    for name, filename in (("codealpaca", "codealpaca.json"), ("roleplay", "gpteacher_roleplay.json")):
-        path = data_dir / filename
-        if path.exists():
-            for row in json.loads(path.read_text(encoding="utf-8")):
-                instruction = row["instruction"].strip()
-                if row.get("input", "").strip():
-                    instruction += "\n\n" + row["input"].strip()
-                rows[name].append((instruction, row["output"].strip()))
-    return rows
 
 
 _DOCSTRING = re.compile(r'"""(.*?)"""', re.DOTALL)

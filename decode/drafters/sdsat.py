@@ -1,6 +1,6 @@
 """`sdsat`: the target drafts for itself at semantic adaptive tokens (Liu & Zhu 2024).
 
-The model was fine-tuned (tools/train_sdsat.py) so that, after the committed text, the input
+The model was fine-tuned (`samctl train sdsat`) so that, after the committed text, the input
 `[t0, SAT x k]` at positions p..p+k yields at t0 the next token t1 and at SAT j a guess d_{j+1}
 for the token at p+j+1. Each step:
   1) draft:  peek `[t0, SAT x k]` on the engine's own cache without committing (the SAT K/V is

@@ -18,6 +18,7 @@ COMMANDS = [
     ("calibrate", "Verify cost t(n) for n = 1..64 input tokens: what `adaptive` sizes its drafts by."),
     ("distill", "Generate the model's own answers to prompts and build a store from them."),
     ("chat", "Talk to the model, faster, with per-turn speed and acceptance."),
+    ("train", "Train an EAGLE head, an SDSAT fine-tune or a SpecDec++ acceptance head."),
 ]
 
 

@@ -1,16 +1,16 @@
 """Train an EAGLE head for a target model (METHODS.md section 3), then measure it.
 
-    python tools/train_eagle.py --model /work/runs/smollm2 --data-dir ../shared/data \\
+    samctl train eagle --model /work/runs/smollm2 --data-dir ../shared/data \\
         --cache ../runs/eagle --out ../runs/eagle/smollm2_head --max-tokens 150000 --minutes 25 \\
         --threads 1 --replay ../runs/data/specbench_refs.jsonl
-    python tools/train_eagle.py --device cuda --model M --data-dir D --out H --max-tokens 5000000 --epochs 4
+    samctl train eagle --device cuda --model M --data-dir D --out H --max-tokens 5000000 --epochs 4
 
 1. Data: the instructions of --data-dir (GSM8K train, Code Alpaca, GPTeacher role-play; the
    reference models' mixture without its synthetic copy tasks), any that is a turn of
    --exclude (Spec-Bench, whose questions the replay traces answer) dropped, shuffled with --seed,
    rendered with the model's chat template (user turn, then the response as the assistant's) and
    taken up to --max-tokens; --heldout sequences are kept apart. Responses: --responses self (the
-   default) has the target write its own greedy answers (tools/self_distill.py: batched `generate`,
+   default) has the target write its own greedy answers (samctl/train/answers.py: batched `generate`,
    --max-new-tokens, cached in --cache per model and selection, so a rerun or a larger
    --max-tokens reuses them), which is what replay and acceptance measure; --responses data uses
    the sets' fixed human answers, as EAGLE does with ShareGPT.
@@ -49,22 +49,22 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from samctl.decode.engine.cost import relative_cost  # noqa: E402
-from samctl.decode.drafters.eagle import EagleConfig  # noqa: E402
-from samctl.decode.methods import MethodConfig, make_drafter  # noqa: E402
-from samctl.decode.eagle_head import EagleHead, eagle_loss, target_features  # noqa: E402
-from samctl.decode.simulate import Tally, make_trace, replay  # noqa: E402
-from samctl.index.errors import UserError  # noqa: E402
-from samctl.eagle_heads import save_eagle_head  # noqa: E402
-from samctl.heads import model_fingerprint  # noqa: E402
-from samctl.runtime import Engine, load_engine  # noqa: E402
-from tools.self_distill import cached_responses  # noqa: E402
-from tools.train_reference import read_instruction_rows  # noqa: E402
+from samctl.decode.engine.cost import relative_cost
+from samctl.decode.drafters.eagle import EagleConfig
+from samctl.decode.methods import MethodConfig, make_drafter
+from samctl.decode.eagle_head import EagleHead, eagle_loss, target_features
+from samctl.decode.simulate import Tally, make_trace, replay
+from samctl.index.errors import UserError
+from samctl.eagle_heads import save_eagle_head
+from samctl.gguf_cache import cache_dir
+from samctl.heads import model_fingerprint
+from samctl.runtime import Engine, load_engine
+from samctl.train.answers import cached_responses
+from samctl.train.prompts import read_instruction_rows
 
 
 def read_pairs(data_dir: Path) -> list[tuple[str, str, str]]:
@@ -284,11 +284,13 @@ def replay_traces(engine: Engine, head: EagleHead, path: Path, cost: np.ndarray 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="samctl train eagle", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="target model folder or .gguf")
     p.add_argument("--out", required=True, help="head folder to write")
     p.add_argument("--data-dir", required=True, help="folder with gsm8k_train.jsonl, codealpaca.json, gpteacher_roleplay.json")
-    p.add_argument("--cache", default="../runs/eagle", help="feature cache folder (outside the repository)")
+    p.add_argument("--cache", default=str(cache_dir() / "train-eagle"),
+                   help="folder for the self-written answers and target features, reused by later runs "
+                        "[default: samctl's cache, $SAMCTL_CACHE or ~/.cache/samctl]")
     p.add_argument("--max-tokens", type=int, default=150_000, help="training + held-out tokens")
     p.add_argument("--responses", choices=("self", "data"), default="self",
                    help="self: the target's own greedy answers (cached); data: the sets' fixed answers")

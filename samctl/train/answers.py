@@ -1,6 +1,6 @@
 """Self-distilled training answers: the target model's own greedy responses to training prompts.
 
-Shared by tools/train_sdsat.py and tools/train_eagle.py (`--responses self`). Drafters are scored
+Shared by `samctl train sdsat` and `samctl train eagle` (`--responses self`). Drafters are scored
 on what the target emits under greedy decoding, so training on the target's own answers (as
 Medusa-2 and the EAGLE follow-ups do when the SFT data is not the model's) matches what acceptance
 measures; the datasets' human answers are another distribution.

@@ -1,6 +1,6 @@
 """Train a SpecDec++ acceptance head for one target/draft pair (Huang, Guo & Wang 2024).
 
-    python tools/train_acceptance_head.py --target samctl/models/default/target \
+    samctl train acc-head --target samctl/models/default/target \
         --draft samctl/models/default/draft --prompts ../shared/data/codealpaca.json \
         --num-prompts 300 --out samctl/models/default/acc_head
 
@@ -37,19 +37,18 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from samctl.decode.acceptance_head import (AcceptanceHead, Examples, HeadConfig, TrainConfig,  # noqa: E402
+from samctl.decode.acceptance_head import (AcceptanceHead, Examples, HeadConfig, TrainConfig,
                                     collect_examples, evaluate_head, train_head, weighted_bce)
-from samctl.index.errors import UserError  # noqa: E402
-from samctl.heads import model_fingerprint, save_head  # noqa: E402
-from samctl.runtime import Engine, load_draft, load_engine  # noqa: E402
+from samctl.index.errors import UserError
+from samctl.heads import model_fingerprint, save_head
+from samctl.runtime import Engine, load_draft, load_engine
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="samctl train acc-head", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, help="target model folder")
     ap.add_argument("--draft", required=True, help="draft model folder (same tokenizer)")

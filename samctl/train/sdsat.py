@@ -1,13 +1,13 @@
 """Fine-tune a causal LM with semantic adaptive tokens (SDSAT) so that `--method sdsat` can use it.
 
-    python tools/train_sdsat.py --model ../shared/models/<smollm2>.gguf --out runs/smollm2-sdsat \
+    samctl train sdsat --model ../shared/models/<smollm2>.gguf --out runs/smollm2-sdsat \
         --data ../shared/data --max-minutes 50 --threads 1
 
 1. Data: Alpaca-shape JSON lists (`instruction`, `input`, `output`) and GSM8K JSONL (`question`,
    `answer`) from --data (files or folders), shuffled with --seed; --heldout prompts are kept apart.
    The chat template is applied when the tokenizer has one.
 2. Responses: --responses self (default) has the model write its own greedy answers (transformers'
-   batched `generate`, --max-new-tokens; tools/self_distill.py, shared with train_eagle.py), so
+   batched `generate`, --max-new-tokens; samctl/train/answers.py, shared with train_eagle.py), so
    the SATs learn to predict what greedy decoding will emit, which is what acceptance counts;
    --responses data trains on the files' answers.
 3. The SAT token: --sat-token names a token of the vocabulary; by default the last special token
@@ -44,26 +44,25 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import numpy as np
+import torch
+import torch.nn.functional as F
 
-from samctl.decode.sdsat import IGNORE, SatSettings, make_batch, sample_anchors, write_settings  # noqa: E402
-from samctl.heads import model_fingerprint  # noqa: E402
-from samctl.runtime import Engine, load_engine  # noqa: E402
-from tools.self_distill import cached_responses, write_responses  # noqa: E402
+from samctl.decode.sdsat import IGNORE, SatSettings, make_batch, sample_anchors, write_settings
+from samctl.heads import model_fingerprint
+from samctl.runtime import Engine, load_engine
+from samctl.train.answers import cached_responses, write_responses
 
 NEW_SAT_TOKEN = "<|sat|>"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="samctl train sdsat", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="model folder or .gguf file to fine-tune")
     ap.add_argument("--out", required=True, help="folder for the fine-tuned model")
-    ap.add_argument("--data", nargs="+", default=["../shared/data"],
+    ap.add_argument("--data", nargs="+", required=True,
                     help="Alpaca JSON / GSM8K JSONL files or folders holding them")
     ap.add_argument("--num-prompts", type=int, default=1200)
     ap.add_argument("--heldout", type=int, default=48, help="prompts kept apart for the report")
@@ -337,7 +336,7 @@ def main(argv: list[str] | None = None) -> dict:
     held_rows = rows(held, answers)
     pad = eos[0] if eos else 0
     k = args.sat_count
-    report = {"model": args.model, "out": args.out, "command": "python tools/train_sdsat.py " + shlex.join(
+    report = {"model": args.model, "out": args.out, "command": "samctl train sdsat " + shlex.join(
         sys.argv[1:] if argv is None else argv), "sat_token": sat_text, "sat_token_id": sat_id,
         "added_to_vocab": added, "train_sequences": len(train_rows), "heldout_sequences": len(held_rows),
         "responses": args.responses, "device": str(device), "threads": torch.get_num_threads()}

@@ -1,0 +1,40 @@
+"""`samctl train NAME ARGS...`: the trainers of samctl.train, shipped with the package.
+
+    samctl train eagle     an EAGLE head for a target model (eagle, sam+eagle, adaptive+eagle)
+    samctl train sdsat     an SDSAT fine-tune of a target model (sdsat)
+    samctl train acc-head  a SpecDec++ acceptance head for a target and draft pair (specdec++)
+
+Each trainer keeps its own argparse command line (`samctl train eagle --help` lists it); this
+command only hands the arguments over, so the trainer modules stay importable and testable alone.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import click
+
+TRAINERS = {"eagle": "samctl.train.eagle", "sdsat": "samctl.train.sdsat", "acc-head": "samctl.train.acc_head"}
+
+
+@click.command("train", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                                          "help_option_names": []})
+@click.argument("trainer", required=False)
+@click.pass_context
+def train(ctx: click.Context, trainer: str | None, **_: Any) -> None:
+    """Train an EAGLE head, an SDSAT fine-tune or a SpecDec++ acceptance head.
+
+    \b
+    samctl train eagle --model M --out head/ --data-dir data/
+    samctl train sdsat --model M --out tuned/ --data-dir data/
+    samctl train acc-head --model M --draft-model D --out head/ --data-dir data/
+    samctl train NAME --help      # the trainer's own options
+    """
+    if trainer in (None, "--help", "-h"):
+        click.echo(ctx.get_help())
+        return
+    if trainer not in TRAINERS:
+        from samctl.index.errors import UserError
+
+        raise UserError(f"no trainer {trainer!r}: choose one of {', '.join(TRAINERS)}")
+    importlib.import_module(TRAINERS[trainer]).main(ctx.args)
