@@ -49,6 +49,7 @@ from samctl.index.errors import UserError
 from samctl.bench_report import BASELINE, write_summary
 from samctl.options import method_config, method_options, parse_methods, set_threads
 from samctl.progress import progress_bar
+from samctl.textio import ERRORS, check_utf8
 from samctl.runtime import (Engine, build_drafter, load_acc_head, load_draft, load_eagle, load_engine, load_store,
                             resolve_draft_paths, resolve_eagle_path)
 
@@ -172,7 +173,8 @@ def read_questions(path: Path, categories: str | None, limit: int | None) -> lis
     if limit is not None and limit < 1:
         raise UserError(f"--limit must be >= 1, got {limit}")
     questions = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(path.read_bytes().decode("utf-8", ERRORS).splitlines(), start=1):
+        check_utf8(line, f"{path}:{number}")
         if not line.strip():
             continue
         try:

@@ -25,6 +25,7 @@ import click
 from samctl.decode.methods import DEFAULT_METHOD, METHODS
 from samctl.index.errors import UserError
 from samctl.options import sampling_options
+from samctl.textio import ERRORS
 
 _PROMPT_FIELDS_HELP = "the record field holding the prompt (default: prompt, turns, text, question, instruction)"
 
@@ -85,7 +86,8 @@ def distill(**opts: Any) -> None:
                     record={}, field=opts["prompt_field"])
     if done and not opts["quiet"]:
         click.echo(f"samctl: resuming: {len(done)} prompt(s) already answered in {answers_path}", err=True)
-    with open(opts["prompts_path"], encoding="utf-8") as prompts, open(answers_path, "a", encoding="utf-8") as out:
+    with open(opts["prompts_path"], encoding="utf-8", errors=ERRORS) as prompts, \
+            open(answers_path, "a", encoding="utf-8") as out:
         def write(line: str) -> None:
             out.write(line + "\n")
             out.flush()
@@ -150,7 +152,7 @@ def _documents(prompts_path: str, answers_path: Path, field: str | None) -> Iter
             continue
         if isinstance(record, dict) and "error" not in record and isinstance(record.get("text"), str):
             answers[record.get("id")] = record  # a later answer to the same id wins
-    with open(prompts_path, encoding="utf-8") as lines:
+    with open(prompts_path, encoding="utf-8", errors=ERRORS) as lines:
         for number, line in _records(lines):
             try:
                 record = _parse(line, number)

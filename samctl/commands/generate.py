@@ -38,6 +38,7 @@ from samctl.options import method_config as shared_method_config
 from samctl.options import method_options, sampling_options, set_threads
 from samctl.memory import load_memory, save_memory
 from samctl.progress import progress_bar
+from samctl.textio import TEXT_FILE, check_utf8
 from samctl.runtime import (Engine, build_drafter, load_acc_head, load_draft, load_eagle, load_engine, load_store,
                             resolve_draft_paths, resolve_eagle_path)
 
@@ -51,8 +52,8 @@ WARM_UP_TOKENS = 32
 @click.option("--method", type=click.Choice(ALL_METHODS), default=DEFAULT_METHOD, show_default=True, help="Drafting method (README's method table; adaptive needs no tuning). "
               f"{', '.join(NOT_LOSSLESS)}: NOT lossless when sampling, reference reproductions only.")
 @click.option("--prompt", help="Prompt text.")
-@click.option("--prompt-file", type=click.File("r", encoding="utf-8"), help="File holding the prompt.")
-@click.option("--input", "input_file", type=click.File("r", encoding="utf-8"), help="JSONL batch, '-' for stdin (field prompt, turns, or --field).")
+@click.option("--prompt-file", type=TEXT_FILE, help="File holding the prompt.")
+@click.option("--input", "input_file", type=TEXT_FILE, help="JSONL batch, '-' for stdin (field prompt, turns, or --field).")
 @click.option("--output", "output_path", type=click.Path(dir_okay=False, allow_dash=True), default="-", show_default=True, help="JSONL results of a batch, '-' for stdout.")
 @click.option("--resume", is_flag=True, help="Batch: skip records whose id is already in --output and append the rest (after a killed run).")
 @click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
@@ -62,7 +63,7 @@ WARM_UP_TOKENS = 32
 @click.option("--workers", type=int, default=None, help="--ray: worker actors [default: the cluster's CPUs / --threads, or its GPUs / --gpus-per-worker].")
 @click.option("--gpus-per-worker", type=float, default=0.0, show_default=True, help="--ray: GPUs each worker holds (0: CPU workers).")
 @click.option("--field", "prompt_field", metavar="NAME", help="Batch: the record field holding the prompt.")
-@click.option("--prediction", "prediction_file", type=click.File("r", encoding="utf-8"),
+@click.option("--prediction", "prediction_file", type=TEXT_FILE,
               help="adaptive: the expected output (e.g. the file being edited), drafted from like the prompt; "
                    "in a batch, a record's `prediction` field.")
 @click.option("--memory-file", "memory_file", metavar="STORE", type=click.Path(exists=True, dir_okay=False),
@@ -101,6 +102,13 @@ def generate(**opts: Any) -> None:
     if opts["compare_runs"] < 1:
         raise UserError(f"--compare-runs must be >= 1, got {opts['compare_runs']}")
     _check_batch_options(opts)
+    # The single prompt's files are read (and refused if not UTF-8) before any model loads.
+    single = opts["input_file"] is None
+    prediction = _read_file(opts["prediction_file"], "--prediction") if single else None
+    text = opts["prompt"] if opts["prompt"] is not None else _read_file(opts["prompt_file"], "--prompt-file")
+    if prediction is not None and not method_entry(opts["method"]).takes_prediction:
+        raise UserError(f"method {opts['method']} does not draft from a prediction: drop --prediction "
+                        "or use --method adaptive, lookahead or ouroboros")
     if opts["ray_address"] is not None:
         from samctl.cluster import generate_on_ray
 
@@ -115,11 +123,6 @@ def generate(**opts: Any) -> None:
         _save_memory(opts, engine, drafter)
         _exit_for(failed)
         return
-    prediction = opts["prediction_file"].read() if opts["prediction_file"] is not None else None
-    if prediction is not None and not method_entry(opts["method"]).takes_prediction:
-        raise UserError(f"method {opts['method']} does not draft from a prediction: drop --prediction "
-                        "or use --method adaptive, lookahead or ouroboros")
-    text = opts["prompt"] if opts["prompt"] is not None else opts["prompt_file"].read()
     mismatch = runner.single(text, opts["as_json"], opts["quiet"], prediction)
     _save_memory(opts, engine, drafter)
     if mismatch:
@@ -472,7 +475,15 @@ def record_key(record: dict[str, Any], number: int) -> Any:
     return record.get("id", record.get("question_id", number))
 
 
+def _read_file(handle: IO[str] | None, flag: str) -> str | None:
+    """The text of a file option, refused in one line if it is not UTF-8."""
+    if handle is None:
+        return None
+    return check_utf8(handle.read(), f"{flag} {getattr(handle, 'name', '')}".strip())
+
+
 def _parse(line: str, number: int) -> dict[str, Any]:
+    check_utf8(line, f"line {number}")
     if not line.strip():
         raise UserError(f"line {number} is blank: one JSON object per line (the output keeps one "
                         "line per input line)")

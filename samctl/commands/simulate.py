@@ -38,6 +38,7 @@ from samctl.commands.bench import report_category
 from samctl.costs import read_cost_curve
 from samctl.options import method_config, method_options, parse_methods
 from samctl.progress import progress_bar
+from samctl.textio import read_text
 from samctl.tokenizer import Tokenizer, load_store_tokenizer, load_tokenizer
 
 _OUTPUT_FIELDS = ("output", "completion", "response", "reference")
@@ -169,7 +170,7 @@ def read_traces(path: Path, tokenizer: Tokenizer, chat: bool, max_new_tokens: in
 
 
 def _records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path)
     if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
