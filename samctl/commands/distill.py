@@ -46,8 +46,9 @@ _PROMPT_FIELDS_HELP = "the record field holding the prompt (default: prompt, tur
               help="Also put this corpus in the store (as `samctl build` reads it; repeatable).")
 @click.option("--field", "prompt_field", metavar="NAME", help=_PROMPT_FIELDS_HELP)
 @click.option("--max-new-tokens", type=int, default=256, show_default=True)
-@click.option("--chat/--no-chat", default=True, show_default=True,
-              help="Apply the tokenizer's chat template to the prompts (the way the model will be asked).")
+@click.option("--chat/--no-chat", default=None,
+              help="Apply the tokenizer's chat template to the prompts (the way the model will be asked) "
+                   "[default: --chat when the model has a chat template, else --no-chat].")
 @sampling_options
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
               show_default=True, help="As for generate.")
@@ -71,8 +72,10 @@ def distill(**opts: Any) -> None:
     set_threads(opts["threads"])
     sampling = SamplingConfig(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"])
     answers_path = Path(opts["answers_path"] or opts["output"] + ".answers.jsonl")
-    done = _answered(answers_path)
     engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"])
+    opts["chat"] = _chat_mode(opts["chat"], engine, opts["quiet"])
+    producer = _producer(opts, engine, sampling)
+    done = _answered(answers_path, producer, opts["quiet"])
     config = method_config({}, engine.device)
     store = load_store(opts["store_path"], engine)
     gen_config = GenerationConfig(max_new_tokens=opts["max_new_tokens"], eos_token_ids=engine.eos_token_ids,
@@ -89,7 +92,8 @@ def distill(**opts: Any) -> None:
     with open(opts["prompts_path"], encoding="utf-8", errors=ERRORS) as prompts, \
             open(answers_path, "a", encoding="utf-8") as out:
         def write(line: str) -> None:
-            out.write(line + "\n")
+            # Each answer records what produced it, so that a later run never resumes with others'.
+            out.write(json.dumps({**json.loads(line), "produced_by": producer}, ensure_ascii=False) + "\n")
             out.flush()
 
         failed = runner.batch(_unanswered(prompts, done), write, opts["quiet"])
@@ -125,8 +129,44 @@ def _unanswered(lines, done: set[Any]) -> Iterator[tuple[int, str]]:
             yield number, line
 
 
-def _answered(path: Path) -> set[Any]:
-    """Ids of the records answered without error in an answers file (a torn last line is skipped)."""
+def _chat_mode(chat: bool | None, engine: Any, quiet: bool) -> bool:
+    """--chat/--no-chat as given; unset, the chat template when the model has one."""
+    has_template = bool(getattr(engine.tokenizer, "chat_template", None))
+    if chat and not has_template:
+        raise UserError(f"model {engine.name} has no chat template: pass --no-chat to answer the prompts as plain text")
+    if chat is None and not has_template and not quiet:
+        click.echo(f"samctl: note: model {engine.name} has no chat template: the prompts are given as plain "
+                   "text (--no-chat)", err=True)
+    return has_template if chat is None else chat
+
+
+def _producer(opts: dict[str, Any], engine: Any, sampling: Any) -> dict[str, Any]:
+    """What decides the answers: the model (by fingerprint), its dtype, the prompt rendering and
+    the decoding. The method is left out: every method gives the model's own answers."""
+    from samctl.heads import model_fingerprint
+
+    return {"model": engine.name, "model_fingerprint": model_fingerprint(engine.model, engine.tokenizer),
+            "dtype": str(engine.target.dtype).removeprefix("torch."), "chat": opts["chat"],
+            "field": opts["prompt_field"], "max_new_tokens": opts["max_new_tokens"],
+            "sampling": "greedy" if sampling.greedy else asdict(sampling)}
+
+
+def _same_producer(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return {k: v for k, v in a.items() if k != "model"} == {k: v for k, v in b.items() if k != "model"}
+
+
+def _describe(producer: Any) -> str:
+    if not isinstance(producer, dict):
+        return "an unrecorded setup"
+    sampling = producer.get("sampling")
+    decoding = "greedy" if sampling == "greedy" else f"sampling {sampling}"
+    return (f"{producer.get('model')}, {'chat' if producer.get('chat') else 'no-chat'}, {decoding}, "
+            f"max {producer.get('max_new_tokens')} new tokens, {producer.get('dtype')}")
+
+
+def _answered(path: Path, producer: dict[str, Any], quiet: bool) -> set[Any]:
+    """Ids of the records answered without error in an answers file (a torn last line is skipped).
+    An answers file written by another model or other settings is started over, never mixed in."""
     done: set[Any] = set()
     if not path.is_file():
         return done
@@ -135,7 +175,15 @@ def _answered(path: Path) -> set[Any]:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut short by an interruption: that record is generated again
-        if isinstance(record, dict) and "error" not in record and isinstance(record.get("text"), str):
+        if not isinstance(record, dict):
+            continue
+        if not _same_producer(record.get("produced_by") or {}, producer):
+            if not quiet:
+                click.echo(f"samctl: {path} holds answers by {_describe(record.get('produced_by'))}; this run is "
+                           f"{_describe(producer)}: starting the answers over", err=True)
+            path.unlink()
+            return set()
+        if "error" not in record and isinstance(record.get("text"), str):
             done.add(record.get("id"))
     return done
 
