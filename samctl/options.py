@@ -7,14 +7,15 @@ generates, and `parse_methods` reads a comma-separated method list.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import click
 
-import torch
-
 from samctl.decode.methods import MethodConfig
 from samctl.index.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 # On a CPU a verify of q tokens costs about q times a small fixed cost once q passes a handful
 # (tools/bench_draft.py: 4.4 ms at 1 token, 10 ms at 16, 28 ms at 81 for the embedded model), so
@@ -98,6 +99,8 @@ def set_threads(threads: int | None) -> None:
         return
     if threads < 1:
         raise UserError(f"--threads must be >= 1, got {threads}")
+    import torch
+
     torch.set_num_threads(threads)
 
 

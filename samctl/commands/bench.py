@@ -34,24 +34,22 @@ import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import click
-import torch
 
-from samctl.decode.drafters.base import Drafter
-from samctl.decode.engine.graphs import enable_cuda_graphs
-from samctl.decode.loop import GenerationConfig, generate as decode_generate
-from samctl.decode.acceptance_head import AcceptanceHead
-from samctl.decode.draft_model import DraftModel
 from samctl.decode.methods import DRAFT_METHODS, EAGLE_METHODS, METHODS, SELF_DRAFT_METHODS, MethodConfig, method as method_entry, uses_store
 from samctl.index.errors import UserError
 from samctl.bench_report import BASELINE, write_summary
 from samctl.options import method_config, method_options, parse_methods, set_threads
 from samctl.progress import progress_bar
 from samctl.textio import ERRORS, check_utf8
-from samctl.runtime import (Engine, build_drafter, load_acc_head, load_draft, load_eagle, load_engine, load_store,
-                            resolve_draft_paths, resolve_eagle_path)
+
+if TYPE_CHECKING:  # torch, transformers and the decoder load with the model, not for --help
+    from samctl.decode.acceptance_head import AcceptanceHead
+    from samctl.decode.draft_model import DraftModel
+    from samctl.decode.drafters.base import Drafter
+    from samctl.runtime import Engine
 
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 HF_METHODS = ("hf-greedy", "hf-pld", "hf-assisted")
@@ -121,6 +119,11 @@ def bench(**opts: Any) -> None:
     methods = parse_methods(opts["methods_spec"], ALL_BENCH_METHODS)
     methods = [BASELINE] + [m for m in methods if m != BASELINE]
     questions = read_questions(Path(opts["questions_path"]), opts["categories"], opts["limit"])
+    import torch
+
+    from samctl.decode.engine.graphs import enable_cuda_graphs
+    from samctl.runtime import load_engine, load_store
+
     engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"])
     enable_cuda_graphs(engine.target, not opts["no_compile"])
     store = load_store(opts["store_path"], engine, opts["occurrence"])
@@ -240,6 +243,8 @@ class EngineRunner:
         self.name, self.engine, self.drafter = name, engine, drafter
 
     def run(self, prompt: list[int], max_new_tokens: int) -> Turn:
+        from samctl.decode.loop import GenerationConfig, generate as decode_generate
+
         config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=self.engine.eos_token_ids)
         result = decode_generate(self.engine.target, self.drafter, prompt, config)
         m = result.metrics
@@ -258,6 +263,7 @@ class HfRunner:
         hf_logging.set_verbosity_error()
 
     def run(self, prompt: list[int], max_new_tokens: int) -> Turn:
+        import torch
         from transformers import GenerationConfig as HfGenerationConfig
 
         model, eos = self.engine.model, list(self.engine.eos_token_ids)
@@ -291,6 +297,8 @@ def _cut(tokens: list[int], eos: set[int], limit: int) -> list[int]:
 
 
 def _runner(method: str, engine: Engine, store, config: MethodConfig, drafts: "_Drafts") -> Runner:
+    from samctl.runtime import build_drafter
+
     if method == "hf-greedy":
         return HfRunner(method, engine, {})
     if method == "hf-pld":
@@ -319,12 +327,16 @@ class _Drafts:
 
     def eagle(self, method: str):
         """The EAGLE head (eagle, sam+eagle), loaded once."""
+        from samctl.runtime import load_eagle, resolve_eagle_path
+
         if self._eagle is None:
             path = resolve_eagle_path(method, self.opts["model_path"], self.opts["eagle_path"], quiet=True)
             self._eagle = load_eagle(path, self.engine)
         return self._eagle
 
     def draft(self, method: str) -> DraftModel:
+        from samctl.runtime import load_draft, resolve_draft_paths
+
         if self._draft is None:
             if self.opts["draft_path"] is None and self.opts["model_path"] is not None:
                 raise UserError(f"method {method} needs a draft model: pass --draft-model with a small model "
@@ -335,6 +347,8 @@ class _Drafts:
         return self._draft
 
     def head(self, method: str, draft: DraftModel) -> AcceptanceHead:
+        from samctl.runtime import load_acc_head, resolve_draft_paths
+
         # bench decodes greedily: the embedded default pair has a head trained for that
         _, path = resolve_draft_paths(method, self.opts["model_path"], self.opts["draft_path"], self.opts["head_path"],
                                       quiet=True, greedy=True)
@@ -431,6 +445,8 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def _run_info(engine: Engine, opts: dict[str, Any], methods: list[str], questions: int, skipped: int) -> dict[str, Any]:
+    import torch
+
     return {
         "command": "samctl bench " + shlex.join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "samctl bench",
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -6,10 +6,7 @@ from typing import Any
 
 import click
 
-from samctl.decode.engine.cost import relative_cost
-from samctl.costs import cost_curve, curve_key
 from samctl.options import set_threads
-from samctl.runtime import load_engine
 
 
 @click.command("calibrate")
@@ -32,6 +29,10 @@ def calibrate(**opts: Any) -> None:
     samctl calibrate --model ./my-model --json > curve.json    # for simulate --cost-curve
     """
     set_threads(opts["threads"])
+    from samctl.costs import cost_curve, curve_key
+    from samctl.decode.engine.cost import relative_cost
+    from samctl.runtime import load_engine
+
     engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"])
     t_ms = cost_curve(engine, quiet=opts["quiet"], refresh=opts["refresh"])
     if opts["as_json"]:

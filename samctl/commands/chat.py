@@ -46,13 +46,14 @@ def chat(**opts: Any) -> None:
     samctl chat
     samctl chat --model ./SmolLM2-135M-Instruct --sam store.sam --compare
     """
-    from samctl.decode.loop import GenerationConfig
-    from samctl.decode.sampling import SamplingConfig
+    from samctl.decode.configs import SamplingConfig
     from samctl.options import method_config, set_threads
+
+    set_threads(opts["threads"])  # usage errors first, before torch loads below
+    sampling = SamplingConfig(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"])
+    from samctl.decode.loop import GenerationConfig
     from samctl.runtime import load_engine, load_store
 
-    set_threads(opts["threads"])
-    sampling = SamplingConfig(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"])
     engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"])
     gen_config = GenerationConfig(max_new_tokens=opts["max_new_tokens"], eos_token_ids=engine.eos_token_ids,
                                   sampling=sampling)

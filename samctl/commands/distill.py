@@ -62,15 +62,18 @@ def distill(**opts: Any) -> None:
     samctl distill --model M --prompts train_questions.jsonl -o self.sam
     samctl generate --model M --sam self.sam --chat --prompt "..."     # drafts from its own answers
     """
-    from samctl.decode.loop import GenerationConfig
-    from samctl.decode.sampling import SamplingConfig
-    from samctl.commands.generate import Runner
+    from samctl.decode.configs import SamplingConfig
     from samctl.options import method_config, set_threads
-    from samctl.runtime import build_drafter, load_engine, load_store
 
     start = time.perf_counter()
-    set_threads(opts["threads"])
+    set_threads(opts["threads"])  # usage errors first, before torch loads below
     sampling = SamplingConfig(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"])
+    if opts["max_new_tokens"] < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {opts['max_new_tokens']}")
+    from samctl.commands.generate import Runner
+    from samctl.decode.loop import GenerationConfig
+    from samctl.runtime import build_drafter, load_engine, load_store
+
     answers_path = Path(opts["answers_path"] or opts["output"] + ".answers.jsonl")
     engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"])
     opts["chat"] = _chat_mode(opts["chat"], engine, opts["quiet"])

@@ -21,26 +21,23 @@ import json
 import statistics
 import sys
 from dataclasses import asdict, replace
-from typing import IO, Any, Callable, Iterable, Iterator
+from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import click
-import torch
 
-from samctl.decode.drafters.base import Drafter, NoDraft
-from samctl.decode.drafters.draft import DraftConfig, SpecDecConfig
-from samctl.decode.engine.graphs import enable_cuda_graphs
-from samctl.decode.loop import GenerationConfig, GenerationResult, generate as decode_generate
+from samctl.decode.configs import DraftConfig, SamplingConfig, SpecDecConfig
 from samctl.decode.methods import ALL_METHODS, DEFAULT_METHOD, NOT_LOSSLESS, method as method_entry, uses_store
-from samctl.decode.sampling import SamplingConfig
 from samctl.index.errors import UserError
 from samctl.detok import IncrementalDetokenizer
 from samctl.options import method_config as shared_method_config
 from samctl.options import method_options, sampling_options, set_threads
-from samctl.memory import load_memory, save_memory
 from samctl.progress import progress_bar
 from samctl.textio import TEXT_FILE, check_utf8
-from samctl.runtime import (Engine, build_drafter, load_acc_head, load_draft, load_eagle, load_engine, load_store,
-                            resolve_draft_paths, resolve_eagle_path)
+
+if TYPE_CHECKING:  # torch, transformers and the decoder load when a model does, not for --help
+    from samctl.decode.drafters.base import Drafter
+    from samctl.decode.loop import GenerationConfig, GenerationResult
+    from samctl.runtime import Engine
 
 PROMPT_FIELDS = ("prompt", "turns", "text", "question", "instruction")
 WARM_UP_TOKENS = 32
@@ -102,6 +99,7 @@ def generate(**opts: Any) -> None:
     if opts["compare_runs"] < 1:
         raise UserError(f"--compare-runs must be >= 1, got {opts['compare_runs']}")
     _check_batch_options(opts)
+    _check_settings(opts)
     # The single prompt's files are read (and refused if not UTF-8) before any model loads.
     single = opts["input_file"] is None
     prediction = _read_file(opts["prediction_file"], "--prediction") if single else None
@@ -109,6 +107,7 @@ def generate(**opts: Any) -> None:
     if prediction is not None and not method_entry(opts["method"]).takes_prediction:
         raise UserError(f"method {opts['method']} does not draft from a prediction: drop --prediction "
                         "or use --method adaptive, lookahead or ouroboros")
+    refuse_foreign_store(opts["store_path"], opts["model_path"])
     if opts["ray_address"] is not None:
         from samctl.cluster import generate_on_ray
 
@@ -139,6 +138,12 @@ class Session:
     here or, with --ray, in each worker from `worker_options(opts)`."""
 
     def __init__(self, opts: dict[str, Any]) -> None:
+        from samctl.decode.engine.graphs import enable_cuda_graphs
+        from samctl.decode.loop import GenerationConfig
+        from samctl.memory import load_memory
+        from samctl.runtime import (build_drafter, load_acc_head, load_draft, load_eagle, load_engine, load_store,
+                                    resolve_draft_paths, resolve_eagle_path)
+
         set_threads(opts["threads"])
         sampling = SamplingConfig(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"])
         if not sampling.greedy and not method_entry(opts["method"]).lossless and not opts["quiet"]:
@@ -180,6 +185,41 @@ class Session:
             "draft_model": draft_path, "acc_head": head_path, "eagle_head": eagle_path,
             "config": {"generation": asdict(gen_config), "method": asdict(method_config)},
         })
+
+
+def _check_settings(opts: dict[str, Any]) -> None:
+    """Every setting that needs no model, checked before torch is imported: a usage error costs
+    no model load (the configs validate themselves on construction)."""
+    if opts["max_new_tokens"] < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {opts['max_new_tokens']}")
+    if opts["threads"] is not None and opts["threads"] < 1:
+        raise UserError(f"--threads must be >= 1, got {opts['threads']}")
+    SamplingConfig(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"])
+    DraftConfig(gamma=opts["gamma"])
+    SpecDecConfig(opts["stop_threshold"], *opts["bounds"])
+    shared_method_config(opts)
+
+
+def refuse_foreign_store(store_path: str | None, model: str | None) -> None:
+    """Refuse a store built with another tokenizer before any weights load, where the model's
+    tokenizer reads cheaply: a model folder, the embedded default, a .gguf already dequantized
+    (a sharded store directory, or a .gguf not yet converted, is checked once the model is loaded)."""
+    import os
+
+    from samctl.gguf_cache import cached_folder, is_gguf
+    from samctl.index.datastore import read_meta
+    from samctl.tokenizer import check_store_tokenizer, load_tokenizer
+
+    if store_path is None or os.path.isdir(store_path):
+        return
+    _, meta = read_meta(store_path)  # a missing or damaged store is refused here too
+    folder = model
+    if model is not None and not os.path.isdir(model):
+        folder = cached_folder(model) if is_gguf(model) else None
+        if folder is None:
+            return
+    tokenizer = load_tokenizer(folder or "default", quiet=True)
+    check_store_tokenizer(meta, store_path, tokenizer.fingerprint, model or "default")
 
 
 def worker_options(opts: dict[str, Any]) -> dict[str, Any]:
@@ -353,6 +393,8 @@ class Runner:
             expect(None if not prediction else self.engine.tokenizer(prediction, add_special_tokens=False)["input_ids"])
 
     def _run(self, drafter: Drafter, ids: list[int], stream: "_Streamer | None") -> GenerationResult:
+        from samctl.decode.loop import generate as decode_generate
+
         if not self.warm:
             self._warm_up(ids)
         return decode_generate(self.engine.target, drafter, ids, self.config,
@@ -366,6 +408,10 @@ class Runner:
         """ar on the same prompt; with runs > 1, more rounds of (fresh drafter, ar), in alternating
         order so that a drift of the machine hits both sides alike. The speedup is the median of
         the per-round ratios of tokens/s; every round's greedy output must equal the first ar's."""
+        import torch
+
+        from samctl.decode.drafters.base import NoDraft
+
         rounds = [(result, self._run(NoDraft(), ids, None))]
         for k in range(1, runs):
             if k % 2:
@@ -398,6 +444,9 @@ class Runner:
         # On the first prompt itself, so that the drafter takes the paths (and JIT-compiles the
         # kernel signatures) the timed runs take; with a throwaway drafter, because warming the
         # kept one would teach it (Token Recycle, memories) this very prompt.
+        from samctl.decode.drafters.base import NoDraft
+        from samctl.decode.loop import GenerationConfig, generate as decode_generate
+
         self.warm = True
         warm = GenerationConfig(max_new_tokens=WARM_UP_TOKENS, eos_token_ids=(), sampling=self.config.sampling)
         decode_generate(self.engine.target, self.fresh_drafter(), ids, warm)
@@ -430,6 +479,8 @@ class _Streamer:
 
 
 def _save_memory(opts: dict[str, Any], engine: Engine, drafter: Drafter) -> None:
+    from samctl.memory import save_memory
+
     if opts["memory_save"]:
         saved = save_memory(opts["memory_save"], engine, drafter)
         if not opts["quiet"]:

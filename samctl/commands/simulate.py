@@ -28,14 +28,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import click
-import torch
 
 from samctl.decode.methods import METHODS, REPLAYABLE, MethodConfig, make_drafter
 from samctl.decode.simulate import CostModel, Tally, Trace, check_replayable, make_trace, replay, sweep_configs, tally_by_category
 from samctl.index.datastore import Datastore, load_datastore
 from samctl.index.errors import UserError
 from samctl.commands.bench import report_category
-from samctl.costs import read_cost_curve
 from samctl.options import method_config, method_options, parse_methods
 from samctl.progress import progress_bar
 from samctl.textio import read_text
@@ -80,6 +78,8 @@ def simulate(**opts: Any) -> None:
     config = method_config(opts)
     cost = CostModel(forward_ms=opts["forward_ms"], token_cost=opts["token_cost"])
     if opts["cost_curve"]:
+        from samctl.costs import read_cost_curve
+
         cost = CostModel.from_curve(read_cost_curve(opts["cost_curve"]))
     sim = _Simulation(traces, store, tokenizer, cost, opts["quiet"])
     if opts["sweep"]:
@@ -113,7 +113,7 @@ class _Simulation:
         return tally_by_category(self.traces, metrics)
 
     def _drafter(self, method: str, config: MethodConfig):
-        return make_drafter(method, vocab_size=self.tokenizer.vocab_size, device=torch.device("cpu"),
+        return make_drafter(method, vocab_size=self.tokenizer.vocab_size, device="cpu",
                             eos_token_ids=self.tokenizer.eos_token_ids,
                             static=self.store.structure if self.store is not None else None, config=config,
                             cost=self.cost.curve())
