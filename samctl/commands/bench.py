@@ -26,6 +26,7 @@ output differs from ar's.
 """
 from __future__ import annotations
 
+import copy
 import json
 import platform
 import shlex
@@ -237,10 +238,26 @@ def fitting_questions(questions: list[Question], engine: Engine, max_new: int, c
 
 
 class EngineRunner:
-    """A samctl method through decode.loop; its drafter stays warm across questions."""
+    """A samctl method through decode.loop; its drafter stays warm across questions, and every
+    repeat of a question starts from the state it had before the question's first run
+    (`snapshot` / `restore`), so that a repeat measures speed, not what the drafter learned from
+    the repeat before (Token Recycle's table, adaptive's calibration and memory)."""
 
-    def __init__(self, name: str, engine: Engine, drafter: Drafter) -> None:
+    def __init__(self, name: str, engine: Engine, drafter: Drafter, shared: tuple[Any, ...] = ()) -> None:
         self.name, self.engine, self.drafter = name, engine, drafter
+        # What every copy of the drafter shares instead of copying: models, heads, the static store.
+        self.shared = (engine.target, engine.model) + tuple(x for x in shared if x is not None)
+
+    def snapshot(self) -> Drafter:
+        return self._copy(self.drafter)
+
+    def restore(self, state: Drafter, last: bool) -> None:
+        """Run on a copy of `state` (the state itself for the last repeat: nothing follows it)."""
+        self.drafter = state if last else self._copy(state)
+
+    def _copy(self, drafter: Drafter) -> Drafter:
+        memo: dict[int, Any] = {id(x): x for x in self.shared}
+        return copy.deepcopy(drafter, memo)
 
     def run(self, prompt: list[int], max_new_tokens: int) -> Turn:
         from samctl.decode.loop import GenerationConfig, generate as decode_generate
@@ -306,15 +323,17 @@ def _runner(method: str, engine: Engine, store, config: MethodConfig, drafts: "_
                                          "max_matching_ngram_size": config.pld.max_ngram})
     if method == "hf-assisted":
         return HfRunner(method, engine, {"assistant_model": drafts.draft("sd").model})
+    static = store if uses_store(method) else None
+    shared = (static.structure if static is not None else None,)
     if method in DRAFT_METHODS:
         draft = drafts.draft(method)
         head = drafts.head(method, draft) if method == "specdec++" else None
-        return EngineRunner(method, engine, build_drafter(method, engine, store if uses_store(method) else None,
-                                                          config, draft=draft, head=head))
+        return EngineRunner(method, engine, build_drafter(method, engine, static, config, draft=draft, head=head),
+                            shared + (draft, draft.model, head))
     if method_entry(method).needs_eagle:
-        return EngineRunner(method, engine, build_drafter(method, engine, store if uses_store(method) else None,
-                                                          config, eagle=drafts.eagle(method)))
-    return EngineRunner(method, engine, build_drafter(method, engine, store if uses_store(method) else None, config))
+        eagle = drafts.eagle(method)
+        return EngineRunner(method, engine, build_drafter(method, engine, static, config, eagle=eagle), shared + (eagle,))
+    return EngineRunner(method, engine, build_drafter(method, engine, static, config), shared)
 
 
 class _Drafts:
@@ -382,11 +401,13 @@ def _run_all(runners: dict[str, Runner], engine: Engine, questions: list[Questio
             progress_bar("bench", "run", opts["quiet"], total=len(questions) * len(runners) * repeats) as bar:
         for q in questions:
             runs: dict[str, list[list[Turn]]] = {name: [] for name in runners}
+            states = {name: runner.snapshot() for name, runner in runners.items()
+                      if repeats > 1 and isinstance(runner, EngineRunner)}
             for r in range(repeats):  # repeats interleave the methods too
                 for name, runner in runners.items():
-                    # Only the last repeat's outputs join a cross-request memory: a repeat must not
-                    # find its own question's answer remembered from the repeat before.
-                    _remember(runner, r == repeats - 1)
+                    _remember(runner, True)
+                    if name in states:  # every repeat from the state before the question's first
+                        runner.restore(states[name], last=r == repeats - 1)
                     runs[name].append(_run_question(runner, engine, q, opts["max_new_tokens"], opts["chat"]))
                     bar.update(1, tokens=sum(len(t.tokens) for t in runs[name][-1]))
             baseline = _median_run(runs[BASELINE])
@@ -431,6 +452,7 @@ def _record(method: str, q: Question, turns: list[Turn], baseline: list[Turn], e
         "draft_s": round(sum(t.draft_s for t in turns), 6) if all(t.draft_s is not None for t in turns) else None,
         "mismatched_turns": mismatched,
         "repeat_times_s": [round(sum(t.time_s for t in run), 6) for run in repeats],
+        "repeat_steps": [sum(t.steps for t in run) if all(t.steps is not None for t in run) else None for run in repeats],
         "turns": [{"new_tokens": len(t.tokens), "time_s": round(t.time_s, 6), "tokens_per_s": round(t.tokens_per_s, 3),
                    "steps": t.steps, "first_difference": d, "metrics": t.metrics, "text": engine.decode(t.tokens)}
                   for t, d in zip(turns, diffs)],
