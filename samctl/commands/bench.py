@@ -153,8 +153,10 @@ def bench(**opts: Any) -> None:
     if not opts["quiet"]:
         overall = summary["table"]["overall"]
         best = max((m for m in methods if m != BASELINE), key=lambda m: overall[m]["speedup"] or 0.0, default=None)
+        short = len(summary["short_answers"])
         click.echo(f"samctl: {len(fits)} questions x {len(methods)} methods -> {out_dir}/summary.md"
-                   + (f"; best overall: {best} {overall[best]['speedup']:.2f}x" if best else "")
+                   + (f"; best overall: {best} {overall[best]['speedup']:.2f}x" if best and overall[best]["speedup"] else "")
+                   + (f" ({short} answer(s) under {summary['min_timed_tokens']} tokens left out)" if short else "")
                    + f"; greedy mismatches against ar: {mismatches}"
                    + ("" if exact or not turns else
                       f" of {turns} turns ({mismatches / turns:.1%}, {engine.target.dtype} near-ties; "
