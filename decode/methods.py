@@ -86,6 +86,8 @@ class Method:
     sized_by_cost: bool = False  # sizes drafts by the target's verify-cost curve (samctl calibrate)
     needs_sat_model: bool = False  # a target fine-tuned with semantic adaptive tokens (tools/train_sdsat.py)
     lossless: bool = True  # False only for reference reproductions whose sampling is biased
+    # The MethodConfig sections (or "section.field") its drafter reads; the other settings' flags do nothing.
+    settings: tuple[str, ...] = ()
 
 
 def _recycle(r: Resources) -> TokenRecycleDrafter:
@@ -189,48 +191,49 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("adaptive", "every retrieval source (prompt and output, store, memory of earlier requests, "
            "--prediction) and Token Recycle, scored and sized by the verify cost (the default)",
            _adaptive,
-           uses_store=True, takes_prediction=True, sized_by_cost=True),
+           uses_store=True, takes_prediction=True, sized_by_cost=True, settings=("adaptive",)),
     Method("ar", "nothing: plain decoding through the same loop, the baseline", _ar),
     Method("pld", "prompt lookup: the earliest earlier match of the last 1..3 tokens",
-           _pld),
+           _pld, settings=("pld",)),
     Method("sam", "SAM-Decoding: longest suffix match in the prompt/output automaton and the store",
-           _sam, uses_store=True),
+           _sam, uses_store=True, settings=("sam",)),
     Method("recycle", "Token Recycle: a static tree over each token's recorded likely successors", _recycle,
-           not_replayable="Token Recycle learns its table from the target's logits"),
+           not_replayable="Token Recycle learns its table from the target's logits", settings=("recycle",)),
     Method("sam+recycle", "sam when the match is long enough, Token Recycle otherwise",
            lambda r: _sam(r, fallback=_recycle(r)), uses_store=True,
-           not_replayable=_LOGITS),
+           not_replayable=_LOGITS, settings=("sam", "recycle")),
     Method("rest", "REST: a tree of the most frequent continuations in the store",
-           _rest, uses_store=True),
+           _rest, uses_store=True, settings=("rest",)),
     Method("lookahead", "Lookahead decoding: a Jacobi window and an n-gram pool verified in the same forward "
            "(simulate replays the pool only)",
-           _lookahead),
+           _lookahead, settings=("lookahead",)),
     Method("sd", "speculative decoding with a draft model (--gamma tokens)", lambda r: _draft(r, "sd"),
-           needs_draft=True, not_replayable=_DRAFT_MODEL),
+           needs_draft=True, not_replayable=_DRAFT_MODEL, settings=("draft",)),
     Method("specdec++", "a draft model whose acceptance head stops drafting", _specdec,
-           needs_draft=True, needs_head=True, not_replayable=_DRAFT_MODEL),
+           needs_draft=True, needs_head=True, not_replayable=_DRAFT_MODEL, settings=("specdec",)),
     Method("sam+draft", "sam when the match is long enough, the draft model otherwise",
            lambda r: _sam(r, fallback=_draft(r, "draft")), uses_store=True,
-           needs_draft=True, not_replayable="its fallback is a draft model"),
+           needs_draft=True, not_replayable="its fallback is a draft model", settings=("sam", "draft")),
     Method("ouroboros", "Dual Decoding: the draft model runs lookahead with a shared n-gram pool; the target "
            "verifies its --gamma tokens plus the pool's suffixes", _ouroboros,
-           needs_draft=True, not_replayable=_DRAFT_MODEL),
+           needs_draft=True, not_replayable=_DRAFT_MODEL, settings=("ouroboros", "draft", "lookahead.pool_text")),
     Method("sdsat", "SDSAT: a target fine-tuned with semantic adaptive tokens drafts k tokens for itself "
            "(tools/train_sdsat.py)", _sdsat, needs_sat_model=True,
-           not_replayable="its drafts come from the target's own forward at SAT tokens"),
+           not_replayable="its drafts come from the target's own forward at SAT tokens", settings=("sdsat",)),
     Method("sdsat-nucleus-reference", "NOT LOSSLESS when sampling: the SDSAT paper's nucleus variant (a static "
            "tree of sampled SAT candidates, the best of independently drawn paths), for comparison only",
            _sdsat_nucleus, needs_sat_model=True, lossless=False,
-           not_replayable="its drafts come from the target's own forward at SAT tokens"),
+           not_replayable="its drafts come from the target's own forward at SAT tokens", settings=("sdsat",)),
     Method("eagle", "EAGLE-2: a dynamic tree from a head trained on the target's hidden states (--eagle-head)",
-           _eagle, needs_eagle=True, not_replayable=_EAGLE, sized_by_cost=True),
+           _eagle, needs_eagle=True, not_replayable=_EAGLE, sized_by_cost=True, settings=("eagle",)),
     Method("sam+eagle", "sam when the match is long enough, the EAGLE-2 tree otherwise",
            lambda r: _sam(r, fallback=_eagle(r)), uses_store=True,
-           needs_eagle=True, not_replayable=_EAGLE, sized_by_cost=True),
+           needs_eagle=True, not_replayable=_EAGLE, sized_by_cost=True, settings=("sam", "eagle")),
     Method("adaptive+eagle", "adaptive's candidates and the EAGLE-2 head's best nodes in one tree, each priced "
            "by its own calibrated estimate and cut by the verify cost",
            _adaptive_eagle,
-           uses_store=True, needs_eagle=True, not_replayable=_EAGLE, takes_prediction=True, sized_by_cost=True),
+           uses_store=True, needs_eagle=True, not_replayable=_EAGLE, takes_prediction=True, sized_by_cost=True,
+           settings=("adaptive", "eagle")),
 )}
 
 DEFAULT_METHOD = "adaptive"

@@ -93,6 +93,28 @@ def method_config(opts: dict[str, Any], device: torch.device | None = None) -> M
                                         for name, values in sections.items()})
 
 
+def ignored_settings(opts: dict[str, Any], method_name: str) -> list[str]:
+    """The drafter flags given a value other than their default that `method_name` never reads
+    (`--method sam --max-nodes 3`), as the user typed them; `--occurrence` shapes the store, which
+    every method that drafts from one reads."""
+    from samctl.decode.methods import method
+
+    entry = method(method_name)
+    flags = []
+    for section, f in _cli_fields():
+        if section in entry.settings or f"{section}.{f.name}" in entry.settings:
+            continue
+        if f.name == "occurrence" and entry.uses_store:
+            continue
+        value = opts.get(_dest(f))
+        unset = None if f.metadata.get("device_default") or "cpu_default" in f.metadata else f.default
+        if value is None or value == unset:
+            continue
+        names = f.metadata["cli"].split("/")
+        flags.append(names[1] if isinstance(value, bool) and not value and len(names) > 1 else names[0])
+    return flags
+
+
 def set_threads(threads: int | None) -> None:
     """--threads: torch's CPU threads; None leaves torch's choice."""
     if threads is None:

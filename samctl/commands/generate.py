@@ -30,7 +30,7 @@ from samctl.decode.methods import ALL_METHODS, DEFAULT_METHOD, NOT_LOSSLESS, met
 from samctl.index.errors import UserError
 from samctl.detok import IncrementalDetokenizer
 from samctl.options import method_config as shared_method_config
-from samctl.options import method_options, sampling_options, set_threads
+from samctl.options import ignored_settings, method_options, sampling_options, set_threads
 from samctl.progress import progress_bar
 from samctl.textio import TEXT_FILE, check_utf8
 
@@ -198,6 +198,22 @@ def _check_settings(opts: dict[str, Any]) -> None:
     DraftConfig(gamma=opts["gamma"])
     SpecDecConfig(opts["stop_threshold"], *opts["bounds"])
     shared_method_config(opts)
+    _note_ignored(opts)
+
+
+def _note_ignored(opts: dict[str, Any]) -> None:
+    """One line naming the drafter flags the chosen method does not read (`--method sam --max-nodes 3`)."""
+    settings = method_entry(opts["method"]).settings
+    flags = ignored_settings(opts, opts["method"])
+    draft, specdec = DraftConfig(), SpecDecConfig()
+    if "draft" not in settings and opts["gamma"] != draft.gamma:
+        flags.append("--gamma")
+    if "specdec" not in settings:
+        flags += [flag for flag, changed in (
+            ("--stop-threshold", opts["stop_threshold"] != specdec.stop_threshold),
+            ("--bounds", tuple(opts["bounds"]) != (specdec.min_draft, specdec.max_draft))) if changed]
+    if flags and not opts["quiet"]:
+        click.echo(f"samctl: note: method {opts['method']} does not use {', '.join(flags)}", err=True)
 
 
 def refuse_foreign_store(store_path: str | None, model: str | None) -> None:
@@ -250,9 +266,18 @@ def _batch_to_output(opts: dict[str, Any], run: Callable[[Iterable[tuple[int, st
     drops the records already in the output and appends."""
     records: Iterable[tuple[int, str]] = _records(opts["input_file"])
     path = opts["output_path"]
+    skipped = 0
+
+    def unfinished(records: Iterable[tuple[int, str]], done: set[str]) -> Iterator[tuple[int, str]]:
+        nonlocal skipped
+        for number, line in records:
+            if _record_key(number, line) in done:
+                skipped += 1
+            else:
+                yield number, line
+
     if opts["resume"]:
-        done = _finished_ids(path)
-        records = ((n, line) for n, line in records if _record_key(n, line) not in done)
+        records = unfinished(records, _finished_ids(path))
         output = open(path, "a", encoding="utf-8")
     else:
         output = sys.stdout if path == "-" else open(path, "w", encoding="utf-8")
@@ -266,6 +291,8 @@ def _batch_to_output(opts: dict[str, Any], run: Callable[[Iterable[tuple[int, st
     finally:
         if output is not sys.stdout:
             output.close()
+        if opts["resume"] and not opts["quiet"]:
+            click.echo(f"samctl: --resume: skipped {skipped} record(s) already in {path}", err=True)
 
 
 def _exit_for(failed: int) -> None:
@@ -317,9 +344,12 @@ class Runner:
         self.compare, self.compare_runs, self.chat, self.record = compare, compare_runs, chat, record
         self.field = field
         self.warm = False
+        self.quiet = False  # single() and batch() set it: no notes on stderr
+        self.room_noted = False
 
     def single(self, text: str, as_json: bool, quiet: bool, prediction: str | None = None) -> bool:
         """Generate for one prompt; True when --compare found greedy outputs that differ."""
+        self.quiet = quiet
         ids = self.engine.encode(text, self.chat)
         stream = None if as_json else _Streamer(self.engine)
         self._expect(prediction)
@@ -342,6 +372,7 @@ class Runner:
               total: int | None = None) -> int:
         """Process (line number, line) records in order, writing each output line; returns the
         number of failed records."""
+        self.quiet = quiet
         failed = 0
         with progress_bar("generate", "record", quiet, total=total) as progress, progress.heartbeat():
             for number, line in records:
@@ -395,10 +426,21 @@ class Runner:
     def _run(self, drafter: Drafter, ids: list[int], stream: "_Streamer | None") -> GenerationResult:
         from samctl.decode.loop import generate as decode_generate
 
+        self._note_room(ids)
         if not self.warm:
             self._warm_up(ids)
         return decode_generate(self.engine.target, drafter, ids, self.config,
                                on_tokens=stream.push if stream is not None else None)
+
+    def _note_room(self, ids: list[int]) -> None:
+        """Once per run: a prompt that leaves less of the model's context than --max-new-tokens."""
+        context = self.engine.target.max_positions
+        room = context - len(ids)
+        if self.room_noted or self.quiet or not 0 < room < self.config.max_new_tokens:
+            return
+        self.room_noted = True
+        click.echo(f"samctl: note: the prompt is {len(ids)} tokens of the model's {context}-token context: at most "
+                   f"{room} new tokens fit, fewer than --max-new-tokens {self.config.max_new_tokens}", err=True)
 
     def _result_record(self, result: GenerationResult) -> dict[str, Any]:
         return {"text": self.engine.decode(result.tokens), "finish_reason": result.finish_reason,

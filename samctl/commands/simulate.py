@@ -74,7 +74,16 @@ def simulate(**opts: Any) -> None:
     methods = parse_methods(opts["methods_spec"] or default_methods, METHODS)
     for method in methods:
         check_replayable(method)
-    traces = read_traces(Path(opts["traces_path"]), tokenizer, opts["chat"], opts["max_new_tokens"], opts["limit"])
+    try:
+        traces = read_traces(Path(opts["traces_path"]), tokenizer, opts["chat"], opts["max_new_tokens"], opts["limit"])
+    except ForeignTraceIds as err:
+        if store is None:
+            raise
+        # --tokenizer cannot help here: the store fixes the tokenizer, and it is not the traces'.
+        raise UserError(f"{err.where}: the ids come from tokenizer {err.name} (fingerprint {err.fingerprint}), but the "
+                        f"store {opts['store_path']} was built with {tokenizer.name} (fingerprint {tokenizer.fingerprint}): "
+                        f"rebuild the store with --tokenizer {err.name}, or write the traces with the store's "
+                        f"tokenizer (tools/gen_references.py --model {tokenizer.name})") from err
     config = method_config(opts)
     cost = CostModel(forward_ms=opts["forward_ms"], token_cost=opts["token_cost"])
     if opts["cost_curve"]:
@@ -211,8 +220,17 @@ def _check_trace_tokenizer(recorded: Any, where: str, tok: Tokenizer) -> None:
     if not isinstance(recorded, dict) or recorded.get("fingerprint") in (None, tok.fingerprint):
         return
     name = recorded.get("name", "?")
-    raise UserError(f"{where}: the ids come from tokenizer {name} (fingerprint {recorded['fingerprint']}), "
-                    f"but simulate uses {tok.name} (fingerprint {tok.fingerprint}): pass --tokenizer {name}")
+    raise ForeignTraceIds(f"{where}: the ids come from tokenizer {name} (fingerprint {recorded['fingerprint']}), "
+                          f"but simulate uses {tok.name} (fingerprint {tok.fingerprint}): pass --tokenizer {name}",
+                          where, name, str(recorded["fingerprint"]))
+
+
+class ForeignTraceIds(UserError):
+    """Trace ids written with another tokenizer than the one simulate uses."""
+
+    def __init__(self, message: str, where: str, name: str, fingerprint: str) -> None:
+        super().__init__(message)
+        self.where, self.name, self.fingerprint = where, name, fingerprint
 
 
 def _prompt_and_output(record: dict[str, Any], where: str) -> tuple[str, str]:
