@@ -5,6 +5,9 @@ head), whether `simulate` can replay it without a model, and how to build it. `g
 `simulate`, `bench` and the Python API read this table; the CLI options of a method come from
 the metadata of its config section's fields (`MethodConfig`, `samctl/options.py`). A new method is
 its drafter module plus one entry in `REGISTRY`.
+
+Importing this module loads neither torch nor numba (the command line reads the names and the
+settings for `--help` and usage errors); a drafter's module is imported when it is built.
 """
 from __future__ import annotations
 
@@ -12,30 +15,26 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-import numpy as np
-import torch
-
-from samctl.decode.acceptance_head import AcceptanceHead
-from samctl.decode.draft_model import DraftModel
-from samctl.decode.eagle_head import EagleHead
-from samctl.decode.drafters.adaptive import AdaptiveConfig, AdaptiveDrafter
-from samctl.decode.drafters.base import Drafter, NoDraft
-from samctl.decode.drafters.eagle import AdaptiveEagleDrafter, EagleConfig, EagleDrafter
-from samctl.decode.drafters.draft import AdaptiveLength, DraftConfig, DraftModelDrafter, FixedLength, SpecDecConfig
-from samctl.decode.drafters.lookahead import LookaheadConfig, LookaheadDrafter
-from samctl.decode.drafters.ouroboros import OuroborosConfig, OuroborosDrafter
-from samctl.decode.drafters.pld import PldConfig, PromptLookupDrafter
-from samctl.decode.drafters.recycle import RecycleConfig, TokenRecycleDrafter
-from samctl.decode.drafters.rest import RestConfig, RestDrafter
-from samctl.decode.drafters.sam import SamConfig, SamDrafter
-from samctl.decode.drafters.sdsat import SdsatConfig, SdsatDrafter
-from samctl.decode.drafters.sdsat_nucleus import SdsatNucleusDrafter
-from samctl.decode.sampling import SamplingConfig
-from samctl.decode.sdsat import read_settings
-from samctl.decode.engine.target import TargetModel
+from samctl.decode.configs import (AdaptiveConfig, DraftConfig, EagleConfig, LookaheadConfig, OuroborosConfig,
+                                   PldConfig, RecycleConfig, RestConfig, SamConfig, SamplingConfig, SdsatConfig,
+                                   SpecDecConfig)
 from samctl.index.errors import UserError
 
 if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from samctl.decode.acceptance_head import AcceptanceHead
+    from samctl.decode.draft_model import DraftModel
+    from samctl.decode.drafters.base import Drafter
+    from samctl.decode.drafters.draft import DraftModelDrafter
+    from samctl.decode.drafters.ouroboros import OuroborosDrafter
+    from samctl.decode.drafters.recycle import TokenRecycleDrafter
+    from samctl.decode.drafters.sdsat import SdsatDrafter
+    from samctl.decode.drafters.sdsat_nucleus import SdsatNucleusDrafter
+    from samctl.decode.drafters.eagle import EagleDrafter
+    from samctl.decode.eagle_head import EagleHead
+    from samctl.decode.engine.target import TargetModel
     from samctl.index.automaton import SuffixAutomaton
     from samctl.index.ngram import NgramTable
 
@@ -62,7 +61,7 @@ class Resources:
     """What a drafter may be built from."""
 
     vocab_size: int
-    device: torch.device
+    device: "torch.device"
     eos_token_ids: tuple[int, ...] = ()
     static: "SuffixAutomaton | NgramTable | None" = None
     config: MethodConfig = field(default_factory=MethodConfig)
@@ -78,7 +77,7 @@ class Resources:
 class Method:
     name: str
     summary: str  # one line: what it drafts from
-    build: Callable[[Resources], Drafter]
+    build: Callable[[Resources], "Drafter"]
     uses_store: bool = False
     needs_draft: bool = False  # a draft model (--draft-model)
     needs_head: bool = False  # a SpecDec++ acceptance head (--acc-head)
@@ -88,6 +87,8 @@ class Method:
     sized_by_cost: bool = False  # sizes drafts by the target's verify-cost curve (samctl calibrate)
     needs_sat_model: bool = False  # a target fine-tuned with semantic adaptive tokens (`samctl train sdsat`)
     lossless: bool = True  # False only for reference reproductions whose sampling is biased
+    # The MethodConfig sections (or "section.field") its drafter reads; the other settings' flags do nothing.
+    settings: tuple[str, ...] = ()
     # `simulate --sweep`: (config section, field) -> values; fields of `store_fields` count only
     # when a store is given
     sweep: dict[tuple[str, str], tuple] = field(default_factory=dict)
@@ -95,14 +96,20 @@ class Method:
 
 
 def _recycle(r: Resources) -> TokenRecycleDrafter:
+    from samctl.decode.drafters.recycle import TokenRecycleDrafter
+
     return TokenRecycleDrafter(r.vocab_size, r.device, r.config.recycle)
 
 
 def _draft(r: Resources, name: str) -> DraftModelDrafter:
+    from samctl.decode.drafters.draft import DraftModelDrafter, FixedLength
+
     return DraftModelDrafter(r.draft, FixedLength(r.config.draft.gamma), r.sampling, r.eos_token_ids, name)
 
 
 def _specdec(r: Resources) -> DraftModelDrafter:
+    from samctl.decode.drafters.draft import AdaptiveLength, DraftModelDrafter
+
     if r.head.config.hidden_size != r.draft.hidden_size:
         raise UserError(f"the acceptance head reads hidden size {r.head.config.hidden_size}, the draft model "
                         f"has {r.draft.hidden_size}: use the head trained for this draft model")
@@ -110,22 +117,75 @@ def _specdec(r: Resources) -> DraftModelDrafter:
 
 
 def _ouroboros(r: Resources) -> OuroborosDrafter:
+    from samctl.decode.drafters.ouroboros import OuroborosDrafter
+
     return OuroborosDrafter(r.draft, r.config.ouroboros, r.config.draft.gamma, r.config.lookahead.pool_text,
                             r.vocab_size)
 
 
 def _sdsat(r: Resources) -> SdsatDrafter:
+    from samctl.decode.drafters.sdsat import SdsatDrafter
+    from samctl.decode.sdsat import read_settings
+
     name = getattr(r.target.model, "name_or_path", "") or "the model"
     return SdsatDrafter(r.target, read_settings(r.target.model.config, name), r.config.sdsat)
 
 
 def _sdsat_nucleus(r: Resources) -> SdsatNucleusDrafter:
+    from samctl.decode.drafters.sdsat_nucleus import SdsatNucleusDrafter
+    from samctl.decode.sdsat import read_settings
+
     name = getattr(r.target.model, "name_or_path", "") or "the model"
     return SdsatNucleusDrafter(r.target, read_settings(r.target.model.config, name), r.sampling, r.config.sdsat)
 
 
 def _eagle(r: Resources) -> EagleDrafter:
+    from samctl.decode.drafters.eagle import EagleDrafter
+
     return EagleDrafter(r.eagle, r.config.eagle, r.cost)
+
+
+def _adaptive(r: Resources) -> Drafter:
+    from samctl.decode.drafters.adaptive import AdaptiveDrafter
+
+    return AdaptiveDrafter(r.config.adaptive, r.static, r.cost, r.vocab_size, r.device)
+
+
+def _ar(r: Resources) -> Drafter:
+    from samctl.decode.drafters.base import NoDraft
+
+    return NoDraft()
+
+
+def _pld(r: Resources) -> Drafter:
+    from samctl.decode.drafters.pld import PromptLookupDrafter
+
+    return PromptLookupDrafter(r.config.pld, r.eos_token_ids)
+
+
+def _sam(r: Resources, fallback: Drafter | None = None) -> Drafter:
+    from samctl.decode.drafters.sam import SamDrafter
+
+    return SamDrafter(r.config.sam, static=r.static, fallback=fallback)
+
+
+def _rest(r: Resources) -> Drafter:
+    from samctl.decode.drafters.rest import RestDrafter
+
+    return RestDrafter(r.config.rest, r.static)
+
+
+def _lookahead(r: Resources) -> Drafter:
+    from samctl.decode.drafters.lookahead import LookaheadDrafter
+
+    return LookaheadDrafter(r.config.lookahead, r.vocab_size, r.device, r.eos_token_ids)
+
+
+def _adaptive_eagle(r: Resources) -> Drafter:
+    from samctl.decode.drafters.eagle import AdaptiveEagleDrafter
+
+    return AdaptiveEagleDrafter(_eagle(r), config=r.config.adaptive, static=r.static, cost=r.cost,
+                                vocab_size=r.vocab_size, device=r.device)
 
 
 _EAGLE = "its drafts come from a head over the target's hidden states"
@@ -135,57 +195,57 @@ _DRAFT_MODEL = "its drafts come from a draft model"
 REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("adaptive", "every retrieval source (prompt and output, store, memory of earlier requests, "
            "--prediction) and Token Recycle, scored and sized by the verify cost (the default)",
-           lambda r: AdaptiveDrafter(r.config.adaptive, r.static, r.cost, r.vocab_size, r.device),
-           uses_store=True, takes_prediction=True, sized_by_cost=True,
+           _adaptive,
+           uses_store=True, takes_prediction=True, sized_by_cost=True, settings=("adaptive",),
            sweep={("adaptive", "max_nodes"): (8, 16, 32, 64), ("adaptive", "min_prob"): (0.01, 0.02, 0.035, 0.05, 0.1),
                   ("adaptive", "width"): (2, 3, 4)}),
-    Method("ar", "nothing: plain decoding through the same loop, the baseline", lambda r: NoDraft()),
+    Method("ar", "nothing: plain decoding through the same loop, the baseline", _ar),
     Method("pld", "prompt lookup: the earliest earlier match of the last 1..3 tokens",
-           lambda r: PromptLookupDrafter(r.config.pld, r.eos_token_ids),
+           _pld, settings=("pld",),
            sweep={("pld", "max_ngram"): (1, 2, 3, 4, 5), ("pld", "num_draft"): (5, 10, 20, 40)}),
     Method("sam", "SAM-Decoding: longest suffix match in the prompt/output automaton and the store",
-           lambda r: SamDrafter(r.config.sam, static=r.static), uses_store=True,
+           _sam, uses_store=True, settings=("sam",),
            sweep={("sam", "dyn_threshold"): (1, 2, 3, 5, 8), ("sam", "alpha"): (1.0, 4.0, 16.0),
                   ("sam", "max_draft"): (10, 20, 39, 60), ("sam", "static_bias"): (0, 5)},
            store_fields=(("sam", "static_bias"),)),
     Method("recycle", "Token Recycle: a static tree over each token's recorded likely successors", _recycle,
-           not_replayable="Token Recycle learns its table from the target's logits"),
+           not_replayable="Token Recycle learns its table from the target's logits", settings=("recycle",)),
     Method("sam+recycle", "sam when the match is long enough, Token Recycle otherwise",
-           lambda r: SamDrafter(r.config.sam, static=r.static, fallback=_recycle(r)), uses_store=True,
-           not_replayable=_LOGITS),
+           lambda r: _sam(r, fallback=_recycle(r)), uses_store=True,
+           not_replayable=_LOGITS, settings=("sam", "recycle")),
     Method("rest", "REST: a tree of the most frequent continuations in the store",
-           lambda r: RestDrafter(r.config.rest, r.static), uses_store=True,
+           _rest, uses_store=True, settings=("rest",),
            sweep={("rest", "num_nodes"): (16, 32, 64), ("rest", "max_depth"): (4, 6, 10)}),
     Method("lookahead", "Lookahead decoding: a Jacobi window and an n-gram pool verified in the same forward "
            "(simulate replays the pool only)",
-           lambda r: LookaheadDrafter(r.config.lookahead, r.vocab_size, r.device, r.eos_token_ids)),
+           _lookahead, settings=("lookahead",)),
     Method("sd", "speculative decoding with a draft model (--gamma tokens)", lambda r: _draft(r, "sd"),
-           needs_draft=True, not_replayable=_DRAFT_MODEL),
+           needs_draft=True, not_replayable=_DRAFT_MODEL, settings=("draft",)),
     Method("specdec++", "a draft model whose acceptance head stops drafting", _specdec,
-           needs_draft=True, needs_head=True, not_replayable=_DRAFT_MODEL),
+           needs_draft=True, needs_head=True, not_replayable=_DRAFT_MODEL, settings=("specdec",)),
     Method("sam+draft", "sam when the match is long enough, the draft model otherwise",
-           lambda r: SamDrafter(r.config.sam, static=r.static, fallback=_draft(r, "draft")), uses_store=True,
-           needs_draft=True, not_replayable="its fallback is a draft model"),
+           lambda r: _sam(r, fallback=_draft(r, "draft")), uses_store=True,
+           needs_draft=True, not_replayable="its fallback is a draft model", settings=("sam", "draft")),
     Method("ouroboros", "Dual Decoding: the draft model runs lookahead with a shared n-gram pool; the target "
            "verifies its --gamma tokens plus the pool's suffixes", _ouroboros,
-           needs_draft=True, not_replayable=_DRAFT_MODEL),
+           needs_draft=True, not_replayable=_DRAFT_MODEL, settings=("ouroboros", "draft", "lookahead.pool_text")),
     Method("sdsat", "SDSAT: a target fine-tuned with semantic adaptive tokens drafts k tokens for itself "
            "(`samctl train sdsat`)", _sdsat, needs_sat_model=True,
-           not_replayable="its drafts come from the target's own forward at SAT tokens"),
+           not_replayable="its drafts come from the target's own forward at SAT tokens", settings=("sdsat",)),
     Method("sdsat-nucleus-reference", "NOT LOSSLESS when sampling: the SDSAT paper's nucleus variant (a static "
            "tree of sampled SAT candidates, the best of independently drawn paths), for comparison only",
            _sdsat_nucleus, needs_sat_model=True, lossless=False,
-           not_replayable="its drafts come from the target's own forward at SAT tokens"),
+           not_replayable="its drafts come from the target's own forward at SAT tokens", settings=("sdsat",)),
     Method("eagle", "EAGLE-2: a dynamic tree from a head trained on the target's hidden states (--eagle-head)",
-           _eagle, needs_eagle=True, not_replayable=_EAGLE, sized_by_cost=True),
+           _eagle, needs_eagle=True, not_replayable=_EAGLE, sized_by_cost=True, settings=("eagle",)),
     Method("sam+eagle", "sam when the match is long enough, the EAGLE-2 tree otherwise",
-           lambda r: SamDrafter(r.config.sam, static=r.static, fallback=_eagle(r)), uses_store=True,
-           needs_eagle=True, not_replayable=_EAGLE, sized_by_cost=True),
+           lambda r: _sam(r, fallback=_eagle(r)), uses_store=True,
+           needs_eagle=True, not_replayable=_EAGLE, sized_by_cost=True, settings=("sam", "eagle")),
     Method("adaptive+eagle", "adaptive's candidates and the EAGLE-2 head's best nodes in one tree, each priced "
            "by its own calibrated estimate and cut by the verify cost",
-           lambda r: AdaptiveEagleDrafter(_eagle(r), config=r.config.adaptive, static=r.static, cost=r.cost,
-                                          vocab_size=r.vocab_size, device=r.device),
-           uses_store=True, needs_eagle=True, not_replayable=_EAGLE, takes_prediction=True, sized_by_cost=True),
+           _adaptive_eagle,
+           uses_store=True, needs_eagle=True, not_replayable=_EAGLE, takes_prediction=True, sized_by_cost=True,
+           settings=("adaptive", "eagle")),
 )}
 
 DEFAULT_METHOD = "adaptive"
@@ -218,7 +278,7 @@ def make_drafter(
     name: str,
     *,
     vocab_size: int,
-    device: torch.device,
+    device: "torch.device | str",
     eos_token_ids: tuple[int, ...] = (),
     static: "SuffixAutomaton | NgramTable | None" = None,
     config: MethodConfig = MethodConfig(),
@@ -234,6 +294,8 @@ def make_drafter(
     correctness. `cost` is the target's relative verify-cost curve (adaptive and eagle size drafts
     by it); `target` is the engine's model (sdsat drafts with its weights and cache); `eagle` an
     EAGLE head bound to the target."""
+    import torch
+
     entry = method(name)
     if entry.needs_draft and draft is None:
         raise UserError(f"method {name} needs a draft model: pass --draft-model with a small model "

@@ -78,3 +78,11 @@ class Metrics:
             "draft_us_median": round(self.draft_us_quantile(0.5), 2),
             "draft_us_p90": round(self.draft_us_quantile(0.9), 2),
         }
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where two token lists differ (the shorter length if one extends the other)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))

@@ -6,34 +6,9 @@ acceptance rule compares the same p.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
-from samctl.index.errors import UserError
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """temperature 0 means greedy (argmax); top_k 0 and top_p 1.0 mean off."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise UserError(f"--temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise UserError(f"--top-k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:  # also refuses nan
-            raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+from samctl.decode.configs import SamplingConfig
 
 
 def warp_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:

@@ -32,16 +32,16 @@ import itertools
 from collections import Counter
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
-from samctl.decode.engine.cost import linear_cost, relative_cost
-from samctl.decode.drafters.base import Drafter
 from samctl.decode.methods import REPLAYABLE, MethodConfig, method as method_entry
 from samctl.decode.metrics import Metrics
-from samctl.decode.tree import walk_tree
 from samctl.index.errors import UserError
+
+if TYPE_CHECKING:  # the replay needs torch; reading the cost model and settings (simulate --help) does not
+    from samctl.decode.drafters.base import Drafter
 
 def check_replayable(name: str) -> None:
     why = method_entry(name).not_replayable
@@ -91,6 +91,8 @@ def replay(drafter: Drafter, trace: Trace, hidden: Any = None) -> Metrics:
     hidden: [n + r, H] tensor, the target's features at every prompt and reference position, for
     drafters with `needs_hidden`. draft_s counts start + propose + observe, as in the engine;
     time_s is the whole replay."""
+    from samctl.decode.tree import walk_tree
+
     limit, cap = len(trace.reference), trace.max_new_tokens
     # The model's choices after the reference's end (past its EOS) are unknown: -1 never matches.
     ref = np.concatenate((trace.reference, np.full(cap - limit, -1, dtype=np.int64)))
@@ -166,6 +168,8 @@ class CostModel:
 
     def curve(self, n: int = 256) -> np.ndarray:
         """[n + 1] relative cost of verifying k = 0..n draft nodes."""
+        from samctl.decode.engine.cost import linear_cost, relative_cost
+
         if self.verify_ms:
             return relative_cost(self.verify_ms, n)
         return linear_cost(self.token_cost, n)

@@ -1,7 +1,7 @@
 """samctl: lossless speculative decoding for outputs that overlap text the model can see.
 
-`Session` and `SessionConfig` (samctl.session) are the Python API; they load on first use, so that
-`import samctl` (and `samctl --help`) does not pull in torch.
+`Session` (samctl.session) and `SessionConfig` (samctl.config) are the Python API; they load on
+first use, so that `import samctl` (and `samctl --help`) does not pull in torch.
 """
 
 __version__ = "0.1.0"
@@ -9,8 +9,12 @@ __all__ = ["Session", "SessionConfig"]
 
 
 def __getattr__(name: str):
-    if name in __all__:
-        from samctl import session
+    if name == "Session":
+        from samctl.session import Session
 
-        return getattr(session, name)
+        return Session
+    if name == "SessionConfig":
+        from samctl.config import SessionConfig
+
+        return SessionConfig
     raise AttributeError(f"module 'samctl' has no attribute {name!r}")

@@ -13,6 +13,9 @@ Counting (Spec-Bench, METHODS.md §12, with the same token counting on both side
     mean accepted tokens  = (new tokens - turns) / decode steps, pooled (each turn's first token
                             comes from its prefill); plain decoding: 1.00
     draft share           = drafting time / wall time
+A question whose `ar` answer has fewer than MIN_TIMED_TOKENS new tokens is kept out of every
+speedup (its time is mostly the prefill and the timer's noise) and listed instead; each table
+heading gives n, the questions it averages.
 This module knows records and files, not models.
 """
 from __future__ import annotations
@@ -24,14 +27,24 @@ from typing import Any
 BASELINE = "ar"
 HF_BASELINE = "hf-greedy"
 OVERALL = "overall"
+MIN_TIMED_TOKENS = 8  # shorter answers are listed, not timed into a speedup
+
+
+def short_answers(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The questions whose baseline answer is too short to time: question_id, group, new_tokens."""
+    return [{"question_id": r["question_id"], "group": r["group"], "new_tokens": r["new_tokens"]}
+            for r in records if r["method"] == BASELINE and r["new_tokens"] < MIN_TIMED_TOKENS]
 
 
 def aggregate(records: list[dict[str, Any]], methods: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
-    """{group: {method: row}} over the groups in first-seen order, then "overall"."""
+    """{group: {method: row}} over the groups in first-seen order, then "overall"; questions with a
+    short answer (`short_answers`) are left out of every row."""
     groups: list[str] = []
     for r in records:
         if r["group"] not in groups:
             groups.append(r["group"])
+    short = {(s["question_id"], s["group"]) for s in short_answers(records)}
+    records = [r for r in records if (r["question_id"], r["group"]) not in short]
     table: dict[str, dict[str, dict[str, Any]]] = {}
     for group in groups + [OVERALL]:
         rows = [r for r in records if group == OVERALL or r["group"] == group]
@@ -89,12 +102,20 @@ def markdown(summary: dict[str, Any]) -> str:
               "total time: throughput over the whole category against `ar`'s; vs hf-greedy: the Spec-Bench "
               "speedup against transformers' `generate`. Tokens are generated ids up to and including EOS, "
               "capped at max_new_tokens, for every method.", ""]
+    short = summary.get("short_answers", [])
     for group, rows in summary["table"].items():
-        lines += [f"## {group}", "", "| method | " + " | ".join(h for _, h in _COLUMNS) + " |",
+        n = rows[BASELINE]["questions"] if BASELINE in rows else 0
+        left_out = sum(1 for s in short if group == OVERALL or s["group"] == group)
+        lines += [f"## {group} (n = {n}" + (f"; {left_out} short answer(s) left out" if left_out else "") + ")", "",
+                  "| method | " + " | ".join(h for _, h in _COLUMNS) + " |",
                   "|---|" + "---:|" * len(_COLUMNS)]
         for method, row in rows.items():
             lines.append(f"| {method} | " + " | ".join(_fmt(row[k], k) for k, _ in _COLUMNS) + " |")
         lines.append("")
+    if short:
+        lines += [f"Left out of the speedups: answers shorter than {MIN_TIMED_TOKENS} tokens (mostly prefill and "
+                  "timer noise): " + ", ".join(f"question {s['question_id']} ({s['group']}, {s['new_tokens']} "
+                                               f"token{'s' if s['new_tokens'] != 1 else ''})" for s in short), ""]
     total = sum(summary["mismatches"].values())
     lines.append(f"Greedy mismatches against `ar` (turns whose tokens differ, over all repeats): {total}"
                  + ("" if not total else " — " + ", ".join(f"{m}: {n}" for m, n in summary["mismatches"].items() if n)))
@@ -143,6 +164,8 @@ def write_summary(out_dir: Path, records: list[dict[str, Any]], methods: list[st
         "run": run,
         "methods": methods,
         "table": aggregate(records, methods),
+        "short_answers": short_answers(records),
+        "min_timed_tokens": MIN_TIMED_TOKENS,
         "mismatches": {m: sum(r["mismatched_turns"] for r in records if r["method"] == m) for m in methods},
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")

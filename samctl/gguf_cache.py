@@ -53,6 +53,14 @@ def cache_dir() -> Path:
     return Path(base) / "samctl"
 
 
+def cached_folder(spec: str) -> str | None:
+    """The folder of a .gguf file already dequantized, else None (nothing is converted)."""
+    path = Path(spec).expanduser()
+    check_header(path)
+    folder = cache_dir() / "models" / file_digest(path)
+    return str(folder) if (folder / SOURCE_FILE).is_file() else None
+
+
 def model_folder(spec: str, quiet: bool = False) -> str:
     """The folder transformers should load for `spec`: `spec` itself unless it names a .gguf file."""
     if not is_gguf(spec):

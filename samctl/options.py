@@ -17,7 +17,7 @@ from samctl.decode.methods import DEFAULT_METHOD, cli_fields, setting_name, sett
 from samctl.index.errors import UserError
 
 if TYPE_CHECKING:
-    from samctl.session import SessionConfig
+    from samctl.config import SessionConfig
 
 def _option(f: dataclasses.Field) -> Callable:
     meta = f.metadata
@@ -86,8 +86,8 @@ def draft_options(command: Callable) -> Callable:
 
 def session_config(opts: dict[str, Any], **changes: Any) -> "SessionConfig":
     """The SessionConfig of a command's parsed options (an option a command lacks keeps its default)."""
-    from samctl.decode.sampling import SamplingConfig
-    from samctl.session import DRAFT_SETTINGS, SessionConfig
+    from samctl.config import DRAFT_SETTINGS, SessionConfig
+    from samctl.decode.configs import SamplingConfig
 
     settings = {name: opts[name] for name in (*setting_names(), *DRAFT_SETTINGS) if opts.get(name) is not None}
     sampling = SamplingConfig(opts.get("temperature", 0.0), opts.get("top_k", 0), opts.get("top_p", 1.0),
@@ -100,6 +100,39 @@ def session_config(opts: dict[str, Any], **changes: Any) -> "SessionConfig":
         max_new_tokens=opts.get("max_new_tokens", 256), sampling=sampling, chat=opts.get("chat", False),
         memory_file=opts.get("memory_file"), quiet=opts.get("quiet", False))
     return dataclasses.replace(config, **changes) if changes else config
+
+
+def ignored_settings(opts: dict[str, Any], method_name: str) -> list[str]:
+    """The drafter flags given a value other than their default that `method_name` never reads
+    (`--method sam --max-nodes 3`), as the user typed them; `--occurrence` shapes the store, which
+    every method that drafts from one reads."""
+    from samctl.decode.methods import method
+
+    entry = method(method_name)
+    flags = []
+    for section, f in cli_fields():
+        if section in entry.settings or f"{section}.{f.name}" in entry.settings:
+            continue
+        if f.name == "occurrence" and entry.uses_store:
+            continue
+        value = opts.get(setting_name(f))
+        unset = None if f.metadata.get("device_default") or "cpu_default" in f.metadata else f.default
+        if value is None or value == unset:
+            continue
+        names = f.metadata["cli"].split("/")
+        flags.append(names[1] if isinstance(value, bool) and not value and len(names) > 1 else names[0])
+    return flags
+
+
+def set_threads(threads: int | None) -> None:
+    """--threads: torch's CPU threads; None leaves torch's choice."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise UserError(f"--threads must be >= 1, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
 
 
 def parse_methods(spec: str, known: tuple[str, ...]) -> list[str]:

@@ -73,16 +73,17 @@ class Progress:
             stop.set()
             thread.join()
 
-    def close(self) -> None:
+    def close(self, stopped: bool = False) -> None:
+        """The last line: `done in` when the work ended, `stopped after` when an error or Ctrl-C cut it."""
         if self.bar is not None:
             self.bar.close()
         elif self.lines:
-            self._line(final=True)
+            self._line(final=True, stopped=stopped)
 
     def _elapsed(self) -> float:
         return max(time.perf_counter() - self.start, 1e-9)
 
-    def _line(self, final: bool = False) -> None:
+    def _line(self, final: bool = False, stopped: bool = False) -> None:
         elapsed = self._elapsed()
         count = f"{self.done}/{self.total}" if self.total is not None else f"{self.done}"
         parts = [f"{count} {self.unit}s"]
@@ -91,7 +92,7 @@ class Progress:
         elif not final:
             parts.append(f"{self.done / elapsed:.2f} {self.unit}s/s")
         if final:
-            parts.append(f"done in {_duration(elapsed)}")
+            parts.append(f"{'stopped after' if stopped else 'done in'} {_duration(elapsed)}")
         elif self.total is not None and self.done:
             parts.append(f"ETA {_duration(elapsed * (self.total - self.done) / self.done)}")
         print(f"samctl: {self.description}: {', '.join(parts)}", file=sys.stderr, flush=True)
@@ -113,8 +114,10 @@ def progress_bar(description: str, unit: str, quiet: bool, total: int | None = N
     progress = Progress(description, unit, quiet, total)
     try:
         yield progress
-    finally:
-        progress.close()
+    except BaseException:  # Ctrl-C or an error: the work did not finish, never say "done"
+        progress.close(stopped=True)
+        raise
+    progress.close()
 
 
 def status(message: str, quiet: bool) -> None:

@@ -11,12 +11,15 @@ written (`finished_ids`).
 from __future__ import annotations
 
 import json
-from typing import IO, Any, Callable, Iterable, Iterator
+from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
-from samctl.decode.loop import GenerationResult
 from samctl.index.errors import UserError
 from samctl.progress import progress_bar
-from samctl.session import Session
+from samctl.textio import check_utf8
+
+if TYPE_CHECKING:  # parsing records (distill's resume, --resume) needs no model
+    from samctl.decode.loop import GenerationResult
+    from samctl.session import Session
 
 PROMPT_FIELDS = ("prompt", "turns", "text", "question", "instruction")
 
@@ -138,6 +141,7 @@ def finished_ids(path: str) -> set[str]:
 
 
 def parse_record(line: str, number: int) -> dict[str, Any]:
+    check_utf8(line, f"line {number}")
     if not line.strip():
         raise UserError(f"line {number} is blank: one JSON object per line (the output keeps one "
                         "line per input line)")

@@ -32,6 +32,12 @@ DEFAULT_DRAFT_DIR = DEFAULT_MODEL_DIR.parent / "draft"
 DEFAULT_HEAD_DIR = DEFAULT_MODEL_DIR.parent / "acc_head"  # the paper's labels min(1, p/q) at T = 1
 DEFAULT_GREEDY_HEAD_DIR = DEFAULT_MODEL_DIR.parent / "acc_head_greedy"  # labels: argmax matches
 DEFAULT_EAGLE_DIR = DEFAULT_MODEL_DIR.parent / "eagle_head"  # EAGLE head of the embedded target
+# What the embedded model is for, said whenever it is used: its rewrites are fast and exactly
+# plain decoding's, not correct; a real model is one command away (README, "A real model").
+EMBEDDED_MODEL_NOTE = (
+    f"samctl: using the embedded default model ({DEFAULT_MODEL_DIR.parent.name}/{DEFAULT_MODEL_DIR.name}, 5.9M "
+    "parameters): tiny, to show speed and exactness, not correct answers or edits; for a real model run "
+    "`python tools/get_smollm2.py` and pass --model models/SmolLM2-135M-Instruct.Q4_1.gguf")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -135,8 +141,7 @@ def load_engine(model: str | None, device: str = "auto", dtype: str = "auto", qu
                             "pass --model with a local model folder")
         model = str(DEFAULT_MODEL_DIR)
         if not quiet:
-            click.echo(f"samctl: using the embedded default model ({DEFAULT_MODEL_DIR.parent.name}/"
-                       f"{DEFAULT_MODEL_DIR.name}); pass --model to choose another", err=True)
+            click.echo(EMBEDDED_MODEL_NOTE, err=True)
     if Path(model).is_dir() and not (Path(model) / "config.json").is_file():
         raise UserError(f"model folder {model} has no config.json: pass a folder written by save_pretrained")
     torch_device = resolve_device(device)

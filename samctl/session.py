@@ -16,19 +16,18 @@ records (one input line -> one output line) are `samctl.records`'s.
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from typing import Any, Callable, Sequence
 
 import click
 import torch
 
+from samctl.config import DRAFT_SETTINGS, SessionConfig
 from samctl.decode.drafters.base import Drafter, NoDraft
-from samctl.decode.drafters.draft import DraftConfig, SpecDecConfig
 from samctl.decode.engine.graphs import enable_cuda_graphs
 from samctl.decode.loop import GenerationConfig, GenerationResult, generate as decode_generate
-from samctl.decode.methods import (ALL_METHODS, DEFAULT_METHOD, MethodConfig, method as method_entry, method_config,
-                                   setting_names, uses_store)
-from samctl.decode.sampling import SamplingConfig
+from samctl.decode.methods import method as method_entry, uses_store
+from samctl.decode.metrics import first_difference
 from samctl.index.datastore import Datastore
 from samctl.index.errors import UserError
 from samctl.memory import load_memory, save_memory
@@ -36,62 +35,6 @@ from samctl.runtime import (Engine, build_drafter, load_acc_head, load_draft, lo
                             load_store, resolve_draft_paths, resolve_eagle_path)
 
 WARM_UP_TOKENS = 32
-# Draft-model settings that are not drafter-section fields with a `cli` flag of their own.
-DRAFT_SETTINGS = ("gamma", "stop_threshold", "bounds")
-
-
-@dataclass(frozen=True)
-class SessionConfig:
-    """Everything a session's output depends on. `settings` holds the drafters' options by their
-    Python names (`max_nodes`, `sam_threshold`, ..., `gamma`, `stop_threshold`, `bounds`; see
-    `setting_names()`); options left out take the device's defaults."""
-
-    model: str | None = None  # a model folder, a .gguf file, or None for the embedded default
-    device: str = "auto"
-    dtype: str = "auto"
-    threads: int | None = None
-    graphs: bool = True  # CUDA only: the verify forward as CUDA graphs at fixed widths
-    store: str | None = None
-    occurrence: str = "first"
-    method: str = DEFAULT_METHOD
-    settings: dict[str, Any] = field(default_factory=dict)
-    draft_model: str | None = None
-    acc_head: str | None = None
-    eagle_head: str | None = None
-    max_new_tokens: int = 256
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    chat: bool = False  # render prompts with the tokenizer's chat template
-    memory_file: str | None = None
-    quiet: bool = False
-
-    def __post_init__(self) -> None:
-        if self.method not in ALL_METHODS:
-            raise UserError(f"unknown method {self.method!r}: choose from {', '.join(ALL_METHODS)}")
-        if self.threads is not None and self.threads < 1:
-            raise UserError(f"--threads must be >= 1, got {self.threads}")
-        if self.max_new_tokens < 1:
-            raise UserError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        unknown = sorted(set(self.settings) - set(setting_names()) - set(DRAFT_SETTINGS))
-        if unknown:
-            raise UserError(f"unknown setting {unknown[0]!r}: choose from "
-                            f"{', '.join(setting_names() + list(DRAFT_SETTINGS))}")
-        # Draft settings are checked before any file is looked for or loaded.
-        self._draft_sections()
-
-    def _draft_sections(self) -> tuple[DraftConfig, SpecDecConfig]:
-        s = self.settings
-        bounds = s.get("bounds") or (SpecDecConfig.min_draft, SpecDecConfig.max_draft)
-        return (DraftConfig(gamma=s.get("gamma", DraftConfig.gamma)),
-                SpecDecConfig(s.get("stop_threshold", SpecDecConfig.stop_threshold), *bounds))
-
-    def method_config(self, device: torch.device) -> MethodConfig:
-        """The drafters' settings on `device` (a setting left unset takes that device's default)."""
-        draft, specdec = self._draft_sections()
-        return replace(method_config(self.settings, device), draft=draft, specdec=specdec)
-
-    def to_record(self) -> dict[str, Any]:
-        """The configuration as JSON-ready values, as every output record carries it."""
-        return {k: v for k, v in asdict(self).items() if k != "quiet"}
 
 
 class _Loaded:
@@ -154,6 +97,7 @@ class Session:
                        "config": {"session": config.to_record(), "generation": asdict(self.generation),
                                   "method": asdict(self.method_config)}}
         self.warm = False
+        self._room_noted = False
 
     @classmethod
     def over(cls, engine: Engine, config: SessionConfig, store: Datastore | None = None) -> "Session":
@@ -169,6 +113,13 @@ class Session:
     @property
     def store(self) -> Datastore | None:
         return self._shared.store
+
+    def loaded_parts(self) -> tuple:
+        """What this session's drafter refers to besides the engine (the store's structure, the
+        draft model, heads): shared, never copied, when a drafter's state is snapshotted."""
+        parts = (self.store.structure if self.store is not None else None, self._draft,
+                 self._draft.model if self._draft is not None else None, self._head, self._eagle)
+        return tuple(p for p in parts if p is not None)
 
     @property
     def draft_model(self):
@@ -197,6 +148,7 @@ class Session:
         expected output (e.g. the file being edited), for the methods that draft from one."""
         ids = self.encode(prompt)
         drafter = self.drafter if drafter is None else drafter
+        self._note_room(ids)
         self._expect(drafter, prediction)
         if not self.warm:
             self.warm_up(ids)
@@ -270,6 +222,16 @@ class Session:
         return build_drafter(self.config.method, self.engine, store, self.method_config, draft=self._draft,
                              head=self._head, sampling=self.config.sampling, quiet=quiet, eagle=self._eagle)
 
+    def _note_room(self, ids: list[int]) -> None:
+        """Once per session: a prompt that leaves less of the model's context than max_new_tokens."""
+        context = self.engine.target.max_positions
+        room = context - len(ids)
+        if self._room_noted or self.config.quiet or not 0 < room < self.config.max_new_tokens:
+            return
+        self._room_noted = True
+        click.echo(f"samctl: note: the prompt is {len(ids)} tokens of the model's {context}-token context: at most "
+                   f"{room} new tokens fit, fewer than --max-new-tokens {self.config.max_new_tokens}", err=True)
+
     def _note_sampling(self) -> None:
         c = self.config
         if not c.sampling.greedy and not method_entry(c.method).lossless and not c.quiet:
@@ -291,11 +253,3 @@ def set_threads(threads: int | None) -> None:
     if threads < 1:
         raise UserError(f"--threads must be >= 1, got {threads}")
     torch.set_num_threads(threads)
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """The first index where two token lists differ (the shorter length if one extends the other)."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))

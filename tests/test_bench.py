@@ -10,7 +10,7 @@ import pytest
 from samctl.index.errors import UserError
 from samctl.bench_report import aggregate, markdown
 from samctl.commands.bench import _cut, read_questions
-from samctl.session import first_difference as _first_difference
+from samctl.decode.metrics import first_difference as _first_difference
 from tests.conftest import save_tiny_model_with_tokenizer
 
 QUESTIONS = [

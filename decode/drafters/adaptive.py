@@ -25,7 +25,6 @@ It knows token ids and a relative cost curve, not models or files; the memory's 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -37,38 +36,10 @@ from samctl.decode.tree import DraftTree
 from samctl.index.automaton import SuffixAutomaton
 from samctl.index.errors import UserError
 from samctl.index.sharded import ShardedAutomaton
+from samctl.decode.configs import AdaptiveConfig
 
 if TYPE_CHECKING:
     from samctl.index.ngram import NgramTable
-
-
-@dataclass(frozen=True)
-class AdaptiveConfig:
-    max_nodes: int = field(default=64, metadata={
-        "cli": "--max-nodes", "help": "adaptive: most draft nodes per step (the cost curve usually picks fewer)."})
-    min_prob: float = field(default=0.035, metadata={
-        "cli": "--min-prob", "help": "adaptive: drop draft nodes less likely than this to be accepted."})
-    memory: int = field(default=1024, metadata={
-        "cli": "--memory", "help": "adaptive: earlier outputs remembered across requests (0: off)."})
-    memory_tokens: int = 4_000_000  # the memory's token budget; the oldest requests go first
-    recycle: bool = field(default=True, metadata={
-        "cli": "--recycle/--no-recycle", "help": "adaptive: Token Recycle candidates where retrieval has none."})
-    prior_weight: float = 4.0  # pseudo-trials behind each cell's prior estimate
-    max_trials: float = 4000.0  # a cell's evidence is rescaled at this size, so it keeps adapting
-    width: int = 3  # children expanded per node and per match level
-    levels: int = 6  # match lengths (suffix-link levels) that propose first tokens
-    # A large store's short contexts have thousands of continuations, each a cost to rank and
-    # rarely right: the store proposes from fewer, longer matches.
-    static_levels: int = 2
-    static_min_length: int = 3
-    recycle_k: int = 8  # successors kept per token
-
-    def __post_init__(self) -> None:
-        if self.max_nodes < 0 or not 0.0 <= self.min_prob < 1.0 or self.memory < 0 or self.memory_tokens < 0:
-            raise UserError(f"invalid adaptive settings {asdict(self)}: --max-nodes >= 0, 0 <= --min-prob < 1, "
-                            "--memory >= 0")
-        if self.width < 1 or self.levels < 1 or self.recycle_k < 1 or self.prior_weight <= 0:
-            raise UserError(f"invalid adaptive settings {asdict(self)}")
 
 
 class Calibration:

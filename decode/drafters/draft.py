@@ -20,7 +20,6 @@ sampled chain carries exactly the q it was drawn from. Knows nothing of the targ
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -30,29 +29,7 @@ from samctl.decode.acceptance_head import AcceptanceHead
 from samctl.decode.draft_model import DraftModel
 from samctl.decode.sampling import SamplingConfig, warp_probs
 from samctl.decode.tree import DraftTree
-from samctl.index.errors import UserError
-
-
-@dataclass(frozen=True)
-class DraftConfig:
-    gamma: int = 4  # tokens per step for `sd` (and for `sam+draft`'s fallback)
-
-    def __post_init__(self) -> None:
-        if self.gamma < 1:
-            raise UserError(f"--gamma must be >= 1, got {self.gamma}")
-
-
-@dataclass(frozen=True)
-class SpecDecConfig:
-    stop_threshold: float = 0.3  # stop once P(some drafted token is rejected) exceeds this
-    min_draft: int = 2  # inclusive bounds on the draft length
-    max_draft: int = 20
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.stop_threshold <= 1.0:
-            raise UserError(f"--stop-threshold must be in [0, 1], got {self.stop_threshold}")
-        if not 1 <= self.min_draft <= self.max_draft:
-            raise UserError(f"--bounds MIN MAX need 1 <= MIN <= MAX, got {self.min_draft} {self.max_draft}")
+from samctl.decode.configs import DraftConfig, SpecDecConfig
 
 
 class StopRule(Protocol):

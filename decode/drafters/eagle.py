@@ -28,7 +28,6 @@ nodes to adaptive's candidate buffer instead, where they compete with retrieval 
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
 
 import numba
 import numpy as np
@@ -41,28 +40,9 @@ from samctl.decode.eagle_head import EagleHead
 from samctl.decode.engine.kv_cache import StaticKVCache
 from samctl.decode.tree import DraftTree, tree_depths
 from samctl.index.errors import UserError
+from samctl.decode.configs import EagleConfig
 
 MAX_DEPTH = 32  # calibration cells (depth of a node, 1-based); deeper nodes share the last
-
-
-@dataclass(frozen=True)
-class EagleConfig:
-    top_k: int = field(default=8, metadata={
-        "cli": "--eagle-top-k", "help": "eagle, sam+eagle, adaptive+eagle: children per expanded node and frontier width."})
-    depth: int = field(default=5, metadata={
-        "cli": "--eagle-depth", "help": "eagle, sam+eagle, adaptive+eagle: frontier expansions per step (levels up to depth + 1)."})
-    max_nodes: int = field(default=60, metadata={
-        "cli": "--eagle-nodes", "help": "eagle, sam+eagle, adaptive+eagle: most draft nodes per step (the cost curve usually picks fewer)."})
-    min_prob: float = field(default=0.02, metadata={
-        "cli": "--eagle-min-prob", "help": "eagle, sam+eagle, adaptive+eagle (CPU): stop expanding once no frontier path is this likely."})
-    prior_weight: float = 8.0  # pseudo-observations behind the calibration's prior scale 1
-
-    def __post_init__(self) -> None:
-        if self.top_k < 1 or self.depth < 0 or self.max_nodes < 0 or not 0.0 <= self.min_prob < 1.0:
-            raise UserError(f"invalid eagle settings {asdict(self)}: --eagle-top-k >= 1, --eagle-depth >= 0, "
-                            "--eagle-nodes >= 0, 0 <= --eagle-min-prob < 1")
-        if self.prior_weight <= 0:
-            raise UserError(f"invalid eagle settings {asdict(self)}")
 
 
 @numba.njit(cache=True)

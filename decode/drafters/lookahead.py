@@ -31,7 +31,6 @@ pool's n-grams reach the host one step late on a GPU (at once on a CPU).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import asdict, dataclass, field
 
 import numba
 import numpy as np
@@ -39,33 +38,7 @@ import torch
 
 from samctl.decode.engine.target import to_device
 from samctl.decode.tree import DraftTree
-from samctl.index.errors import UserError
-
-
-@dataclass(frozen=True)
-class LookaheadConfig:
-    # The defaults are the MT-Bench script's (N 5, W = G 15) for a GPU, where a wide verify costs
-    # little; on a CPU a verify of k tokens costs about k times more (BENCHMARKS.md), so the CLI
-    # uses the small `cpu_default` there.
-    ngram: int = field(default=5, metadata={
-        "cli": "--la-ngram", "cpu_default": 4,
-        "help": "lookahead: N, the n-gram size (N-1 window levels, guesses of N-1 tokens) [default: 5; 4 on a CPU]."})
-    window: int = field(default=15, metadata={
-        "cli": "--la-window", "cpu_default": 2,
-        "help": "lookahead: W, the window's columns (0: no window, the pool alone) [default: 15; 2 on a CPU]."})
-    guesses: int = field(default=15, metadata={
-        "cli": "--la-guesses", "cpu_default": 4,
-        "help": "lookahead: G, pool tuples per key and guesses verified per step [default: 15; 4 on a CPU]."})
-    pool_text: bool = field(default=True, metadata={
-        "cli": "--la-pool-text/--no-la-pool-text",
-        "help": "lookahead, ouroboros: the pool also takes the n-grams of the prompt and the output."})
-    seed: int = 0  # the window's seeding generator
-    memory: int = 1024  # earlier outputs kept for --memory-save (the pool itself is bounded by G per key)
-
-    def __post_init__(self) -> None:
-        if self.ngram < 2 or self.window < 0 or self.guesses < 0 or self.memory < 0:
-            raise UserError(f"invalid lookahead settings {asdict(self)}: --la-ngram >= 2, --la-window >= 0, "
-                            "--la-guesses >= 0")
+from samctl.decode.configs import LookaheadConfig
 
 
 # -- the n-gram pool --------------------------------------------------------------------------

@@ -23,7 +23,6 @@ cross-request memory behave as lookahead's.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -32,26 +31,7 @@ from samctl.decode.draft_model import DraftModel
 from samctl.decode.drafters.lookahead import JacobiWindow, NgramPool, PoolMemory, RemembersPool, guess_trie
 from samctl.decode.engine.target import TargetModel, to_device
 from samctl.decode.tree import DraftTree, walk_tree
-from samctl.index.errors import UserError
-
-
-@dataclass(frozen=True)
-class OuroborosConfig:
-    # Section 9's benchmark settings (N 6, W = G 15) for a GPU; the CLI's CPU values are smaller
-    # (the draft's wide lookahead forward costs more than it returns there, BENCHMARKS.md).
-    ngram: int = field(default=6, metadata={
-        "cli": "--ouro-ngram", "cpu_default": 4, "help": "ouroboros: N of the draft's lookahead [default: 6; 4 on a CPU]."})
-    window: int = field(default=15, metadata={
-        "cli": "--ouro-window", "cpu_default": 4,
-        "help": "ouroboros: W = G, the draft's window columns and pool tuples per key [default: 15; 4 on a CPU]."})
-    topk: int = field(default=3, metadata={"cli": "--ouro-topk", "help": "ouroboros: pool suffixes the target verifies."})
-    seed: int = 0
-    memory: int = 1024
-
-    def __post_init__(self) -> None:
-        if self.ngram < 2 or self.window < 1 or self.topk < 0 or self.memory < 0:
-            raise UserError(f"invalid ouroboros settings {asdict(self)}: --ouro-ngram >= 2, --ouro-window >= 1, "
-                            "--ouro-topk >= 0")
+from samctl.decode.configs import OuroborosConfig
 
 
 class OuroborosDrafter(RemembersPool):

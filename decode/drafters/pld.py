@@ -6,26 +6,13 @@ after it, cut before the first EOS. No state beyond the token history.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 
 import numba
 import numpy as np
 import torch
 
 from samctl.decode.tree import DraftTree
-from samctl.index.errors import UserError
-
-
-@dataclass(frozen=True)
-class PldConfig:
-    # transformers' max_matching_ngram_size (its default is 2; Spec-Bench uses 3)
-    max_ngram: int = field(default=3, metadata={"cli": "--pld-ngram", "help": "pld: longest n-gram matched."})
-    # transformers' prompt_lookup_num_tokens
-    num_draft: int = field(default=10, metadata={"cli": "--pld-tokens", "help": "pld: draft tokens."})
-
-    def __post_init__(self) -> None:
-        if self.max_ngram < 1 or self.num_draft < 1:
-            raise UserError(f"prompt lookup needs max_ngram >= 1 and num_draft >= 1, got {self}")
+from samctl.decode.configs import PldConfig
 
 
 @numba.njit(cache=True)

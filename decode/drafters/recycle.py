@@ -13,34 +13,14 @@ the per-op overhead of small torch calls.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
 
 import numba
 import numpy as np
 import torch
 
 from samctl.decode.tree import DraftTree
-from samctl.index.errors import UserError
+from samctl.decode.configs import RECYCLE_RANK_ACCEPT as _RANK_ACCEPT, RecycleConfig
 
-# Rank acceptance model behind the default template: the r-th candidate of a token is the target's
-# next choice with about this probability (measured shape from the paper's Vicuna runs, rounded).
-_RANK_ACCEPT = (0.55, 0.14, 0.07, 0.045, 0.03, 0.022, 0.016, 0.012)
-
-
-@dataclass(frozen=True)
-class RecycleConfig:
-    k: int = 8  # successors kept per token
-    # template size, root excluded (the official "2.2.2" tree has 80 + root); on a CPU, where a
-    # verify costs about linearly in its tokens, the CLI's default is smaller (samctl/options.py)
-    nodes: int = field(default=80, metadata={
-        "cli": "--recycle-nodes", "device_default": True,
-        "help": "recycle, sam+recycle: draft tree size (default: 80 on a GPU; 16 on a CPU, where a verify "
-                "costs about linearly in its tokens)."})
-    max_depth: int = 6
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.k <= len(_RANK_ACCEPT) or self.nodes < 1 or self.max_depth < 1:
-            raise UserError(f"Token Recycle needs 1 <= k <= {len(_RANK_ACCEPT)}, nodes >= 1, depth >= 1; got {self}")
 
 
 def build_template(config: RecycleConfig) -> tuple[np.ndarray, np.ndarray]:

@@ -18,7 +18,6 @@ the longest match (its counts only). This module knows the automaton's arrays, n
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,23 +28,10 @@ from samctl.decode.tree import DraftTree
 from samctl.index.automaton import LEN, LINK, SuffixAutomaton, sam_step, sam_topk_next
 from samctl.index.errors import UserError
 from samctl.index.sharded import ShardedAutomaton
+from samctl.decode.configs import RestConfig
 
 if TYPE_CHECKING:
     from samctl.index.ngram import NgramTable
-
-
-@dataclass(frozen=True)
-class RestConfig:
-    max_span: int = 16  # longest context suffix tried (REST max_token_span)
-    min_span: int = 2  # shortest suffix that may draft
-    # draft tokens, root excluded (REST num_draft)
-    num_nodes: int = field(default=64, metadata={"cli": "--rest-nodes", "help": "rest: draft tree size."})
-    # continuation length counted per occurrence
-    max_depth: int = field(default=10, metadata={"cli": "--rest-depth", "help": "rest: deepest draft token."})
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.min_span <= self.max_span or self.num_nodes < 1 or self.max_depth < 1:
-            raise UserError(f"REST needs 1 <= min_span <= max_span, num_nodes >= 1, max_depth >= 1; got {self}")
 
 
 @njit(cache=True)

@@ -18,7 +18,6 @@ feature cache stays current: the target's hidden states pass through to it).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,34 +26,11 @@ import torch
 from samctl.decode.drafters.base import Drafter
 from samctl.decode.tree import DraftTree
 from samctl.index.automaton import SuffixAutomaton
-from samctl.index.errors import UserError
 from samctl.index.sharded import ShardedAutomaton
+from samctl.decode.configs import SamConfig
 
 if TYPE_CHECKING:
     from samctl.index.ngram import NgramTable
-
-
-@dataclass(frozen=True)
-class SamConfig:
-    # SAM-Decoding's len_threshold
-    dyn_threshold: int = field(default=5, metadata={
-        "cli": "--sam-threshold", "help": "sam: dynamic-automaton match length that triggers a retrieval draft."})
-    # len_bias: the static match must reach dyn_threshold + static_bias
-    static_bias: int = field(default=5, metadata={
-        "cli": "--static-bias", "help": "sam: extra match length the static store needs (it triggers at threshold "
-                                        "+ bias, capped at an n-gram store's longest context)."})
-    max_draft: int = field(default=39, metadata={"cli": "--max-draft", "help": "sam: longest retrieval draft."})  # n_predicts 40 - t0
-    alpha: float = field(default=4.0, metadata={
-        "cli": "--sam-alpha", "help": "sam: draft length grows as alpha x match length, up to --max-draft."})
-    occurrence: str = field(default="first", metadata={
-        "cli": "--occurrence", "choices": ("first", "latest"),
-        "help": "sam: which earlier occurrence retrieval drafts continue."})
-
-    def __post_init__(self) -> None:
-        if self.dyn_threshold < 1 or self.static_bias < 0 or self.max_draft < 1 or self.alpha <= 0:
-            raise UserError(f"invalid SAM settings {asdict(self)}: thresholds >= 1, max draft >= 1, alpha > 0")
-        if self.occurrence not in ("first", "latest"):
-            raise UserError(f"--occurrence must be first or latest, got {self.occurrence!r}")
 
 
 class StaticAutomatonSource:

@@ -18,7 +18,6 @@ nothing of text, files or training.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -27,16 +26,7 @@ from samctl.decode.sdsat import SatSettings
 from samctl.decode.engine.target import TargetModel
 from samctl.decode.tree import DraftTree
 from samctl.index.errors import UserError
-
-
-@dataclass(frozen=True)
-class SdsatConfig:
-    sat_count: int = field(default=0, metadata={
-        "cli": "--sat-count", "help": "SAT slots per step (sdsat; default 0 = the count the model was trained with)"})
-
-    def __post_init__(self) -> None:
-        if self.sat_count < 0:
-            raise UserError(f"--sat-count must be >= 0, got {self.sat_count}")
+from samctl.decode.configs import SdsatConfig
 
 
 class SatPeek:

@@ -26,6 +26,7 @@ output differs from ar's.
 """
 from __future__ import annotations
 
+import copy
 import json
 import platform
 import shlex
@@ -34,19 +35,22 @@ import time
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import click
-import torch
 
-from samctl.decode.loop import GenerationConfig, generate as decode_generate
 from samctl.decode.methods import DRAFT_METHODS, EAGLE_METHODS, METHODS, SELF_DRAFT_METHODS
 from samctl.index.errors import UserError
 from samctl.bench_report import BASELINE, write_summary
 from samctl.options import draft_options, engine_options, method_options, parse_methods, session_config
 from samctl.progress import progress_bar
-from samctl.runtime import Engine
-from samctl.session import Session, first_difference
+from samctl.decode.metrics import first_difference
+from samctl.textio import ERRORS, check_utf8
+
+if TYPE_CHECKING:  # torch, transformers and the decoder load with the model, not for --help
+    from samctl.decode.drafters.base import Drafter
+    from samctl.runtime import Engine
+    from samctl.session import Session
 
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 HF_METHODS = ("hf-greedy", "hf-pld", "hf-assisted")
@@ -111,6 +115,10 @@ def bench(**opts: Any) -> None:
     methods = parse_methods(opts["methods_spec"], ALL_BENCH_METHODS)
     methods = [BASELINE] + [m for m in methods if m != BASELINE]
     questions = read_questions(Path(opts["questions_path"]), opts["categories"], opts["limit"])
+    import torch
+
+    from samctl.session import Session
+
     # bench decodes greedily: a draft pair's embedded head is the one trained for that
     config = session_config(opts, method=BASELINE)
     models = {"draft_model": config.draft_model, "acc_head": config.acc_head, "eagle_head": config.eagle_head}
@@ -139,8 +147,10 @@ def bench(**opts: Any) -> None:
     if not opts["quiet"]:
         overall = summary["table"]["overall"]
         best = max((m for m in methods if m != BASELINE), key=lambda m: overall[m]["speedup"] or 0.0, default=None)
+        short = len(summary["short_answers"])
         click.echo(f"samctl: {len(fits)} questions x {len(methods)} methods -> {out_dir}/summary.md"
-                   + (f"; best overall: {best} {overall[best]['speedup']:.2f}x" if best else "")
+                   + (f"; best overall: {best} {overall[best]['speedup']:.2f}x" if best and overall[best]["speedup"] else "")
+                   + (f" ({short} answer(s) under {summary['min_timed_tokens']} tokens left out)" if short else "")
                    + f"; greedy mismatches against ar: {mismatches}"
                    + ("" if exact or not turns else
                       f" of {turns} turns ({mismatches / turns:.1%}, {engine.target.dtype} near-ties; "
@@ -163,7 +173,8 @@ def read_questions(path: Path, categories: str | None, limit: int | None) -> lis
     if limit is not None and limit < 1:
         raise UserError(f"--limit must be >= 1, got {limit}")
     questions = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(path.read_bytes().decode("utf-8", ERRORS).splitlines(), start=1):
+        check_utf8(line, f"{path}:{number}")
         if not line.strip():
             continue
         try:
@@ -223,13 +234,31 @@ def fitting_questions(questions: list[Question], engine: Engine, max_new: int, c
 
 
 class EngineRunner:
-    """A samctl method through its session; the session's drafter stays warm across questions."""
+    """A samctl method through its session; its drafter stays warm across questions, and every
+    repeat of a question starts from the state it had before the question's first run
+    (`snapshot` / `restore`), so that a repeat measures speed, not what the drafter learned from
+    the repeat before (Token Recycle's table, adaptive's calibration and memory)."""
 
-    def __init__(self, name: str, session: "Session") -> None:
+    def __init__(self, name: str, session: Session) -> None:
         self.name, self.session = name, session
         self.engine, self.drafter = session.engine, session.drafter
+        # What every copy of the drafter shares instead of copying: models, heads, the static store.
+        self.shared = (self.engine.target, self.engine.model) + session.loaded_parts()
+
+    def snapshot(self) -> Drafter:
+        return self._copy(self.drafter)
+
+    def restore(self, state: Drafter, last: bool) -> None:
+        """Run on a copy of `state` (the state itself for the last repeat: nothing follows it)."""
+        self.drafter = state if last else self._copy(state)
+
+    def _copy(self, drafter: Drafter) -> Drafter:
+        memo: dict[int, Any] = {id(x): x for x in self.shared}
+        return copy.deepcopy(drafter, memo)
 
     def run(self, prompt: list[int], max_new_tokens: int) -> Turn:
+        from samctl.decode.loop import GenerationConfig, generate as decode_generate
+
         config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=self.engine.eos_token_ids)
         result = decode_generate(self.engine.target, self.drafter, prompt, config)
         m = result.metrics
@@ -248,6 +277,7 @@ class HfRunner:
         hf_logging.set_verbosity_error()
 
     def run(self, prompt: list[int], max_new_tokens: int) -> Turn:
+        import torch
         from transformers import GenerationConfig as HfGenerationConfig
 
         model, eos = self.engine.model, list(self.engine.eos_token_ids)
@@ -321,11 +351,13 @@ def _run_all(runners: dict[str, Runner], engine: Engine, questions: list[Questio
             progress_bar("bench", "run", opts["quiet"], total=len(questions) * len(runners) * repeats) as bar:
         for q in questions:
             runs: dict[str, list[list[Turn]]] = {name: [] for name in runners}
+            states = {name: runner.snapshot() for name, runner in runners.items()
+                      if repeats > 1 and isinstance(runner, EngineRunner)}
             for r in range(repeats):  # repeats interleave the methods too
                 for name, runner in runners.items():
-                    # Only the last repeat's outputs join a cross-request memory: a repeat must not
-                    # find its own question's answer remembered from the repeat before.
-                    _remember(runner, r == repeats - 1)
+                    _remember(runner, True)
+                    if name in states:  # every repeat from the state before the question's first
+                        runner.restore(states[name], last=r == repeats - 1)
                     runs[name].append(_run_question(runner, engine, q, opts["max_new_tokens"], opts["chat"]))
                     bar.update(1, tokens=sum(len(t.tokens) for t in runs[name][-1]))
             baseline = _median_run(runs[BASELINE])
@@ -370,6 +402,7 @@ def _record(method: str, q: Question, turns: list[Turn], baseline: list[Turn], e
         "draft_s": round(sum(t.draft_s for t in turns), 6) if all(t.draft_s is not None for t in turns) else None,
         "mismatched_turns": mismatched,
         "repeat_times_s": [round(sum(t.time_s for t in run), 6) for run in repeats],
+        "repeat_steps": [sum(t.steps for t in run) if all(t.steps is not None for t in run) else None for run in repeats],
         "turns": [{"new_tokens": len(t.tokens), "time_s": round(t.time_s, 6), "tokens_per_s": round(t.tokens_per_s, 3),
                    "steps": t.steps, "first_difference": d, "metrics": t.metrics, "text": engine.decode(t.tokens)}
                   for t, d in zip(turns, diffs)],
@@ -377,6 +410,8 @@ def _record(method: str, q: Question, turns: list[Turn], baseline: list[Turn], e
 
 
 def _run_info(session: Session, opts: dict[str, Any], methods: list[str], questions: int, skipped: int) -> dict[str, Any]:
+    import torch
+
     engine = session.engine
     return {
         "command": "samctl bench " + shlex.join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "samctl bench",

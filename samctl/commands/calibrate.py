@@ -6,8 +6,6 @@ from typing import Any
 
 import click
 
-from samctl.decode.engine.cost import relative_cost
-from samctl.costs import cost_curve, curve_key
 from samctl.options import engine_options, session_config
 
 
@@ -29,6 +27,8 @@ def calibrate(**opts: Any) -> None:
     samctl calibrate --model ./my-model
     samctl calibrate --model ./my-model --json > curve.json    # for simulate --cost-curve
     """
+    from samctl.costs import cost_curve, curve_key
+    from samctl.decode.engine.cost import relative_cost
     from samctl.session import Session
 
     # The curve is measured on the engine every command runs (CUDA graphs included), under ar.

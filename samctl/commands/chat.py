@@ -160,10 +160,7 @@ class Console:
         drafter = self.sessions[self.method].drafter if self.method in self.sessions else None
         report = getattr(drafter, "report", None)
         if report is not None:
-            info = report()
-            lines.append(f"memory: {info['memory_requests']} earlier answer(s) this session")
-            for source, cell in info["calibration"].items():
-                lines.append(f"  {source:<8} {cell['trials']:>8.0f} drafted, {100 * cell['rate']:.1f}% accepted")
+            lines += _report_lines(report())
         elif drafter is None:
             lines.append("(no turn with this method yet)")
         return "\n".join(lines)
@@ -174,3 +171,16 @@ class Console:
             first = next(iter(self.sessions.values()))
             self.sessions[self.method] = first.for_method(self.method)
         return self.sessions[self.method]
+
+
+def _report_lines(info: dict[str, Any]) -> list[str]:
+    """A drafter's `report()` as lines: adaptive's memory and calibration per source, and any
+    other drafter's figures (lookahead's pool) as name: value."""
+    lines = []
+    if "memory_requests" in info:
+        lines.append(f"memory: {info['memory_requests']} earlier answer(s) this session")
+    for source, cell in info.get("calibration", {}).items():
+        lines.append(f"  {source:<8} {cell['trials']:>8.0f} drafted, {100 * cell['rate']:.1f}% accepted")
+    lines += [f"{key.replace('_', ' ')}: {value}" for key, value in info.items()
+              if key not in ("memory_requests", "calibration")]
+    return lines

@@ -25,6 +25,7 @@ import click
 from samctl.decode.methods import ALL_METHODS, DEFAULT_METHOD
 from samctl.index.errors import UserError
 from samctl.options import draft_options, engine_options, method_options, sampling_options, session_config
+from samctl.textio import ERRORS
 
 _PROMPT_FIELDS_HELP = "the record field holding the prompt (default: prompt, turns, text, question, instruction)"
 
@@ -45,8 +46,9 @@ _PROMPT_FIELDS_HELP = "the record field holding the prompt (default: prompt, tur
               help="Also put this corpus in the store (as `samctl build` reads it; repeatable).")
 @click.option("--field", "prompt_field", metavar="NAME", help=_PROMPT_FIELDS_HELP)
 @click.option("--max-new-tokens", type=int, default=256, show_default=True)
-@click.option("--chat/--no-chat", default=True, show_default=True,
-              help="Apply the tokenizer's chat template to the prompts (the way the model will be asked).")
+@click.option("--chat/--no-chat", default=None,
+              help="Apply the tokenizer's chat template to the prompts (the way the model will be asked) "
+                   "[default: --chat when the model has a chat template, else --no-chat].")
 @sampling_options
 @engine_options
 @method_options
@@ -65,17 +67,24 @@ def distill(**opts: Any) -> None:
 
     start = time.perf_counter()
     answers_path = Path(opts["answers_path"] or opts["output"] + ".answers.jsonl")
-    done = _answered(answers_path)
-    session = Session(session_config(opts))
-    engine, sampling = session.engine, session.config.sampling
+    config = session_config(opts, chat=False)  # settings checked before torch loads
+    session = Session(config)
+    engine, sampling = session.engine, config.sampling
+    opts["chat"] = _chat_mode(opts["chat"], engine, opts["quiet"])
+    if opts["chat"]:
+        session = session.for_method(config.method, chat=True)
+    producer = _producer(opts, engine, sampling)
+    done = _answered(answers_path, producer, opts["quiet"])
 
     # 1) answers, appended one record at a time so that an interrupted run loses at most one
     runner = RecordRunner(session, field=opts["prompt_field"])
     if done and not opts["quiet"]:
         click.echo(f"samctl: resuming: {len(done)} prompt(s) already answered in {answers_path}", err=True)
-    with open(opts["prompts_path"], encoding="utf-8") as prompts, open(answers_path, "a", encoding="utf-8") as out:
+    with open(opts["prompts_path"], encoding="utf-8", errors=ERRORS) as prompts, \
+            open(answers_path, "a", encoding="utf-8") as out:
         def write(line: str) -> None:
-            out.write(line + "\n")
+            # Each answer records what produced it, so that a later run never resumes with others'.
+            out.write(json.dumps({**json.loads(line), "produced_by": producer}, ensure_ascii=False) + "\n")
             out.flush()
 
         failed = runner.batch(_unanswered(prompts, done), write, opts["quiet"])
@@ -111,8 +120,44 @@ def _unanswered(lines, done: set[Any]) -> Iterator[tuple[int, str]]:
             yield number, line
 
 
-def _answered(path: Path) -> set[Any]:
-    """Ids of the records answered without error in an answers file (a torn last line is skipped)."""
+def _chat_mode(chat: bool | None, engine: Any, quiet: bool) -> bool:
+    """--chat/--no-chat as given; unset, the chat template when the model has one."""
+    has_template = bool(getattr(engine.tokenizer, "chat_template", None))
+    if chat and not has_template:
+        raise UserError(f"model {engine.name} has no chat template: pass --no-chat to answer the prompts as plain text")
+    if chat is None and not has_template and not quiet:
+        click.echo(f"samctl: note: model {engine.name} has no chat template: the prompts are given as plain "
+                   "text (--no-chat)", err=True)
+    return has_template if chat is None else chat
+
+
+def _producer(opts: dict[str, Any], engine: Any, sampling: Any) -> dict[str, Any]:
+    """What decides the answers: the model (by fingerprint), its dtype, the prompt rendering and
+    the decoding. The method is left out: every method gives the model's own answers."""
+    from samctl.heads import model_fingerprint
+
+    return {"model": engine.name, "model_fingerprint": model_fingerprint(engine.model, engine.tokenizer),
+            "dtype": str(engine.target.dtype).removeprefix("torch."), "chat": opts["chat"],
+            "field": opts["prompt_field"], "max_new_tokens": opts["max_new_tokens"],
+            "sampling": "greedy" if sampling.greedy else asdict(sampling)}
+
+
+def _same_producer(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return {k: v for k, v in a.items() if k != "model"} == {k: v for k, v in b.items() if k != "model"}
+
+
+def _describe(producer: Any) -> str:
+    if not isinstance(producer, dict):
+        return "an unrecorded setup"
+    sampling = producer.get("sampling")
+    decoding = "greedy" if sampling == "greedy" else f"sampling {sampling}"
+    return (f"{producer.get('model')}, {'chat' if producer.get('chat') else 'no-chat'}, {decoding}, "
+            f"max {producer.get('max_new_tokens')} new tokens, {producer.get('dtype')}")
+
+
+def _answered(path: Path, producer: dict[str, Any], quiet: bool) -> set[Any]:
+    """Ids of the records answered without error in an answers file (a torn last line is skipped).
+    An answers file written by another model or other settings is started over, never mixed in."""
     done: set[Any] = set()
     if not path.is_file():
         return done
@@ -121,7 +166,15 @@ def _answered(path: Path) -> set[Any]:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut short by an interruption: that record is generated again
-        if isinstance(record, dict) and "error" not in record and isinstance(record.get("text"), str):
+        if not isinstance(record, dict):
+            continue
+        if not _same_producer(record.get("produced_by") or {}, producer):
+            if not quiet:
+                click.echo(f"samctl: {path} holds answers by {_describe(record.get('produced_by'))}; this run is "
+                           f"{_describe(producer)}: starting the answers over", err=True)
+            path.unlink()
+            return set()
+        if "error" not in record and isinstance(record.get("text"), str):
             done.add(record.get("id"))
     return done
 
@@ -138,7 +191,7 @@ def _documents(prompts_path: str, answers_path: Path, field: str | None) -> Iter
             continue
         if isinstance(record, dict) and "error" not in record and isinstance(record.get("text"), str):
             answers[record.get("id")] = record  # a later answer to the same id wins
-    with open(prompts_path, encoding="utf-8") as lines:
+    with open(prompts_path, encoding="utf-8", errors=ERRORS) as lines:
         for number, line in read_records(lines):
             try:
                 record = parse_record(line, number)

@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Callable, Iterable
+from typing import IO, Any, Callable, Iterable, Iterator
 
 import click
 
+from samctl.decode.configs import DraftConfig, SpecDecConfig
 from samctl.decode.methods import ALL_METHODS, DEFAULT_METHOD, NOT_LOSSLESS, method as method_entry
 from samctl.index.errors import UserError
-from samctl.options import draft_options, engine_options, method_options, sampling_options, session_config
+from samctl.options import (draft_options, engine_options, ignored_settings, method_options, sampling_options,
+                            session_config)
+from samctl.textio import TEXT_FILE, check_utf8
 
 @click.command("generate")
 @click.option("--model", "model_path", metavar="PATH", help="Local model folder or .gguf file (default: the embedded model).")
@@ -34,8 +37,8 @@ from samctl.options import draft_options, engine_options, method_options, sampli
 @click.option("--method", type=click.Choice(ALL_METHODS), default=DEFAULT_METHOD, show_default=True, help="Drafting method (README's method table; adaptive needs no tuning). "
               f"{', '.join(NOT_LOSSLESS)}: NOT lossless when sampling, reference reproductions only.")
 @click.option("--prompt", help="Prompt text.")
-@click.option("--prompt-file", type=click.File("r", encoding="utf-8"), help="File holding the prompt.")
-@click.option("--input", "input_file", type=click.File("r", encoding="utf-8"), help="JSONL batch, '-' for stdin (field prompt, turns, or --field).")
+@click.option("--prompt-file", type=TEXT_FILE, help="File holding the prompt.")
+@click.option("--input", "input_file", type=TEXT_FILE, help="JSONL batch, '-' for stdin (field prompt, turns, or --field).")
 @click.option("--output", "output_path", type=click.Path(dir_okay=False, allow_dash=True), default="-", show_default=True, help="JSONL results of a batch, '-' for stdout.")
 @click.option("--resume", is_flag=True, help="Batch: skip records whose id is already in --output and append the rest (after a killed run).")
 @click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
@@ -45,7 +48,7 @@ from samctl.options import draft_options, engine_options, method_options, sampli
 @click.option("--workers", type=int, default=None, help="--ray: worker actors [default: the cluster's CPUs / --threads, or its GPUs / --gpus-per-worker].")
 @click.option("--gpus-per-worker", type=float, default=0.0, show_default=True, help="--ray: GPUs each worker holds (0: CPU workers).")
 @click.option("--field", "prompt_field", metavar="NAME", help="Batch: the record field holding the prompt.")
-@click.option("--prediction", "prediction_file", type=click.File("r", encoding="utf-8"),
+@click.option("--prediction", "prediction_file", type=TEXT_FILE,
               help="adaptive: the expected output (e.g. the file being edited), drafted from like the prompt; "
                    "in a batch, a record's `prediction` field.")
 @click.option("--memory-file", "memory_file", metavar="STORE", type=click.Path(exists=True, dir_okay=False),
@@ -77,10 +80,16 @@ def generate(**opts: Any) -> None:
     if opts["compare_runs"] < 1:
         raise UserError(f"--compare-runs must be >= 1, got {opts['compare_runs']}")
     _check_batch_options(opts)
-    config = session_config(opts)
-    if opts["prediction_file"] is not None and not method_entry(config.method).takes_prediction:
+    config = session_config(opts)  # every setting that needs no model is checked here, before torch loads
+    _note_ignored(opts)
+    # The single prompt's files are read (and refused if not UTF-8) before any model loads.
+    single = opts["input_file"] is None
+    prediction = _read_file(opts["prediction_file"], "--prediction") if single else None
+    text = opts["prompt"] if opts["prompt"] is not None else _read_file(opts["prompt_file"], "--prompt-file")
+    if prediction is not None and not method_entry(config.method).takes_prediction:
         raise UserError(f"method {config.method} does not draft from a prediction: drop --prediction "
                         "or use --method adaptive, lookahead or ouroboros")
+    refuse_foreign_store(opts["store_path"], opts["model_path"])
     if opts["ray_address"] is not None:
         from samctl.cluster import generate_on_ray
 
@@ -99,8 +108,6 @@ def generate(**opts: Any) -> None:
         _save_memory(opts, session)
         _exit_for(failed)
         return
-    prediction = opts["prediction_file"].read() if opts["prediction_file"] is not None else None
-    text = opts["prompt"] if opts["prompt"] is not None else opts["prompt_file"].read()
     mismatch = _single(session, text, opts, prediction)
     _save_memory(opts, session)
     if mismatch:
@@ -130,6 +137,50 @@ def _single(session, text: str, opts: dict[str, Any], prediction: str | None) ->
     return mismatch
 
 
+def _note_ignored(opts: dict[str, Any]) -> None:
+    """One line naming the drafter flags the chosen method does not read (`--method sam --max-nodes 3`)."""
+    settings = method_entry(opts["method"]).settings
+    flags = ignored_settings(opts, opts["method"])
+    draft, specdec = DraftConfig(), SpecDecConfig()
+    if "draft" not in settings and opts["gamma"] != draft.gamma:
+        flags.append("--gamma")
+    if "specdec" not in settings:
+        flags += [flag for flag, changed in (
+            ("--stop-threshold", opts["stop_threshold"] != specdec.stop_threshold),
+            ("--bounds", tuple(opts["bounds"]) != (specdec.min_draft, specdec.max_draft))) if changed]
+    if flags and not opts["quiet"]:
+        click.echo(f"samctl: note: method {opts['method']} does not use {', '.join(flags)}", err=True)
+
+
+def refuse_foreign_store(store_path: str | None, model: str | None) -> None:
+    """Refuse a store built with another tokenizer before any weights load, where the model's
+    tokenizer reads cheaply: a model folder, the embedded default, a .gguf already dequantized
+    (a sharded store directory, or a .gguf not yet converted, is checked once the model is loaded)."""
+    import os
+
+    from samctl.gguf_cache import cached_folder, is_gguf
+    from samctl.index.datastore import read_meta
+    from samctl.tokenizer import check_store_tokenizer, load_tokenizer
+
+    if store_path is None or os.path.isdir(store_path):
+        return
+    _, meta = read_meta(store_path)  # a missing or damaged store is refused here too
+    folder = model
+    if model is not None and not os.path.isdir(model):
+        folder = cached_folder(model) if is_gguf(model) else None
+        if folder is None:
+            return
+    tokenizer = load_tokenizer(folder or "default", quiet=True)
+    check_store_tokenizer(meta, store_path, tokenizer.fingerprint, model or "default")
+
+
+def _read_file(handle: IO[str] | None, flag: str) -> str | None:
+    """The text of a file option, refused in one line if it is not UTF-8."""
+    if handle is None:
+        return None
+    return check_utf8(handle.read(), f"{flag} {getattr(handle, 'name', '')}".strip())
+
+
 def _check_batch_options(opts: dict[str, Any]) -> None:
     batch = opts["input_file"] is not None
     for flag, used in (("--resume", opts["resume"]), ("--ray", opts["ray_address"] is not None),
@@ -155,9 +206,18 @@ def _batch_to_output(opts: dict[str, Any], run: Callable[[Iterable[tuple[int, st
 
     records: Iterable[tuple[int, str]] = read_records(opts["input_file"])
     path = opts["output_path"]
+    skipped = 0
+
+    def unfinished(records: Iterable[tuple[int, str]], done: set[str]) -> Iterator[tuple[int, str]]:
+        nonlocal skipped
+        for number, line in records:
+            if output_key(number, line) in done:
+                skipped += 1
+            else:
+                yield number, line
+
     if opts["resume"]:
-        done = finished_ids(path)
-        records = ((n, line) for n, line in records if output_key(n, line) not in done)
+        records = unfinished(records, finished_ids(path))
         output = open(path, "a", encoding="utf-8")
     else:
         output = sys.stdout if path == "-" else open(path, "w", encoding="utf-8")
@@ -171,6 +231,8 @@ def _batch_to_output(opts: dict[str, Any], run: Callable[[Iterable[tuple[int, st
     finally:
         if output is not sys.stdout:
             output.close()
+        if opts["resume"] and not opts["quiet"]:
+            click.echo(f"samctl: --resume: skipped {skipped} record(s) already in {path}", err=True)
 
 
 def _exit_for(failed: int) -> None:

@@ -28,17 +28,16 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import click
-import torch
 
 from samctl.decode.methods import METHODS, REPLAYABLE, MethodConfig, make_drafter
 from samctl.decode.simulate import CostModel, Tally, Trace, check_replayable, make_trace, replay, sweep_configs, tally_by_category
 from samctl.index.datastore import Datastore, load_datastore
 from samctl.index.errors import UserError
 from samctl.commands.bench import report_category
-from samctl.costs import read_cost_curve
 from samctl.decode.methods import method_config
 from samctl.options import method_options, parse_methods
 from samctl.progress import progress_bar
+from samctl.textio import read_text
 from samctl.tokenizer import Tokenizer, load_store_tokenizer, load_tokenizer
 
 _OUTPUT_FIELDS = ("output", "completion", "response", "reference")
@@ -76,10 +75,21 @@ def simulate(**opts: Any) -> None:
     methods = parse_methods(opts["methods_spec"] or default_methods, METHODS)
     for method in methods:
         check_replayable(method)
-    traces = read_traces(Path(opts["traces_path"]), tokenizer, opts["chat"], opts["max_new_tokens"], opts["limit"])
+    try:
+        traces = read_traces(Path(opts["traces_path"]), tokenizer, opts["chat"], opts["max_new_tokens"], opts["limit"])
+    except ForeignTraceIds as err:
+        if store is None:
+            raise
+        # --tokenizer cannot help here: the store fixes the tokenizer, and it is not the traces'.
+        raise UserError(f"{err.where}: the ids come from tokenizer {err.name} (fingerprint {err.fingerprint}), but the "
+                        f"store {opts['store_path']} was built with {tokenizer.name} (fingerprint {tokenizer.fingerprint}): "
+                        f"rebuild the store with --tokenizer {err.name}, or write the traces with the store's "
+                        f"tokenizer (tools/gen_references.py --model {tokenizer.name})") from err
     config = method_config(opts)
     cost = CostModel(forward_ms=opts["forward_ms"], token_cost=opts["token_cost"])
     if opts["cost_curve"]:
+        from samctl.costs import read_cost_curve
+
         cost = CostModel.from_curve(read_cost_curve(opts["cost_curve"]))
     sim = _Simulation(traces, store, tokenizer, cost, opts["quiet"])
     if opts["sweep"]:
@@ -113,7 +123,7 @@ class _Simulation:
         return tally_by_category(self.traces, metrics)
 
     def _drafter(self, method: str, config: MethodConfig):
-        return make_drafter(method, vocab_size=self.tokenizer.vocab_size, device=torch.device("cpu"),
+        return make_drafter(method, vocab_size=self.tokenizer.vocab_size, device="cpu",
                             eos_token_ids=self.tokenizer.eos_token_ids,
                             static=self.store.structure if self.store is not None else None, config=config,
                             cost=self.cost.curve())
@@ -170,7 +180,7 @@ def read_traces(path: Path, tokenizer: Tokenizer, chat: bool, max_new_tokens: in
 
 
 def _records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path)
     if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
@@ -211,8 +221,17 @@ def _check_trace_tokenizer(recorded: Any, where: str, tok: Tokenizer) -> None:
     if not isinstance(recorded, dict) or recorded.get("fingerprint") in (None, tok.fingerprint):
         return
     name = recorded.get("name", "?")
-    raise UserError(f"{where}: the ids come from tokenizer {name} (fingerprint {recorded['fingerprint']}), "
-                    f"but simulate uses {tok.name} (fingerprint {tok.fingerprint}): pass --tokenizer {name}")
+    raise ForeignTraceIds(f"{where}: the ids come from tokenizer {name} (fingerprint {recorded['fingerprint']}), "
+                          f"but simulate uses {tok.name} (fingerprint {tok.fingerprint}): pass --tokenizer {name}",
+                          where, name, str(recorded["fingerprint"]))
+
+
+class ForeignTraceIds(UserError):
+    """Trace ids written with another tokenizer than the one simulate uses."""
+
+    def __init__(self, message: str, where: str, name: str, fingerprint: str) -> None:
+        super().__init__(message)
+        self.where, self.name, self.fingerprint = where, name, fingerprint
 
 
 def _prompt_and_output(record: dict[str, Any], where: str) -> tuple[str, str]:

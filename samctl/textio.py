@@ -1,0 +1,40 @@
+"""Reading the text files users hand samctl (prompts, predictions, JSONL batches, questions,
+traces) so that a byte that is not UTF-8 becomes a one-line error naming where it is, never a
+traceback and never the loss of the records around it.
+
+Files are decoded with `surrogateescape`: a bad byte b survives reading as the lone surrogate
+U+DC00 + b, so a batch reads on past it and the record holding it is refused on its own
+(`check_utf8`), while its neighbours are processed as usual.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import click
+
+from samctl.index.errors import UserError
+
+ERRORS = "surrogateescape"
+_ESCAPED = re.compile("[\udc80-\udcff]")
+# A click file option whose reading never raises UnicodeDecodeError ('-' reads stdin the same way).
+TEXT_FILE = click.File("r", encoding="utf-8", errors=ERRORS)
+
+
+def check_utf8(text: str, where: str) -> str:
+    """`text` unchanged when it held only UTF-8; else a UserError naming the first bad byte."""
+    bad = _ESCAPED.search(text)
+    if bad is None:
+        return text
+    index = bad.start()
+    line = text.count("\n", 0, index) + 1
+    column = index - (text.rfind("\n", 0, index) + 1) + 1
+    at = f"line {line}, column {column}" if "\n" in text.rstrip("\n") else f"column {column}"
+    raise UserError(f"{where} is not UTF-8 (byte 0x{ord(bad.group()) - 0xDC00:02x} at {at}): re-encode it "
+                    "as UTF-8, e.g. iconv -f latin1 -t utf-8 FILE > FILE.utf8")
+
+
+def read_text(path: str | Path, where: str | None = None) -> str:
+    """A whole text file, refused in one line (naming `where`, default the path) if not UTF-8."""
+    text = Path(path).read_bytes().decode("utf-8", ERRORS)
+    return check_utf8(text, where or str(path))
