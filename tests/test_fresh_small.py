@@ -87,12 +87,12 @@ def test_sources_reports_every_method():
     from samctl.decode.methods import make_drafter
 
     console = Console.__new__(Console)
-    console.method, console.store, console.store_name = "lookahead", None, None
+    console.method, console.store_name = "lookahead", None
 
-    class Runner:
+    class Session:
         drafter = make_drafter("lookahead", vocab_size=64, device="cpu")
 
-    console.runners = {"lookahead": Runner()}
+    console.sessions = {"lookahead": Session()}
     text = console.sources()
     assert text.startswith("method lookahead: ") and "pool tuples: 0" in text
 

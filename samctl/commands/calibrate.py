@@ -27,12 +27,13 @@ def calibrate(**opts: Any) -> None:
     samctl calibrate --model ./my-model
     samctl calibrate --model ./my-model --json > curve.json    # for simulate --cost-curve
     """
+    config = session_config(opts, method="ar")  # usage errors before torch loads
     from samctl.costs import cost_curve, curve_key
     from samctl.decode.engine.cost import relative_cost
     from samctl.session import Session
 
     # The curve is measured on the engine every command runs (CUDA graphs included), under ar.
-    engine = Session(session_config(opts, method="ar")).engine
+    engine = Session(config).engine
     t_ms = cost_curve(engine, quiet=opts["quiet"], refresh=opts["refresh"])
     if opts["as_json"]:
         click.echo(json.dumps({"key": curve_key(engine), "t_ms": [round(t, 4) for t in t_ms]}))

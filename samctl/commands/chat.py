@@ -48,9 +48,10 @@ def chat(**opts: Any) -> None:
     samctl chat
     samctl chat --model ./SmolLM2-135M-Instruct --sam store.sam --compare
     """
+    config = session_config(opts)  # usage errors before torch loads
     from samctl.session import Session
 
-    console = Console(Session(session_config(opts)), opts)
+    console = Console(Session(config), opts)
     console.loop()
 
 
@@ -154,8 +155,7 @@ class Console:
         from samctl.decode.methods import method as method_entry
 
         entry = method_entry(self.method)
-        any_session = next(iter(self.sessions.values()))
-        store = self.store_name if any_session.store is not None and entry.uses_store else "none"
+        store = self.store_name if self.store_name and entry.uses_store else "none"
         lines = [f"method {self.method}: {entry.summary}", f"store: {store}"]
         drafter = self.sessions[self.method].drafter if self.method in self.sessions else None
         report = getattr(drafter, "report", None)

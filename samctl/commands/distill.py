@@ -62,12 +62,12 @@ def distill(**opts: Any) -> None:
     samctl distill --model M --prompts train_questions.jsonl -o self.sam
     samctl generate --model M --sam self.sam --chat --prompt "..."     # drafts from its own answers
     """
+    start = time.perf_counter()
+    config = session_config(opts, chat=False)  # settings checked before torch loads
     from samctl.records import RecordRunner
     from samctl.session import Session
 
-    start = time.perf_counter()
     answers_path = Path(opts["answers_path"] or opts["output"] + ".answers.jsonl")
-    config = session_config(opts, chat=False)  # settings checked before torch loads
     session = Session(config)
     engine, sampling = session.engine, config.sampling
     opts["chat"] = _chat_mode(opts["chat"], engine, opts["quiet"])
