@@ -183,3 +183,24 @@ def test_generation_counts_allocations_not_addresses():
     assert target.cache.generation == g
     target.cache.reserve(target.cache.capacity + 1)
     assert target.cache.generation == g + 1 and target.cache.capacity % ALIGN == 0
+
+
+def test_graph_cost_curve_is_a_step_function_and_cached_apart():
+    # B4: t(n) = t(width(n)) under graphs, measured at the graph widths, keyed on the graph mode
+    from types import SimpleNamespace
+
+    from samctl.costs import curve_key, curve_width
+    from samctl.decode.engine.cost import measure_verify_cost
+
+    model = tiny()
+    eager, graphed = TargetModel(model), TargetModel(model)
+    graphs_on(graphed, StandIn())
+    t = measure_verify_cost(graphed, 128, context=32, rounds=1)
+    assert len(t) == 128
+    for lo, hi in [(3, 4), (5, 8), (33, 64), (65, 128)]:
+        assert len(set(t[lo - 1 : hi])) == 1, (lo, hi, t[lo - 1 : hi])
+    assert graphed.eager_fallbacks == 0
+    engines = [SimpleNamespace(name="tiny", model=model, device=torch.device("cpu"), target=x) for x in (eager, graphed)]
+    keys = [curve_key(e) for e in engines]
+    assert keys[0]["graphs"] is False and keys[1]["graphs"] is True
+    assert [curve_width(e) for e in engines] == [64, 128]

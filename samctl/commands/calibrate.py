@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from samctl.decode.engine.cost import relative_cost
+from samctl.decode.engine.graphs import enable_cuda_graphs
 from samctl.costs import cost_curve, curve_key
 from samctl.options import set_threads
 from samctl.runtime import load_engine
@@ -17,15 +18,17 @@ from samctl.runtime import load_engine
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True)
 @click.option("--threads", type=int, default=None, help="torch CPU threads (the curve is kept per thread count).")
+@click.option("--no-compile", is_flag=True, help="CUDA: the eager curve (as generate/bench --no-compile run) instead of the CUDA-graph one.")
 @click.option("--refresh", is_flag=True, help="Measure again even when a cached curve exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the curve as JSON (input for simulate --cost-curve).")
 @click.option("--quiet", is_flag=True, help="No notes on stderr.")
 def calibrate(**opts: Any) -> None:
     """Verify cost t(n) for n = 1..64 input tokens: what `adaptive` sizes its drafts by.
 
-    Measured once per model, device, dtype and thread count (a second or two), then cached
-    ($SAMCTL_CACHE or ~/.cache/samctl). On a CPU t(n) grows with n, so drafts stay narrow; on a
-    GPU it is nearly flat, so drafts grow wide.
+    Measured once per model, device, dtype, thread count and graph mode (a second or two), then
+    cached ($SAMCTL_CACHE or ~/.cache/samctl). On a CPU t(n) grows with n, so drafts stay narrow;
+    on a GPU it is nearly flat, so drafts grow wide. On CUDA it is measured under CUDA graphs, as
+    generate and bench run (a step function of the graph widths), unless --no-compile.
 
     \b
     samctl calibrate --model ./my-model
@@ -33,6 +36,7 @@ def calibrate(**opts: Any) -> None:
     """
     set_threads(opts["threads"])
     engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"])
+    enable_cuda_graphs(engine.target, not opts["no_compile"])
     t_ms = cost_curve(engine, quiet=opts["quiet"], refresh=opts["refresh"])
     if opts["as_json"]:
         click.echo(json.dumps({"key": curve_key(engine), "t_ms": [round(t, 4) for t in t_ms]}))
@@ -40,5 +44,5 @@ def calibrate(**opts: Any) -> None:
     rel = relative_cost(t_ms, len(t_ms))
     click.echo(f"verify cost of {engine.name} ({curve_key(engine)['device']}, {curve_key(engine)['dtype']})")
     click.echo("| tokens n | t(n) ms | t(n) / t(1) |\n|---:|---:|---:|")
-    for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
+    for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)[: 12 if len(t_ms) <= 64 else 14]:
         click.echo(f"| {n} | {t_ms[n - 1]:.2f} | {rel[n - 1]:.2f} |")
