@@ -21,6 +21,7 @@ import torch
 
 from samctl.decode.tree import DraftTree
 from samctl.index.errors import UserError
+from samctl.decode.engine.transfer import to_device
 
 # Rank acceptance model behind the default template: the r-th candidate of a token is the target's
 # next choice with about this probability (measured shape from the paper's Vicuna runs, rounded).
@@ -101,7 +102,7 @@ class TokenRecycleDrafter:
         self._last_write = torch.empty(vocab_size + 1, dtype=torch.int64, device=self.device)
 
     def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor) -> None:
-        self._learn(torch.from_numpy(prompt).to(self.device), prompt_logits)
+        self._learn(to_device(prompt, self.device), prompt_logits)
 
     def propose(self, t0: int) -> DraftTree:
         if self.on_cpu:

@@ -1,4 +1,4 @@
-"""Host -> device copies that never wait for the GPU queue."""
+"""Host <-> device copies that never wait for the GPU queue."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,3 +14,11 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     if torch.device(device).type == "cpu":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def record_event(device: torch.device) -> torch.cuda.Event:
+    """An event on the device's current stream, recorded after the copies queued so far."""
+    with torch.cuda.device(device):
+        event = torch.cuda.Event()
+        event.record()
+    return event
