@@ -3,8 +3,9 @@
 Works with any Hugging Face causal LM that takes a 4D additive attention mask, explicit
 `position_ids` and a transformers `Cache` (Llama, Qwen2, Mistral, GPT-NeoX families), under the
 sdpa or eager attention paths; others (flash, flex) ignore a 4D mask, so the model is switched to
-sdpa or refused. Sliding-window models work while prompt + output fit in the window, which then
-caps the context.
+sdpa or refused. On CUDA, grouped-query models switch to the same sdpa with head groups folded
+into query rows (decode.engine.attention), so a tree verify copies no K/V per head. Sliding-window
+models work while prompt + output fit in the window, which then caps the context.
 
 The engine owns a preallocated KV cache (`decode.engine.kv_cache`): no per-step concatenation, and an
 accepted tree path is compacted with one gather over all layers. Nothing here reads a device
@@ -20,24 +21,29 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from samctl.decode.engine.attention import NAME as FOLDED, use_folded_gqa
 from samctl.decode.engine.kv_cache import StaticKVCache, with_cache
 from samctl.decode.engine.transfer import to_device  # noqa: F401  (re-exported: drafters import it from here)
 from samctl.decode.tree import DraftTree, ancestor_matrix
 from samctl.index.errors import UserError
 
-MASK_ATTENTION = ("sdpa", "eager")  # attention paths that apply a custom 4D additive mask
+MASK_ATTENTION = ("sdpa", "eager", FOLDED)  # attention paths that apply a custom 4D additive mask
 VERIFY_SLACK = 256  # cache room reserved beyond prompt + output for the largest verify block
 
 
 class TargetModel:
     """Holds the model and its KV cache for one sequence at a time (batch size 1)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, fold_groups: bool | None = None) -> None:
+        # fold_groups: grouped-query attention folds head groups into query rows instead of
+        # copying K/V per head (decode.engine.attention); default: on CUDA
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         config = model.config
         _require_mask_attention(model)
+        if fold_groups if fold_groups is not None else self.device.type == "cuda":
+            use_folded_gqa(model)
         self.max_positions = int(getattr(config, "max_position_embeddings", 1 << 30) or (1 << 30))
         self.context_note = "the model's context"
         window = _sliding_window(config)
