@@ -141,7 +141,7 @@ class VerifyGraphs:
         q = int(input_ids.shape[0])
         width = next(w for w in self.widths if w >= q)
         cache = self.target.cache
-        cache.reserve(past + width)
+        cache.reserve(past + self.widths[-1])  # room for every width: a recapture writes them all here
         if cache.generation != self.generation:  # new storage: the graphs point at freed memory
             self._capture_all()
             if self.failed is not None:
