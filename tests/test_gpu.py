@@ -111,6 +111,24 @@ def test_t3_static_cache_equals_dynamic_cache_on_cuda(arch, kv_heads):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kv_heads", [2, 1])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_t3_folded_groups_equal_repeat_kv_on_tree_verifies(kv_heads, graphs):
+    plain, folded = tiny("llama", kv_heads).to(CUDA), tiny("llama", kv_heads).to(CUDA)
+    a, b = TargetModel(plain, fold_groups=False), TargetModel(folded, fold_groups=True)
+    enable_cuda_graphs(a, graphs, reserve=400)
+    enable_cuda_graphs(b, graphs, reserve=400)
+    rng = np.random.default_rng(kv_heads)
+    prompt = torch.from_numpy(rng.integers(0, 96, 30)).to(CUDA)
+    for t in (a, b):
+        t.prefill(prompt)
+    for k in (3, 12, 40, 100):
+        tree = random_tree(rng, k)
+        la, lb = (t.verify(t.verify_input(5, tree), tree) for t in (a, b))
+        torch.testing.assert_close(lb, la, rtol=1e-4, atol=1e-4)
+        accept_random_path(rng, tree, (a, b))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_t4_half_precision_logits_are_finite_eager_and_graphs(dtype, capsys):
     model = tiny().to(CUDA, dtype)

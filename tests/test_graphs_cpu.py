@@ -204,3 +204,54 @@ def test_graph_cost_curve_is_a_step_function_and_cached_apart():
     keys = [curve_key(e) for e in engines]
     assert keys[0]["graphs"] is False and keys[1]["graphs"] is True
     assert [curve_width(e) for e in engines] == [64, 128]
+
+
+class Widest:
+    """A drafter wrapper that records the widest verify (1 + draft nodes) it proposed."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.widest = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, t0: int) -> DraftTree:
+        tree = self.inner.propose(t0)
+        self.widest = max(self.widest, len(tree) + 1)
+        return tree
+
+
+def test_every_methods_default_gpu_draft_fits_a_captured_width():
+    # B2: with the GPU defaults (method_config for a CUDA device) and a flat GPU-like cost curve,
+    # no method's draft is wider than the widest graph, so none falls back to eager
+    import dataclasses
+
+    from samctl.decode.draft_model import DraftModel
+    from samctl.decode.drafters.sam import SamConfig
+    from samctl.decode.eagle_head import EagleHead
+    from samctl.decode.methods import REGISTRY
+    from samctl.index.automaton import SuffixAutomaton
+    from samctl.options import method_config
+    from tests.test_draft_model import random_head
+
+    model = tiny(sdsat={"sat_token_id": 95, "sat_count": 13})  # the nucleus reference's widest tree
+    config = dataclasses.replace(method_config({}, torch.device("cuda")), sam=SamConfig(dyn_threshold=2, static_bias=1))
+    assert config.recycle.nodes == 80 and config.lookahead.window == 15  # the GPU defaults
+    prompt = prompts(96)[0] * 3
+    expected = generate(TargetModel(model), make_drafter("ar", vocab_size=96, device="cpu"), prompt,
+                        GenerationConfig(max_new_tokens=60)).tokens
+    corpus = np.asarray((prompt + expected) * 2, dtype=np.int32)
+    static = SuffixAutomaton.build(corpus, np.array([0, len(corpus)]))
+    draft = DraftModel(tiny(seed=1), vocab_limit=96)
+    widest = {}
+    for name, entry in REGISTRY.items():
+        target = TargetModel(model)
+        torch.manual_seed(0)
+        drafter = Widest(make_drafter(
+            name, vocab_size=96, device="cpu", static=static, config=config, cost=np.ones(257),
+            draft=draft, head=random_head(draft.hidden_size) if entry.needs_head else None, target=target,
+            eagle=EagleHead(model).eval() if entry.needs_eagle else None))
+        generate(target, drafter, prompt, GenerationConfig(max_new_tokens=60))
+        widest[name] = drafter.widest
+    assert max(widest.values()) <= WIDTHS[-1], widest
+    assert widest["recycle"] == 81 and widest["adaptive"] > 33, widest  # the wide drafts really ran
