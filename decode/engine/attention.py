@@ -63,5 +63,8 @@ def use_folded_gqa(model: torch.nn.Module) -> bool:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if not heads or heads == kv_heads:
         return False
-    model.set_attn_implementation(NAME)
+    try:
+        model.set_attn_implementation(NAME)
+    except (AttributeError, ValueError, ImportError):  # a transformers without custom attention names
+        return False  # its own sdpa stays: correct, with repeat_kv's copies
     return getattr(model.config, "_attn_implementation", None) == NAME
