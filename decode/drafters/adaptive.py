@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from samctl.decode.engine.cost import linear_cost
-from samctl.decode.engine.transfer import record_event
+from samctl.decode.engine.transfer import record_event, wait_for
 from samctl.decode.drafters.candidates import N_CELLS, SOURCES, learn, ngram_candidates, prior_means, propose_tree
 from samctl.decode.tree import DraftTree
 from samctl.index.automaton import SuffixAutomaton
@@ -195,7 +195,7 @@ class _Recycle:
             self._write(ids.numpy(), successors.numpy())
             return
         if self._pending is not None:
-            self._copied.synchronize()
+            wait_for(self._copied)
             self._write(*(t.numpy() for t in self._pending))
         pinned = (torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True),
                   torch.empty(successors.shape, dtype=successors.dtype, pin_memory=True))

@@ -37,7 +37,7 @@ import numba
 import numpy as np
 import torch
 
-from samctl.decode.engine.transfer import record_event, to_device
+from samctl.decode.engine.transfer import record_event, to_device, wait_for
 from samctl.decode.tree import DraftTree
 from samctl.index.errors import UserError
 
@@ -329,7 +329,7 @@ class DeferredPool:
     def flush(self, pool: NgramPool) -> None:
         if self.pending is not None:
             # Usually long done (a step's sync came between); the event makes it certain.
-            self.copied.synchronize()
+            wait_for(self.copied)
             pool.insert(self.pending[0].numpy(), self.pending[1].numpy())
             self.pending = None
 

@@ -22,3 +22,10 @@ def record_event(device: torch.device) -> torch.cuda.Event:
         event = torch.cuda.Event()
         event.record()
     return event
+
+
+def wait_for(event: torch.cuda.Event) -> None:
+    """Block until `event` has run; a query first, so that the usual case (long done, a step's
+    sync came between) makes no synchronizing call at all."""
+    if not event.query():
+        event.synchronize()
