@@ -94,3 +94,24 @@ def test_no_pageable_host_to_device_copy_per_step():
             file = where.rsplit(":", 1)[0]
             counts[file] = counts.get(file, 0) + 1
     assert counts == ONCE, f"use decode.engine.transfer.to_device instead: {counts}"
+
+
+def test_pinned_buffers_wait_on_their_event_only_when_it_is_pending():
+    # B10: the copies' event is waited on before the pinned buffers are read, without a
+    # synchronizing call when it is done (the usual case: a step's sync came between)
+    from samctl.decode.engine.transfer import wait_for
+
+    class Event:
+        def __init__(self, done: bool) -> None:
+            self.done, self.waited = done, False
+
+        def query(self) -> bool:
+            return self.done
+
+        def synchronize(self) -> None:
+            self.waited = True
+
+    done, pending = Event(True), Event(False)
+    wait_for(done)
+    wait_for(pending)
+    assert not done.waited and pending.waited
