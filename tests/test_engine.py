@@ -232,9 +232,6 @@ def test_gpu_recycle_device_path_equals_cpu_path():
         cpu_drafter._learn(ids, logits)
         gpu_drafter._learn(ids.cuda(), logits.cuda())
     assert torch.equal(cpu_drafter.table[:96], gpu_drafter.table[:96].cpu())
-    for t0 in range(96):
-        a, b = cpu_drafter.propose(t0), gpu_drafter.propose(t0)
-        assert np.array_equal(np.asarray(a.tokens), b.tokens.cpu().numpy()) and np.array_equal(a.parents, b.parents)
 
 
 @pytest.mark.gpu
