@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from samctl.decode.sampling import SamplingConfig, warp_probs
+from samctl.decode.sampling import SamplingConfig, draw, warp_probs
 from samctl.decode.tree import DraftTree
 
 
@@ -46,7 +46,7 @@ def speculative_accept(
     mass = residual.sum(-1, keepdim=True)
     # p == q leaves no residual mass; rejection then has probability 0, so any row will do.
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p[:-1])
-    draws = torch.multinomial(torch.cat((residual, p[-1:])), 1, generator=generator).squeeze(-1)
+    draws = draw(torch.cat((residual, p[-1:])), generator)
     host = torch.cat((accepted.to(torch.int64), draws, input_ids)).cpu().numpy()  # the step's one host sync
     rejected = np.flatnonzero(host[:g] == 0)
     a = int(rejected[0]) if len(rejected) else g

@@ -118,6 +118,7 @@ def generate(
     out.emit([t0])
 
     own_rule = getattr(drafter, "accept", None)  # only reference reproductions that are not lossless
+    eager_before = target.eager_fallbacks
     while not out.done and target.cached + 1 < target.max_positions:
         t0 = _step(target, drafter, t0, config.sampling, generator, out, metrics, own_rule)
     if not out.done:
@@ -126,6 +127,7 @@ def generate(
     if finish is not None:
         finish(np.asarray(out.tokens, dtype=np.int64))
     metrics.new_tokens = len(out.tokens)
+    metrics.eager_verifies = target.eager_fallbacks - eager_before
     metrics.time_s = time.perf_counter() - start
     return GenerationResult(tokens=out.tokens, finish_reason=out.finish_reason, metrics=metrics)
 

@@ -24,6 +24,7 @@ class Metrics:
     verify_s: float = 0.0  # target forward + acceptance, including the one host sync per step
     prefill_s: float = 0.0
     time_s: float = 0.0  # wall time of the whole generation, prefill included
+    eager_verifies: int = 0  # CUDA graphs on, yet the verify ran eagerly (wider than every graph, or capture failed)
 
     def record_step(self, drafted: int, accepted: int) -> None:
         self.steps += 1
@@ -77,6 +78,7 @@ class Metrics:
             "draft_us_per_step": round(1e6 * self.draft_s / self.steps, 2) if self.steps else 0.0,
             "draft_us_median": round(self.draft_us_quantile(0.5), 2),
             "draft_us_p90": round(self.draft_us_quantile(0.9), 2),
+            "eager_verifies": self.eager_verifies,
         }
 
 

@@ -35,5 +35,13 @@ def choose_tokens(logits: torch.Tensor, config: SamplingConfig, generator: torch
     # deterministic-draft acceptance rule needs (one draw per node, shared by all paths through it).
     if config.greedy:
         return logits.argmax(dim=-1)
-    probs = warp_probs(logits, config)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return draw(warp_probs(logits, config), generator)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    # probs: [..., V] rows summing to 1 -> [...] int64: one draw per row.
+    # torch.multinomial(probs, 1)'s own algorithm (argmax of p / Exp(1) noise, the exponentiated
+    # Gumbel-max trick), so the same generator state draws the same tokens; without the input
+    # checks that some torch builds make on the host (two .item() syncs per call).
+    noise = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / noise).argmax(dim=-1)

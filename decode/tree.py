@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numba
 import numpy as np
 import torch
+from samctl.decode.engine.transfer import to_device
 
 
 @dataclass
@@ -71,7 +72,8 @@ class DraftTree:
         remap[keep] = np.arange(len(keep), dtype=np.int32)
         old_parents = self.parents[keep]
         parents = np.where(old_parents >= 0, remap[np.maximum(old_parents, 0)], -1).astype(np.int32)
-        tokens = self.tokens[torch.from_numpy(keep)] if isinstance(self.tokens, torch.Tensor) else self.tokens[keep]
+        # a device index: indexing device tokens with a host index copies it pageable, which waits
+        tokens = self.tokens[to_device(keep, self.tokens.device)] if isinstance(self.tokens, torch.Tensor) else self.tokens[keep]
         limit = None if self.accept_limit is None else int(np.searchsorted(keep, self.accept_limit))
         return DraftTree(tokens=tokens, parents=parents, q=None, accept_limit=limit)
 

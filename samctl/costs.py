@@ -1,7 +1,8 @@
-"""Verify-cost curves on disk: measured once per model, device, dtype and thread count.
+"""Verify-cost curves on disk: measured once per model, device, dtype, thread count and graph mode.
 
-`cost_curve(engine)` returns the cached curve t(1..64) in ms, measuring it (a second or two) on
-first use; `adaptive` sizes its drafts by it. Files live in `<cache>/costs/<key>.json`, where the
+`cost_curve(engine)` returns the cached curve t(1..64) in ms (t(1..128) under CUDA graphs, whose
+widths reach 128), measuring it (a second or two) on first use, in the mode the engine runs
+(eager or CUDA graphs: a graph curve is a step function); `adaptive` sizes its drafts by it. Files live in `<cache>/costs/<key>.json`, where the
 cache is $SAMCTL_CACHE or the user's cache folder (~/.cache/samctl); written atomically.
 """
 from __future__ import annotations
@@ -16,38 +17,46 @@ from typing import Any
 import click
 import torch
 
-from samctl.decode.engine.cost import measure_verify_cost
+from samctl.decode.engine.cost import graph_widths, measure_verify_cost
 from samctl.index.errors import UserError
 from samctl.gguf_cache import cache_dir
 
 CURVE_WIDTH = 64
 
 
+def curve_width(engine: Any) -> int:
+    """Tokens the curve covers: 64, or the widest CUDA graph (128) so that a 65-input draft is priced."""
+    return max((CURVE_WIDTH, *graph_widths(engine.target)))
+
+
 def curve_key(engine: Any) -> dict[str, Any]:
-    """What a curve depends on: the model (its folder and config), device, dtype, CPU threads."""
+    """What a curve depends on: the model (its folder and config), device, dtype, CPU threads and
+    whether verifies run as CUDA graphs (a step function of the width) or eagerly."""
     device = engine.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"model": str(Path(engine.name).resolve()) if Path(engine.name).exists() else engine.name,
             "config": hashlib.sha256(engine.model.config.to_json_string().encode()).hexdigest()[:16],
             "device": name, "dtype": str(engine.target.dtype).replace("torch.", ""),
-            "threads": torch.get_num_threads() if device.type == "cpu" else 0}
+            "threads": torch.get_num_threads() if device.type == "cpu" else 0,
+            "graphs": bool(graph_widths(engine.target))}
 
 
 def cost_curve(engine: Any, quiet: bool = False, refresh: bool = False) -> list[float]:
-    """t_ms [64]: the engine's verify time for 1..64 tokens, from the cache or measured now."""
-    key = curve_key(engine)
+    """t_ms [curve_width]: the engine's verify time for 1..64 tokens (1..128 under CUDA graphs),
+    from the cache or measured now."""
+    key, width = curve_key(engine), curve_width(engine)
     path = cache_dir() / "costs" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + ".json")
     if path.is_file() and not refresh:
         try:
             record = json.loads(path.read_text())
-            if record.get("key") == key and len(record["t_ms"]) == CURVE_WIDTH:
+            if record.get("key") == key and len(record["t_ms"]) == width:
                 return [float(t) for t in record["t_ms"]]
         except (OSError, ValueError, KeyError, TypeError):
             pass  # a damaged cache entry is measured again and replaced
     if not quiet:
         click.echo(f"samctl: measuring the verify cost of {Path(engine.name).name} on {key['device']} "
-                   f"({key['dtype']}), once per model and device", err=True)
-    t_ms = measure_verify_cost(engine.target, CURVE_WIDTH)
+                   f"({key['dtype']}{', CUDA graphs' if key['graphs'] else ''}), once per model and device", err=True)
+    t_ms = measure_verify_cost(engine.target, width)
     _write_atomically(path, {"key": key, "t_ms": t_ms})
     return t_ms
 

@@ -151,7 +151,9 @@ def load_engine(model: str | None, device: str = "auto", dtype: str = "auto", qu
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         hf_model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch_dtype, attn_implementation="sdpa", local_files_only=True
+            folder, dtype=torch_dtype, attn_implementation="sdpa", local_files_only=True,
+            # straight onto the GPU: no whole host copy of the weights first (16 GB for an 8B)
+            device_map=torch_device if torch_device.type == "cuda" else None,
         )
     except (OSError, ValueError, KeyError) as err:
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]

@@ -222,13 +222,15 @@ def test_gpu_static_cache_equals_dynamic_cache_and_generate():
 @pytest.mark.gpu
 @cuda
 def test_gpu_recycle_device_path_equals_cpu_path():
-    model = tiny("llama", 2, seed=3)
+    # Both paths learn from the same logits: logits computed on each device could flip a top-k tie.
     cpu_drafter = make_drafter("recycle", vocab_size=96, device=torch.device("cpu"))
     gpu_drafter = make_drafter("recycle", vocab_size=96, device=torch.device("cuda"))
-    prompt = prompts(96)[0]
-    a = generate(TargetModel(model), cpu_drafter, prompt, GenerationConfig(max_new_tokens=50))
-    b = generate(TargetModel(model.cuda()), gpu_drafter, prompt, GenerationConfig(max_new_tokens=50))
-    assert a.tokens == b.tokens
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        ids = torch.randint(-1, 96, (40,), generator=gen)
+        logits = torch.randn(40, 96, generator=gen)
+        cpu_drafter._learn(ids, logits)
+        gpu_drafter._learn(ids.cuda(), logits.cuda())
     assert torch.equal(cpu_drafter.table[:96], gpu_drafter.table[:96].cpu())
 
 

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from samctl.decode.engine.cost import linear_cost
+from samctl.decode.engine.transfer import record_event, wait_for
 from samctl.decode.drafters.candidates import N_CELLS, SOURCES, learn, ngram_candidates, prior_means, propose_tree
 from samctl.decode.tree import DraftTree
 from samctl.index.automaton import SuffixAutomaton
@@ -148,13 +149,15 @@ class Memory:
 class _Recycle:
     """Token Recycle's successor table on the host ([V, k] int32, -1 = unknown). On a GPU the
     verified logits' top-k reach the host one step late through a pinned buffer, so learning adds
-    no host synchronization."""
+    no host synchronization (an event recorded after the copies is waited on before they are
+    read: usually long done, since a step's sync came between)."""
 
     def __init__(self, vocab_size: int, k: int, device: torch.device) -> None:
         k = min(k, vocab_size)
         self.table = np.full((vocab_size, k), -1, dtype=np.int32)
         self.vocab_size, self.k, self.device = vocab_size, k, torch.device(device)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._copied: torch.cuda.Event | None = None
 
     def learn(self, ids: torch.Tensor, logits: torch.Tensor) -> None:
         # ids: [q] int64 (placeholders < 0), logits: [q, V] on the model's device
@@ -163,12 +166,13 @@ class _Recycle:
             self._write(ids.numpy(), successors.numpy())
             return
         if self._pending is not None:
+            wait_for(self._copied)
             self._write(*(t.numpy() for t in self._pending))
         pinned = (torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True),
                   torch.empty(successors.shape, dtype=successors.dtype, pin_memory=True))
         pinned[0].copy_(ids, non_blocking=True)
         pinned[1].copy_(successors, non_blocking=True)
-        self._pending = pinned
+        self._pending, self._copied = pinned, record_event(self.device)
 
     def _write(self, ids: np.ndarray, successors: np.ndarray) -> None:
         ok = (ids >= 0) & (ids < self.vocab_size)

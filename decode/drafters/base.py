@@ -8,6 +8,9 @@ A drafter may keep state across sequences (Token Recycle's table warms up that w
 `finish(output)` after the last step, with every new token of the sequence (the last step has no
 `observe`), for drafters that remember whole outputs across requests.
 
+The logits (and hidden states) `observe` gets may be views of CUDA-graph memory that the next
+verify overwrites: use them within the step, or copy what must outlive it.
+
 Optional attribute `prefill_logits`: "last" (the default when absent) gives `start` the logits of
 the last prompt position only, [1, V]; "all" gives every position, [n, V], which costs a large
 block for long prompts and is for drafters that learn from the prompt's logits.

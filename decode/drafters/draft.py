@@ -27,7 +27,8 @@ import torch
 
 from samctl.decode.acceptance_head import AcceptanceHead
 from samctl.decode.draft_model import DraftModel
-from samctl.decode.sampling import SamplingConfig, warp_probs
+from samctl.decode.engine.transfer import to_device
+from samctl.decode.sampling import SamplingConfig, draw, warp_probs
 from samctl.decode.tree import DraftTree
 from samctl.decode.configs import DraftConfig, SpecDecConfig
 
@@ -119,7 +120,7 @@ class DraftModelDrafter:
             return DraftTree.empty()
         limit = min(self.stop.max_len, room)
         self.stop.begin()
-        logits, hidden = draft.forward(torch.from_numpy(feed).to(draft.device), self.stop.needs_hidden)
+        logits, hidden = draft.forward(to_device(feed, draft.device), self.stop.needs_hidden)
         tokens, qs = [], []
         k = 0
         while True:
@@ -148,4 +149,4 @@ class DraftModelDrafter:
         if self.sampling.greedy:
             return logits.argmax(dim=-1, keepdim=True), None
         q = warp_probs(logits[None], self.sampling)
-        return torch.multinomial(q, 1, generator=self.generator)[0], q
+        return draw(q, self.generator), q

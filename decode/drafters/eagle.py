@@ -40,7 +40,11 @@ from samctl.decode.eagle_head import EagleHead
 from samctl.decode.engine.kv_cache import StaticKVCache
 from samctl.decode.tree import DraftTree, tree_depths
 from samctl.index.errors import UserError
+<<<<<<< HEAD
 from samctl.decode.configs import EagleConfig
+=======
+from samctl.decode.engine.transfer import to_device
+>>>>>>> cuda31
 
 MAX_DEPTH = 32  # calibration cells (depth of a node, 1-based); deeper nodes share the last
 
@@ -223,7 +227,7 @@ class EagleDrafter:
             return DraftTree.empty()
         k = cfg.top_k
         tokens, scores, parents = self._expand(root, k)
-        tokens, scores, parents = (t.cpu().numpy() for t in (tokens, scores, parents))  # the one host read
+        tokens, scores, parents = _to_host(tokens, scores, parents)  # the one host read
         scores = scores.astype(np.float64)
         depths = _candidate_depths(parents)
         keep, tree_parents = rerank(scores, parents, depths, self.scale, self.cost, cfg.max_nodes)
@@ -236,7 +240,7 @@ class EagleDrafter:
         -> (tokens [m] int64, parents [m] int32 into these rows, p [m] float64 calibrated path
         probabilities, never above the parent's). Call `offered` with what was kept."""
         root = self._catch_up(t0)
-        tokens, scores, parents = (t.cpu().numpy() for t in self._expand(root, self.config.top_k))
+        tokens, scores, parents = _to_host(*self._expand(root, self.config.top_k))
         scores = scores.astype(np.float64)
         depths = _candidate_depths(parents)
         keep, tree_parents = rerank(scores, parents, depths, self.scale, np.ones(n + 1), n)
@@ -270,7 +274,7 @@ class EagleDrafter:
             mask[:, start:] = torch.full((q, q), torch.finfo(self.dtype).min, dtype=self.dtype,
                                          device=self.device).triu(1)
             mask = mask[None, None]
-        ids = torch.from_numpy(next_tokens).to(self.device)
+        ids = to_device(next_tokens, self.device)
         positions = torch.arange(start, n_committed, device=self.device)
         out = self.head(features[None], ids[None], positions[None], self.cache, mask)[0]
         self.processed = n_committed
@@ -342,3 +346,10 @@ class EagleDrafter:
 def _candidate_depths(parents: np.ndarray) -> np.ndarray:
     # parents: [c] int64, parents[i] < i -> [c] int64 depth (1 = root child)
     return tree_depths(parents.astype(np.int32)).astype(np.int64)
+
+
+def _to_host(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    # tokens [c] int64, scores [c] float32, parents [c] int64 on the device -> the same on the
+    # host in one copy (one sync, not three); float64 holds every token id and float32 score exactly
+    packed = torch.stack((tokens.double(), scores.double(), parents.double())).cpu().numpy()
+    return packed[0].astype(np.int64), packed[1].astype(np.float32), packed[2].astype(np.int64)

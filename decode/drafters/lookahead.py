@@ -36,7 +36,7 @@ import numba
 import numpy as np
 import torch
 
-from samctl.decode.engine.target import to_device
+from samctl.decode.engine.transfer import record_event, to_device, wait_for
 from samctl.decode.tree import DraftTree
 from samctl.decode.configs import LookaheadConfig
 
@@ -224,7 +224,7 @@ class JacobiWindow:
         self.active = len(prompt) > 0 and self.width > 0
         if self.active:
             picks = rng.choice(np.asarray(prompt, dtype=np.int64), size=self.grid.shape[1])
-            self.grid[0] = torch.from_numpy(picks).to(self.device)
+            self.grid[0] = to_device(picks, self.device)
 
     def layout(self, lst: int, anchor: int, base: int) -> tuple[torch.Tensor, np.ndarray]:
         # lst: the token at row 0 column 0, already an input at node index `anchor` (-1: the root);
@@ -279,13 +279,14 @@ def window_parents(m: int, fill: int) -> np.ndarray:
     return parents
 
 
-class _Deferred:
+class DeferredPool:
     """Pool n-grams computed on the device reach the host one step late on a GPU (a pinned copy
-    that does not wait), at once on a CPU."""
+    that does not wait, and an event recorded after it that `flush` waits on), at once on a CPU."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.copied: torch.cuda.Event | None = None
 
     def put(self, pool: NgramPool, keys: torch.Tensor, tuples: torch.Tensor) -> None:
         if self.device.type == "cpu":
@@ -296,10 +297,12 @@ class _Deferred:
                   torch.empty(tuples.shape, dtype=tuples.dtype, pin_memory=True))
         pinned[0].copy_(keys, non_blocking=True)
         pinned[1].copy_(tuples, non_blocking=True)
-        self.pending = pinned
+        self.pending, self.copied = pinned, record_event(self.device)
 
     def flush(self, pool: NgramPool) -> None:
         if self.pending is not None:
+            # Usually long done (a step's sync came between); the event makes it certain.
+            wait_for(self.copied)
             pool.insert(self.pending[0].numpy(), self.pending[1].numpy())
             self.pending = None
 
@@ -358,7 +361,7 @@ class LookaheadDrafter(RemembersPool):
         self.memory = PoolMemory(self.pool, config.memory)
         self.window = JacobiWindow(config.ngram, config.window, self.device)
         self.rng = np.random.default_rng(config.seed)
-        self.deferred = _Deferred(self.device)
+        self.deferred = DeferredPool(self.device)
         self.text = np.zeros(0, dtype=np.int32)  # the last N-1 tokens, for the pool's text n-grams
         self.guesses = 0  # guess nodes in the last proposed tree
         self._warm_up()
@@ -392,7 +395,7 @@ class LookaheadDrafter(RemembersPool):
         if self.window.active and logits is not None:
             # A tree cut by the loop (the output's end is near) lacks window rows: skip the update.
             if logits.shape[0] == 1 + self.guesses + self.window.size:
-                rows = torch.from_numpy(self.window.top_rows(0, 1 + self.guesses)).to(logits.device)
+                rows = to_device(self.window.top_rows(0, 1 + self.guesses), logits.device)
                 new = logits[rows, : self._vocab(logits)].argmax(dim=-1)
                 grams = self.window.update(new)
                 if grams is not None:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from samctl.decode.draft_model import DraftModel
-from samctl.decode.drafters.lookahead import JacobiWindow, NgramPool, PoolMemory, RemembersPool, guess_trie
+from samctl.decode.drafters.lookahead import JacobiWindow, NgramPool, PoolMemory, RemembersPool, DeferredPool, guess_trie
 from samctl.decode.engine.target import TargetModel, to_device
 from samctl.decode.tree import DraftTree, walk_tree
 from samctl.decode.configs import OuroborosConfig
@@ -46,6 +46,7 @@ class OuroborosDrafter(RemembersPool):
         self.pool = NgramPool(config.ngram - 1, config.window, self.vocab)
         self.memory = PoolMemory(self.pool, config.memory)
         self.window = JacobiWindow(config.ngram, config.window, self.engine.device)
+        self.deferred = DeferredPool(self.engine.device)
         self.rng = np.random.default_rng(config.seed)
         self.history = np.zeros(0, dtype=np.int64)  # prompt + committed text
         self.produced = np.zeros(0, dtype=np.int64)  # the draft's tokens after t0 in the last propose
@@ -103,6 +104,7 @@ class OuroborosDrafter(RemembersPool):
             self._harvest(committed, input_ids, logits)
 
     def finish(self, output: np.ndarray) -> None:
+        self.deferred.flush(self.pool)
         self.memory.end(output)
 
     def memory_documents(self) -> list[np.ndarray]:
@@ -138,9 +140,9 @@ class OuroborosDrafter(RemembersPool):
         self.forwards += 1
         choices = logits[:, : self.vocab].argmax(dim=-1)
         if window.active:
-            grams = window.update(choices[torch.from_numpy(window.top_rows(anchor + 1, base + 1)).to(choices.device)])
+            grams = window.update(choices[to_device(window.top_rows(anchor + 1, base + 1), choices.device)])
             if grams is not None:
-                self.pool.insert(grams[0].cpu().numpy(), grams[1].cpu().numpy())
+                self.deferred.put(self.pool, *grams)  # on a GPU: reaches the pool one draft forward late, no sync
         host = torch.stack((ids, choices)).cpu().numpy()  # the draft's tokens decide its next input
         path = walk_tree(parents, host[0][1:], host[1], base, anchor)
         engine.keep(path)

@@ -20,6 +20,8 @@ import torch
 
 from samctl.decode.tree import DraftTree
 from samctl.decode.configs import RECYCLE_RANK_ACCEPT as _RANK_ACCEPT, RecycleConfig
+from samctl.index.errors import UserError
+from samctl.decode.engine.transfer import to_device
 
 
 
@@ -81,7 +83,7 @@ class TokenRecycleDrafter:
         self._last_write = torch.empty(vocab_size + 1, dtype=torch.int64, device=self.device)
 
     def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor) -> None:
-        self._learn(torch.from_numpy(prompt).to(self.device), prompt_logits)
+        self._learn(to_device(prompt, self.device), prompt_logits)
 
     def propose(self, t0: int) -> DraftTree:
         if self.on_cpu:

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from samctl.decode.drafters.sdsat import SatPeek, SdsatConfig
-from samctl.decode.sampling import SamplingConfig, warp_probs
+from samctl.decode.sampling import SamplingConfig, draw, warp_probs
 from samctl.decode.sdsat import SatSettings
-from samctl.decode.engine.target import TargetModel
+from samctl.decode.engine.target import TargetModel, to_device
 from samctl.decode.tree import DraftTree
 from samctl.index.errors import UserError
 
@@ -112,7 +112,7 @@ class SdsatNucleusDrafter:
             candidates = torch.topk(logits[1:], TOP_K, dim=-1).indices  # [k, TOP_K]
         else:
             probs = warp_probs(logits, self.sampling)
-            t1 = torch.multinomial(probs[:1], 1, generator=self.generator)[0]
+            t1 = draw(probs[:1], self.generator)
             candidates = self._distinct_draws(warp_probs(logits[1:], self._candidate_warp()))
         tokens = torch.cat((t1, candidates.reshape(-1)[self._slot]))
         return DraftTree(tokens=tokens, parents=self.parents)
@@ -147,7 +147,7 @@ def best_of_paths(logits: torch.Tensor, parents: np.ndarray, input_ids: torch.Te
         host = torch.cat((_draw(logits, sampling, generator), input_ids)).cpu().numpy()
         return np.zeros(1, dtype=np.int64), int(host[0]), host[1:]
     paths = leaf_paths(parents)  # [P, D] node indices, node 0 = t1
-    rows = torch.from_numpy(np.where(paths[:, :-1] >= 0, paths[:, :-1] + 1, 0).reshape(-1)).to(logits.device)
+    rows = to_device(np.where(paths[:, :-1] >= 0, paths[:, :-1] + 1, 0).reshape(-1), logits.device)
     draws = _draw(logits[rows], sampling, generator)  # one per (path, position)
     fresh = _draw(logits, sampling, generator)  # the next token, drawn apart from the test
     host = torch.cat((draws, fresh, input_ids)).cpu().numpy()  # the step's one host sync
@@ -164,4 +164,4 @@ def _draw(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Gener
     # logits: [n, V] -> [n] int64, one independent draw (or the argmax) per row
     if sampling.greedy:
         return logits.argmax(-1)
-    return torch.multinomial(warp_probs(logits, sampling), 1, generator=generator).squeeze(-1)
+    return draw(warp_probs(logits, sampling), generator)

@@ -7,6 +7,11 @@ are visited round-robin and each keeps its fastest time: on a shared machine ano
 ever adds time, so the minimum is the forward's own cost and a busy moment cannot bend one width. `relative_cost` turns it into what drafters size drafts by:
 cost[k] = t(1 + k) / t(1), the price of k draft nodes relative to plain decoding.
 
+Under CUDA graphs (`target.graphs` on) a verify of n tokens runs the graph of the smallest
+width w >= n, so t(n) is a step function: the curve is measured at the graph widths only and
+t(n) = t(width(n)); interpolating there would sell 33..63 nodes at less than the 64-input price.
+Callers keep eager and graph curves apart (samctl/costs.py keys on it).
+
 It knows the target and token ids; caching curves on disk is the caller's business.
 """
 from __future__ import annotations
@@ -41,16 +46,18 @@ def relative_cost(t_ms: np.ndarray | list[float], n: int = 256) -> np.ndarray:
 def measure_verify_cost(target: TargetModel, n_max: int = 64, context: int = 256, rounds: int = 4,
                         widths: tuple[int, ...] = MEASURED_WIDTHS) -> list[float]:
     """-> t_ms [n_max]: milliseconds of a verify forward over n = 1..n_max tokens after `context`
-    cached tokens (fastest of `rounds`, measured at `widths` and interpolated between them)."""
+    cached tokens (fastest of `rounds`, measured at `widths` and interpolated between them; under
+    CUDA graphs measured at the graph widths and taken as steps)."""
     vocab = int(getattr(target.model.config, "vocab_size", 1000))
     gen = torch.Generator().manual_seed(0)
     context = max(1, min(context, target.max_positions - n_max - 64))
     prompt = torch.randint(0, vocab, (context,), generator=gen).to(target.device)
     target.prefill(prompt)
-    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
-    points = [w for w in widths if w <= n_max] or [1]
-    if points[-1] != n_max:
-        points.append(n_max)
+    device = target.device
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    graphs = graph_widths(target)
+    points = [w for w in (graphs or widths) if w < n_max]
+    points.append(next((w for w in graphs if w >= n_max), n_max))  # the width that serves n_max
     best = np.full(len(points), np.inf)
     inputs = [torch.randint(0, vocab, (w,), generator=gen).to(target.device) for w in points]
     for r in range(rounds + 1):  # round 0 warms up and is not kept
@@ -63,7 +70,17 @@ def measure_verify_cost(target: TargetModel, n_max: int = 64, context: int = 256
             if r:
                 best[i] = min(best[i], 1e3 * (time.perf_counter() - tic))
             target.keep(np.zeros(1, dtype=np.int64))  # the context grows by one: immaterial here
-    return list(np.interp(np.arange(1, n_max + 1), points, monotone_fit(best)))
+    fitted = monotone_fit(best)
+    n = np.arange(1, n_max + 1)
+    if graphs:  # t(n) = t(width(n))
+        return [float(t) for t in fitted[np.searchsorted(np.asarray(points), n)]]
+    return list(np.interp(n, points, fitted))
+
+
+def graph_widths(target: TargetModel) -> tuple[int, ...]:
+    """The widths a target's verifies run at under working CUDA graphs; () when it runs eagerly."""
+    graphs = getattr(target, "graphs", None)
+    return tuple(graphs.widths) if graphs is not None and graphs.failed is None else ()
 
 
 def monotone_fit(values: np.ndarray) -> np.ndarray:

@@ -1,109 +1,242 @@
-"""CUDA graphs for the verify forward at a few fixed widths (CUDA only; the CPU never gets here).
+"""CUDA graphs for the verify forward at fixed widths and key lengths (CUDA only; the CPU never
+gets here except through a test's stand-in backend).
 
-A verify of q tokens runs the graph of the smallest width w >= q: inputs are padded to w, the
-cache is in fixed mode (K/V written at device positions past..past+w-1, attention over the whole
-capacity) and a [w, capacity] mask shows each row the committed prefix plus its tree ancestors.
+A verify of q tokens after `past` committed ones runs the graph of the smallest width w >= q and
+the smallest key-length bucket b >= past + w: inputs are padded to w, the cache is in fixed mode
+(K/V written at device positions past..past+w-1, attention over the first b entries only) and a
+[w, b] view of one mask buffer shows each row the committed prefix plus its tree ancestors.
 Padding rows write K/V behind the committed length, where nothing reads them before they are
-overwritten. A graph holds the cache storage's address, so growing the cache drops every graph.
-Captured lazily, once per width and cache allocation.
+overwritten. Buckets keep a long capacity from slowing short contexts: a verify reads
+O(past) keys, not O(capacity).
+
+Every graph is captured at once (`prepare`), largest first, into one memory pool, after the cache
+has its final size: never inside a timed run. A graph holds the cache storage's address, so a
+storage growth (a longer request than reserved) recaptures everything once and counts it. A
+capture that fails (a forward that reads a device value on the host, such as dynamic RoPE)
+drops graphs for good with one warning: the verify runs eagerly. Every capture keeps the final
+norm's output (a hook alive only while capturing), so targets that want hidden states
+(`capture_hidden`) can switch it on and off without recapturing.
+
+Graph outputs (logits, hidden) are views of graph memory, overwritten by the next replay of the
+same graph: callers use them within the step.
+
+The bookkeeping talks to the device through a `CaptureBackend` (capture a forward, return its
+replay), so a CPU test can drive it with a stand-in that replays eagerly.
 """
 from __future__ import annotations
+
+import warnings
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
 
 from samctl.decode.engine.kv_cache import with_cache
+from samctl.decode.engine.transfer import to_device
 from samctl.decode.tree import DraftTree, ancestor_matrix
 
-WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+# Widths up to 128: every method's default GPU draft fits (recycle 81 inputs, lookahead about 86,
+# adaptive and rest 65); tests/test_graphs_cpu.py checks each registry default against them.
+WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128)
+MIN_BUCKET = 256  # smallest key-length bucket; buckets double up to the capacity
+DEFAULT_RESERVE = 4096  # cache entries reserved (and captured for) when the caller names none
 
 
-class _Graph:
-    def __init__(self, width: int, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+def key_buckets(capacity: int, smallest: int = MIN_BUCKET) -> tuple[int, ...]:
+    """Key lengths graphs are captured at: smallest, 2*smallest, ... below capacity, then capacity."""
+    out, b = [], smallest
+    while b < capacity:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (capacity,)
+
+
+class CaptureBackend(Protocol):
+    def new_pool(self) -> object: ...
+
+    def capture(self, forward: Callable[[], None], pool: object) -> Callable[[], None]:
+        """Warm `forward` up, capture it into `pool` and return the function that replays it."""
+        ...
+
+
+class CudaBackend:
+    """torch.cuda graphs on the target's own device (cuda:N too), warmed up on a side stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+
+    def new_pool(self) -> object:
+        with torch.cuda.device(self.device):
+            return torch.cuda.graph_pool_handle()
+
+    def capture(self, forward: Callable[[], None], pool: object) -> Callable[[], None]:
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    forward()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                forward()
+        return graph.replay
+
+
+class _Inputs:
+    """Static inputs of one width, shared by its graphs at every key-length bucket."""
+
+    def __init__(self, width: int, device: torch.device) -> None:
         self.ids = torch.zeros(1, width, dtype=torch.int64, device=device)
         self.positions = torch.zeros(1, width, dtype=torch.int64, device=device)
         self.write_positions = torch.arange(width, device=device)
-        self.mask = torch.zeros(1, 1, width, capacity, dtype=dtype, device=device)
-        self.graph = torch.cuda.CUDAGraph()
-        self.logits: torch.Tensor | None = None
-        self.hidden: torch.Tensor | None = None  # [w, H], captured when the target keeps hidden states
+        self.arange = torch.arange(width, device=device)
+
+
+class _Graph:
+    def __init__(self, width: int, keys: int) -> None:
+        self.width, self.keys = width, keys
+        self.replay: Callable[[], None] | None = None
+        self.logits: torch.Tensor | None = None  # [w, V] graph memory
+        self.hidden: torch.Tensor | None = None  # [w, H] graph memory: the final norm's output
 
 
 class VerifyGraphs:
-    def __init__(self, target, widths: tuple[int, ...] = WIDTHS) -> None:
-        assert target.device.type == "cuda", target.device
-        self.target, self.widths = target, widths
-        self.graphs: dict[int, _Graph] = {}
-        self.storage_ptr = None
-        self.blocked = torch.finfo(target.dtype).min
+    def __init__(self, target, widths: tuple[int, ...] = WIDTHS, backend: CaptureBackend | None = None,
+                 reserve: int | None = None) -> None:
+        if backend is None:
+            assert target.device.type == "cuda", target.device
+            backend = CudaBackend(target.device)
+        self.target, self.widths, self.backend = target, widths, backend
+        self.reserve = reserve if reserve is not None else min(DEFAULT_RESERVE, target.max_positions)
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.generation: int | None = None  # the cache storage generation the graphs hold
+        self.buckets: tuple[int, ...] = ()
+        self.captures = 0  # graphs captured so far (all widths x buckets per prepare)
+        self.prepares = 0  # capture rounds: 1 unless the cache had to grow past `reserve`
+        self.replays = 0
+        self.failed: str | None = None  # why graphs are off for good, after a failed capture
+        self._inputs = {w: _Inputs(w, target.device) for w in widths}
+        self._mask: torch.Tensor | None = None  # [max width, capacity], shared by every graph
+        self._blocked = torch.finfo(target.dtype).min
 
     def covers(self, q: int) -> bool:
-        return q <= self.widths[-1]
+        return self.failed is None and q <= self.widths[-1]
 
     @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, tree: DraftTree, past: int) -> torch.Tensor:
-        # input_ids: [q] int64 device (placeholders already 0); position_ids: [1, q] -> logits [q, V]
+    def prepare(self, n: int | None = None) -> None:
+        """Reserve room for n cache entries (default: `reserve`) and capture every graph now."""
+        target, cache = self.target, self.target.cache
+        self.reserve = max(self.reserve, n or 0)
+        if cache.storage is None:  # the storage takes its shapes from a first forward
+            target.prefill(torch.zeros(1, dtype=torch.int64, device=target.device), reserve=self.reserve)
+            target.truncate(0)
+        cache.reserve(self.reserve)
+        self._capture_all()
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, tree: DraftTree, past: int) -> torch.Tensor | None:
+        # input_ids: [q] int64 device (placeholders already 0); position_ids: [1, q]
+        # -> logits [q, V], or None when graphs are off (the caller runs the forward eagerly)
         q = int(input_ids.shape[0])
         width = next(w for w in self.widths if w >= q)
         cache = self.target.cache
-        cache.reserve(past + width)
-        if cache.storage.data_ptr() != self.storage_ptr:  # new storage: old graphs point at freed memory
-            self.graphs.clear()
-            self.storage_ptr = cache.storage.data_ptr()
-        g = self.graphs.get(width) or self._capture(width)
-        g.ids.zero_()
-        g.ids[0, :q] = input_ids
-        g.positions.fill_(past)
-        g.positions[:, :q] = position_ids
-        torch.add(torch.arange(width, device=input_ids.device), past, out=g.write_positions)
-        self._fill_mask(g.mask[0, 0], tree, past, q)
-        g.graph.replay()
+        cache.reserve(past + self.widths[-1])  # room for every width: a recapture writes them all here
+        if cache.generation != self.generation:  # new storage: the graphs point at freed memory
+            self._capture_all()
+            if self.failed is not None:
+                return None
+        keys = next(b for b in self.buckets if b >= past + width)
+        g = self.graphs[(width, keys)]
+        inputs = self._inputs[width]
+        inputs.ids.zero_()
+        inputs.ids[0, :q] = input_ids
+        inputs.positions.fill_(past)
+        inputs.positions[:, :q] = position_ids
+        torch.add(inputs.arange, past, out=inputs.write_positions)
+        self._fill_mask(self._mask[:width, :keys], tree, past, q)
+        g.replay()
+        self.replays += 1
         cache.set_length(past + q)
-        if g.hidden is not None and self.target._hidden_hook is not None:  # only while hidden states are wanted
+        if self.target.wants_hidden:
             self.target.hidden = g.hidden[:q]
         return g.logits[:q]
 
     def _fill_mask(self, mask: torch.Tensor, tree: DraftTree, past: int, q: int) -> None:
-        # mask: [w, capacity]: every row sees the committed prefix; rows < q their tree ancestors
-        mask.fill_(self.blocked)
+        # mask: [w, b] view: every row sees the committed prefix; rows < q their tree ancestors
+        mask.fill_(self._blocked)
         mask[:, :past] = 0.0
-        visible = ancestor_matrix(tree.parents)
-        block = np.where(visible, 0.0, self.blocked).astype(np.float32)
-        host = torch.from_numpy(block).pin_memory()
-        mask[:q, past : past + q] = host.to(mask.device, non_blocking=True)
+        block = np.where(ancestor_matrix(tree.parents), 0.0, self._blocked).astype(np.float32)
+        mask[:q, past : past + q] = to_device(block, mask.device)
 
-    def _capture(self, width: int) -> _Graph:
-        cache, model = self.target.cache, self.target.model
-        g = _Graph(width, cache.capacity, self.target.dtype, self.target.device)
+    # -- capture ------------------------------------------------------------------------------
+
+    def _capture_all(self) -> None:
+        cache = self.target.cache
+        self.graphs.clear()
+        self.generation = cache.generation
+        self.buckets = key_buckets(cache.capacity)
+        # capacity is a multiple of 64 (kv_cache.ALIGN): the mask rows' stride stays aligned
+        self._mask = torch.zeros(self.widths[-1], cache.capacity, dtype=self.target.dtype, device=self.target.device)
+        pool = self.backend.new_pool()
+        order = sorted(((w, b) for w in self.widths for b in self.buckets), key=lambda wb: (-wb[0] * wb[1], -wb[0]))
+        try:
+            for width, keys in order:  # largest first: the later ones fit in the pool it grew
+                self.graphs[(width, keys)] = self._capture(width, keys, pool)
+                self.captures += 1
+        except Exception as err:  # noqa: BLE001 - any capture failure means: run eagerly
+            self.graphs.clear()
+            self.failed = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}"
+            warnings.warn(f"samctl: CUDA graph capture failed ({self.failed}); the verify forward runs eagerly",
+                          RuntimeWarning, stacklevel=3)
+            self.generation = None
+        self.prepares += 1
+
+    def _capture(self, width: int, keys: int, pool: object) -> _Graph:
+        target, cache, model = self.target, self.target.cache, self.target.model
+        g, inputs = _Graph(width, keys), self._inputs[width]
+        mask = self._mask[:width, :keys][None, None]
         saved = cache.get_seq_length()
+        # Warm-up and capture write K/V at [saved, saved + width): behind the committed length,
+        # inside the storage (run() reserved past + width before a recapture).
+        assert saved + width <= cache.capacity, ("a capture must fit the cache", saved, width, cache.capacity)
+        torch.add(inputs.arange, saved, out=inputs.write_positions)
+        inputs.positions.copy_(inputs.write_positions[None])
+        mask.zero_()
+        norm = final_norm_or_none(model)
 
-        def forward() -> torch.Tensor:
-            cache.write_positions = g.write_positions
+        def keep_hidden(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+            g.hidden = output[0]
+
+        def forward() -> None:
+            cache.write_positions, cache.key_length = inputs.write_positions, keys
+            hook = norm.register_forward_hook(keep_hidden) if norm is not None else None
             try:
-                out = model(input_ids=g.ids, position_ids=g.positions, attention_mask=g.mask,
+                out = model(input_ids=inputs.ids, position_ids=inputs.positions, attention_mask=mask,
                             **with_cache(model, cache), use_cache=True)
             finally:
-                cache.write_positions = None
-            return out.logits[0]
+                cache.write_positions, cache.key_length = None, None
+                if hook is not None:
+                    hook.remove()
+            g.logits = out.logits[0]
 
-        # Warm-up on a side stream, as torch.cuda.graphs requires; it writes K/V only at
-        # write_positions (behind the committed length), so the cache stays valid.
-        g.write_positions.add_(saved)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                forward()
-        torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(g.graph):
-            g.logits = forward()
-            # the target's hidden hook (if any) ran inside the capture: its output is graph memory
-            g.hidden = self.target.hidden if self.target._hidden_hook is not None else None
+        g.replay = self.backend.capture(forward, pool)
         cache.set_length(saved)
-        self.graphs[width] = g
         return g
 
 
-def enable_cuda_graphs(target, enabled: bool = True) -> None:
-    """Capture verify forwards as CUDA graphs when the target is on CUDA; a no-op elsewhere."""
-    target.graphs = VerifyGraphs(target) if enabled and target.device.type == "cuda" else None
+def final_norm_or_none(model: torch.nn.Module) -> torch.nn.Module | None:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    norm = getattr(decoder, "norm", None)
+    return norm if isinstance(norm, torch.nn.Module) else None
+
+
+def enable_cuda_graphs(target, enabled: bool = True, reserve: int | None = None) -> None:
+    """Capture verify forwards as CUDA graphs when the target is on CUDA (a no-op elsewhere), all
+    of them now, for a cache of `reserve` entries (default: min(4096, the model's context)); give
+    the longest prompt + max new tokens when known, so that no capture lands in a timed run."""
+    target.graphs = None
+    if enabled and target.device.type == "cuda":
+        graphs = VerifyGraphs(target, reserve=reserve)
+        graphs.prepare()
+        target.graphs = graphs

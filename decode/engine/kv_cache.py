@@ -9,8 +9,12 @@ Invariant: every layer holds `length` valid entries at [0, length); `update` wri
 behind them and returns views of [0, length + q), exactly the tensors a DynamicCache would return,
 so eager results are bit-identical to DynamicCache's. `compact` moves an accepted tree path to
 the front of the verified block for all layers with one gather. In `fixed` mode (CUDA graphs)
-`update` writes at device positions and returns the whole capacity; the caller's mask hides the
-unused tail. Knows nothing of drafts or acceptance.
+`update` writes at device positions and returns the first `key_length` entries (the graph's
+key-length bucket, never the whole capacity); the caller's mask hides what lies past the committed
+ones. Capacity is a multiple of ALIGN, so mask rows sized by it stay aligned for the fused
+attention kernels. `generation` counts allocations: a CUDA graph holds the storage's address, and
+a new allocation may reuse the old address, so graphs compare generations, never pointers.
+Knows nothing of drafts or acceptance.
 """
 from __future__ import annotations
 
@@ -21,6 +25,12 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from samctl.index.errors import UserError
+
+ALIGN = 64  # capacity granule: mask rows of `capacity` elements keep 16-byte aligned strides
+
+
+def aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,7 +73,8 @@ class StaticLayer(CacheLayerMixin):
         if owner.write_positions is not None:  # fixed mode: static shapes for CUDA graphs
             keys.index_copy_(2, owner.write_positions, key_states)
             values.index_copy_(2, owner.write_positions, value_states)
-            return keys, values
+            n = owner.key_length or keys.shape[-2]
+            return keys.narrow(2, 0, n), values.narrow(2, 0, n)
         start = self.length
         end = start + key_states.shape[-2]
         assert end <= keys.shape[-2], ("KV cache overflow: reserve before the forward", end, keys.shape)
@@ -95,6 +106,8 @@ class StaticKVCache(Cache):
         self.storage: torch.Tensor | None = None
         self.min_capacity = 0
         self.write_positions: torch.Tensor | None = None  # [w] int64 device, fixed mode only
+        self.key_length: int | None = None  # fixed mode: entries the attention reads (a graph's bucket)
+        self.generation = 0  # storage allocations so far
 
     @property
     def capacity(self) -> int:
@@ -108,20 +121,25 @@ class StaticKVCache(Cache):
                 "samctl's KV cache supports standard multi-head/grouped-query attention only"
             )
         _, heads, q, dim = key_states.shape
-        capacity = max(self.min_capacity, q)
+        capacity = aligned(max(self.min_capacity, q))
         shape = (2, len(self.layers), 1, heads, capacity, dim)
+        # zeros, not empty: unused slots are read under a blocked mask, and a NaN there would
+        # poison every row (0 * NaN in the attention's weighted sum)
         self.storage = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
+        self.generation += 1
 
     def reserve(self, n: int) -> None:
-        """Make room for n entries, keeping the valid ones; doubles so that growth is rare."""
-        self.min_capacity = max(self.min_capacity, n)
+        """Make room for n entries, keeping the valid ones; doubles so that growth is rare, and
+        rounds up to ALIGN."""
+        self.min_capacity = max(self.min_capacity, aligned(n))
         if self.storage is None or n <= self.capacity:
             return
         old, valid = self.storage, self.get_seq_length()
         shape = list(old.shape)
-        shape[-2] = max(n, 2 * old.shape[-2])
+        shape[-2] = aligned(max(n, 2 * old.shape[-2]))
         self.storage = torch.zeros(shape, dtype=old.dtype, device=old.device)
         self.storage[..., :valid, :] = old[..., :valid, :]
+        self.generation += 1
 
     def set_length(self, n: int) -> None:
         for layer in self.layers:

@@ -3,8 +3,9 @@
 Works with any Hugging Face causal LM that takes a 4D additive attention mask, explicit
 `position_ids` and a transformers `Cache` (Llama, Qwen2, Mistral, GPT-NeoX families), under the
 sdpa or eager attention paths; others (flash, flex) ignore a 4D mask, so the model is switched to
-sdpa or refused. Sliding-window models work while prompt + output fit in the window, which then
-caps the context.
+sdpa or refused. On CUDA, grouped-query models switch to the same sdpa with head groups folded
+into query rows (decode.engine.attention), so a tree verify copies no K/V per head. Sliding-window
+models work while prompt + output fit in the window, which then caps the context.
 
 The engine owns a preallocated KV cache (`decode.engine.kv_cache`): no per-step concatenation, and an
 accepted tree path is compacted with one gather over all layers. Nothing here reads a device
@@ -20,34 +21,29 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from samctl.decode.engine.attention import NAME as FOLDED, use_folded_gqa
 from samctl.decode.engine.kv_cache import StaticKVCache, with_cache
+from samctl.decode.engine.transfer import to_device  # noqa: F401  (re-exported: drafters import it from here)
 from samctl.decode.tree import DraftTree, ancestor_matrix
 from samctl.index.errors import UserError
 
-MASK_ATTENTION = ("sdpa", "eager")  # attention paths that apply a custom 4D additive mask
+MASK_ATTENTION = ("sdpa", "eager", FOLDED)  # attention paths that apply a custom 4D additive mask
 VERIFY_SLACK = 256  # cache room reserved beyond prompt + output for the largest verify block
-
-
-def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    # array: any host array -> the same values on device, without a host synchronization.
-    # A pageable host->device copy waits for the GPU queue to drain; a pinned one with
-    # non_blocking does not, and the caching host allocator keeps the pinned block alive until
-    # the copy has run.
-    host = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 class TargetModel:
     """Holds the model and its KV cache for one sequence at a time (batch size 1)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, fold_groups: bool | None = None) -> None:
+        # fold_groups: grouped-query attention folds head groups into query rows instead of
+        # copying K/V per head (decode.engine.attention); default: on CUDA
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         config = model.config
         _require_mask_attention(model)
+        if fold_groups if fold_groups is not None else self.device.type == "cuda":
+            use_folded_gqa(model)
         self.max_positions = int(getattr(config, "max_position_embeddings", 1 << 30) or (1 << 30))
         self.context_note = "the model's context"
         window = _sliding_window(config)
@@ -63,6 +59,7 @@ class TargetModel:
         self._mask_block = (0, 0)  # (q, past) of the tree block written into _mask last
         self._blocked = torch.finfo(self.dtype).min
         self.graphs = None  # decode.engine.graphs.VerifyGraphs, set by enable_cuda_graphs on CUDA only
+        self.eager_fallbacks = 0  # verifies run eagerly while graphs were on (too wide, or capture failed)
         self.hidden: torch.Tensor | None = None  # [q, H] of the last forward, with capture_hidden only
         self._hidden_hook = None
 
@@ -76,8 +73,11 @@ class TargetModel:
             return
         norm = final_norm(self.model)
         self._hidden_hook = norm.register_forward_hook(self._keep_hidden)
-        if self.graphs is not None:
-            self.graphs.graphs.clear()  # graphs captured without the hook hold no hidden output
+        # CUDA graphs keep the final norm's output in every capture: nothing to recapture here
+
+    @property
+    def wants_hidden(self) -> bool:
+        return self._hidden_hook is not None
 
     def _keep_hidden(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
         # output: [1, q, H] the final norm's output = the lm_head input at every input position
@@ -119,8 +119,11 @@ class TargetModel:
             position_ids = torch.arange(past, past + q, device=self.device)[None]
         else:
             position_ids = to_device(past + np.concatenate(([0], tree.depths())).astype(np.int64), self.device)[None]
-        if self.graphs is not None and self.graphs.covers(q):  # CUDA only (decode.engine.graphs)
-            return self.graphs.run(input_ids.clamp_min(0), position_ids, tree, past)
+        if self.graphs is not None:  # CUDA only (decode.engine.graphs)
+            logits = self.graphs.run(input_ids.clamp_min(0), position_ids, tree, past) if self.graphs.covers(q) else None
+            if logits is not None:
+                return logits
+            self.eager_fallbacks += 1
         # A chain needs no mask: the model's own causal mask is exactly the chain's tree mask.
         mask = None if tree.is_chain else self._tree_mask(tree.parents, past)
         out = self.model(

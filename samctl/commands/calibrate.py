@@ -19,9 +19,10 @@ from samctl.options import engine_options, session_config
 def calibrate(**opts: Any) -> None:
     """Verify cost t(n) for n = 1..64 input tokens: what `adaptive` sizes its drafts by.
 
-    Measured once per model, device, dtype and thread count (a second or two), then cached
-    ($SAMCTL_CACHE or ~/.cache/samctl). On a CPU t(n) grows with n, so drafts stay narrow; on a
-    GPU it is nearly flat, so drafts grow wide.
+    Measured once per model, device, dtype, thread count and graph mode (a second or two), then
+    cached ($SAMCTL_CACHE or ~/.cache/samctl). On a CPU t(n) grows with n, so drafts stay narrow;
+    on a GPU it is nearly flat, so drafts grow wide. On CUDA it is measured under CUDA graphs, as
+    generate and bench run (a step function of the graph widths), unless --no-compile.
 
     \b
     samctl calibrate --model ./my-model
@@ -41,5 +42,5 @@ def calibrate(**opts: Any) -> None:
     rel = relative_cost(t_ms, len(t_ms))
     click.echo(f"verify cost of {engine.name} ({curve_key(engine)['device']}, {curve_key(engine)['dtype']})")
     click.echo("| tokens n | t(n) ms | t(n) / t(1) |\n|---:|---:|---:|")
-    for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
+    for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)[: 12 if len(t_ms) <= 64 else 14]:
         click.echo(f"| {n} | {t_ms[n - 1]:.2f} | {rel[n - 1]:.2f} |")

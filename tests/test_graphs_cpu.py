@@ -1,0 +1,257 @@
+"""CUDA-graph bookkeeping on the CPU: `VerifyGraphs` driven through a stand-in backend whose
+"replay" reruns the captured forward eagerly, so the fixed-mode cache, key-length buckets, the
+shared mask, capture order, fallback and hidden-state handling run here as they do on a GPU."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from samctl.decode.engine.graphs import WIDTHS, VerifyGraphs, key_buckets
+from samctl.decode.engine.kv_cache import ALIGN
+from samctl.decode.engine.target import TargetModel
+from samctl.decode.loop import GenerationConfig, generate
+from samctl.decode.methods import make_drafter
+from samctl.decode.tree import DraftTree
+from tests.test_decode_greedy import prompts
+from tests.test_engine import tiny
+
+
+class StandIn:
+    """Capture = run once; replay = run again. Records what was captured, in order."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.captured: list[int] = []
+        self.pools = 0
+        self.fail_at = fail_at
+
+    def new_pool(self) -> object:
+        self.pools += 1
+        return object()
+
+    def capture(self, forward, pool):
+        if self.fail_at is not None and len(self.captured) == self.fail_at:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        forward()
+        self.captured.append(id(forward))
+        return forward
+
+
+def graphs_on(target: TargetModel, backend: StandIn, reserve: int = 500) -> VerifyGraphs:
+    target.graphs = VerifyGraphs(target, backend=backend, reserve=reserve)
+    target.graphs.prepare()
+    return target.graphs
+
+
+def random_tree(rng: np.random.Generator, k: int) -> DraftTree:
+    parents = np.array([rng.integers(-1, i) for i in range(k)], np.int32)
+    return DraftTree(tokens=rng.integers(0, 96, k), parents=parents)
+
+
+def test_key_buckets_double_up_to_the_capacity():
+    assert key_buckets(4352) == (256, 512, 1024, 2048, 4096, 4352)
+    assert key_buckets(256) == (256,)
+    assert key_buckets(128) == (128,)
+
+
+def test_prepare_captures_every_width_and_bucket_once_largest_first_into_one_pool():
+    target, backend = TargetModel(tiny()), StandIn()
+    graphs = graphs_on(target, backend)
+    capacity = target.cache.capacity
+    assert capacity % ALIGN == 0 and capacity >= 500, capacity
+    expected = {(w, b) for w in WIDTHS for b in key_buckets(capacity)}
+    assert set(graphs.graphs) == expected and graphs.captures == len(expected)
+    assert backend.pools == 1 and graphs.prepares == 1
+    sizes = [g.width * g.keys for g in graphs.graphs.values()]  # dict order = capture order
+    assert sizes == sorted(sizes, reverse=True), sizes
+    assert target.cache.get_seq_length() == 0  # capturing committed nothing
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_graph_verify_equals_eager_on_random_trees_with_compaction(kv_heads):
+    # T1 on the CPU: every width, buckets narrower than the capacity, compaction between steps
+    model = tiny("llama", kv_heads)
+    eager, graphed = TargetModel(model), TargetModel(model)
+    graphs = graphs_on(graphed, StandIn(), reserve=700)
+    rng = np.random.default_rng(0)
+    prompt = torch.from_numpy(rng.integers(0, 96, 40))
+    eager.prefill(prompt, reserve=700)
+    graphed.prefill(prompt, reserve=700)
+    captures, steps = graphs.captures, 0
+    for k in [0, 1, 2, 5, 15, 31, 63, 100, 127] + list(rng.integers(0, 128, 10)):
+        tree, t0 = random_tree(rng, int(k)), int(rng.integers(0, 96))
+        a = eager.verify(eager.verify_input(t0, tree), tree)
+        b = graphed.verify(graphed.verify_input(t0, tree), tree)
+        steps += 1
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        node, path = int(rng.integers(-1, k)) if k else -1, []
+        while node >= 0:
+            path, node = path + [node + 1], int(tree.parents[node])
+        for t in (eager, graphed):
+            t.keep(np.array([0] + path[::-1], np.int64))
+    assert graphs.replays == steps and graphed.eager_fallbacks == 0
+    assert graphs.captures == captures  # nothing captured after prepare
+    assert graphed.cached == eager.cached
+    n = eager.cached
+    torch.testing.assert_close(graphed.cache.storage[..., :n, :], eager.cache.storage[..., :n, :])
+
+
+def test_a_verify_reads_only_its_key_bucket(monkeypatch):
+    target = TargetModel(tiny())
+    graphs = graphs_on(target, StandIn(), reserve=2000)
+    target.prefill(torch.arange(3, 43), reserve=2000)
+    assert target.cache.capacity > 2000
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append(k.shape[-2])
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    tree = DraftTree.chain(np.array([5, 6, 7]))
+    target.verify(target.verify_input(4, tree), tree)
+    assert set(seen) == {256}, seen  # 40 + 4 keys fit the smallest bucket, not the whole capacity
+
+
+def test_failed_capture_falls_back_to_eager_with_one_warning_and_counts_it():
+    model = tiny()
+    target = TargetModel(model)
+    with pytest.warns(RuntimeWarning, match="capture failed") as record:
+        graphs = graphs_on(target, StandIn(fail_at=3))
+    assert len(record) == 1 and graphs.failed and not graphs.graphs
+    prompt = prompts(96)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second note
+        result = generate(target, make_drafter("pld", vocab_size=96, device="cpu"), prompt,
+                          GenerationConfig(max_new_tokens=30))
+    expected = generate(TargetModel(model), make_drafter("pld", vocab_size=96, device="cpu"), prompt,
+                        GenerationConfig(max_new_tokens=30))
+    assert result.tokens == expected.tokens
+    assert result.metrics.eager_verifies == result.metrics.steps > 0
+    assert result.metrics.to_dict()["eager_verifies"] == result.metrics.steps
+
+
+def test_hidden_states_toggle_without_recapture_and_match_eager():
+    # B1: an EAGLE run after an ar run (and back) captures nothing new
+    model = tiny()
+    eager, graphed = TargetModel(model), TargetModel(model)
+    graphs = graphs_on(graphed, StandIn())
+    captures = graphs.captures
+    rng = np.random.default_rng(1)
+    prompt = torch.from_numpy(rng.integers(0, 96, 20))
+    for want in (False, True, False, True):
+        for t in (eager, graphed):
+            t.capture_hidden(want)
+            t.prefill(prompt)
+        tree = random_tree(rng, 9)
+        a = eager.verify(eager.verify_input(3, tree), tree)
+        hidden = eager.hidden  # read now: both targets hook the same model's norm
+        b = graphed.verify(graphed.verify_input(3, tree), tree)
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        if want:
+            torch.testing.assert_close(graphed.hidden, hidden, rtol=1e-4, atol=1e-4)
+        else:
+            assert graphed.hidden is None
+    assert graphs.captures == captures and graphs.prepares == 1
+
+
+def test_storage_growth_recaptures_once_and_output_stays_exact():
+    model = tiny()
+    target = TargetModel(model)
+    graphs = graphs_on(target, StandIn(), reserve=64)
+    first = graphs.captures
+    prompt = prompts(96)[1] * 12  # 360 tokens: past the reserved capacity
+    drafter = make_drafter("recycle", vocab_size=96, device="cpu")
+    result = generate(target, drafter, prompt, GenerationConfig(max_new_tokens=40))
+    expected = generate(TargetModel(model), make_drafter("recycle", vocab_size=96, device="cpu"), prompt,
+                        GenerationConfig(max_new_tokens=40))
+    assert result.tokens == expected.tokens
+    assert graphs.prepares == 2 and graphs.captures > first  # one recapture, at the prefill's growth
+    before = graphs.captures
+    generate(target, make_drafter("recycle", vocab_size=96, device="cpu"), prompt, GenerationConfig(max_new_tokens=40))
+    assert graphs.captures == before  # the grown cache serves the next request as it is
+
+
+def test_generation_counts_allocations_not_addresses():
+    target = TargetModel(tiny())
+    target.prefill(torch.arange(3, 13), reserve=10)
+    g = target.cache.generation
+    target.cache.reserve(target.cache.capacity)  # fits: no allocation
+    assert target.cache.generation == g
+    target.cache.reserve(target.cache.capacity + 1)
+    assert target.cache.generation == g + 1 and target.cache.capacity % ALIGN == 0
+
+
+def test_graph_cost_curve_is_a_step_function_and_cached_apart():
+    # B4: t(n) = t(width(n)) under graphs, measured at the graph widths, keyed on the graph mode
+    from types import SimpleNamespace
+
+    from samctl.costs import curve_key, curve_width
+    from samctl.decode.engine.cost import measure_verify_cost
+
+    model = tiny()
+    eager, graphed = TargetModel(model), TargetModel(model)
+    graphs_on(graphed, StandIn())
+    t = measure_verify_cost(graphed, 128, context=32, rounds=1)
+    assert len(t) == 128
+    for lo, hi in [(3, 4), (5, 8), (33, 64), (65, 128)]:
+        assert len(set(t[lo - 1 : hi])) == 1, (lo, hi, t[lo - 1 : hi])
+    assert graphed.eager_fallbacks == 0
+    engines = [SimpleNamespace(name="tiny", model=model, device=torch.device("cpu"), target=x) for x in (eager, graphed)]
+    keys = [curve_key(e) for e in engines]
+    assert keys[0]["graphs"] is False and keys[1]["graphs"] is True
+    assert [curve_width(e) for e in engines] == [64, 128]
+
+
+class Widest:
+    """A drafter wrapper that records the widest verify (1 + draft nodes) it proposed."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.widest = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, t0: int) -> DraftTree:
+        tree = self.inner.propose(t0)
+        self.widest = max(self.widest, len(tree) + 1)
+        return tree
+
+
+def test_every_methods_default_gpu_draft_fits_a_captured_width():
+    # B2: with the GPU defaults (method_config for a CUDA device) and a flat GPU-like cost curve,
+    # no method's draft is wider than the widest graph, so none falls back to eager
+    import dataclasses
+
+    from samctl.decode.draft_model import DraftModel
+    from samctl.decode.drafters.sam import SamConfig
+    from samctl.decode.eagle_head import EagleHead
+    from samctl.decode.methods import REGISTRY
+    from samctl.index.automaton import SuffixAutomaton
+    from samctl.options import method_config
+    from tests.test_draft_model import random_head
+
+    model = tiny(sdsat={"sat_token_id": 95, "sat_count": 13})  # the nucleus reference's widest tree
+    config = dataclasses.replace(method_config({}, torch.device("cuda")), sam=SamConfig(dyn_threshold=2, static_bias=1))
+    assert config.recycle.nodes == 80 and config.lookahead.window == 15  # the GPU defaults
+    prompt = prompts(96)[0] * 3
+    expected = generate(TargetModel(model), make_drafter("ar", vocab_size=96, device="cpu"), prompt,
+                        GenerationConfig(max_new_tokens=60)).tokens
+    corpus = np.asarray((prompt + expected) * 2, dtype=np.int32)
+    static = SuffixAutomaton.build(corpus, np.array([0, len(corpus)]))
+    draft = DraftModel(tiny(seed=1), vocab_limit=96)
+    widest = {}
+    for name, entry in REGISTRY.items():
+        target = TargetModel(model)
+        torch.manual_seed(0)
+        drafter = Widest(make_drafter(
+            name, vocab_size=96, device="cpu", static=static, config=config, cost=np.ones(257),
+            draft=draft, head=random_head(draft.hidden_size) if entry.needs_head else None, target=target,
+            eagle=EagleHead(model).eval() if entry.needs_eagle else None))
+        generate(target, drafter, prompt, GenerationConfig(max_new_tokens=60))
+        widest[name] = drafter.widest
+    assert max(widest.values()) <= WIDTHS[-1], widest
+    assert widest["recycle"] == 81 and widest["adaptive"] > 33, widest  # the wide drafts really ran
