@@ -231,7 +231,7 @@ def test_every_methods_default_gpu_draft_fits_a_captured_width():
     from samctl.decode.eagle_head import EagleHead
     from samctl.decode.methods import REGISTRY
     from samctl.index.automaton import SuffixAutomaton
-    from samctl.options import method_config
+    from samctl.decode.methods import method_config
     from tests.test_draft_model import random_head
 
     model = tiny(sdsat={"sat_token_id": 95, "sat_count": 13})  # the nucleus reference's widest tree
