@@ -40,11 +40,8 @@ from samctl.decode.eagle_head import EagleHead
 from samctl.decode.engine.kv_cache import StaticKVCache
 from samctl.decode.tree import DraftTree, tree_depths
 from samctl.index.errors import UserError
-<<<<<<< HEAD
 from samctl.decode.configs import EagleConfig
-=======
 from samctl.decode.engine.transfer import to_device
->>>>>>> cuda31
 
 MAX_DEPTH = 32  # calibration cells (depth of a node, 1-based); deeper nodes share the last
 
