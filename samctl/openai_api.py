@@ -113,7 +113,7 @@ class CompletionRequest(_Request):
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int] | list[str]:
-        if isinstance(prompt, list) and isinstance(prompt[0], str) and len(prompt) != 1:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str) and len(prompt) != 1:
             raise ValueError("one prompt per request: send one request per prompt")
         return prompt
 
@@ -128,7 +128,9 @@ class CompletionRequest(_Request):
         return self.max_tokens
 
     def prompt_input(self) -> str | list[int]:
-        return self.prompt[0] if isinstance(self.prompt[0], str) else self.prompt
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], str):
+            return self.prompt[0]
+        return self.prompt
 
 
 # -- responses ----------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ COMMANDS = [
     ("calibrate", "Verify cost t(n) for n = 1..64 input tokens: what `adaptive` sizes its drafts by."),
     ("distill", "Generate the model's own answers to prompts and build a store from them."),
     ("chat", "Talk to the model, faster, with per-turn speed and acceptance."),
+    ("serve", "Serve the model over an OpenAI-compatible HTTP API, with Predicted Outputs."),
 ]
 
 
