@@ -111,6 +111,30 @@ def test_text_completions_from_text_or_token_ids(served):
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == expected
 
 
+def test_concurrent_clients_each_get_their_sequential_answer(served):
+    session, _, client = served
+    questions = [[{"role": "user", "content": text}] for text in ("def add(a, b):", "The quick brown fox",
+                                                                   "Summarize the document.", "The dog sleeps.")]
+    expected = [session.decode(plain(session, q)) for q in questions]
+    answers: list = [None] * len(questions)
+
+    def ask(i: int) -> None:
+        if i % 2:
+            with client.stream("POST", "/v1/chat/completions", json=body(session, messages=questions[i],
+                                                                         stream=True)) as response:
+                answers[i] = "".join(c["choices"][0]["delta"].get("content") or "" for c in sse(response)[:-1])
+        else:
+            answer = client.post("/v1/chat/completions", json=body(session, messages=questions[i])).json()
+            answers[i] = answer["choices"][0]["message"]["content"]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert answers == expected
+
+
 def test_prediction_usage_counts_and_leaves_the_answer_alone(served):
     session, _, client = served
     expected = session.decode(plain(session, QUESTION))
