@@ -160,10 +160,13 @@ class Job:
             session = self.sessions.get(r.store, r.method)
             ids = self._encode(session)
             self._detok = IncrementalDetokenizer(session.decode)
+            # no answer outgrows the context, so a larger max_tokens would only size the KV cache
+            room = session.engine.target.max_positions - len(ids)
+            max_new_tokens = min(r.max_new_tokens or session.config.max_new_tokens, room)
             self.sink(("started", len(ids)))
             # 2) generate, text streaming through on_tokens
             result = session.generate(ids, prediction=r.prediction, on_tokens=self._on_tokens,
-                                      max_new_tokens=r.max_new_tokens, sampling=r.sampling)
+                                      max_new_tokens=max_new_tokens, sampling=r.sampling)
         except RequestError as err:
             self.sink(("error", err))
             return

@@ -163,7 +163,7 @@ def create_app(sessions: Any, *, scheduler: Scheduler | None = None, api_key: st
         job, events, started = await _start(body, turns, body.token_limit(), request)
         rid = new_id("chatcmpl")
         if body.stream:
-            return _sse(_chat_stream(rid, body, job, events, started, request))
+            return _sse(_chat_stream(rid, body, job, events, started))
         text, result, reason = await _collect(job, events, started, request)
         return ChatCompletion(id=rid, created=now(), model=sessions.model_name, usage=usage_of(started, result),
                               choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=reason)])
@@ -173,7 +173,7 @@ def create_app(sessions: Any, *, scheduler: Scheduler | None = None, api_key: st
         job, events, started = await _start(body, body.prompt_input(), body.token_limit(), request)
         rid = new_id("cmpl")
         if body.stream:
-            return _sse(_completion_stream(rid, body, job, events, started, request))
+            return _sse(_completion_stream(rid, body, job, events, started))
         text, result, reason = await _collect(job, events, started, request)
         return Completion(id=rid, created=now(), model=sessions.model_name, usage=usage_of(started, result),
                           choices=[TextChoice(text=text, finish_reason=reason)])
@@ -259,8 +259,8 @@ def create_app(sessions: Any, *, scheduler: Scheduler | None = None, api_key: st
                 job.cancel()
                 counters.finished("cancelled")
 
-    async def _chat_stream(rid: str, body: ChatRequest, job: Job, events: asyncio.Queue, prompt_tokens: int,
-                           request: Request) -> AsyncIterator[str]:
+    async def _chat_stream(rid: str, body: ChatRequest, job: Job, events: asyncio.Queue,
+                           prompt_tokens: int) -> AsyncIterator[str]:
         def chunk(delta: Delta, reason: str | None = None) -> str:
             return _data(ChatChunk(id=rid, created=created_at, model=sessions.model_name,
                                    choices=[ChunkChoice(delta=delta, finish_reason=reason)]))
@@ -280,7 +280,7 @@ def create_app(sessions: Any, *, scheduler: Scheduler | None = None, api_key: st
         yield "data: [DONE]\n\n"
 
     async def _completion_stream(rid: str, body: CompletionRequest, job: Job, events: asyncio.Queue,
-                                 prompt_tokens: int, request: Request) -> AsyncIterator[str]:
+                                 prompt_tokens: int) -> AsyncIterator[str]:
         def chunk(text: str, reason: str | None = None) -> str:
             return _data(Completion(id=rid, created=created_at, model=sessions.model_name,
                                     choices=[TextChoice(text=text, finish_reason=reason)]))
