@@ -403,9 +403,11 @@ class AdaptiveDrafter:
 
     def _warm_up(self) -> None:
         # Compile (or load the numba cache) now, not inside the first timed step.
+        self.expect(np.array([2, 1], dtype=np.int32))  # the prediction's counting kernel too
         self.start(np.array([1, 2, 1], dtype=np.int64), None)
         self.observe(np.array([2], dtype=np.int64), None, None)
         self.propose(1)
+        self.observe(np.array([1], dtype=np.int64), None, None)
         self.start(np.array([1], dtype=np.int64), None)
         self.output = []
         self.memory = Memory(self.config.memory, self.config.memory_tokens)
