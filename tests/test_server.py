@@ -9,6 +9,7 @@ import json
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,7 +18,7 @@ uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from samctl.decode.drafters.base import NoDraft  # noqa: E402
-from samctl.scheduler import StopCut  # noqa: E402
+from samctl.scheduler import Job, Request as JobRequest, SerialScheduler, Sessions, StopCut  # noqa: E402
 from samctl.server import create_app  # noqa: E402
 from samctl.session import Session, SessionConfig  # noqa: E402
 
@@ -160,6 +161,57 @@ def test_stop_strings_cut_the_text_before_them(served):
     answer = client.post("/v1/chat/completions", json=body(session, stop=[stop])).json()
     assert answer["choices"][0]["message"]["content"] == expected[:expected.index(stop)]
     assert answer["choices"][0]["finish_reason"] == "stop"
+
+
+class _FakeSession:
+    """A session without a model: token t is the letter chr(97 + t); generation counts upwards
+    from the prompt's last token, calling on_tokens once per token, and waits for `gate`."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.ran: list[list[int]] = []
+        self.engine = SimpleNamespace(name="fake", vocab_size=26, tokenizer=None,
+                                      target=SimpleNamespace(max_positions=64, context_note="the context"),
+                                      encode=lambda text, chat: [ord(c) - 97 for c in text])
+        self.config = SimpleNamespace(method="adaptive", store=None, max_new_tokens=5)
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(97 + t) for t in ids)
+
+    def generate(self, ids, *, prediction=None, on_tokens=None, max_new_tokens=5, sampling=None):
+        self.gate.wait(30)
+        self.ran.append(ids)
+        tokens, reason = [], "length"
+        for k in range(max_new_tokens):
+            tokens.append((ids[-1] + 1 + k) % 26)
+            if on_tokens(tokens[-1:]):
+                reason = "stop"
+                break
+        return SimpleNamespace(tokens=tokens, finish_reason=reason)
+
+
+def _job(sessions, prompt: str, events: list, stop=()) -> Job:
+    return Job(JobRequest(prompt=prompt, store=None, method="adaptive", stop=stop), sessions, events.append)
+
+
+def test_the_scheduler_finishes_what_it_was_given_and_skips_cancelled_jobs():
+    session = _FakeSession()
+    sessions = Sessions({None: session})
+    scheduler = SerialScheduler()
+    first, second, third = [], [], []
+    jobs = [_job(sessions, "a", first), _job(sessions, "h", second), _job(sessions, "p", third, stop=("rs",))]
+    for job in jobs:
+        scheduler.submit(job)
+    jobs[1].cancel()  # still queued behind the first
+    session.gate.set()
+    scheduler.close()  # returns once every submitted job has ended
+    assert [e[0] for e in first] == ["started", "text", "text", "text", "text", "text", "done"]
+    assert "".join(e[1] for e in first if e[0] == "text") == "bcdef" and first[-1][2] == "length"
+    assert second == [("cancelled",)] and session.ran == [[0], [15]]
+    assert "".join(e[1] for e in third if e[0] == "text") == "q" and third[-1][2] == "stop"
+    late = []
+    scheduler.submit(_job(sessions, "a", late))
+    assert late[0][0] == "error" and late[0][1].status == 503
 
 
 def test_stop_cut_holds_back_a_possible_stop_string():
