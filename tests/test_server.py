@@ -214,6 +214,24 @@ def test_the_scheduler_finishes_what_it_was_given_and_skips_cancelled_jobs():
     assert late[0][0] == "error" and late[0][1].status == 503
 
 
+def test_stores_are_named_on_the_command_line_and_by_requests(tmp_path):
+    from samctl.commands.serve import _stores
+    from samctl.index.errors import UserError
+    from samctl.scheduler import RequestError
+
+    (tmp_path / "docs.sam").write_bytes(b"")
+    (tmp_path / "code.sam").write_bytes(b"")
+    docs, code = str(tmp_path / "docs.sam"), str(tmp_path / "code.sam")
+    assert _stores((docs, f"src={code}")) == {"docs": docs, "src": code}
+    for bad in ((docs, docs), (f"x={tmp_path / 'missing.sam'}",), ("=a.sam",)):
+        with pytest.raises(UserError):
+            _stores(bad)
+    sessions = Sessions({"docs": _FakeSession(), "src": _FakeSession()})
+    assert sessions.check(None, None) == ("docs", "adaptive") and sessions.check("src", "pld") == ("src", "pld")
+    with pytest.raises(RequestError, match="docs, src"):
+        sessions.check("other", None)
+
+
 def test_stop_cut_holds_back_a_possible_stop_string():
     cut = StopCut(["END"])
     assert cut.push("abc E") == "abc " and cut.push("N") == "" and cut.push("D tail") == "" and cut.stopped
