@@ -18,6 +18,9 @@ uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from samctl.decode.drafters.base import NoDraft  # noqa: E402
+from samctl.decode.loop import GenerationResult  # noqa: E402
+from samctl.decode.metrics import Metrics  # noqa: E402
+from samctl.decode.sampling import SamplingConfig  # noqa: E402
 from samctl.scheduler import Job, Request as JobRequest, SerialScheduler, Sessions, StopCut  # noqa: E402
 from samctl.server import create_app  # noqa: E402
 from samctl.session import Session, SessionConfig  # noqa: E402
@@ -25,24 +28,29 @@ from samctl.session import Session, SessionConfig  # noqa: E402
 QUESTION = [{"role": "user", "content": "def add(a, b):"}]
 
 
+def _serve(app) -> tuple:
+    """(uvicorn server, base URL) of `app` on a free local port, served by a thread."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server.thread = threading.Thread(target=server.run, daemon=True)
+    server.thread.start()
+    while not server.started:
+        assert server.thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    return server, f"http://127.0.0.1:{port}"
+
+
 @pytest.fixture(scope="module")
 def served(model_dir):
     """(session, base URL, client) of a server on a free local port."""
     session = Session(SessionConfig(model=str(model_dir), max_new_tokens=24, threads=1, quiet=True))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(session), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        assert thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{port}"
+    server, url = _serve(create_app(session))
     with httpx.Client(base_url=url, timeout=120) as client:
         yield session, url, client
     server.should_exit = True
-    thread.join(60)
+    server.thread.join(60)
 
 
 def plain(session, messages=None, ids=None):
@@ -168,17 +176,18 @@ class _FakeSession:
     from the prompt's last token, calling on_tokens once per token, and waits for `gate`."""
 
     def __init__(self) -> None:
-        self.gate = threading.Event()
+        self.gate, self.entered = threading.Event(), threading.Event()
         self.ran: list[list[int]] = []
         self.engine = SimpleNamespace(name="fake", vocab_size=26, tokenizer=None,
                                       target=SimpleNamespace(max_positions=64, context_note="the context"),
                                       encode=lambda text, chat: [ord(c) - 97 for c in text])
-        self.config = SimpleNamespace(method="adaptive", store=None, max_new_tokens=5)
+        self.config = SimpleNamespace(method="adaptive", store=None, max_new_tokens=5, sampling=SamplingConfig())
 
     def decode(self, ids: list[int]) -> str:
         return "".join(chr(97 + t) for t in ids)
 
     def generate(self, ids, *, prediction=None, on_tokens=None, max_new_tokens=5, sampling=None):
+        self.entered.set()
         self.gate.wait(30)
         self.ran.append(ids)
         tokens, reason = [], "length"
@@ -187,7 +196,7 @@ class _FakeSession:
             if on_tokens(tokens[-1:]):
                 reason = "stop"
                 break
-        return SimpleNamespace(tokens=tokens, finish_reason=reason)
+        return GenerationResult(tokens, reason, Metrics(new_tokens=len(tokens)))
 
 
 def _job(sessions, prompt: str, events: list, stop=()) -> Job:
@@ -212,6 +221,32 @@ def test_the_scheduler_finishes_what_it_was_given_and_skips_cancelled_jobs():
     late = []
     scheduler.submit(_job(sessions, "a", late))
     assert late[0][0] == "error" and late[0][1].status == 503
+
+
+def test_shutdown_finishes_the_request_in_flight():
+    # uvicorn's SIGTERM handler sets should_exit; set here, the same graceful path runs
+    session = _FakeSession()
+    server, url = _serve(create_app(Sessions({None: session})))
+    lines: list[str] = []
+
+    def ask() -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                          json={"model": "fake", "prompt": "a", "stream": True}) as response:
+            lines.extend(response.iter_lines())
+
+    client = threading.Thread(target=ask)
+    client.start()
+    assert session.entered.wait(30)
+    server.should_exit = True
+    time.sleep(0.2)  # let the shutdown begin while the request is still generating
+    session.gate.set()
+    client.join(60)
+    server_thread = server.thread
+    server_thread.join(60)
+    assert not server_thread.is_alive()
+    events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == "bcdef"
 
 
 def test_stores_are_named_on_the_command_line_and_by_requests(tmp_path):
