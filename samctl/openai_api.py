@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 
 class StreamOptions(BaseModel):
@@ -176,8 +176,15 @@ class ChatCompletion(BaseModel):
 
 
 class Delta(BaseModel):
+    """A chunk's increment; fields it does not carry are left out, as OpenAI sends them
+    (`{"role": "assistant", "content": ""}` first, then `{"content": ...}`, `{}` last)."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _present(self, handler) -> dict:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChunkChoice(BaseModel):
