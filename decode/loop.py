@@ -24,7 +24,7 @@ import torch
 
 from samctl.decode.accept import speculative_accept
 from samctl.decode.drafters.base import Drafter
-from samctl.decode.metrics import Metrics
+from samctl.decode.metrics import Metrics, PredictionUsage
 from samctl.decode.sampling import SamplingConfig, choose_tokens
 from samctl.decode.engine.target import TargetModel, to_device
 from samctl.decode.tree import walk_tree
@@ -45,14 +45,15 @@ class GenerationConfig:
 @dataclass
 class GenerationResult:
     tokens: list[int]  # new tokens only, EOS included when generation stopped on it
-    finish_reason: str  # "eos" | "length"
+    finish_reason: str  # "eos" | "length" | "stop" (on_tokens asked to stop)
     metrics: Metrics
+    prediction: PredictionUsage | None = None  # set by the caller that handed the drafter a prediction
 
 
 class _Output:
     """Collects emitted tokens, cutting at the first EOS and exactly at max_new_tokens."""
 
-    def __init__(self, config: GenerationConfig, on_tokens: Callable[[list[int]], None] | None) -> None:
+    def __init__(self, config: GenerationConfig, on_tokens: Callable[[list[int]], bool | None] | None) -> None:
         self.tokens: list[int] = []
         self.limit = config.max_new_tokens
         self.eos = set(config.eos_token_ids)
@@ -69,8 +70,9 @@ class _Output:
         self.tokens.extend(take)
         if not self.finish_reason and len(self.tokens) >= self.limit:
             self.finish_reason = "length"
-        if self.on_tokens and take:
-            self.on_tokens(take)
+        # on_tokens returning True ends generation here (a stop string, a client gone): "stop"
+        if self.on_tokens and take and self.on_tokens(take) and not self.finish_reason:
+            self.finish_reason = "stop"
 
     @property
     def done(self) -> bool:
@@ -87,9 +89,10 @@ def generate(
     drafter: Drafter,
     prompt_ids: list[int] | np.ndarray,
     config: GenerationConfig,
-    on_tokens: Callable[[list[int]], None] | None = None,
+    on_tokens: Callable[[list[int]], bool | None] | None = None,
 ) -> GenerationResult:
-    """Generate up to config.max_new_tokens after prompt_ids with drafts from `drafter`."""
+    """Generate up to config.max_new_tokens after prompt_ids with drafts from `drafter`;
+    `on_tokens` gets the new tokens of each step and may return True to stop after them."""
     prompt = np.asarray(prompt_ids, dtype=np.int64)
     if len(prompt) == 0:
         raise UserError("the prompt is empty: give at least one token of text")

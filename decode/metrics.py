@@ -11,6 +11,20 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+@dataclass(frozen=True)
+class PredictionUsage:
+    """What a request's prediction (its expected output) contributed, counted over distinct
+    positions of the prediction, so that accepted + rejected <= tokens: a position is accepted
+    when a draft token drawn from it was accepted, rejected when drafted (verified) but never
+    accepted. A draft token is drawn from the prediction when the text ending in it (the token
+    and at least the one before it) occurs in the prediction; its position is the first such
+    occurrence."""
+
+    tokens: int  # the prediction's length in tokens
+    accepted: int
+    rejected: int
+
+
 @dataclass
 class Metrics:
     new_tokens: int = 0

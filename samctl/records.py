@@ -11,6 +11,7 @@ written (`finished_ids`).
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from samctl.index.errors import UserError
@@ -82,8 +83,11 @@ class RecordRunner:
 
 
 def result_fields(session: Session, result: GenerationResult) -> dict[str, Any]:
-    return {"text": session.decode(result.tokens), "finish_reason": result.finish_reason,
-            "metrics": result.metrics.to_dict()}
+    fields = {"text": session.decode(result.tokens), "finish_reason": result.finish_reason,
+              "metrics": result.metrics.to_dict()}
+    if result.prediction is not None:  # decode.metrics.PredictionUsage: tokens, accepted, rejected
+        fields["prediction_usage"] = asdict(result.prediction)
+    return fields
 
 
 def output_tokens(line: str) -> int:

@@ -142,17 +142,29 @@ class Session:
     # -- generation ----------------------------------------------------------------------------
 
     def generate(self, prompt: str | Sequence[int] | list[dict[str, str]], *, prediction: str | None = None,
-                 on_tokens: Callable[[list[int]], None] | None = None, drafter: Drafter | None = None
-                 ) -> GenerationResult:
+                 on_tokens: Callable[[list[int]], bool | None] | None = None, drafter: Drafter | None = None,
+                 max_new_tokens: int | None = None, sampling: SamplingConfig | None = None) -> GenerationResult:
         """Generate after `prompt` with the session's drafter (or `drafter`); `prediction` is the
-        expected output (e.g. the file being edited), for the methods that draft from one."""
+        expected output (e.g. the file being edited), for the methods that draft from one, and
+        its usage comes back in `result.prediction` where the drafter counts it. `on_tokens` may
+        return True to stop (finish_reason "stop"). `max_new_tokens` and `sampling` override the
+        configuration's for this request (a draft model keeps drafting with the configured
+        sampling, which costs acceptance, never correctness)."""
         ids = self.encode(prompt)
         drafter = self.drafter if drafter is None else drafter
         self._note_room(ids)
         self._expect(drafter, prediction)
         if not self.warm:
             self.warm_up(ids)
-        return decode_generate(self.engine.target, drafter, ids, self.generation, on_tokens=on_tokens)
+        generation = self.generation
+        if max_new_tokens is not None or sampling is not None:
+            generation = replace(generation, max_new_tokens=max_new_tokens or generation.max_new_tokens,
+                                 sampling=sampling or generation.sampling)
+        result = decode_generate(self.engine.target, drafter, ids, generation, on_tokens=on_tokens)
+        usage = getattr(drafter, "prediction_usage", None)
+        if prediction and usage is not None:
+            result.prediction = usage()
+        return result
 
     def fresh_drafter(self) -> Drafter:
         """A new drafter of the session's method that shares nothing learned with the kept one."""

@@ -116,6 +116,34 @@ def test_prediction_outside_the_prompt_drafts_like_the_prompt():
     assert without < 1.5 and predicted >= 0.95 * in_prompt, (without, predicted, in_prompt)
 
 
+def test_prediction_usage_counts_drafted_and_accepted_prediction_positions():
+    # prediction 10..15, prompt ends 10 11: after t0 = 12 the prediction drafts 13 14 15; the
+    # target accepts 13 14 (then its own 40), and the last step (seen by `finish`) drafts nothing
+    d = AdaptiveDrafter(AdaptiveConfig(recycle=False, memory=0))
+    d.expect([10, 11, 12, 13, 14, 15])
+    d.start(np.array([1, 10, 11]), None)
+    assert d.propose(12).tokens.tolist() == [13, 14, 15]
+    d.observe(np.array([12, 13, 14]), None, None)
+    d.propose(40)
+    d.finish(np.array([12, 13, 14, 40, 41]))
+    usage = d.prediction_usage()
+    assert (usage.tokens, usage.accepted, usage.rejected) == (6, 2, 1)
+    d.start(np.array([1, 10, 11]), None)
+    assert d.prediction_usage() is None  # the next request has no prediction
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_prediction_usage_stays_within_the_prediction(seed):
+    edited = random_doc(seed, 300)
+    prediction = edited.copy()
+    prediction[50:60] = random_doc(seed + 10, 10)
+    d = drafter()
+    d.expect(prediction)
+    assert replay(d, make_trace(random_doc(seed + 20, 20), edited)).mean_accepted > 2
+    usage = d.prediction_usage()
+    assert usage.accepted > 0 and usage.accepted + usage.rejected <= len(prediction)
+
+
 def test_calibration_learns_from_rejections():
     cal = Calibration(AdaptiveConfig())
     tokens = np.array([5, 6], dtype=np.int64)

@@ -138,6 +138,8 @@ def test_prediction_and_memory_files(model_dir, tmp_path):
                    "--prediction", str(prediction), "--memory-save", str(memory), "--compare")
     assert first.returncode == 0, first.stderr
     assert json.loads(first.stdout)["compare"]["identical"] is True
+    usage = json.loads(first.stdout)["prediction_usage"]  # decode.metrics.PredictionUsage
+    assert usage["accepted"] + usage["rejected"] <= usage["tokens"]
     assert memory.is_file() and "memory of 1 output" in first.stderr
     again = samctl("generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-new-tokens", "24", "--json",
                    "--memory-file", str(memory))

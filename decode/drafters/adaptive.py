@@ -32,7 +32,9 @@ import torch
 
 from samctl.decode.engine.cost import linear_cost
 from samctl.decode.engine.transfer import record_event, wait_for
-from samctl.decode.drafters.candidates import N_CELLS, SOURCES, learn, ngram_candidates, prior_means, propose_tree
+from samctl.decode.drafters.candidates import (N_CELLS, SOURCES, learn, ngram_candidates, prediction_positions,
+                                               prior_means, propose_tree)
+from samctl.decode.metrics import PredictionUsage
 from samctl.decode.tree import DraftTree
 from samctl.index.automaton import SuffixAutomaton
 from samctl.index.errors import UserError
@@ -179,6 +181,32 @@ class _Recycle:
         self.table[ids[ok]] = successors[ok]
 
 
+class PredictionCount:
+    """Which positions of one request's prediction were drafted and which accepted
+    (decode.metrics.PredictionUsage defines the counts)."""
+
+    def __init__(self, n: int) -> None:
+        self.drafted = np.zeros(n, dtype=bool)
+        self.accepted = np.zeros(n, dtype=bool)
+
+    def add(self, positions: np.ndarray, tokens: np.ndarray, parents: np.ndarray, accepted: np.ndarray) -> None:
+        # positions: [m] int32 per draft node (-1: not from the prediction); accepted: the draft
+        # tokens the step committed, in order along one path of the tree
+        self.drafted[positions[positions >= 0]] = True
+        node = -1
+        for token in accepted:
+            children = np.flatnonzero((parents == node) & (tokens == token))
+            if not len(children):
+                return
+            node = int(children[0])
+            if positions[node] >= 0:
+                self.accepted[positions[node]] = True
+
+    def usage(self) -> PredictionUsage:
+        accepted = int(self.accepted.sum())
+        return PredictionUsage(len(self.accepted), accepted, int((self.drafted & ~self.accepted).sum()))
+
+
 class AdaptiveDrafter:
     name = "adaptive"
     prefill_logits = "last"  # Token Recycle learns from decode steps only, never the prompt
@@ -207,6 +235,9 @@ class AdaptiveDrafter:
         self.output: list[np.ndarray] = []
         self.remember = True
         self.prediction: np.ndarray | None = None
+        self.prediction_count: PredictionCount | None = None  # the current request's, when it has a prediction
+        self._observed = 0  # output tokens the steps so far committed (the last step's are seen by `finish`)
+        self._uncounted = False  # the last proposed tree is not in prediction_count yet
         self.last = (np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32))
         # Each source proposes its best nodes up to this many; `select` keeps the best of all.
         self._budget = max(1, min(config.max_nodes, 48))
@@ -235,10 +266,13 @@ class AdaptiveDrafter:
         prompt = np.asarray(prompt, dtype=np.int32)
         size = len(prompt) + (0 if self.prediction is None else len(self.prediction))
         self.dynamic = SuffixAutomaton.empty(max(1024, 2 * size))
+        self.prediction_count = None
         if self.prediction is not None and len(self.prediction):
             self.dynamic.extend(self.prediction)
             self.dynamic.end_document()
+            self.prediction_count = PredictionCount(len(self.prediction))
         self.prediction = None
+        self._observed, self._uncounted = 0, False
         self.dyn_state, self.dyn_length = self.dynamic.extend_tracking(prompt, 0, 0)
         if self._ngram_arrays is not None:
             self.context = prompt[-self.static.config.max_n:]
@@ -252,6 +286,13 @@ class AdaptiveDrafter:
         """The whole output of the request (the loop's last step has no `observe`); it joins the
         memory at the next `start` unless `remember` is off (benchmark repeats turn it off)."""
         self.output = [np.asarray(output, dtype=np.int32)] if self.remember else []
+        output = np.asarray(output, dtype=np.int32)
+        if self._uncounted and self._observed < len(output):  # the last step, which had no `observe`
+            self._count_prediction(int(output[self._observed]), output[self._observed + 1:])
+
+    def prediction_usage(self) -> PredictionUsage | None:
+        """The last request's prediction counts, or None when it had no prediction."""
+        return None if self.prediction_count is None else self.prediction_count.usage()
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -271,6 +312,7 @@ class AdaptiveDrafter:
             len(self.memory) > 0, table, self.recycle is not None, t0, self.calibration.means, self.cost,
             self._settings, *self._buffer, n)
         self.last = (tokens, parents, cells)
+        self._uncounted = self.prediction_count is not None
         return DraftTree(tokens=tokens, parents=parents, is_chain=is_chain)
 
     def observe(self, committed: np.ndarray, input_ids: torch.Tensor | None, logits: torch.Tensor | None) -> None:
@@ -278,6 +320,9 @@ class AdaptiveDrafter:
         tokens, parents, cells = self.last
         if len(tokens):
             self.calibration.update(tokens, parents, cells, committed[1:])
+        if self._uncounted:
+            self._count_prediction(int(committed[0]), committed[1:])
+        self._observed += len(committed)
         self.output.append(committed)
         self.dyn_state, self.dyn_length = self.dynamic.extend_tracking(committed, self.dyn_state, self.dyn_length)
         if self._ngram_arrays is not None:
@@ -308,6 +353,17 @@ class AdaptiveDrafter:
 
     # -- helpers -----------------------------------------------------------------------------
 
+    def _count_prediction(self, t0: int, accepted: np.ndarray) -> None:
+        # Before the dynamic automaton grows over this step: its match is still the one the
+        # tree was proposed from.
+        tokens, parents, _ = self.last
+        self._uncounted = False
+        if len(tokens):
+            dyn = self.dynamic.kernel_arrays
+            positions = prediction_positions(dyn.states, dyn.edges, dyn.slots, self.dyn_state, self.dyn_length, t0,
+                                             tokens, parents, len(self.prediction_count.accepted))
+            self.prediction_count.add(positions, tokens, parents, accepted)
+
     def _first_candidates(self, t0: int) -> int:
         # Rows the buffer holds before the automata's: an n-gram store's (a subclass may add its
         # own, e.g. adaptive+eagle's head tree). -> the row count.
@@ -322,9 +378,11 @@ class AdaptiveDrafter:
 
     def _warm_up(self) -> None:
         # Compile (or load the numba cache) now, not inside the first timed step.
+        self.expect(np.array([2, 1], dtype=np.int32))  # the prediction's counting kernel too
         self.start(np.array([1, 2, 1], dtype=np.int64), None)
         self.observe(np.array([2], dtype=np.int64), None, None)
         self.propose(1)
+        self.observe(np.array([1], dtype=np.int64), None, None)
         self.start(np.array([1], dtype=np.int64), None)
         self.output = []
         self.memory = Memory(self.config.memory, self.config.memory_tokens)

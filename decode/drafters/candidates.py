@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from samctl.index.automaton import COUNT, LEN, LINK, sam_step, sam_topk_children
+from samctl.index.automaton import COUNT, FIRST_END, LEN, LINK, sam_step, sam_topk_children
 from samctl.index.ngram import ngram_find
 
 SRC_DYNAMIC, SRC_STATIC, SRC_MEMORY, SRC_RECYCLE = range(4)
@@ -373,3 +373,24 @@ def learn(tokens, parents, cells, accepted, hits, trials, prior, means, weight, 
             return
         current = nxt
         depth += 1
+
+
+@njit(cache=True)
+def prediction_positions(states, edges, slots, state, length, t0, tokens, parents, n_prediction):
+    # The dynamic automaton holds the prediction as its first document, at buffer positions
+    # 0..n_prediction-1. (state, length): the match of the text before t0; tokens/parents: a draft
+    # tree (parents[i] < i). -> [m] int32: for each node, where in the prediction the text ending
+    # at it first occurs, or -1 when that text (the node's token and at least the one before it)
+    # does not occur in the prediction. Counts Predicted Outputs usage; drafting never reads it.
+    m = len(tokens)
+    pos = np.full(m, -1, dtype=np.int32)
+    node_state = np.empty(m, dtype=np.int64)
+    node_len = np.empty(m, dtype=np.int64)
+    root_state, root_len = sam_step(states, edges, slots, state, length, t0)
+    for i in range(m):
+        s, ell = (root_state, root_len) if parents[i] < 0 else (node_state[parents[i]], node_len[parents[i]])
+        s, ell = sam_step(states, edges, slots, s, ell, tokens[i])
+        node_state[i], node_len[i] = s, ell
+        if ell >= 2 and states[s, FIRST_END] < n_prediction:
+            pos[i] = states[s, FIRST_END]
+    return pos

@@ -19,6 +19,7 @@ COMMANDS = [
     ("distill", "Generate the model's own answers to prompts and build a store from them."),
     ("chat", "Talk to the model, faster, with per-turn speed and acceptance."),
     ("train", "Train an EAGLE head, an SDSAT fine-tune or a SpecDec++ acceptance head."),
+    ("serve", "Serve the model over an OpenAI-compatible HTTP API, with Predicted Outputs."),
 ]
 
 

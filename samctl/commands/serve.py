@@ -1,0 +1,93 @@
+"""`samctl serve`: an OpenAI-compatible HTTP server with Predicted Outputs (samctl/server.py).
+
+This module turns flags into Sessions (one per --sam store, all on one engine) and runs the app
+under uvicorn; fastapi and uvicorn (the `serve` extra) are imported only here, when it runs.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from samctl.decode.methods import ALL_METHODS, DEFAULT_METHOD
+from samctl.index.errors import UserError
+from samctl.options import draft_options, engine_options, method_options, sampling_options, session_config
+
+
+def _stores(specs: tuple[str, ...]) -> dict[str, str]:
+    """--sam NAME=STORE (or STORE, named after its file) -> {name: path}, in the order given."""
+    stores: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            name, path = Path(spec).stem, spec
+        if not name or not path:
+            raise UserError(f"--sam {spec!r}: give NAME=STORE, e.g. --sam docs=docs.sam")
+        if name in stores:
+            raise UserError(f"--sam names the store {name!r} twice: give each store its own NAME")
+        if not Path(path).exists():
+            raise UserError(f"--sam {spec!r}: {path} does not exist")
+        stores[name] = path
+    return stores
+
+
+@click.command("serve")
+@click.option("--model", "model_path", metavar="PATH", help="Local model folder or .gguf file (default: the embedded model).")
+@click.option("--sam", "stores", metavar="NAME=STORE", multiple=True,
+              help="A datastore the requests may name (`store` in the body); repeat for several. The first is the "
+                   "default.")
+@click.option("--method", type=click.Choice(ALL_METHODS), default=DEFAULT_METHOD, show_default=True,
+              help="Default drafting method (a request may name another in `method`).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0: every interface).")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--api-key", metavar="KEY", envvar="SAMCTL_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on every request (also $SAMCTL_API_KEY).")
+@click.option("--served-model-name", metavar="NAME", help="The model id clients send (default: --model as given).")
+@click.option("--max-new-tokens", type=int, default=1024, show_default=True,
+              help="Longest answer when a request sets no max_tokens.")
+@click.option("--memory-file", "memory_file", metavar="STORE", type=click.Path(exists=True, dir_okay=False),
+              help="adaptive, lookahead, ouroboros: preload the memory of earlier outputs from this store.")
+@sampling_options
+@engine_options
+@method_options
+@draft_options
+@click.option("--quiet", is_flag=True, help="No loading notes on stderr.")
+def serve(**opts: Any) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API, with Predicted Outputs.
+
+    POST /v1/chat/completions and /v1/completions (streaming too), GET /v1/models, /health and
+    /metrics. A request's `prediction` is drafted from; usage reports accepted and rejected
+    prediction tokens. Requests run one at a time (batch 1), in arrival order; sampling flags are
+    the defaults of requests that set none. SIGTERM finishes the requests in flight, then exits.
+
+    \b
+    samctl serve --model ./SmolLM2-135M-Instruct --sam docs=docs.sam --port 8000
+    curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+      -d '{"model": "./SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
+    """
+    try:
+        import uvicorn
+
+        from samctl.server import create_app
+    except ImportError as err:
+        raise UserError(f"samctl serve needs the `serve` extra ({err.name} is missing): "
+                        "pip install 'samctl[serve]'") from err
+    from samctl.runtime import load_store
+    from samctl.scheduler import Sessions
+    from samctl.session import Session
+
+    stores = _stores(opts["stores"])
+    names = list(stores) or [None]
+    first = Session(session_config(opts, store=stores.get(names[0])))
+    by_store: dict[str | None, Session] = {names[0]: first}
+    for name in names[1:]:
+        config = session_config(opts, store=stores[name], quiet=True)
+        by_store[name] = Session.over(first.engine, config, load_store(stores[name], first.engine, config.occurrence))
+    sessions = Sessions(by_store, model_name=opts["served_model_name"] or opts["model_path"])
+    app = create_app(sessions, api_key=opts["api_key"])
+    if not opts["quiet"]:
+        click.echo(f"samctl: serving {sessions.model_name} (method {opts['method']}, stores: "
+                   f"{', '.join(sessions.store_names) or 'none'}) on http://{opts['host']}:{opts['port']}/v1, "
+                   "one request at a time", err=True)
+    uvicorn.run(app, host=opts["host"], port=opts["port"], log_level="warning" if opts["quiet"] else "info")

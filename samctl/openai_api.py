@@ -1,0 +1,241 @@
+"""OpenAI's request and response shapes, as pydantic models: requests are validated by schema
+(a bad value is a 400 with the field named), responses are built from these models.
+
+Fields OpenAI defines and samctl does not implement are refused when set to anything but their
+default (`n` > 1, `logprobs`), so that a client never gets silently less than it asked for; fields
+samctl does not know are ignored, as vLLM does. samctl's own fields ride in the body beside
+OpenAI's (`method`, `store`, `top_k`), as the openai client's `extra_body` sends them.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """Predicted Outputs: the expected output (e.g. the file being edited)."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    prediction: Prediction | None = None
+    # samctl's own
+    method: str | None = None
+    store: str | None = None
+    top_k: int | None = Field(default=None, ge=0)
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n = 1 is supported: send one request per choice")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and len(stop) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return stop
+
+    def stops(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def prediction_text(self) -> str | None:
+        return None if self.prediction is None else self.prediction.text()
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def as_turn(self) -> dict[str, str]:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class ChatRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, logprobs: bool | None) -> bool | None:
+        if logprobs:
+            raise ValueError("logprobs are not supported")
+        return logprobs
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str] = Field(min_length=1)
+    logprobs: int | None = None
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int] | list[str]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str) and len(prompt) != 1:
+            raise ValueError("one prompt per request: send one request per prompt")
+        return prompt
+
+    @field_validator("logprobs", "echo")
+    @classmethod
+    def _unsupported(cls, value):
+        if value:
+            raise ValueError("not supported")
+        return value
+
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    def prompt_input(self) -> str | list[int]:
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], str):
+            return self.prompt[0]
+        return self.prompt
+
+
+# -- responses ----------------------------------------------------------------------------------
+
+
+class CompletionTokensDetails(BaseModel):
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    completion_tokens_details: CompletionTokensDetails
+    # speculative decoding, under vLLM's names
+    mean_acceptance_length: float  # tokens committed per verify step, bonus included
+    draft_acceptance_rate: float  # accepted draft tokens / draft tokens
+    num_spec_steps: int  # verify steps (target forwards after the prefill)
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    """A chunk's increment; fields it does not carry are left out, as OpenAI sends them
+    (`{"role": "assistant", "content": ""}` first, then `{"content": ...}`, `{}` last)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _present(self, handler) -> dict:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class TextChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    """A text completion, and also each chunk of a streamed one (OpenAI uses the one shape)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "samctl"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,321 @@
+"""`samctl serve`'s ASGI app: OpenAI-compatible endpoints over Sessions, with Predicted Outputs.
+
+    POST /v1/chat/completions   messages -> the chat template -> generate (streamed as SSE or not)
+    POST /v1/completions        prompt text or token ids -> generate
+    GET  /v1/models             the one model served
+    GET  /health                200 while the worker serves
+    GET  /metrics               Prometheus text: requests, tokens, draft and accepted tokens
+
+Requests are validated by the schemas of samctl.openai_api; every error is OpenAI's
+`{"error": {"message", "type", "param", "code"}}` (400 for a bad request, 404 for an unknown
+model, 401 for a missing or wrong --api-key). Generation happens on the scheduler's worker
+thread (samctl.scheduler: the one place a batched engine plugs in); each request's events cross
+to asyncio through `loop.call_soon_threadsafe` into its own asyncio.Queue. A client that goes
+away cancels its job, which stops at its next step. At shutdown (SIGTERM: uvicorn stops
+accepting and waits for the open requests) the scheduler finishes what it was given, then stops.
+
+Usage reports prompt, completion and total tokens, Predicted Outputs' accepted and rejected
+prediction tokens (decode.metrics.PredictionUsage defines them) and the speculative metrics
+under vLLM's names.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from samctl.decode.loop import GenerationResult
+from samctl.decode.sampling import SamplingConfig
+from samctl.index.errors import UserError
+from samctl.openai_api import (AssistantMessage, ChatChoice, ChatChunk, ChatCompletion, ChatRequest, ChunkChoice,
+                               Completion, CompletionRequest, CompletionTokensDetails, Delta, ModelCard, ModelList,
+                               TextChoice, Usage, new_id, now)
+from samctl.scheduler import Job, Request as JobRequest, RequestError, Scheduler, SerialScheduler, Sessions
+
+POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
+
+
+class _Gone(Exception):
+    """The client disconnected; its job is cancelled."""
+
+
+class Counters:
+    """Totals since start, for /metrics (updated on the event loop only)."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, int] = {}  # by outcome: stop, length, cancelled, error
+        self.prompt_tokens = self.completion_tokens = 0
+        self.steps = self.drafted = self.accepted = 0
+        self.prediction_accepted = self.prediction_rejected = 0
+
+    def finished(self, outcome: str, prompt_tokens: int = 0, result: GenerationResult | None = None) -> None:
+        self.requests[outcome] = self.requests.get(outcome, 0) + 1
+        self.prompt_tokens += prompt_tokens
+        if result is not None:
+            m = result.metrics
+            self.completion_tokens += m.new_tokens
+            self.steps, self.drafted, self.accepted = self.steps + m.steps, self.drafted + m.drafted, self.accepted + m.accepted
+            if result.prediction is not None:
+                self.prediction_accepted += result.prediction.accepted
+                self.prediction_rejected += result.prediction.rejected
+
+    def prometheus(self, scheduler: Scheduler) -> str:
+        # tokens per verify step: each step commits its accepted drafts plus one bonus token
+        mean = 1.0 + self.accepted / self.steps if self.steps else 0.0
+        lines = ["# HELP samctl_requests_total Requests finished, by outcome.",
+                 "# TYPE samctl_requests_total counter"]
+        lines += [f'samctl_requests_total{{outcome="{k}"}} {v}' for k, v in sorted(self.requests.items())]
+        for name, kind, value, text in (
+            ("requests_running", "gauge", scheduler.running, "Requests generating now."),
+            ("requests_waiting", "gauge", scheduler.waiting, "Requests queued."),
+            ("prompt_tokens_total", "counter", self.prompt_tokens, "Prompt tokens of finished requests."),
+            ("generation_tokens_total", "counter", self.completion_tokens, "Generated tokens."),
+            ("spec_decode_num_drafts_total", "counter", self.steps, "Verify steps (target forwards after prefill)."),
+            ("spec_decode_num_draft_tokens_total", "counter", self.drafted, "Draft tokens verified."),
+            ("spec_decode_num_accepted_tokens_total", "counter", self.accepted, "Draft tokens accepted."),
+            ("spec_decode_mean_acceptance_length", "gauge", round(mean, 4), "Tokens per verify step, bonus included."),
+            ("prediction_accepted_tokens_total", "counter", self.prediction_accepted, "Accepted prediction tokens."),
+            ("prediction_rejected_tokens_total", "counter", self.prediction_rejected, "Rejected prediction tokens."),
+        ):
+            lines += [f"# HELP samctl_{name} {text}", f"# TYPE samctl_{name} {kind}", f"samctl_{name} {value}"]
+        return "\n".join(lines) + "\n"
+
+
+def usage_of(prompt_tokens: int, result: GenerationResult) -> Usage:
+    m, p = result.metrics, result.prediction
+    return Usage(
+        prompt_tokens=prompt_tokens, completion_tokens=m.new_tokens, total_tokens=prompt_tokens + m.new_tokens,
+        completion_tokens_details=CompletionTokensDetails(accepted_prediction_tokens=p.accepted if p else 0,
+                                                          rejected_prediction_tokens=p.rejected if p else 0),
+        mean_acceptance_length=round(1.0 + m.accepted / m.steps, 4) if m.steps else 1.0,
+        draft_acceptance_rate=round(m.acceptance_rate, 4), num_spec_steps=m.steps, num_draft_tokens=m.drafted,
+        num_accepted_draft_tokens=m.accepted)
+
+
+def create_app(sessions: Any, *, scheduler: Scheduler | None = None, api_key: str | None = None) -> FastAPI:
+    """The ASGI app over `sessions` (a Session, or a samctl.scheduler.Sessions of several stores);
+    `scheduler` defaults to a SerialScheduler (batch 1), started with the app."""
+    if not isinstance(sessions, Sessions):
+        sessions = Sessions({sessions.config.store: sessions})
+    counters = Counters()
+    state: dict[str, Any] = {"scheduler": scheduler}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if state["scheduler"] is None:
+            state["scheduler"] = SerialScheduler()
+        yield
+        # uvicorn has waited for the open requests; the worker finishes what it holds, then stops
+        await asyncio.to_thread(state["scheduler"].close)
+
+    app = FastAPI(title="samctl", lifespan=lifespan)
+    created = now()
+
+    # -- errors -------------------------------------------------------------------------------
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            return _error(RequestError(f"the body is not valid JSON: {first.get('msg', '')}"))
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
+        return _error(RequestError(f"{'.'.join(loc) or 'body'}: {message}", param=".".join(loc) or None,
+                                   code=first.get("type")))
+
+    @app.exception_handler(_Gone)
+    async def _gone(request: Request, err: _Gone) -> JSONResponse:  # nobody reads it: the client left
+        return _error(RequestError("the client closed the request", status=499, code="client_closed"))
+
+    @app.exception_handler(RequestError)
+    async def _refused(request: Request, err: RequestError) -> JSONResponse:
+        return _error(err)
+
+    @app.middleware("http")
+    async def _authorize(request: Request, call_next):
+        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+            return _error(RequestError("missing or wrong API key: send 'Authorization: Bearer KEY'", status=401,
+                                       code="invalid_api_key"))
+        return await call_next(request)
+
+    # -- endpoints ----------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health() -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(counters.prometheus(state["scheduler"]), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=sessions.model_name, created=created)])
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        turns = [m.as_turn() for m in body.messages]
+        job, events, started = await _start(body, turns, body.token_limit(), request)
+        rid = new_id("chatcmpl")
+        if body.stream:
+            return _sse(_chat_stream(rid, body, job, events, started))
+        text, result, reason = await _collect(job, events, started, request)
+        return ChatCompletion(id=rid, created=now(), model=sessions.model_name, usage=usage_of(started, result),
+                              choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=reason)])
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        job, events, started = await _start(body, body.prompt_input(), body.token_limit(), request)
+        rid = new_id("cmpl")
+        if body.stream:
+            return _sse(_completion_stream(rid, body, job, events, started))
+        text, result, reason = await _collect(job, events, started, request)
+        return Completion(id=rid, created=now(), model=sessions.model_name, usage=usage_of(started, result),
+                          choices=[TextChoice(text=text, finish_reason=reason)])
+
+    # -- jobs ---------------------------------------------------------------------------------
+
+    async def _start(body, prompt, max_new_tokens: int | None, request: Request) -> tuple[Job, asyncio.Queue, int]:
+        """Submit the job; wait until it has started (so that a refusal is still a plain JSON
+        error, never half a stream). -> (job, its events, prompt tokens)."""
+        if body.model != sessions.model_name:
+            raise RequestError(f"model {body.model!r} is not served here: this server has {sessions.model_name!r}",
+                               status=404, param="model", code="model_not_found")
+        store, method = sessions.check(body.store, body.method)
+        try:
+            sampling = _sampling(body, sessions.by_store[store].config.sampling)
+        except UserError as err:
+            raise RequestError(str(err)) from err
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+        def sink(event: tuple) -> None:  # worker thread -> this request's queue
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+        job = Job(JobRequest(prompt=prompt, store=store, method=method, max_new_tokens=max_new_tokens,
+                             sampling=sampling, prediction=body.prediction_text(), stop=body.stops()),
+                  sessions, sink)
+        state["scheduler"].submit(job)
+        event = await _next(job, events, request)
+        if event[0] == "error":
+            counters.finished("error")
+            raise event[1]
+        return job, events, event[1]
+
+    async def _next(job: Job, events: asyncio.Queue, request: Request) -> tuple:
+        """The job's next event; a client that has gone cancels the job (_Gone)."""
+        while True:
+            try:
+                return await asyncio.wait_for(events.get(), POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel()
+                    counters.finished("cancelled")
+                    raise _Gone() from None
+
+    async def _collect(job: Job, events: asyncio.Queue, prompt_tokens: int, request: Request
+                       ) -> tuple[str, GenerationResult, str]:
+        parts = []
+        while True:
+            event = await _next(job, events, request)
+            if event[0] == "text":
+                parts.append(event[1])
+            elif event[0] == "done":
+                counters.finished(event[2], prompt_tokens, event[1])
+                return "".join(parts), event[1], event[2]
+            elif event[0] == "error":
+                counters.finished("error")
+                raise event[1]
+            else:  # cancelled
+                raise _Gone()
+
+    async def _events(job: Job, events: asyncio.Queue, prompt_tokens: int) -> AsyncIterator[tuple]:
+        """A streaming job's events until its end; the client leaving (the response task is
+        cancelled) cancels the job."""
+        done = False
+        try:
+            while True:
+                event = await events.get()
+                if event[0] == "done":
+                    done = True
+                    counters.finished(event[2], prompt_tokens, event[1])
+                elif event[0] == "error":
+                    done = True
+                    counters.finished("error")
+                elif event[0] == "cancelled":
+                    return
+                yield event
+                if done:
+                    return
+        finally:
+            if not done:
+                job.cancel()
+                counters.finished("cancelled")
+
+    async def _chat_stream(rid: str, body: ChatRequest, job: Job, events: asyncio.Queue,
+                           prompt_tokens: int) -> AsyncIterator[str]:
+        def chunk(delta: Delta, reason: str | None = None) -> str:
+            return _data(ChatChunk(id=rid, created=created_at, model=sessions.model_name,
+                                   choices=[ChunkChoice(delta=delta, finish_reason=reason)]))
+
+        created_at = now()
+        yield chunk(Delta(role="assistant", content=""))
+        async for event in _events(job, events, prompt_tokens):
+            if event[0] == "text":
+                yield chunk(Delta(content=event[1]))
+            elif event[0] == "error":
+                yield f"data: {json.dumps(event[1].body())}\n\n"
+            else:
+                yield chunk(Delta(), event[2])
+                if body.include_usage():
+                    yield _data(ChatChunk(id=rid, created=created_at, model=sessions.model_name, choices=[],
+                                          usage=usage_of(prompt_tokens, event[1])))
+        yield "data: [DONE]\n\n"
+
+    async def _completion_stream(rid: str, body: CompletionRequest, job: Job, events: asyncio.Queue,
+                                 prompt_tokens: int) -> AsyncIterator[str]:
+        def chunk(text: str, reason: str | None = None) -> str:
+            return _data(Completion(id=rid, created=created_at, model=sessions.model_name,
+                                    choices=[TextChoice(text=text, finish_reason=reason)]))
+
+        created_at = now()
+        async for event in _events(job, events, prompt_tokens):
+            if event[0] == "text":
+                yield chunk(event[1])
+            elif event[0] == "error":
+                yield f"data: {json.dumps(event[1].body())}\n\n"
+            else:
+                yield chunk("", event[2])
+                if body.include_usage():
+                    yield _data(Completion(id=rid, created=created_at, model=sessions.model_name, choices=[],
+                                           usage=usage_of(prompt_tokens, event[1])))
+        yield "data: [DONE]\n\n"
+
+    app.state.sessions, app.state.counters = sessions, counters
+    return app
+
+
+def _sampling(body, default: SamplingConfig) -> SamplingConfig:
+    """The request's sampling: its fields where given, the server's settings elsewhere."""
+    pick = lambda value, fallback: fallback if value is None else value  # noqa: E731
+    return SamplingConfig(pick(body.temperature, default.temperature), pick(body.top_k, default.top_k),
+                          pick(body.top_p, default.top_p), pick(body.seed, default.seed))
+
+
+def _error(err: RequestError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def _data(model) -> str:
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+def _sse(chunks: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

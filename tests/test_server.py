@@ -1,0 +1,351 @@
+"""`samctl serve`: the OpenAI-compatible app on a live local server (uvicorn in a thread, a free
+port), driven by httpx and, where installed, the official openai client. Greedy answers through
+the server equal plain decoding token for token; Predicted Outputs counts are consistent; bad
+requests get OpenAI's error body and the server goes on serving; a client that leaves mid-stream
+stops its generation."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+from samctl.decode.drafters.base import NoDraft  # noqa: E402
+from samctl.decode.loop import GenerationResult  # noqa: E402
+from samctl.decode.metrics import Metrics  # noqa: E402
+from samctl.decode.sampling import SamplingConfig  # noqa: E402
+from samctl.scheduler import Job, Request as JobRequest, SerialScheduler, Sessions, StopCut  # noqa: E402
+from samctl.server import create_app  # noqa: E402
+from samctl.session import Session, SessionConfig  # noqa: E402
+
+QUESTION = [{"role": "user", "content": "def add(a, b):"}]
+
+
+def _serve(app) -> tuple:
+    """(uvicorn server, base URL) of `app` on a free local port, served by a thread."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server.thread = threading.Thread(target=server.run, daemon=True)
+    server.thread.start()
+    while not server.started:
+        assert server.thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    return server, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    """(session, base URL, client) of a server on a free local port."""
+    session = Session(SessionConfig(model=str(model_dir), max_new_tokens=24, threads=1, quiet=True))
+    server, url = _serve(create_app(session))
+    with httpx.Client(base_url=url, timeout=120) as client:
+        yield session, url, client
+    server.should_exit = True
+    server.thread.join(60)
+
+
+def plain(session, messages=None, ids=None):
+    """Plain greedy decoding's answer (tokens), run while the server is idle."""
+    if ids is None:
+        ids = session.engine.encode_conversation(messages, chat=True)
+    return session.generate(ids, drafter=NoDraft()).tokens
+
+
+def body(session, **fields):
+    return {"model": session.engine.name, "messages": QUESTION, **fields}
+
+
+def sse(response) -> list:
+    """The data lines of a server-sent event stream, JSON decoded ([DONE] kept as text)."""
+    events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+def test_models_health_and_metrics(served):
+    session, _, client = served
+    assert client.get("/health").status_code == 200
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [session.engine.name]
+    text = client.get("/metrics").text
+    for name in ("samctl_requests_running", "samctl_generation_tokens_total", "samctl_spec_decode_num_draft_tokens_total",
+                 "samctl_spec_decode_num_accepted_tokens_total", "samctl_spec_decode_mean_acceptance_length"):
+        assert f"\n{name} " in text
+
+
+def test_greedy_chat_equals_plain_decoding_streamed_or_not(served):
+    session, _, client = served
+    expected = plain(session, QUESTION)
+    answer = client.post("/v1/chat/completions", json=body(session)).json()
+    assert answer["object"] == "chat.completion"
+    assert answer["choices"][0]["message"]["content"] == session.decode(expected)
+    usage = answer["usage"]
+    assert usage["completion_tokens"] == len(expected)
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert usage["num_accepted_draft_tokens"] <= usage["num_draft_tokens"]
+    assert usage["mean_acceptance_length"] >= 1.0
+
+    with client.stream("POST", "/v1/chat/completions",
+                       json=body(session, stream=True, stream_options={"include_usage": True})) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse(response)
+    assert events[-1] == "[DONE]"
+    chunks, usage_chunk = events[:-2], events[-2]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == session.decode(expected)
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == len(expected)
+
+
+def test_text_completions_from_text_or_token_ids(served):
+    session, _, client = served
+    ids = session.engine.encode("The quick brown fox", chat=False)
+    expected = session.decode(plain(session, ids=ids))
+    for prompt in ("The quick brown fox", ids):
+        answer = client.post("/v1/completions", json={"model": session.engine.name, "prompt": prompt}).json()
+        assert answer["object"] == "text_completion" and answer["choices"][0]["text"] == expected
+    with client.stream("POST", "/v1/completions", json={"model": session.engine.name, "prompt": ids,
+                                                        "stream": True}) as response:
+        events = sse(response)
+    assert events[-1] == "[DONE]" and all(e["usage"] is None for e in events[:-1])  # no usage unless asked
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == expected
+
+
+def test_concurrent_clients_each_get_their_sequential_answer(served):
+    session, _, client = served
+    questions = [[{"role": "user", "content": text}] for text in ("def add(a, b):", "The quick brown fox",
+                                                                   "Summarize the document.", "The dog sleeps.")]
+    expected = [session.decode(plain(session, q)) for q in questions]
+    answers: list = [None] * len(questions)
+
+    def ask(i: int) -> None:
+        if i % 2:
+            with client.stream("POST", "/v1/chat/completions", json=body(session, messages=questions[i],
+                                                                         stream=True)) as response:
+                answers[i] = "".join(c["choices"][0]["delta"].get("content") or "" for c in sse(response)[:-1])
+        else:
+            answer = client.post("/v1/chat/completions", json=body(session, messages=questions[i])).json()
+            answers[i] = answer["choices"][0]["message"]["content"]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert answers == expected
+
+
+def test_prediction_usage_counts_and_leaves_the_answer_alone(served):
+    session, _, client = served
+    expected = session.decode(plain(session, QUESTION))
+    n_prediction = len(session.engine.tokenizer(expected, add_special_tokens=False)["input_ids"])
+    right = client.post("/v1/chat/completions", json=body(
+        session, prediction={"type": "content", "content": expected})).json()
+    wrong = client.post("/v1/chat/completions", json=body(
+        session, prediction={"type": "content", "content": "Summarize the document. The answer is in the passage."})).json()
+    for answer in (right, wrong):
+        assert answer["choices"][0]["message"]["content"] == expected
+    details = right["usage"]["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] > 0
+    assert details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"] <= n_prediction
+    plain_answer = client.post("/v1/chat/completions", json=body(session)).json()
+    assert plain_answer["usage"]["completion_tokens_details"] == {"accepted_prediction_tokens": 0,
+                                                                  "rejected_prediction_tokens": 0}
+
+
+def test_stop_strings_cut_the_text_before_them(served):
+    session, _, client = served
+    expected = session.decode(plain(session, QUESTION))
+    stop = expected[5:7]
+    answer = client.post("/v1/chat/completions", json=body(session, stop=[stop])).json()
+    assert answer["choices"][0]["message"]["content"] == expected[:expected.index(stop)]
+    assert answer["choices"][0]["finish_reason"] == "stop"
+
+
+class _FakeSession:
+    """A session without a model: token t is the letter chr(97 + t); generation counts upwards
+    from the prompt's last token, calling on_tokens once per token, and waits for `gate`."""
+
+    def __init__(self) -> None:
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.ran: list[list[int]] = []
+        self.engine = SimpleNamespace(name="fake", vocab_size=26, tokenizer=None,
+                                      target=SimpleNamespace(max_positions=64, context_note="the context"),
+                                      encode=lambda text, chat: [ord(c) - 97 for c in text])
+        self.config = SimpleNamespace(method="adaptive", store=None, max_new_tokens=5, sampling=SamplingConfig())
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(97 + t) for t in ids)
+
+    def generate(self, ids, *, prediction=None, on_tokens=None, max_new_tokens=5, sampling=None):
+        self.entered.set()
+        self.gate.wait(30)
+        self.ran.append(ids)
+        tokens, reason = [], "length"
+        for k in range(max_new_tokens):
+            tokens.append((ids[-1] + 1 + k) % 26)
+            if on_tokens(tokens[-1:]):
+                reason = "stop"
+                break
+        return GenerationResult(tokens, reason, Metrics(new_tokens=len(tokens)))
+
+
+def _job(sessions, prompt: str, events: list, stop=()) -> Job:
+    return Job(JobRequest(prompt=prompt, store=None, method="adaptive", stop=stop), sessions, events.append)
+
+
+def test_the_scheduler_finishes_what_it_was_given_and_skips_cancelled_jobs():
+    session = _FakeSession()
+    sessions = Sessions({None: session})
+    scheduler = SerialScheduler()
+    first, second, third = [], [], []
+    jobs = [_job(sessions, "a", first), _job(sessions, "h", second), _job(sessions, "p", third, stop=("rs",))]
+    for job in jobs:
+        scheduler.submit(job)
+    jobs[1].cancel()  # still queued behind the first
+    session.gate.set()
+    scheduler.close()  # returns once every submitted job has ended
+    assert [e[0] for e in first] == ["started", "text", "text", "text", "text", "text", "done"]
+    assert "".join(e[1] for e in first if e[0] == "text") == "bcdef" and first[-1][2] == "length"
+    assert second == [("cancelled",)] and session.ran == [[0], [15]]
+    assert "".join(e[1] for e in third if e[0] == "text") == "q" and third[-1][2] == "stop"
+    late = []
+    scheduler.submit(_job(sessions, "a", late))
+    assert late[0][0] == "error" and late[0][1].status == 503
+
+
+def test_shutdown_finishes_the_request_in_flight():
+    # uvicorn's SIGTERM handler sets should_exit; set here, the same graceful path runs
+    session = _FakeSession()
+    server, url = _serve(create_app(Sessions({None: session})))
+    lines: list[str] = []
+
+    def ask() -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                          json={"model": "fake", "prompt": "a", "stream": True}) as response:
+            lines.extend(response.iter_lines())
+
+    client = threading.Thread(target=ask)
+    client.start()
+    assert session.entered.wait(30)
+    server.should_exit = True
+    time.sleep(0.2)  # let the shutdown begin while the request is still generating
+    session.gate.set()
+    client.join(60)
+    server_thread = server.thread
+    server_thread.join(60)
+    assert not server_thread.is_alive()
+    events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == "bcdef"
+
+
+def test_stores_are_named_on_the_command_line_and_by_requests(tmp_path):
+    from samctl.commands.serve import _stores
+    from samctl.index.errors import UserError
+    from samctl.scheduler import RequestError
+
+    (tmp_path / "docs.sam").write_bytes(b"")
+    (tmp_path / "code.sam").write_bytes(b"")
+    docs, code = str(tmp_path / "docs.sam"), str(tmp_path / "code.sam")
+    assert _stores((docs, f"src={code}")) == {"docs": docs, "src": code}
+    for bad in ((docs, docs), (f"x={tmp_path / 'missing.sam'}",), ("=a.sam",)):
+        with pytest.raises(UserError):
+            _stores(bad)
+    sessions = Sessions({"docs": _FakeSession(), "src": _FakeSession()})
+    assert sessions.check(None, None) == ("docs", "adaptive") and sessions.check("src", "pld") == ("src", "pld")
+    with pytest.raises(RequestError, match="docs, src"):
+        sessions.check("other", None)
+
+
+def test_stop_cut_holds_back_a_possible_stop_string():
+    cut = StopCut(["END"])
+    assert cut.push("abc E") == "abc " and cut.push("N") == "" and cut.push("D tail") == "" and cut.stopped
+    cut = StopCut(["END"])
+    assert cut.push("x EN") == "x " and cut.finish("") == "EN"
+
+
+@pytest.mark.parametrize("change, status, param", [
+    ({"n": 2}, 400, "n"),
+    ({"temperature": -1}, 400, "temperature"),
+    ({"messages": []}, 400, "messages"),
+    ({"prediction": {"type": "file", "content": "x"}}, 400, "prediction.type"),
+    ({"method": "nope"}, 400, "method"),
+    ({"store": "nope"}, 400, "store"),
+    ({"method": "sd"}, 400, "method"),  # needs a draft model the server was not given
+    ({"model": "other"}, 404, "model"),
+])
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(served, change, status, param):
+    session, _, client = served
+    response = client.post("/v1/chat/completions", json={**body(session), **change})
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+    assert client.post("/v1/chat/completions", json=body(session, max_tokens=2)).status_code == 200
+
+
+def test_malformed_json_and_overlong_prompts_are_refused(served):
+    session, _, client = served
+    response = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+    response = client.post("/v1/completions", json={"model": session.engine.name,
+                                                    "prompt": [5] * (session.engine.target.max_positions + 1)})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_client_leaving_mid_stream_stops_its_generation(served, monkeypatch):
+    session, _, client = served
+    finished = []
+    generate = session.generate
+
+    def slow(ids, *, on_tokens=None, **kw):  # slow enough that the client leaves before the end
+        result = generate(ids, on_tokens=lambda t: time.sleep(0.02) or on_tokens(t), **kw)
+        finished.append(result)
+        return result
+
+    monkeypatch.setattr(session, "generate", slow)
+    with client.stream("POST", "/v1/completions", json={"model": session.engine.name, "prompt": "The",
+                                                        "max_tokens": 200, "stream": True}) as response:
+        next(response.iter_lines())
+    # the next request waits for the slot, and gets it once the first generation has stopped
+    answer = client.post("/v1/completions", json={"model": session.engine.name, "prompt": "The", "max_tokens": 3})
+    assert answer.status_code == 200
+    assert finished[0].finish_reason == "stop" and len(finished[0].tokens) < 200
+    assert 'samctl_requests_total{outcome="cancelled"} 1' in client.get("/metrics").text
+
+
+def test_the_official_openai_client(served):
+    openai = pytest.importorskip("openai")
+    session, url, _ = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    expected = session.decode(plain(session, QUESTION))
+    answer = client.chat.completions.create(model=session.engine.name, messages=QUESTION,
+                                            prediction={"type": "content", "content": expected})
+    assert answer.choices[0].message.content == expected
+    assert answer.usage.completion_tokens_details.accepted_prediction_tokens > 0
+    stream = client.chat.completions.create(model=session.engine.name, messages=QUESTION, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"method": "pld"})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens > 0
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=session.engine.name, messages=QUESTION, n=2)
+
+
+def test_an_api_key_is_checked_on_every_request(model_dir):
+    from fastapi.testclient import TestClient
+
+    session = Session(SessionConfig(model=str(model_dir), max_new_tokens=2, threads=1, quiet=True))
+    with TestClient(create_app(session, api_key="sesame")) as client:
+        refused = client.get("/v1/models")
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        assert client.get("/v1/models", headers={"Authorization": "Bearer sesame"}).status_code == 200
