@@ -17,6 +17,7 @@ import click
 import torch
 
 from samctl.decode.engine.cost import measure_verify_cost
+from samctl.decode.engine.cpu_linear import linear_backend
 from samctl.index.errors import UserError
 from samctl.gguf_cache import cache_dir
 
@@ -24,12 +25,14 @@ CURVE_WIDTH = 64
 
 
 def curve_key(engine: Any) -> dict[str, Any]:
-    """What a curve depends on: the model (its folder and config), device, dtype, CPU threads."""
+    """What a curve depends on: the model (its folder and config), device, dtype, how its linear
+    layers run (plain, packed, int8), CPU threads."""
     device = engine.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"model": str(Path(engine.name).resolve()) if Path(engine.name).exists() else engine.name,
             "config": hashlib.sha256(engine.model.config.to_json_string().encode()).hexdigest()[:16],
             "device": name, "dtype": str(engine.target.dtype).replace("torch.", ""),
+            "linear": linear_backend(engine.model),
             "threads": torch.get_num_threads() if device.type == "cpu" else 0}
 
 

@@ -40,6 +40,7 @@ import click
 import torch
 
 from samctl.decode.drafters.base import Drafter
+from samctl.decode.engine.cpu_linear import linear_backend
 from samctl.decode.engine.graphs import enable_cuda_graphs
 from samctl.decode.loop import GenerationConfig, generate as decode_generate
 from samctl.decode.acceptance_head import AcceptanceHead
@@ -47,7 +48,7 @@ from samctl.decode.draft_model import DraftModel
 from samctl.decode.methods import DRAFT_METHODS, EAGLE_METHODS, METHODS, SELF_DRAFT_METHODS, MethodConfig, method as method_entry, uses_store
 from samctl.index.errors import UserError
 from samctl.bench_report import BASELINE, write_summary
-from samctl.options import method_config, method_options, parse_methods, set_threads
+from samctl.options import method_config, method_options, parse_methods, set_threads, weight_options
 from samctl.progress import progress_bar
 from samctl.runtime import (Engine, build_drafter, load_acc_head, load_draft, load_eagle, load_engine, load_store,
                             resolve_draft_paths, resolve_eagle_path)
@@ -104,6 +105,7 @@ class Runner(Protocol):
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--no-compile", is_flag=True, help="CUDA: run the verify forward eagerly instead of as CUDA graphs at fixed widths (the CPU never compiles).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True)
+@weight_options
 @click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice); 1 is steadier on a shared machine.")
 @method_options
 @click.option("--quiet", is_flag=True, help="No progress bar or notes on stderr.")
@@ -120,7 +122,8 @@ def bench(**opts: Any) -> None:
     methods = parse_methods(opts["methods_spec"], ALL_BENCH_METHODS)
     methods = [BASELINE] + [m for m in methods if m != BASELINE]
     questions = read_questions(Path(opts["questions_path"]), opts["categories"], opts["limit"])
-    engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"])
+    engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"],
+                         quantize=opts["quantize"], prepack=opts["prepack"])
     enable_cuda_graphs(engine.target, not opts["no_compile"])
     store = load_store(opts["store_path"], engine, opts["occurrence"])
     config = method_config(opts, engine.device)
@@ -437,6 +440,7 @@ def _run_info(engine: Engine, opts: dict[str, Any], methods: list[str], question
         "draft_model": opts["draft_path"],
         "device": str(engine.device),
         "dtype": str(next(engine.model.parameters()).dtype).replace("torch.", ""),
+        "linear": linear_backend(engine.model),
         "torch_threads": torch.get_num_threads(),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "max_new_tokens": opts["max_new_tokens"],

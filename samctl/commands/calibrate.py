@@ -8,7 +8,7 @@ import click
 
 from samctl.decode.engine.cost import relative_cost
 from samctl.costs import cost_curve, curve_key
-from samctl.options import set_threads
+from samctl.options import set_threads, weight_options
 from samctl.runtime import load_engine
 
 
@@ -16,6 +16,7 @@ from samctl.runtime import load_engine
 @click.option("--model", "model_path", metavar="PATH", help="Local model folder (default: the embedded model).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True)
+@weight_options
 @click.option("--threads", type=int, default=None, help="torch CPU threads (the curve is kept per thread count).")
 @click.option("--refresh", is_flag=True, help="Measure again even when a cached curve exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the curve as JSON (input for simulate --cost-curve).")
@@ -32,7 +33,8 @@ def calibrate(**opts: Any) -> None:
     samctl calibrate --model ./my-model --json > curve.json    # for simulate --cost-curve
     """
     set_threads(opts["threads"])
-    engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"])
+    engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"],
+                         quantize=opts["quantize"], prepack=opts["prepack"])
     t_ms = cost_curve(engine, quiet=opts["quiet"], refresh=opts["refresh"])
     if opts["as_json"]:
         click.echo(json.dumps({"key": curve_key(engine), "t_ms": [round(t, 4) for t in t_ms]}))

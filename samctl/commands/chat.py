@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from samctl.decode.methods import DEFAULT_METHOD, METHODS
-from samctl.options import sampling_options
+from samctl.options import sampling_options, weight_options
 
 HELP = """commands:
   /method NAME   draft with another method ({methods}); each keeps its own memory
@@ -37,6 +37,7 @@ HELP = """commands:
 @click.option("--compare", is_flag=True, help="Start with the side-by-side ar comparison on (/compare toggles it).")
 @sampling_options
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True, help="As for generate.")
+@weight_options
 @click.option("--threads", type=int, default=None, help="torch CPU threads; 1 is steadier on a busy machine.")
 @click.option("--quiet", is_flag=True, help="No loading notes on stderr.")
 def chat(**opts: Any) -> None:
@@ -53,7 +54,8 @@ def chat(**opts: Any) -> None:
 
     set_threads(opts["threads"])
     sampling = SamplingConfig(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"])
-    engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"])
+    engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"],
+                         quantize=opts["quantize"], prepack=opts["prepack"])
     gen_config = GenerationConfig(max_new_tokens=opts["max_new_tokens"], eos_token_ids=engine.eos_token_ids,
                                   sampling=sampling)
     store = load_store(opts["store_path"], engine)

@@ -35,7 +35,7 @@ from samctl.decode.sampling import SamplingConfig
 from samctl.index.errors import UserError
 from samctl.detok import IncrementalDetokenizer
 from samctl.options import method_config as shared_method_config
-from samctl.options import method_options, sampling_options, set_threads
+from samctl.options import method_options, sampling_options, set_threads, weight_options
 from samctl.memory import load_memory, save_memory
 from samctl.progress import progress_bar
 from samctl.runtime import (Engine, build_drafter, load_acc_head, load_draft, load_eagle, load_engine, load_store,
@@ -77,6 +77,7 @@ WARM_UP_TOKENS = 32
 @sampling_options
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True, help="auto: float32 on CPU; on GPU the model's saved dtype (float32 models run in bfloat16). Greedy output equals plain greedy decoding token for token in float32; in half precision the distribution is the model's and greedy can differ at near-ties.")
 @click.option("--no-compile", is_flag=True, help="CUDA: run the verify forward eagerly instead of as CUDA graphs at fixed widths (the CPU never compiles).")
+@weight_options
 @click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice); 1 is steadier on a busy machine.")
 @method_options
 @click.option("--draft-model", "draft_path", metavar="PATH", help="sd, specdec++, sam+draft, ouroboros: a small model sharing the target's tokenizer (default: the embedded draft, with the embedded target only).")
@@ -147,7 +148,8 @@ class Session:
         draft_path, head_path = resolve_draft_paths(opts["method"], opts["model_path"], opts["draft_path"],
                                                     opts["acc_head_path"], opts["quiet"], greedy=sampling.greedy)
         eagle_path = resolve_eagle_path(opts["method"], opts["model_path"], opts["eagle_path"], opts["quiet"])
-        engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"])
+        engine = load_engine(opts["model_path"], opts["device"], opts["dtype"], quiet=opts["quiet"],
+                             quantize=opts["quantize"], prepack=opts["prepack"])
         enable_cuda_graphs(engine.target, not opts["no_compile"])
         method_config = replace(
             shared_method_config(opts, engine.device),
