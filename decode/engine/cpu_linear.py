@@ -47,7 +47,8 @@ class PackedLinear(nn.Module):
     def weight(self) -> torch.Tensor:
         """The float32 weight [out, in] (for readers such as EAGLE's vocabulary rows), kept once asked."""
         if self._dense is None:
-            self._dense = self.packed.to_dense()
+            with torch.inference_mode(False):  # a normal tensor, which autograd may save, even if first asked in inference
+                self._dense = self.packed.to_dense()
         return self._dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,7 +76,8 @@ class Int8Linear(nn.Module):
     def weight(self) -> torch.Tensor:
         """The dequantized weight [out, in] float32 (the weights this layer really multiplies by)."""
         if self._dense is None:
-            self._dense = self.qweight_t.t().float() * self.scale[:, None]
+            with torch.inference_mode(False):
+                self._dense = self.qweight_t.t().float() * self.scale[:, None]
         return self._dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
