@@ -107,3 +107,35 @@ def test_packed_greedy_equals_plain_greedy(tiny_model_dir, method):
         expected = hf_greedy(plain, prompt, 48, eos=None)
         assert hf_greedy(packed, prompt, 48, eos=None) == expected
         assert run(packed, method, prompt, 48).tokens == expected, (method, prompt)
+
+
+def test_int8_verify_equals_single_steps_bit_for_bit(tiny_llama):
+    # The whole int8 forward is exact per row (int8 linears + one-row attention): verifying n
+    # tokens gives the logits of n one-token steps, bit for bit, for chains of 1..64 and a tree.
+    import copy
+
+    from samctl.decode.engine.target import TargetModel
+    from samctl.decode.tree import DraftTree
+
+    target = TargetModel(apply_cpu_linear(copy.deepcopy(tiny_llama), "int8"))
+    rng = np.random.default_rng(0)
+    prompt = torch.tensor(rng.integers(3, 96, 20))
+    ids = torch.tensor(rng.integers(3, 96, 64))
+
+    def steps(tokens: torch.Tensor) -> torch.Tensor:
+        target.prefill(prompt)
+        out = []
+        for tok in tokens:
+            out.append(target.verify(tok[None], DraftTree.chain(np.zeros(0, dtype=np.int64))))
+            target.keep(np.zeros(1, dtype=np.int64))
+        return torch.cat(out)
+
+    expected = steps(ids)
+    for n in (1, 2, 7, 8, 33, 64):
+        target.prefill(prompt)
+        assert torch.equal(target.verify(ids[:n], DraftTree.chain(ids[1:n].numpy())), expected[:n]), n
+    # a tree: the root t0 with children a and b, b with child c; the path t0 -> b -> c equals its steps
+    tree = DraftTree(tokens=np.array([5, 6, 7]), parents=np.array([-1, -1, 1], dtype=np.int32))
+    target.prefill(prompt)
+    logits = target.verify(torch.tensor([4, 5, 6, 7]), tree)
+    assert torch.equal(logits[[0, 2, 3]], steps(torch.tensor([4, 6, 7])))

@@ -111,6 +111,8 @@ def apply_cpu_linear(model: nn.Module, quantize: str = "none", prepack: bool = T
     else:
         return model
     _replace_linears(model, swap)
+    if backend == "int8":
+        _use_rowwise_attention(model)
     setattr(model, _BACKEND_ATTR, backend)
     return model
 
@@ -127,3 +129,49 @@ def _replace_linears(model: nn.Module, swap: type[nn.Module]) -> None:
                for name, child in parent.named_children() if type(child) is nn.Linear]
     for parent, name, child in targets:
         setattr(parent, name, swap(child))
+
+
+# -- attention one query row at a time -------------------------------------------------------------
+# The int8 linears are exact per row, but sdpa over q rows at once sums in another order than over
+# one row, and a last-bit difference that crosses an int8 rounding boundary moves an activation by
+# a whole quantization step (SmolLM2: verify logits off by up to 4 from single steps). Attending
+# one query row at a time over exactly the keys it sees computes every row as a one-token step
+# does, so the whole forward is exact per row.
+ROWWISE_ATTENTION = "samctl_rowwise"
+
+
+def rowwise_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    # query: [B, Hq, q, D]; key, value: [B, Hkv, kv, D]; attention_mask: [B, 1, q, kv] bool (True =
+    # attend) or additive float (0 = attend), or None (causal: row i sees the first kv - q + i + 1 keys)
+    # -> ([B, q, Hq, D], None), as transformers' sdpa_attention_forward returns
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q, kv = query.shape[2], key.shape[2]
+    if attention_mask is not None and attention_mask.shape[0] != 1:
+        raise UserError("int8 attention runs one sequence at a time: use batch size 1 with --quantize int8")
+    rows = []
+    for i in range(q):
+        if attention_mask is None:
+            keys = slice(0, kv - q + i + 1)
+        else:
+            seen = attention_mask[0, 0, i, :kv]
+            seen = seen if seen.dtype == torch.bool else seen == 0
+            index = torch.nonzero(seen)[:, 0]
+            n = int(index.numel())
+            keys = slice(0, n) if n == 0 or int(index[-1]) == n - 1 else index  # a prefix: a view, no copy
+        k, v = key[:, :, keys], value[:, :, keys]
+        out, _ = sdpa_attention_forward(module, query[:, :, i : i + 1], k, v, None, dropout=dropout,
+                                        scaling=scaling, is_causal=False)
+        rows.append(out)
+    return torch.cat(rows, dim=1), None
+
+
+def _use_rowwise_attention(model: nn.Module) -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ROWWISE_ATTENTION, rowwise_attention)
+    AttentionMaskInterface.register(ROWWISE_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(ROWWISE_ATTENTION)

@@ -24,7 +24,8 @@ from samctl.decode.engine.kv_cache import StaticKVCache, with_cache
 from samctl.decode.tree import DraftTree, ancestor_matrix
 from samctl.index.errors import UserError
 
-MASK_ATTENTION = ("sdpa", "eager")  # attention paths that apply a custom 4D additive mask
+# attention paths that apply a custom 4D additive mask (samctl_rowwise: decode/engine/cpu_linear.py)
+MASK_ATTENTION = ("sdpa", "eager", "samctl_rowwise")
 VERIFY_SLACK = 256  # cache room reserved beyond prompt + output for the largest verify block
 
 
