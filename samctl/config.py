@@ -30,6 +30,8 @@ class SessionConfig:
     device: str = "auto"
     dtype: str = "auto"
     threads: int | None = None
+    quantize: str = "none"  # CPU: "int8" runs int8 weights x per-token int8 activations (decode/engine/cpu_linear.py)
+    prepack: bool = True  # CPU, float32: oneDNN-reordered weights
     graphs: bool = True  # CUDA only: the verify forward as CUDA graphs at fixed widths
     store: str | None = None
     occurrence: str = "first"
@@ -47,6 +49,8 @@ class SessionConfig:
     def __post_init__(self) -> None:
         if self.method not in ALL_METHODS:
             raise UserError(f"unknown method {self.method!r}: choose from {', '.join(ALL_METHODS)}")
+        if self.quantize not in ("none", "int8"):
+            raise UserError(f"--quantize must be none or int8, got {self.quantize!r}")
         if self.threads is not None and self.threads < 1:
             raise UserError(f"--threads must be >= 1, got {self.threads}")
         if self.max_new_tokens < 1:

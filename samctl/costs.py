@@ -18,6 +18,7 @@ import click
 import torch
 
 from samctl.decode.engine.cost import graph_widths, measure_verify_cost
+from samctl.decode.engine.cpu_linear import linear_backend
 from samctl.index.errors import UserError
 from samctl.gguf_cache import cache_dir
 
@@ -30,13 +31,15 @@ def curve_width(engine: Any) -> int:
 
 
 def curve_key(engine: Any) -> dict[str, Any]:
-    """What a curve depends on: the model (its folder and config), device, dtype, CPU threads and
-    whether verifies run as CUDA graphs (a step function of the width) or eagerly."""
+    """What a curve depends on: the model (its folder and config), device, dtype, how its linear
+    layers run (plain, packed, int8), CPU threads and whether verifies run as CUDA graphs (a step
+    function of the width) or eagerly."""
     device = engine.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"model": str(Path(engine.name).resolve()) if Path(engine.name).exists() else engine.name,
             "config": hashlib.sha256(engine.model.config.to_json_string().encode()).hexdigest()[:16],
             "device": name, "dtype": str(engine.target.dtype).replace("torch.", ""),
+            "linear": linear_backend(engine.model),
             "threads": torch.get_num_threads() if device.type == "cpu" else 0,
             "graphs": bool(graph_widths(engine.target))}
 

@@ -17,6 +17,7 @@ import torch
 from samctl.decode.acceptance_head import AcceptanceHead
 from samctl.decode.draft_model import DraftModel
 from samctl.decode.engine.cost import relative_cost
+from samctl.decode.engine.cpu_linear import apply_cpu_linear
 from samctl.decode.eagle_head import EagleHead
 from samctl.decode.methods import DRAFT_METHODS, MethodConfig, make_drafter, method as method_entry, uses_store
 from samctl.decode.drafters.base import Drafter
@@ -123,9 +124,12 @@ def _config_dtype(model: str) -> torch.dtype | None:
     return declared if isinstance(declared, torch.dtype) else None
 
 
-def load_engine(model: str | None, device: str = "auto", dtype: str = "auto", quiet: bool = False) -> Engine:
+def load_engine(model: str | None, device: str = "auto", dtype: str = "auto", quiet: bool = False,
+                quantize: str = "none", prepack: bool = True) -> Engine:
     """Load a causal LM and its tokenizer from a local folder, a `.gguf` file (dequantized once and
-    cached, see samctl/gguf_cache.py) or the local HF cache (never a download)."""
+    cached, see samctl/gguf_cache.py) or the local HF cache (never a download). On a CPU its linear
+    layers run as `quantize` and `prepack` say (decode/engine/cpu_linear.py); pass prepack=False
+    to train the model's weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -160,6 +164,7 @@ def load_engine(model: str | None, device: str = "auto", dtype: str = "auto", qu
         raise UserError(f"cannot load model {model} offline ({reason}): pass --model with a local "
                         "folder holding config.json, weights and tokenizer files") from err
     hf_model.to(torch_device).eval()
+    apply_cpu_linear(hf_model, quantize, prepack)
     return engine_for(hf_model, tokenizer, name=model)
 
 

@@ -77,7 +77,8 @@ class Session:
             set_threads(config.threads)
             self._note_sampling()
             self._resolve_paths()  # a missing draft model or head is refused before the model loads
-            engine = load_engine(config.model, config.device, config.dtype, quiet=config.quiet)
+            engine = load_engine(config.model, config.device, config.dtype, quiet=config.quiet,
+                                 quantize=config.quantize, prepack=config.prepack)
             enable_cuda_graphs(engine.target, config.graphs)
             _shared = _Loaded(engine, load_store(config.store, engine, config.occurrence))
         self._shared = _shared

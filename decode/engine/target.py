@@ -27,7 +27,8 @@ from samctl.decode.engine.transfer import to_device  # noqa: F401  (re-exported:
 from samctl.decode.tree import DraftTree, ancestor_matrix
 from samctl.index.errors import UserError
 
-MASK_ATTENTION = ("sdpa", "eager", FOLDED)  # attention paths that apply a custom 4D additive mask
+# attention paths that apply a custom 4D additive mask (samctl_rowwise: decode/engine/cpu_linear.py)
+MASK_ATTENTION = ("sdpa", "eager", FOLDED, "samctl_rowwise")
 VERIFY_SLACK = 256  # cache room reserved beyond prompt + output for the largest verify block
 
 

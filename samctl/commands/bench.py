@@ -428,6 +428,7 @@ def _run_info(session: Session, opts: dict[str, Any], methods: list[str], questi
         "draft_model": opts["draft_path"],
         "device": str(engine.device),
         "dtype": str(next(engine.model.parameters()).dtype).replace("torch.", ""),
+        "linear": linear_backend(engine.model),
         "torch_threads": torch.get_num_threads(),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "max_new_tokens": opts["max_new_tokens"],

@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
     train_config = TrainConfig(mixing_ratio=args.mixing_ratio, weight_mismatch=args.weight_mismatch,
                                steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
     start = time.perf_counter()
-    engine = load_engine(args.target, args.device, "float32", quiet=True)
+    engine = load_engine(args.target, args.device, "float32", quiet=True, prepack=False)  # trains on unpacked weights
     draft = load_draft(args.draft, engine)
     chat = not args.no_chat and bool(getattr(engine.tokenizer, "chat_template", None))
 

@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
     def log(text: str) -> None:
         print(f"[train_eagle {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
-    engine = load_engine(args.model, args.device, "float32", quiet=True)
+    engine = load_engine(args.model, args.device, "float32", quiet=True, prepack=False)  # trains on unpacked weights
     args.device = engine.device
     cost = None
     if args.cost is not None:

@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     began = time.perf_counter()
-    engine = load_engine(args.model, args.device, "float32", quiet=True)
+    engine = load_engine(args.model, args.device, "float32", quiet=True, prepack=False)  # its weights train
     model, device = engine.model, engine.device
     chat = not args.no_chat and bool(getattr(engine.tokenizer, "chat_template", None))
 

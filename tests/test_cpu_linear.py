@@ -1,0 +1,141 @@
+"""CPU linear backends: int8 rows are independent bit for bit, and decoding with either backend
+stays lossless against plain greedy decoding of the same model (decode/engine/cpu_linear.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from samctl.decode.engine.cpu_linear import Int8Linear, PackedLinear, apply_cpu_linear, linear_backend
+from samctl.decode.methods import EAGLE_METHODS, METHODS, uses_store
+from samctl.index.automaton import SuffixAutomaton
+from samctl.index.errors import UserError
+from tests.test_decode_greedy import hf_greedy, prompts, run
+
+
+def int8_layer(in_features: int, out_features: int, seed: int = 0, bias: bool = False) -> Int8Linear:
+    torch.manual_seed(seed)
+    return Int8Linear(nn.Linear(in_features, out_features, bias=bias))
+
+
+@pytest.mark.parametrize("shape", [(32, 64), (48, 96), (64, 7)])
+def test_int8_row_alone_equals_row_among_64(shape):
+    layer = int8_layer(*shape)
+    x = torch.randn(64, shape[0]) * torch.logspace(-3, 2, 64)[:, None]  # rows of very different scales
+    full = layer(x)
+    for width in range(1, 65):  # verify widths 1..64: the first `width` rows alone
+        assert torch.equal(layer(x[:width]), full[:width]), width
+    for row in (0, 17, 63):
+        assert torch.equal(layer(x[row : row + 1])[0], full[row]), row
+
+
+def test_int8_batch_rows_are_independent():
+    layer = int8_layer(32, 64, bias=True)
+    x = torch.randn(8, 9, 32)  # [B, q, H]: batch rows 1..8, each a verify of 9 tokens
+    full = layer(x)
+    for b in range(1, 9):
+        assert torch.equal(layer(x[:b]), full[:b]), b
+        assert torch.equal(layer(x[b - 1]), full[b - 1]), b
+
+
+def test_int8_is_the_integer_formula():
+    # y[r, n] = (sum_k xq[r, k] wq[n, k]) sx[r] sw[n], with the integer sum taken naively
+    layer = int8_layer(40, 24, seed=3)
+    x = torch.randn(5, 40)
+    sx = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True) / 127.0
+    xq = torch.round(x / sx).long()
+    wq = layer.qweight_t.t().long()
+    expected = (xq @ wq.t()).float() * sx * layer.scale
+    assert torch.equal(layer(x), expected)
+    # and close to the float layer it quantizes (a few quantization steps at most)
+    assert torch.allclose(layer(x), x @ layer.weight.t(), atol=0.05 * float(x.abs().max()))
+
+
+def test_packed_matches_linear_closely():
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 96)
+    packed = PackedLinear(linear)
+    x = torch.randn(64, 48)
+    with torch.no_grad():
+        assert torch.allclose(packed(x), linear(x), atol=1e-5)
+        full = packed(x)
+        # oneDNN is not bitwise row independent, as plain F.linear is not either: only last bits move
+        assert max((packed(x[:w]) - full[:w]).abs().max().item() for w in range(1, 65)) < 1e-5
+    assert torch.equal(packed.weight, linear.weight.detach())
+    y = packed(torch.randn(3, 48, requires_grad=True))  # readers that train through it (EAGLE) get a graph
+    assert y.requires_grad
+
+
+def test_apply_swaps_every_linear_and_names_the_backend(tiny_llama):
+    import copy
+
+    plain = copy.deepcopy(tiny_llama)
+    assert linear_backend(plain) == "plain"
+    for quantize, kind, name in (("int8", Int8Linear, "int8"), ("none", PackedLinear, "packed")):
+        model = apply_cpu_linear(copy.deepcopy(tiny_llama), quantize)
+        assert linear_backend(model) == name
+        assert not any(type(m) is nn.Linear for m in model.modules())
+        assert isinstance(model.lm_head, kind)
+    unpacked = apply_cpu_linear(copy.deepcopy(tiny_llama), "none", prepack=False)
+    assert linear_backend(unpacked) == "plain"
+    with pytest.raises(UserError, match="--quantize"):
+        apply_cpu_linear(plain, "int4")
+
+
+def _load(folder, quantize: str, prepack: bool = True):
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return apply_cpu_linear(model, quantize, prepack)
+
+
+@pytest.mark.parametrize("method", METHODS + EAGLE_METHODS)
+def test_int8_greedy_equals_its_own_plain_greedy(tiny_model_dir, method):
+    model = _load(tiny_model_dir, "int8")
+    for prompt in prompts(model.config.vocab_size)[:2]:
+        expected = hf_greedy(model, prompt, 48, eos=None)
+        # store methods draft from the continuation's first half, so their drafts are long and accepted
+        store = SuffixAutomaton.build(np.asarray(expected[:24], dtype=np.int32), np.array([0, 24])) \
+            if uses_store(method) else None
+        assert run(model, method, prompt, 48, static=store).tokens == expected, (method, prompt)
+
+
+@pytest.mark.parametrize("method", ["ar", "pld", "adaptive", "recycle", "eagle"])
+def test_packed_greedy_equals_plain_greedy(tiny_model_dir, method):
+    plain, packed = _load(tiny_model_dir, "none", prepack=False), _load(tiny_model_dir, "none")
+    for prompt in prompts(plain.config.vocab_size):
+        expected = hf_greedy(plain, prompt, 48, eos=None)
+        assert hf_greedy(packed, prompt, 48, eos=None) == expected
+        assert run(packed, method, prompt, 48).tokens == expected, (method, prompt)
+
+
+def test_int8_verify_equals_single_steps_bit_for_bit(tiny_llama):
+    # The whole int8 forward is exact per row (int8 linears + one-row attention): verifying n
+    # tokens gives the logits of n one-token steps, bit for bit, for chains of 1..64 and a tree.
+    import copy
+
+    from samctl.decode.engine.target import TargetModel
+    from samctl.decode.tree import DraftTree
+
+    target = TargetModel(apply_cpu_linear(copy.deepcopy(tiny_llama), "int8"))
+    rng = np.random.default_rng(0)
+    prompt = torch.tensor(rng.integers(3, 96, 20))
+    ids = torch.tensor(rng.integers(3, 96, 64))
+
+    def steps(tokens: torch.Tensor) -> torch.Tensor:
+        target.prefill(prompt)
+        out = []
+        for tok in tokens:
+            out.append(target.verify(tok[None], DraftTree.chain(np.zeros(0, dtype=np.int64))))
+            target.keep(np.zeros(1, dtype=np.int64))
+        return torch.cat(out)
+
+    expected = steps(ids)
+    for n in (1, 2, 7, 8, 33, 64):
+        target.prefill(prompt)
+        assert torch.equal(target.verify(ids[:n], DraftTree.chain(ids[1:n].numpy())), expected[:n]), n
+    # a tree: the root t0 with children a and b, b with child c; the path t0 -> b -> c equals its steps
+    tree = DraftTree(tokens=np.array([5, 6, 7]), parents=np.array([-1, -1, 1], dtype=np.int32))
+    target.prefill(prompt)
+    logits = target.verify(torch.tensor([4, 5, 6, 7]), tree)
+    assert torch.equal(logits[[0, 2, 3]], steps(torch.tensor([4, 6, 7])))

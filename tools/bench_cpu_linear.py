@@ -1,0 +1,186 @@
+"""CPU linear backends side by side, in one process: plain float32, prepacked float32, int8.
+
+What it measures (BENCHMARKS.md, "CPU int8 and prepacked weights"), all interleaved so that a busy
+machine slows every backend alike:
+1. the verify-cost curve t(1..64) of each backend after a 256-token context (fastest of --rounds);
+2. tokens/s of `ar`, `adaptive` (and hf-pld on plain float32, llama.cpp when llama-cpp-python is
+   installed) on each question's first turn, prefill included, with every method's greedy tokens
+   checked against its own backend's `ar`;
+3. quality against plain float32: teacher-forced top-1 agreement over the first 128 generated
+   tokens of float32's greedy output, the mean identical greedy prefix, and next-token loss on
+   held-out text (the questions' prompts).
+
+    python tools/bench_cpu_linear.py --model M.gguf --questions code.jsonl --limit 4 \\
+        --questions2 specbench_question.jsonl --limit2 1 --threads 1 --out runs/cpu_linear.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from samctl.commands.bench import EngineRunner, HfRunner, read_questions  # noqa: E402
+from samctl.decode.engine.cost import measure_verify_cost  # noqa: E402
+from samctl.options import method_config  # noqa: E402
+from samctl.runtime import build_drafter, load_engine  # noqa: E402
+
+BACKENDS = {"plain": ("none", False), "packed": ("none", True), "int8": ("int8", True)}
+WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def curves(engines: dict, rounds: int) -> dict[str, list[float]]:
+    best = {name: np.full(len(WIDTHS), np.inf) for name in engines}
+    for _ in range(rounds):  # interleaved: one sweep per backend per round
+        for name, engine in engines.items():
+            t = measure_verify_cost(engine.target, 64, 256, rounds=1, widths=WIDTHS)
+            best[name] = np.minimum(best[name], [t[w - 1] for w in WIDTHS])
+    return {name: [round(float(v), 3) for v in b] for name, b in best.items()}
+
+
+class LlamaCppRunner:
+    """llama.cpp greedy (or prompt lookup) on the same token ids; its KV cache reset per run."""
+
+    def __init__(self, path: str, lookup: bool) -> None:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if lookup else None
+        self.llm = Llama(model_path=path, n_threads=torch.get_num_threads(), n_ctx=2048, verbose=False,
+                         draft_model=draft)
+
+    def run(self, prompt: list[int], max_new: int, eos: set[int]) -> tuple[list[int], float]:
+        self.llm.reset()
+        tokens = []
+        start = time.perf_counter()
+        for tok in self.llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+            tokens.append(int(tok))
+            if tok in eos or len(tokens) >= max_new:
+                break
+        return tokens, time.perf_counter() - start
+
+
+def speed(engines: dict, prompts: list[tuple[str, list[int]]], max_new: int, gguf: str | None) -> dict:
+    runners = {}
+    for name, engine in engines.items():
+        config = method_config({}, engine.device)
+        runners[(name, "ar")] = EngineRunner("ar", engine, build_drafter("ar", engine, None, config, quiet=True))
+        if name != "plain":
+            runners[(name, "adaptive")] = EngineRunner("adaptive", engine,
+                                                       build_drafter("adaptive", engine, None, config, quiet=True))
+    plain = engines["plain"]
+    pld = method_config({}, plain.device).pld
+    runners[("plain", "hf-pld")] = HfRunner("hf-pld", plain, {"prompt_lookup_num_tokens": pld.num_draft,
+                                                             "max_matching_ngram_size": pld.max_ngram})
+    if gguf:
+        for lookup in (False, True):
+            runners[("llama.cpp", "lookup" if lookup else "greedy")] = LlamaCppRunner(gguf, lookup)
+    eos = set(plain.eos_token_ids)
+    for runner in runners.values():  # warm-up: lazy imports, allocator growth, first cost curves
+        _run(runner, prompts[0][1], 8, eos)
+    rows = []
+    for group, prompt in prompts:
+        outs = {}
+        for key, runner in runners.items():
+            tokens, seconds = _run(runner, prompt, max_new, eos)
+            outs[key] = tokens
+            rows.append({"group": group, "backend": key[0], "method": key[1], "tokens": len(tokens), "s": seconds})
+        for row in rows[-len(runners):]:
+            base = outs.get((row["backend"], "ar"), outs[("plain", "ar")])
+            row["mismatch"] = outs[(row["backend"], row["method"])] != base
+        print(group, {f"{b}/{m}": round(r["tokens"] / r["s"], 1) for (b, m), r in zip(runners, rows[-len(runners):])},
+              file=sys.stderr, flush=True)
+    return {"rows": rows}
+
+
+def _run(runner, prompt: list[int], max_new: int, eos: set[int]) -> tuple[list[int], float]:
+    if isinstance(runner, LlamaCppRunner):
+        return runner.run(prompt, max_new, eos)
+    turn = runner.run(prompt, max_new)
+    return turn.tokens, turn.time_s
+
+
+@torch.inference_mode()
+def quality(engines: dict, prompts: list[tuple[str, list[int]]], max_new: int) -> dict:
+    """Each backend against plain float32: teacher-forced agreement on float32's greedy output,
+    the identical greedy prefix, and next-token loss (nats) on the prompts' own text."""
+    ref = engines["plain"]
+    out = {}
+    config = method_config({}, ref.device)
+    greedy = {}
+    for name, engine in engines.items():
+        runner = EngineRunner("ar", engine, build_drafter("ar", engine, None, config, quiet=True))
+        greedy[name] = [runner.run(p, max_new).tokens for _, p in prompts]
+    for name, engine in engines.items():
+        agree = total = 0
+        prefixes, nll, count = [], 0.0, 0
+        for (_, prompt), ref_out, own in zip(prompts, greedy["plain"], greedy[name]):
+            seq = torch.tensor(prompt + ref_out)
+            logits = engine.model(input_ids=seq[None]).logits[0].float()
+            choice = logits[len(prompt) - 1 : -1].argmax(-1)
+            agree += int((choice == seq[len(prompt):]).sum())
+            total += len(ref_out)
+            prefixes.append(next((i for i, (a, b) in enumerate(zip(own, ref_out)) if a != b), min(len(own), len(ref_out))))
+            logp = torch.log_softmax(logits[: len(prompt) - 1], -1)
+            nll -= float(logp.gather(1, seq[1 : len(prompt), None]).sum())
+            count += len(prompt) - 1
+        out[name] = {"agreement": agree / max(total, 1), "generated": total, "mean_identical_prefix": float(np.mean(prefixes)),
+                     "nll": nll / max(count, 1), "nll_tokens": count}
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--questions", required=True, help="Spec-Bench-format JSONL (group: its categories)")
+    p.add_argument("--limit", type=int, default=4)
+    p.add_argument("--questions2", default=None, help="a second question file (e.g. Spec-Bench)")
+    p.add_argument("--limit2", type=int, default=1)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the cost curves")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: curves,speed,quality")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    engines = {name: load_engine(args.model, "cpu", "float32", quiet=True, quantize=q, prepack=pp)
+               for name, (q, pp) in BACKENDS.items()}
+    questions = read_questions(Path(args.questions), None, args.limit)
+    if args.questions2:
+        questions += read_questions(Path(args.questions2), None, args.limit2)
+    ref = engines["plain"]
+    prompts = [(q.group, ref.encode(q.turns[0], chat=True)) for q in questions]
+    skip = set(args.skip.split(","))
+    gguf = args.model if args.model.endswith(".gguf") and _has_llama_cpp() else None
+    report = {"command": "python tools/bench_cpu_linear.py " + " ".join(sys.argv[1:]), "threads": args.threads,
+              "questions": len(prompts), "max_new_tokens": args.max_new_tokens, "widths": WIDTHS,
+              "llama_cpp": gguf is not None}
+    if "curves" not in skip:
+        report["curves_ms"] = curves(engines, args.rounds)
+        print(json.dumps(report["curves_ms"]), file=sys.stderr, flush=True)
+    if "quality" not in skip:
+        report["quality"] = quality(engines, prompts, args.max_new_tokens)
+        print(json.dumps(report["quality"]), file=sys.stderr, flush=True)
+    if "speed" not in skip:
+        report["speed"] = speed(engines, prompts, args.max_new_tokens, gguf)["rows"]
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+def _has_llama_cpp() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+if __name__ == "__main__":
+    main()
