@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import time
 from dataclasses import asdict, replace
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
@@ -75,7 +76,8 @@ WARM_UP_TOKENS = 32
 @sampling_options
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True, help="auto: float32 on CPU; on GPU the model's saved dtype (float32 models run in bfloat16). Greedy output equals plain greedy decoding token for token in float32; in half precision the distribution is the model's and greedy can differ at near-ties.")
 @click.option("--no-compile", is_flag=True, help="CUDA: run the verify forward eagerly instead of as CUDA graphs at fixed widths (the CPU never compiles).")
-@click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice); 1 is steadier on a busy machine.")
+@click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice; 1 with --compare, "
+              "whose ratio several threads on a busy machine make erratic); 1 is steadier on a busy machine.")
 @method_options
 @click.option("--draft-model", "draft_path", metavar="PATH", help="sd, specdec++, sam+draft, ouroboros: a small model sharing the target's tokenizer (default: the embedded draft, with the embedded target only).")
 @click.option("--gamma", type=int, default=4, show_default=True, help="sd, sam+draft, ouroboros: draft tokens per step.")
@@ -100,6 +102,10 @@ def generate(**opts: Any) -> None:
         raise UserError(f"--compare-runs must be >= 1, got {opts['compare_runs']}")
     _check_batch_options(opts)
     _check_settings(opts)
+    if opts["compare"] and opts["threads"] is None:
+        # Timing both sides on one thread keeps the ratio steady when other processes want the
+        # cores (BENCHMARKS.md, "--compare under load"); --threads N still chooses.
+        opts["threads"] = 1
     # The single prompt's files are read (and refused if not UTF-8) before any model loads.
     single = opts["input_file"] is None
     prediction = _read_file(opts["prediction_file"], "--prediction") if single else None
@@ -346,6 +352,7 @@ class Runner:
         self.warm = False
         self.quiet = False  # single() and batch() set it: no notes on stderr
         self.room_noted = False
+        self.cpu_s: dict[int, float] = {}  # id(result) -> the process's CPU seconds of that run
 
     def single(self, text: str, as_json: bool, quiet: bool, prediction: str | None = None) -> bool:
         """Generate for one prompt; True when --compare found greedy outputs that differ."""
@@ -429,8 +436,12 @@ class Runner:
         self._note_room(ids)
         if not self.warm:
             self._warm_up(ids)
-        return decode_generate(self.engine.target, drafter, ids, self.config,
-                               on_tokens=stream.push if stream is not None else None)
+        start = time.process_time()
+        result = decode_generate(self.engine.target, drafter, ids, self.config,
+                                 on_tokens=stream.push if stream is not None else None)
+        if self.compare:
+            self.cpu_s[id(result)] = time.process_time() - start
+        return result
 
     def _note_room(self, ids: list[int]) -> None:
         """Once per run: a prompt that leaves less of the model's context than --max-new-tokens."""
@@ -449,7 +460,11 @@ class Runner:
     def _compare(self, ids: list[int], result: GenerationResult, runs: int = 1) -> dict[str, Any]:
         """ar on the same prompt; with runs > 1, more rounds of (fresh drafter, ar), in alternating
         order so that a drift of the machine hits both sides alike. The speedup is the median of
-        the per-round ratios of tokens/s; every round's greedy output must equal the first ar's."""
+        the per-round ratios of tokens/s; every round's greedy output must equal the first ar's.
+        On a CPU the ratio is of tokens per CPU-second of this process: the wall clock also counts
+        the time other processes hold the cores, which slows plain decoding's many small forwards
+        more than the method's few large ones, so a busy machine would inflate it (BENCHMARKS.md,
+        "--compare under load"); the wall-clock ratio is reported beside it."""
         import torch
 
         from samctl.decode.drafters.base import NoDraft
@@ -466,21 +481,37 @@ class Runner:
         diffs = [_first_difference(r.tokens, reference) for pair in rounds for r in pair]
         first_diff = next((d for d in diffs if d is not None), None)
         greedy = self.config.sampling.greedy
-        ratios = [m.metrics.tokens_per_s / b.metrics.tokens_per_s if b.metrics.tokens_per_s else 0.0
-                  for m, b in rounds]
+        wall = [m.metrics.tokens_per_s / b.metrics.tokens_per_s if b.metrics.tokens_per_s else 0.0
+                for m, b in rounds]
+        on_cpu = self.engine.device.type == "cpu"
+        ratios = [self._cpu_ratio(m, b) for m, b in rounds] if on_cpu else wall
         exact = self.engine.target.dtype == torch.float32
+        for pair in rounds:
+            for r in pair:
+                self.cpu_s.pop(id(r), None)
         same = first_diff if first_diff is not None else len(reference)
         return {
             "ar_metrics": rounds[0][1].metrics.to_dict(),
             "speedup": round(statistics.median(ratios), 3),
             "speedup_runs": [round(r, 3) for r in ratios],
+            "speedup_clock": "cpu" if on_cpu else "wall",
+            "speedup_wall": round(statistics.median(wall), 3),
+            "speedup_wall_runs": [round(r, 3) for r in wall],
             "tokens_per_s": round(statistics.median(m.metrics.tokens_per_s for m, _ in rounds), 3),
             "ar_tokens_per_s": round(statistics.median(b.metrics.tokens_per_s for _, b in rounds), 3),
             "identical": (first_diff is None) if greedy else None,
             "first_difference": first_diff if greedy else None,
             "exact_dtype": exact,  # float32: a difference is an error; half precision: near-tie drift
+            "torch_threads": torch.get_num_threads(),
             "agreeing_prefix_rate": round(same / len(reference), 4) if greedy and reference else None,
         }
+
+    def _cpu_ratio(self, method: GenerationResult, base: GenerationResult) -> float:
+        # tokens per CPU-second of the method over the same for ar
+        m_cpu, b_cpu = self.cpu_s.get(id(method), 0.0), self.cpu_s.get(id(base), 0.0)
+        if m_cpu <= 0 or b_cpu <= 0 or not base.metrics.new_tokens:
+            return 0.0
+        return (method.metrics.new_tokens / m_cpu) / (base.metrics.new_tokens / b_cpu)
 
     def _warm_up(self, ids: list[int]) -> None:
         # On the first prompt itself, so that the drafter takes the paths (and JIT-compiles the
@@ -538,9 +569,12 @@ def _compare_line(method: str, compare: dict[str, Any], result: GenerationResult
                    f"({compare['agreeing_prefix_rate']:.0%} agree; half precision, near-tie drift, not an error)")
     spread = (f" (median of {len(ratios)} alternating runs, range {min(ratios):.2f}-{max(ratios):.2f})"
               if len(ratios) > 1 else " (one run; --compare-runs 3 gives a spread)")
+    if compare["speedup_clock"] == "cpu":
+        spread += f" in CPU time ({compare['speedup_wall']:.2f}x by the wall clock)"
     return (f"samctl: {method}: {m.new_tokens} tokens, {compare['tokens_per_s']:.1f} tok/s "
             f"({m.mean_accepted:.2f} tokens/step); ar: {ar['new_tokens']} tokens, {compare['ar_tokens_per_s']:.1f} "
-            f"tok/s; speedup {compare['speedup']:.2f}x{spread}, after a warm-up; {verdict}")
+            f"tok/s; speedup {compare['speedup']:.2f}x{spread}, {compare['torch_threads']} torch "
+            f"thread{'s' if compare['torch_threads'] != 1 else ''}, after a warm-up; {verdict}")
 
 
 def output_tokens(line: str) -> int:
