@@ -103,7 +103,7 @@ def generate(
     generator = _make_generator(config.sampling, target.device)
     metrics = Metrics()
     out = _Output(config, on_tokens)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
 
     # Only Token Recycle reads the logits of every prompt position; the rest need the last row.
     all_logits = getattr(drafter, "prefill_logits", "last") == "all"
@@ -132,6 +132,7 @@ def generate(
     metrics.new_tokens = len(out.tokens)
     metrics.eager_verifies = target.eager_fallbacks - eager_before
     metrics.time_s = time.perf_counter() - start
+    metrics.cpu_s = time.process_time() - cpu_start
     return GenerationResult(tokens=out.tokens, finish_reason=out.finish_reason, metrics=metrics)
 
 

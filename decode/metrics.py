@@ -38,6 +38,7 @@ class Metrics:
     verify_s: float = 0.0  # target forward + acceptance, including the one host sync per step
     prefill_s: float = 0.0
     time_s: float = 0.0  # wall time of the whole generation, prefill included
+    cpu_s: float = 0.0  # this process's CPU time over the same span (other processes do not count)
     eager_verifies: int = 0  # CUDA graphs on, yet the verify ran eagerly (wider than every graph, or capture failed)
 
     def record_step(self, drafted: int, accepted: int) -> None:
@@ -85,6 +86,7 @@ class Metrics:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "tokens_per_s": round(self.tokens_per_s, 3),
             "time_s": round(self.time_s, 6),
+            "cpu_s": round(self.cpu_s, 6),
             "draft_s": round(self.draft_s, 6),
             "verify_s": round(self.verify_s, 6),
             "other_s": round(self.other_s, 6),

@@ -19,6 +19,7 @@ Not in index/ or decode/: they never import ray.
 """
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import logging
 import multiprocessing
@@ -64,9 +65,13 @@ def start_ray(address: str, num_cpus: int | None = None, object_store_mb: int = 
     if address == LOCAL:
         root = str(Path(__file__).resolve().parent.parent)
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        # Ray's note that the instance it starts uses token authentication addresses its operator,
+        # which for a local instance samctl starts and stops is samctl, not the user.
+        logging.getLogger("ray._private.authentication").setLevel(logging.ERROR)
         ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False,
                  object_store_memory=object_store_mb << 20, configure_logging=False,
                  runtime_env={"env_vars": {"PYTHONPATH": path}})
+        atexit.register(stop_local_ray, ray)  # runs before Ray's own exit hook (registered earlier)
     else:
         try:
             ray.init(address=address, log_to_driver=False, configure_logging=False)
@@ -75,6 +80,34 @@ def start_ray(address: str, num_cpus: int | None = None, object_store_mb: int = 
                             "start it with `ray start --head` and pass its address, or --ray alone "
                             "for a local instance") from err
     return ray
+
+
+def stop_local_ray(ray) -> None:
+    """Shut the local instance down and wait for its processes (GCS, raylet, workers holding a
+    model or a tokenizer) to end, killing those still there after a few seconds: none outlives
+    samctl. They are this process's descendants; a worker only notices on its own, tens of
+    seconds later, that the raylet it served is gone."""
+    try:
+        import psutil
+    except ImportError:  # Ray's own shutdown, without the wait
+        ray.shutdown()
+        return
+    children = [p for p in psutil.Process().children(recursive=True) if _is_ray(p)]
+    ray.shutdown()
+    _, alive = psutil.wait_procs(children, timeout=3)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=3)
+
+
+def _is_ray(process) -> bool:
+    try:
+        return any("ray" in part or "gcs_server" in part for part in process.cmdline())
+    except Exception:  # gone, or not ours to read: nothing to wait for
+        return False
 
 
 def _unwrap(err: BaseException) -> BaseException:
@@ -87,6 +120,25 @@ def _unwrap(err: BaseException) -> BaseException:
         current = getattr(current, "cause", None) or current.__cause__
         seen += 1
     return err
+
+
+def _map_actors(dataset, cls: type, args: tuple, workers: int, **resources: Any):
+    """dataset.map_batches over a pool of `workers` actors of `cls`, one row per batch. Actors are
+    not restarted (max_restarts 0): a worker that dies fails the run with its error, and Ray does
+    not log, on every run, an error-level line about restarting actors whose constructor
+    arguments sit in the object store (ray#53727). Ray 2.60 still takes max_restarts only through
+    its deprecated ray_remote_args, whose warning is for samctl, not its user (pyproject: ray<2.64)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated", category=DeprecationWarning)
+        return dataset.map_batches(cls, fn_constructor_args=args, batch_size=1,
+                                   compute=_actor_pool(workers), max_restarts=0, **resources)
+
+
+def _actor_pool(workers: int):
+    ray = import_ray()
+    return ray.data.ActorPoolStrategy(size=workers)
 
 
 def _data_context(ray):
@@ -188,7 +240,7 @@ class _Tokenize:
     def __init__(self, tokenizer_spec: str | None, append_eos: bool) -> None:
         from samctl.tokenizer import load_tokenizer
 
-        self.tokenizer = load_tokenizer(tokenizer_spec)
+        self.tokenizer = load_tokenizer(tokenizer_spec, quiet=True)  # the driver said which
         self.append_eos = append_eos
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -217,28 +269,38 @@ def _chunks(texts: Iterable[str]) -> Iterator[list[str]]:
 
 
 def tokenize_on_ray(address: str, texts: Iterable[str], tokenizer_spec: str | None, append_eos: bool,
-                    on_tokens: Callable[[int], None]) -> tuple[np.ndarray, np.ndarray]:
-    """tokenize_documents on the cluster: (tokens [n] int32, doc_offsets [d+1] int64), in order."""
-    ray = start_ray(address)
+                    on_tokens: Callable[[int, int], None]) -> tuple[np.ndarray, np.ndarray]:
+    """tokenize_documents on the cluster: (tokens [n] int32, doc_offsets [d+1] int64), in order;
+    on_tokens(documents, tokens) after each chunk. A corpus of one chunk (under CHUNK_CHARS) is
+    tokenized here: starting tokenizer actors costs more than it saves."""
     items = [{"chunk": i, "docs": chunk} for i, chunk in enumerate(_chunks(texts))]
     if not items:
         return np.zeros(0, dtype=np.int32), np.zeros(1, dtype=np.int64)
+    if len(items) == 1:
+        out = _Tokenize(tokenizer_spec, append_eos)({"chunk": np.array([0]), "docs": [items[0]["docs"]]})
+        rows: Iterable[dict[str, Any]] = [{"tokens": out["tokens"][0], "lengths": out["lengths"][0]}]
+        return _joined(rows, on_tokens)
+    ray = start_ray(address)
     _data_context(ray)
     workers = max(1, min(len(items), int(ray.cluster_resources().get("CPU", 1))))
-    dataset = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-        _Tokenize, fn_constructor_args=(tokenizer_spec, append_eos), batch_size=1,
-        compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=1)
-    tokens, lengths = [], []
+    dataset = _map_actors(ray.data.from_items(items, override_num_blocks=len(items)), _Tokenize,
+                          (tokenizer_spec, append_eos), workers, num_cpus=1)
     try:
-        for row in dataset.iter_rows():
-            tokens.append(np.frombuffer(row["tokens"], dtype=np.int32))
-            lengths.append(np.frombuffer(row["lengths"], dtype=np.int64))
-            on_tokens(len(tokens[-1]))
+        return _joined(dataset.iter_rows(), on_tokens)
     except Exception as err:  # Ray Data wraps a worker's error in its own types
         unwrapped = _unwrap(err)
         if unwrapped is err:
             raise
         raise unwrapped from err
+
+
+def _joined(rows: Iterable[dict[str, Any]], on_tokens: Callable[[int, int], None]) -> tuple[np.ndarray, np.ndarray]:
+    """Tokenized chunks, in order -> (tokens [n] int32, doc_offsets [d+1] int64)."""
+    tokens, lengths = [], []
+    for row in rows:
+        tokens.append(np.frombuffer(row["tokens"], dtype=np.int32))
+        lengths.append(np.frombuffer(row["lengths"], dtype=np.int64))
+        on_tokens(len(lengths[-1]), len(tokens[-1]))
     sizes = np.concatenate(lengths)
     offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
     np.cumsum(sizes, out=offsets[1:])
@@ -308,10 +370,9 @@ def generate_on_ray(opts: dict[str, Any], config: "SessionConfig", records: Iter
     _data_context(ray)
     workers = min(len(items), _worker_count(ray, opts["workers"], threads, opts["gpus_per_worker"]))
     # Small blocks spread the records over the actors and let finished ones stream out in order.
-    dataset = ray.data.from_items(items, override_num_blocks=min(len(items), 32 * workers)).map_batches(
-        _GenerateWorker, fn_constructor_args=(config, opts["prompt_field"], opts["compare"]), batch_size=1,
-        compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=threads,
-        num_gpus=opts["gpus_per_worker"] or None)
+    dataset = _map_actors(ray.data.from_items(items, override_num_blocks=min(len(items), 32 * workers)),
+                          _GenerateWorker, (config, opts["prompt_field"], opts["compare"]), workers,
+                          num_cpus=threads, num_gpus=opts["gpus_per_worker"] or None)
     failed = 0
     try:
         with progress_bar(f"generate on {workers} Ray worker(s)", "record", opts["quiet"], total=len(items)) as bar:

@@ -115,7 +115,7 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
             from samctl.cluster import tokenize_on_ray
 
             tokens, doc_offsets = tokenize_on_ray(ray_address, (d.text for d in reader), tokenizer, append_eos,
-                                                  on_tokens=lambda count: bar.update(0, tokens=count))
+                                                  on_tokens=lambda docs, count: bar.update(docs, tokens=count))
         else:
             tokens, doc_offsets = tokenize_documents(
                 (d.text for d in reader), tok, append_eos=config.append_eos,

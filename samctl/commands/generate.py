@@ -80,6 +80,10 @@ def generate(**opts: Any) -> None:
     if opts["compare_runs"] < 1:
         raise UserError(f"--compare-runs must be >= 1, got {opts['compare_runs']}")
     _check_batch_options(opts)
+    if opts["compare"] and opts["threads"] is None:
+        # Timing both sides on one thread keeps the ratio steady when other processes want the
+        # cores (BENCHMARKS.md, "--compare under load"); --threads N still chooses.
+        opts["threads"] = 1
     config = session_config(opts)  # every setting that needs no model is checked here, before torch loads
     _note_ignored(opts)
     # The single prompt's files are read (and refused if not UTF-8) before any model loads.
@@ -258,6 +262,9 @@ def compare_line(method: str, compare: dict[str, Any], result) -> str:
                    f"({compare['agreeing_prefix_rate']:.0%} agree; half precision, near-tie drift, not an error)")
     spread = (f" (median of {len(ratios)} alternating runs, range {min(ratios):.2f}-{max(ratios):.2f})"
               if len(ratios) > 1 else " (one run; --compare-runs 3 gives a spread)")
+    if compare["speedup_clock"] == "cpu":
+        spread += f" in CPU time ({compare['speedup_wall']:.2f}x by the wall clock)"
     return (f"samctl: {method}: {m.new_tokens} tokens, {compare['tokens_per_s']:.1f} tok/s "
             f"({m.mean_accepted:.2f} tokens/step); ar: {ar['new_tokens']} tokens, {compare['ar_tokens_per_s']:.1f} "
-            f"tok/s; speedup {compare['speedup']:.2f}x{spread}, after a warm-up; {verdict}")
+            f"tok/s; speedup {compare['speedup']:.2f}x{spread}, {compare['torch_threads']} torch "
+            f"thread{'s' if compare['torch_threads'] != 1 else ''}, after a warm-up; {verdict}")
