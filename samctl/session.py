@@ -22,7 +22,8 @@ from typing import Any, Callable, Sequence
 import click
 import torch
 
-from samctl.config import DRAFT_SETTINGS, SessionConfig
+from samctl.config import SessionConfig
+from samctl.decode.configs import SamplingConfig
 from samctl.decode.drafters.base import Drafter, NoDraft
 from samctl.decode.engine.graphs import enable_cuda_graphs
 from samctl.decode.loop import GenerationConfig, GenerationResult, generate as decode_generate

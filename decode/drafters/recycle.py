@@ -20,7 +20,6 @@ import torch
 
 from samctl.decode.tree import DraftTree
 from samctl.decode.configs import RECYCLE_RANK_ACCEPT as _RANK_ACCEPT, RecycleConfig
-from samctl.index.errors import UserError
 from samctl.decode.engine.transfer import to_device
 
 

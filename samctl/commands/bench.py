@@ -419,6 +419,8 @@ def _record(method: str, q: Question, turns: list[Turn], baseline: list[Turn], e
 def _run_info(session: Session, opts: dict[str, Any], methods: list[str], questions: int, skipped: int) -> dict[str, Any]:
     import torch
 
+    from samctl.decode.engine.cpu_linear import linear_backend
+
     engine = session.engine
     return {
         "command": "samctl bench " + shlex.join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "samctl bench",
