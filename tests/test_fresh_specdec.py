@@ -28,5 +28,5 @@ def test_specdec_without_a_head_says_how_to_train_one():
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 + proc.stderr.count("samctl: using"), proc.stderr
     err = proc.stderr.splitlines()[-1]
     assert "trained on other weights" not in proc.stderr
-    assert "python tools/train_acceptance_head.py --target " in err and "--label-mode greedy" in err
+    assert "samctl train acc-head --target " in err and "--label-mode greedy" in err
     assert "then pass --acc-head acc_head" in err
