@@ -62,8 +62,9 @@ def _tokenizers(tiny_folder: Path) -> list:
     found = [ByteTokenizer(), load_tokenizer(str(tiny_folder))]
     if DEFAULT_MODEL_DIR.is_dir():
         found.append(load_tokenizer("default"))
-    if (SMOLLM2 / "tokenizer.json").is_file():
-        found.append(load_tokenizer(str(SMOLLM2)))
+    smollm2 = _smollm2_folder()
+    if smollm2 is not None and (smollm2 / "tokenizer.json").is_file():
+        found.append(load_tokenizer(str(smollm2)))
     return found
 
 
