@@ -12,8 +12,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -98,12 +96,23 @@ def write_tiny_llama_gguf(model_dir: Path, path: Path) -> Path:
     return path
 
 
-def samctl(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "samctl", *args], capture_output=True, text=True,
-                          timeout=300, cwd=REPO, env={**os.environ, **env})
+def samctl(*args: str, env: dict[str, str]):
+    """`samctl args` in this process (tests.test_cli_generate's helper), with `env` set."""
+    from tests.test_cli_generate import samctl as run_in_process
+
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        return run_in_process(*args)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
-def one_line_error(proc: subprocess.CompletedProcess) -> str:
+def one_line_error(proc) -> str:
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("samctl: error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -175,11 +184,11 @@ def test_a_tiny_gguf_written_here_loads_through_model_and_decodes_as_transformer
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tests.test_cli_generate import PROMPT, samctl as samctl_here
+    from tests.test_cli_generate import PROMPT
 
     path = write_tiny_llama_gguf(model_dir, tmp_path / "tiny.gguf")
-    proc = samctl_here("generate", "--model", str(path), "--prompt", PROMPT, "--max-new-tokens", "24",
-                       "--json", "--compare", "--threads", "1")
+    proc = samctl("generate", "--model", str(path), "--prompt", PROMPT, "--max-new-tokens", "24",
+                       "--json", "--compare", "--threads", "1", env={})
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["compare"]["identical"] is True and out["metrics"]["accepted"] > 0
