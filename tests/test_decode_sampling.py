@@ -279,7 +279,10 @@ class Sampler:
         self.model = CopyLM(vocab=VOCAB, peak=PEAK)
         self.target = TargetModel(self.model)
         entry = method_entry(case.method)
-        self.draft = DraftModel(DraftCopyLM(vocab=VOCAB, peak=1.0)) if entry.needs_draft else None
+        # ouroboros drafts the draft's argmax: a draft that agrees with the target's prediction keeps
+        # its drafts accepted 4 deep; methods that sample from the draft get one whose q differs
+        draft = CopyLM(vocab=VOCAB, peak=1.0) if case.method == "ouroboros" else DraftCopyLM(vocab=VOCAB, peak=1.0)
+        self.draft = DraftModel(draft) if entry.needs_draft else None
         self.head = token_dependent_head(self.draft.hidden_size) if entry.needs_head else None
         if entry.needs_eagle:
             torch.manual_seed(0)
