@@ -1,8 +1,10 @@
-"""Lossless acceptance for drafts sampled from a draft model (drafts that carry q).
+"""The two lossless acceptance rules the decode loop applies (step 3 of `decode.loop`).
 
-Deterministic drafts (retrieval, Token Recycle, n-gram pools) need no rule of their own: the loop
-draws one target sample per node and walks the tree (`decode.tree.walk_tree`). Drafts sampled from
-a draft distribution q use speculative sampling (Leviathan et al. 2023; Chen et al. 2023):
+Deterministic drafts (retrieval, Token Recycle, n-gram pools, argmax drafts) use `tree_accept`:
+the target's choice at every verified input (argmax, or one sample per node shared by every path
+through it), then a walk down the tree along those choices (`decode.tree.walk_tree`). Drafts
+sampled from a draft distribution q use `speculative_accept`, speculative sampling (Leviathan et
+al. 2023; Chen et al. 2023):
 
     accept x_i  iff  r_i <= p_i(x_i) / q_i(x_i),   r_i ~ U(0, 1)
     first rejection at i: emit y ~ norm(max(p_i - q_i, 0))
@@ -17,8 +19,25 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from samctl.decode.sampling import SamplingConfig, draw, warp_probs
-from samctl.decode.tree import DraftTree
+from samctl.decode.sampling import SamplingConfig, choose_tokens, draw, warp_probs
+from samctl.decode.tree import DraftTree, walk_tree
+
+
+def tree_accept(
+    logits: torch.Tensor,
+    tree: DraftTree,
+    input_ids: torch.Tensor,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+) -> tuple[np.ndarray, int, np.ndarray]:
+    # logits: [m+1, V] target logits at [t0, nodes...]; input_ids: [m+1]
+    # -> (accepted input indices, root first; next token; input_ids on the host)
+    # The choice at the last accepted input is the next token: the bonus after a full match, the
+    # correction after a rejection (a sample that matched no child is a draw from p without them).
+    choices = choose_tokens(logits, sampling, generator)
+    host = torch.stack((input_ids, choices)).cpu().numpy()  # the step's one host sync
+    path = walk_tree(tree.parents, host[0][1:], host[1], tree.drafts)
+    return path, int(host[1][path[-1]]), host[0]
 
 
 def speculative_accept(

@@ -10,8 +10,9 @@
                 committed position, from the same verify forward)
 
 Greedy output equals plain greedy decoding token for token. With sampling, one draw per node
-shared by every path through it keeps the output distribution exactly the target's (lossless for
-deterministic drafts; drafts carrying q use `decode.accept.speculative_accept`).
+shared by every path through it keeps the output distribution exactly the target's
+(`decode.accept.tree_accept` for deterministic drafts, `decode.accept.speculative_accept` for
+drafts carrying q).
 """
 from __future__ import annotations
 
@@ -22,12 +23,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from samctl.decode.accept import speculative_accept
+from samctl.decode.accept import speculative_accept, tree_accept
 from samctl.decode.drafters.base import Drafter
 from samctl.decode.metrics import Metrics, PredictionUsage
 from samctl.decode.sampling import SamplingConfig, choose_tokens
 from samctl.decode.engine.target import TargetModel, to_device
-from samctl.decode.tree import walk_tree
 from samctl.index.errors import UserError
 
 
@@ -161,11 +161,7 @@ def _step(
     elif tree.q is not None and not sampling.greedy:
         path, bonus, host_inputs = speculative_accept(logits, tree, input_ids, sampling, generator)
     else:
-        choices = choose_tokens(logits, sampling, generator)
-        host = torch.stack((input_ids, choices)).cpu().numpy()  # the step's one host sync
-        host_inputs = host[0]
-        path = walk_tree(tree.parents, host_inputs[1:], host[1], tree.drafts)
-        bonus = int(host[1][path[-1]])
+        path, bonus, host_inputs = tree_accept(logits, tree, input_ids, sampling, generator)
     metrics.verify_s += time.perf_counter() - tic
 
     # 4) commit

@@ -35,12 +35,23 @@ def eagle_head(model) -> EagleHead:
     return EagleHead(model).eval()
 
 
-def run(model, method: str, prompt: list[int], max_new_tokens: int, eos: tuple[int, ...] = (), static=None):
+def run(model, method: str, prompt: list[int], max_new_tokens: int, eos: tuple[int, ...] = (), static=None,
+        spy=None):
+    """spy: called each step with whether a verified draft node carries an EOS id."""
     target = TargetModel(model)
     drafter = make_drafter(
         method, vocab_size=model.config.vocab_size, device=target.device, eos_token_ids=eos,
         static=static, config=EAGER, eagle=eagle_head(model) if method_entry(method).needs_eagle else None,
     )
+    if spy is not None:
+        verify = target.verify
+
+        def spied(input_ids, tree):
+            nodes = input_ids[1 : 1 + tree.drafts].cpu().numpy()
+            spy(bool(np.isin(nodes, eos).any()))
+            return verify(input_ids, tree)
+
+        target.verify = spied
     return generate(target, drafter, prompt, GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos))
 
 
@@ -71,16 +82,23 @@ def test_greedy_equals_generate(tiny_model_dir, method):
 
 @pytest.mark.parametrize("method", METHODS + EAGLE_METHODS)
 def test_eos_and_max_tokens_edges(tiny_llama, method):
-    prompt = prompts(tiny_llama.config.vocab_size)[0]
+    # The prompt holds the model's repeating output, so every method drafts from the first step on,
+    # and EOS is a token of that output which the continuation first emits 6+ tokens in: drafts
+    # carry it (pld alone ends its drafts just before an EOS, leaving it to the target's draw).
+    full = hf_greedy(tiny_llama, prompts(tiny_llama.config.vocab_size)[0], 62, eos=None)
+    prompt = full[34:]  # two laps of the cycle the output settles in, and no earlier variant of it
     expected = hf_greedy(tiny_llama, prompt, 60, eos=None)
-    eos = expected[17]  # a token the model really emits, so generation stops there
-    first = expected.index(eos)
+    first = next(j for j in range(6, len(expected)) if expected[j] not in expected[:j])
+    eos = expected[first]
     # rest drafts only from a store: give it the continuation, so its drafts run into EOS and limits
     static = SuffixAutomaton.build(np.asarray(prompt + expected, dtype=np.int32), np.array([0, len(prompt) + 60]))
     static = static if method == "rest" else None
-    with_eos = run(tiny_llama, method, prompt, 60, eos=(eos,), static=static)
+    drafted_eos = []  # per step: whether a verified draft node carries EOS
+    with_eos = run(tiny_llama, method, prompt, 60, eos=(eos,), static=static, spy=drafted_eos.append)
     assert with_eos.tokens == expected[: first + 1] == hf_greedy(tiny_llama, prompt, 60, eos=eos)
     assert with_eos.finish_reason == "eos"
+    if method not in ("ar", "pld", "eagle", "sam+eagle"):  # ar drafts nothing; an untrained EAGLE head guesses
+        assert any(drafted_eos), f"{method} never drafted EOS"
     for limit in (1, 2, 7, 33):
         result = run(tiny_llama, method, prompt, limit, static=static)
         assert result.tokens == expected[:limit], (method, limit)

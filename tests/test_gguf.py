@@ -1,8 +1,10 @@
 """`.gguf` files as models: the cache, and one-line errors for what cannot be loaded.
 
-The error paths use tiny files written here (no real model). The slow test at the end loads the
-real SmolLM2 GGUF when it is on disk ($SAMCTL_TEST_GGUF, or ../shared/models next to the repo)
-and checks every method's greedy output against transformers' own `generate`.
+The error paths use tiny files written here (no real model). A tiny Llama with its byte-level BPE
+tokenizer, written here as a GGUF the way llama.cpp lays one out, loads through `--model` (the
+`gguf` extra, which CI installs) and decodes as transformers' own `generate` on that file. The
+slow test at the end loads the real SmolLM2 GGUF when it is on disk ($SAMCTL_TEST_GGUF, or
+../shared/models next to the repo) and checks every method against transformers.
 """
 from __future__ import annotations
 
@@ -10,8 +12,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -44,12 +44,75 @@ def write_gguf(path: Path, arch: str) -> Path:
     return path
 
 
-def samctl(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "samctl", *args], capture_output=True, text=True,
-                          timeout=300, cwd=REPO, env={**os.environ, **env})
+def write_tiny_llama_gguf(model_dir: Path, path: Path) -> Path:
+    """model_dir's Llama (float32) and its byte-level BPE tokenizer as one GGUF file."""
+    gguf = pytest.importorskip("gguf")
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = model.config
+    backend = json.loads((model_dir / "tokenizer.json").read_text())
+    tokens = sorted(backend["model"]["vocab"], key=backend["model"]["vocab"].get)
+    special = {t["id"] for t in backend["added_tokens"] if t["special"]}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i in special else 1 for i in range(len(tokens))])  # 3: control
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in backend["model"]["merges"]])
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+
+    def rotary_layout(w, heads: int):  # llama.cpp's order of q/k rows, which transformers undoes
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    weights = {name: value.numpy() for name, value in model.state_dict().items()}
+    writer.add_tensor("token_embd.weight", weights["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", weights["model.norm.weight"])
+    writer.add_tensor("output.weight", weights["lm_head.weight"])
+    for i in range(config.num_hidden_layers):
+        layer = f"model.layers.{i}."
+        for name, ours in (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
+                           ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
+                           ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj")):
+            writer.add_tensor(f"blk.{i}.{name}.weight", weights[layer + ours + ".weight"])
+        writer.add_tensor(f"blk.{i}.attn_q.weight",
+                          rotary_layout(weights[layer + "self_attn.q_proj.weight"], config.num_attention_heads))
+        writer.add_tensor(f"blk.{i}.attn_k.weight",
+                          rotary_layout(weights[layer + "self_attn.k_proj.weight"], config.num_key_value_heads))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
-def one_line_error(proc: subprocess.CompletedProcess) -> str:
+def samctl(*args: str, env: dict[str, str]):
+    """`samctl args` in this process (tests.test_cli_generate's helper), with `env` set."""
+    from tests.test_cli_generate import samctl as run_in_process
+
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        return run_in_process(*args)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def one_line_error(proc) -> str:
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("samctl: error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -114,6 +177,33 @@ def test_a_cached_folder_is_used_without_converting_again(tmp_path, private_cach
     monkeypatch.setattr(gguf_cache, "require_extra", lambda: pytest.fail("the cache was not used"))
     assert gguf_cache.model_folder(str(path), quiet=True) == str(folder)
     assert gguf_cache.model_folder("some/folder") == "some/folder"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="the gguf extra is not installed")
+def test_a_tiny_gguf_written_here_loads_through_model_and_decodes_as_transformers(tmp_path, private_cache, model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_cli_generate import PROMPT
+
+    path = write_tiny_llama_gguf(model_dir, tmp_path / "tiny.gguf")
+    proc = samctl("generate", "--model", str(path), "--prompt", PROMPT, "--max-new-tokens", "24",
+                       "--json", "--compare", "--threads", "1", env={})
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["compare"]["identical"] is True and out["metrics"]["accepted"] > 0
+    cached = Path(gguf_cache.model_folder(str(path), quiet=True))
+    assert cached.parent == private_cache / "models" and (cached / gguf_cache.SOURCE_FILE).is_file()
+    # The reference: transformers straight from the GGUF file, not from samctl's cached copy.
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    expected = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
+                                  pad_token_id=0)[0, ids.shape[1]:]
+    assert out["metrics"]["new_tokens"] == len(expected) > 0
+    assert out["text"] == tokenizer.decode(expected, skip_special_tokens=True)
 
 
 @pytest.mark.slow

@@ -1,12 +1,10 @@
 """samctl.hf: `model.generate(custom_generate=...)` is plain `generate`, only faster.
 
 Greedy output equals plain `generate` token for token; sampled sequences fit the model's exact
-distribution (chi-square, as tests/test_decode_sampling.py); what samctl cannot honour exactly
-is refused with a UserError.
+distribution (chi-square, as tests/test_decode_sampling.py, which also rejects every planted
+acceptance bug); what samctl cannot honour exactly is refused with a UserError.
 """
 from __future__ import annotations
-
-import itertools
 
 import numpy as np
 import pytest
@@ -19,6 +17,7 @@ from samctl.decode.sampling import SamplingConfig, warp_probs
 from samctl.index.automaton import SuffixAutomaton
 from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, save_datastore
 from samctl.index.errors import UserError
+from tests.planted import BUGS, acceptance
 from tests.test_decode_sampling import fits
 
 
@@ -151,9 +150,9 @@ def test_bad_settings_are_one_line_errors():
     assert "max_nodes" in samctl.hf.setting_names()
 
 
-# -- sampling: the exact distribution of 3-token continuations of a tiny model ------------------
+# -- sampling: the exact distribution of 5-token continuations of a tiny model ------------------
 
-VOCAB, NEW, SAMPLES = 5, 3, 1500
+VOCAB, NEW, SAMPLES = 5, 5, 1000
 PROMPT = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
 
 
@@ -168,33 +167,54 @@ def _small_model():
     return model
 
 
-def _exact(model, sampling: SamplingConfig) -> dict[tuple[int, ...], float]:
-    probs = {}
+def _exact(model, sampling: SamplingConfig) -> tuple[dict[tuple[int, ...], float], dict[tuple[int, ...], int]]:
+    """-> (probability of every continuation, the model's argmax after every shorter one)."""
+    probs, argmax = {(): 1.0}, {}
     with torch.no_grad():
-        for seq in itertools.product(range(VOCAB), repeat=NEW):
-            p = 1.0
-            for i, token in enumerate(seq):
-                logits = model(torch.tensor([PROMPT + list(seq[:i])])).logits[0, -1:]
-                p *= float(warp_probs(logits, sampling)[0, token])
-            probs[seq] = p
-    return probs
+        for length in range(NEW):
+            prefixes = [seq for seq in probs if len(seq) == length]
+            logits = model(torch.tensor([PROMPT + list(seq) for seq in prefixes])).logits[:, -1]
+            rows = warp_probs(logits, sampling).double().numpy()
+            for seq, row, best in zip(prefixes, rows, logits.argmax(-1).tolist()):
+                argmax[seq] = best
+                for token in range(VOCAB):
+                    probs[seq + (token,)] = probs[seq] * row[token]
+    return {seq: p for seq, p in probs.items() if len(seq) == NEW}, argmax
 
 
 @pytest.mark.slow
-def test_sampling_matches_model_distribution():
+def test_sampling_matches_model_distribution_and_catches_planted_bugs(monkeypatch):
+    # A flat verify-cost curve: adaptive drafts its widest trees whatever this machine's timing.
+    monkeypatch.setattr("samctl.costs.cost_curve", lambda engine, quiet=False, refresh=False: [1.0] * 64)
     model = _small_model()
     sampling = SamplingConfig(temperature=0.9, top_p=0.95)
-    custom = samctl.hf.make_generate(method="adaptive")
-    torch.manual_seed(11)
-    counts: dict[tuple[int, ...], int] = {}
-    accepted = 0
-    for _ in range(SAMPLES):
-        out = fast(model, PROMPT, custom, do_sample=True, temperature=0.9, top_p=0.95, top_k=0, max_new_tokens=NEW)
-        key = tuple(out[0, len(PROMPT):].tolist())
-        counts[key] = counts.get(key, 0) + 1
-        accepted += custom.last_metrics.accepted
-    assert accepted > SAMPLES // 20, f"only {accepted} drafts accepted: the test would prove nothing"
-    assert fits(counts, _exact(model, sampling), SAMPLES) > 1e-3, counts
+    exact, argmax = _exact(model, sampling)
+    views = (lambda out: tuple(t == argmax[out[:i]] for i, t in enumerate(out)),  # hits of the model's argmax
+             *(lambda out, i=i: out[i] for i in range(NEW)))
+
+    def draw(bug: str | None, looks: tuple[int, ...]) -> tuple[float, int]:
+        custom = samctl.hf.make_generate(method="adaptive")  # fresh: no memory from other runs
+        torch.manual_seed(11)
+        counts: dict[tuple[int, ...], int] = {}
+        accepted = 0
+        with acceptance(bug):
+            for look in looks:
+                while sum(counts.values()) < look:
+                    out = fast(model, PROMPT, custom, do_sample=True, temperature=0.9, top_p=0.95, top_k=0,
+                               max_new_tokens=NEW)
+                    key = tuple(out[0, len(PROMPT):].tolist())
+                    counts[key] = counts.get(key, 0) + 1
+                    accepted += custom.last_metrics.accepted
+                p_value = fits(counts, exact, views=views)
+                if bug is not None and p_value < 1e-6:
+                    break
+        return p_value, accepted
+
+    p_value, accepted = draw(None, (SAMPLES,))
+    assert accepted > SAMPLES, f"only {accepted} drafts accepted: the test would prove nothing"
+    assert p_value > 1e-3, p_value
+    caught = {bug: draw(bug, (250, 500, 1000, 2000))[0] for bug in BUGS}
+    assert all(p < 1e-6 for p in caught.values()), f"planted bugs not caught (p-values): {caught}"
 
 
 class _FakeTokenizer:

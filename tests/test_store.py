@@ -318,7 +318,7 @@ def _apply(data: bytes, mutation) -> bytes:
     return data[:position] + mutation[2] + data[position + len(mutation[2]) :]
 
 
-@settings(max_examples=300, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 1), mutations=st.lists(_mutation, min_size=1, max_size=4),
        verify=st.booleans())
 def test_fuzz_bytes(tmp_path, fuzz_seeds, seed, mutations, verify):
@@ -337,7 +337,7 @@ _json_like = st.recursive(
 _fields = st.sampled_from(["dtype", "shape", "offset", "length", "raw_length", "codec", "checksum"])
 
 
-@settings(max_examples=300, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 1), array=st.sampled_from(["a", "b", "c", "zz"]), field=_fields,
        value=_json_like | st.integers(0, 5000) | st.lists(st.integers(0, 400), max_size=3),
        verify=st.booleans())
@@ -401,7 +401,7 @@ def _try_load(path, data: bytes, queries) -> None:
 _queries = st.lists(st.lists(st.integers(0, 8), max_size=6), min_size=1, max_size=3)
 
 
-@settings(max_examples=300, deadline=3000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 3), mutations=st.lists(_mutation, min_size=1, max_size=3), queries=_queries)
 def test_fuzz_datastore_bytes(tmp_path, datastore_seeds, seed, mutations, queries):
     data = datastore_seeds[seed]
@@ -417,14 +417,14 @@ _meta_paths = st.sampled_from([
 ])
 
 
-@settings(max_examples=300, deadline=3000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 3), path=_meta_paths,
        value=_json_like | st.integers(-3, 300) | st.sampled_from(["sam", "ngram"]), queries=_queries)
 def test_fuzz_datastore_header(tmp_path, datastore_seeds, seed, path, value, queries):
     _try_load(tmp_path / "f.sam", _reheader(datastore_seeds[seed], _set(list(path), value)), queries)
 
 
-@settings(max_examples=200, deadline=3000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.sampled_from([0, 2]), array=st.sampled_from(
            ["states", "edges", "slots", "tokens", "meta", "keys", "ctx", "order_start", "ctx_start",
             "offsets", "next", "counts", "totals", "config"]),

@@ -15,7 +15,18 @@ from samctl.tokenizer import (_CUT, DEFAULT_MODEL_DIR, ByteTokenizer, FastTokeni
 # contractions, non-ASCII letters, and an added special token.
 ALPHABET = ["a", "bc", "é", "Ω", " ", "  ", "\n", "\n\n", " \n", "\t", "1", "234", ".", ",", "'s", " x",
             "<|endoftext|>", "def f(x):\n    return x\n"]
-SMOLLM2 = Path("/work/runs/smollm2")
+
+
+def _smollm2_folder() -> Path | None:
+    """SmolLM2's tokenizer folder: $SAMCTL_TEST_SMOLLM2, else the Hugging Face cache (offline)."""
+    import os
+
+    if os.environ.get("SAMCTL_TEST_SMOLLM2"):
+        return Path(os.environ["SAMCTL_TEST_SMOLLM2"])
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache("HuggingFaceTB/SmolLM2-135M-Instruct", "tokenizer.json")
+    return Path(found).parent if isinstance(found, str) else None
 
 
 def _random_texts(seed: int, count: int) -> list[str]:
@@ -51,8 +62,9 @@ def _tokenizers(tiny_folder: Path) -> list:
     found = [ByteTokenizer(), load_tokenizer(str(tiny_folder))]
     if DEFAULT_MODEL_DIR.is_dir():
         found.append(load_tokenizer("default"))
-    if (SMOLLM2 / "tokenizer.json").is_file():
-        found.append(load_tokenizer(str(SMOLLM2)))
+    smollm2 = _smollm2_folder()
+    if smollm2 is not None and (smollm2 / "tokenizer.json").is_file():
+        found.append(load_tokenizer(str(smollm2)))
     return found
 
 
@@ -142,8 +154,8 @@ def test_a_tokenizer_that_is_not_split_safe_gets_whole_documents():
 
 @pytest.mark.parametrize("which", ["tiny", "default", "smollm2"])
 def test_fast_tokenizer_equals_transformers(which, tiny_folder):
-    folder = {"tiny": tiny_folder, "default": DEFAULT_MODEL_DIR, "smollm2": SMOLLM2}[which]
-    if not (Path(folder) / "tokenizer.json").is_file():
+    folder = {"tiny": tiny_folder, "default": DEFAULT_MODEL_DIR, "smollm2": _smollm2_folder()}[which]
+    if folder is None or not (Path(folder) / "tokenizer.json").is_file():
         pytest.skip(f"{folder} is absent")
     from transformers import AutoTokenizer
 
