@@ -32,7 +32,7 @@ CHEAP = 1.0 + 0.02 * np.arange(1, 513)  # drafting nearly free: wide trees, ragg
 STEEP = 1.0 * np.arange(1, 513)  # every input costs a row: the budget drafts (almost) nothing
 
 
-def mixed_prompts(vocab: int, n: int = 7) -> list[list[int]]:
+def mixed_prompts(vocab: int, n: int = 6) -> list[list[int]]:
     """Mixed lengths; most repeat a span, so retrieval drafts are accepted in some rows and not others."""
     rng = np.random.default_rng(3)
     out = []
@@ -48,17 +48,29 @@ def batch1(model, method: str, prompt: list[int], config: GenerationConfig, stat
     return generate(TargetModel(model), drafter, prompt, config).tokens
 
 
+NEW = 32
+_REFERENCES: dict[str, tuple] = {}
+
+
+def _references(key: str, model, prompts: list[list[int]]) -> tuple[list[list[int]], int, list[list[int]]]:
+    """Plain batch-1 greedy outputs, an EOS that ends some records early (mid-output) and not
+    others, and the outputs under that EOS; once per model."""
+    if key not in _REFERENCES:
+        plain = [batch1(model, "ar", p, GenerationConfig(max_new_tokens=NEW)) for p in prompts]
+        eos = plain[1][len(plain[1]) // 2]
+        expected = [batch1(model, "ar", p, GenerationConfig(max_new_tokens=NEW, eos_token_ids=(eos,))) for p in prompts]
+        assert any(r[-1] == eos and len(r) < NEW for r in expected) and any(len(r) == NEW for r in expected)
+        _REFERENCES[key] = plain, eos, expected
+    return _REFERENCES[key]
+
+
 @pytest.mark.parametrize("method", BATCHED)
 def test_batched_greedy_equals_batch1_greedy(tiny_model_dir, method):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     vocab = model.config.vocab_size
     prompts = mixed_prompts(vocab)
-    plain = [batch1(model, "ar", p, GenerationConfig(max_new_tokens=40)) for p in prompts]
-    # EOS: a token that ends some records early (mid-output) and not others
-    eos = plain[1][len(plain[1]) // 2]
-    config = GenerationConfig(max_new_tokens=40, eos_token_ids=(eos,))
-    expected = [batch1(model, "ar", p, config) for p in prompts]
-    assert any(r[-1] == eos and len(r) < 40 for r in expected) and any(len(r) == 40 for r in expected)
+    plain, eos, expected = _references(str(tiny_model_dir), model, prompts)
+    config = GenerationConfig(max_new_tokens=NEW, eos_token_ids=(eos,))
     corpus = np.concatenate([np.asarray(r, dtype=np.int32) for r in plain])
     static = SuffixAutomaton.build(corpus, np.concatenate(([0], np.cumsum([len(r) for r in plain]))))
 
@@ -66,13 +78,13 @@ def test_batched_greedy_equals_batch1_greedy(tiny_model_dir, method):
         return make_drafter(method, vocab_size=vocab, device=torch.device("cpu"), eos_token_ids=(eos,),
                             static=static, config=EAGER)
 
-    for cost, batch_size in ((CHEAP, 3), (STEEP, 4), (CHEAP, 16)):
+    for cost, batch_size in ((CHEAP, 3), (STEEP, 16)):
         stats = BatchStats()
         results = generate_batch(model, make, prompts, config, batch_size, cost_ms=cost, stats=stats)
         assert [r.index for r in results] == list(range(len(prompts)))
         for r, want in zip(results, expected):
             assert r.tokens == want, (method, batch_size, r.index)
-            assert r.finish_reason == ("eos" if want[-1] == eos and len(want) < 40 else "length")
+            assert r.finish_reason == ("eos" if want[-1] == eos and len(want) < NEW else "length")
         if method != "ar" and cost is CHEAP and batch_size == 3:
             accepted = [r.metrics.accepted for r in results]
             assert max(accepted) > 0 and len(set(accepted)) > 1, accepted  # ragged acceptance
@@ -143,14 +155,14 @@ def test_copy_model_greedy_with_trees_and_refills():
             assert r.tokens == model.reference(p, 25), (method, r.index)
 
 
-@pytest.mark.parametrize("method", ["ar", "sam", "recycle", "adaptive"])
+@pytest.mark.parametrize("method", ["ar", "sam", "adaptive"])
 def test_batched_sampling_follows_the_model_per_row(method):
     """Two prompts interleaved in one batched run; each prompt's samples fit its exact distribution."""
     model = BatchCopyLM(vocab=VOCAB, peak=1.5)
     sampling = SamplingConfig(temperature=0.9, top_p=0.95, seed=7)
     first = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
     second = [3, 1, 0, 2, 3, 1, 0, 2, 3]
-    samples = 1200
+    samples = 700
     prompts = [first if i % 2 == 0 else second for i in range(2 * samples)]
 
     def make():
