@@ -17,7 +17,10 @@ Up to `batch_size` records are in flight, each with its own drafter instance, in
 Every record's output is what `decode.loop.generate` gives it alone: greedy equals plain greedy
 decoding token for token (up to floating-point summation order, which a batch of other rows
 changes as a wider verify does), and with sampling each row keeps the loop's one-draw-per-node
-rule, so it follows the model's distribution. Drafters that need more than ids and logits
+rule, so it follows the model's distribution. In half precision (float16, bfloat16) a row's logits
+differ from its batch-1 logits by rounding that depends on the batch's shape, so a greedy output
+may part from batch-1's at a near-tie, as a wider verify block already makes it at batch 1;
+acceptance stays exact with respect to the logits each step computes. Drafters that need more than ids and logits
 (draft models, EAGLE heads, SDSAT, a drafter's own acceptance rule) run at batch size 1 only.
 
 A bad record (empty, longer than the context) gets an "error" result and never stalls the batch.
