@@ -142,7 +142,7 @@ def main() -> None:
               "batch_cost_measure_s": round(cost_s, 1),
               "t_ms_at": {str(n): round(float(cost[n - 1]), 1) for n in (1, 8, 16, 32, 64, 128, 256, 512)
                           if n <= len(cost)},
-              "sides": {}}
+              "t_ms": [round(float(t), 2) for t in cost], "sides": {}}
     for side in sides:
         tokens = sum(len(o) for o in outputs[side])
         entry = {"tokens": tokens, "wall_s": round(wall[side], 2), "tokens_per_s": round(tokens / wall[side], 2),
