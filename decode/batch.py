@@ -366,19 +366,23 @@ def _verify_input(t0: int, tree: DraftTree, device: torch.device) -> torch.Tenso
 def _admit(target: BatchedTarget, active: list[_Row], drafters: list[Drafter], pending: deque[int],
            records: list[np.ndarray], config: GenerationConfig, generator: torch.Generator | None,
            max_prefill_tokens: int, stats: BatchStats) -> None:
-    # Fills slots len(active).. from the queue: newcomers are prefilled in groups whose padded
-    # block [k, longest] stays within max_prefill_tokens (at least one per group). While other
-    # rows are decoding, one group per step, so a wave of newcomers delays them by one prefill.
+    # Fills slots len(active).. from the queue. The records that fit are taken in queue order,
+    # then prefilled shortest first in groups of similar length (the longest at most 1.5x the
+    # shortest) whose padded block [k, longest] stays within max_prefill_tokens (at least one per
+    # group): padding costs forward time like real tokens. While other rows are decoding, one
+    # group per step, so a wave of newcomers delays them by one prefill; the rest go back to the
+    # head of the queue.
     decoding = bool(active)
     while pending and len(active) < target.rows:
+        wave = sorted((pending.popleft() for _ in range(min(len(pending), target.rows - len(active)))),
+                      key=lambda i: len(records[i]))
         group: list[int] = []
-        longest = 0
-        while pending and len(active) + len(group) < target.rows:
-            n = len(records[pending[0]])
-            if group and max(longest, n) * (len(group) + 1) > max_prefill_tokens:
+        for i in wave:
+            n = len(records[i])
+            if group and (n * (len(group) + 1) > max_prefill_tokens or n > 1.5 * len(records[group[0]])):
                 break
-            longest = max(longest, n)
-            group.append(pending.popleft())
+            group.append(i)
+        pending.extendleft(reversed(wave[len(group):]))
         slots = list(range(len(active), len(active) + len(group)))
         newcomers = [_Row(i, records[i], drafters[s], config) for i, s in zip(group, slots)]
         wants_all = [getattr(r.drafter, "prefill_logits", "last") == "all" for r in newcomers]
