@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from samctl.decode.budget import path_probs
 from samctl.decode.engine.cost import linear_cost
 from samctl.decode.engine.transfer import record_event, wait_for
 from samctl.decode.drafters.candidates import (N_CELLS, SOURCES, learn, ngram_candidates, prediction_positions,
@@ -249,6 +250,7 @@ class AdaptiveDrafter:
                                    config.static_min_length, config.static_levels, min(self._budget, 16)],
                                   dtype=np.float64)
         self._no_table = np.full((1, 1), -1, dtype=np.int32)
+        self._flat_cost = np.ones(config.max_nodes + 1, dtype=np.float64)  # keeps every node (batched engine)
         self._warm_up()
 
     # -- requests ----------------------------------------------------------------------------
@@ -297,6 +299,23 @@ class AdaptiveDrafter:
     # -- steps -------------------------------------------------------------------------------
 
     def propose(self, t0: int) -> DraftTree:
+        return self._propose(t0, self.cost)
+
+    def propose_scored(self, t0: int) -> tuple[DraftTree, np.ndarray]:
+        """For the batched engine, which sizes drafts across rows itself: every node above min_prob
+        (at most max_nodes), best first so that every prefix is a tree, uncut by this drafter's
+        cost curve, with [m] float64 estimated path-acceptance probabilities. The engine then
+        verifies a prefix and says how long (`keep_first`)."""
+        tree = self._propose(t0, self._flat_cost)
+        _, parents, cells = self.last
+        return tree, path_probs(parents, self.calibration.means[cells])
+
+    def keep_first(self, k: int) -> None:
+        """Only the first k nodes of the last proposal were verified: learn from those."""
+        tokens, parents, cells = self.last
+        self.last = (tokens[:k], parents[:k], cells[:k])
+
+    def _propose(self, t0: int, cost: np.ndarray) -> DraftTree:
         # One kernel call for the automata, Token Recycle and the selection (an n-gram store's
         # candidates go into the buffer first).
         n = self._first_candidates(t0)
@@ -309,7 +328,7 @@ class AdaptiveDrafter:
             dyn.states, dyn.edges, dyn.slots, self.dyn_state, self.dyn_length,
             *static, self.static_pointer is not None,
             memory.states, memory.edges, memory.slots, self.memory_pointer.state, self.memory_pointer.length,
-            len(self.memory) > 0, table, self.recycle is not None, t0, self.calibration.means, self.cost,
+            len(self.memory) > 0, table, self.recycle is not None, t0, self.calibration.means, cost,
             self._settings, *self._buffer, n)
         self.last = (tokens, parents, cells)
         self._uncounted = self.prediction_count is not None

@@ -1,0 +1,300 @@
+"""The target model for B sequences at once: a static KV cache with a batch dimension and a length
+per row, batched prefill of newcomers, one verify forward over every row's draft tree, and the
+accepted paths kept with one gather.
+
+Layout: rows in flight occupy slots [0, A) of the cache (`move_row` keeps them packed when a row
+leaves and none replaces it), so every forward runs on a contiguous view of A rows. A verify step
+takes per row b a draft tree of q_b inputs ([t0, nodes...]); rows are padded to the widest,
+q = max q_b, and row b's inputs go to cache positions [L_b, L_b + q) where L_b is its committed
+length. The additive mask [A, 1, q, max L_b + q] lets input i of row b see the row's committed
+entries [0, L_b) and its own tree ancestors in [L_b, L_b + q_b); everything else (other rows'
+longer committed parts, padded inputs, the unused tail) is hidden. Padded inputs are written
+into the cache behind L_b + q_b, where nothing real ever reads them, and are overwritten later.
+
+Invariant: for every row, storage[..., b, :, :L_b, :] holds exactly the K/V a batch-1 engine holds
+for that row's committed tokens, each computed at its true position; so a row's logits equal its
+batch-1 logits up to floating-point summation order, whatever the other rows do.
+
+Runs eagerly (no CUDA graphs). Works with the model families `TargetModel` supports (sdpa or
+eager attention with a 4D additive mask, explicit position ids, a transformers Cache). Knows
+nothing of drafters or acceptance rules; lengths live on the host because the caller learns the
+accepted paths on the host anyway (the step's one synchronization).
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from samctl.decode.engine.cost import monotone_fit
+from samctl.decode.engine.kv_cache import with_cache
+from samctl.decode.engine.target import TargetModel, to_device
+from samctl.decode.tree import DraftTree, ancestor_matrix
+from samctl.index.errors import UserError
+
+# Families whose causal-LM forward is `lm_head(decoder(...))` with nothing in between, so the head
+# can run on the real (unpadded) inputs only. Others run the whole forward on the padded block.
+PLAIN_HEAD = ("llama", "qwen2", "qwen3", "mistral")
+
+
+class BatchedLayer(CacheLayerMixin):
+    """One layer's view of the shared storage; writes where the owner's current mode says."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, owner: "BatchedKVCache", index: int) -> None:
+        super().__init__()
+        self.owner, self.index = owner, index
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states, value_states: [A, kv_heads, q, head_dim]
+        owner = self.owner
+        if owner.storage is None:
+            owner.allocate_like(key_states)
+        keys, values = owner.storage[0, self.index], owner.storage[1, self.index]  # [B, kvh, cap, hd]
+        if owner.prefill_rows is not None:
+            # prefill from empty rows: attention needs only the new entries; store them at 0..P
+            p = key_states.shape[-2]
+            keys[owner.prefill_rows, :, :p] = key_states
+            values[owner.prefill_rows, :, :p] = value_states
+            return key_states, value_states
+        rows, _, q, dim = key_states.shape
+        index = owner.write_positions[:, None, :, None].expand(rows, key_states.shape[1], q, dim)
+        keys = keys.narrow(0, 0, rows)
+        values = values.narrow(0, 0, rows)
+        keys.scatter_(2, index, key_states)
+        values.scatter_(2, index, value_states)
+        return keys.narrow(2, 0, owner.kv_length), values.narrow(2, 0, owner.kv_length)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.kv_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.kv_length
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+    def reset(self) -> None:
+        pass
+
+
+class BatchedKVCache(Cache):
+    """Storage [2, layers, B, kv_heads, capacity, head_dim], allocated at the first forward; the
+    caller sets the mode of each forward (`prefill_rows`, or `write_positions` + `kv_length`)."""
+
+    def __init__(self, num_layers: int, rows: int, capacity: int) -> None:
+        super().__init__(layers=[BatchedLayer(self, i) for i in range(num_layers)])
+        self.rows, self.capacity = rows, capacity
+        self.storage: torch.Tensor | None = None
+        self.prefill_rows: torch.Tensor | None = None  # [k] int64 slots being prefilled
+        self.write_positions: torch.Tensor | None = None  # [A, q] int64 cache positions of the inputs
+        self.kv_length = 0  # entries the verify's attention reads: max L_b + q
+
+    def allocate_like(self, key_states: torch.Tensor) -> None:
+        # key_states: [k, kv_heads, q, head_dim] from layer 0's first forward
+        _, heads, _, dim = key_states.shape
+        shape = (2, len(self.layers), self.rows, heads, self.capacity, dim)
+        self.storage = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
+
+
+class BatchedTarget:
+    """The model and a cache for up to `rows` sequences of at most `capacity` tokens each
+    (prompt + output + the widest verify block). Eager forwards only."""
+
+    def __init__(self, model: torch.nn.Module, rows: int, capacity: int) -> None:
+        # TargetModel's checks (mask-capable attention, sliding window) and context limit.
+        single = TargetModel(model)
+        self.model = single.model
+        self.device, self.dtype = single.device, single.dtype
+        self.max_positions, self.context_note = single.max_positions, single.context_note
+        if rows < 1 or capacity < 2:
+            raise UserError(f"batch size must be >= 1 (got {rows}) and the capacity >= 2 (got {capacity})")
+        self.rows = rows
+        self.capacity = capacity
+        self.cache = BatchedKVCache(int(model.config.num_hidden_layers), rows, self.capacity)
+        self.lengths = np.zeros(rows, dtype=np.int64)  # committed entries per slot
+        self._blocked = torch.finfo(self.dtype).min
+        split = getattr(model.config, "model_type", "") in PLAIN_HEAD and hasattr(model, "lm_head")
+        self._decoder = model.get_decoder() if split else None
+
+    # -- forwards -----------------------------------------------------------------------------
+
+    def _run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+             keep: torch.Tensor | None) -> torch.Tensor:
+        # input_ids, position_ids: [A, q]; mask: [A or 1, 1, q, kv]; keep: [N] flat indices into
+        # A * q of the inputs whose logits are wanted (None: all) -> logits [N, V]
+        if self._decoder is not None:
+            hidden = self._decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                                   **with_cache(self._decoder, self.cache), use_cache=True).last_hidden_state
+            hidden = hidden.reshape(-1, hidden.shape[-1])
+            return self.model.lm_head(hidden if keep is None else hidden.index_select(0, keep))
+        logits = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                            **with_cache(self.model, self.cache), use_cache=True).logits
+        logits = logits.reshape(-1, logits.shape[-1])
+        return logits if keep is None else logits.index_select(0, keep)
+
+    @torch.inference_mode()
+    def prefill(self, slots: Sequence[int], prompts: Sequence[np.ndarray], all_logits: Sequence[bool]) -> list[torch.Tensor]:
+        # slots: [k] free slots; prompts: k host int64 arrays (1 <= len, len + verify room <= capacity)
+        # -> per prompt its logits: [n, V] if all_logits[i] else [1, V] at the last position.
+        # One forward, right-padded to the longest prompt: with right padding a plain causal mask
+        # is exactly right for every real position.
+        k = len(slots)
+        lengths = np.array([len(p) for p in prompts], dtype=np.int64)
+        width = int(lengths.max())
+        self.reserve(width)
+        ids = np.zeros((k, width), dtype=np.int64)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = p
+        keep = np.concatenate([i * width + (np.arange(n) if a else np.array([n - 1]))
+                               for i, (n, a) in enumerate(zip(lengths, all_logits))])
+        causal = torch.full((width, width), self._blocked, dtype=self.dtype, device=self.device).triu_(1)
+        self.cache.prefill_rows = to_device(np.asarray(slots, dtype=np.int64), self.device)
+        try:
+            logits = self._run(to_device(ids, self.device),
+                               torch.arange(width, device=self.device)[None].expand(k, width),
+                               causal[None, None], to_device(keep, self.device))
+        finally:
+            self.cache.prefill_rows = None
+        self.lengths[list(slots)] = lengths
+        counts = np.where(np.asarray(all_logits), lengths, 1)
+        return list(torch.split(logits, counts.tolist()))
+
+    @torch.inference_mode()
+    def verify(self, inputs: Sequence[torch.Tensor], trees: Sequence[DraftTree]) -> tuple[torch.Tensor, np.ndarray]:
+        # inputs: A tensors [q_b] int64 = [t0, nodes...] of rows (slots) 0..A-1; trees: their drafts
+        # -> (logits [N, V] of every real input, rows concatenated; offsets [A + 1] into them).
+        # Appends each row's block behind its committed entries; `keep` must follow.
+        rows = len(inputs)
+        sizes = np.array([len(t) + 1 for t in trees], dtype=np.int64)
+        q = int(sizes.max())
+        past = self.lengths[:rows]
+        self.reserve(int(past.max()) + q)
+        # 1) the padded input and the per-row positions (root at L_b, node i at L_b + depth)
+        ids = torch.zeros(rows, q, dtype=torch.int64, device=self.device)
+        rel = np.zeros((rows, q), dtype=np.int64)
+        visible = np.zeros((rows, q, q), dtype=np.bool_)
+        visible[:, np.arange(q), np.arange(q)] = True  # padded inputs see themselves (no empty rows)
+        for b, (x, tree) in enumerate(zip(inputs, trees)):
+            n = int(sizes[b])
+            ids[b, :n] = x.clamp_min(0)  # placeholders (-1) are fed as 0
+            if n > 1:
+                rel[b, 1:n] = tree.depths()
+                visible[b, :n, :n] = ancestor_matrix(np.asarray(tree.parents, dtype=np.int32))
+        positions = to_device(past[:, None] + rel, self.device)
+        write = to_device(past[:, None] + np.arange(q), self.device)
+        # 2) the mask: committed prefix visible, the tree block by ancestry, the rest hidden
+        kv = int(past.max()) + q
+        mask = self._verify_mask(to_device(past, self.device), to_device(visible, self.device), kv)
+        keep = to_device(np.concatenate([b * q + np.arange(n) for b, n in enumerate(sizes)]), self.device)
+        self.cache.write_positions, self.cache.kv_length = write, kv
+        try:
+            logits = self._run(ids, positions, mask, keep)
+        finally:
+            self.cache.write_positions = None
+        return logits, np.concatenate(([0], np.cumsum(sizes)))
+
+    def _verify_mask(self, past: torch.Tensor, visible: torch.Tensor, kv: int) -> torch.Tensor:
+        # past: [A] int64; visible: [A, q, q] bool ancestry within each row's block -> [A, 1, q, kv]
+        rows, q, _ = visible.shape
+        col = torch.arange(kv, device=self.device)[None, :] - past[:, None]  # [A, kv] relative column
+        in_block = (col >= 0) & (col < q)
+        block = visible.gather(2, col.clamp(0, q - 1)[:, None, :].expand(rows, q, kv))  # [A, q, kv]
+        seen = (col < 0)[:, None, :] | (block & in_block[:, None, :])
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        return torch.where(seen, zero, torch.tensor(self._blocked, dtype=self.dtype, device=self.device))[:, None]
+
+    @torch.inference_mode()
+    def keep(self, paths: Sequence[np.ndarray]) -> None:
+        # paths: A arrays [a_b + 1] of input indices of each row's accepted path, root (0) first.
+        # Chain-shaped paths (0..a) need nothing moved; the rest are gathered to the front of
+        # their row's verified block for every layer at once (the gather copies first, so an
+        # overlapping destination is safe).
+        rows, dst, src = [], [], []
+        for b, path in enumerate(paths):
+            n = len(path)
+            if n > 1 and path[-1] != n - 1:
+                past = self.lengths[b]
+                rows.append(np.full(n, b, dtype=np.int64))
+                dst.append(past + np.arange(n, dtype=np.int64))
+                src.append(past + np.asarray(path, dtype=np.int64))
+            self.lengths[b] += n
+        if rows:
+            storage = self.cache.storage
+            r = to_device(np.concatenate(rows), self.device)
+            storage[:, :, r, :, to_device(np.concatenate(dst), self.device)] = \
+                storage[:, :, r, :, to_device(np.concatenate(src), self.device)]
+
+    @torch.inference_mode()
+    def reserve(self, n: int) -> None:
+        """Room for n entries per row, keeping the valid ones (grows by half, so growth is rare)."""
+        if n <= self.capacity:
+            return
+        self.capacity = self.cache.capacity = max(n, self.capacity + self.capacity // 2)
+        old = self.cache.storage
+        if old is not None:
+            shape = list(old.shape)
+            shape[-2] = self.capacity
+            self.cache.storage = torch.zeros(shape, dtype=old.dtype, device=old.device)
+            self.cache.storage[..., : old.shape[-2], :] = old
+
+    @torch.inference_mode()
+    def move_row(self, src: int, dst: int) -> None:
+        """Slot `src`'s committed entries become slot `dst`'s (packing rows into [0, A))."""
+        n = int(self.lengths[src])
+        if n and self.cache.storage is not None:
+            self.cache.storage[:, :, dst, :, :n] = self.cache.storage[:, :, src, :, :n]
+        self.lengths[dst], self.lengths[src] = n, 0
+
+    @torch.inference_mode()
+    def shrink(self, rows: int) -> None:
+        """Keep slots [0, rows) only and free the rest (after an out-of-memory)."""
+        assert 1 <= rows <= self.rows, (rows, self.rows)
+        if self.cache.storage is not None:
+            self.cache.storage = self.cache.storage[:, :, :rows].clone()
+        self.cache.rows = self.rows = rows
+        self.lengths = self.lengths[:rows].copy()
+
+
+@torch.inference_mode()
+def measure_batch_cost(model: torch.nn.Module, rows: int, max_width: int = 8, context: int = 256,
+                       rounds: int = 2, clock=time.perf_counter) -> np.ndarray:
+    """-> t_ms [rows * max_width]: milliseconds of a batched verify forward over N = 1.. total input
+    tokens, measured as [N, 1] forwards for N <= rows and [rows, w] forwards beyond, after
+    `context` committed tokens per row (fastest of `rounds`), interpolated between grid points.
+    `clock`: time.process_time measures one CPU thread's own work on a busy machine.
+    The batched drafting budget prices a step's padded block [A, q] at t(A * q)."""
+    vocab = int(getattr(model.config, "vocab_size", 1000))
+    gen = torch.Generator().manual_seed(0)
+    shapes = sorted({(b, 1) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= rows} | {(rows, 1)}
+                    | {(rows, w) for w in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if w <= max_width}
+                    | {(rows, max_width)}, key=lambda s: s[0] * s[1])
+    target = BatchedTarget(model, rows, context + max_width + 8)
+    context = max(1, min(context, target.max_positions - max_width - 8))
+    prompts = [torch.randint(0, vocab, (context,), generator=gen).numpy() for _ in range(rows)]
+    target.prefill(list(range(rows)), prompts, [False] * rows)
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    best = np.full(len(shapes), np.inf)
+    for r in range(rounds + 1):  # round 0 warms up and is not kept
+        for i, (b, w) in enumerate(shapes):
+            target.lengths[:] = context  # the same context every time: the verify is not kept
+            inputs = [torch.randint(0, vocab, (w,), generator=gen) for _ in range(b)]
+            trees = [DraftTree.chain(x[1:].numpy()) for x in inputs]
+            sync()
+            tic = clock()
+            target.verify([x.to(target.device) for x in inputs], trees)
+            sync()
+            if r:
+                best[i] = min(best[i], 1e3 * (clock() - tic))
+    points = np.array([b * w for b, w in shapes], dtype=np.float64)
+    return np.interp(np.arange(1, rows * max_width + 1), points, monotone_fit(best))

@@ -1,0 +1,264 @@
+"""The batched engine is lossless per record: greedy equals batch-1 greedy token for token (ragged
+acceptance, mixed prompt lengths, early EOS, refills), a row's logits do not depend on the other
+rows, sampling follows the model's distribution per row (chi-square), and methods without a
+batched form are refused with a clear error."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from samctl.decode.batch import BatchStats, batch_refusal, generate_batch, require_batchable
+from samctl.decode.budget import TreeCalibration, choose_width, path_probs
+from samctl.decode.drafters.adaptive import AdaptiveDrafter
+from samctl.decode.engine.batched import BatchedTarget
+from samctl.decode.engine.target import TargetModel
+from samctl.decode.loop import GenerationConfig, generate
+from samctl.decode.methods import ALL_METHODS, make_drafter
+from samctl.decode.sampling import SamplingConfig
+from samctl.decode.tree import DraftTree
+from samctl.index.automaton import SuffixAutomaton
+from samctl.index.errors import UserError
+from tests.mock_lm import CopyLM, copy_rule
+from tests.test_decode_greedy import EAGER
+from tests.test_decode_sampling import CONFIG as SAMPLING_METHODS, VOCAB, exact_distribution, fits
+from tests.test_engine import tiny
+
+BATCHED = ("ar", "pld", "sam", "adaptive", "rest", "recycle", "lookahead", "sam+recycle")
+CHEAP = 1.0 + 0.02 * np.arange(1, 513)  # drafting nearly free: wide trees, ragged acceptance
+STEEP = 1.0 * np.arange(1, 513)  # every input costs a row: the budget drafts (almost) nothing
+
+
+def mixed_prompts(vocab: int, n: int = 6) -> list[list[int]]:
+    """Mixed lengths; most repeat a span, so retrieval drafts are accepted in some rows and not others."""
+    rng = np.random.default_rng(3)
+    out = []
+    for i in range(n):
+        base = rng.integers(3, vocab, 4 + 5 * (i % 4)).tolist()
+        out.append(base + base[: 3 + i % 3] if i % 3 else base)
+    return out
+
+
+def batch1(model, method: str, prompt: list[int], config: GenerationConfig, static=None) -> list[int]:
+    drafter = make_drafter(method, vocab_size=model.config.vocab_size, device=torch.device("cpu"),
+                           eos_token_ids=config.eos_token_ids, static=static, config=EAGER)
+    return generate(TargetModel(model), drafter, prompt, config).tokens
+
+
+NEW = 32
+_REFERENCES: dict[str, tuple] = {}
+
+
+def _references(key: str, model, prompts: list[list[int]]) -> tuple[list[list[int]], int, list[list[int]]]:
+    """Plain batch-1 greedy outputs, an EOS that ends some records early (mid-output) and not
+    others, and the outputs under that EOS; once per model."""
+    if key not in _REFERENCES:
+        plain = [batch1(model, "ar", p, GenerationConfig(max_new_tokens=NEW)) for p in prompts]
+        eos = plain[1][len(plain[1]) // 2]
+        expected = [batch1(model, "ar", p, GenerationConfig(max_new_tokens=NEW, eos_token_ids=(eos,))) for p in prompts]
+        assert any(r[-1] == eos and len(r) < NEW for r in expected) and any(len(r) == NEW for r in expected)
+        _REFERENCES[key] = plain, eos, expected
+    return _REFERENCES[key]
+
+
+@pytest.mark.parametrize("method", BATCHED)
+def test_batched_greedy_equals_batch1_greedy(tiny_model_dir, method):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    prompts = mixed_prompts(vocab)
+    plain, eos, expected = _references(str(tiny_model_dir), model, prompts)
+    config = GenerationConfig(max_new_tokens=NEW, eos_token_ids=(eos,))
+    corpus = np.concatenate([np.asarray(r, dtype=np.int32) for r in plain])
+    static = SuffixAutomaton.build(corpus, np.concatenate(([0], np.cumsum([len(r) for r in plain]))))
+
+    def make():
+        return make_drafter(method, vocab_size=vocab, device=torch.device("cpu"), eos_token_ids=(eos,),
+                            static=static, config=EAGER)
+
+    for cost, batch_size in ((CHEAP, 3), (STEEP, 16)):
+        stats = BatchStats()
+        results = generate_batch(model, make, prompts, config, batch_size, cost_ms=cost, stats=stats)
+        assert [r.index for r in results] == list(range(len(prompts)))
+        for r, want in zip(results, expected):
+            assert r.tokens == want, (method, batch_size, r.index)
+            assert r.finish_reason == ("eos" if want[-1] == eos and len(want) < NEW else "length")
+        if method != "ar" and cost is CHEAP and batch_size == 3:
+            accepted = [r.metrics.accepted for r in results]
+            assert max(accepted) > 0 and len(set(accepted)) > 1, accepted  # ragged acceptance
+            assert stats.prefills >= 2  # refills happened
+
+
+def test_row_logits_do_not_depend_on_other_rows():
+    """A row's prefill and tree-verify logits equal the batch-1 engine's within fp32 tolerance,
+    whatever the other rows hold (lengths, trees, padding)."""
+    model = tiny("qwen2", 2)
+    rng = np.random.default_rng(0)
+    mine = rng.integers(0, 96, 9)
+    tokens = rng.integers(0, 96, 6)
+    parents = np.array([-1, 0, -1, 2, 3, 2], dtype=np.int32)
+    tree = DraftTree(tokens=tokens, parents=parents)
+    single = TargetModel(model)
+    want_prefill = single.prefill(torch.from_numpy(mine))
+    want = single.verify(single.verify_input(int(mine[-1]), tree), tree)
+    single.keep(np.array([0, 3, 4]))
+    want_next = single.verify(torch.tensor([5]), DraftTree.empty())
+    for others in ([rng.integers(0, 96, 20)], [rng.integers(0, 96, 3), rng.integers(0, 96, 15)]):
+        target = BatchedTarget(model, 1 + len(others), 64)
+        prompts = [mine] + others
+        first = target.prefill(list(range(len(prompts))), prompts, [False] * len(prompts))
+        torch.testing.assert_close(first[0], want_prefill, atol=1e-5, rtol=1e-5)
+        other_trees = [DraftTree.chain(rng.integers(0, 96, 2 + 5 * i)) for i in range(len(others))]
+        trees = [tree] + other_trees
+        inputs = [torch.from_numpy(np.concatenate(([p[-1]], t.tokens)).astype(np.int64)) for p, t in zip(prompts, trees)]
+        logits, offsets = target.verify(inputs, trees)
+        torch.testing.assert_close(logits[offsets[0]: offsets[1]], want, atol=1e-5, rtol=1e-5)
+        target.keep([np.array([0, 3, 4])] + [np.array([0, 1]) for _ in others])
+        assert target.lengths[0] == len(mine) + 3
+        nxt, offsets = target.verify([torch.tensor([5])] + [torch.tensor([7, 8, 9])] * len(others),
+                                     [DraftTree.empty()] + [DraftTree.chain(np.array([8, 9]))] * len(others))
+        torch.testing.assert_close(nxt[offsets[0]: offsets[1]], want_next, atol=1e-5, rtol=1e-5)
+
+
+class BatchCopyLM(CopyLM):
+    """CopyLM over a batch: each row reads its context only through the batched cache and its own
+    row of the mask, and must see exactly positions 0..n-1."""
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None, past_key_values=None, use_cache=True, **_):
+        rows, q = input_ids.shape
+        keys, values = past_key_values.update(input_ids.float()[:, None, :, None],
+                                              position_ids.expand(rows, q).float()[:, None, :, None], 0)
+        logits = torch.zeros(rows, q, self.vocab)
+        for b in range(rows):
+            tokens, positions = keys[b, 0, :, 0].long().numpy(), values[b, 0, :, 0].long().numpy()
+            mask = attention_mask[min(b, attention_mask.shape[0] - 1), 0]
+            for i in range(q):
+                visible = (mask[i] == 0).numpy()
+                order = np.argsort(positions[visible], kind="stable")
+                assert np.array_equal(positions[visible][order], np.arange(visible.sum())), positions[visible]
+                logits[b, i, copy_rule(tokens[visible][order].tolist(), self.vocab)] = self.peak
+        return SimpleNamespace(logits=logits)
+
+
+def test_copy_model_greedy_with_trees_and_refills():
+    model = BatchCopyLM(vocab=32)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 32, n).tolist() * 2 for n in (3, 7, 5, 11, 2, 9)]
+    config = GenerationConfig(max_new_tokens=25)
+    for method in ("adaptive", "recycle", "lookahead"):
+        def make():
+            return make_drafter(method, vocab_size=32, device=torch.device("cpu"))
+        results = generate_batch(model, make, prompts, config, 4, cost_ms=CHEAP)
+        for r, p in zip(results, prompts):
+            assert r.tokens == model.reference(p, 25), (method, r.index)
+
+
+@pytest.mark.parametrize("method", ["ar", "sam", "adaptive"])
+def test_batched_sampling_follows_the_model_per_row(method):
+    """Two prompts interleaved in one batched run; each prompt's samples fit its exact distribution."""
+    model = BatchCopyLM(vocab=VOCAB, peak=1.5)
+    sampling = SamplingConfig(temperature=0.9, top_p=0.95, seed=7)
+    first = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    second = [3, 1, 0, 2, 3, 1, 0, 2, 3]
+    samples = 700
+    prompts = [first if i % 2 == 0 else second for i in range(2 * samples)]
+
+    def make():
+        return make_drafter(method, vocab_size=VOCAB, device=torch.device("cpu"), config=SAMPLING_METHODS,
+                            sampling=sampling)
+
+    config = GenerationConfig(max_new_tokens=3, sampling=sampling)
+    results = generate_batch(model, make, prompts, config, 8, cost_ms=CHEAP)
+    if method != "ar":
+        assert sum(r.metrics.accepted for r in results) > samples // 10
+    for parity, prompt in ((0, first), (1, second)):
+        counts: dict[tuple[int, ...], int] = {}
+        for r in results[parity::2]:
+            counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
+        exact = _exact(model, prompt, sampling)
+        assert fits(counts, exact, samples) > 1e-3, (method, parity, counts)
+
+
+def _exact(model, prompt, sampling):
+    import tests.test_decode_sampling as ts
+    saved = ts.PROMPT
+    ts.PROMPT = prompt
+    try:
+        return exact_distribution(model, sampling)
+    finally:
+        ts.PROMPT = saved
+
+
+def test_methods_without_a_batched_form_are_refused():
+    for name in ("sd", "specdec++", "sam+draft", "ouroboros", "eagle", "sam+eagle", "adaptive+eagle", "sdsat"):
+        with pytest.raises(UserError, match="batch size 1"):
+            require_batchable(name)
+    assert [m for m in ALL_METHODS if not batch_refusal(m)] == [m for m in ALL_METHODS if m in (
+        "adaptive", "ar", "pld", "sam", "recycle", "sam+recycle", "rest", "lookahead")]
+
+    class Hidden:
+        name, needs_hidden = "custom", True
+
+    with pytest.raises(UserError, match="batch size 1"):
+        generate_batch(tiny(), Hidden, [[1, 2]], GenerationConfig(max_new_tokens=2), 2, cost_ms=CHEAP)
+
+
+def test_bad_records_and_out_of_memory_do_not_stall_the_batch(monkeypatch):
+    model = tiny("llama", 2)
+    prompts = mixed_prompts(96, 6)
+    records = prompts[:2] + [[]] + prompts[2:] + [[5] * 600]  # empty; longer than the context (512)
+    config = GenerationConfig(max_new_tokens=12)
+    expected = [batch1(model, "pld", p, config) for p in prompts]
+    verify, calls = BatchedTarget.verify, []
+
+    def flaky(self, inputs, trees):
+        calls.append(len(inputs))
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return verify(self, inputs, trees)
+
+    monkeypatch.setattr(BatchedTarget, "verify", flaky)
+    stats = BatchStats()
+    results = generate_batch(model, lambda: make_drafter("pld", vocab_size=96, device=torch.device("cpu")),
+                             records, config, 4, cost_ms=CHEAP, stats=stats)
+    assert [r.finish_reason for r in results].count("error") == 2
+    assert "empty" in results[2].error and "context" in results[-1].error
+    assert [r.tokens for r in results if r.finish_reason != "error"] == expected
+    assert stats.batch_size == 2 and "out of memory at batch size 4" in stats.notes[0]
+    assert max(calls[3:]) <= 2
+
+
+def test_budget_width_follows_the_cost_curve():
+    probs = [np.array([0.9, 0.8, 0.7, 0.1]), np.array([0.5]), np.zeros(0)]
+    assert choose_width(probs, STEEP, 8) == 0  # one more input per row costs a whole row
+    assert choose_width(probs, np.ones(64), 8) == 4  # free: every node
+    assert choose_width(probs, CHEAP, 8, min_width=6) == 6
+    mid = 1.0 + 0.3 * np.arange(1, 64)
+    rates = [(3 + sum(p[:w].sum() for p in probs)) / mid[3 * (1 + w) - 1] for w in range(5)]
+    assert choose_width(probs, mid, 8) == int(np.argmax(rates))
+
+
+def test_tree_calibration_learns_by_depth_and_rank():
+    cal = TreeCalibration()
+    parents = np.array([-1, 0, -1, 1], dtype=np.int32)  # a -> b -> d ; c (rank 1 at depth 1)
+    for _ in range(200):
+        cal.learn(parents, 4, np.array([0, 1, 2]))  # a and b accepted, d tried and missed, c tried
+    means = cal.means
+    assert means[0] > 0.9 and means[1] < 0.05  # depth 1: rank 0 always, rank 1 never
+    assert means[4] > 0.9 and means[8] < 0.05  # depth 2 rank 0 hit; depth 3 rank 0 missed
+    p = cal.score(parents)
+    np.testing.assert_allclose(p, path_probs(parents, means[[0, 4, 1, 8]]))
+
+
+def test_adaptive_scored_proposal_is_prefix_closed():
+    drafter = AdaptiveDrafter(vocab_size=0)
+    prompt = np.array([5, 6, 7, 8, 5, 6, 9, 5, 6, 7, 10, 5, 6], dtype=np.int64)
+    drafter.start(prompt, None)
+    tree, probs = drafter.propose_scored(6)
+    assert len(tree) >= 2 and len(probs) == len(tree)
+    assert np.all(tree.parents < np.arange(len(tree)))
+    assert np.all((probs > 0) & (probs <= 1))
+    drafter.keep_first(1)
+    assert len(drafter.last[0]) == 1
