@@ -64,6 +64,28 @@ def cost_curve(engine: Any, quiet: bool = False, refresh: bool = False) -> list[
     return t_ms
 
 
+def batch_cost_curve(engine: Any, rows: int, max_width: int, quiet: bool = False) -> list[float]:
+    """t_ms [rows * max_width]: a batched forward over 1.. total input tokens with `rows` rows in
+    flight (decode.engine.batched.measure_batch_cost), from the cache or measured now."""
+    from samctl.decode.engine.batched import measure_batch_cost
+
+    key = {**curve_key(engine), "batched_rows": rows, "max_width": max_width}
+    path = cache_dir() / "costs" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + ".json")
+    if path.is_file():
+        try:
+            record = json.loads(path.read_text())
+            if record.get("key") == key:
+                return [float(t) for t in record["t_ms"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    if not quiet:
+        click.echo(f"samctl: measuring the batched verify cost of {Path(engine.name).name} at {rows} rows, "
+                   "once per model, device and batch size", err=True)
+    t_ms = [float(t) for t in measure_batch_cost(engine.model, rows, max_width)]
+    _write_atomically(path, {"key": key, "t_ms": t_ms})
+    return t_ms
+
+
 def read_cost_curve(path: str | os.PathLike) -> list[float]:
     """A curve file written by `samctl calibrate --json` (or a cache entry): its t_ms list."""
     try:

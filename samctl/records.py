@@ -44,6 +44,68 @@ class RecordRunner:
                 progress.update(1, tokens=output_tokens(out))
         return failed
 
+    def batch_many(self, records: Iterable[tuple[int, str]], write: Callable[[str], None], quiet: bool,
+                   total: int | None, batch_size: int) -> int:
+        """As `batch`, with up to `batch_size` single-turn records in flight at once on the batched
+        engine (Session.generate_batch); records with several turns or a `prediction`, and bad
+        ones, go through `process`. Lines are read in windows of a few batches and written in
+        input order as soon as every earlier line of the window is written."""
+        failed = 0
+        window = 4 * batch_size
+        with progress_bar("generate", "record", quiet, total=total) as progress, progress.heartbeat():
+            chunk: list[tuple[int, str]] = []
+            for item in records:
+                chunk.append(item)
+                if len(chunk) == window:
+                    failed += self._window(chunk, write, progress, batch_size)
+                    chunk = []
+            if chunk:
+                failed += self._window(chunk, write, progress, batch_size)
+        return failed
+
+    def _window(self, chunk: list[tuple[int, str]], write: Callable[[str], None], progress, batch_size: int) -> int:
+        # 1) sort the lines: batchable records (one turn, no prediction) and the rest
+        outputs: list[tuple[str, bool] | None] = [None] * len(chunk)
+        batched: list[tuple[int, Any, str]] = []  # (position in chunk, record id, prompt)
+        for pos, (number, line) in enumerate(chunk):
+            try:
+                record = parse_record(line, number)
+                turns = prompt_turns(record, self.field)
+            except UserError:
+                outputs[pos] = self.process(number, line)
+                continue
+            if len(turns) == 1 and record.get("prediction") is None and not self.compare:
+                batched.append((pos, record_key(record, number), turns[0]))
+        written = 0
+
+        def flush() -> None:  # 3) every line whose predecessors are written goes out now
+            nonlocal written
+            while written < len(chunk) and outputs[written] is not None:
+                line, _ = outputs[written]
+                write(line)
+                progress.update(1, tokens=output_tokens(line))
+                written += 1
+
+        def done(result) -> None:
+            pos, record_id, _ = batched[result.index]
+            if result.error:
+                outputs[pos] = json.dumps({"id": record_id, "error": result.error}, ensure_ascii=False), True
+            else:
+                fields = {"text": self.session.decode(result.tokens), "finish_reason": result.finish_reason,
+                          "metrics": result.metrics.to_dict()}
+                outputs[pos] = json.dumps({"id": record_id, **fields}, ensure_ascii=False), False
+            flush()
+
+        # 2) the rest one by one (in input order), the batchable ones together
+        for pos, (number, line) in enumerate(chunk):
+            if outputs[pos] is None and not any(b[0] == pos for b in batched):
+                outputs[pos] = self.process(number, line)
+        flush()
+        if batched:
+            self.session.generate_batch([b[2] for b in batched], batch_size=batch_size, on_result=done)
+        flush()
+        return sum(bad for _, bad in outputs)
+
     def process(self, number: int, line: str) -> tuple[str, bool]:
         """One input line -> (its output line, whether it failed): a bad record gets an `error`."""
         record_id: Any = number

@@ -20,6 +20,7 @@ from dataclasses import asdict, replace
 from typing import Any, Callable, Sequence
 
 import click
+import numpy as np
 import torch
 
 from samctl.config import SessionConfig
@@ -36,6 +37,7 @@ from samctl.runtime import (Engine, build_drafter, load_acc_head, load_draft, lo
                             load_store, resolve_draft_paths, resolve_eagle_path)
 
 WARM_UP_TOKENS = 32
+BATCH_MAX_WIDTH = 16  # most draft nodes a row verifies per batched step
 
 
 class _Loaded:
@@ -167,6 +169,26 @@ class Session:
         if prediction and usage is not None:
             result.prediction = usage()
         return result
+
+    def generate_batch(self, prompts: Sequence[str | Sequence[int] | list[dict[str, str]]], *, batch_size: int = 8,
+                       on_result: Callable[[Any], None] | None = None, stats: Any = None) -> list:
+        """Generate for every prompt with up to `batch_size` sequences in flight (named as
+        transformers names its batched call), each record's output exactly its batch-1 output in
+        float32; a finished row is refilled from the queue at once. Returns
+        decode.batch.BatchResult per prompt, in input order; `on_result` sees each as it finishes.
+        Every slot drafts with its own fresh drafter. Methods without a batched form (draft
+        models, EAGLE, SDSAT) are refused: run them one prompt at a time."""
+        from samctl.costs import batch_cost_curve
+        from samctl.decode.batch import generate_batch, require_batchable
+
+        require_batchable(self.config.method)
+        if self.config.quantize == "int8":
+            raise UserError("--quantize int8 runs at batch size 1 only (its exact attention takes one sequence): "
+                            "drop --quantize or use --batch-size 1")
+        ids = [self.encode(p) for p in prompts]
+        cost = batch_cost_curve(self.engine, batch_size, BATCH_MAX_WIDTH, quiet=self.config.quiet)
+        return generate_batch(self.engine.model, self.fresh_drafter, ids, self.generation, batch_size, on_result,
+                              cost_ms=np.asarray(cost), max_width=BATCH_MAX_WIDTH, stats=stats)
 
     def fresh_drafter(self) -> Drafter:
         """A new drafter of the session's method that shares nothing learned with the kept one."""

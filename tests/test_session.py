@@ -61,3 +61,31 @@ def test_readme_python_api_example_runs_as_written(capsys):
     exec(compile(block, "README.md", "exec"), {})
     out = capsys.readouterr().out
     assert "tokens per step" in out
+
+
+def test_generate_batch_equals_one_prompt_at_a_time(model_dir):
+    session = Session(SessionConfig(model=str(model_dir), method="adaptive", max_new_tokens=10, quiet=True))
+    prompts = ["def f(x):\n    return x + 1\n", "abc abc abc abc", "hello", "x = 1\ny = 2\nz ="]
+    batched = session.generate_batch(prompts, batch_size=3)
+    alone = Session(SessionConfig(model=str(model_dir), method="ar", max_new_tokens=10, quiet=True))
+    assert [r.tokens for r in batched] == [alone.generate(p).tokens for p in prompts]
+
+
+def test_generate_input_batches_and_keeps_every_line(model_dir, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from samctl.cli import cli
+
+    lines = [json.dumps({"id": "a", "prompt": "def f(x):"}), "", json.dumps({"id": "c", "turns": ["a b", "c d"]}),
+             json.dumps({"id": "d", "prompt": "abc abc abc"})]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    outs = []
+    for size in ("3", "1"):
+        run = CliRunner().invoke(cli, ["generate", "--model", str(model_dir), "--input", str(tmp_path / "in.jsonl"),
+                                       "--max-new-tokens", "8", "--batch-size", size, "--quiet"])
+        outs.append([json.loads(line) for line in run.output.splitlines() if line.startswith("{")])
+    assert [o.get("id") for o in outs[0]] == ["a", 2, "c", "d"]
+    assert [o.get("text") for o in outs[0]] == [o.get("text") for o in outs[1]]
+    assert "error" in outs[0][1]

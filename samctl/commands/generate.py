@@ -47,6 +47,9 @@ from samctl.textio import TEXT_FILE, check_utf8
                    "input order, as without --ray.")
 @click.option("--workers", type=int, default=None, help="--ray: worker actors [default: the cluster's CPUs / --threads, or its GPUs / --gpus-per-worker].")
 @click.option("--gpus-per-worker", type=float, default=0.0, show_default=True, help="--ray: GPUs each worker holds (0: CPU workers).")
+@click.option("--batch-size", type=int, default=None, help="Batch: records in flight at once on the batched engine, each "
+              "output still exactly its own batch-1 output in float32 [default: 8 on a CPU, 32 on a GPU; 1 for methods "
+              "without a batched form (draft models, EAGLE, SDSAT), --quantize int8, --compare and --ray].")
 @click.option("--field", "prompt_field", metavar="NAME", help="Batch: the record field holding the prompt.")
 @click.option("--prediction", "prediction_file", type=TEXT_FILE,
               help="adaptive: the expected output (e.g. the file being edited), drafted from like the prompt; "
@@ -108,7 +111,12 @@ def generate(**opts: Any) -> None:
     if opts["input_file"] is not None:
         runner = RecordRunner(session, field=opts["prompt_field"], compare=opts["compare"])
         total = count_records(opts["input_file"])
-        failed = _batch_to_output(opts, lambda records, write: runner.batch(records, write, opts["quiet"], total))
+        size = _batch_size(opts, session)
+        if size > 1:
+            failed = _batch_to_output(opts, lambda records, write: runner.batch_many(records, write, opts["quiet"],
+                                                                                   total, size))
+        else:
+            failed = _batch_to_output(opts, lambda records, write: runner.batch(records, write, opts["quiet"], total))
         _save_memory(opts, session)
         _exit_for(failed)
         return
@@ -139,6 +147,31 @@ def _single(session, text: str, opts: dict[str, Any], prediction: str | None) ->
     if opts["as_json"]:
         click.echo(json.dumps({**session.record, **out}, ensure_ascii=False))
     return mismatch
+
+
+def _batch_size(opts: dict[str, Any], session) -> int:
+    """--batch-size, or the default for the device; 1 (said once) where batching does not apply."""
+    from samctl.decode.batch import batch_refusal
+
+    asked = opts["batch_size"]
+    if asked is not None and asked < 1:
+        raise UserError(f"--batch-size must be >= 1, got {asked}")
+    why = batch_refusal(session.config.method)
+    blocked = (why.rsplit(": use", 1)[0] if why else
+               "--quantize int8 runs one sequence at a time" if session.config.quantize == "int8" else
+               "--compare times records one at a time" if opts["compare"] else
+               "--memory-file/--memory-save keep one drafter's memory" if opts["memory_file"] or opts["memory_save"]
+               else "")
+    if blocked:
+        if asked is not None and asked > 1 and not opts["quiet"]:
+            click.echo(f"samctl: note: {blocked}: batch size 1", err=True)
+        return 1
+    if asked is not None:
+        return asked
+    size = 8 if session.engine.device.type == "cpu" else 32
+    if not opts["quiet"]:
+        click.echo(f"samctl: up to {size} records in flight on the batched engine (--batch-size to change)", err=True)
+    return size
 
 
 def _note_ignored(opts: dict[str, Any]) -> None:
@@ -188,6 +221,7 @@ def _read_file(handle: IO[str] | None, flag: str) -> str | None:
 def _check_batch_options(opts: dict[str, Any]) -> None:
     batch = opts["input_file"] is not None
     for flag, used in (("--resume", opts["resume"]), ("--ray", opts["ray_address"] is not None),
+                       ("--batch-size", opts["batch_size"] is not None),
                        ("--workers", opts["workers"] is not None), ("--gpus-per-worker", opts["gpus_per_worker"] != 0)):
         if used and not batch:
             raise UserError(f"{flag} applies to a batch: give --input FILE")
