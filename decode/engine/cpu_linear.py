@@ -136,7 +136,8 @@ def _replace_linears(model: nn.Module, swap: type[nn.Module]) -> None:
 # one row, and a last-bit difference that crosses an int8 rounding boundary moves an activation by
 # a whole quantization step (SmolLM2: verify logits off by up to 4 from single steps). Attending
 # one query row at a time over exactly the keys it sees computes every row as a one-token step
-# does, so the whole forward is exact per row.
+# does, so the whole forward is exact per row. A prefill (no cached keys) runs batched, as the
+# plain decoder's prefill does: both compute it the same way.
 ROWWISE_ATTENTION = "samctl_rowwise"
 
 
@@ -149,6 +150,9 @@ def rowwise_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     q, kv = query.shape[2], key.shape[2]
+    if q == kv and q > 1:  # a prefill (no cached keys): run as a plain greedy decoder's prefill runs it
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     if attention_mask is not None and attention_mask.shape[0] != 1:
         raise UserError("int8 attention runs one sequence at a time: use batch size 1 with --quantize int8")
     rows = []
