@@ -84,7 +84,7 @@ def check_header(path: Path) -> None:
     """Refuse what is not a GGUF file at all, before hashing or importing anything."""
     if not path.is_file():
         raise UserError(f"model file {path} does not exist: pass the path of a .gguf file "
-                        "(tools/get_smollm2.py fetches one) or a model folder")
+                        "(`samctl fetch smollm2` fetches one) or a model folder")
     with path.open("rb") as handle:
         magic = handle.read(len(GGUF_MAGIC))
     if magic != GGUF_MAGIC:
@@ -126,7 +126,7 @@ def architecture(path: Path) -> str:
         return bytes(field.parts[field.data[0]]).decode("utf-8")
     except (ValueError, KeyError, IndexError, OSError, UnicodeDecodeError) as err:
         raise UserError(f"{path} is a damaged or truncated GGUF file ({_first_line(err)}): fetch it again "
-                        "(tools/get_smollm2.py checks the sha256)") from err
+                        "(`samctl fetch smollm2` checks the sha256)") from err
 
 
 def supported_architecture(path: Path) -> str:

@@ -40,7 +40,7 @@ DEFAULT_EAGLE_DIR = DEFAULT_MODEL_DIR.parent / "eagle_head"  # EAGLE head of the
 EMBEDDED_MODEL_NOTE = (
     f"samctl: using the embedded default model ({DEFAULT_MODEL_DIR.parent.name}/{DEFAULT_MODEL_DIR.name}, 5.9M "
     "parameters): tiny, to show speed and exactness, not correct answers or edits; for a real model run "
-    "`python tools/get_smollm2.py` and pass --model models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    "`samctl fetch smollm2` and pass --model models/SmolLM2-135M-Instruct.Q4_1.gguf")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 

@@ -17,8 +17,7 @@ def test_using_the_embedded_model_says_it_is_not_for_correct_edits(capsys):
     load_engine(None, "cpu")
     err = capsys.readouterr().err
     assert "tiny, to show speed and exactness, not correct answers or edits" in err
-    assert "python tools/get_smollm2.py" in err and "--model models/SmolLM2-135M-Instruct.Q4_1.gguf" in err
-    assert (ROOT / "tools" / "get_smollm2.py").is_file()
+    assert "samctl fetch smollm2" in err and "--model models/SmolLM2-135M-Instruct.Q4_1.gguf" in err
 
 
 def test_the_quick_start_says_what_the_embedded_model_is():

