@@ -151,17 +151,6 @@ def ignored_settings(opts: dict[str, Any], method_name: str) -> list[str]:
     return flags
 
 
-def set_threads(threads: int | None) -> None:
-    """--threads: torch's CPU threads; None leaves torch's choice."""
-    if threads is None:
-        return
-    if threads < 1:
-        raise UserError(f"--threads must be >= 1, got {threads}")
-    import torch
-
-    torch.set_num_threads(threads)
-
-
 def parse_methods(spec: str, known: tuple[str, ...]) -> list[str]:
     """'ar,pld,sam' -> ['ar', 'pld', 'sam'] in the given order, each known, none twice."""
     methods = [m.strip() for m in spec.split(",") if m.strip()]

@@ -77,7 +77,8 @@ class Session:
     def __init__(self, config: SessionConfig, *, _shared: _Loaded | None = None) -> None:
         self.config = config
         if _shared is None:
-            set_threads(config.threads)
+            if config.threads is not None:  # validated by SessionConfig
+                torch.set_num_threads(config.threads)
             self._note_sampling()
             self._resolve_paths()  # a missing draft model or head is refused before the model loads
             engine = load_engine(config.model, config.device, config.dtype, quiet=config.quiet,
@@ -298,12 +299,3 @@ def _cpu_ratio(method: GenerationResult, base: GenerationResult) -> float:
     if m.cpu_s <= 0 or b.cpu_s <= 0 or not b.new_tokens:
         return 0.0
     return (m.new_tokens / m.cpu_s) / (b.new_tokens / b.cpu_s)
-
-
-def set_threads(threads: int | None) -> None:
-    """torch's CPU threads; None leaves torch's choice."""
-    if threads is None:
-        return
-    if threads < 1:
-        raise UserError(f"--threads must be >= 1, got {threads}")
-    torch.set_num_threads(threads)
