@@ -1,7 +1,7 @@
 """Datastores on disk: a suffix automaton or n-gram table plus what it was built from.
 
 `save_datastore` writes a structure and its `StoreMeta` (tokenizer identity, build config, corpus
-statistics) to a `.sam` store file; `load_datastore` reads one back, validates the header fields
+statistics) to a `.sam` store file; `load_single` reads one back, validates the header fields
 and the structure's arrays (both untrusted), and checks that every token id the structure can
 draft is below the recorded vocabulary size, so a corrupt store cannot feed the model an id it
 does not have. `Datastore.lookup` is the kind-independent query: longest matching suffix, its
@@ -200,21 +200,8 @@ def save_datastore(
     write_store(path, meta.to_header(), structure.to_arrays(), compress=compress)
 
 
-def load_datastore(path: str | os.PathLike, verify: bool = False, occurrence: str = "first") -> Datastore:
-    """Read and validate a store; raises UserError (StoreError for the file) on any problem.
-
-    `occurrence` picks which occurrence a suffix automaton's continuations come from. A directory
-    is a sharded store (index/sharded.py), returned as a ShardedDatastore with the same queries.
-    """
-    if os.path.isdir(path):
-        from samctl.index.sharded import load_sharded  # sharded.py builds on this module
-
-        return load_sharded(path, verify=verify, occurrence=occurrence)
-    return load_single(path, verify=verify, occurrence=occurrence)
-
-
 def load_single(path: str | os.PathLike, verify: bool = False, occurrence: str = "first") -> Datastore:
-    """`load_datastore` for one `.sam` file."""
+    """Read and validate one `.sam` file (samctl.index.load.load_datastore also opens directories)."""
     from samctl.index.automaton import SuffixAutomaton  # numba loads here, not for `samctl info`
     from samctl.index.ngram import NgramTable
 
@@ -236,7 +223,7 @@ def load_single(path: str | os.PathLike, verify: bool = False, occurrence: str =
 
 def read_meta(path: str | os.PathLike, verify: bool = False) -> tuple[StoreFile, StoreMeta]:
     """The store file and its validated header, without loading (or validating) the structure:
-    what `samctl info` shows. `load_datastore` is the way to use a store."""
+    what `samctl info` shows. `samctl.index.load.load_datastore` is the way to use a store."""
     store = read_store(path, verify=verify)
     return store, _parse_meta(store)
 

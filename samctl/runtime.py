@@ -23,7 +23,8 @@ from samctl.decode.methods import DRAFT_METHODS, MethodConfig, make_drafter, met
 from samctl.decode.drafters.base import Drafter
 from samctl.decode.sampling import SamplingConfig
 from samctl.decode.engine.target import TargetModel
-from samctl.index.datastore import Datastore, load_datastore
+from samctl.index.datastore import Datastore
+from samctl.index.load import load_datastore
 from samctl.index.errors import UserError
 from samctl.gguf_cache import model_folder
 from samctl.tokenizer import DEFAULT_MODEL_DIR, check_store_tokenizer, tokenizer_fingerprint

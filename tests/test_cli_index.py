@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from samctl.index.datastore import load_datastore
+from samctl.index.load import load_datastore
 from samctl.index.store import FORMAT_VERSION, StoreError, read_store
 from samctl import tokenizer as tokenizer_module
 from samctl.cli import cli, main

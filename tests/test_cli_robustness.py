@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from samctl.index import store as store_module
-from samctl.index.datastore import load_datastore
+from samctl.index.load import load_datastore
 from samctl.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent

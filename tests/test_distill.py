@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from samctl.index.datastore import load_datastore
+from samctl.index.load import load_datastore
 from samctl.cli import cli
 from samctl.tokenizer import load_tokenizer
 

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from samctl.cli import cli
-from samctl.index.datastore import load_datastore
+from samctl.index.load import load_datastore
 from tests.conftest import save_tiny_model_with_tokenizer
 
 

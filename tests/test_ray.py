@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from samctl.index.datastore import load_datastore
+from samctl.index.load import load_datastore
 from samctl.cli import main
 from tests.test_cli_generate import PROMPT
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from samctl.index.automaton import SuffixAutomaton
-from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, load_datastore, save_datastore
+from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, save_datastore
+from samctl.index.load import load_datastore
 from samctl.index.sharded import (MANIFEST, ShardedAutomaton, StoreDirectoryWriter, build_shard, children, load_sharded,
                            plan_shards)
 from samctl.index.errors import UserError

@@ -377,7 +377,7 @@ def datastore_seeds(tmp_path_factory):
 
 
 def _try_load(path, data: bytes, queries) -> None:
-    from samctl.index.datastore import load_datastore
+    from samctl.index.load import load_datastore
 
     path.write_bytes(data)
     try:

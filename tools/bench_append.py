@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from samctl.index.automaton import SuffixAutomaton  # noqa: E402
-from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, load_datastore, save_datastore  # noqa: E402
+from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, save_datastore  # noqa: E402
+from samctl.index.load import load_datastore
 from tools.bench_index import DEFAULT_TOKENIZER, corpus, head  # noqa: E402
 
 

@@ -20,7 +20,7 @@ for r in $(seq 1 "$rounds"); do
 done
 python - "$work" <<'PY'
 import sys, numpy as np
-from samctl.index.datastore import load_datastore
+from samctl.index.load import load_datastore
 a, b = (load_datastore(f"{sys.argv[1]}/{n}.sam").structure.to_arrays() for n in ("grown", "full"))
 print("equal to rebuild:", all(np.array_equal(a[k], b[k]) for k in ("states", "edges", "tokens")))
 PY

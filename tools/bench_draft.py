@@ -36,7 +36,8 @@ from samctl.decode.metrics import Metrics
 from samctl.decode.simulate import make_trace, replay
 from samctl.decode.tree import DraftTree
 from samctl.index.automaton import SuffixAutomaton
-from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, load_datastore, save_datastore
+from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, save_datastore
+from samctl.index.load import load_datastore
 from samctl.runtime import load_engine
 from samctl.tokenizer import DEFAULT_MODEL_DIR, load_tokenizer, tokenize_documents
 

@@ -28,7 +28,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from samctl.index.automaton import SuffixAutomaton  # noqa: E402
-from samctl.index.datastore import load_datastore  # noqa: E402
+from samctl.index.load import load_datastore  # noqa: E402
+from samctl.index.load import load_datastore
 from samctl.index.sharded import ShardedAutomaton, plan_shards  # noqa: E402
 
 

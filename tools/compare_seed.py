@@ -38,7 +38,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 from bench_index import DEFAULT_TOKENIZER, corpus, head  # noqa: E402
 
 from samctl.index.automaton import SuffixAutomaton  # noqa: E402
-from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, load_datastore, save_datastore  # noqa: E402
+from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, save_datastore  # noqa: E402
+from samctl.index.load import load_datastore
 
 EOS = 2  # Llama 2's </s>: the seed appends it to each document, samctl's build would too
 

@@ -24,7 +24,8 @@ from dataclasses import replace
 import click
 
 from samctl.index.corpus import CorpusReader
-from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, load_datastore, save_datastore
+from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, save_datastore
+from samctl.index.load import load_datastore
 from samctl.index.errors import UserError
 from samctl.index.store import is_store_file
 from samctl.commands.info import human_bytes

@@ -13,7 +13,8 @@ from typing import Any
 import click
 
 from samctl.index.automaton_layout import edge_count
-from samctl.index.datastore import StoreMeta, load_datastore, read_meta
+from samctl.index.datastore import StoreMeta, read_meta
+from samctl.index.load import load_datastore
 from samctl.index.ngram_config import NgramConfig
 from samctl.index.store import StoreFile
 

@@ -12,7 +12,8 @@ from typing import Any
 import click
 import numpy as np
 
-from samctl.index.datastore import Datastore, load_datastore
+from samctl.index.datastore import Datastore
+from samctl.index.load import load_datastore
 from samctl.index.errors import UserError
 from samctl.tokenizer import Tokenizer, load_store_tokenizer
 

@@ -31,7 +31,8 @@ import click
 
 from samctl.decode.methods import METHODS, REPLAYABLE, MethodConfig, make_drafter
 from samctl.decode.simulate import CostModel, Tally, Trace, check_replayable, make_trace, replay, sweep_configs, tally_by_category
-from samctl.index.datastore import Datastore, load_datastore
+from samctl.index.datastore import Datastore
+from samctl.index.load import load_datastore
 from samctl.index.errors import UserError
 from samctl.commands.bench import report_category
 from samctl.decode.methods import method_config
