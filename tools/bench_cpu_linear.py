@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from samctl.commands.bench import EngineRunner, HfRunner, read_questions  # noqa: E402
 from samctl.decode.engine.cost import measure_verify_cost  # noqa: E402
-from samctl.options import method_config  # noqa: E402
+from samctl.decode.methods import method_config  # noqa: E402
 from samctl.runtime import build_drafter, load_engine  # noqa: E402
 
 BACKENDS = {"plain": ("none", False), "packed": ("none", True), "int8": ("int8", True)}
