@@ -41,6 +41,7 @@ import torch
 from samctl.decode.budget import TreeCalibration, choose_width
 from samctl.decode.drafters.base import Drafter
 from samctl.decode.engine.batched import BatchedTarget, measure_batch_cost
+from samctl.decode.engine.transfer import to_device
 from samctl.decode.loop import GenerationConfig, _make_generator, _Output
 from samctl.decode.methods import REGISTRY, method as method_entry
 from samctl.decode.metrics import Metrics
@@ -357,7 +358,7 @@ def _verify_input(t0: int, tree: DraftTree, device: torch.device) -> torch.Tenso
     ids = np.empty(len(tree) + 1, dtype=np.int64)
     ids[0] = t0
     ids[1:] = tokens
-    return torch.from_numpy(ids).to(device)
+    return to_device(ids, device)
 
 
 # -- admission, retirement, out-of-memory --------------------------------------------------------

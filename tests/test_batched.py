@@ -24,7 +24,7 @@ from samctl.index.automaton import SuffixAutomaton
 from samctl.index.errors import UserError
 from tests.mock_lm import CopyLM, copy_rule
 from tests.test_decode_greedy import EAGER
-from tests.test_decode_sampling import CONFIG as SAMPLING_METHODS, VOCAB, exact_distribution, fits
+from tests.test_decode_sampling import CONFIG as SAMPLING_METHODS, PEAK, VOCAB, Case, exact_distribution, fits
 from tests.test_engine import tiny
 
 BATCHED = ("ar", "pld", "sam", "adaptive", "rest", "recycle", "lookahead", "sam+recycle")
@@ -182,13 +182,9 @@ def test_batched_sampling_follows_the_model_per_row(method):
 
 
 def _exact(model, prompt, sampling):
-    import tests.test_decode_sampling as ts
-    saved = ts.PROMPT
-    ts.PROMPT = prompt
-    try:
-        return exact_distribution(model, sampling)
-    finally:
-        ts.PROMPT = saved
+    # The batched copy model follows tests/mock_lm.copy_rule at test_decode_sampling's PEAK.
+    assert model.peak == PEAK
+    return exact_distribution(Case("ar", sampling, prompt=tuple(prompt), turns=(3,)))
 
 
 def test_methods_without_a_batched_form_are_refused():

@@ -239,7 +239,8 @@ def test_resume_after_a_kill_skips_finished_records(model_dir, tmp_path):
     inputs = tmp_path / "in.jsonl"
     inputs.write_text("\n".join(records) + "\n")
     common = [sys.executable, "-m", "samctl", "generate", "--model", str(model_dir), "--input", str(inputs),
-              "--max-new-tokens", "12", "--threads", "1", "--quiet", "--method", "pld"]
+              "--max-new-tokens", "12", "--threads", "1", "--quiet", "--method", "pld",
+              "--batch-size", "1"]  # one record at a time, so the kill lands between two records
     whole = samctl(*common[3:], "--output", str(tmp_path / "whole.jsonl"))
     assert whole.returncode == 1, whole.stderr
     out = tmp_path / "out.jsonl"
