@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 
 from samctl.index.datastore import Datastore, load_single
-from samctl.index.sharded import load_sharded
 
 
 def load_datastore(path: str | os.PathLike, verify: bool = False, occurrence: str = "first") -> Datastore:
@@ -17,5 +16,7 @@ def load_datastore(path: str | os.PathLike, verify: bool = False, occurrence: st
     is a sharded store (index/sharded.py), returned as a ShardedDatastore with the same queries.
     """
     if os.path.isdir(path):
+        from samctl.index.sharded import load_sharded  # numba loads with a store, not for `build --help`
+
         return load_sharded(path, verify=verify, occurrence=occurrence)
     return load_single(path, verify=verify, occurrence=occurrence)
