@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import json
 import logging
 import multiprocessing
 import os
@@ -122,8 +123,8 @@ def _unwrap(err: BaseException) -> BaseException:
     return err
 
 
-def _map_actors(dataset, cls: type, args: tuple, workers: int, **resources: Any):
-    """dataset.map_batches over a pool of `workers` actors of `cls`, one row per batch. Actors are
+def _map_actors(dataset, cls: type, args: tuple, workers: int, batch_size: int = 1, **resources: Any):
+    """dataset.map_batches over a pool of `workers` actors of `cls`, `batch_size` rows per batch. Actors are
     not restarted (max_restarts 0): a worker that dies fails the run with its error, and Ray does
     not log, on every run, an error-level line about restarting actors whose constructor
     arguments sit in the object store (ray#53727). Ray 2.60 still takes max_restarts only through
@@ -132,7 +133,7 @@ def _map_actors(dataset, cls: type, args: tuple, workers: int, **resources: Any)
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated", category=DeprecationWarning)
-        return dataset.map_batches(cls, fn_constructor_args=args, batch_size=1,
+        return dataset.map_batches(cls, fn_constructor_args=args, batch_size=batch_size,
                                    compute=_actor_pool(workers), max_restarts=0, **resources)
 
 
@@ -315,13 +316,14 @@ class _GenerateWorker:
     """Ray Data actor: one Session (model, store memory-mapped, drafter with its cross-request
     memory) for the actor's life; a batch of input lines -> their output lines and failures."""
 
-    def __init__(self, config: "SessionConfig", field: str | None, compare: bool) -> None:
+    def __init__(self, config: "SessionConfig", field: str | None, compare: bool, batch_size: int = 1) -> None:
         from samctl.records import RecordRunner
         from samctl.session import Session
 
         # A UserError here (a missing model or store) goes back as data, the `fatal` column of
         # every row: Ray hands the driver a worker's exception without its type.
         self.fatal = ""
+        self.batch_size = batch_size
         try:
             self.runner = RecordRunner(Session(config), field=field, compare=compare)
         except UserError as err:
@@ -332,11 +334,17 @@ class _GenerateWorker:
             n = len(batch["number"])
             return {"number": batch["number"], "out": np.array([""] * n, dtype=object),
                     "failed": np.ones(n, dtype=bool), "fatal": np.array([self.fatal] * n, dtype=object)}
-        lines, failed = [], []
-        for number, line in zip(batch["number"], batch["line"]):
-            out, bad = self.runner.process(int(number), str(line))
-            lines.append(out)
-            failed.append(bad)
+        items = [(int(number), str(line)) for number, line in zip(batch["number"], batch["line"])]
+        if self.batch_size > 1:  # the batch's records on the batched engine, lines back in order
+            lines: list[str] = []
+            self.runner.batch_many(items, lines.append, quiet=True, total=None, batch_size=self.batch_size)
+            failed = ["error" in json.loads(line) for line in lines]
+        else:
+            lines, failed = [], []
+            for number, line in items:
+                out, bad = self.runner.process(number, line)
+                lines.append(out)
+                failed.append(bad)
         return {"number": batch["number"], "out": np.array(lines, dtype=object), "failed": np.array(failed),
                 "fatal": np.array([""] * len(lines), dtype=object)}
 
@@ -351,7 +359,7 @@ def _worker_count(ray, requested: int | None, threads: int, gpus: float) -> int:
 
 
 def generate_on_ray(opts: dict[str, Any], config: "SessionConfig", records: Iterable[tuple[int, str]],
-                    write: Callable[[str], None]) -> int:
+                    write: Callable[[str], None], batch_size: int = 1) -> int:
     """`generate --input` on Ray, each worker a Session of `config`: write each output line in
     input order; returns the failures."""
     from dataclasses import replace
@@ -371,8 +379,8 @@ def generate_on_ray(opts: dict[str, Any], config: "SessionConfig", records: Iter
     workers = min(len(items), _worker_count(ray, opts["workers"], threads, opts["gpus_per_worker"]))
     # Small blocks spread the records over the actors and let finished ones stream out in order.
     dataset = _map_actors(ray.data.from_items(items, override_num_blocks=min(len(items), 32 * workers)),
-                          _GenerateWorker, (config, opts["prompt_field"], opts["compare"]), workers,
-                          num_cpus=threads, num_gpus=opts["gpus_per_worker"] or None)
+                          _GenerateWorker, (config, opts["prompt_field"], opts["compare"], batch_size), workers,
+                          batch_size=batch_size, num_cpus=threads, num_gpus=opts["gpus_per_worker"] or None)
     failed = 0
     try:
         with progress_bar(f"generate on {workers} Ray worker(s)", "record", opts["quiet"], total=len(items)) as bar:

@@ -49,7 +49,7 @@ from samctl.textio import TEXT_FILE, check_utf8
 @click.option("--gpus-per-worker", type=float, default=0.0, show_default=True, help="--ray: GPUs each worker holds (0: CPU workers).")
 @click.option("--batch-size", type=int, default=None, help="Batch: records in flight at once on the batched engine, each "
               "output still exactly its own batch-1 output in float32 [default: 8 on a CPU, 32 on a GPU; 1 for methods "
-              "without a batched form (draft models, EAGLE, SDSAT), --quantize int8, --compare and --ray].")
+              "without a batched form (draft models, EAGLE, SDSAT), --quantize int8 and --compare; with --ray, per worker].")
 @click.option("--field", "prompt_field", metavar="NAME", help="Batch: the record field holding the prompt.")
 @click.option("--prediction", "prediction_file", type=TEXT_FILE,
               help="adaptive: the expected output (e.g. the file being edited), drafted from like the prompt; "
@@ -100,8 +100,9 @@ def generate(**opts: Any) -> None:
     if opts["ray_address"] is not None:
         from samctl.cluster import generate_on_ray
 
+        size = _batch_size(opts, config, on_gpu=opts["gpus_per_worker"] > 0)
         failed = _batch_to_output(opts, lambda records, write: generate_on_ray(
-            opts, session_config(opts, quiet=True), records, write))
+            opts, session_config(opts, quiet=True), records, write, batch_size=size))
         _exit_for(failed)
         return
     from samctl.records import RecordRunner, count_records
@@ -111,7 +112,7 @@ def generate(**opts: Any) -> None:
     if opts["input_file"] is not None:
         runner = RecordRunner(session, field=opts["prompt_field"], compare=opts["compare"])
         total = count_records(opts["input_file"])
-        size = _batch_size(opts, session)
+        size = _batch_size(opts, session.config, on_gpu=session.engine.device.type != "cpu")
         if size > 1:
             failed = _batch_to_output(opts, lambda records, write: runner.batch_many(records, write, opts["quiet"],
                                                                                    total, size))
@@ -149,16 +150,16 @@ def _single(session, text: str, opts: dict[str, Any], prediction: str | None) ->
     return mismatch
 
 
-def _batch_size(opts: dict[str, Any], session) -> int:
+def _batch_size(opts: dict[str, Any], config, on_gpu: bool) -> int:
     """--batch-size, or the default for the device; 1 (said once) where batching does not apply."""
     from samctl.decode.batch import batch_refusal
 
     asked = opts["batch_size"]
     if asked is not None and asked < 1:
         raise UserError(f"--batch-size must be >= 1, got {asked}")
-    why = batch_refusal(session.config.method)
+    why = batch_refusal(config.method)
     blocked = (why.rsplit(": use", 1)[0] if why else
-               "--quantize int8 runs one sequence at a time" if session.config.quantize == "int8" else
+               "--quantize int8 runs one sequence at a time" if config.quantize == "int8" else
                "--compare times records one at a time" if opts["compare"] else
                "--memory-file/--memory-save keep one drafter's memory" if opts["memory_file"] or opts["memory_save"]
                else "")
@@ -168,9 +169,11 @@ def _batch_size(opts: dict[str, Any], session) -> int:
         return 1
     if asked is not None:
         return asked
-    size = 8 if session.engine.device.type == "cpu" else 32
+    size = 32 if on_gpu else 8
     if not opts["quiet"]:
-        click.echo(f"samctl: up to {size} records in flight on the batched engine (--batch-size to change)", err=True)
+        where = " per Ray worker" if opts["ray_address"] is not None else ""
+        click.echo(f"samctl: up to {size} records in flight{where} on the batched engine (--batch-size to change)",
+                   err=True)
     return size
 
 
