@@ -14,6 +14,8 @@ import json
 from dataclasses import asdict
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
+import click
+
 from samctl.index.errors import UserError
 from samctl.progress import progress_bar
 from samctl.textio import check_utf8
@@ -52,6 +54,7 @@ class RecordRunner:
         input order as soon as every earlier line of the window is written."""
         failed = 0
         window = 4 * batch_size
+        self._quiet, self._noted = quiet, set()
         with progress_bar("generate", "record", quiet, total=total) as progress, progress.heartbeat():
             chunk: list[tuple[int, str]] = []
             for item in records:
@@ -102,7 +105,14 @@ class RecordRunner:
                 outputs[pos] = self.process(number, line)
         flush()
         if batched:
-            self.session.generate_batch([b[2] for b in batched], batch_size=batch_size, on_result=done)
+            from samctl.decode.batch import BatchStats
+
+            stats = BatchStats()
+            self.session.generate_batch([b[2] for b in batched], batch_size=batch_size, on_result=done, stats=stats)
+            for note in stats.notes:  # an out-of-memory that halved the batch, said once
+                if note not in self._noted and not self._quiet:
+                    self._noted.add(note)
+                    click.echo(f"samctl: note: {note}", err=True)
         flush()
         return sum(bad for _, bad in outputs)
 

@@ -234,6 +234,7 @@ def test_real_gguf_every_method_matches_transformers_greedy(tmp_path, private_ca
     corpus = np.asarray(engine.encode(" ".join(prompts) + " red, green and blue. def f(count): return count", False),
                         dtype=np.int32)
     static = SuffixAutomaton.build(corpus, np.array([0, len(corpus)]))
+    expectations = []
     for text in prompts:
         ids = engine.encode(text, chat=True)
         with torch.inference_mode():
@@ -247,6 +248,18 @@ def test_real_gguf_every_method_matches_transformers_greedy(tmp_path, private_ca
                                    static=static if uses_store(method) else None)
             tokens = generate(engine.target, drafter, ids, config).tokens
             assert tokens == expected[: len(tokens)] and len(tokens) == len(expected), (method, text)
+        expectations.append(expected)
+    # The batched engine: both prompts in flight together, each record equal to its own output;
+    # a flat cost curve, so that the budget drafts and rows verify trees of different shapes.
+    from samctl.decode.batch import generate_batch
+
+    batch = [engine.encode(text, chat=True) for text in prompts]
+    for method in ("adaptive", "pld", "ar"):
+        def fresh():
+            return make_drafter(method, vocab_size=engine.vocab_size, device=engine.device,
+                                eos_token_ids=engine.eos_token_ids, config=MethodConfig())
+        results = generate_batch(engine.model, fresh, batch, config, 2, cost_ms=np.full(64, 10.0))
+        assert [r.tokens for r in results] == expectations, method
 
 
 def test_get_smollm2_extracts_only_a_file_with_the_expected_digest(tmp_path):
