@@ -254,7 +254,8 @@ def test_resume_after_a_kill_skips_finished_records(model_dir, tmp_path):
     proc.wait()
     done_before = out.read_text().count("\n")
     resumed = samctl(*common[3:], "--output", str(out), "--resume")
-    assert resumed.returncode == 1, resumed.stderr
+    # The bad line (the 6th) fails again only if the kill came before it was written.
+    assert resumed.returncode == (1 if done_before <= 5 else 0), (done_before, resumed.stderr)
 
     def strip(path) -> list[dict]:
         return [{k: v for k, v in json.loads(line).items() if k != "metrics"} for line in path.read_text().splitlines()]
