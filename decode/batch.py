@@ -1,7 +1,9 @@
 """Batched lossless speculative decoding with continuous refill.
 
 Up to `batch_size` records are in flight, each with its own drafter instance, in the slots of one
-`BatchedTarget`. Each step:
+`BatchedTarget`. `BatchRun` is the one step loop: records are submitted to its queue at any time
+(a JSONL batch all at once, a server as requests arrive), each with its own generation length,
+sampling, prediction and token callback, and each step runs:
 
     1) propose  every row's drafter proposes a tree for its pending token, with per-node path
                 acceptance estimates (`propose_scored`, else `TreeCalibration`)
@@ -11,13 +13,14 @@ Up to `batch_size` records are in flight, each with its own drafter instance, in
                 host in the step's only synchronization; each row walks its own tree
     5) commit   the accepted paths are kept with one gather; tokens emitted per row
     6) observe  each drafter sees its committed tokens and its own inputs' logits
-    7) refill   finished rows leave (results go out at once); the queue's next records are
-                prefilled together in one forward into the free slots, the rest packed down
+    7) refill   finished and cancelled rows leave (results go out at once); the queue's next
+                records are prefilled together in one forward into the free slots, the rest
+                packed down
 
 Every record's output is what `decode.loop.generate` gives it alone: greedy equals plain greedy
 decoding token for token (up to floating-point summation order, which a batch of other rows
 changes as a wider verify does), and with sampling each row keeps the loop's one-draw-per-node
-rule, so it follows the model's distribution. In half precision (float16, bfloat16) a row's logits
+rule with its own temperature, top-k and top-p, so it follows the model's distribution. In half precision (float16, bfloat16) a row's logits
 differ from its batch-1 logits by rounding that depends on the batch's shape, so a greedy output
 may part from batch-1's at a near-tie, as a wider verify block already makes it at batch 1;
 acceptance stays exact with respect to the logits each step computes. Drafters that need more than ids and logits
@@ -25,7 +28,7 @@ acceptance stays exact with respect to the logits each step computes. Drafters t
 
 A bad record (empty, longer than the context) gets an "error" result and never stalls the batch.
 An out-of-memory in a forward halves the batch size, puts the rows it drops back at the head of
-the queue (they restart; nothing of theirs was emitted yet) and goes on. Runs eagerly (no CUDA
+the queue (they restart; nothing of theirs was emitted yet, unless they stream) and goes on. Runs eagerly (no CUDA
 graphs).
 """
 from __future__ import annotations
@@ -33,7 +36,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -44,7 +47,7 @@ from samctl.decode.engine.batched import BatchedTarget, measure_batch_cost
 from samctl.decode.engine.transfer import to_device
 from samctl.decode.loop import GenerationConfig, _make_generator, _Output
 from samctl.decode.methods import REGISTRY, method as method_entry
-from samctl.decode.metrics import Metrics
+from samctl.decode.metrics import Metrics, PredictionUsage
 from samctl.decode.sampling import choose_tokens
 from samctl.decode.tree import DraftTree, walk_tree
 from samctl.index.errors import UserError
@@ -83,11 +86,12 @@ def _check_drafter(drafter: Drafter) -> None:
 
 @dataclass
 class BatchResult:
-    index: int  # the record's position in the input
+    index: Any  # the record's key: its position in the input for stream_batch
     tokens: list[int]  # new tokens, EOS included when generation stopped on it
-    finish_reason: str  # "eos" | "length" | "error"
+    finish_reason: str  # "eos" | "length" | "stop" (on_tokens asked) | "cancelled" | "error"
     metrics: Metrics
     error: str = ""  # what was wrong with the record, for "error"
+    prediction: PredictionUsage | None = None  # when the record had a prediction and its drafter counts it
 
 
 @dataclass
@@ -123,15 +127,31 @@ class BatchStats:
         }
 
 
+@dataclass
+class _Waiting:
+    """A record in the queue: what its row needs once a slot is free."""
+
+    key: Any
+    prompt: np.ndarray  # [n] int64 host token ids
+    config: GenerationConfig
+    pool: DrafterPool
+    generator: torch.Generator | None
+    on_tokens: Callable[[list[int]], bool | None] | None
+    prediction: np.ndarray | None  # [p] int32 expected output, drafted from by this row only
+
+
 class _Row:
     """One record in flight: its drafter, its output so far, its pending token."""
 
-    def __init__(self, index: int, prompt: np.ndarray, drafter: Drafter, config: GenerationConfig) -> None:
-        self.index, self.prompt, self.drafter = index, prompt, drafter
-        self.out = _Output(config, None)
+    def __init__(self, waiting: _Waiting, drafter: Drafter) -> None:
+        self.key, self.prompt, self.config = waiting.key, waiting.prompt, waiting.config
+        self.pool, self.generator, self.prediction = waiting.pool, waiting.generator, waiting.prediction
+        self.drafter = drafter
+        self.out = _Output(waiting.config, waiting.on_tokens)
         self.metrics = Metrics()
         self.t0 = -1
         self.started = time.perf_counter()
+        self.cancelled = False
         self.scored = getattr(drafter, "propose_scored", None)
         self.keep_first = getattr(drafter, "keep_first", None)
         # this step's draft: tree, path probabilities, whether it is a prefix of the proposal
@@ -140,12 +160,302 @@ class _Row:
         self.prefix = True
 
 
+class DrafterPool:
+    """Idle drafters of one method, reused by later records (as batch 1 reuses its one drafter:
+    calibration, Token Recycle's table and memory carry over). `give` takes a drafter back with
+    the record's whole output; a subclass may share that output with other drafters."""
+
+    def __init__(self, make: Callable[[], Drafter]) -> None:
+        self.make = make
+        self.idle: list[Drafter] = []
+
+    def take(self) -> Drafter:
+        return self.idle.pop() if self.idle else self.make()
+
+    def give(self, drafter: Drafter, output: np.ndarray) -> None:
+        self.idle.append(drafter)
+
+
 class _OutOfMemory(Exception):
     pass
 
 
 def _is_oom(err: BaseException) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError) and "out of memory" in str(err))
+
+
+class BatchRun:
+    """Up to `batch_size` records in the slots of one BatchedTarget, and a queue behind them.
+
+    `submit` queues a record (any time, also between steps of a running batch); each `step`
+    lets cancelled rows leave, admits queued records into free slots (prefilled together), runs
+    one verify step over every row and returns the results of the records that finished. Every
+    submitted key gets exactly one result. `drain` steps until nothing is left. Not thread-safe:
+    one thread owns a run (it runs the model).
+
+    `cost_ms`: [n] ms of a batched forward over 1..n total input tokens (`measure_batch_cost`;
+    measured here when None); `max_width`: most draft nodes a row verifies per step;
+    `max_prefill_tokens`: newcomers are prefilled together while their padded block stays within
+    it; `capacity`: initial cache length per row (it grows when a longer record comes)."""
+
+    def __init__(self, model: torch.nn.Module, batch_size: int = 8, *, cost_ms: np.ndarray | None = None,
+                 max_width: int = 16, max_prefill_tokens: int = 8192, capacity: int = 256,
+                 stats: BatchStats | None = None) -> None:
+        if batch_size < 1 or max_width < 0:
+            raise UserError(f"batch size must be >= 1 (got {batch_size}) and the draft width >= 0 (got {max_width})")
+        self.target = BatchedTarget(model, batch_size, max(capacity, max_width + 4))  # the cache allocates lazily
+        self.cost_ms = measure_batch_cost(model, batch_size, max(1, min(max_width, 8))) if cost_ms is None else cost_ms
+        self.max_width, self.max_prefill_tokens = max_width, max_prefill_tokens
+        self.stats = stats if stats is not None else BatchStats()
+        self.stats.batch_size = batch_size
+        self.calibration = TreeCalibration()
+        self.active: list[_Row] = []  # row b of `active` is slot b of the cache
+        self.pending: deque[_Waiting] = deque()
+        self._cancelled: set = set()
+
+    @property
+    def max_positions(self) -> int:
+        return self.target.max_positions
+
+    @property
+    def running(self) -> int:
+        return len(self.active)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.pending)
+
+    @property
+    def idle(self) -> bool:
+        return not self.active and not self.pending
+
+    def submit(self, key: Any, prompt: Sequence[int], config: GenerationConfig, pool: DrafterPool, *,
+               generator: torch.Generator | None = None, on_tokens: Callable[[list[int]], bool | None] | None = None,
+               prediction: Sequence[int] | None = None) -> None:
+        """Queue a record. `generator`: the row's random draws when config.sampling samples (rows
+        may share one); `on_tokens` gets each step's committed tokens and may return True to stop
+        (finish reason "stop"); `prediction`: token ids of the expected output, for a drafter with
+        `expect`. A prompt that is empty or fills the context is a UserError."""
+        ids = np.asarray(prompt, dtype=np.int64).reshape(-1)
+        error = _record_error(ids, self.target.max_positions)
+        if error:
+            raise UserError(error)
+        if generator is None and not config.sampling.greedy:
+            generator = _make_generator(config.sampling, self.target.device)
+        self.pending.append(_Waiting(key, ids, config, pool, generator, on_tokens,
+                                     None if prediction is None else np.asarray(prediction, dtype=np.int32)))
+
+    def cancel(self, key: Any) -> None:
+        """The record `key` leaves at the next step (result "cancelled"), queued or in flight."""
+        self._cancelled.add(key)
+
+    def drain(self) -> Iterator[BatchResult]:
+        while not self.idle:
+            yield from self.step()
+
+    def step(self) -> list[BatchResult]:
+        """Cancelled rows leave, newcomers take the free slots, one verify step -> the results of
+        the records that finished."""
+        done = self._leave_cancelled()
+        # 7) refill: newcomers take the free slots, prefilled in batched forwards
+        try:
+            self._admit()
+        except _OutOfMemory:
+            return done + self._halve()
+        done += [self._retire(r) for r in [r for r in self.active if r.out.done]]  # done on its first token
+        if not self.active:
+            return done
+        try:
+            finished = self._step()
+        except _OutOfMemory:
+            return done + self._halve()
+        return done + [self._retire(row) for row in finished]
+
+    def _leave_cancelled(self) -> list[BatchResult]:
+        if not self._cancelled:
+            return []
+        done = []
+        for row in [r for r in self.active if r.key in self._cancelled]:
+            row.out.finish_reason = "cancelled"
+            done.append(self._retire(row))
+        kept = [w for w in self.pending if w.key not in self._cancelled]
+        done += [BatchResult(w.key, [], "cancelled", Metrics()) for w in self.pending if w.key in self._cancelled]
+        self.pending = deque(kept)
+        self._cancelled.clear()
+        return done
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def _step(self) -> list[_Row]:
+        # -> the rows that finished this step. Row b of `active` is slot b of the cache.
+        target, active, stats = self.target, self.active, self.stats
+        tic = time.perf_counter()
+        # 1) propose: each row's tree and its nodes' path probabilities
+        fixed = 0  # widest tree that cannot be cut (context rows: lookahead's window)
+        for b, row in enumerate(active):
+            t_draft = time.perf_counter()
+            room = min(row.out.remaining - 1, target.max_positions - int(target.lengths[b]) - 1)
+            _propose(row, self.calibration, max(room, 0))
+            if row.tree.accept_limit is not None:
+                fixed = max(fixed, len(row.tree))
+            row.metrics.draft_s += time.perf_counter() - t_draft
+        # 2) budget: one width for the step, each row keeps a prefix of its tree
+        width = choose_width([r.probs for r in active], self.cost_ms, self.max_width, fixed)
+        for row in active:
+            if row.tree.accept_limit is None and len(row.tree) > width:
+                row.tree = _prefix(row.tree, width)
+                if row.keep_first is not None and row.prefix:
+                    row.keep_first(width)
+        trees = [r.tree for r in active]
+        inputs = [_verify_input(r.t0, r.tree, target.device) for r in active]
+
+        # 3) verify
+        t_forward = time.perf_counter()
+        try:
+            logits, offsets = target.verify(inputs, trees)
+        except (RuntimeError, torch.OutOfMemoryError) as err:
+            if _is_oom(err) and target.rows > 1:
+                raise _OutOfMemory() from err
+            raise
+        forward_s = time.perf_counter() - t_forward
+
+        # 4) accept: one draw (or argmax) per real input, each row by its own sampling, one host sync
+        flat = torch.cat(inputs)
+        choices = _choose(active, logits, offsets)
+        host = torch.stack((flat, choices)).cpu().numpy()  # the step's one host sync
+        paths = []
+        for b, tree in enumerate(trees):
+            ids, chosen = host[0, offsets[b]: offsets[b + 1]], host[1, offsets[b]: offsets[b + 1]]
+            paths.append(walk_tree(tree.parents, ids[1:], chosen, tree.drafts))
+
+        # 5) commit: tokens go out per row as they are committed (on_tokens)
+        target.keep(paths)
+        finished = []
+        for b, (row, tree, path) in enumerate(zip(active, trees, paths)):
+            ids = host[0, offsets[b]: offsets[b + 1]]
+            committed = ids[path]
+            bonus = int(host[1, offsets[b] + path[-1]])
+            before = len(row.out.tokens)
+            row.out.emit([int(t) for t in committed[1:]] + [bonus])
+            row.metrics.record_step(drafted=tree.drafts, accepted=min(len(path) - 1, len(row.out.tokens) - before))
+            row.metrics.verify_s += forward_s
+            if row.scored is None:
+                self.calibration.learn(tree.parents, tree.drafts, path)
+            row.t0 = bonus
+            # 6) observe
+            t_draft = time.perf_counter()
+            if row.out.done or target.lengths[b] + 1 >= target.max_positions:
+                finished.append(row)
+            else:
+                row.drafter.observe(committed, flat[offsets[b]: offsets[b + 1]], logits[offsets[b]: offsets[b + 1]])
+            row.metrics.record_draft(time.perf_counter() - t_draft)
+        stats.steps += 1
+        stats.rows_per_step.append(len(active))
+        stats.width_per_step.append(width)
+        stats.forward_s += forward_s
+        stats.host_s += time.perf_counter() - tic - forward_s
+        return finished
+
+    # -- admission, retirement, out-of-memory ------------------------------------------------------
+
+    def _admit(self) -> None:
+        # Fills slots len(active).. from the queue. The records that fit are taken in queue order,
+        # then prefilled shortest first in groups of similar length (the longest at most 1.5x the
+        # shortest) whose padded block [k, longest] stays within max_prefill_tokens (at least one
+        # per group): padding costs forward time like real tokens. While other rows are decoding,
+        # one group per step, so a wave of newcomers delays them by one prefill; the rest go back
+        # to the head of the queue.
+        target, active, pending, stats = self.target, self.active, self.pending, self.stats
+        decoding = bool(active)
+        while pending and len(active) < target.rows:
+            wave = sorted((pending.popleft() for _ in range(min(len(pending), target.rows - len(active)))),
+                          key=lambda w: len(w.prompt))
+            group: list[_Waiting] = []
+            for w in wave:
+                n = len(w.prompt)
+                if group and (n * (len(group) + 1) > self.max_prefill_tokens or n > 1.5 * len(group[0].prompt)):
+                    break
+                group.append(w)
+            pending.extendleft(reversed(wave[len(group):]))
+            slots = list(range(len(active), len(active) + len(group)))
+            longest = max(len(w.prompt) + w.config.max_new_tokens for w in group)
+            target.reserve(min(longest, target.max_positions) + self.max_width + 2)
+            newcomers = [_Row(w, w.pool.take()) for w in group]
+            wants_all = [getattr(r.drafter, "prefill_logits", "last") == "all" for r in newcomers]
+            tic = time.perf_counter()
+            try:
+                logits = target.prefill(slots, [r.prompt for r in newcomers], wants_all)
+            except (RuntimeError, torch.OutOfMemoryError) as err:
+                if _is_oom(err) and target.rows > 1:
+                    pending.extendleft(reversed(group))
+                    raise _OutOfMemory() from err
+                raise
+            last = torch.stack([lg[-1] for lg in logits])  # [k, V]
+            firsts = _choose(newcomers, last, np.arange(len(newcomers) + 1)).cpu().numpy()  # the prefill's one sync
+            elapsed = time.perf_counter() - tic
+            stats.prefill_s += elapsed
+            stats.prefills += 1
+            for row, lg, t0 in zip(newcomers, logits, firsts):
+                row.metrics.prefill_s = elapsed
+                t_draft = time.perf_counter()
+                expect = getattr(row.drafter, "expect", None)
+                if expect is not None:  # this row's prediction, or none (a reused drafter forgets the last)
+                    expect(row.prediction)
+                row.drafter.start(row.prompt, lg)
+                row.metrics.draft_s += time.perf_counter() - t_draft
+                row.t0 = int(t0)
+                row.out.emit([row.t0])
+                active.append(row)
+            if decoding:
+                return
+
+    def _retire(self, row: _Row) -> BatchResult:
+        # Takes `row` out of slot b; the last row moves into the hole so rows stay packed in [0, A).
+        target, active = self.target, self.active
+        b = active.index(row)
+        last = len(active) - 1
+        if b != last:
+            target.move_row(last, b)
+            active[b] = active[last]
+        else:
+            target.lengths[b] = 0
+        active.pop()
+        if not row.out.done:
+            row.out.finish_reason = "length"  # the model's context is full
+        output = np.asarray(row.out.tokens, dtype=np.int64)
+        finish = getattr(row.drafter, "finish", None)
+        if finish is not None:
+            finish(output)
+        usage = getattr(row.drafter, "prediction_usage", None)
+        prediction = usage() if row.prediction is not None and len(row.prediction) and usage is not None else None
+        row.pool.give(row.drafter, output)
+        row.metrics.new_tokens = len(row.out.tokens)
+        row.metrics.time_s = time.perf_counter() - row.started
+        self.stats.records += 1
+        self.stats.new_tokens += len(row.out.tokens)
+        return BatchResult(row.key, row.out.tokens, row.out.finish_reason, row.metrics, prediction=prediction)
+
+    def _halve(self) -> list[BatchResult]:
+        # Out of memory: rows in slots >= half leave the cache. Those that emitted nothing to an
+        # `on_tokens` yet go back to the head of the queue, in submission order, and restart; a
+        # row whose tokens already streamed out cannot restart and ends with an error.
+        target, stats = self.target, self.stats
+        before = target.rows
+        half = max(1, before // 2)
+        dropped = self.active[half:]
+        del self.active[half:]
+        target.shrink(half)
+        failed = []
+        for row in reversed(dropped):
+            if row.out.on_tokens is None:
+                self.pending.appendleft(_Waiting(row.key, row.prompt, row.config, row.pool, row.generator, None,
+                                                 row.prediction))
+            else:
+                failed.append(BatchResult(row.key, row.out.tokens, "error", row.metrics,
+                                          f"out of memory at batch size {before}: retry the request"))
+        stats.batch_size = half
+        stats.notes.append(f"out of memory at batch size {before}: continuing at {half}")
+        return failed
 
 
 def stream_batch(
@@ -160,60 +470,35 @@ def stream_batch(
     max_prefill_tokens: int = 8192,
     stats: BatchStats | None = None,
 ) -> Iterator[BatchResult]:
-    """Generate for every prompt (host token ids) with up to `batch_size` in flight; yields each
-    record's result as soon as it finishes (`index` says which). `make_drafter()` builds one drafter
-    per slot (reused for the slot's later records, like batch-1 reuses one). `cost_ms`: [n] ms of a
-    batched forward over 1..n total input tokens (`measure_batch_cost`; measured here when None);
-    `max_width`: most draft nodes a row verifies per step; `max_prefill_tokens`: newcomers are
-    prefilled together while their padded block stays within it. `stats` is filled if given."""
+    """Generate for every prompt (host token ids) with up to `batch_size` in flight (a BatchRun);
+    yields each record's result as soon as it finishes (`index` says which). `make_drafter()`
+    builds one drafter per slot, reused for the slot's later records, as batch 1 reuses one.
+    The other arguments are BatchRun's; `stats` is filled if given."""
     stats = stats if stats is not None else BatchStats()
     start = time.perf_counter()
     records = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
     if batch_size < 1 or max_width < 0:
         raise UserError(f"batch size must be >= 1 (got {batch_size}) and the draft width >= 0 (got {max_width})")
-    pending: deque[int] = deque()
     max_positions = BatchedTarget(model, 1, 2).max_positions  # cheap: the cache allocates lazily
+    valid = []
     for i, prompt in enumerate(records):
         error = _record_error(prompt, max_positions)
         if error:
             stats.records += 1
             yield BatchResult(i, [], "error", Metrics(), error)
         else:
-            pending.append(i)
-    if not pending:
-        stats.time_s = time.perf_counter() - start
-        return
-    longest = max(len(records[i]) for i in pending)
-    capacity = longest + config.max_new_tokens + max_width + 2
-    rows = min(batch_size, len(pending))
-    target = BatchedTarget(model, rows, capacity)
-    drafters = [make_drafter() for _ in range(rows)]
-    _check_drafter(drafters[0])
-    if cost_ms is None:
-        cost_ms = measure_batch_cost(model, rows, max(1, min(max_width, 8)))
-    generator = _make_generator(config.sampling, target.device)
-    calibration = TreeCalibration()
-    active: list[_Row] = []
-    stats.batch_size = rows
-
-    while pending or active:
-        # 7) refill: newcomers take the free slots, prefilled in batched forwards
-        try:
-            _admit(target, active, drafters, pending, records, config, generator, max_prefill_tokens, stats)
-        except _OutOfMemory:
-            _halve(target, active, drafters, pending, stats)
-            continue
-        for row in [r for r in active if r.out.done]:  # a newcomer may finish on its first token
-            yield _retire(target, active, drafters, row, stats)
-        if not active:
-            continue
-        try:
-            finished = _step(target, active, config, generator, calibration, cost_ms, max_width, stats)
-        except _OutOfMemory:
-            _halve(target, active, drafters, pending, stats)
-            continue
-        for row in finished:
-            yield _retire(target, active, drafters, row, stats)
+            valid.append(i)
+    if valid:
+        pool = DrafterPool(make_drafter)
+        pool.idle.append(make_drafter())
+        _check_drafter(pool.idle[0])
+        capacity = max(len(records[i]) for i in valid) + config.max_new_tokens + max_width + 2
+        run = BatchRun(model, min(batch_size, len(valid)), cost_ms=cost_ms, max_width=max_width,
+                       max_prefill_tokens=max_prefill_tokens, capacity=capacity, stats=stats)
+        generator = _make_generator(config.sampling, run.target.device)  # one stream of draws for the batch
+        for i in valid:
+            run.submit(i, records[i], config, pool, generator=generator)
+        yield from run.drain()
     stats.time_s = time.perf_counter() - start
 
 
@@ -243,78 +528,20 @@ def _record_error(prompt: np.ndarray, max_positions: int) -> str:
     return ""
 
 
-# -- the step -----------------------------------------------------------------------------------
-
-
-def _step(target: BatchedTarget, active: list[_Row], config: GenerationConfig, generator: torch.Generator | None,
-          calibration: TreeCalibration, cost_ms: np.ndarray, max_width: int, stats: BatchStats) -> list[_Row]:
-    # -> the rows that finished this step. Row b of `active` is slot b of the cache.
-    tic = time.perf_counter()
-    # 1) propose: each row's tree and its nodes' path probabilities
-    fixed = 0  # widest tree that cannot be cut (context rows: lookahead's window)
-    for b, row in enumerate(active):
-        t_draft = time.perf_counter()
-        room = min(row.out.remaining - 1, target.max_positions - int(target.lengths[b]) - 1)
-        _propose(row, calibration, max(room, 0))
-        if row.tree.accept_limit is not None:
-            fixed = max(fixed, len(row.tree))
-        row.metrics.draft_s += time.perf_counter() - t_draft
-    # 2) budget: one width for the step, each row keeps a prefix of its tree
-    width = choose_width([r.probs for r in active], cost_ms, max_width, fixed)
-    for row in active:
-        if row.tree.accept_limit is None and len(row.tree) > width:
-            row.tree = _prefix(row.tree, width)
-            if row.keep_first is not None and row.prefix:
-                row.keep_first(width)
-    trees = [r.tree for r in active]
-    inputs = [_verify_input(r.t0, r.tree, target.device) for r in active]
-
-    # 3) verify
-    t_forward = time.perf_counter()
-    try:
-        logits, offsets = target.verify(inputs, trees)
-    except (RuntimeError, torch.OutOfMemoryError) as err:
-        if _is_oom(err) and target.rows > 1:
-            raise _OutOfMemory() from err
-        raise
-    forward_s = time.perf_counter() - t_forward
-
-    # 4) accept: one draw (or argmax) per real input, all rows, one host sync
-    flat = torch.cat(inputs)
-    choices = choose_tokens(logits, config.sampling, generator)
-    host = torch.stack((flat, choices)).cpu().numpy()  # the step's one host sync
-    paths = []
-    for b, tree in enumerate(trees):
-        ids, chosen = host[0, offsets[b]: offsets[b + 1]], host[1, offsets[b]: offsets[b + 1]]
-        paths.append(walk_tree(tree.parents, ids[1:], chosen, tree.drafts))
-
-    # 5) commit
-    target.keep(paths)
-    finished = []
-    for b, (row, tree, path) in enumerate(zip(active, trees, paths)):
-        ids = host[0, offsets[b]: offsets[b + 1]]
-        committed = ids[path]
-        bonus = int(host[1, offsets[b] + path[-1]])
-        before = len(row.out.tokens)
-        row.out.emit([int(t) for t in committed[1:]] + [bonus])
-        row.metrics.record_step(drafted=tree.drafts, accepted=min(len(path) - 1, len(row.out.tokens) - before))
-        row.metrics.verify_s += forward_s
-        if row.scored is None:
-            calibration.learn(tree.parents, tree.drafts, path)
-        row.t0 = bonus
-        # 6) observe
-        t_draft = time.perf_counter()
-        if row.out.done or target.lengths[b] + 1 >= target.max_positions:
-            finished.append(row)
-        else:
-            row.drafter.observe(committed, flat[offsets[b]: offsets[b + 1]], logits[offsets[b]: offsets[b + 1]])
-        row.metrics.record_draft(time.perf_counter() - t_draft)
-    stats.steps += 1
-    stats.rows_per_step.append(len(active))
-    stats.width_per_step.append(width)
-    stats.forward_s += forward_s
-    stats.host_s += time.perf_counter() - tic - forward_s
-    return finished
+def _choose(rows: Sequence[_Row], logits: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
+    # logits: [N, V], rows' inputs concatenated, row b's at offsets[b]:offsets[b + 1] -> [N] int64:
+    # the target's choice at every input, by each row's own sampling (argmax for greedy rows).
+    # Neighbouring rows with the same sampling and generator draw in one call.
+    if all(r.config.sampling.greedy for r in rows):
+        return logits.argmax(dim=-1)
+    parts, b = [], 0
+    while b < len(rows):
+        e = b + 1
+        while e < len(rows) and rows[e].config.sampling == rows[b].config.sampling and rows[e].generator is rows[b].generator:
+            e += 1
+        parts.append(choose_tokens(logits[offsets[b]: offsets[e]], rows[b].config.sampling, rows[b].generator))
+        b = e
+    return torch.cat(parts)
 
 
 def _propose(row: _Row, calibration: TreeCalibration, room: int) -> None:
@@ -359,93 +586,3 @@ def _verify_input(t0: int, tree: DraftTree, device: torch.device) -> torch.Tenso
     ids[0] = t0
     ids[1:] = tokens
     return to_device(ids, device)
-
-
-# -- admission, retirement, out-of-memory --------------------------------------------------------
-
-
-def _admit(target: BatchedTarget, active: list[_Row], drafters: list[Drafter], pending: deque[int],
-           records: list[np.ndarray], config: GenerationConfig, generator: torch.Generator | None,
-           max_prefill_tokens: int, stats: BatchStats) -> None:
-    # Fills slots len(active).. from the queue. The records that fit are taken in queue order,
-    # then prefilled shortest first in groups of similar length (the longest at most 1.5x the
-    # shortest) whose padded block [k, longest] stays within max_prefill_tokens (at least one per
-    # group): padding costs forward time like real tokens. While other rows are decoding, one
-    # group per step, so a wave of newcomers delays them by one prefill; the rest go back to the
-    # head of the queue.
-    decoding = bool(active)
-    while pending and len(active) < target.rows:
-        wave = sorted((pending.popleft() for _ in range(min(len(pending), target.rows - len(active)))),
-                      key=lambda i: len(records[i]))
-        group: list[int] = []
-        for i in wave:
-            n = len(records[i])
-            if group and (n * (len(group) + 1) > max_prefill_tokens or n > 1.5 * len(records[group[0]])):
-                break
-            group.append(i)
-        pending.extendleft(reversed(wave[len(group):]))
-        slots = list(range(len(active), len(active) + len(group)))
-        newcomers = [_Row(i, records[i], drafters[s], config) for i, s in zip(group, slots)]
-        wants_all = [getattr(r.drafter, "prefill_logits", "last") == "all" for r in newcomers]
-        tic = time.perf_counter()
-        try:
-            logits = target.prefill(slots, [r.prompt for r in newcomers], wants_all)
-        except (RuntimeError, torch.OutOfMemoryError) as err:
-            if _is_oom(err) and target.rows > 1:
-                pending.extendleft(reversed(group))
-                raise _OutOfMemory() from err
-            raise
-        last = torch.stack([lg[-1] for lg in logits])  # [k, V]
-        firsts = choose_tokens(last, config.sampling, generator).cpu().numpy()  # the prefill's one sync
-        elapsed = time.perf_counter() - tic
-        stats.prefill_s += elapsed
-        stats.prefills += 1
-        for row, lg, t0 in zip(newcomers, logits, firsts):
-            row.metrics.prefill_s = elapsed
-            t_draft = time.perf_counter()
-            row.drafter.start(row.prompt, lg)
-            row.metrics.draft_s += time.perf_counter() - t_draft
-            row.t0 = int(t0)
-            row.out.emit([row.t0])
-            active.append(row)
-        if decoding:
-            return
-
-
-def _retire(target: BatchedTarget, active: list[_Row], drafters: list[Drafter], row: _Row,
-            stats: BatchStats) -> BatchResult:
-    # Takes `row` out of slot b; the last row moves into the hole so rows stay packed in [0, A).
-    b = active.index(row)
-    last = len(active) - 1
-    if b != last:
-        target.move_row(last, b)
-        active[b] = active[last]
-        drafters[b], drafters[last] = drafters[last], drafters[b]
-    else:
-        target.lengths[b] = 0
-    active.pop()
-    if not row.out.done:
-        row.out.finish_reason = "length"  # the model's context is full
-    finish = getattr(row.drafter, "finish", None)
-    if finish is not None:
-        finish(np.asarray(row.out.tokens, dtype=np.int64))
-    row.metrics.new_tokens = len(row.out.tokens)
-    row.metrics.time_s = time.perf_counter() - row.started
-    stats.records += 1
-    stats.new_tokens += len(row.out.tokens)
-    return BatchResult(row.index, row.out.tokens, row.out.finish_reason, row.metrics)
-
-
-def _halve(target: BatchedTarget, active: list[_Row], drafters: list[Drafter], pending: deque[int],
-           stats: BatchStats) -> None:
-    # Out of memory: rows in slots >= half go back to the head of the queue, in input order, and
-    # restart later (nothing of theirs was emitted); the cache keeps the first half.
-    before = target.rows
-    half = max(1, before // 2)
-    dropped = active[half:]
-    del active[half:]
-    pending.extendleft(sorted((r.index for r in dropped), reverse=True))
-    target.shrink(half)
-    del drafters[half:]
-    stats.batch_size = half
-    stats.notes.append(f"out of memory at batch size {before}: continuing at {half}")
