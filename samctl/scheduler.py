@@ -13,10 +13,10 @@ asyncio.Queue):
 
 The contract a scheduler keeps (`submit`, `close`, `running`, `waiting`): every submitted job
 gets exactly one of done / error / cancelled, last; a cancelled job stops at its next step and
-frees its slot; `close` finishes what was submitted, then returns. `SerialScheduler` runs one job
-at a time (batch 1). A batched engine runs many jobs at once behind the same contract: it is the
-one class to add, chosen in `samctl.server.create_app` (its `scheduler` argument); jobs, the
-HTTP side and the counts stay as they are.
+frees its slot; `close` finishes what was submitted, then returns. `BatchScheduler` (the
+server's default) runs up to --batch-size jobs at once as rows of the batched engine
+(decode.batch.BatchRun), refilling free slots between steps; `SerialScheduler` runs one job at a
+time (batch 1, --batch-size 1).
 
 This module knows Sessions, token ids and text; not HTTP, not pydantic.
 """
@@ -24,9 +24,14 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Protocol
 
+import numpy as np
+
+from samctl.decode.batch import DrafterPool
+from samctl.decode.loop import GenerationResult
 from samctl.decode.sampling import SamplingConfig
 from samctl.detok import IncrementalDetokenizer
 from samctl.index.errors import UserError
@@ -138,8 +143,9 @@ class Request:
 
 
 class Job:
-    """One request on the worker thread: resolves its session and prompt, generates, and turns
-    tokens into text events; `cancel` (from any thread) stops it at its next step."""
+    """One request on the worker thread: resolves its session and prompt (`prepare`), generates
+    (`run` at batch 1, or as a row of the batched engine) and turns tokens into text events;
+    `cancel` (from any thread) stops it at its next step."""
 
     def __init__(self, request: Request, sessions: Sessions, sink: Sink) -> None:
         self.request, self.sessions, self.sink = request, sessions, sink
@@ -151,33 +157,42 @@ class Job:
         self.cancelled.set()
 
     def run(self) -> None:
+        """Batch 1: prepare, generate on the session's own drafter, finish."""
+        prepared = self.prepare()
+        if prepared is not None:
+            self.generate(*prepared)
+
+    def prepare(self) -> tuple[Any, list[int], int] | None:
+        """(session, prompt ids, max new tokens), with "started" sent; None when the job ended here
+        (cancelled, or refused: its error is sent)."""
         if self.cancelled.is_set():
             self.sink(("cancelled",))
-            return
+            return None
         r = self.request
         try:
-            # 1) the session and the prompt's ids
             session = self.sessions.get(r.store, r.method)
             ids = self._encode(session)
-            self._detok = IncrementalDetokenizer(session.decode)
-            # no answer outgrows the context, so a larger max_tokens would only size the KV cache
-            room = session.engine.target.max_positions - len(ids)
-            max_new_tokens = min(r.max_new_tokens or session.config.max_new_tokens, room)
-            self.sink(("started", len(ids)))
-            # 2) generate, text streaming through on_tokens
-            result = session.generate(ids, prediction=r.prediction, on_tokens=self._on_tokens,
+        except Exception as err:
+            self.fail(err)
+            return None
+        self._detok = IncrementalDetokenizer(session.decode)
+        # no answer outgrows the context, so a larger max_tokens would only size the KV cache
+        room = session.engine.target.max_positions - len(ids)
+        self.sink(("started", len(ids)))
+        return session, ids, min(r.max_new_tokens or session.config.max_new_tokens, room)
+
+    def generate(self, session, ids: list[int], max_new_tokens: int) -> None:
+        r = self.request
+        try:
+            result = session.generate(ids, prediction=r.prediction, on_tokens=self.on_tokens,
                                       max_new_tokens=max_new_tokens, sampling=r.sampling)
-        except RequestError as err:
-            self.sink(("error", err))
+        except Exception as err:
+            self.fail(err)
             return
-        except UserError as err:
-            self.sink(("error", RequestError(str(err))))
-            return
-        except Exception as err:  # the server keeps serving; the client learns what failed
-            self.sink(("error", RequestError(f"generation failed: {type(err).__name__}: {err}", status=500,
-                                             kind="server_error")))
-            return
-        # 3) the end: the rest of the text, then the result
+        self.finish(result)
+
+    def finish(self, result: GenerationResult) -> None:
+        """The end: the rest of the text, then the result (or "cancelled")."""
         if self.cancelled.is_set():
             self.sink(("cancelled",))
             return
@@ -186,6 +201,15 @@ class Job:
             self.sink(("text", tail))
         reason = "stop" if self._stop.stopped else FINISH_REASONS[result.finish_reason]
         self.sink(("done", result, reason))
+
+    def fail(self, err: Exception) -> None:
+        if isinstance(err, RequestError):
+            self.sink(("error", err))
+        elif isinstance(err, UserError):
+            self.sink(("error", RequestError(str(err))))
+        else:  # the server keeps serving; the client learns what failed
+            self.sink(("error", RequestError(f"generation failed: {type(err).__name__}: {err}", status=500,
+                                             kind="server_error")))
 
     def _encode(self, session) -> list[int]:
         prompt, engine = self.request.prompt, session.engine
@@ -206,7 +230,7 @@ class Job:
                                code="context_length_exceeded")
         return ids
 
-    def _on_tokens(self, tokens: list[int]) -> bool:
+    def on_tokens(self, tokens: list[int]) -> bool:
         """Stream the new text; True stops generation (the client is gone, or a stop string came)."""
         if self.cancelled.is_set():
             return True
@@ -262,3 +286,161 @@ class SerialScheduler:
                 job.run()
             finally:
                 self.running = 0
+
+
+class _SessionDrafters(DrafterPool):
+    """A session's drafters for the batched engine (a decode.batch.DrafterPool), and its share
+    of the cross-request memory: every response is remembered by the session's kept drafter (the
+    batch-1 path's, and the seed of every new row drafter) and by every row drafter of the
+    session. A row drafter takes in the other rows' outputs when it starts its next request,
+    never during one (a memory automaton must not grow under a match in flight); its own output
+    it remembers itself, as at batch 1."""
+
+    def __init__(self, session) -> None:
+        super().__init__(self._fresh)
+        self.session = session
+        self._log: list[tuple[int, np.ndarray]] = []  # (drafter id, output), from self._base on
+        self._base = 0
+        self._seen: dict[int, int] = {}  # drafter id -> log position it has taken in
+
+    def _fresh(self):
+        drafter = self.session.fresh_drafter()
+        kept = self.session.drafter
+        if hasattr(drafter, "load_memory") and hasattr(kept, "memory_documents"):
+            drafter.load_memory(kept.memory_documents())  # --memory-file and every response so far
+        self._seen[id(drafter)] = self._base + len(self._log)
+        return drafter
+
+    def take(self):
+        drafter = super().take()
+        end = self._base + len(self._log)
+        new = [out for who, out in self._log[self._seen[id(drafter)] - self._base:] if who != id(drafter)]
+        if new and hasattr(drafter, "load_memory"):
+            drafter.load_memory(new)
+        self._seen[id(drafter)] = end
+        return drafter
+
+    def give(self, drafter, output: np.ndarray) -> None:
+        super().give(drafter, output)
+        if not len(output):
+            return
+        kept = self.session.drafter
+        if hasattr(kept, "load_memory"):
+            kept.load_memory([output])
+        if hasattr(drafter, "load_memory"):
+            self._log.append((id(drafter), output))
+        # the log keeps what some drafter has not taken in yet
+        drop = min(self._seen.values()) - self._base
+        if drop > 0:
+            del self._log[:drop]
+            self._base += drop
+
+
+class BatchScheduler:
+    """Jobs share the batched engine (decode.batch.BatchRun): up to `batch_size` generate at once,
+    each a row with its own length, sampling, stop strings and prediction; a job arriving while
+    the batch runs joins a free slot between two steps; a cancelled job leaves at the next step.
+    A job whose method has no batched form (draft models, EAGLE, SDSAT) or whose engine is int8
+    runs alone on its session (batch 1) between two steps, the batch waiting. One worker thread
+    owns the model; with nothing to do it sleeps on a condition."""
+
+    def __init__(self, sessions: Sessions, batch_size: int = 8) -> None:
+        if batch_size < 1:
+            raise UserError(f"--batch-size must be >= 1, got {batch_size}")
+        self.sessions, self.batch_size = sessions, batch_size
+        self._cond = threading.Condition()
+        self._inbox: deque[Job] = deque()
+        self._closed = False
+        self._run = None  # decode.batch.BatchRun, built by the worker on the first batched job
+        self._jobs: dict[int, Job] = {}  # in the run, by key
+        self._drafters: dict[int, _SessionDrafters] = {}  # by id(session)
+        self._alone = 0  # a batch-1 job running
+        self._thread = threading.Thread(target=self._work, name="samctl-batch-worker", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> int:
+        return (self._run.running if self._run is not None else 0) + self._alone
+
+    @property
+    def waiting(self) -> int:
+        return len(self._inbox) + (self._run.waiting if self._run is not None else 0)
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if self._closed:
+                job.sink(("error", RequestError("the server is shutting down", status=503, kind="server_error")))
+                return
+            self._inbox.append(job)
+            self._cond.notify()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish every job submitted so far, then stop the worker."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._inbox and not self._jobs and not self._closed:
+                    self._cond.wait()
+                if self._closed and not self._inbox and not self._jobs:
+                    return
+                arrived = list(self._inbox)
+                self._inbox.clear()
+            for job in arrived:
+                self._take(job)
+            if self._jobs:
+                self._step()
+
+    def _take(self, job: Job) -> None:
+        # A new job: refused, run alone (no batched form), or queued in the run.
+        prepared = job.prepare()
+        if prepared is None:
+            return
+        session, ids, max_new_tokens = prepared
+        try:
+            if session.batch_refusal():
+                self._alone = 1
+                job.generate(session, ids, max_new_tokens)
+                return
+            if self._run is None:
+                self._run = session.batch_run(self.batch_size)
+            r = job.request
+            config = replace(session.generation, max_new_tokens=max_new_tokens,
+                             sampling=r.sampling or session.generation.sampling)
+            drafters = self._drafters.get(id(session))
+            if drafters is None:
+                drafters = self._drafters[id(session)] = _SessionDrafters(session)
+            self._run.submit(id(job), ids, config, drafters, on_tokens=job.on_tokens,
+                             prediction=session.prediction_ids(r.prediction))
+        except Exception as err:
+            job.fail(err)
+            return
+        finally:
+            self._alone = 0
+        self._jobs[id(job)] = job
+
+    def _step(self) -> None:
+        run = self._run
+        for key, job in self._jobs.items():
+            if job.cancelled.is_set():
+                run.cancel(key)
+        try:
+            results = run.step()
+        except Exception as err:  # the batch is lost; its jobs learn why, the server goes on
+            for job in self._jobs.values():
+                job.fail(err)
+            self._jobs.clear()
+            self._run = None
+            return
+        for result in results:
+            job = self._jobs.pop(result.index)
+            if result.finish_reason == "cancelled":
+                job.sink(("cancelled",))
+            elif result.finish_reason == "error":
+                job.fail(RequestError(result.error, status=500, kind="server_error"))
+            else:
+                job.finish(GenerationResult(result.tokens, result.finish_reason, result.metrics, result.prediction))

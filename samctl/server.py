@@ -9,8 +9,8 @@
 Requests are validated by the schemas of samctl.openai_api; every error is OpenAI's
 `{"error": {"message", "type", "param", "code"}}` (400 for a bad request, 404 for an unknown
 model, 401 for a missing or wrong --api-key). Generation happens on the scheduler's worker
-thread (samctl.scheduler: the one place a batched engine plugs in); each request's events cross
-to asyncio through `loop.call_soon_threadsafe` into its own asyncio.Queue. A client that goes
+thread (samctl.scheduler: by default many requests at once on the batched engine); each
+request's events cross to asyncio through `loop.call_soon_threadsafe` into its own asyncio.Queue. A client that goes
 away cancels its job, which stops at its next step. At shutdown (SIGTERM: uvicorn stops
 accepting and waits for the open requests) the scheduler finishes what it was given, then stops.
 
@@ -35,7 +35,8 @@ from samctl.index.errors import UserError
 from samctl.openai_api import (AssistantMessage, ChatChoice, ChatChunk, ChatCompletion, ChatRequest, ChunkChoice,
                                Completion, CompletionRequest, CompletionTokensDetails, Delta, ModelCard, ModelList,
                                TextChoice, Usage, new_id, now)
-from samctl.scheduler import Job, Request as JobRequest, RequestError, Scheduler, SerialScheduler, Sessions
+from samctl.scheduler import (BatchScheduler, Job, Request as JobRequest, RequestError, Scheduler, SerialScheduler,
+                              Sessions)
 
 POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
@@ -97,9 +98,11 @@ def usage_of(prompt_tokens: int, result: GenerationResult) -> Usage:
         num_accepted_draft_tokens=m.accepted)
 
 
-def create_app(sessions: Any, *, scheduler: Scheduler | None = None, api_key: str | None = None) -> FastAPI:
+def create_app(sessions: Any, *, scheduler: Scheduler | None = None, batch_size: int = 8,
+               api_key: str | None = None) -> FastAPI:
     """The ASGI app over `sessions` (a Session, or a samctl.scheduler.Sessions of several stores);
-    `scheduler` defaults to a SerialScheduler (batch 1), started with the app."""
+    `scheduler` defaults to a BatchScheduler of `batch_size` rows (a SerialScheduler for 1),
+    started with the app."""
     if not isinstance(sessions, Sessions):
         sessions = Sessions({sessions.config.store: sessions})
     counters = Counters()
@@ -108,7 +111,8 @@ def create_app(sessions: Any, *, scheduler: Scheduler | None = None, api_key: st
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if state["scheduler"] is None:
-            state["scheduler"] = SerialScheduler()
+            state["scheduler"] = BatchScheduler(sessions, batch_size) if batch_size > 1 else SerialScheduler()
+        app.state.scheduler = state["scheduler"]
         yield
         # uvicorn has waited for the open requests; the worker finishes what it holds, then stops
         await asyncio.to_thread(state["scheduler"].close)

@@ -179,17 +179,35 @@ class Session:
         decode.batch.BatchResult per prompt, in input order; `on_result` sees each as it finishes.
         Every slot drafts with its own fresh drafter. Methods without a batched form (draft
         models, EAGLE, SDSAT) are refused: run them one prompt at a time."""
-        from samctl.costs import batch_cost_curve
-        from samctl.decode.batch import generate_batch, require_batchable
+        from samctl.decode.batch import generate_batch
 
-        require_batchable(self.config.method)
-        if self.config.quantize == "int8":
-            raise UserError("--quantize int8 runs at batch size 1 only (its exact attention takes one sequence): "
-                            "drop --quantize or use --batch-size 1")
+        refusal = self.batch_refusal()
+        if refusal:
+            raise UserError(refusal)
         ids = [self.encode(p) for p in prompts]
-        cost = batch_cost_curve(self.engine, batch_size, BATCH_MAX_WIDTH, quiet=self.config.quiet)
         return generate_batch(self.engine.model, self.fresh_drafter, ids, self.generation, batch_size, on_result,
-                              cost_ms=np.asarray(cost), max_width=BATCH_MAX_WIDTH, stats=stats)
+                              cost_ms=self._batch_cost(batch_size), max_width=BATCH_MAX_WIDTH, stats=stats)
+
+    def batch_run(self, batch_size: int):
+        """An empty decode.batch.BatchRun on this session's engine, for records submitted one by
+        one (the server's scheduler); any session of the engine may submit to it."""
+        from samctl.decode.batch import BatchRun
+
+        return BatchRun(self.engine.model, batch_size, cost_ms=self._batch_cost(batch_size), max_width=BATCH_MAX_WIDTH)
+
+    def batch_refusal(self) -> str:
+        """Why this session cannot run on the batched engine ("" when it can)."""
+        from samctl.decode.batch import batch_refusal
+
+        if self.config.quantize == "int8":
+            return ("--quantize int8 runs at batch size 1 only (its exact attention takes one sequence): "
+                    "drop --quantize or use --batch-size 1")
+        return batch_refusal(self.config.method)
+
+    def _batch_cost(self, batch_size: int) -> np.ndarray:
+        from samctl.costs import batch_cost_curve
+
+        return np.asarray(batch_cost_curve(self.engine, batch_size, BATCH_MAX_WIDTH, quiet=self.config.quiet))
 
     def fresh_drafter(self) -> Drafter:
         """A new drafter of the session's method that shares nothing learned with the kept one."""
@@ -285,12 +303,15 @@ class Session:
             click.echo(f"samctl: note: {c.method} is not lossless when sampling: its outputs do not "
                        "follow the model's distribution (use sdsat for that)", err=True)
 
+    def prediction_ids(self, prediction: str | None) -> list[int] | None:
+        """A request's expected output as token ids (tokenized as plain text); None for none."""
+        return None if not prediction else self.engine.tokenizer(prediction, add_special_tokens=False)["input_ids"]
+
     def _expect(self, drafter: Drafter, prediction: str | None) -> None:
-        """Hand the drafter the request's expected output (tokenized as plain text), if it takes one."""
+        """Hand the drafter the request's expected output, if it takes one."""
         expect = getattr(drafter, "expect", None)
         if expect is not None:
-            expect(None if not prediction else
-                   self.engine.tokenizer(prediction, add_special_tokens=False)["input_ids"])
+            expect(self.prediction_ids(prediction))
 
 
 def _cpu_ratio(method: GenerationResult, base: GenerationResult) -> float:

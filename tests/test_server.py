@@ -1,8 +1,8 @@
 """`samctl serve`: the OpenAI-compatible app on a live local server (uvicorn in a thread, a free
-port), driven by httpx and, where installed, the official openai client. Greedy answers through
-the server equal plain decoding token for token; Predicted Outputs counts are consistent; bad
-requests get OpenAI's error body and the server goes on serving; a client that leaves mid-stream
-stops its generation."""
+port, the batched engine), driven by the official openai client and httpx. Greedy answers through
+the server equal `samctl generate` and plain decoding token for token, also with 16 clients at
+once; Predicted Outputs counts are consistent; bad requests get OpenAI's error body and the server
+goes on serving; a client that leaves mid-stream frees its slot."""
 from __future__ import annotations
 
 import json
@@ -16,12 +16,14 @@ import pytest
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
 
 from samctl.decode.drafters.base import NoDraft  # noqa: E402
 from samctl.decode.loop import GenerationResult  # noqa: E402
 from samctl.decode.metrics import Metrics  # noqa: E402
 from samctl.decode.sampling import SamplingConfig  # noqa: E402
-from samctl.scheduler import Job, Request as JobRequest, SerialScheduler, Sessions, StopCut  # noqa: E402
+from samctl.scheduler import (BatchScheduler, Job, Request as JobRequest, SerialScheduler, Sessions,  # noqa: E402
+                              StopCut)
 from samctl.server import create_app  # noqa: E402
 from samctl.session import Session, SessionConfig  # noqa: E402
 
@@ -44,13 +46,18 @@ def _serve(app) -> tuple:
 
 @pytest.fixture(scope="module")
 def served(model_dir):
-    """(session, base URL, client) of a server on a free local port."""
+    """(session, base URL, client, app) of a server on a free local port, 4 rows in its batch."""
     session = Session(SessionConfig(model=str(model_dir), max_new_tokens=24, threads=1, quiet=True))
-    server, url = _serve(create_app(session))
+    app = create_app(session, batch_size=4)
+    server, url = _serve(app)
     with httpx.Client(base_url=url, timeout=120) as client:
-        yield session, url, client
+        yield session, url, client, app
     server.should_exit = True
     server.thread.join(60)
+
+
+def openai_client(url: str):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def plain(session, messages=None, ids=None):
@@ -71,7 +78,7 @@ def sse(response) -> list:
 
 
 def test_models_health_and_metrics(served):
-    session, _, client = served
+    session, _, client, _ = served
     assert client.get("/health").status_code == 200
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [session.engine.name]
@@ -81,33 +88,36 @@ def test_models_health_and_metrics(served):
         assert f"\n{name} " in text
 
 
-def test_greedy_chat_equals_plain_decoding_streamed_or_not(served):
-    session, _, client = served
-    expected = plain(session, QUESTION)
-    answer = client.post("/v1/chat/completions", json=body(session)).json()
-    assert answer["object"] == "chat.completion"
-    assert answer["choices"][0]["message"]["content"] == session.decode(expected)
-    usage = answer["usage"]
-    assert usage["completion_tokens"] == len(expected)
-    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
-    assert usage["num_accepted_draft_tokens"] <= usage["num_draft_tokens"]
-    assert usage["mean_acceptance_length"] >= 1.0
+def test_greedy_chat_equals_samctl_generate_streamed_or_not(served, model_dir):
+    from tests.test_cli_generate import samctl
 
-    with client.stream("POST", "/v1/chat/completions",
-                       json=body(session, stream=True, stream_options={"include_usage": True})) as response:
-        assert response.headers["content-type"].startswith("text/event-stream")
-        events = sse(response)
-    assert events[-1] == "[DONE]"
-    chunks, usage_chunk = events[:-2], events[-2]
-    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
-    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
-    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == session.decode(expected)
-    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == len(expected)
+    session, url, _, _ = served
+    proc = samctl("generate", "--model", str(model_dir), "--prompt", QUESTION[0]["content"], "--chat", "--json",
+                  "--max-new-tokens", "24", "--threads", "1", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    expected = json.loads(proc.stdout)["text"]
+    plain_tokens = plain(session, QUESTION)
+    assert expected == session.decode(plain_tokens)
+    client = openai_client(url)
+    answer = client.chat.completions.create(model=session.engine.name, messages=QUESTION)
+    assert answer.object == "chat.completion" and answer.choices[0].message.content == expected
+    usage = answer.usage
+    assert usage.completion_tokens == len(plain_tokens)
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.model_extra["num_accepted_draft_tokens"] <= usage.model_extra["num_draft_tokens"]
+    assert usage.model_extra["mean_acceptance_length"] >= 1.0
+
+    chunks = list(client.chat.completions.create(model=session.engine.name, messages=QUESTION, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(plain_tokens)
 
 
 def test_text_completions_from_text_or_token_ids(served):
-    session, _, client = served
+    session, _, client, _ = served
     ids = session.engine.encode("The quick brown fox", chat=False)
     expected = session.decode(plain(session, ids=ids))
     for prompt in ("The quick brown fox", ids):
@@ -115,60 +125,95 @@ def test_text_completions_from_text_or_token_ids(served):
         assert answer["object"] == "text_completion" and answer["choices"][0]["text"] == expected
     with client.stream("POST", "/v1/completions", json={"model": session.engine.name, "prompt": ids,
                                                         "stream": True}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
         events = sse(response)
     assert events[-1] == "[DONE]" and all(e["usage"] is None for e in events[:-1])  # no usage unless asked
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == expected
 
 
-def test_concurrent_clients_each_get_their_sequential_answer(served):
-    session, _, client = served
-    questions = [[{"role": "user", "content": text}] for text in ("def add(a, b):", "The quick brown fox",
-                                                                   "Summarize the document.", "The dog sleeps.")]
-    expected = [session.decode(plain(session, q)) for q in questions]
-    answers: list = [None] * len(questions)
+def test_sixteen_concurrent_clients_each_get_their_sequential_answer(served):
+    """16 threads on a 4-row batch: streaming and not, long and short answers, two of them
+    sampled; every greedy answer equals its own plain decoding."""
+    session, url, _, app = served
+    words = ["def add(a, b):", "The quick brown fox", "Summarize the document.", "The dog sleeps.",
+             "return a + b", "The answer is in", "jumps over the lazy dog", "def f(x):"]
+    questions = [[{"role": "user", "content": words[i % 8] + " " * (i // 8)}] for i in range(16)]
+    limits = [24 if i % 3 else 7 for i in range(16)]
+    expected = [session.decode(plain(session, q)[:n]) for q, n in zip(questions, limits)]
+    sampled = {5, 10}
+    client = openai_client(url)
+    answers: list = [None] * 16
 
     def ask(i: int) -> None:
+        extra = {"temperature": 0.8, "seed": i} if i in sampled else {}
         if i % 2:
-            with client.stream("POST", "/v1/chat/completions", json=body(session, messages=questions[i],
-                                                                         stream=True)) as response:
-                answers[i] = "".join(c["choices"][0]["delta"].get("content") or "" for c in sse(response)[:-1])
+            stream = client.chat.completions.create(model=session.engine.name, messages=questions[i],
+                                                    max_tokens=limits[i], stream=True, **extra)
+            answers[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         else:
-            answer = client.post("/v1/chat/completions", json=body(session, messages=questions[i])).json()
-            answers[i] = answer["choices"][0]["message"]["content"]
+            answer = client.chat.completions.create(model=session.engine.name, messages=questions[i],
+                                                    max_tokens=limits[i], **extra)
+            answers[i] = answer.choices[0].message.content
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    assert answers == expected
+    assert all(isinstance(a, str) for a in answers)
+    assert max(app.state.scheduler._run.stats.rows_per_step) > 1  # they did share steps
+    assert [a for i, a in enumerate(answers) if i not in sampled] == \
+        [e for i, e in enumerate(expected) if i not in sampled]
 
 
-def test_prediction_usage_counts_and_leaves_the_answer_alone(served):
-    session, _, client = served
+def test_prediction_raises_acceptance_and_leaves_the_answer_alone(served):
+    # A session without cross-request memory, so that only the prediction differs between requests.
+    from fastapi.testclient import TestClient
+
+    session = served[0].for_method("adaptive", settings={"memory": 0})
     expected = session.decode(plain(session, QUESTION))
-    n_prediction = len(session.engine.tokenizer(expected, add_special_tokens=False)["input_ids"])
-    right = client.post("/v1/chat/completions", json=body(
-        session, prediction={"type": "content", "content": expected})).json()
-    wrong = client.post("/v1/chat/completions", json=body(
-        session, prediction={"type": "content", "content": "Summarize the document. The answer is in the passage."})).json()
-    for answer in (right, wrong):
+    n_prediction = len(session.prediction_ids(expected))
+    with TestClient(create_app(session, batch_size=2)) as client:
+        def ask(prediction=None) -> dict:
+            fields = {} if prediction is None else {"prediction": {"type": "content", "content": prediction}}
+            return client.post("/v1/chat/completions", json=body(session, **fields)).json()
+
+        none, right = ask(), ask(expected)
+        wrong = ask("Summarize the document. The answer is in the passage.")
+    for answer in (none, right, wrong):
         assert answer["choices"][0]["message"]["content"] == expected
+    assert right["usage"]["num_accepted_draft_tokens"] > none["usage"]["num_accepted_draft_tokens"]
     details = right["usage"]["completion_tokens_details"]
     assert details["accepted_prediction_tokens"] > 0
     assert details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"] <= n_prediction
-    plain_answer = client.post("/v1/chat/completions", json=body(session)).json()
-    assert plain_answer["usage"]["completion_tokens_details"] == {"accepted_prediction_tokens": 0,
-                                                                  "rejected_prediction_tokens": 0}
+    assert wrong["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] == 0
+    assert none["usage"]["completion_tokens_details"] == {"accepted_prediction_tokens": 0,
+                                                          "rejected_prediction_tokens": 0}
 
 
 def test_stop_strings_cut_the_text_before_them(served):
-    session, _, client = served
+    session, _, client, _ = served
     expected = session.decode(plain(session, QUESTION))
     stop = expected[5:7]
     answer = client.post("/v1/chat/completions", json=body(session, stop=[stop])).json()
     assert answer["choices"][0]["message"]["content"] == expected[:expected.index(stop)]
     assert answer["choices"][0]["finish_reason"] == "stop"
+
+
+def test_every_response_teaches_the_cross_request_memory(model_dir):
+    session = Session(SessionConfig(model=str(model_dir), max_new_tokens=8, threads=1, quiet=True))
+    scheduler = BatchScheduler(Sessions({None: session}), batch_size=2)
+    events: list[list] = [[] for _ in range(4)]
+    for i, text in enumerate(("def add(a, b):", "The quick brown fox", "The dog sleeps.", "def f(x):")):
+        scheduler.submit(Job(JobRequest(prompt=text, store=None, method="adaptive"), scheduler.sessions,
+                             events[i].append))
+    scheduler.close()
+    outputs = [e[-1][1].tokens for e in events]
+    remembered = [d.tolist() for d in session.drafter.memory_documents()]
+    assert sorted(remembered) == sorted(outputs)
+    pool = next(iter(scheduler._drafters.values()))
+    row_drafter = pool.take()  # a row drafter takes in the other rows' outputs when it starts
+    assert sorted(d.tolist() for d in row_drafter.memory_documents()) == sorted(outputs)
 
 
 class _FakeSession:
@@ -182,6 +227,9 @@ class _FakeSession:
                                       target=SimpleNamespace(max_positions=64, context_note="the context"),
                                       encode=lambda text, chat: [ord(c) - 97 for c in text])
         self.config = SimpleNamespace(method="adaptive", store=None, max_new_tokens=5, sampling=SamplingConfig())
+
+    def batch_refusal(self) -> str:  # a BatchScheduler runs its jobs alone, as for a draft-model method
+        return "the fake session has no batched form"
 
     def decode(self, ids: list[int]) -> str:
         return "".join(chr(97 + t) for t in ids)
@@ -203,10 +251,11 @@ def _job(sessions, prompt: str, events: list, stop=()) -> Job:
     return Job(JobRequest(prompt=prompt, store=None, method="adaptive", stop=stop), sessions, events.append)
 
 
-def test_the_scheduler_finishes_what_it_was_given_and_skips_cancelled_jobs():
+@pytest.mark.parametrize("batched", [False, True])
+def test_the_scheduler_finishes_what_it_was_given_and_skips_cancelled_jobs(batched):
     session = _FakeSession()
     sessions = Sessions({None: session})
-    scheduler = SerialScheduler()
+    scheduler = BatchScheduler(sessions, 4) if batched else SerialScheduler()
     first, second, third = [], [], []
     jobs = [_job(sessions, "a", first), _job(sessions, "h", second), _job(sessions, "p", third, stop=("rs",))]
     for job in jobs:
@@ -277,6 +326,7 @@ def test_stop_cut_holds_back_a_possible_stop_string():
 @pytest.mark.parametrize("change, status, param", [
     ({"n": 2}, 400, "n"),
     ({"temperature": -1}, 400, "temperature"),
+    ({"max_tokens": 0}, 400, "max_tokens"),
     ({"messages": []}, 400, "messages"),
     ({"prediction": {"type": "file", "content": "x"}}, 400, "prediction.type"),
     ({"method": "nope"}, 400, "method"),
@@ -285,7 +335,7 @@ def test_stop_cut_holds_back_a_possible_stop_string():
     ({"model": "other"}, 404, "model"),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_goes_on(served, change, status, param):
-    session, _, client = served
+    session, _, client, _ = served
     response = client.post("/v1/chat/completions", json={**body(session), **change})
     assert response.status_code == status
     error = response.json()["error"]
@@ -294,51 +344,39 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(served, change, s
 
 
 def test_malformed_json_and_overlong_prompts_are_refused(served):
-    session, _, client = served
+    session, url, client, _ = served
     response = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
     response = client.post("/v1/completions", json={"model": session.engine.name,
                                                     "prompt": [5] * (session.engine.target.max_positions + 1)})
     assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+    official = openai_client(url)
+    with pytest.raises(openai.BadRequestError):
+        official.chat.completions.create(model=session.engine.name, messages=QUESTION, n=2)
+    with pytest.raises(openai.NotFoundError):
+        official.chat.completions.create(model="other", messages=QUESTION)
+    assert official.chat.completions.create(model=session.engine.name, messages=QUESTION, max_tokens=2).choices
 
 
-def test_a_client_leaving_mid_stream_stops_its_generation(served, monkeypatch):
-    session, _, client = served
-    finished = []
-    generate = session.generate
-
-    def slow(ids, *, on_tokens=None, **kw):  # slow enough that the client leaves before the end
-        result = generate(ids, on_tokens=lambda t: time.sleep(0.02) or on_tokens(t), **kw)
-        finished.append(result)
-        return result
-
-    monkeypatch.setattr(session, "generate", slow)
+def test_a_client_leaving_mid_stream_frees_its_slot(served, monkeypatch):
+    session, _, client, app = served
+    on_tokens = Job.on_tokens
+    monkeypatch.setattr(Job, "on_tokens", lambda self, t: time.sleep(0.1) or on_tokens(self, t))  # >= 12 steps: 1.2 s
+    scheduler = app.state.scheduler
+    tokens_before = scheduler._run.stats.new_tokens
     with client.stream("POST", "/v1/completions", json={"model": session.engine.name, "prompt": "The",
                                                         "max_tokens": 200, "stream": True}) as response:
         next(response.iter_lines())
-    # the next request waits for the slot, and gets it once the first generation has stopped
-    answer = client.post("/v1/completions", json={"model": session.engine.name, "prompt": "The", "max_tokens": 3})
-    assert answer.status_code == 200
-    assert finished[0].finish_reason == "stop" and len(finished[0].tokens) < 200
-    assert 'samctl_requests_total{outcome="cancelled"} 1' in client.get("/metrics").text
-
-
-def test_the_official_openai_client(served):
-    openai = pytest.importorskip("openai")
-    session, url, _ = served
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
-    expected = session.decode(plain(session, QUESTION))
-    answer = client.chat.completions.create(model=session.engine.name, messages=QUESTION,
-                                            prediction={"type": "content", "content": expected})
-    assert answer.choices[0].message.content == expected
-    assert answer.usage.completion_tokens_details.accepted_prediction_tokens > 0
-    stream = client.chat.completions.create(model=session.engine.name, messages=QUESTION, stream=True,
-                                            stream_options={"include_usage": True}, extra_body={"method": "pld"})
-    chunks = list(stream)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
-    assert chunks[-1].usage.completion_tokens > 0
-    with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=session.engine.name, messages=QUESTION, n=2)
+        assert scheduler.running == 1
+    deadline = time.monotonic() + 30
+    while scheduler.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert scheduler.running == 0 and scheduler.waiting == 0
+    assert scheduler._run.stats.new_tokens - tokens_before < 200  # it stopped early
+    metrics = client.get("/metrics").text
+    assert 'samctl_requests_total{outcome="cancelled"} 1' in metrics and "\nsamctl_requests_running 0" in metrics
+    assert client.post("/v1/completions", json={"model": session.engine.name, "prompt": "The",
+                                                "max_tokens": 3}).status_code == 200
 
 
 def test_an_api_key_is_checked_on_every_request(model_dir):

@@ -44,6 +44,10 @@ def _stores(specs: tuple[str, ...]) -> dict[str, str]:
 @click.option("--api-key", metavar="KEY", envvar="SAMCTL_API_KEY",
               help="Require 'Authorization: Bearer KEY' on every request (also $SAMCTL_API_KEY).")
 @click.option("--served-model-name", metavar="NAME", help="The model id clients send (default: --model as given).")
+@click.option("--batch-size", type=int, default=None,
+              help="Requests generating at once on the batched engine (default: 8 on a CPU, 32 on a GPU); 1: one "
+                   "at a time. Methods without a batched form (sd, specdec++, sam+draft, ouroboros, EAGLE, sdsat) "
+                   "and --quantize int8 run one request at a time between batch steps.")
 @click.option("--max-new-tokens", type=int, default=1024, show_default=True,
               help="Longest answer when a request sets no max_tokens.")
 @click.option("--memory-file", "memory_file", metavar="STORE", type=click.Path(exists=True, dir_okay=False),
@@ -58,8 +62,10 @@ def serve(**opts: Any) -> None:
 
     POST /v1/chat/completions and /v1/completions (streaming too), GET /v1/models, /health and
     /metrics. A request's `prediction` is drafted from; usage reports accepted and rejected
-    prediction tokens. Requests run one at a time (batch 1), in arrival order; sampling flags are
-    the defaults of requests that set none. SIGTERM finishes the requests in flight, then exits.
+    prediction tokens. Up to --batch-size requests generate at once on the batched engine, each
+    with its own max_tokens, sampling, stop strings and prediction; a request that arrives takes
+    a free slot at the next step. Sampling flags are the defaults of requests that set none.
+    SIGTERM finishes the requests in flight, then exits.
 
     \b
     samctl serve --model ./SmolLM2-135M-Instruct --sam docs=docs.sam --port 8000
@@ -73,6 +79,8 @@ def serve(**opts: Any) -> None:
     except ImportError as err:
         raise UserError(f"samctl serve needs the `serve` extra ({err.name} is missing): "
                         "pip install 'samctl[serve]'") from err
+    if opts["batch_size"] is not None and opts["batch_size"] < 1:
+        raise UserError(f"--batch-size must be >= 1, got {opts['batch_size']}")
     from samctl.runtime import load_store
     from samctl.scheduler import Sessions
     from samctl.session import Session
@@ -85,9 +93,11 @@ def serve(**opts: Any) -> None:
         config = session_config(opts, store=stores[name], quiet=True)
         by_store[name] = Session.over(first.engine, config, load_store(stores[name], first.engine, config.occurrence))
     sessions = Sessions(by_store, model_name=opts["served_model_name"] or opts["model_path"])
-    app = create_app(sessions, api_key=opts["api_key"])
+    batch_size = opts["batch_size"] or (8 if first.engine.device.type == "cpu" else 32)
+    app = create_app(sessions, batch_size=batch_size, api_key=opts["api_key"])
     if not opts["quiet"]:
+        at_once = "one request at a time" if batch_size == 1 else f"up to {batch_size} requests at once"
         click.echo(f"samctl: serving {sessions.model_name} (method {opts['method']}, stores: "
                    f"{', '.join(sessions.store_names) or 'none'}) on http://{opts['host']}:{opts['port']}/v1, "
-                   "one request at a time", err=True)
+                   f"{at_once}", err=True)
     uvicorn.run(app, host=opts["host"], port=opts["port"], log_level="warning" if opts["quiet"] else "info")
