@@ -13,7 +13,7 @@ from samctl.tokenizer import DEFAULT_MODEL_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = {"torch", "transformers"}
-MODEL_COMMANDS = ("generate", "distill", "simulate", "bench", "calibrate", "chat")
+MODEL_COMMANDS = ("generate", "distill", "simulate", "bench", "calibrate", "chat", "serve")
 
 
 def _run(args: list[str]) -> tuple[int, str, set[str]]:
@@ -47,6 +47,9 @@ def test_help_of_model_commands_loads_no_torch(command):
     ["bench", "--questions", "README.md", "--out", "x", "--threads", "0"],
     ["calibrate", "--threads", "0"],
     ["chat", "--threads", "0"],
+    ["serve", "--threads", "0"],
+    ["serve", "--batch-size", "0"],
+    ["serve", "--sam", "missing.sam"],
 ])
 def test_usage_errors_come_before_torch(args):
     code, err, modules = _run(args)

@@ -72,6 +72,12 @@ def serve(**opts: Any) -> None:
     curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
       -d '{"model": "./SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
     """
+    # usage errors first: they load neither torch nor the server
+    if opts["batch_size"] is not None and opts["batch_size"] < 1:
+        raise UserError(f"--batch-size must be >= 1, got {opts['batch_size']}")
+    stores = _stores(opts["stores"])
+    names = list(stores) or [None]
+    config = session_config(opts, store=stores.get(names[0]))
     try:
         import uvicorn
 
@@ -79,15 +85,11 @@ def serve(**opts: Any) -> None:
     except ImportError as err:
         raise UserError(f"samctl serve needs the `serve` extra ({err.name} is missing): "
                         "pip install 'samctl[serve]'") from err
-    if opts["batch_size"] is not None and opts["batch_size"] < 1:
-        raise UserError(f"--batch-size must be >= 1, got {opts['batch_size']}")
     from samctl.runtime import load_store
     from samctl.scheduler import Sessions
     from samctl.session import Session
 
-    stores = _stores(opts["stores"])
-    names = list(stores) or [None]
-    first = Session(session_config(opts, store=stores.get(names[0])))
+    first = Session(config)
     by_store: dict[str | None, Session] = {names[0]: first}
     for name in names[1:]:
         config = session_config(opts, store=stores[name], quiet=True)
