@@ -5,14 +5,23 @@ Fields OpenAI defines and samctl does not implement are refused when set to anyt
 default (`n` > 1, `logprobs`), so that a client never gets silently less than it asked for; fields
 samctl does not know are ignored, as vLLM does. samctl's own fields ride in the body beside
 OpenAI's (`method`, `store`, `top_k`), as the openai client's `extra_body` sends them.
+
+The server and `samctl generate --input` with OpenAI Batch API lines (`BatchLine`, as `vllm
+run-batch` reads them) share everything between a body and the scheduler: `job_request` (body ->
+the scheduler's Request, model, store and method checked), `completion` and `usage_of`
+(result -> the response body), `invalid` (a validation error -> OpenAI's error).
 """
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+
+if TYPE_CHECKING:  # the scheduler loads torch; the schemas alone do not
+    from samctl.decode.loop import GenerationResult
+    from samctl.scheduler import Request, RequestError, Sessions
 
 
 class StreamOptions(BaseModel):
@@ -239,3 +248,109 @@ def new_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
+
+
+# -- OpenAI Batch API lines (`samctl generate --input`, as `vllm run-batch`) -----------------------
+
+
+class BatchLine(BaseModel):
+    """One input line: `{"custom_id", "method": "POST", "url", "body"}`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    custom_id: str
+    method: Literal["POST"]
+    url: Literal["/v1/chat/completions", "/v1/completions"]
+    body: dict[str, Any]
+
+    def request(self) -> ChatRequest | CompletionRequest:
+        """The body, validated by the endpoint's schema (pydantic's ValidationError if bad)."""
+        schema = ChatRequest if self.url == "/v1/chat/completions" else CompletionRequest
+        return schema.model_validate(self.body)
+
+
+class BatchResponse(BaseModel):
+    status_code: int
+    request_id: str
+    body: ChatCompletion | Completion | None = None
+
+
+class BatchOutputLine(BaseModel):
+    """One output line: the response (status 200 and the completion the server returns), or the
+    status and `error` (OpenAI's error object) of a refused or failed request."""
+
+    id: str
+    custom_id: str | None
+    response: BatchResponse | None
+    error: dict[str, Any] | None = None
+
+
+def is_batch_line(line: str) -> bool:
+    """Whether a JSONL line is in the OpenAI Batch API's input shape."""
+    import json
+
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and "custom_id" in record and "body" in record
+
+
+# -- between a body and the scheduler -----------------------------------------------------------
+
+
+def invalid(errors: list[dict[str, Any]]) -> "RequestError":
+    """pydantic's errors (the first is reported) -> a 400 naming the field."""
+    from samctl.scheduler import RequestError
+
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return RequestError(f"the body is not valid JSON: {first.get('msg', '')}")
+    message = first.get("msg", "invalid request").removeprefix("Value error, ")
+    return RequestError(f"{'.'.join(loc) or 'body'}: {message}", param=".".join(loc) or None, code=first.get("type"))
+
+
+def job_request(body: ChatRequest | CompletionRequest, sessions: "Sessions") -> "Request":
+    """The scheduler's Request of a validated body: the model must be the one served (404), the
+    store and method known (400); sampling fields the body leaves out take the session's."""
+    from samctl.decode.sampling import SamplingConfig
+    from samctl.index.errors import UserError
+    from samctl.scheduler import Request, RequestError
+
+    if body.model != sessions.model_name:
+        raise RequestError(f"model {body.model!r} is not served here: this server has {sessions.model_name!r}",
+                           status=404, param="model", code="model_not_found")
+    store, method = sessions.check(body.store, body.method)
+    default = sessions.by_store[store].config.sampling
+    pick = lambda value, fallback: fallback if value is None else value  # noqa: E731
+    try:
+        sampling = SamplingConfig(pick(body.temperature, default.temperature), pick(body.top_k, default.top_k),
+                                  pick(body.top_p, default.top_p), pick(body.seed, default.seed))
+    except UserError as err:
+        raise RequestError(str(err)) from err
+    prompt = [m.as_turn() for m in body.messages] if isinstance(body, ChatRequest) else body.prompt_input()
+    return Request(prompt=prompt, store=store, method=method, max_new_tokens=body.token_limit(), sampling=sampling,
+                   prediction=body.prediction_text(), stop=body.stops())
+
+
+def usage_of(prompt_tokens: int, result: "GenerationResult") -> Usage:
+    m, p = result.metrics, result.prediction
+    return Usage(
+        prompt_tokens=prompt_tokens, completion_tokens=m.new_tokens, total_tokens=prompt_tokens + m.new_tokens,
+        completion_tokens_details=CompletionTokensDetails(accepted_prediction_tokens=p.accepted if p else 0,
+                                                          rejected_prediction_tokens=p.rejected if p else 0),
+        mean_acceptance_length=round(1.0 + m.accepted / m.steps, 4) if m.steps else 1.0,
+        draft_acceptance_rate=round(m.acceptance_rate, 4), num_spec_steps=m.steps, num_draft_tokens=m.drafted,
+        num_accepted_draft_tokens=m.accepted)
+
+
+def completion(body: ChatRequest | CompletionRequest, model: str, text: str, prompt_tokens: int,
+               result: "GenerationResult", reason: str) -> ChatCompletion | Completion:
+    """The response body of a finished, non-streamed request."""
+    usage = usage_of(prompt_tokens, result)
+    if isinstance(body, ChatRequest):
+        return ChatCompletion(id=new_id("chatcmpl"), created=now(), model=model, usage=usage,
+                              choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=reason)])
+    return Completion(id=new_id("cmpl"), created=now(), model=model, usage=usage,
+                      choices=[TextChoice(text=text, finish_reason=reason)])

@@ -30,13 +30,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from samctl.decode.loop import GenerationResult
-from samctl.decode.sampling import SamplingConfig
-from samctl.index.errors import UserError
-from samctl.openai_api import (AssistantMessage, ChatChoice, ChatChunk, ChatCompletion, ChatRequest, ChunkChoice,
-                               Completion, CompletionRequest, CompletionTokensDetails, Delta, ModelCard, ModelList,
-                               TextChoice, Usage, new_id, now)
-from samctl.scheduler import (BatchScheduler, Job, Request as JobRequest, RequestError, Scheduler, SerialScheduler,
-                              Sessions)
+from samctl.openai_api import (ChatChunk, ChatRequest, ChunkChoice, Completion, CompletionRequest, Delta, ModelCard,
+                               ModelList, TextChoice, completion, invalid, job_request, new_id, now, usage_of)
+from samctl.scheduler import BatchScheduler, Job, RequestError, Scheduler, SerialScheduler, Sessions
 
 POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
@@ -87,17 +83,6 @@ class Counters:
         return "\n".join(lines) + "\n"
 
 
-def usage_of(prompt_tokens: int, result: GenerationResult) -> Usage:
-    m, p = result.metrics, result.prediction
-    return Usage(
-        prompt_tokens=prompt_tokens, completion_tokens=m.new_tokens, total_tokens=prompt_tokens + m.new_tokens,
-        completion_tokens_details=CompletionTokensDetails(accepted_prediction_tokens=p.accepted if p else 0,
-                                                          rejected_prediction_tokens=p.rejected if p else 0),
-        mean_acceptance_length=round(1.0 + m.accepted / m.steps, 4) if m.steps else 1.0,
-        draft_acceptance_rate=round(m.acceptance_rate, 4), num_spec_steps=m.steps, num_draft_tokens=m.drafted,
-        num_accepted_draft_tokens=m.accepted)
-
-
 def create_app(sessions: Any, *, scheduler: Scheduler | None = None, batch_size: int = 8,
                api_key: str | None = None) -> FastAPI:
     """The ASGI app over `sessions` (a Session, or a samctl.scheduler.Sessions of several stores);
@@ -124,13 +109,7 @@ def create_app(sessions: Any, *, scheduler: Scheduler | None = None, batch_size:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
-        first = err.errors()[0] if err.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        if first.get("type") == "json_invalid":
-            return _error(RequestError(f"the body is not valid JSON: {first.get('msg', '')}"))
-        message = first.get("msg", "invalid request").removeprefix("Value error, ")
-        return _error(RequestError(f"{'.'.join(loc) or 'body'}: {message}", param=".".join(loc) or None,
-                                   code=first.get("type")))
+        return _error(invalid(list(err.errors())))
 
     @app.exception_handler(_Gone)
     async def _gone(request: Request, err: _Gone) -> JSONResponse:  # nobody reads it: the client left
@@ -163,38 +142,26 @@ def create_app(sessions: Any, *, scheduler: Scheduler | None = None, batch_size:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        turns = [m.as_turn() for m in body.messages]
-        job, events, started = await _start(body, turns, body.token_limit(), request)
-        rid = new_id("chatcmpl")
+        job, events, started = await _start(body, request)
         if body.stream:
-            return _sse(_chat_stream(rid, body, job, events, started))
+            return _sse(_chat_stream(new_id("chatcmpl"), body, job, events, started))
         text, result, reason = await _collect(job, events, started, request)
-        return ChatCompletion(id=rid, created=now(), model=sessions.model_name, usage=usage_of(started, result),
-                              choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=reason)])
+        return completion(body, sessions.model_name, text, started, result, reason)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        job, events, started = await _start(body, body.prompt_input(), body.token_limit(), request)
-        rid = new_id("cmpl")
+        job, events, started = await _start(body, request)
         if body.stream:
-            return _sse(_completion_stream(rid, body, job, events, started))
+            return _sse(_completion_stream(new_id("cmpl"), body, job, events, started))
         text, result, reason = await _collect(job, events, started, request)
-        return Completion(id=rid, created=now(), model=sessions.model_name, usage=usage_of(started, result),
-                          choices=[TextChoice(text=text, finish_reason=reason)])
+        return completion(body, sessions.model_name, text, started, result, reason)
 
     # -- jobs ---------------------------------------------------------------------------------
 
-    async def _start(body, prompt, max_new_tokens: int | None, request: Request) -> tuple[Job, asyncio.Queue, int]:
+    async def _start(body: ChatRequest | CompletionRequest, request: Request) -> tuple[Job, asyncio.Queue, int]:
         """Submit the job; wait until it has started (so that a refusal is still a plain JSON
         error, never half a stream). -> (job, its events, prompt tokens)."""
-        if body.model != sessions.model_name:
-            raise RequestError(f"model {body.model!r} is not served here: this server has {sessions.model_name!r}",
-                               status=404, param="model", code="model_not_found")
-        store, method = sessions.check(body.store, body.method)
-        try:
-            sampling = _sampling(body, sessions.by_store[store].config.sampling)
-        except UserError as err:
-            raise RequestError(str(err)) from err
+        job_body = job_request(body, sessions)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def sink(event: tuple) -> None:  # worker thread -> this request's queue
@@ -203,9 +170,7 @@ def create_app(sessions: Any, *, scheduler: Scheduler | None = None, batch_size:
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 pass
 
-        job = Job(JobRequest(prompt=prompt, store=store, method=method, max_new_tokens=max_new_tokens,
-                             sampling=sampling, prediction=body.prediction_text(), stop=body.stops()),
-                  sessions, sink)
+        job = Job(job_body, sessions, sink)
         state["scheduler"].submit(job)
         event = await _next(job, events, request)
         if event[0] == "error":
@@ -304,13 +269,6 @@ def create_app(sessions: Any, *, scheduler: Scheduler | None = None, batch_size:
 
     app.state.sessions, app.state.counters = sessions, counters
     return app
-
-
-def _sampling(body, default: SamplingConfig) -> SamplingConfig:
-    """The request's sampling: its fields where given, the server's settings elsewhere."""
-    pick = lambda value, fallback: fallback if value is None else value  # noqa: E731
-    return SamplingConfig(pick(body.temperature, default.temperature), pick(body.top_k, default.top_k),
-                          pick(body.top_p, default.top_p), pick(body.seed, default.seed))
 
 
 def _error(err: RequestError) -> JSONResponse:
