@@ -177,7 +177,25 @@ def count_records(lines: IO[str]) -> int | None:
     return count
 
 
-def read_records(lines: IO[str]) -> Iterator[tuple[int, str]]:
+def batch_format(handle: IO[str], asked: str) -> tuple[str, Iterable[str]]:
+    """("records" or "openai", the lines to read): `asked`, or for "auto" the shape of the first
+    line (OpenAI Batch API lines have `custom_id` and `body`). A pipe's first line is read once
+    and put back in front."""
+    import itertools
+
+    from samctl.openai_api import is_batch_line
+
+    if asked != "auto":
+        return asked, handle
+    if handle.seekable():
+        first = handle.readline()
+        handle.seek(0)
+        return ("openai" if is_batch_line(first) else "records"), handle
+    first = handle.readline()
+    return ("openai" if is_batch_line(first) else "records"), itertools.chain([first] if first else [], handle)
+
+
+def read_records(lines: Iterable[str]) -> Iterator[tuple[int, str]]:
     """Every line, blank ones included: the output has one line per input line."""
     return enumerate(lines, start=1)
 
@@ -244,3 +262,111 @@ def prompt_turns(record: dict[str, Any], field: str | None) -> list[str]:
             raise UserError(f"the record's `{name}` is empty: give the prompt text")
     raise UserError(f"no prompt: the record has none of the fields {', '.join(names)} as text; "
                     "name the field with --field")
+
+
+class OpenAIBatchRunner:
+    """OpenAI Batch API lines (`{"custom_id", "method": "POST", "url", "body"}`, as `vllm run-batch`
+    reads them) through the server's scheduler, bodies validated by the server's schemas
+    (samctl.openai_api): one output line per input line, in input order, `{"id", "custom_id",
+    "response": {"status_code", "request_id", "body"}, "error"}` with the completion object the
+    server returns; a refused request has its status and OpenAI's error object and no body. Up to
+    `batch_size` requests generate at once on the batched engine (samctl.scheduler.BatchScheduler)."""
+
+    def __init__(self, session: Session, model_name: str, batch_size: int) -> None:
+        from samctl.scheduler import Sessions
+
+        self.sessions = Sessions({session.config.store: session}, model_name=model_name)
+        self.batch_size = batch_size
+
+    def batch(self, records: Iterable[tuple[int, str]], write: Callable[[str], None], quiet: bool,
+              total: int | None = None) -> int:
+        """As RecordRunner.batch; returns the number of lines whose status is not 200."""
+        from samctl.scheduler import BatchScheduler, SerialScheduler
+
+        scheduler = BatchScheduler(self.sessions, self.batch_size) if self.batch_size > 1 else SerialScheduler()
+        failed = 0
+        window: list = []
+        try:
+            with progress_bar("generate", "request", quiet, total=total) as progress, progress.heartbeat():
+                def flush(keep: int) -> None:
+                    nonlocal failed
+                    while len(window) > keep:
+                        line, bad, tokens = window.pop(0).result()
+                        failed += bad
+                        write(line)
+                        progress.update(1, tokens=tokens)
+
+                for number, line in records:
+                    window.append(self._submit(number, line, scheduler))
+                    flush(4 * self.batch_size)
+                flush(0)
+        finally:
+            scheduler.close()
+        return failed
+
+    def _submit(self, number: int, line: str, scheduler) -> "_BatchRequest":
+        from pydantic import ValidationError
+
+        from samctl.openai_api import BatchLine, invalid, job_request
+        from samctl.scheduler import Job, RequestError
+
+        custom_id = None
+        try:
+            check_utf8(line, f"line {number}")
+            try:
+                batch_line = BatchLine.model_validate_json(line)
+                custom_id = batch_line.custom_id
+                body = batch_line.request()
+            except ValidationError as err:
+                raise invalid(err.errors()) from err
+            request = _BatchRequest(custom_id, body, self.sessions.model_name)
+            scheduler.submit(Job(job_request(body, self.sessions), self.sessions, request.sink))
+        except UserError as err:
+            return _BatchRequest.failed(custom_id, RequestError(str(err)))
+        except RequestError as err:
+            return _BatchRequest.failed(custom_id, err)
+        return request
+
+
+class _BatchRequest:
+    """One OpenAI Batch line in flight: its job's events (appended by the worker thread) until the last."""
+
+    def __init__(self, custom_id: str | None, body: Any, model_name: str) -> None:
+        import threading
+
+        self.custom_id, self.body, self.model_name = custom_id, body, model_name
+        self.events: list[tuple] = []
+        self.error: Any = None
+        self.ended = threading.Event()
+
+    def sink(self, event: tuple) -> None:
+        self.events.append(event)
+        if event[0] in ("done", "error", "cancelled"):
+            self.ended.set()
+
+    @classmethod
+    def failed(cls, custom_id: str | None, error: Any) -> "_BatchRequest":
+        request = cls(custom_id, None, "")
+        request.error = error
+        request.ended.set()
+        return request
+
+    def result(self) -> tuple[str, bool, int]:
+        """(output line, whether it failed, new tokens), waiting for the job's end."""
+        from samctl.openai_api import BatchOutputLine, BatchResponse, completion, new_id
+
+        self.ended.wait()
+        request_id = new_id("req")
+        if self.error is None and self.events[-1][0] == "error":
+            self.error = self.events[-1][1]
+        if self.error is not None:
+            out = BatchOutputLine(id=new_id("batch_req"), custom_id=self.custom_id,
+                                  response=BatchResponse(status_code=self.error.status, request_id=request_id),
+                                  error=self.error.body()["error"])
+            return out.model_dump_json(), True, 0
+        _, result, reason = self.events[-1]
+        text = "".join(e[1] for e in self.events if e[0] == "text")
+        body = completion(self.body, self.model_name, text, self.events[0][1], result, reason)
+        out = BatchOutputLine(id=new_id("batch_req"), custom_id=self.custom_id,
+                              response=BatchResponse(status_code=200, request_id=request_id, body=body))
+        return out.model_dump_json(), False, result.metrics.new_tokens

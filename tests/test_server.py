@@ -379,6 +379,36 @@ def test_a_client_leaving_mid_stream_frees_its_slot(served, monkeypatch):
                                                 "max_tokens": 3}).status_code == 200
 
 
+def test_generate_reads_and_writes_openai_batch_lines(served, model_dir, tmp_path):
+    from tests.test_cli_generate import samctl
+
+    session, _, client, _ = served
+    name = str(model_dir)
+    chat = {"model": name, "messages": QUESTION, "max_tokens": 24}
+    lines = [
+        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions", "body": chat},
+        {"custom_id": "text", "method": "POST", "url": "/v1/completions",
+         "body": {"model": name, "prompt": "The quick brown fox", "max_tokens": 24, "stop": ["zz"]}},
+        {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions", "body": {**chat, "temperature": -1}},
+        {"custom_id": "other", "method": "POST", "url": "/v1/completions", "body": {"model": "gpt-4o", "prompt": "x"}},
+    ]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines) + "{not json\n")
+    proc = samctl("generate", "--model", name, "--input", str(tmp_path / "in.jsonl"), "--output",
+                  str(tmp_path / "out.jsonl"), "--threads", "1", "--batch-size", "2", "--quiet")
+    assert proc.returncode == 1, proc.stderr  # three lines failed
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [o["custom_id"] for o in out] == ["chat", "text", "bad", "other", None]
+    served_chat = client.post("/v1/chat/completions", json=chat).json()
+    assert out[0]["error"] is None and out[0]["response"]["status_code"] == 200
+    assert out[0]["response"]["body"]["choices"] == served_chat["choices"]
+    assert out[0]["response"]["body"]["object"] == "chat.completion"
+    expected = session.decode(plain(session, ids=session.engine.encode("The quick brown fox", chat=False)))
+    assert out[1]["response"]["body"]["choices"][0]["text"] == expected
+    assert [o["response"]["status_code"] for o in out[2:]] == [400, 404, 400]
+    assert out[2]["error"]["param"] == "temperature" and out[2]["response"]["body"] is None
+    assert out[3]["error"]["code"] == "model_not_found"
+
+
 def test_an_api_key_is_checked_on_every_request(model_dir):
     from fastapi.testclient import TestClient
 

@@ -38,7 +38,13 @@ from samctl.textio import TEXT_FILE, check_utf8
               f"{', '.join(NOT_LOSSLESS)}: NOT lossless when sampling, reference reproductions only.")
 @click.option("--prompt", help="Prompt text.")
 @click.option("--prompt-file", type=TEXT_FILE, help="File holding the prompt.")
-@click.option("--input", "input_file", type=TEXT_FILE, help="JSONL batch, '-' for stdin (field prompt, turns, or --field).")
+@click.option("--input", "input_file", type=TEXT_FILE, help="JSONL batch, '-' for stdin (field prompt, turns, or --field; "
+              "or OpenAI Batch API lines, see --input-format).")
+@click.option("--input-format", type=click.Choice(["auto", "records", "openai"]), default="auto", show_default=True,
+              help="Batch: `records` (samctl's: prompt/turns/text fields -> id, text, metrics) or `openai` (OpenAI Batch "
+                   "API lines, as `vllm run-batch` reads them: {custom_id, method: POST, url: /v1/chat/completions or "
+                   "/v1/completions, body} -> {id, custom_id, response: {status_code, request_id, body: the completion "
+                   "`samctl serve` returns}, error}; body.model must be --model as given). auto: from the first line.")
 @click.option("--output", "output_path", type=click.Path(dir_okay=False, allow_dash=True), default="-", show_default=True, help="JSONL results of a batch, '-' for stdout.")
 @click.option("--resume", is_flag=True, help="Batch: skip records whose id is already in --output and append the rest (after a killed run).")
 @click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
@@ -97,6 +103,7 @@ def generate(**opts: Any) -> None:
         raise UserError(f"method {config.method} does not draft from a prediction: drop --prediction "
                         "or use --method adaptive, lookahead or ouroboros")
     refuse_foreign_store(opts["store_path"], opts["model_path"])
+    input_format = _input_format(opts)
     if opts["ray_address"] is not None:
         from samctl.cluster import generate_on_ray
 
@@ -113,7 +120,12 @@ def generate(**opts: Any) -> None:
         runner = RecordRunner(session, field=opts["prompt_field"], compare=opts["compare"])
         total = count_records(opts["input_file"])
         size = _batch_size(opts, session.config, on_gpu=session.engine.device.type != "cpu")
-        if size > 1:
+        if input_format == "openai":
+            from samctl.records import OpenAIBatchRunner
+
+            openai = OpenAIBatchRunner(session, opts["model_path"] or session.engine.name, size)
+            failed = _batch_to_output(opts, lambda records, write: openai.batch(records, write, opts["quiet"], total))
+        elif size > 1:
             failed = _batch_to_output(opts, lambda records, write: runner.batch_many(records, write, opts["quiet"],
                                                                                    total, size))
         else:
@@ -214,6 +226,22 @@ def refuse_foreign_store(store_path: str | None, model: str | None) -> None:
     check_store_tokenizer(meta, store_path, tokenizer.fingerprint, model or "default")
 
 
+def _input_format(opts: dict[str, Any]) -> str | None:
+    """The batch's input format (None without --input); the lines to read go to opts["input_lines"]."""
+    from samctl.records import batch_format
+
+    if opts["input_file"] is None:
+        return None
+    found, opts["input_lines"] = batch_format(opts["input_file"], opts["input_format"])
+    if found == "openai":
+        for flag, used in (("--compare", opts["compare"]), ("--field", opts["prompt_field"] is not None),
+                           ("--resume", opts["resume"]), ("--ray", opts["ray_address"] is not None)):
+            if used:
+                raise UserError(f"{flag} reads samctl records, and the input holds OpenAI Batch API lines: drop {flag} "
+                                "(or give --input-format records)")
+    return found
+
+
 def _read_file(handle: IO[str] | None, flag: str) -> str | None:
     """The text of a file option, refused in one line if it is not UTF-8."""
     if handle is None:
@@ -225,6 +253,7 @@ def _check_batch_options(opts: dict[str, Any]) -> None:
     batch = opts["input_file"] is not None
     for flag, used in (("--resume", opts["resume"]), ("--ray", opts["ray_address"] is not None),
                        ("--batch-size", opts["batch_size"] is not None),
+                       ("--input-format", opts["input_format"] != "auto"),
                        ("--workers", opts["workers"] is not None), ("--gpus-per-worker", opts["gpus_per_worker"] != 0)):
         if used and not batch:
             raise UserError(f"{flag} applies to a batch: give --input FILE")
@@ -245,7 +274,7 @@ def _batch_to_output(opts: dict[str, Any], run: Callable[[Iterable[tuple[int, st
     drops the records already in the output and appends."""
     from samctl.records import finished_ids, output_key, read_records
 
-    records: Iterable[tuple[int, str]] = read_records(opts["input_file"])
+    records: Iterable[tuple[int, str]] = read_records(opts["input_lines"])
     path = opts["output_path"]
     skipped = 0
 
