@@ -114,6 +114,8 @@ def test_greedy_chat_equals_samctl_generate_streamed_or_not(served, model_dir):
     assert chunks[-2].choices[0].finish_reason in ("stop", "length")
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(plain_tokens)
+    other = client.chat.completions.create(model=session.engine.name, messages=QUESTION, extra_body={"method": "pld"})
+    assert other.choices[0].message.content == expected  # another method, the same answer
 
 
 def test_text_completions_from_text_or_token_ids(served):
@@ -296,6 +298,38 @@ def test_shutdown_finishes_the_request_in_flight():
     events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == "bcdef"
+
+
+def test_shutdown_finishes_the_batched_requests_in_flight(model_dir, monkeypatch):
+    session = Session(SessionConfig(model=str(model_dir), max_new_tokens=24, threads=1, quiet=True))
+    expected = session.decode(plain(session, QUESTION))
+    on_tokens = Job.on_tokens
+    monkeypatch.setattr(Job, "on_tokens", lambda self, t: time.sleep(0.05) or on_tokens(self, t))
+    server, url = _serve(create_app(session, batch_size=2))
+    answers: list = []
+    streaming = [threading.Event(), threading.Event()]
+
+    def ask(i: int) -> None:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=60,
+                          json={"model": session.engine.name, "messages": QUESTION, "stream": True}) as response:
+            lines = []
+            for line in response.iter_lines():
+                lines.append(line)
+                streaming[i].set()
+        answers.append("".join(json.loads(e).get("choices", [{}])[0].get("delta", {}).get("content") or ""
+                               for e in (x.removeprefix("data: ") for x in lines if x.startswith("data: "))
+                               if e != "[DONE]"))
+
+    clients = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    for c in clients:
+        c.start()
+    assert all(e.wait(30) for e in streaming)
+    server.should_exit = True  # what uvicorn's SIGTERM handler does
+    for c in clients:
+        c.join(60)
+    server.thread.join(60)
+    assert not server.thread.is_alive()
+    assert answers == [expected, expected]
 
 
 def test_stores_are_named_on_the_command_line_and_by_requests(tmp_path):
