@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from samctl.decode.batch import BatchStats, batch_refusal, generate_batch, require_batchable
+from samctl.decode.batch import BatchRun, BatchStats, DrafterPool, batch_refusal, generate_batch, require_batchable
 from samctl.decode.budget import TreeCalibration, choose_width, path_probs
 from samctl.decode.drafters.adaptive import AdaptiveDrafter
 from samctl.decode.engine.batched import BatchedTarget
@@ -153,6 +153,33 @@ def test_copy_model_greedy_with_trees_and_refills():
         results = generate_batch(model, make, prompts, config, 4, cost_ms=CHEAP)
         for r, p in zip(results, prompts):
             assert r.tokens == model.reference(p, 25), (method, r.index)
+
+
+def test_a_batch_run_takes_records_between_steps_and_lets_cancelled_ones_leave():
+    model = BatchCopyLM(vocab=32)
+    rng = np.random.default_rng(5)
+    prompts = {k: rng.integers(0, 32, n).tolist() * 2 for k, n in zip("abcd", (5, 7, 3, 6))}
+    pool = DrafterPool(lambda: make_drafter("adaptive", vocab_size=32, device=torch.device("cpu")))
+    run = BatchRun(model, 2, cost_ms=CHEAP)
+    run.submit("a", prompts["a"], GenerationConfig(max_new_tokens=20), pool)
+    results = run.step()
+    assert run.running == 1 and not results
+    streamed: list[list[int]] = []
+    run.submit("b", prompts["b"], GenerationConfig(max_new_tokens=5), pool)  # joins at the next step
+    run.submit("c", prompts["c"], GenerationConfig(max_new_tokens=20), pool)  # waits for a free slot
+    run.submit("d", prompts["d"], GenerationConfig(max_new_tokens=20), pool,
+               on_tokens=lambda tokens: streamed.append(tokens) or len(streamed) == 2)  # stops after 2 calls
+    run.cancel("c")
+    results += run.step()
+    assert run.waiting == 1 and results[0].index == "c"  # c left before the step; b joined a; d waits
+    results += list(run.drain())
+    by_key = {r.index: r for r in results}
+    assert sorted(by_key) == list("abcd") and len(results) == 4 and run.idle
+    assert by_key["a"].tokens == model.reference(prompts["a"], 20)
+    assert by_key["b"].tokens == model.reference(prompts["b"], 5) and by_key["b"].finish_reason == "length"
+    assert by_key["c"].finish_reason == "cancelled" and by_key["c"].tokens == []
+    d = by_key["d"]
+    assert d.finish_reason == "stop" and d.tokens == sum(streamed, []) == model.reference(prompts["d"], 20)[:len(d.tokens)]
 
 
 @pytest.mark.parametrize("method", ["ar", "sam", "adaptive"])
