@@ -469,11 +469,13 @@ def stream_batch(
     max_width: int = 16,
     max_prefill_tokens: int = 8192,
     stats: BatchStats | None = None,
+    predictions: Sequence[Sequence[int] | None] | None = None,
 ) -> Iterator[BatchResult]:
     """Generate for every prompt (host token ids) with up to `batch_size` in flight (a BatchRun);
     yields each record's result as soon as it finishes (`index` says which). `make_drafter()`
     builds one drafter per slot, reused for the slot's later records, as batch 1 reuses one.
-    The other arguments are BatchRun's; `stats` is filled if given."""
+    `predictions[i]`: token ids of record i's expected output (or None), for drafters with
+    `expect`. The other arguments are BatchRun's; `stats` is filled if given."""
     stats = stats if stats is not None else BatchStats()
     start = time.perf_counter()
     records = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
@@ -497,7 +499,8 @@ def stream_batch(
                        max_prefill_tokens=max_prefill_tokens, capacity=capacity, stats=stats)
         generator = _make_generator(config.sampling, run.target.device)  # one stream of draws for the batch
         for i in valid:
-            run.submit(i, records[i], config, pool, generator=generator)
+            run.submit(i, records[i], config, pool, generator=generator,
+                       prediction=None if predictions is None else predictions[i])
         yield from run.drain()
     stats.time_s = time.perf_counter() - start
 

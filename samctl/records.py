@@ -21,6 +21,7 @@ from samctl.progress import progress_bar
 from samctl.textio import check_utf8
 
 if TYPE_CHECKING:  # parsing records (distill's resume, --resume) needs no model
+    from samctl.decode.batch import BatchResult
     from samctl.decode.loop import GenerationResult
     from samctl.session import Session
 
@@ -48,9 +49,9 @@ class RecordRunner:
 
     def batch_many(self, records: Iterable[tuple[int, str]], write: Callable[[str], None], quiet: bool,
                    total: int | None, batch_size: int) -> int:
-        """As `batch`, with up to `batch_size` single-turn records in flight at once on the batched
-        engine (Session.generate_batch); records with several turns or a `prediction`, and bad
-        ones, go through `process`. Lines are read in windows of a few batches and written in
+        """As `batch`, with up to `batch_size` single-turn records (a `prediction` each, or none) in
+        flight at once on the batched engine (Session.generate_batch); records with several turns,
+        and bad ones, go through `process`. Lines are read in windows of a few batches and written in
         input order as soon as every earlier line of the window is written."""
         failed = 0
         window = 4 * batch_size
@@ -67,9 +68,9 @@ class RecordRunner:
         return failed
 
     def _window(self, chunk: list[tuple[int, str]], write: Callable[[str], None], progress, batch_size: int) -> int:
-        # 1) sort the lines: batchable records (one turn, no prediction) and the rest
+        # 1) sort the lines: batchable records (one turn, a text prediction or none) and the rest
         outputs: list[tuple[str, bool] | None] = [None] * len(chunk)
-        batched: list[tuple[int, Any, str]] = []  # (position in chunk, record id, prompt)
+        batched: list[tuple[int, Any, str, str | None]] = []  # (position in chunk, record id, prompt, prediction)
         for pos, (number, line) in enumerate(chunk):
             try:
                 record = parse_record(line, number)
@@ -77,8 +78,9 @@ class RecordRunner:
             except UserError:
                 outputs[pos] = self.process(number, line)
                 continue
-            if len(turns) == 1 and record.get("prediction") is None and not self.compare:
-                batched.append((pos, record_key(record, number), turns[0]))
+            prediction = record.get("prediction")
+            if len(turns) == 1 and (prediction is None or isinstance(prediction, str)) and not self.compare:
+                batched.append((pos, record_key(record, number), turns[0], prediction))
         written = 0
 
         def flush() -> None:  # 3) every line whose predecessors are written goes out now
@@ -90,12 +92,11 @@ class RecordRunner:
                 written += 1
 
         def done(result) -> None:
-            pos, record_id, _ = batched[result.index]
+            pos, record_id, _, _ = batched[result.index]
             if result.error:
                 outputs[pos] = json.dumps({"id": record_id, "error": result.error}, ensure_ascii=False), True
             else:
-                fields = {"text": self.session.decode(result.tokens), "finish_reason": result.finish_reason,
-                          "metrics": result.metrics.to_dict()}
+                fields = result_fields(self.session, result)
                 outputs[pos] = json.dumps({"id": record_id, **fields}, ensure_ascii=False), False
             flush()
 
@@ -108,7 +109,8 @@ class RecordRunner:
             from samctl.decode.batch import BatchStats
 
             stats = BatchStats()
-            self.session.generate_batch([b[2] for b in batched], batch_size=batch_size, on_result=done, stats=stats)
+            self.session.generate_batch([b[2] for b in batched], batch_size=batch_size, on_result=done, stats=stats,
+                                        predictions=[b[3] for b in batched])
             for note in stats.notes:  # an out-of-memory that halved the batch, said once
                 if note not in self._noted and not self._quiet:
                     self._noted.add(note)
@@ -154,7 +156,7 @@ class RecordRunner:
         return out
 
 
-def result_fields(session: Session, result: GenerationResult) -> dict[str, Any]:
+def result_fields(session: Session, result: GenerationResult | BatchResult) -> dict[str, Any]:
     fields = {"text": session.decode(result.tokens), "finish_reason": result.finish_reason,
               "metrics": result.metrics.to_dict()}
     if result.prediction is not None:  # decode.metrics.PredictionUsage: tokens, accepted, rejected

@@ -172,21 +172,26 @@ class Session:
         return result
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int] | list[dict[str, str]]], *, batch_size: int = 8,
-                       on_result: Callable[[Any], None] | None = None, stats: Any = None) -> list:
+                       on_result: Callable[[Any], None] | None = None, stats: Any = None,
+                       predictions: Sequence[str | None] | None = None) -> list:
         """Generate for every prompt with up to `batch_size` sequences in flight (named as
         transformers names its batched call), each record's output exactly its batch-1 output in
         float32; a finished row is refilled from the queue at once. Returns
         decode.batch.BatchResult per prompt, in input order; `on_result` sees each as it finishes.
-        Every slot drafts with its own fresh drafter. Methods without a batched form (draft
-        models, EAGLE, SDSAT) are refused: run them one prompt at a time."""
+        Every slot drafts with its own fresh drafter. `predictions[i]` is prompt i's expected
+        output (or None), drafted from by its own row only; its usage comes back in the result's
+        `prediction`. Methods without a batched form (draft models, EAGLE, SDSAT) are refused:
+        run them one prompt at a time."""
         from samctl.decode.batch import generate_batch
 
         refusal = self.batch_refusal()
         if refusal:
             raise UserError(refusal)
         ids = [self.encode(p) for p in prompts]
+        expected = None if predictions is None else [self.prediction_ids(p) for p in predictions]
         return generate_batch(self.engine.model, self.fresh_drafter, ids, self.generation, batch_size, on_result,
-                              cost_ms=self._batch_cost(batch_size), max_width=BATCH_MAX_WIDTH, stats=stats)
+                              cost_ms=self._batch_cost(batch_size), max_width=BATCH_MAX_WIDTH, stats=stats,
+                              predictions=expected)
 
     def batch_run(self, batch_size: int):
         """An empty decode.batch.BatchRun on this session's engine, for records submitted one by

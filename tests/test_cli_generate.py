@@ -101,6 +101,18 @@ def test_batch_keeps_order_reports_bad_records_and_fails(model_dir, tmp_path):
     out = [json.loads(line) for line in with_prediction.stdout.splitlines()]
     assert with_prediction.returncode == 1 and out[0]["compare"]["identical"] is True
     assert "prediction" in out[1]["error"]
+    # on the batched engine each record's prediction drafts for its own row (what it drafts, and
+    # so the counts, depend on the batch's drafting budget; the answer does not)
+    mixed = [predicted[0], json.dumps({"id": "r", "prompt": PROMPT}), predicted[0]]
+    runs = [samctl("generate", "--model", str(model_dir), "--input", "-", "--max-new-tokens", "12", "--quiet",
+                   "--batch-size", size, stdin="\n".join(mixed) + "\n") for size in ("1", "3")]
+    serial, batched = ([json.loads(line) for line in run.stdout.splitlines()] for run in runs)
+    assert [r["text"] for r in batched] == [r["text"] for r in serial] == [out[0]["text"]] * 3
+    for record in (batched[0], batched[2]):
+        usage = record["prediction_usage"]
+        assert usage["tokens"] == serial[0]["prediction_usage"]["tokens"]
+        assert usage["accepted"] + usage["rejected"] <= usage["tokens"]
+    assert "prediction_usage" not in batched[1]
 
 
 def test_store_from_the_models_tokenizer_is_used_and_lossless(model_dir, tmp_path):
