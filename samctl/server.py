@@ -10,8 +10,10 @@ Requests are validated by the schemas of samctl.openai_api; every error is OpenA
 `{"error": {"message", "type", "param", "code"}}` (400 for a bad request, 404 for an unknown
 model, 401 for a missing or wrong --api-key). Generation happens on the scheduler's worker
 thread (samctl.scheduler: by default many requests at once on the batched engine); each
-request's events cross to asyncio through `loop.call_soon_threadsafe` into its own asyncio.Queue. A client that goes
-away cancels its job, which stops at its next step. At shutdown (SIGTERM: uvicorn stops
+request's events cross to asyncio through `loop.call_soon_threadsafe` into its own
+asyncio.Queue. A client that goes away cancels its job, which leaves at its next step.
+samctl.openai_api turns a body into the scheduler's request and a result into a completion, for
+this app and for `samctl generate --input` with OpenAI Batch API lines alike. At shutdown (SIGTERM: uvicorn stops
 accepting and waits for the open requests) the scheduler finishes what it was given, then stops.
 
 Usage reports prompt, completion and total tokens, Predicted Outputs' accepted and rejected
