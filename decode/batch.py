@@ -20,16 +20,18 @@ sampling, prediction and token callback, and each step runs:
 Every record's output is what `decode.loop.generate` gives it alone: greedy equals plain greedy
 decoding token for token (up to floating-point summation order, which a batch of other rows
 changes as a wider verify does), and with sampling each row keeps the loop's one-draw-per-node
-rule with its own temperature, top-k and top-p, so it follows the model's distribution. In half precision (float16, bfloat16) a row's logits
-differ from its batch-1 logits by rounding that depends on the batch's shape, so a greedy output
-may part from batch-1's at a near-tie, as a wider verify block already makes it at batch 1;
-acceptance stays exact with respect to the logits each step computes. Drafters that need more than ids and logits
-(draft models, EAGLE heads, SDSAT, a drafter's own acceptance rule) run at batch size 1 only.
+rule with its own temperature, top-k, top-p and generator, so it follows the model's
+distribution. In half precision (float16, bfloat16) a row's logits differ from its batch-1 logits
+by rounding that depends on the batch's shape, so a greedy output may part from batch-1's at a
+near-tie, as a wider verify block already makes it at batch 1; acceptance stays exact with
+respect to the logits each step computes. Drafters that need more than ids and logits (draft
+models, EAGLE heads, SDSAT, a drafter's own acceptance rule) run at batch size 1 only.
 
 A bad record (empty, longer than the context) gets an "error" result and never stalls the batch.
-An out-of-memory in a forward halves the batch size, puts the rows it drops back at the head of
-the queue (they restart; nothing of theirs was emitted yet, unless they stream) and goes on. Runs eagerly (no CUDA
-graphs).
+An out-of-memory in a forward halves the batch size and puts the rows it drops back at the head
+of the queue (they restart: nothing of theirs was emitted yet), except rows whose tokens already
+streamed out through `on_tokens`, which end with an "error" result; then it goes on. Runs eagerly
+(no CUDA graphs).
 """
 from __future__ import annotations
 
