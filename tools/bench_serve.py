@@ -3,8 +3,9 @@ Predicted Outputs, and the same load against `transformers serve` when its URL i
 
 The workload is code editing: each request asks to rename a parameter in one function taken from
 samctl/data/sample_corpus (16 distinct functions, parsed with `ast`), through the chat template;
-its `prediction` is the function as it is. At c clients, max(c, --min-requests) requests are sent
-by c threads, request i editing function i mod 16, so no two concurrent requests repeat.
+its `prediction` is the function as it is. At c clients, max(c x --per-client, --min-requests)
+requests are sent by c threads, request i editing function i mod 16, so no two concurrent
+requests repeat.
 The samctl server runs in this process (uvicorn on a free local port, the app of samctl.server on
 the batched engine, --batch-size rows). Every configuration first runs once untimed; within a
 round, the configurations alternate in order. Reported per configuration and client count
@@ -106,7 +107,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=16, help="the samctl server's rows in flight")
     p.add_argument("--clients", default="1,4,16", help="comma-separated concurrent clients")
-    p.add_argument("--min-requests", type=int, default=4, help="requests per cell at least (else one per client)")
+    p.add_argument("--per-client", type=int, default=1, help="requests each client sends in a cell, one after "
+                   "the other (1: one wave of c requests; more: the batch stays full between waves)")
+    p.add_argument("--min-requests", type=int, default=4, help="requests per cell at least")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--memory", type=int, default=0, help="adaptive's cross-request memory (default 0: the rounds "
@@ -144,7 +147,7 @@ def main() -> None:
             names = list(targets) if r % 2 == 0 else list(reversed(targets))
             for name in names:
                 base, model, prediction, extra = targets[name]
-                n = max(clients, args.min_requests)
+                n = max(clients * args.per_client, args.min_requests)
                 results.setdefault(f"{name} x{clients}", []).append(run(base, bodies(model, prediction, n, extra),
                                                                         clients))
                 print(f"round {r} {name} x{clients}: {results[f'{name} x{clients}'][-1]['tok_per_s']:.1f} tok/s "
