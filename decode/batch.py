@@ -542,7 +542,8 @@ def _choose(rows: Sequence[_Row], logits: torch.Tensor, offsets: np.ndarray) -> 
     parts, b = [], 0
     while b < len(rows):
         e = b + 1
-        while e < len(rows) and rows[e].config.sampling == rows[b].config.sampling and rows[e].generator is rows[b].generator:
+        same = lambda r: r.config.sampling == rows[b].config.sampling and r.generator is rows[b].generator  # noqa: E731
+        while e < len(rows) and same(rows[e]):
             e += 1
         parts.append(choose_tokens(logits[offsets[b]: offsets[e]], rows[b].config.sampling, rows[b].generator))
         b = e

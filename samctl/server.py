@@ -13,8 +13,9 @@ thread (samctl.scheduler: by default many requests at once on the batched engine
 request's events cross to asyncio through `loop.call_soon_threadsafe` into its own
 asyncio.Queue. A client that goes away cancels its job, which leaves at its next step.
 samctl.openai_api turns a body into the scheduler's request and a result into a completion, for
-this app and for `samctl generate --input` with OpenAI Batch API lines alike. At shutdown (SIGTERM: uvicorn stops
-accepting and waits for the open requests) the scheduler finishes what it was given, then stops.
+this app and for `samctl generate --input` with OpenAI Batch API lines alike. At shutdown
+(SIGTERM: uvicorn stops accepting and waits for the open requests) the scheduler finishes what it
+was given, then stops.
 
 Usage reports prompt, completion and total tokens, Predicted Outputs' accepted and rejected
 prediction tokens (decode.metrics.PredictionUsage defines them) and the speculative metrics
@@ -163,7 +164,7 @@ def create_app(sessions: Any, *, scheduler: Scheduler | None = None, batch_size:
     async def _start(body: ChatRequest | CompletionRequest, request: Request) -> tuple[Job, asyncio.Queue, int]:
         """Submit the job; wait until it has started (so that a refusal is still a plain JSON
         error, never half a stream). -> (job, its events, prompt tokens)."""
-        job_body = job_request(body, sessions)
+        wanted = job_request(body, sessions)  # a RequestError (404, 400) before anything is queued
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def sink(event: tuple) -> None:  # worker thread -> this request's queue
@@ -172,7 +173,7 @@ def create_app(sessions: Any, *, scheduler: Scheduler | None = None, batch_size:
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 pass
 
-        job = Job(job_body, sessions, sink)
+        job = Job(wanted, sessions, sink)
         state["scheduler"].submit(job)
         event = await _next(job, events, request)
         if event[0] == "error":
