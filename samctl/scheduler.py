@@ -382,6 +382,7 @@ class BatchScheduler:
         self._thread.join(timeout)
 
     def _work(self) -> None:
+        self._open_run()
         while True:
             with self._cond:
                 while not self._inbox and not self._jobs and not self._closed:
@@ -394,6 +395,17 @@ class BatchScheduler:
                 self._take(job)
             if self._jobs:
                 self._step()
+
+    def _open_run(self) -> None:
+        # At start, so that the first request does not wait for the batch's verify cost to be
+        # measured (or read from the cache). Should it fail, the first batched job tries again
+        # and its client learns why.
+        session = self.sessions.by_store[self.sessions.default_store]
+        try:
+            if not session.batch_refusal():
+                self._run = session.batch_run(self.batch_size)
+        except Exception:
+            self._run = None
 
     def _take(self, job: Job) -> None:
         # A new job: refused, run alone (no batched form), or queued in the run.
