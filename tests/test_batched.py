@@ -209,6 +209,30 @@ def test_batched_sampling_follows_the_model_per_row(method):
         assert fits(counts, exact, samples) > 1e-3, (method, parity, counts)
 
 
+def test_rows_of_one_batch_keep_their_own_sampling():
+    """Greedy and sampled records interleaved in one BatchRun: each greedy row is the model's
+    greedy answer, and the sampled rows fit their exact distribution."""
+    model = BatchCopyLM(vocab=VOCAB, peak=1.5)
+    sampling = SamplingConfig(temperature=0.9, top_p=0.95, seed=3)
+    prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    samples = 500
+    pool = DrafterPool(lambda: make_drafter("adaptive", vocab_size=VOCAB, device=torch.device("cpu"),
+                                            config=SAMPLING_METHODS))
+    run = BatchRun(model, 8, cost_ms=CHEAP)
+    generator = torch.Generator().manual_seed(3)  # the sampled rows share one stream of draws
+    for i in range(2 * samples):
+        greedy = i % 2 == 0
+        run.submit(i, prompt, GenerationConfig(max_new_tokens=3, sampling=SamplingConfig() if greedy else sampling),
+                   pool, generator=None if greedy else generator)
+    results = sorted(run.drain(), key=lambda r: r.index)
+    reference = model.reference(prompt, 3)
+    assert all(r.tokens == reference for r in results[0::2])
+    counts: dict[tuple[int, ...], int] = {}
+    for r in results[1::2]:
+        counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
+    assert len(counts) > 1 and fits(counts, _exact(model, prompt, sampling), samples) > 1e-3, counts
+
+
 def _exact(model, prompt, sampling):
     # The batched copy model follows tests/mock_lm.copy_rule at test_decode_sampling's PEAK.
     assert model.peak == PEAK
