@@ -57,15 +57,27 @@ class LlamaCppRunner:
     """llama.cpp greedy (or prompt lookup) on the same token ids; its KV cache reset per run."""
 
     def __init__(self, path: str, lookup: bool) -> None:
+        self.path, self.lookup = path, lookup
+        self.llm, self.n_ctx = None, 0
+
+    def _context(self, n: int) -> None:
+        # a context just large enough (rounded up to 1024): with prompt lookup llama-cpp-python keeps
+        # logits for every position (n_ctx x vocab floats), but sizes that array by the logits_all
+        # argument (n_batch rows without it: a prompt over 512 tokens then fails), so it is passed
+        if n <= self.n_ctx:
+            return
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if lookup else None
+        self.n_ctx = -(-n // 1024) * 1024
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if self.lookup else None
         threads = torch.get_num_threads()  # n_threads_batch (prefill, verify blocks) defaults to every core
-        self.llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=4096, verbose=False,
-                         draft_model=draft)
+        self.llm = None
+        self.llm = Llama(model_path=self.path, n_threads=threads, n_threads_batch=threads, n_ctx=self.n_ctx,
+                         verbose=False, draft_model=draft, logits_all=self.lookup)
 
     def run(self, prompt: list[int], max_new: int, eos: set[int]) -> tuple[list[int], float]:
+        self._context(len(prompt) + max_new + 16)  # + the widest lookup block
         self.llm.reset()
         tokens = []
         start = time.perf_counter()
