@@ -183,9 +183,6 @@ class Session:
         from samctl.decode.batch import generate_batch, require_batchable
 
         require_batchable(self.config.method)
-        if self.config.quantize == "int8":
-            raise UserError("--quantize int8 runs at batch size 1 only (its exact attention takes one sequence): "
-                            "drop --quantize or use --batch-size 1")
         ids = [self.encode(p) for p in prompts]
         cost = batch_cost_curve(self.engine, batch_size, BATCH_MAX_WIDTH, quiet=self.config.quiet)
         return generate_batch(self.engine.model, self.fresh_drafter, ids, self.generation, batch_size, on_result,

@@ -97,9 +97,10 @@ ROWWISE = "samctl_rowwise"
 class _Visible:
     """The keys each query row sees, read from one forward's mask and reused by every layer.
 
-    rows[b][i] is an int n (row i of batch row b sees keys [0, n)) or a tensor of key indices >=
-    shared[b] (it sees [0, shared[b]) and those). Keyed on the mask object itself, held here, so
-    its id cannot be reused by another mask while it is cached."""
+    rows[b][i] is an int n (row i of batch row b sees keys [0, n)) or a tensor of key indices
+    >= shared[b][i] (it sees [0, shared[b][i]) and those); shared[b][i] is one value per batch row
+    or 0. Keyed on the mask object itself, held here, so its id cannot be reused by another mask
+    while it is cached."""
 
     mask: torch.Tensor | None = None
     shape: tuple = ()
@@ -120,10 +121,13 @@ class _Visible:
         counts, lead = counts.tolist(), lead.tolist()
         rows, shared = [], []
         for b in range(batch):
-            start = min((lead[b][i] for i in range(q) if not prefix[b][i]), default=kv)
-            rows.append([counts[b][i] if prefix[b][i] else torch.nonzero(seen[b, i, start:])[:, 0] + start
+            # rows that see no prefix at all (a batched verify's padding inputs see only themselves)
+            # take their keys alone, so that they do not shorten the prefix the others share
+            start = min((lead[b][i] for i in range(q) if not prefix[b][i] and lead[b][i]), default=0)
+            rows.append([counts[b][i] if prefix[b][i] else
+                         torch.nonzero(seen[b, i, start if lead[b][i] else 0 :])[:, 0] + (start if lead[b][i] else 0)
                          for i in range(q)])
-            shared.append(start)
+            shared.append([0 if prefix[b][i] or not lead[b][i] else start for i in range(q)])
         cls.mask, cls.shape, cls.rows, cls.shared = mask, (batch, q, kv), rows, shared
         return cls
 
@@ -140,7 +144,7 @@ def rowwise_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if attention_mask is None:
-        rows, shared = [[kv - q + i + 1 for i in range(q)]] * batch, [kv] * batch
+        rows, shared = [[kv - q + i + 1 for i in range(q)]] * batch, [[0] * q] * batch
     else:
         visible = _Visible.of(attention_mask, batch, q, kv)
         rows, shared = visible.rows, visible.shared
@@ -148,15 +152,17 @@ def rowwise_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     out = query.new_empty(batch, q, heads, dim)
     for b in range(batch):
         keys, values = key[b : b + 1], value[b : b + 1]
-        start = shared[b]
         scratch = None
         for i, seen in enumerate(rows[b]):
+            start = shared[b][i]
             if isinstance(seen, int):  # a prefix: a view of the cache
                 k, v = keys.narrow(2, 0, seen), values.narrow(2, 0, seen)
+            elif not start:  # no prefix: its few keys alone
+                k, v = keys.index_select(2, seen), values.index_select(2, seen)
             else:  # the shared prefix, then this row's own keys copied behind it
                 if scratch is None:
                     width = start + max(int(s.numel()) for s in rows[b] if not isinstance(s, int))
-                    scratch = (keys.new_empty(2, 1, keys.shape[1], width, dim))
+                    scratch = keys.new_empty(2, 1, keys.shape[1], width, dim)
                     scratch[0, :, :, :start] = keys[:, :, :start]
                     scratch[1, :, :, :start] = values[:, :, :start]
                 n = int(seen.numel())
@@ -167,6 +173,12 @@ def rowwise_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                                  scale=scaling, enable_gqa=gqa)  # [1, Hq, 1, D]
             out[b, i] = row[0, :, 0]
     return out, None
+
+
+def exact_rows(model: torch.nn.Module) -> bool:
+    """True when the model attends with ROWWISE: a batched engine must then prefill each prompt
+    as batch 1 does (a padded batch prefill sums in another order)."""
+    return getattr(model.config, "_attn_implementation", None) == ROWWISE
 
 
 def use_rowwise_attention(model: torch.nn.Module) -> None:
