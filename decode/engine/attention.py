@@ -94,42 +94,42 @@ def use_folded_gqa(model: torch.nn.Module) -> bool:
 ROWWISE = "samctl_rowwise"
 
 
-class _Visible:
-    """The keys each query row sees, read from one forward's mask and reused by every layer.
+# The last forward's visible keys: (mask, (B, q, kv), rows, shared), replaced in one assignment so
+# that a thread never reads one mask's rows under another's key. Holding the mask keeps its id
+# from being reused by another mask while it is cached.
+_last_visible: tuple | None = None
 
-    rows[b][i] is an int n (row i of batch row b sees keys [0, n)) or a tensor of key indices
-    >= shared[b][i] (it sees [0, shared[b][i]) and those); shared[b][i] is one value per batch row
-    or 0. Keyed on the mask object itself, held here, so its id cannot be reused by another mask
-    while it is cached."""
 
-    mask: torch.Tensor | None = None
-    shape: tuple = ()
-    rows: list = []
-    shared: list = []
+def _visible_keys(mask: torch.Tensor, batch: int, q: int, kv: int) -> tuple[list, list]:
+    """The keys each query row sees, read from one forward's mask once and reused by every layer.
+    mask: [B or 1, 1, q, kv] bool (True = attend) or additive float (0 = attend); a mask edited in
+    place between forwards must come as a new tensor object (the engines' views do).
 
-    @classmethod
-    def of(cls, mask: torch.Tensor, batch: int, q: int, kv: int) -> "_Visible":
-        # mask: [B or 1, 1, q, kv] bool (True = attend) or additive float (0 = attend)
-        if cls.mask is mask and cls.shape == (batch, q, kv):
-            return cls
-        seen = mask[:, 0, :, :kv]
-        seen = seen if seen.dtype == torch.bool else seen == 0
-        seen = seen.expand(batch, q, kv)
-        counts = seen.sum(-1)  # [B, q]
-        lead = seen.cumprod(-1).sum(-1)  # the leading run of visible keys
-        prefix = (lead == counts).tolist()
-        counts, lead = counts.tolist(), lead.tolist()
-        rows, shared = [], []
-        for b in range(batch):
-            # rows that see no prefix at all (a batched verify's padding inputs see only themselves)
-            # take their keys alone, so that they do not shorten the prefix the others share
-            start = min((lead[b][i] for i in range(q) if not prefix[b][i] and lead[b][i]), default=0)
-            rows.append([counts[b][i] if prefix[b][i] else
-                         torch.nonzero(seen[b, i, start if lead[b][i] else 0 :])[:, 0] + (start if lead[b][i] else 0)
-                         for i in range(q)])
-            shared.append([0 if prefix[b][i] or not lead[b][i] else start for i in range(q)])
-        cls.mask, cls.shape, cls.rows, cls.shared = mask, (batch, q, kv), rows, shared
-        return cls
+    -> (rows, shared): rows[b][i] is an int n (row i of batch row b sees keys [0, n)) or a tensor
+    of key indices >= shared[b][i] (it sees [0, shared[b][i]) and those); shared[b][i] is one
+    value per batch row, or 0."""
+    global _last_visible
+    last = _last_visible
+    if last is not None and last[0] is mask and last[1] == (batch, q, kv):
+        return last[2], last[3]
+    seen = mask[:, 0, :, :kv]
+    seen = seen if seen.dtype == torch.bool else seen == 0
+    seen = seen.expand(batch, q, kv)
+    counts = seen.sum(-1)  # [B, q]
+    lead = seen.cumprod(-1).sum(-1)  # the leading run of visible keys
+    prefix = (lead == counts).tolist()
+    counts, lead = counts.tolist(), lead.tolist()
+    rows, shared = [], []
+    for b in range(batch):
+        # rows that see no prefix at all (a batched verify's padding inputs see only themselves)
+        # take their keys alone, so that they do not shorten the prefix the others share
+        start = min((lead[b][i] for i in range(q) if not prefix[b][i] and lead[b][i]), default=0)
+        rows.append([counts[b][i] if prefix[b][i] else
+                     torch.nonzero(seen[b, i, start if lead[b][i] else 0 :])[:, 0] + (start if lead[b][i] else 0)
+                     for i in range(q)])
+        shared.append([0 if prefix[b][i] or not lead[b][i] else start for i in range(q)])
+    _last_visible = (mask, (batch, q, kv), rows, shared)
+    return rows, shared
 
 
 def rowwise_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -146,8 +146,7 @@ def rowwise_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if attention_mask is None:
         rows, shared = [[kv - q + i + 1 for i in range(q)]] * batch, [[0] * q] * batch
     else:
-        visible = _Visible.of(attention_mask, batch, q, kv)
-        rows, shared = visible.rows, visible.shared
+        rows, shared = _visible_keys(attention_mask, batch, q, kv)
     gqa = heads != key.shape[1]
     out = query.new_empty(batch, q, heads, dim)
     for b in range(batch):
