@@ -340,7 +340,7 @@ class BatchScheduler:
     """Jobs share the batched engine (decode.batch.BatchRun): up to `batch_size` generate at once,
     each a row with its own length, sampling, stop strings and prediction; a job arriving while
     the batch runs joins a free slot between two steps; a cancelled job leaves at the next step.
-    A job whose method has no batched form (draft models, EAGLE, SDSAT) or whose engine is int8
+    A job whose method has no batched form (draft models, EAGLE, SDSAT)
     runs alone on its session (batch 1) between two steps, the batch waiting. One worker thread
     owns the model; with nothing to do it sleeps on a condition."""
 

@@ -204,9 +204,6 @@ class Session:
         """Why this session cannot run on the batched engine ("" when it can)."""
         from samctl.decode.batch import batch_refusal
 
-        if self.config.quantize == "int8":
-            return ("--quantize int8 runs at batch size 1 only (its exact attention takes one sequence): "
-                    "drop --quantize or use --batch-size 1")
         return batch_refusal(self.config.method)
 
     def _batch_cost(self, batch_size: int) -> np.ndarray:

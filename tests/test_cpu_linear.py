@@ -139,3 +139,83 @@ def test_int8_verify_equals_single_steps_bit_for_bit(tiny_llama):
     target.prefill(prompt)
     logits = target.verify(torch.tensor([4, 5, 6, 7]), tree)
     assert torch.equal(logits[[0, 2, 3]], steps(torch.tensor([4, 6, 7])))
+
+
+def test_int8_batched_rows_equal_batch1_bit_for_bit(tiny_llama):
+    # Batched engine, int8: a row's prefill and verify logits equal the batch-1 engine's bit for
+    # bit, whatever the other rows hold (prompt lengths, widths 1..64, trees, padding), batch sizes 1..8.
+    import copy
+
+    from samctl.decode.engine.batched import BatchedTarget
+    from samctl.decode.engine.target import TargetModel
+    from samctl.decode.tree import DraftTree
+
+    model = apply_cpu_linear(copy.deepcopy(tiny_llama), "int8")
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 96, n) for n in (9, 30, 4, 17, 23, 11, 40, 6)]
+    widths = [1, 64, 7, 2, 33, 12, 5, 20]  # t0 plus width - 1 nodes
+    trees = []
+    for i, w in enumerate(widths):
+        tokens = rng.integers(3, 96, w - 1)
+        if i % 2 and w > 2:  # a tree: every node hangs under a random earlier one (or t0)
+            parents = np.array([rng.integers(-1, j) for j in range(w - 1)], dtype=np.int32)
+            trees.append(DraftTree(tokens=tokens, parents=parents))
+        else:
+            trees.append(DraftTree.chain(tokens))
+    single = TargetModel(model)
+    want_prefill, want_verify = [], []
+    for p, tree in zip(prompts, trees):
+        want_prefill.append(single.prefill(torch.from_numpy(p)))
+        want_verify.append(single.verify(single.verify_input(int(p[-1]), tree), tree))
+    for rows in range(1, 9):
+        target = BatchedTarget(model, rows, 128)
+        got = target.prefill(list(range(rows)), prompts[:rows], [False] * rows)
+        for b in range(rows):
+            assert torch.equal(got[b], want_prefill[b]), (rows, b)
+        inputs = [torch.from_numpy(np.concatenate(([p[-1]], t.tokens)).astype(np.int64))
+                  for p, t in zip(prompts[:rows], trees[:rows])]
+        logits, offsets = target.verify(inputs, trees[:rows])
+        for b in range(rows):
+            assert torch.equal(logits[offsets[b] : offsets[b + 1]], want_verify[b]), (rows, b)
+
+
+@pytest.fixture(scope="module")
+def default_int8():
+    from samctl.tokenizer import DEFAULT_MODEL_DIR
+
+    if not DEFAULT_MODEL_DIR.is_dir():
+        pytest.skip("the embedded default model is not installed")
+    return _load(DEFAULT_MODEL_DIR, "int8")
+
+
+@pytest.mark.parametrize("method", ["ar", "pld", "sam", "adaptive", "rest", "recycle", "lookahead", "sam+recycle"])
+def test_int8_batched_greedy_equals_its_own_plain_greedy(default_int8, method):
+    # Every batched method on the int8 embedded model: each record's output equals plain greedy
+    # decoding of the same int8 model, at batch sizes 1, 3 and 6 (wide drafts: up to 32 inputs a row;
+    # widths to 64 and batch sizes 1..8 bit for bit: test_int8_batched_rows_equal_batch1_bit_for_bit).
+    from samctl.decode.batch import generate_batch
+    from samctl.decode.loop import GenerationConfig
+    from samctl.decode.methods import make_drafter
+    from tests.test_decode_greedy import EAGER
+
+    model, new = default_int8, 16
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(0)
+    prompts = []
+    for i in range(6):  # mixed lengths, most repeating a span so that drafts are accepted in some rows
+        base = rng.integers(3, vocab, 5 + 6 * i).tolist()
+        prompts.append(base + base[: 4 + i] if i % 3 else base)
+    expected = [hf_greedy(model, p, new, eos=None) for p in prompts]
+    corpus = np.concatenate([np.asarray(r, dtype=np.int32) for r in expected])
+    static = SuffixAutomaton.build(corpus, np.concatenate(([0], np.cumsum([len(r) for r in expected]))))
+
+    def make():
+        return make_drafter(method, vocab_size=vocab, device=torch.device("cpu"), eos_token_ids=(),
+                            static=static if uses_store(method) else None, config=EAGER)
+
+    cheap = 1.0 + 0.02 * np.arange(1, 513)  # drafting nearly free: wide trees, ragged acceptance
+    for batch_size in (1, 3, 6):
+        results = generate_batch(model, make, prompts, GenerationConfig(max_new_tokens=new), batch_size,
+                                 cost_ms=cheap, max_width=32)
+        for r, want in zip(results, expected):
+            assert r.tokens == want, (method, batch_size, r.index)

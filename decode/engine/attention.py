@@ -1,4 +1,8 @@
-"""Grouped-query attention without `repeat_kv` for a masked verify at batch 1.
+"""Two attention functions registered with transformers: folded grouped-query attention for a
+masked verify on CUDA ("samctl_sdpa"), and attention exact per query row for int8 models on the
+CPU ("samctl_rowwise", at the end of this module).
+
+Folded grouped-query attention: no `repeat_kv` for a masked verify at batch 1.
 
 transformers' sdpa path passes `enable_gqa` only when there is no mask, and packs head groups only
 for a single query; a tree verify has both a 4D mask and many queries, so it copies K and V once
@@ -19,6 +23,7 @@ switches a model to it.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -68,3 +73,115 @@ def use_folded_gqa(model: torch.nn.Module) -> bool:
     except (AttributeError, ValueError, ImportError):  # a transformers without custom attention names
         return False  # its own sdpa stays: correct, with repeat_kv's copies
     return getattr(model.config, "_attn_implementation", None) == NAME
+
+
+# -- attention exact per query row (int8 models on the CPU) ------------------------------------------
+# int8 linears are exact per row (decode/engine/cpu_linear.py), but sdpa over q query rows sums in
+# another order than over one, and a last-bit difference that crosses an int8 rounding boundary
+# moves an activation by a whole quantization step (SmolLM2: verify logits off by up to 4 from one-
+# token steps). So every query row attends in its own sdpa call over exactly the keys it sees, in
+# the order a one-token step sees them (the committed prefix, then its tree ancestors):
+#
+#     out[b, i] = sdpa(query[b, :, i], keys(b, i), values(b, i))      one call shape per row
+#
+# which is what a one-token step of the same model computes, bit for bit, whatever the other rows
+# (verified tokens or batch rows) are. Why not one call for all rows: the CPU kernels' arithmetic
+# for a row depends on the number of rows and keys in the call (gemm blocking, the vector/scalar
+# split of the softmax sum), so no shared call keeps a row exact. What is vectorized is everything
+# around the calls: which keys each row sees is read from the mask once per forward (not once per
+# layer), prefix rows read a view of the cache, and tree rows copy only their ancestors behind one
+# shared copy of the prefix. A prefill (no cached keys) runs batched, as the plain decoder's does.
+ROWWISE = "samctl_rowwise"
+
+
+# The last forward's visible keys: (mask, (B, q, kv), rows, shared), replaced in one assignment so
+# that a thread never reads one mask's rows under another's key. Holding the mask keeps its id
+# from being reused by another mask while it is cached.
+_last_visible: tuple | None = None
+
+
+def _visible_keys(mask: torch.Tensor, batch: int, q: int, kv: int) -> tuple[list, list]:
+    """The keys each query row sees, read from one forward's mask once and reused by every layer.
+    mask: [B or 1, 1, q, kv] bool (True = attend) or additive float (0 = attend); a mask edited in
+    place between forwards must come as a new tensor object (the engines' views do).
+
+    -> (rows, shared): rows[b][i] is an int n (row i of batch row b sees keys [0, n)) or a tensor
+    of key indices >= shared[b][i] (it sees [0, shared[b][i]) and those); shared[b][i] is one
+    value per batch row, or 0."""
+    global _last_visible
+    last = _last_visible
+    if last is not None and last[0] is mask and last[1] == (batch, q, kv):
+        return last[2], last[3]
+    seen = mask[:, 0, :, :kv]
+    seen = seen if seen.dtype == torch.bool else seen == 0
+    seen = seen.expand(batch, q, kv)
+    counts = seen.sum(-1)  # [B, q]
+    lead = seen.cumprod(-1).sum(-1)  # the leading run of visible keys
+    prefix = (lead == counts).tolist()
+    counts, lead = counts.tolist(), lead.tolist()
+    rows, shared = [], []
+    for b in range(batch):
+        # rows that see no prefix at all (a batched verify's padding inputs see only themselves)
+        # take their keys alone, so that they do not shorten the prefix the others share
+        start = min((lead[b][i] for i in range(q) if not prefix[b][i] and lead[b][i]), default=0)
+        rows.append([counts[b][i] if prefix[b][i] else
+                     torch.nonzero(seen[b, i, start if lead[b][i] else 0 :])[:, 0] + (start if lead[b][i] else 0)
+                     for i in range(q)])
+        shared.append([0 if prefix[b][i] or not lead[b][i] else start for i in range(q)])
+    _last_visible = (mask, (batch, q, kv), rows, shared)
+    return rows, shared
+
+
+def rowwise_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    # query: [B, Hq, q, D]; key, value: [B, Hkv, kv, D]; attention_mask: [B or 1, 1, q, kv] bool or
+    # additive float, or None (causal: row i sees the first kv - q + i + 1 keys)
+    # -> ([B, q, Hq, D], None), as transformers' sdpa_attention_forward returns
+    batch, heads, q, dim = query.shape
+    kv = key.shape[2]
+    if q == kv and q > 1:  # a prefill (no cached keys): run as a plain greedy decoder's prefill runs it
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if attention_mask is None:
+        rows, shared = [[kv - q + i + 1 for i in range(q)]] * batch, [[0] * q] * batch
+    else:
+        rows, shared = _visible_keys(attention_mask, batch, q, kv)
+    gqa = heads != key.shape[1]
+    out = query.new_empty(batch, q, heads, dim)
+    for b in range(batch):
+        keys, values = key[b : b + 1], value[b : b + 1]
+        scratch = None
+        for i, seen in enumerate(rows[b]):
+            start = shared[b][i]
+            if isinstance(seen, int):  # a prefix: a view of the cache
+                k, v = keys.narrow(2, 0, seen), values.narrow(2, 0, seen)
+            elif not start:  # no prefix: its few keys alone
+                k, v = keys.index_select(2, seen), values.index_select(2, seen)
+            else:  # the shared prefix, then this row's own keys copied behind it
+                if scratch is None:
+                    width = start + max(int(s.numel()) for s in rows[b] if not isinstance(s, int))
+                    scratch = keys.new_empty(2, 1, keys.shape[1], width, dim)
+                    scratch[0, :, :, :start] = keys[:, :, :start]
+                    scratch[1, :, :, :start] = values[:, :, :start]
+                n = int(seen.numel())
+                scratch[0, :, :, start : start + n] = keys.index_select(2, seen)
+                scratch[1, :, :, start : start + n] = values.index_select(2, seen)
+                k, v = scratch[0, :, :, : start + n], scratch[1, :, :, : start + n]
+            row = F.scaled_dot_product_attention(query[b : b + 1, :, i : i + 1], k, v, dropout_p=dropout,
+                                                 scale=scaling, enable_gqa=gqa)  # [1, Hq, 1, D]
+            out[b, i] = row[0, :, 0]
+    return out, None
+
+
+def exact_rows(model: torch.nn.Module) -> bool:
+    """True when the model attends with ROWWISE: a batched engine must then prefill each prompt
+    as batch 1 does (a padded batch prefill sums in another order)."""
+    return getattr(model.config, "_attn_implementation", None) == ROWWISE
+
+
+def use_rowwise_attention(model: torch.nn.Module) -> None:
+    """Switch a model to attention exact per query row (ROWWISE)."""
+    AttentionInterface.register(ROWWISE, rowwise_attention)
+    AttentionMaskInterface.register(ROWWISE, sdpa_mask)
+    model.set_attn_implementation(ROWWISE)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from samctl.decode.engine.attention import exact_rows
 from samctl.decode.engine.cost import monotone_fit
 from samctl.decode.engine.kv_cache import with_cache
 from samctl.decode.engine.target import TargetModel, to_device
@@ -126,12 +127,15 @@ class BatchedTarget:
         self._blocked = torch.finfo(self.dtype).min
         split = getattr(model.config, "model_type", "") in PLAIN_HEAD and hasattr(model, "lm_head")
         self._decoder = model.get_decoder() if split else None
+        # attention exact per row (int8): a padded batch prefill would sum in another order than
+        # batch 1's, so each prompt is prefilled alone, as batch 1 prefills it
+        self._prefill_alone = exact_rows(model)
 
     # -- forwards -----------------------------------------------------------------------------
 
-    def _run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+    def _run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
              keep: torch.Tensor | None) -> torch.Tensor:
-        # input_ids, position_ids: [A, q]; mask: [A or 1, 1, q, kv]; keep: [N] flat indices into
+        # input_ids, position_ids: [A, q]; mask: [A or 1, 1, q, kv] (None: the model's causal mask); keep: [N] flat indices into
         # A * q of the inputs whose logits are wanted (None: all) -> logits [N, V]
         if self._decoder is not None:
             hidden = self._decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
@@ -149,6 +153,8 @@ class BatchedTarget:
         # -> per prompt its logits: [n, V] if all_logits[i] else [1, V] at the last position.
         # One forward, right-padded to the longest prompt: with right padding a plain causal mask
         # is exactly right for every real position.
+        if self._prefill_alone:
+            return [self._prefill_alone_one(s, p, a) for s, p, a in zip(slots, prompts, all_logits)]
         k = len(slots)
         lengths = np.array([len(p) for p in prompts], dtype=np.int64)
         width = int(lengths.max())
@@ -169,6 +175,22 @@ class BatchedTarget:
         self.lengths[list(slots)] = lengths
         counts = np.where(np.asarray(all_logits), lengths, 1)
         return list(torch.split(logits, counts.tolist()))
+
+    def _prefill_alone_one(self, slot: int, prompt: np.ndarray, all_logits: bool) -> torch.Tensor:
+        # prompt: [n] host int64 -> logits [n, V] or [1, V]: a batch-1 forward with no mask, the
+        # model's own causal mask sized as TargetModel.prefill's ([n, n]: kv_length n)
+        n = len(prompt)
+        self.reserve(n)
+        keep = np.arange(n) if all_logits else np.array([n - 1])
+        self.cache.prefill_rows = to_device(np.array([slot], dtype=np.int64), self.device)
+        self.cache.kv_length = n
+        try:
+            logits = self._run(to_device(np.asarray(prompt, dtype=np.int64)[None], self.device),
+                               torch.arange(n, device=self.device)[None], None, to_device(keep, self.device))
+        finally:
+            self.cache.prefill_rows = None
+        self.lengths[slot] = n
+        return logits
 
     @torch.inference_mode()
     def verify(self, inputs: Sequence[torch.Tensor], trees: Sequence[DraftTree]) -> tuple[torch.Tensor, np.ndarray]:

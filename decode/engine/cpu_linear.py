@@ -15,8 +15,8 @@ head included) with one of:
 
   Invariant: row r's output is a function of row r alone, bit for bit (the integer sum is
   exact in any order; the scales and the epilogue are elementwise), so a verify of 8 tokens
-  runs each layer as 8 single steps would. What keeps a whole forward lossless beyond the
-  linear layers (attention, norms) is the same as in float32.
+  runs each layer as 8 single steps would. Attention must then be exact per row too: int8 models
+  switch to `samctl_rowwise` (decode/engine/attention.py).
 
 It knows modules and tensors, not decoding. `linear_backend(model)` names what a model runs with,
 so that measured costs can be kept per backend.
@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from samctl.decode.engine.attention import use_rowwise_attention
 from samctl.index.errors import UserError
 
 QUANTIZE = ("none", "int8")
@@ -81,16 +82,21 @@ class Int8Linear(nn.Module):
         return self._dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., in] float -> [..., out] in x's dtype
-        rows = x.reshape(-1, self.in_features).float()
-        amax = torch.linalg.vector_norm(rows, float("inf"), dim=1, keepdim=True)  # [r, 1]
-        row_scale = amax.clamp_min(torch.finfo(torch.float32).tiny) / 127.0
+        # x: [..., in] float -> [..., out] in x's dtype. Each op counts: a decode step runs this 211
+        # times on one row (SmolLM2), where a call costs more than its arithmetic, so in-place ops
+        # and no no-op casts.
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32:
+            rows = rows.float()
+        # [r, 1]; vector_norm(inf) is 5x slower at 8 rows
+        row_scale = rows.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny).div_(127.0)
         # |rows / row_scale| <= 127 up to rounding, so no clamp is needed before the cast
-        xq = torch.round(rows / row_scale).to(torch.int8)
-        y = torch._int_mm(xq, self.qweight_t).float().mul_(row_scale).mul_(self.scale)  # [r, out]
+        xq = torch.div(rows, row_scale).round_().to(torch.int8)
+        y = torch.mul(torch._int_mm(xq, self.qweight_t), row_scale).mul_(self.scale)  # [r, out] float32
         if self.bias is not None:
             y = y.add_(self.bias)
-        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def apply_cpu_linear(model: nn.Module, quantize: str = "none", prepack: bool = True) -> nn.Module:
@@ -112,7 +118,8 @@ def apply_cpu_linear(model: nn.Module, quantize: str = "none", prepack: bool = T
         return model
     _replace_linears(model, swap)
     if backend == "int8":
-        _use_rowwise_attention(model)
+        # exact per row needs attention exact per row too (decode/engine/attention.py)
+        use_rowwise_attention(model)
     setattr(model, _BACKEND_ATTR, backend)
     return model
 
@@ -129,53 +136,3 @@ def _replace_linears(model: nn.Module, swap: type[nn.Module]) -> None:
                for name, child in parent.named_children() if type(child) is nn.Linear]
     for parent, name, child in targets:
         setattr(parent, name, swap(child))
-
-
-# -- attention one query row at a time -------------------------------------------------------------
-# The int8 linears are exact per row, but sdpa over q rows at once sums in another order than over
-# one row, and a last-bit difference that crosses an int8 rounding boundary moves an activation by
-# a whole quantization step (SmolLM2: verify logits off by up to 4 from single steps). Attending
-# one query row at a time over exactly the keys it sees computes every row as a one-token step
-# does, so the whole forward is exact per row. A prefill (no cached keys) runs batched, as the
-# plain decoder's prefill does: both compute it the same way.
-ROWWISE_ATTENTION = "samctl_rowwise"
-
-
-def rowwise_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                      **kwargs) -> tuple[torch.Tensor, None]:
-    # query: [B, Hq, q, D]; key, value: [B, Hkv, kv, D]; attention_mask: [B, 1, q, kv] bool (True =
-    # attend) or additive float (0 = attend), or None (causal: row i sees the first kv - q + i + 1 keys)
-    # -> ([B, q, Hq, D], None), as transformers' sdpa_attention_forward returns
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    q, kv = query.shape[2], key.shape[2]
-    if q == kv and q > 1:  # a prefill (no cached keys): run as a plain greedy decoder's prefill runs it
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    if attention_mask is not None and attention_mask.shape[0] != 1:
-        raise UserError("int8 attention runs one sequence at a time: use batch size 1 with --quantize int8")
-    rows = []
-    for i in range(q):
-        if attention_mask is None:
-            keys = slice(0, kv - q + i + 1)
-        else:
-            seen = attention_mask[0, 0, i, :kv]
-            seen = seen if seen.dtype == torch.bool else seen == 0
-            index = torch.nonzero(seen)[:, 0]
-            n = int(index.numel())
-            keys = slice(0, n) if n == 0 or int(index[-1]) == n - 1 else index  # a prefix: a view, no copy
-        k, v = key[:, :, keys], value[:, :, keys]
-        out, _ = sdpa_attention_forward(module, query[:, :, i : i + 1], k, v, None, dropout=dropout,
-                                        scaling=scaling, is_causal=False)
-        rows.append(out)
-    return torch.cat(rows, dim=1), None
-
-
-def _use_rowwise_attention(model: nn.Module) -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(ROWWISE_ATTENTION, rowwise_attention)
-    AttentionMaskInterface.register(ROWWISE_ATTENTION, sdpa_mask)
-    model.set_attn_implementation(ROWWISE_ATTENTION)

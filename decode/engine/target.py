@@ -21,14 +21,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from samctl.decode.engine.attention import NAME as FOLDED, use_folded_gqa
+from samctl.decode.engine.attention import NAME as FOLDED, ROWWISE, use_folded_gqa
 from samctl.decode.engine.kv_cache import StaticKVCache, with_cache
 from samctl.decode.engine.transfer import to_device  # noqa: F401  (re-exported: drafters import it from here)
 from samctl.decode.tree import DraftTree, ancestor_matrix
 from samctl.index.errors import UserError
 
-# attention paths that apply a custom 4D additive mask (samctl_rowwise: decode/engine/cpu_linear.py)
-MASK_ATTENTION = ("sdpa", "eager", FOLDED, "samctl_rowwise")
+# attention paths that apply a custom 4D additive mask (decode/engine/attention.py: FOLDED, ROWWISE)
+MASK_ATTENTION = ("sdpa", "eager", FOLDED, ROWWISE)
 VERIFY_SLACK = 256  # cache room reserved beyond prompt + output for the largest verify block
 
 

@@ -54,8 +54,8 @@ from samctl.textio import TEXT_FILE, check_utf8
 @click.option("--workers", type=int, default=None, help="--ray: worker actors [default: the cluster's CPUs / --threads, or its GPUs / --gpus-per-worker].")
 @click.option("--gpus-per-worker", type=float, default=0.0, show_default=True, help="--ray: GPUs each worker holds (0: CPU workers).")
 @click.option("--batch-size", type=int, default=None, help="Batch: records in flight at once on the batched engine, each "
-              "output still exactly its own batch-1 output in float32 [default: 8 on a CPU, 32 on a GPU; 1 for methods "
-              "without a batched form (draft models, EAGLE, SDSAT), --quantize int8 and --compare; with --ray, per worker].")
+              "output still exactly its own batch-1 output in float32 and with --quantize int8 [default: 8 on a CPU, 32 on a "
+              "GPU; 1 for methods without a batched form (draft models, EAGLE, SDSAT) and --compare; with --ray, per worker].")
 @click.option("--field", "prompt_field", metavar="NAME", help="Batch: the record field holding the prompt.")
 @click.option("--prediction", "prediction_file", type=TEXT_FILE,
               help="adaptive: the expected output (e.g. the file being edited), drafted from like the prompt; "
@@ -171,7 +171,6 @@ def _batch_size(opts: dict[str, Any], config, on_gpu: bool) -> int:
         raise UserError(f"--batch-size must be >= 1, got {asked}")
     why = batch_refusal(config.method)
     blocked = (why.rsplit(": use", 1)[0] if why else
-               "--quantize int8 runs one sequence at a time" if config.quantize == "int8" else
                "--compare times records one at a time" if opts["compare"] else
                "--memory-file/--memory-save keep one drafter's memory" if opts["memory_file"] or opts["memory_save"]
                else "")

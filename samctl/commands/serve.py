@@ -47,7 +47,7 @@ def _stores(specs: tuple[str, ...]) -> dict[str, str]:
 @click.option("--batch-size", type=int, default=None,
               help="Requests generating at once on the batched engine (default: 8 on a CPU, 32 on a GPU); 1: one "
                    "at a time. Methods without a batched form (sd, specdec++, sam+draft, ouroboros, EAGLE, sdsat) "
-                   "and --quantize int8 run one request at a time between batch steps.")
+                   "run one request at a time between batch steps.")
 @click.option("--max-new-tokens", type=int, default=1024, show_default=True,
               help="Longest answer when a request sets no max_tokens.")
 @click.option("--memory-file", "memory_file", metavar="STORE", type=click.Path(exists=True, dir_okay=False),
