@@ -73,10 +73,10 @@ def require_batchable(name: str) -> None:
 
 
 def _check_drafter(drafter: Drafter) -> None:
-    name = getattr(drafter, "name", type(drafter).__name__)
+    name = drafter.name
     if name in REGISTRY:
         require_batchable(name)
-    if getattr(drafter, "needs_hidden", False) or getattr(drafter, "accept", None) is not None:
+    if drafter.needs_hidden or drafter.accept is not None:
         raise UserError(f"method {name} {BATCH_ONE} (it reads the target's hidden states or has its own "
                         "acceptance rule): use batch size 1 or another method")
 
@@ -132,8 +132,7 @@ class _Row:
         self.metrics = Metrics()
         self.t0 = -1
         self.started = time.perf_counter()
-        self.scored = getattr(drafter, "propose_scored", None)
-        self.keep_first = getattr(drafter, "keep_first", None)
+        self.scored = False  # the drafter scored this step's draft itself (`propose_scored`)
         # this step's draft: tree, path probabilities, whether it is a prefix of the proposal
         self.tree: DraftTree = DraftTree.empty()
         self.probs = np.zeros(0)
@@ -264,8 +263,8 @@ def _step(target: BatchedTarget, active: list[_Row], config: GenerationConfig, g
     for row in active:
         if row.tree.accept_limit is None and len(row.tree) > width:
             row.tree = _prefix(row.tree, width)
-            if row.keep_first is not None and row.prefix:
-                row.keep_first(width)
+            if row.prefix:
+                row.drafter.keep_first(width)
     trees = [r.tree for r in active]
     inputs = [_verify_input(r.t0, r.tree, target.device) for r in active]
 
@@ -299,7 +298,7 @@ def _step(target: BatchedTarget, active: list[_Row], config: GenerationConfig, g
         row.out.emit([int(t) for t in committed[1:]] + [bonus])
         row.metrics.record_step(drafted=tree.drafts, accepted=min(len(path) - 1, len(row.out.tokens) - before))
         row.metrics.verify_s += forward_s
-        if row.scored is None:
+        if not row.scored:
             calibration.learn(tree.parents, tree.drafts, path)
         row.t0 = bonus
         # 6) observe
@@ -320,12 +319,11 @@ def _step(target: BatchedTarget, active: list[_Row], config: GenerationConfig, g
 def _propose(row: _Row, calibration: TreeCalibration, room: int) -> None:
     # Sets row.tree, row.probs (path probabilities, prefix-closed order) and row.prefix (whether
     # the tree is a prefix of the drafter's proposal, so `keep_first` may be told its length).
-    if row.scored is not None:
-        tree, probs = row.scored(row.t0)
-    else:
-        tree = row.drafter.propose(row.t0)
+    tree, probs = row.drafter.propose_scored(row.t0)
+    row.scored = probs is not None
+    if probs is None:
         if tree.q is not None:
-            raise UserError(f"method {getattr(row.drafter, 'name', '?')} {BATCH_ONE} (its drafts carry draft "
+            raise UserError(f"method {row.drafter.name} {BATCH_ONE} (its drafts carry draft "
                             "probabilities): use batch size 1 or another method")
         probs = calibration.score(tree.parents)
     row.prefix = True
@@ -386,7 +384,7 @@ def _admit(target: BatchedTarget, active: list[_Row], drafters: list[Drafter], p
         pending.extendleft(reversed(wave[len(group):]))
         slots = list(range(len(active), len(active) + len(group)))
         newcomers = [_Row(i, records[i], drafters[s], config) for i, s in zip(group, slots)]
-        wants_all = [getattr(r.drafter, "prefill_logits", "last") == "all" for r in newcomers]
+        wants_all = [r.drafter.prefill_logits == "all" for r in newcomers]
         tic = time.perf_counter()
         try:
             logits = target.prefill(slots, [r.prompt for r in newcomers], wants_all)
@@ -426,9 +424,7 @@ def _retire(target: BatchedTarget, active: list[_Row], drafters: list[Drafter], 
     active.pop()
     if not row.out.done:
         row.out.finish_reason = "length"  # the model's context is full
-    finish = getattr(row.drafter, "finish", None)
-    if finish is not None:
-        finish(np.asarray(row.out.tokens, dtype=np.int64))
+    row.drafter.finish(np.asarray(row.out.tokens, dtype=np.int64))
     row.metrics.new_tokens = len(row.out.tokens)
     row.metrics.time_s = time.perf_counter() - row.started
     stats.records += 1

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Llam
 from samctl.decode.accept import speculative_accept
 from samctl.decode.acceptance_head import AcceptanceHead, HeadConfig
 from samctl.decode.draft_model import DraftModel
+from samctl.decode.drafters.base import Drafter
 from samctl.decode.drafters.draft import DraftConfig, SpecDecConfig
 from samctl.decode.drafters.ouroboros import OuroborosConfig
 from samctl.decode.drafters.sam import SamConfig
@@ -65,7 +66,7 @@ def assert_cache_is_fresh(draft: DraftModel, history: list[int]) -> None:
         torch.testing.assert_close(layer.values, ref.values, rtol=1e-4, atol=1e-5)
 
 
-class CacheChecked:
+class CacheChecked(Drafter):
     """Wraps a drafter; after every observe, checks the draft cache against the committed text."""
 
     def __init__(self, drafter, draft: DraftModel) -> None:

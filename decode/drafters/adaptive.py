@@ -36,6 +36,7 @@ from samctl.decode.engine.transfer import record_event, wait_for
 from samctl.decode.drafters.candidates import (N_CELLS, SOURCES, learn, ngram_candidates, prediction_positions,
                                                prior_means, propose_tree)
 from samctl.decode.metrics import PredictionUsage
+from samctl.decode.drafters.base import Drafter
 from samctl.decode.tree import DraftTree
 from samctl.index.automaton import SuffixAutomaton
 from samctl.index.errors import UserError
@@ -208,9 +209,10 @@ class PredictionCount:
         return PredictionUsage(len(self.accepted), accepted, int((self.drafted & ~self.accepted).sum()))
 
 
-class AdaptiveDrafter:
+class AdaptiveDrafter(Drafter):
     name = "adaptive"
     prefill_logits = "last"  # Token Recycle learns from decode steps only, never the prompt
+    keeps_memory = True
 
     def __init__(self, config: AdaptiveConfig = AdaptiveConfig(), static: "SuffixAutomaton | ShardedAutomaton | NgramTable | None" = None,
                  cost: np.ndarray | None = None, vocab_size: int = 0, device: torch.device | str = "cpu") -> None:

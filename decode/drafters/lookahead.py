@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from samctl.decode.engine.transfer import record_event, to_device, wait_for
+from samctl.decode.drafters.base import Drafter
 from samctl.decode.tree import DraftTree
 from samctl.decode.configs import LookaheadConfig
 
@@ -334,10 +335,11 @@ class PoolMemory:
             self.documents.append(doc)
 
 
-class RemembersPool:
+class RemembersPool(Drafter):
     """`remember` (the flag bench turns off between repeats) of a drafter whose pool has a PoolMemory."""
 
     memory: PoolMemory
+    keeps_memory = True
 
     @property
     def remember(self) -> bool:
@@ -350,7 +352,6 @@ class RemembersPool:
 
 class LookaheadDrafter(RemembersPool):
     name = "lookahead"
-    prefill_logits = "last"
 
     def __init__(self, config: LookaheadConfig = LookaheadConfig(), vocab_size: int = 0,
                  device: torch.device | str = "cpu", eos_token_ids: tuple[int, ...] = ()) -> None:

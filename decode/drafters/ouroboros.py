@@ -36,7 +36,6 @@ from samctl.decode.configs import OuroborosConfig
 
 class OuroborosDrafter(RemembersPool):
     name = "ouroboros"
-    prefill_logits = "last"
 
     def __init__(self, draft: DraftModel, config: OuroborosConfig = OuroborosConfig(), gamma: int = 4,
                  pool_text: bool = True, vocab_size: int = 0) -> None:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from numba import njit
 
+from samctl.decode.drafters.base import Drafter
 from samctl.decode.tree import DraftTree
 from samctl.index.automaton import LEN, LINK, SuffixAutomaton, sam_step, sam_topk_next
 from samctl.index.errors import UserError
@@ -94,7 +95,7 @@ def rest_tree(states, edges, slots, state, num_nodes, max_depth):
     return out_tok[:m], out_par[:m]
 
 
-class RestDrafter:
+class RestDrafter(Drafter):
     name = "rest"
 
     def __init__(self, config: RestConfig, static: "SuffixAutomaton | ShardedAutomaton | NgramTable | None") -> None:

@@ -107,7 +107,7 @@ def static_source(structure: SuffixAutomaton | ShardedAutomaton | NgramTable):
     return StaticNgramSource(structure)
 
 
-class SamDrafter:
+class SamDrafter(Drafter):
     def __init__(
         self,
         config: SamConfig = SamConfig(),
@@ -126,8 +126,8 @@ class SamDrafter:
         self.dynamic = SuffixAutomaton.empty(1024, occurrence=config.occurrence)
         self.dyn_state, self.dyn_length = 0, 0
         self.sources = {"dynamic": 0, "static": 0, "fallback": 0, "none": 0}  # steps by draft source
-        self.prefill_logits = getattr(fallback, "prefill_logits", "last")
-        self.needs_hidden = getattr(fallback, "needs_hidden", False)
+        if fallback is not None:
+            self.prefill_logits, self.needs_hidden = fallback.prefill_logits, fallback.needs_hidden
 
     def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor, **hidden: torch.Tensor) -> None:
         # hidden: `hidden=` [n, H] when the fallback needs the target's features, else nothing

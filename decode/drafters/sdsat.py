@@ -24,6 +24,7 @@ import torch
 
 from samctl.decode.sdsat import SatSettings
 from samctl.decode.engine.target import TargetModel
+from samctl.decode.drafters.base import Drafter
 from samctl.decode.tree import DraftTree
 from samctl.index.errors import UserError
 from samctl.decode.configs import SdsatConfig
@@ -47,7 +48,7 @@ class SatPeek:
         return self.target.peek(self._input)
 
 
-class SdsatDrafter:
+class SdsatDrafter(Drafter):
     name = "sdsat"
 
     def __init__(self, target: TargetModel, settings: SatSettings, config: SdsatConfig = SdsatConfig()) -> None:

@@ -27,6 +27,7 @@ from samctl.decode.drafters.sdsat import SatPeek, SdsatConfig
 from samctl.decode.sampling import SamplingConfig, draw, warp_probs
 from samctl.decode.sdsat import SatSettings
 from samctl.decode.engine.target import TargetModel, to_device
+from samctl.decode.drafters.base import Drafter
 from samctl.decode.tree import DraftTree
 from samctl.index.errors import UserError
 
@@ -85,7 +86,7 @@ def leaf_paths(parents: np.ndarray) -> np.ndarray:
     return np.array([p + [-1] * (depth - len(p)) for p in paths], dtype=np.int64)
 
 
-class SdsatNucleusDrafter:
+class SdsatNucleusDrafter(Drafter):
     name = "sdsat-nucleus-reference"
 
     def __init__(self, target: TargetModel, settings: SatSettings, sampling: SamplingConfig,

@@ -158,11 +158,10 @@ class Console:
         store = self.store_name if self.store_name and entry.uses_store else "none"
         lines = [f"method {self.method}: {entry.summary}", f"store: {store}"]
         drafter = self.sessions[self.method].drafter if self.method in self.sessions else None
-        report = getattr(drafter, "report", None)
-        if report is not None:
-            lines += _report_lines(report())
-        elif drafter is None:
+        if drafter is None:
             lines.append("(no turn with this method yet)")
+        else:
+            lines += _report_lines(drafter.report())
         return "\n".join(lines)
 
     def _session(self):

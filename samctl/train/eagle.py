@@ -273,8 +273,7 @@ def replay_traces(engine: Engine, head: EagleHead, path: Path, cost: np.ndarray 
         for name in REPLAYED:
             drafter = make_drafter(name, vocab_size=engine.vocab_size, device=engine.device, cost=cost, eagle=head,
                                    eos_token_ids=engine.eos_token_ids, config=MethodConfig(eagle=config))
-            if hasattr(drafter, "remember"):
-                drafter.remember = False  # no memory across traces: each trace stands alone, as in bench
+            drafter.remember = False  # no memory across traces: each trace stands alone, as in bench
             metrics = replay(drafter, trace, hidden=hidden)
             out.setdefault(name, {}).setdefault(group, Tally()).add(metrics)
     return {name: {group: {"traces": t.traces, "tokens_per_step": round(t.mean_accepted, 3),
