@@ -213,22 +213,6 @@ class NgramArrays(NamedTuple):
     max_n: int
 
 
-@njit(cache=True)
-def ngram_top(table, context, end, k, out_tok, out_freq):
-    """The top-k next tokens of the longest table suffix of context[:end]: fills out_tok [k] int32
-    and out_freq [k] float64 (count / total) -> (match length, tokens filled, total count)."""
-    length, i = ngram_find(table.keys, table.ctx, table.order_start, table.ctx_start, context, end, table.max_n)
-    if length == 0:
-        return 0, 0, 0
-    total = table.totals[i]
-    lo = table.offsets[i]
-    m = min(table.offsets[i + 1] - lo, k)
-    for e in range(m):
-        out_tok[e] = table.next[lo + e]
-        out_freq[e] = table.counts[lo + e] / total if total > 0 else 0.0
-    return length, m, total
-
-
 # ---------------------------------------------------------------------------------------------
 # The table
 # ---------------------------------------------------------------------------------------------
