@@ -28,7 +28,7 @@ from samctl.decode.drafters.base import Drafter
 from samctl.decode.metrics import Metrics, PredictionUsage
 from samctl.decode.sampling import SamplingConfig, choose_tokens
 from samctl.decode.engine.target import TargetModel, to_device
-from samctl.index.errors import UserError
+from samctl.index.errors import ConfigError, UserError
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
-            raise UserError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+            raise ConfigError("{max_new_tokens} must be >= 1, got {value}", value=self.max_new_tokens)
 
 
 @dataclass

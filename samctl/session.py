@@ -31,7 +31,7 @@ from samctl.decode.loop import GenerationConfig, GenerationResult, generate as d
 from samctl.decode.methods import method as method_entry, uses_store
 from samctl.decode.metrics import first_difference
 from samctl.index.datastore import Datastore
-from samctl.index.errors import UserError
+from samctl.index.errors import ConfigError
 from samctl.memory import load_memory, save_memory
 from samctl.runtime import (Engine, build_drafter, load_acc_head, load_draft, load_eagle, load_engine,
                             load_store, resolve_draft_paths, resolve_eagle_path)
@@ -183,8 +183,8 @@ class Session:
 
         require_batchable(self.config.method)
         if self.config.quantize == "int8":
-            raise UserError("--quantize int8 runs at batch size 1 only (its exact attention takes one sequence): "
-                            "drop --quantize or use --batch-size 1")
+            raise ConfigError("{quantize} int8 runs at batch size 1 only (its exact attention takes one sequence): "
+                              "drop {quantize} or use {batch_size} 1")
         ids = [self.encode(p) for p in prompts]
         cost = batch_cost_curve(self.engine, batch_size, BATCH_MAX_WIDTH, quiet=self.config.quiet)
         return generate_batch(self.engine.model, self.fresh_drafter, ids, self.generation, batch_size, on_result,

@@ -177,9 +177,9 @@ def test_sam_draft_uses_both_sources_and_the_draft_catches_up(tiny_llama):
 
 
 def test_missing_draft_or_head_is_a_user_error(tiny_llama):
-    with pytest.raises(UserError, match="--draft-model"):
+    with pytest.raises(UserError, match="draft_model="):
         make_drafter("sd", vocab_size=96, device=torch.device("cpu"))
-    with pytest.raises(UserError, match="--acc-head"):
+    with pytest.raises(UserError, match="acc_head="):
         make_drafter("specdec++", vocab_size=96, device=torch.device("cpu"), draft=DraftModel(tiny_llama))
     with pytest.raises(UserError, match="hidden size"):
         make_drafter("specdec++", vocab_size=96, device=torch.device("cpu"), draft=DraftModel(tiny_llama),

@@ -28,7 +28,7 @@ from samctl.decode.drafters.base import Drafter
 from samctl.decode.tree import DraftTree
 from samctl.index.automaton import LEN, LINK, SuffixAutomaton, sam_step, sam_topk_next
 from samctl.index.cursor import cursor
-from samctl.index.errors import UserError
+from samctl.index.errors import ConfigError, UserError
 from samctl.index.sharded import ShardedAutomaton
 from samctl.decode.configs import RestConfig
 
@@ -101,7 +101,7 @@ class RestDrafter(Drafter):
 
     def __init__(self, config: RestConfig, static: "SuffixAutomaton | ShardedAutomaton | NgramTable | None") -> None:
         if static is None:
-            raise UserError("method rest drafts from a datastore: pass --sam STORE (built by samctl build)")
+            raise ConfigError("method rest drafts from a datastore: pass {store} (a store built by samctl build)")
         if not isinstance(static, (SuffixAutomaton, ShardedAutomaton)):
             raise UserError("method rest needs a suffix-automaton store: rebuild it with samctl build --kind sam")
         self.config = config

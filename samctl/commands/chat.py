@@ -17,7 +17,7 @@ import click
 
 from samctl.decode.methods import ALL_METHODS, DEFAULT_METHOD
 from samctl.index.errors import UserError
-from samctl.options import draft_options, engine_options, method_options, sampling_options, session_config
+from samctl.options import cli_message, draft_options, engine_options, method_options, sampling_options, session_config
 
 HELP = """commands:
   /method NAME   draft with another method ({methods}); each keeps its own memory
@@ -130,7 +130,7 @@ class Console:
         try:
             session = self._session()
         except UserError as err:  # a method that needs what this session lacks (a draft model, a head)
-            click.echo(f"samctl: {err}")
+            click.echo(f"samctl: {cli_message(err)}")
             self.messages.pop()
             return
         stream = TextStream(session.decode)
