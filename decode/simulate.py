@@ -231,10 +231,6 @@ class Tally:
         }
 
 
-def run_traces(drafter: Drafter, traces: list[Trace]) -> list[Metrics]:
-    return [replay(drafter, trace) for trace in traces]
-
-
 def tally_by_category(traces: list[Trace], metrics: list[Metrics]) -> dict[str, Tally]:
     """Tallies per trace category plus "overall"."""
     tallies: dict[str, Tally] = {}

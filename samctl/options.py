@@ -110,6 +110,11 @@ def draft_options(command: Callable) -> Callable:
     return command
 
 
+def session_options(command: Callable) -> Callable:
+    """Every option a SessionConfig reads, as the commands that run a session take them."""
+    return sampling_options(engine_options(method_options(draft_options(command))))
+
+
 def session_config(opts: dict[str, Any], **changes: Any) -> "SessionConfig":
     """The SessionConfig of a command's parsed options (an option a command lacks keeps its default)."""
     from samctl.config import DRAFT_SETTINGS, SessionConfig

@@ -336,10 +336,24 @@ class PoolMemory:
 
 
 class RemembersPool(Drafter):
-    """`remember` (the flag bench turns off between repeats) of a drafter whose pool has a PoolMemory."""
+    """The cross-request memory hooks of a drafter whose n-gram pool has a PoolMemory (lookahead,
+    ouroboros): `remember` (the flag bench turns off between repeats), `finish`, and the memory's
+    persistence."""
 
+    pool: NgramPool
+    deferred: DeferredPool
     memory: PoolMemory
     keeps_memory = True
+
+    def finish(self, output: np.ndarray) -> None:
+        self.deferred.flush(self.pool)
+        self.memory.end(output)
+
+    def memory_documents(self) -> list[np.ndarray]:
+        return list(self.memory.documents)
+
+    def load_memory(self, documents: list[np.ndarray]) -> None:
+        self.memory.load(documents)
 
     @property
     def remember(self) -> bool:
@@ -401,16 +415,6 @@ class LookaheadDrafter(RemembersPool):
                 grams = self.window.update(new)
                 if grams is not None:
                     self.deferred.put(self.pool, *grams)
-
-    def finish(self, output: np.ndarray) -> None:
-        self.deferred.flush(self.pool)
-        self.memory.end(output)
-
-    def memory_documents(self) -> list[np.ndarray]:
-        return list(self.memory.documents)
-
-    def load_memory(self, documents: list[np.ndarray]) -> None:
-        self.memory.load(documents)
 
     def report(self) -> dict:
         return {"pool_tuples": len(self.pool), "pool_keys": self.pool.rows}

@@ -102,16 +102,6 @@ class OuroborosDrafter(RemembersPool):
         if logits is not None and self.tree is not None and logits.shape[0] == 1 + len(self.tree):
             self._harvest(committed, input_ids, logits)
 
-    def finish(self, output: np.ndarray) -> None:
-        self.deferred.flush(self.pool)
-        self.memory.end(output)
-
-    def memory_documents(self) -> list[np.ndarray]:
-        return list(self.memory.documents)
-
-    def load_memory(self, documents: list[np.ndarray]) -> None:
-        self.memory.load(documents)
-
     def report(self) -> dict:
         return {"pool_tuples": len(self.pool), "pool_keys": self.pool.rows, "draft_forwards": self.forwards}
 

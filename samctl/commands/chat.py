@@ -17,7 +17,7 @@ import click
 
 from samctl.decode.methods import ALL_METHODS, DEFAULT_METHOD
 from samctl.index.errors import UserError
-from samctl.options import cli_message, draft_options, engine_options, method_options, sampling_options, session_config
+from samctl.options import cli_message, session_config, session_options
 
 HELP = """commands:
   /method NAME   draft with another method ({methods}); each keeps its own memory
@@ -36,10 +36,7 @@ HELP = """commands:
 @click.option("--system", metavar="TEXT", help="A system message at the start of the conversation.")
 @click.option("--max-new-tokens", type=int, default=512, show_default=True, help="Longest answer per turn.")
 @click.option("--compare", is_flag=True, help="Start with the side-by-side ar comparison on (/compare toggles it).")
-@sampling_options
-@engine_options
-@method_options
-@draft_options
+@session_options
 @click.option("--quiet", is_flag=True, help="No loading notes on stderr.")
 def chat(**opts: Any) -> None:
     """Talk to the model, faster, with per-turn speed and acceptance.
