@@ -16,8 +16,8 @@ Each step (t0 = the pending token):
     3) select  the trees merge into one trie; the most probable nodes are kept, as many as
                maximise expected tokens per unit of verify time under the cost curve t(n).
     4) learn   (observe) every tried node updates its calibration cell; the cursors advance
-               (index/cursor.py);
-               the dynamic automaton grows; Token Recycle's table takes the verified logits.
+               (index/cursor.py); the dynamic automaton grows; Token Recycle's table takes the
+               verified logits.
 Between requests (`start`), the previous output joins the memory (FIFO over requests).
 
 It knows token ids and a relative cost curve, not models or files; the memory's persistence is
