@@ -78,10 +78,10 @@ def require_batchable(name: str) -> None:
 
 
 def _check_drafter(drafter: Drafter) -> None:
-    name = getattr(drafter, "name", type(drafter).__name__)
+    name = drafter.name
     if name in REGISTRY:
         require_batchable(name)
-    if getattr(drafter, "needs_hidden", False) or getattr(drafter, "accept", None) is not None:
+    if drafter.needs_hidden or drafter.accept is not None:
         raise UserError(f"method {name} {BATCH_ONE} (it reads the target's hidden states or has its own "
                         "acceptance rule): use batch size 1 or another method")
 
@@ -154,8 +154,7 @@ class _Row:
         self.t0 = -1
         self.started = time.perf_counter()
         self.cancelled = False
-        self.scored = getattr(drafter, "propose_scored", None)
-        self.keep_first = getattr(drafter, "keep_first", None)
+        self.scored = False  # the drafter scored this step's draft itself (`propose_scored`)
         # this step's draft: tree, path probabilities, whether it is a prefix of the proposal
         self.tree: DraftTree = DraftTree.empty()
         self.probs = np.zeros(0)
@@ -306,8 +305,8 @@ class BatchRun:
         for row in active:
             if row.tree.accept_limit is None and len(row.tree) > width:
                 row.tree = _prefix(row.tree, width)
-                if row.keep_first is not None and row.prefix:
-                    row.keep_first(width)
+                if row.prefix:
+                    row.drafter.keep_first(width)
         trees = [r.tree for r in active]
         inputs = [_verify_input(r.t0, r.tree, target.device) for r in active]
 
@@ -341,7 +340,7 @@ class BatchRun:
             row.out.emit([int(t) for t in committed[1:]] + [bonus])
             row.metrics.record_step(drafted=tree.drafts, accepted=min(len(path) - 1, len(row.out.tokens) - before))
             row.metrics.verify_s += forward_s
-            if row.scored is None:
+            if not row.scored:
                 self.calibration.learn(tree.parents, tree.drafts, path)
             row.t0 = bonus
             # 6) observe
@@ -383,7 +382,7 @@ class BatchRun:
             longest = max(len(w.prompt) + w.config.max_new_tokens for w in group)
             target.reserve(min(longest, target.max_positions) + self.max_width + 2)
             newcomers = [_Row(w, w.pool.take()) for w in group]
-            wants_all = [getattr(r.drafter, "prefill_logits", "last") == "all" for r in newcomers]
+            wants_all = [r.drafter.prefill_logits == "all" for r in newcomers]
             tic = time.perf_counter()
             try:
                 logits = target.prefill(slots, [r.prompt for r in newcomers], wants_all)
@@ -400,9 +399,7 @@ class BatchRun:
             for row, lg, t0 in zip(newcomers, logits, firsts):
                 row.metrics.prefill_s = elapsed
                 t_draft = time.perf_counter()
-                expect = getattr(row.drafter, "expect", None)
-                if expect is not None:  # this row's prediction, or none (a reused drafter forgets the last)
-                    expect(row.prediction)
+                row.drafter.expect(row.prediction)  # this row's prediction, or none (a reused drafter forgets the last)
                 row.drafter.start(row.prompt, lg)
                 row.metrics.draft_s += time.perf_counter() - t_draft
                 row.t0 = int(t0)
@@ -425,11 +422,8 @@ class BatchRun:
         if not row.out.done:
             row.out.finish_reason = "length"  # the model's context is full
         output = np.asarray(row.out.tokens, dtype=np.int64)
-        finish = getattr(row.drafter, "finish", None)
-        if finish is not None:
-            finish(output)
-        usage = getattr(row.drafter, "prediction_usage", None)
-        prediction = usage() if row.prediction is not None and len(row.prediction) and usage is not None else None
+        row.drafter.finish(output)
+        prediction = row.drafter.prediction_usage() if row.prediction is not None and len(row.prediction) else None
         row.pool.give(row.drafter, output)
         row.metrics.new_tokens = len(row.out.tokens)
         row.metrics.time_s = time.perf_counter() - row.started
@@ -553,12 +547,11 @@ def _choose(rows: Sequence[_Row], logits: torch.Tensor, offsets: np.ndarray) -> 
 def _propose(row: _Row, calibration: TreeCalibration, room: int) -> None:
     # Sets row.tree, row.probs (path probabilities, prefix-closed order) and row.prefix (whether
     # the tree is a prefix of the drafter's proposal, so `keep_first` may be told its length).
-    if row.scored is not None:
-        tree, probs = row.scored(row.t0)
-    else:
-        tree = row.drafter.propose(row.t0)
+    tree, probs = row.drafter.propose_scored(row.t0)
+    row.scored = probs is not None
+    if probs is None:
         if tree.q is not None:
-            raise UserError(f"method {getattr(row.drafter, 'name', '?')} {BATCH_ONE} (its drafts carry draft "
+            raise UserError(f"method {row.drafter.name} {BATCH_ONE} (its drafts carry draft "
                             "probabilities): use batch size 1 or another method")
         probs = calibration.score(tree.parents)
     row.prefix = True

@@ -10,12 +10,18 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from samctl.index.errors import UserError
+from samctl.index.errors import ConfigError, UserError
 
 # Token Recycle's rank acceptance model behind the default template: the r-th candidate of a token
 # is the target's next choice with about this probability (measured shape from the paper's Vicuna
 # runs, rounded); RecycleConfig.k is at most its length.
 RECYCLE_RANK_ACCEPT = (0.55, 0.14, 0.07, 0.045, 0.03, 0.022, 0.016, 0.012)
+
+
+def _need(ok: bool, template: str, value: object) -> None:
+    """A setting's check: the ConfigError names the setting by its Python name (`max_nodes`)."""
+    if not ok:
+        raise ConfigError(template, value=value)
 
 
 @dataclass(frozen=True)
@@ -40,10 +46,10 @@ class AdaptiveConfig:
     recycle_k: int = 8  # successors kept per token
 
     def __post_init__(self) -> None:
-        if self.max_nodes < 0 or not 0.0 <= self.min_prob < 1.0 or self.memory < 0 or self.memory_tokens < 0:
-            raise UserError(f"invalid adaptive settings {asdict(self)}: --max-nodes >= 0, 0 <= --min-prob < 1, "
-                            "--memory >= 0")
-        if self.width < 1 or self.levels < 1 or self.recycle_k < 1 or self.prior_weight <= 0:
+        _need(self.max_nodes >= 0, "{max_nodes} must be >= 0, got {value}", self.max_nodes)
+        _need(0.0 <= self.min_prob < 1.0, "{min_prob} must be in [0, 1), got {value}", self.min_prob)
+        _need(self.memory >= 0, "{memory} must be >= 0, got {value}", self.memory)
+        if self.memory_tokens < 0 or self.width < 1 or self.levels < 1 or self.recycle_k < 1 or self.prior_weight <= 0:
             raise UserError(f"invalid adaptive settings {asdict(self)}")
 
 
@@ -67,7 +73,7 @@ class SamConfig:
         if self.dyn_threshold < 1 or self.static_bias < 0 or self.max_draft < 1 or self.alpha <= 0:
             raise UserError(f"invalid SAM settings {asdict(self)}: thresholds >= 1, max draft >= 1, alpha > 0")
         if self.occurrence not in ("first", "latest"):
-            raise UserError(f"--occurrence must be first or latest, got {self.occurrence!r}")
+            raise ConfigError("{occurrence} must be first or latest, got {value!r}", value=self.occurrence)
 
 
 @dataclass(frozen=True)
@@ -118,7 +124,7 @@ class DraftConfig:
 
     def __post_init__(self) -> None:
         if self.gamma < 1:
-            raise UserError(f"--gamma must be >= 1, got {self.gamma}")
+            raise ConfigError("{gamma} must be >= 1, got {value}", value=self.gamma)
 
 
 @dataclass(frozen=True)
@@ -129,9 +135,10 @@ class SpecDecConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.stop_threshold <= 1.0:
-            raise UserError(f"--stop-threshold must be in [0, 1], got {self.stop_threshold}")
+            raise ConfigError("{stop_threshold} must be in [0, 1], got {value}", value=self.stop_threshold)
         if not 1 <= self.min_draft <= self.max_draft:
-            raise UserError(f"--bounds MIN MAX need 1 <= MIN <= MAX, got {self.min_draft} {self.max_draft}")
+            raise ConfigError("{bounds} (MIN, MAX) need 1 <= MIN <= MAX, got {low} {high}", low=self.min_draft,
+                              high=self.max_draft)
 
 
 @dataclass(frozen=True)
@@ -155,9 +162,11 @@ class LookaheadConfig:
     memory: int = 1024  # earlier outputs kept for --memory-save (the pool itself is bounded by G per key)
 
     def __post_init__(self) -> None:
-        if self.ngram < 2 or self.window < 0 or self.guesses < 0 or self.memory < 0:
-            raise UserError(f"invalid lookahead settings {asdict(self)}: --la-ngram >= 2, --la-window >= 0, "
-                            "--la-guesses >= 0")
+        _need(self.ngram >= 2, "{la_ngram} must be >= 2, got {value}", self.ngram)
+        _need(self.window >= 0, "{la_window} must be >= 0, got {value}", self.window)
+        _need(self.guesses >= 0, "{la_guesses} must be >= 0, got {value}", self.guesses)
+        if self.memory < 0:
+            raise UserError(f"invalid lookahead settings {asdict(self)}")
 
 
 @dataclass(frozen=True)
@@ -174,9 +183,11 @@ class OuroborosConfig:
     memory: int = 1024
 
     def __post_init__(self) -> None:
-        if self.ngram < 2 or self.window < 1 or self.topk < 0 or self.memory < 0:
-            raise UserError(f"invalid ouroboros settings {asdict(self)}: --ouro-ngram >= 2, --ouro-window >= 1, "
-                            "--ouro-topk >= 0")
+        _need(self.ngram >= 2, "{ouro_ngram} must be >= 2, got {value}", self.ngram)
+        _need(self.window >= 1, "{ouro_window} must be >= 1, got {value}", self.window)
+        _need(self.topk >= 0, "{ouro_topk} must be >= 0, got {value}", self.topk)
+        if self.memory < 0:
+            raise UserError(f"invalid ouroboros settings {asdict(self)}")
 
 
 @dataclass(frozen=True)
@@ -186,7 +197,7 @@ class SdsatConfig:
 
     def __post_init__(self) -> None:
         if self.sat_count < 0:
-            raise UserError(f"--sat-count must be >= 0, got {self.sat_count}")
+            raise ConfigError("{sat_count} must be >= 0, got {value}", value=self.sat_count)
 
 
 @dataclass(frozen=True)
@@ -202,9 +213,10 @@ class EagleConfig:
     prior_weight: float = 8.0  # pseudo-observations behind the calibration's prior scale 1
 
     def __post_init__(self) -> None:
-        if self.top_k < 1 or self.depth < 0 or self.max_nodes < 0 or not 0.0 <= self.min_prob < 1.0:
-            raise UserError(f"invalid eagle settings {asdict(self)}: --eagle-top-k >= 1, --eagle-depth >= 0, "
-                            "--eagle-nodes >= 0, 0 <= --eagle-min-prob < 1")
+        _need(self.top_k >= 1, "{eagle_top_k} must be >= 1, got {value}", self.top_k)
+        _need(self.depth >= 0, "{eagle_depth} must be >= 0, got {value}", self.depth)
+        _need(self.max_nodes >= 0, "{eagle_nodes} must be >= 0, got {value}", self.max_nodes)
+        _need(0.0 <= self.min_prob < 1.0, "{eagle_min_prob} must be in [0, 1), got {value}", self.min_prob)
         if self.prior_weight <= 0:
             raise UserError(f"invalid eagle settings {asdict(self)}")
 
@@ -220,11 +232,12 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise UserError(f"--temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+            raise ConfigError("{temperature} must be a finite number >= 0 (0 = greedy), got {value}",
+                              value=self.temperature)
         if self.top_k < 0:
-            raise UserError(f"--top-k must be >= 0, got {self.top_k}")
+            raise ConfigError("{top_k} must be >= 0, got {value}", value=self.top_k)
         if not 0.0 < self.top_p <= 1.0:  # also refuses nan
-            raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
+            raise ConfigError("{top_p} must be in (0, 1], got {value}", value=self.top_p)
 
     @property
     def greedy(self) -> bool:

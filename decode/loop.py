@@ -28,7 +28,7 @@ from samctl.decode.drafters.base import Drafter
 from samctl.decode.metrics import Metrics, PredictionUsage
 from samctl.decode.sampling import SamplingConfig, choose_tokens
 from samctl.decode.engine.target import TargetModel, to_device
-from samctl.index.errors import UserError
+from samctl.index.errors import ConfigError, UserError
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
-            raise UserError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+            raise ConfigError("{max_new_tokens} must be >= 1, got {value}", value=self.max_new_tokens)
 
 
 @dataclass
@@ -106,8 +106,8 @@ def generate(
     start, cpu_start = time.perf_counter(), time.process_time()
 
     # Only Token Recycle reads the logits of every prompt position; the rest need the last row.
-    all_logits = getattr(drafter, "prefill_logits", "last") == "all"
-    hidden = getattr(drafter, "needs_hidden", False)  # EAGLE heads read the target's features
+    all_logits = drafter.prefill_logits == "all"
+    hidden = drafter.needs_hidden  # EAGLE heads read the target's features
     target.capture_hidden(hidden)
     logits = target.prefill(to_device(prompt, target.device), all_logits, reserve=len(prompt) + config.max_new_tokens)
     t0 = int(choose_tokens(logits[-1:], config.sampling, generator)[0])  # the prefill's one host sync
@@ -120,15 +120,13 @@ def generate(
     metrics.draft_s += time.perf_counter() - tic
     out.emit([t0])
 
-    own_rule = getattr(drafter, "accept", None)  # only reference reproductions that are not lossless
+    own_rule = drafter.accept  # only reference reproductions that are not lossless
     eager_before = target.eager_fallbacks
     while not out.done and target.cached + 1 < target.max_positions:
         t0 = _step(target, drafter, t0, config.sampling, generator, out, metrics, own_rule)
     if not out.done:
         out.finish_reason = "length"  # the model's context is full
-    finish = getattr(drafter, "finish", None)  # optional: drafters that remember whole outputs
-    if finish is not None:
-        finish(np.asarray(out.tokens, dtype=np.int64))
+    drafter.finish(np.asarray(out.tokens, dtype=np.int64))
     metrics.new_tokens = len(out.tokens)
     metrics.eager_verifies = target.eager_fallbacks - eager_before
     metrics.time_s = time.perf_counter() - start

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from samctl.decode.configs import (AdaptiveConfig, DraftConfig, EagleConfig, LookaheadConfig, OuroborosConfig,
                                    PldConfig, RecycleConfig, RestConfig, SamConfig, SamplingConfig, SdsatConfig,
                                    SpecDecConfig)
-from samctl.index.errors import UserError
+from samctl.index.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -298,16 +298,16 @@ def make_drafter(
 
     entry = method(name)
     if entry.needs_draft and draft is None:
-        raise UserError(f"method {name} needs a draft model: pass --draft-model with a small model "
-                        "that shares the target's tokenizer")
+        raise ConfigError("method {method} needs a draft model: pass {draft_model} with a small model "
+                          "that shares the target's tokenizer", method=name)
     if entry.needs_head and head is None:
-        raise UserError(f"method {name} needs an acceptance head: pass --acc-head "
-                        "(train one with `samctl train acc-head`)")
+        raise ConfigError("method {method} needs an acceptance head: pass {acc_head} "
+                          "(train one with `samctl train acc-head`)", method=name)
     if entry.needs_sat_model and target is None:
         raise UserError(f"method {name} drafts with the target itself: it needs the loaded target model")
     if entry.needs_eagle and eagle is None:
-        raise UserError(f"method {name} needs an EAGLE head: pass --eagle-head with a folder written by "
-                        "`samctl train eagle` for this model")
+        raise ConfigError("method {method} needs an EAGLE head: pass {eagle_head} with a folder written by "
+                          "`samctl train eagle` for this model", method=name)
     return entry.build(Resources(vocab_size=vocab_size, device=torch.device(device), eos_token_ids=eos_token_ids,
                                  static=static if entry.uses_store else None, config=config, draft=draft,
                                  head=head, sampling=sampling, cost=cost, target=target, eagle=eagle))

@@ -49,7 +49,7 @@ def read_settings(config: Any, name: str = "the model") -> SatSettings:
     if not isinstance(raw, dict):
         raise UserError(f"{name} has no semantic adaptive tokens (no \"{CONFIG_KEY}\" in its config.json): "
                         f"fine-tune it with `samctl train sdsat --model {name} --out DIR`, "
-                        "then pass --model DIR")
+                        "then run that folder as the model")
     try:
         settings = SatSettings(int(raw["sat_token_id"]), int(raw["sat_count"]), str(raw.get("sat_token", "")),
                                bool(raw.get("added_to_vocab", False)))

@@ -98,10 +98,9 @@ def replay(drafter: Drafter, trace: Trace, hidden: Any = None) -> Metrics:
     ref = np.concatenate((trace.reference, np.full(cap - limit, -1, dtype=np.int64)))
     metrics = Metrics()
     start = time.perf_counter()
-    expect = getattr(drafter, "expect", None)
-    if expect is not None and trace.prediction is not None:
-        expect(trace.prediction)
-    features = hidden is not None and getattr(drafter, "needs_hidden", False)
+    if trace.prediction is not None:
+        drafter.expect(trace.prediction)
+    features = hidden is not None and drafter.needs_hidden
     n = len(trace.prompt)
     if features:
         drafter.start(trace.prompt, None, hidden=hidden[:n])
@@ -134,9 +133,7 @@ def replay(drafter: Drafter, trace: Trace, hidden: Any = None) -> Metrics:
             else:
                 drafter.observe(committed, None, None)
         metrics.record_draft(draft_s + time.perf_counter() - tic)
-    finish = getattr(drafter, "finish", None)
-    if finish is not None:
-        finish(trace.reference)
+    drafter.finish(trace.reference)
     metrics.new_tokens = limit
     metrics.time_s = time.perf_counter() - start
     return metrics
@@ -232,10 +229,6 @@ class Tally:
             "projected_speedup": round(cost.speedup(self), 3),
             "accept_hist": list(self.accept_hist),
         }
-
-
-def run_traces(drafter: Drafter, traces: list[Trace]) -> list[Metrics]:
-    return [replay(drafter, trace) for trace in traces]
 
 
 def tally_by_category(traces: list[Trace], metrics: list[Metrics]) -> dict[str, Tally]:

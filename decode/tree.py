@@ -103,16 +103,6 @@ def ancestor_matrix(parents: np.ndarray) -> np.ndarray:
     return visible
 
 
-def tree_attention_mask(parents: np.ndarray, past: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # -> [1, 1, m+1, past+m+1] additive float mask: 0 = attend, finfo.min = blocked.
-    # Float, not bool: a bool mask is silently wrong under the eager attention path.
-    visible = torch.from_numpy(ancestor_matrix(parents))
-    q = visible.shape[0]
-    mask = torch.zeros((q, past + q), dtype=dtype)
-    mask[:, past:].masked_fill_(~visible, torch.finfo(dtype).min)
-    return mask.to(device)[None, None]
-
-
 @numba.njit(cache=True)
 def walk_tree(parents: np.ndarray, node_tokens: np.ndarray, choices: np.ndarray, limit: int = -1,
               start: int = -1) -> np.ndarray:

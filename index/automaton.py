@@ -770,11 +770,6 @@ class SuffixAutomaton:
         meta[M_LAST] = 0
         meta[M_DOC_OPEN] = 0
 
-    def finalize_counts(self) -> None:
-        """Make `count` exact. A static automaton computes counts when built and an incremental
-        one keeps them exact on every insert, so there is nothing left to do; callers that hold
-        either kind may call it unconditionally."""
-
     # -- queries -----------------------------------------------------------------------------
 
     def step(self, state: int, length: int, token: int) -> tuple[int, int]:

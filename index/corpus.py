@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, TextIO
 
-from samctl.index.errors import UserError
+from samctl.index.errors import ConfigError, UserError
 
 TEXT_EXTENSIONS = frozenset(
     """
@@ -52,7 +52,7 @@ TEXT_EXTENSIONS = frozenset(
 )
 RECORD_EXTENSIONS = frozenset([".json", ".jsonl", ".parquet"])
 _BINARY_PROBE = 8192
-_FIELD_HINT = "name the fields to read with --field"
+_FIELD_HINT = "name the fields to read with {fields}"  # a ConfigError template
 
 
 @dataclass(frozen=True)
@@ -366,8 +366,8 @@ def record_text(record: dict[str, Any], fields: tuple[str, ...], where: str) -> 
     if fields:
         present = [f for f in fields if record.get(f) is not None]
         if not present:
-            raise UserError(f"{where} has none of the fields {', '.join(fields)} "
-                            f"(it has {_keys(record)}): check --field")
+            raise ConfigError("{where} has none of the fields {names} (it has {keys}): check {fields}",
+                              where=where, names=", ".join(fields), keys=_keys(record))
         return "\n".join(_field_text(record[f], f, where) for f in present)
     for shape in _SHAPES:
         chosen = [_first_present(record, slot) for slot in shape]
@@ -375,7 +375,8 @@ def record_text(record: dict[str, Any], fields: tuple[str, ...], where: str) -> 
             continue
         parts = [_field_text(record[name], name, where) for name in chosen if name is not None]
         return "\n".join(p for p in parts if p)
-    raise UserError(f"{where} has no known text fields (it has {_keys(record)}): {_FIELD_HINT}")
+    raise ConfigError("{where} has no known text fields (it has {keys}): " + _FIELD_HINT, where=where,
+                      keys=_keys(record))
 
 
 # Known record shapes, tried in order. A shape is a list of slots joined with newlines; a slot
@@ -402,8 +403,8 @@ def _field_text(value: Any, name: str, where: str) -> str:
         return str(value)
     if isinstance(value, list):
         return "\n".join(_item_text(item, name, where) for item in value)
-    raise UserError(f"{where}: field {name!r} is a {type(value).__name__}, not text: "
-                    f"{_FIELD_HINT}")
+    raise ConfigError("{where}: field {name!r} is a {kind}, not text: " + _FIELD_HINT, where=where, name=name,
+                      kind=type(value).__name__)
 
 
 def _item_text(item: Any, name: str, where: str) -> str:
@@ -414,8 +415,8 @@ def _item_text(item: Any, name: str, where: str) -> str:
         for key in ("content", "value", "text"):
             if isinstance(item.get(key), str):
                 return item[key]
-    raise UserError(f"{where}: field {name!r} holds a {type(item).__name__} that is not text: "
-                    f"{_FIELD_HINT}")
+    raise ConfigError("{where}: field {name!r} holds a {kind} that is not text: " + _FIELD_HINT, where=where,
+                      name=name, kind=type(item).__name__)
 
 
 def _keys(record: dict[str, Any]) -> str:

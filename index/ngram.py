@@ -22,6 +22,8 @@ decoder should prefer it over a suffix automaton.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from numba import njit
 
@@ -197,6 +199,20 @@ def ngram_continuation(keys, ctx, order_start, ctx_start, offsets, nxt, context,
     return work[keep : keep + m].copy()
 
 
+class NgramArrays(NamedTuple):
+    """What the query kernels take (the layout above), as one argument."""
+
+    keys: np.ndarray
+    ctx: np.ndarray
+    order_start: np.ndarray
+    ctx_start: np.ndarray
+    offsets: np.ndarray
+    next: np.ndarray
+    counts: np.ndarray
+    totals: np.ndarray
+    max_n: int
+
+
 # ---------------------------------------------------------------------------------------------
 # The table
 # ---------------------------------------------------------------------------------------------
@@ -301,6 +317,12 @@ class NgramTable:
             return 0, a["next"][:0], a["counts"][:0]
         lo, hi = a["offsets"][i], a["offsets"][i + 1]
         return length, a["next"][lo:hi], a["counts"][lo:hi]
+
+    @property
+    def kernel_arrays(self) -> NgramArrays:
+        a = self._a
+        return NgramArrays(a["keys"], a["ctx"], a["order_start"], a["ctx_start"], a["offsets"], a["next"],
+                           a["counts"], a["totals"], self.config.max_n)
 
     def continuation(self, context: np.ndarray, n: int) -> np.ndarray:
         """Greedy chain of up to n tokens ([m] int32)."""

@@ -47,7 +47,7 @@ from numba import njit
 
 from samctl.index.automaton import COUNT, E_DST, E_NEXT, E_TOK, EDGE_DST, EDGE_TOK, HEAD, SuffixAutomaton, sam_step
 from samctl.index.datastore import CorpusStats, Datastore, Lookup, StoreMeta, load_single, parse_meta, save_datastore
-from samctl.index.errors import UserError
+from samctl.index.errors import ConfigError, UserError
 from samctl.index.store import StoreError, _fsync_directory
 
 MANIFEST = "manifest.json"
@@ -70,10 +70,10 @@ def plan_shards(doc_offsets: np.ndarray, n: int) -> np.ndarray:
     """
     n_docs = len(doc_offsets) - 1
     if n < 1:
-        raise UserError(f"--shards must be >= 1, got {n}")
+        raise ConfigError("{shards} must be >= 1, got {n}", n=n)
     if n > min(n_docs, MAX_SHARDS):
-        raise UserError(f"{n} shards need at least {n} documents (the corpus has {n_docs}) and at most "
-                        f"{MAX_SHARDS} shards: pass a smaller --shards")
+        raise ConfigError("{n} shards need at least {n} documents (the corpus has {docs}) and at most {most} shards: "
+                          "pass a smaller {shards}", n=n, docs=n_docs, most=MAX_SHARDS)
     total = int(doc_offsets[-1])
     targets = np.arange(n + 1, dtype=np.float64) * total / n
     bounds = np.searchsorted(doc_offsets, targets, side="left").astype(np.int64)

@@ -3,7 +3,7 @@
 Commands live in `samctl/commands/`, one module per command, imported on first use; `--help`
 lists them from the registry's summaries without importing any. A `UserError` (from any layer)
 and a usage error (a bad option value, a missing argument) print `samctl: error: <message>` in
-one line and exit 2; set SAMCTL_DEBUG=1 to get the traceback instead. A closed standard output
+one line and exit 2 (a `ConfigError` names configuration fields: here they are worded as flags); set SAMCTL_DEBUG=1 to get the traceback instead. A closed standard output
 (`samctl ... | head`) ends the command quietly with exit status 0.
 """
 from __future__ import annotations
@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as err:
         if os.environ.get("SAMCTL_DEBUG") == "1":
             raise
-        click.echo(f"samctl: error: {err}", err=True)
+        from samctl.options import cli_message
+
+        click.echo(f"samctl: error: {cli_message(err)}", err=True)
         sys.exit(2)
     except click.exceptions.Abort:
         click.echo("samctl: aborted", err=True)

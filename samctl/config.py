@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from samctl.decode.configs import DraftConfig, SamplingConfig, SpecDecConfig
 from samctl.decode.methods import ALL_METHODS, DEFAULT_METHOD, MethodConfig, method_config, setting_names
-from samctl.index.errors import UserError
+from samctl.index.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
     import torch
@@ -50,11 +50,11 @@ class SessionConfig:
         if self.method not in ALL_METHODS:
             raise UserError(f"unknown method {self.method!r}: choose from {', '.join(ALL_METHODS)}")
         if self.quantize not in ("none", "int8"):
-            raise UserError(f"--quantize must be none or int8, got {self.quantize!r}")
+            raise ConfigError("{quantize} must be none or int8, got {value!r}", value=self.quantize)
         if self.threads is not None and self.threads < 1:
-            raise UserError(f"--threads must be >= 1, got {self.threads}")
+            raise ConfigError("{threads} must be >= 1, got {value}", value=self.threads)
         if self.max_new_tokens < 1:
-            raise UserError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+            raise ConfigError("{max_new_tokens} must be >= 1, got {value}", value=self.max_new_tokens)
         unknown = sorted(set(self.settings) - set(setting_names()) - set(DRAFT_SETTINGS))
         if unknown:
             raise UserError(f"unknown setting {unknown[0]!r}: choose from "

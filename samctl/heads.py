@@ -49,21 +49,14 @@ def model_fingerprint(model: torch.nn.Module, tokenizer: Any) -> dict[str, str]:
 def save_head(path: str | Path, head: AcceptanceHead, target: dict[str, str], draft: dict[str, str],
               training: dict[str, Any]) -> None:
     """Write the head folder (weights first, then the JSON that makes it loadable)."""
-    from safetensors.torch import save_file
-
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().cpu().float().contiguous() for name, t in head.state_dict().items()}
-    save_file(tensors, str(folder / WEIGHTS))
     meta = {
         "format": FORMAT, "version": VERSION,
         "hidden_size": head.config.hidden_size, "num_blocks": head.config.num_blocks,
         "shared_blocks": head.config.shared_blocks,
         "target": target, "draft": draft, "training": training,
     }
-    tmp = folder / (CONFIG + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, folder / CONFIG)
+    write_head_folder(Path(path), WEIGHTS, tensors, CONFIG, meta)
 
 
 def load_head(path: str | Path, target: dict[str, str], draft: dict[str, str],
@@ -72,29 +65,64 @@ def load_head(path: str | Path, target: dict[str, str], draft: dict[str, str],
     folder = Path(path)
     meta = _read_meta(folder)
     for role, wanted in (("target", target), ("draft", draft)):
-        trained = meta[role]
-        if any(trained[k] != wanted[k] for k in ("config", "tokenizer")):
-            raise UserError(f"acceptance head {folder} was trained for another {role} model "
-                            f"(config {trained['config']}, tokenizer {trained['tokenizer']}; this one has "
-                            f"{wanted['config']}, {wanted['tokenizer']}): train a head for this pair with "
-                            "`samctl train acc-head`")
-        if trained.get("weights") not in (None, wanted.get("weights")):
-            click.echo(f"samctl: note: acceptance head {folder} was trained on other weights of this {role} "
-                       "architecture; its predictions may be off (retrain it for these weights)", err=True)
+        check_trained_for(f"acceptance head {folder}", f"{role} model", meta[role], wanted,
+                          "train a head for this pair with `samctl train acc-head`")
     head = AcceptanceHead(HeadConfig(meta["hidden_size"], meta["num_blocks"], meta["shared_blocks"]))
+    load_head_weights(head, read_head_weights(folder, WEIGHTS), folder, WEIGHTS, CONFIG)
+    return head.to(device).eval()
+
+
+# -- what every kind of head folder shares (acceptance heads here, EAGLE heads in eagle_heads.py) --
+
+def write_head_folder(folder: Path, weights: str, tensors: dict[str, torch.Tensor], config: str,
+                      meta: dict[str, Any]) -> None:
+    """Weights first, then the JSON header that makes the folder loadable (renamed into place)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / weights))
+    tmp = folder / (config + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, folder / config)
+
+
+def check_trained_for(what: str, role: str, trained: dict[str, str | None], wanted: dict[str, str], hint: str) -> None:
+    """Refuse a head trained for another architecture or tokenizer (model_fingerprint); other
+    weights of the same architecture only get a note."""
+    if any(trained[k] != wanted[k] for k in ("config", "tokenizer")):
+        raise UserError(f"{what} was trained for another {role} (config {trained['config']}, tokenizer "
+                        f"{trained['tokenizer']}; this one has {wanted['config']}, {wanted['tokenizer']}): {hint}")
+    if trained.get("weights") not in (None, wanted.get("weights")):
+        click.echo(f"samctl: note: {what} was trained on other weights of this {role.split()[0]} architecture; "
+                   "its predictions may be off (retrain it for these weights)", err=True)
+
+
+def read_head_weights(folder: Path, weights: str) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     try:
-        tensors = load_file(str(folder / WEIGHTS))
+        return load_file(str(folder / weights))
     except (OSError, SafetensorError) as err:
-        raise UserError(f"cannot read {folder / WEIGHTS} ({err}): retrain or copy the head again") from err
+        raise UserError(f"cannot read {folder / weights} ({err}): retrain or copy the head again") from err
+
+
+def load_head_weights(head: torch.nn.Module, tensors: dict[str, torch.Tensor], folder: Path, weights: str,
+                      config: str) -> None:
     try:
         head.load_state_dict(tensors)
     except RuntimeError as err:
         first = str(err).strip().splitlines()[0][:200]
-        raise UserError(f"{folder / WEIGHTS} does not match its {CONFIG} ({first}): retrain the head") from err
-    return head.to(device).eval()
+        raise UserError(f"{folder / weights} does not match its {config} ({first}): retrain the head") from err
+
+
+def fingerprint_field(value: Any) -> dict[str, str | None] | None:
+    """A header's model fingerprint, checked: None unless config and tokenizer are strings."""
+    if not isinstance(value, dict) or not all(isinstance(value.get(k), str) for k in ("config", "tokenizer")):
+        return None
+    weights = value.get("weights")
+    return {"config": value["config"], "tokenizer": value["tokenizer"],
+            "weights": weights if isinstance(weights, str) else None}
 
 
 def read_head_header(folder: Path, config: str, weights: str, form: str, version: int, what: str,
@@ -119,15 +147,11 @@ def read_head_header(folder: Path, config: str, weights: str, form: str, version
 def _read_meta(folder: Path) -> dict[str, Any]:
     meta = read_head_header(folder, CONFIG, WEIGHTS, FORMAT, VERSION, "an acceptance head",
                             "`samctl train acc-head`")
+    for role in ("target", "draft"):
+        meta[role] = fingerprint_field(meta.get(role))
     ok = (isinstance(meta.get("hidden_size"), int) and 0 < meta["hidden_size"] <= 1 << 16
           and isinstance(meta.get("num_blocks"), int) and 0 <= meta["num_blocks"] <= 64
-          and isinstance(meta.get("shared_blocks"), bool)
-          and all(isinstance(meta.get(role), dict) and all(isinstance(meta[role].get(k), str) for k in ("config", "tokenizer"))
-                  for role in ("target", "draft")))
+          and isinstance(meta.get("shared_blocks"), bool) and meta["target"] and meta["draft"])
     if not ok:
         raise UserError(f"{folder / CONFIG} has missing or invalid fields: retrain the head")
-    for role in ("target", "draft"):
-        weights = meta[role].get("weights")
-        meta[role] = {"config": meta[role]["config"], "tokenizer": meta[role]["tokenizer"],
-                      "weights": weights if isinstance(weights, str) else None}
     return meta

@@ -59,7 +59,7 @@ class SamctlGenerate:
             raise UserError(f"unknown setting {unknown[0]!r} for samctl.hf.make_generate: "
                             f"choose from {', '.join(setting_names())}")
         if store is not None and not entry.uses_store:
-            raise UserError(f"method {method} does not draft from a store: drop store= or use method='adaptive'")
+            raise UserError(f"method {method} does not draft from a store: drop store= or use method={DEFAULT_METHOD!r}")
         self.method = method
         self.store_path = None if store is None else os.fspath(store)
         self.tokenizer = tokenizer

@@ -19,7 +19,7 @@ from samctl.tokenizer import tokenizer_fingerprint
 
 def load_memory(path: str, engine: Engine, drafter) -> int:
     """Preload the drafter's memory from a store; returns the number of documents."""
-    if not hasattr(drafter, "load_memory"):
+    if not drafter.keeps_memory:
         raise UserError(f"method {drafter.name} keeps no memory across requests: drop --memory-file "
                         "or use --method adaptive, lookahead or ouroboros")
     store = load_store(path, engine)
@@ -36,7 +36,7 @@ def load_memory(path: str, engine: Engine, drafter) -> int:
 
 def save_memory(path: str, engine: Engine, drafter) -> int:
     """Write the drafter's memory as an automaton store; returns the number of documents."""
-    if not hasattr(drafter, "memory_documents"):
+    if not drafter.keeps_memory:
         raise UserError(f"method {drafter.name} keeps no memory across requests: drop --memory-save")
     documents = [np.asarray(d, dtype=np.int32) for d in drafter.memory_documents() if len(d)]
     tokens = np.concatenate(documents) if documents else np.zeros(0, dtype=np.int32)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import click
 
 from samctl.decode.methods import DEFAULT_METHOD, cli_fields, setting_name, setting_names
-from samctl.index.errors import UserError
+from samctl.index.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
     from samctl.config import SessionConfig
@@ -111,6 +111,11 @@ def draft_options(command: Callable) -> Callable:
     return command
 
 
+def session_options(command: Callable) -> Callable:
+    """Every option a SessionConfig reads, as the commands that run a session take them."""
+    return sampling_options(engine_options(method_options(draft_options(command))))
+
+
 def session_config(opts: dict[str, Any], **changes: Any) -> "SessionConfig":
     """The SessionConfig of a command's parsed options (an option a command lacks keeps its default)."""
     from samctl.config import DRAFT_SETTINGS, SessionConfig
@@ -150,6 +155,24 @@ def ignored_settings(opts: dict[str, Any], method_name: str) -> list[str]:
         names = f.metadata["cli"].split("/")
         flags.append(names[1] if isinstance(value, bool) and not value and len(names) > 1 else names[0])
     return flags
+
+
+# Configuration fields whose flag is not "--" and the field's name with dashes.
+_FLAGS = {"store": "--sam", "graphs": "--no-compile", "fields": "--field"}
+
+
+def flag(field: str) -> str:
+    """The command-line flag of a configuration field: a drafter setting's own `cli` flag, else
+    the field's name as a flag (`eagle_head` -> `--eagle-head`)."""
+    for _, f in cli_fields():
+        if setting_name(f) == field:
+            return f.metadata["cli"].split("/")[0]
+    return _FLAGS.get(field, "--" + field.replace("_", "-"))
+
+
+def cli_message(err: UserError) -> str:
+    """An error as the command line says it: the settings a ConfigError names, worded as flags."""
+    return err.render(flag) if isinstance(err, ConfigError) else str(err)
 
 
 def parse_methods(spec: str, known: tuple[str, ...]) -> list[str]:

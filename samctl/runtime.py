@@ -25,7 +25,7 @@ from samctl.decode.sampling import SamplingConfig
 from samctl.decode.engine.target import TargetModel
 from samctl.index.datastore import Datastore
 from samctl.index.load import load_datastore
-from samctl.index.errors import UserError
+from samctl.index.errors import ConfigError, UserError
 from samctl.gguf_cache import model_folder
 from samctl.tokenizer import DEFAULT_MODEL_DIR, check_store_tokenizer, tokenizer_fingerprint
 
@@ -66,7 +66,7 @@ class Engine:
     def encode(self, text: str, chat: bool) -> list[int]:
         if chat:
             if not getattr(self.tokenizer, "chat_template", None):
-                raise UserError(f"model {self.name} has no chat template: drop --chat")
+                raise ConfigError("model {name} has no chat template: drop {chat}", name=self.name)
             messages = [{"role": "user", "content": text}]
             rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
@@ -76,7 +76,7 @@ class Engine:
         """Multi-turn: the chat template over the whole conversation, or the turns joined by blank lines."""
         if chat:
             if not getattr(self.tokenizer, "chat_template", None):
-                raise UserError(f"model {self.name} has no chat template: drop --chat")
+                raise ConfigError("model {name} has no chat template: drop {chat}", name=self.name)
             rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
         return self.encode("\n\n".join(m["content"] for m in messages), chat=False)
@@ -91,9 +91,9 @@ def resolve_device(device: str) -> torch.device:
     try:
         resolved = torch.device(device)
     except RuntimeError as err:
-        raise UserError(f"--device {device!r} is not a device: use auto, cpu, cuda or cuda:N") from err
+        raise ConfigError("{device} {value!r} is not a device: use auto, cpu, cuda or cuda:N", value=device) from err
     if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda, but no CUDA device is available: use --device cpu")
+        raise ConfigError("{device} cuda, but no CUDA device is available: use {device} cpu")
     return resolved
 
 
@@ -144,8 +144,8 @@ def load_engine(model: str | None, device: str = "auto", dtype: str = "auto", qu
 
     if model is None:
         if not DEFAULT_MODEL_DIR.is_dir():
-            raise UserError(f"no --model given and the embedded default model is missing ({DEFAULT_MODEL_DIR}): "
-                            "pass --model with a local model folder")
+            raise ConfigError("no {model} given and the embedded default model is missing ({folder}): "
+                              "pass {model} with a local model folder", folder=DEFAULT_MODEL_DIR)
         model = str(DEFAULT_MODEL_DIR)
         if not quiet:
             click.echo(EMBEDDED_MODEL_NOTE, err=True)
@@ -164,8 +164,8 @@ def load_engine(model: str | None, device: str = "auto", dtype: str = "auto", qu
         )
     except (OSError, ValueError, KeyError) as err:
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-        raise UserError(f"cannot load model {model} offline ({reason}): pass --model with a local "
-                        "folder holding config.json, weights and tokenizer files") from err
+        raise ConfigError("cannot load model {name} offline ({reason}): pass {model} with a local "
+                          "folder holding config.json, weights and tokenizer files", name=model, reason=reason) from err
     hf_model.to(torch_device).eval()
     apply_cpu_linear(hf_model, quantize, prepack)
     return engine_for(hf_model, tokenizer, name=model)
@@ -219,8 +219,8 @@ def resolve_draft_paths(method: str, model: str | None, draft: str | None, head:
         return None, None
     if draft is None:
         if model is not None or not DEFAULT_DRAFT_DIR.is_dir():
-            raise UserError(f"method {method} needs a draft model: pass --draft-model with a small model that "
-                            "shares the target's tokenizer")
+            raise ConfigError("method {method} needs a draft model: pass {draft_model} with a small model that "
+                              "shares the target's tokenizer", method=method)
         draft = str(DEFAULT_DRAFT_DIR)
         note(f"using the embedded default draft model ({DEFAULT_DRAFT_DIR.parent.name}/{DEFAULT_DRAFT_DIR.name}); "
              "pass --draft-model to choose another")
@@ -230,22 +230,24 @@ def resolve_draft_paths(method: str, model: str | None, draft: str | None, head:
         return draft, None
     if head is None:
         if draft != str(DEFAULT_DRAFT_DIR) or not DEFAULT_HEAD_DIR.is_dir():
-            raise UserError(_train_head_hint(model, draft, greedy))
+            raise _train_head_hint(method, model, draft, greedy)
         chosen = DEFAULT_GREEDY_HEAD_DIR if greedy and DEFAULT_GREEDY_HEAD_DIR.is_dir() else DEFAULT_HEAD_DIR
         head = str(chosen)
         note(f"using the embedded default acceptance head ({chosen.parent.name}/{chosen.name})")
     return draft, head
 
 
-def _train_head_hint(model: str | None, draft: str, greedy: bool) -> str:
+def _train_head_hint(method: str, model: str | None, draft: str, greedy: bool) -> ConfigError:
     """How to get the acceptance head specdec++ lacks: none ships, since a head predicts well only
     for the exact target and draft weights it was trained on."""
     target = model or str(DEFAULT_MODEL_DIR)
     mode = " --label-mode greedy --response-temperature 0" if greedy else ""
-    return ("method specdec++ needs an acceptance head trained for this target and draft (none ships with samctl): "
-            f"train one (about 10 minutes on a CPU for the embedded pair) with `samctl train acc-head "
-            f"--target {target} --draft {draft} --prompts PROMPTS.json{mode} --out acc_head` (PROMPTS.json: an "
-            "Alpaca-style list of {\"instruction\": ...}), then pass --acc-head acc_head; or use --method sd")
+    return ConfigError(
+        "method {method} needs an acceptance head trained for this target and draft (none ships with samctl): "
+        "train one (about 10 minutes on a CPU for the embedded pair) with `samctl train acc-head "
+        "--target {target} --draft {draft} --prompts PROMPTS.json{mode} --out acc_head` (PROMPTS.json: an "
+        "Alpaca-style list of {{\"instruction\": ...}}), then pass {acc_head} acc_head; or use a method without "
+        "a head", method=method, target=target, draft=draft, mode=mode)
 
 
 def load_draft(path: str, engine: Engine) -> DraftModel:
@@ -269,8 +271,9 @@ def load_draft(path: str, engine: Engine) -> DraftModel:
             path, dtype=engine.target.dtype, attn_implementation="sdpa", local_files_only=True
         )
     except (OSError, ValueError, KeyError) as err:
-        raise UserError(f"cannot load draft model {source} offline ({_first_line(err)}): pass --draft-model "
-                        "with a local folder holding config.json, weights and tokenizer files") from err
+        raise ConfigError("cannot load draft model {source} offline ({reason}): pass {draft_model} "
+                          "with a local folder holding config.json, weights and tokenizer files", source=source,
+                          reason=_first_line(err)) from err
     model.to(engine.device).eval()
     return DraftModel(model, vocab_limit=engine.vocab_size)
 
@@ -294,8 +297,8 @@ def resolve_eagle_path(method_name: str, model: str | None, path: str | None, qu
     if path is not None:
         return path
     if model is not None or not DEFAULT_EAGLE_DIR.is_dir():
-        raise UserError(f"method {method_name} needs an EAGLE head: pass --eagle-head with a folder written by "
-                        "`samctl train eagle` for this model")
+        raise ConfigError("method {method} needs an EAGLE head: pass {eagle_head} with a folder written by "
+                          "`samctl train eagle` for this model", method=method_name)
     if not quiet:
         click.echo(f"samctl: using the embedded EAGLE head ({DEFAULT_EAGLE_DIR.parent.name}/{DEFAULT_EAGLE_DIR.name})",
                    err=True)

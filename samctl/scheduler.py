@@ -306,7 +306,7 @@ class _SessionDrafters(DrafterPool):
     def _fresh(self):
         drafter = self.session.fresh_drafter()
         kept = self.session.drafter
-        if hasattr(drafter, "load_memory") and hasattr(kept, "memory_documents"):
+        if drafter.keeps_memory and kept.keeps_memory:
             drafter.load_memory(kept.memory_documents())  # --memory-file and every response so far
         self._seen[id(drafter)] = self._base + len(self._log)
         return drafter
@@ -315,7 +315,7 @@ class _SessionDrafters(DrafterPool):
         drafter = super().take()
         end = self._base + len(self._log)
         new = [out for who, out in self._log[self._seen[id(drafter)] - self._base:] if who != id(drafter)]
-        if new and hasattr(drafter, "load_memory"):
+        if new and drafter.keeps_memory:
             drafter.load_memory(new)
         self._seen[id(drafter)] = end
         return drafter
@@ -325,9 +325,9 @@ class _SessionDrafters(DrafterPool):
         if not len(output):
             return
         kept = self.session.drafter
-        if hasattr(kept, "load_memory"):
+        if kept.keeps_memory:
             kept.load_memory([output])
-        if hasattr(drafter, "load_memory"):
+        if drafter.keeps_memory:
             self._log.append((id(drafter), output))
         # the log keeps what some drafter has not taken in yet
         drop = min(self._seen.values()) - self._base

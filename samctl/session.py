@@ -166,9 +166,8 @@ class Session:
             generation = replace(generation, max_new_tokens=max_new_tokens or generation.max_new_tokens,
                                  sampling=sampling or generation.sampling)
         result = decode_generate(self.engine.target, drafter, ids, generation, on_tokens=on_tokens)
-        usage = getattr(drafter, "prediction_usage", None)
-        if prediction and usage is not None:
-            result.prediction = usage()
+        if prediction:
+            result.prediction = drafter.prediction_usage()
         return result
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int] | list[dict[str, str]]], *, batch_size: int = 8,
@@ -311,9 +310,7 @@ class Session:
 
     def _expect(self, drafter: Drafter, prediction: str | None) -> None:
         """Hand the drafter the request's expected output, if it takes one."""
-        expect = getattr(drafter, "expect", None)
-        if expect is not None:
-            expect(self.prediction_ids(prediction))
+        drafter.expect(self.prediction_ids(prediction))
 
 
 def _cpu_ratio(method: GenerationResult, base: GenerationResult) -> float:

@@ -130,7 +130,6 @@ def test_incremental_equals_build(seed: int, occurrence: str) -> None:
         dyn.extend(np.array(d[:cut], dtype=np.int32))
         dyn.extend(np.array(d[cut:], dtype=np.int32))
         dyn.end_document()
-    dyn.finalize_counts()
     a, b = static.to_arrays(), dyn.to_arrays()
     assert np.array_equal(a["states"], b["states"])
     assert np.array_equal(a["edges"], b["edges"])

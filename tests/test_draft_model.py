@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Llam
 from samctl.decode.accept import speculative_accept
 from samctl.decode.acceptance_head import AcceptanceHead, HeadConfig
 from samctl.decode.draft_model import DraftModel
+from samctl.decode.drafters.base import Drafter
 from samctl.decode.drafters.draft import DraftConfig, SpecDecConfig
 from samctl.decode.drafters.ouroboros import OuroborosConfig
 from samctl.decode.drafters.sam import SamConfig
@@ -65,7 +66,7 @@ def assert_cache_is_fresh(draft: DraftModel, history: list[int]) -> None:
         torch.testing.assert_close(layer.values, ref.values, rtol=1e-4, atol=1e-5)
 
 
-class CacheChecked:
+class CacheChecked(Drafter):
     """Wraps a drafter; after every observe, checks the draft cache against the committed text."""
 
     def __init__(self, drafter, draft: DraftModel) -> None:
@@ -176,9 +177,9 @@ def test_sam_draft_uses_both_sources_and_the_draft_catches_up(tiny_llama):
 
 
 def test_missing_draft_or_head_is_a_user_error(tiny_llama):
-    with pytest.raises(UserError, match="--draft-model"):
+    with pytest.raises(UserError, match="draft_model="):
         make_drafter("sd", vocab_size=96, device=torch.device("cpu"))
-    with pytest.raises(UserError, match="--acc-head"):
+    with pytest.raises(UserError, match="acc_head="):
         make_drafter("specdec++", vocab_size=96, device=torch.device("cpu"), draft=DraftModel(tiny_llama))
     with pytest.raises(UserError, match="hidden size"):
         make_drafter("specdec++", vocab_size=96, device=torch.device("cpu"), draft=DraftModel(tiny_llama),

@@ -215,7 +215,7 @@ def test_cli_generate_eagle_is_lossless(tmp_path, model_dir):
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["compare"]["identical"] is True and result["eagle_head"] == str(tmp_path / "h")
-    with pytest.raises(UserError, match="--eagle-head"):
+    with pytest.raises(UserError, match="eagle_head="):
         resolve_eagle_path("eagle", str(model_dir), None)
 
 

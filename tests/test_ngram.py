@@ -101,11 +101,9 @@ def test_adaptive_tree_paths_are_table_continuations(seed: int) -> None:
     ref = brute_table(docs, config)
     context = list(rng.integers(0, 4, size=int(rng.integers(1, 5))))
     budget, k = int(rng.integers(1, 12)), int(rng.integers(1, 4))
-    a = table.to_arrays()
     out = [np.empty(64, np.int32), np.empty(64, np.int32), np.empty(64, np.float64), np.empty(64, np.int32)]
-    m = ngram_candidates(a["keys"], a["ctx"], a["order_start"], a["ctx_start"], a["offsets"], a["next"], a["counts"],
-                         a["totals"], config.max_n, np.array(context, dtype=np.int32), np.ones(N_CELLS), 1, budget,
-                         k, 0.0, *out, 0)
+    m = ngram_candidates(table.kernel_arrays, np.array(context, dtype=np.int32), np.ones(N_CELLS), 1, budget, k, 0.0,
+                         *out, 0)
     tokens, parents = out[0][:m], out[1][:m]
     tokens, parents = tokens.tolist(), parents.tolist()
     assert len(tokens) <= budget

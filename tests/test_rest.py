@@ -99,7 +99,7 @@ def test_streaming_pointer_matches_full_context():
 
 
 def test_needs_an_automaton_store():
-    with pytest.raises(UserError, match="--sam"):
+    with pytest.raises(UserError, match="store="):
         RestDrafter(RestConfig(), None)
     with pytest.raises(UserError):
         RestConfig(min_span=3, max_span=2)

@@ -15,10 +15,10 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 @pytest.mark.parametrize("changes, named", [
     ({"method": "no-such"}, "unknown method"),
-    ({"threads": 0}, "--threads"),
-    ({"max_new_tokens": 0}, "--max-new-tokens"),
+    ({"threads": 0}, "threads="),
+    ({"max_new_tokens": 0}, "max_new_tokens="),
     ({"settings": {"max_nodez": 3}}, "max_nodez"),
-    ({"settings": {"gamma": 0}}, "--gamma"),
+    ({"settings": {"gamma": 0}}, "gamma="),
 ])
 def test_a_bad_configuration_is_refused_before_anything_loads(changes, named):
     with pytest.raises(UserError, match=re.escape(named)):

@@ -15,8 +15,9 @@ Each step (t0 = the pending token):
                frequency and support, learned online from what verification accepts).
     3) select  the trees merge into one trie; the most probable nodes are kept, as many as
                maximise expected tokens per unit of verify time under the cost curve t(n).
-    4) learn   (observe) every tried node updates its calibration cell; the pointers advance;
-               the dynamic automaton grows; Token Recycle's table takes the verified logits.
+    4) learn   (observe) every tried node updates its calibration cell; the cursors advance
+               (index/cursor.py); the dynamic automaton grows; Token Recycle's table takes the
+               verified logits.
 Between requests (`start`), the previous output joins the memory (FIFO over requests).
 
 It knows token ids and a relative cost curve, not models or files; the memory's persistence is
@@ -36,14 +37,16 @@ from samctl.decode.engine.transfer import record_event, wait_for
 from samctl.decode.drafters.candidates import (N_CELLS, SOURCES, learn, ngram_candidates, prediction_positions,
                                                prior_means, propose_tree)
 from samctl.decode.metrics import PredictionUsage
+from samctl.decode.drafters.base import Drafter
 from samctl.decode.tree import DraftTree
 from samctl.index.automaton import SuffixAutomaton
+from samctl.index.cursor import AutomatonCursor, NgramCursor, cursor
 from samctl.index.errors import UserError
-from samctl.index.sharded import ShardedAutomaton
 from samctl.decode.configs import AdaptiveConfig
 
 if TYPE_CHECKING:
     from samctl.index.ngram import NgramTable
+    from samctl.index.sharded import ShardedAutomaton
 
 
 class Calibration:
@@ -69,46 +72,6 @@ class Calibration:
             t, h = self.trials[i * per:(i + 1) * per].sum(), self.hits[i * per:(i + 1) * per].sum()
             out[name] = {"trials": round(float(t), 1), "rate": round(float(h / t), 4) if t else 0.0}
         return out
-
-
-class _AutomatonPointer:
-    """A match pointer into an automaton that does not grow during the request."""
-
-    def __init__(self, automaton: SuffixAutomaton) -> None:
-        self.automaton = automaton
-        self.arrays = automaton.kernel_arrays  # valid while it does not grow
-        self.state, self.length = 0, 0
-
-    def reset(self, context: np.ndarray) -> None:
-        self.state, self.length = self.automaton.match(context[-256:].astype(np.int32))
-
-    def advance(self, tokens: np.ndarray) -> None:
-        self.state, self.length = self.automaton.walk(self.state, self.length, tokens)
-
-    def select(self, t0: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
-        """(states, edges, slots, state, length) to draft from once t0 follows."""
-        return self.arrays.states, self.arrays.edges, self.arrays.slots, self.state, self.length
-
-
-class _ShardedPointer:
-    """One match pointer per shard of a sharded store; each step drafts from the shard with the
-    longest match after t0 (one kernel call for all shards), so its counts rank the tree."""
-
-    def __init__(self, sharded: ShardedAutomaton) -> None:
-        self.sharded = sharded
-        self.states, self.lengths = sharded.pointer()
-
-    def reset(self, context: np.ndarray) -> None:
-        self.states, self.lengths = self.sharded.match(context[-256:].astype(np.int32))
-
-    def advance(self, tokens: np.ndarray) -> None:
-        self.sharded.walk(self.states, self.lengths, tokens)
-
-    def select(self, t0: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
-        shard = self.sharded.peek(self.states, self.lengths, t0)[0]
-        sharded = self.sharded
-        return (sharded.states[shard], sharded.edges[shard], sharded.slots[shard], int(self.states[shard]),
-                int(self.lengths[shard]))
 
 
 class Memory:
@@ -208,9 +171,10 @@ class PredictionCount:
         return PredictionUsage(len(self.accepted), accepted, int((self.drafted & ~self.accepted).sum()))
 
 
-class AdaptiveDrafter:
+class AdaptiveDrafter(Drafter):
     name = "adaptive"
     prefill_logits = "last"  # Token Recycle learns from decode steps only, never the prompt
+    keeps_memory = True
 
     def __init__(self, config: AdaptiveConfig = AdaptiveConfig(), static: "SuffixAutomaton | ShardedAutomaton | NgramTable | None" = None,
                  cost: np.ndarray | None = None, vocab_size: int = 0, device: torch.device | str = "cpu") -> None:
@@ -220,19 +184,14 @@ class AdaptiveDrafter:
             raise UserError("the verify-cost curve must be positive and non-decreasing from n = 1: "
                             "re-measure it with samctl calibrate")
         self.calibration = Calibration(config)
-        self.static = static
-        self.static_pointer: _AutomatonPointer | _ShardedPointer | None = None
-        if isinstance(static, SuffixAutomaton):
-            self.static_pointer = _AutomatonPointer(static)
-        elif isinstance(static, ShardedAutomaton):
-            self.static_pointer = _ShardedPointer(static)
-        self._ngram_arrays = static.to_arrays() if static is not None and self.static_pointer is None else None
+        self.static = cursor(static) if static is not None else None
+        self._static_ngram = isinstance(self.static, NgramCursor)  # its candidates come from their own kernel
+        self._static_automaton = self.static is not None and not self._static_ngram
         self.memory = Memory(config.memory, config.memory_tokens)
-        self.memory_pointer = _AutomatonPointer(self.memory.automaton)
+        self.memory_pointer = AutomatonCursor(self.memory.automaton)
         self.recycle = _Recycle(vocab_size, config.recycle_k, device) if config.recycle and vocab_size > 0 else None
         self.dynamic = SuffixAutomaton.empty(1024)
         self.dyn_state, self.dyn_length = 0, 0
-        self.context = np.zeros(0, dtype=np.int32)  # the last tokens, for the n-gram table
         self.output: list[np.ndarray] = []
         self.remember = True
         self.prediction: np.ndarray | None = None
@@ -263,7 +222,7 @@ class AdaptiveDrafter:
     def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor | None) -> None:
         if self.output:
             self.memory.add(np.concatenate(self.output))
-            self.memory_pointer = _AutomatonPointer(self.memory.automaton)
+            self.memory_pointer = AutomatonCursor(self.memory.automaton)
         self.output = []
         prompt = np.asarray(prompt, dtype=np.int32)
         size = len(prompt) + (0 if self.prediction is None else len(self.prediction))
@@ -276,12 +235,10 @@ class AdaptiveDrafter:
         self.prediction = None
         self._observed, self._uncounted = 0, False
         self.dyn_state, self.dyn_length = self.dynamic.extend_tracking(prompt, 0, 0)
-        if self._ngram_arrays is not None:
-            self.context = prompt[-self.static.config.max_n:]
-        if self.static_pointer is not None:
-            self.static_pointer.reset(prompt)
+        if self.static is not None:
+            self.static.reset(prompt[-256:])
         if len(self.memory):
-            self.memory_pointer.reset(prompt)
+            self.memory_pointer.reset(prompt[-256:])
         self.last = (np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32))
 
     def finish(self, output: np.ndarray) -> None:
@@ -320,15 +277,12 @@ class AdaptiveDrafter:
         # candidates go into the buffer first).
         n = self._first_candidates(t0)
         dyn = self.dynamic.kernel_arrays
-        static = (self.static_pointer.select(t0) if self.static_pointer is not None
-                  else (dyn.states, dyn.edges, dyn.slots, 0, 0))
-        memory = self.memory_pointer.arrays if len(self.memory) else dyn
+        static = self.static.before(t0) if self._static_automaton else (dyn.states, dyn.edges, dyn.slots, 0, 0)
+        memory = self.memory_pointer.before(t0) if len(self.memory) else (dyn.states, dyn.edges, dyn.slots, 0, 0)
         table = self.recycle.table if self.recycle is not None else self._no_table
         tokens, parents, cells, is_chain = propose_tree(
             dyn.states, dyn.edges, dyn.slots, self.dyn_state, self.dyn_length,
-            *static, self.static_pointer is not None,
-            memory.states, memory.edges, memory.slots, self.memory_pointer.state, self.memory_pointer.length,
-            len(self.memory) > 0, table, self.recycle is not None, t0, self.calibration.means, cost,
+            *static, self._static_automaton, *memory, len(self.memory) > 0, table, self.recycle is not None, t0, self.calibration.means, cost,
             self._settings, *self._buffer, n)
         self.last = (tokens, parents, cells)
         self._uncounted = self.prediction_count is not None
@@ -344,10 +298,8 @@ class AdaptiveDrafter:
         self._observed += len(committed)
         self.output.append(committed)
         self.dyn_state, self.dyn_length = self.dynamic.extend_tracking(committed, self.dyn_state, self.dyn_length)
-        if self._ngram_arrays is not None:
-            self.context = np.concatenate((self.context, committed))[-self.static.config.max_n:]
-        if self.static_pointer is not None:
-            self.static_pointer.advance(committed)
+        if self.static is not None:
+            self.static.advance(committed)
         if len(self.memory):
             self.memory_pointer.advance(committed)
         if self.recycle is not None and logits is not None:
@@ -365,7 +317,7 @@ class AdaptiveDrafter:
     def load_memory(self, documents: list[np.ndarray]) -> None:
         for doc in documents:
             self.memory.add(np.asarray(doc, dtype=np.int32))
-        self.memory_pointer = _AutomatonPointer(self.memory.automaton)
+        self.memory_pointer = AutomatonCursor(self.memory.automaton)
 
     def report(self) -> dict:
         return {"calibration": self.calibration.table(), "memory_requests": len(self.memory)}
@@ -386,14 +338,12 @@ class AdaptiveDrafter:
     def _first_candidates(self, t0: int) -> int:
         # Rows the buffer holds before the automata's: an n-gram store's (a subclass may add its
         # own, e.g. adaptive+eagle's head tree). -> the row count.
-        return self._ngram_candidates(t0) if self._ngram_arrays is not None else 0
+        return self._ngram_candidates(t0) if self._static_ngram else 0
 
     def _ngram_candidates(self, t0: int) -> int:
-        a, cfg = self._ngram_arrays, self.config
-        context = np.append(self.context, np.int32(t0))
-        return ngram_candidates(a["keys"], a["ctx"], a["order_start"], a["ctx_start"], a["offsets"], a["next"],
-                                a["counts"], a["totals"], self.static.config.max_n, context, self.calibration.means,
-                                1, self._budget, cfg.width, cfg.min_prob, *self._buffer, 0)
+        cfg = self.config
+        return ngram_candidates(self.static.arrays, self.static.context(t0), self.calibration.means, 1, self._budget,
+                                cfg.width, cfg.min_prob, *self._buffer, 0)
 
     def _warm_up(self) -> None:
         # Compile (or load the numba cache) now, not inside the first timed step.
@@ -405,5 +355,5 @@ class AdaptiveDrafter:
         self.start(np.array([1], dtype=np.int64), None)
         self.output = []
         self.memory = Memory(self.config.memory, self.config.memory_tokens)
-        self.memory_pointer = _AutomatonPointer(self.memory.automaton)
+        self.memory_pointer = AutomatonCursor(self.memory.automaton)
         self.calibration = Calibration(self.config)

@@ -3,31 +3,19 @@
 Contract, per sequence: `start` once with the prompt and the prefill logits; then each step
 `propose(t0)` returns a draft tree rooted at the pending token t0, and `observe` reports the
 tokens that step committed (t0 first, then the accepted drafts; the new pending token is the next
-t0) together with every verified input and its logits, rejected nodes included.
-A drafter may keep state across sequences (Token Recycle's table warms up that way). Optional:
-`finish(output)` after the last step, with every new token of the sequence (the last step has no
-`observe`), for drafters that remember whole outputs across requests.
+t0) together with every verified input and its logits, rejected nodes included. A drafter may
+keep state across sequences (Token Recycle's table warms up that way).
 
 The logits (and hidden states) `observe` gets may be views of CUDA-graph memory that the next
 verify overwrites: use them within the step, or copy what must outlive it.
 
-Optional attribute `prefill_logits`: "last" (the default when absent) gives `start` the logits of
-the last prompt position only, [1, V]; "all" gives every position, [n, V], which costs a large
-block for long prompts and is for drafters that learn from the prompt's logits.
-
-Optional attribute `needs_hidden` (EAGLE heads): when true, `start` and `observe` also get
-`hidden=`, the target's last hidden state (post-final-norm, the lm_head input) on the device at
-every prompt position ([n, H]) and at every committed position of the step ([1+a, H]), from the
-same forward that produced the logits.
-
-Optional method `accept(logits, tree, input_ids, sampling, generator) -> (path, bonus, host
-input_ids)`: the drafter's own acceptance rule in place of the loop's. Only a reference
-reproduction of a rule that is not lossless has one (`sdsat-nucleus-reference`); every other
-method leaves acceptance to the loop, which is what makes it lossless.
+Every optional hook is declared on `Drafter` below with its default, and documented there only;
+callers (the loop, the batched engine, simulate, the session, the commands) use the attributes
+directly and never probe for them.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 import torch
@@ -35,32 +23,89 @@ import torch
 from samctl.decode.tree import DraftTree
 
 
-class Drafter(Protocol):
-    name: str
+class Drafter:
+    """Base class of every drafter: `start`, `propose` and `observe` are required; the rest are
+    optional hooks whose defaults here do nothing."""
 
-    def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor) -> None:
+    name: str = ""  # the method name, as in the registry
+
+    # "last": `start` gets the logits of the last prompt position only, [1, V]; "all": of every
+    # position, [n, V] (a large block for long prompts; for drafters that learn from the prompt).
+    prefill_logits: str = "last"
+
+    # True (EAGLE heads): `start` and `observe` also get `hidden=`, the target's last hidden state
+    # (post-final-norm, the lm_head input) on the device at every prompt position ([n, H]) and at
+    # every committed position of the step ([1+a, H]), from the forward that produced the logits.
+    needs_hidden: bool = False
+
+    # The drafter's own acceptance rule in place of the loop's, called as
+    # `accept(logits, tree, input_ids, sampling, generator) -> (path, bonus, host input_ids)`.
+    # Only a reference reproduction of a rule that is not lossless has one
+    # (`sdsat-nucleus-reference`); every other method leaves acceptance to the loop, which is what
+    # makes it lossless. None: the loop's rule.
+    accept: ClassVar[Callable[..., Any] | None] = None
+
+    # Cross-request memory: True when `memory_documents`/`load_memory` keep outputs across
+    # requests (--memory-file, --memory-save). `remember = False` (benchmark repeats, replays of
+    # independent traces) makes `finish` leave the memory as it was.
+    keeps_memory: bool = False
+    remember: bool = True
+
+    def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor | None) -> None:
         # prompt: [n] int64 host ids; prompt_logits: [n, V] on the model's device with
-        # prefill_logits == "all", else [1, V] (the last position)
-        ...
+        # prefill_logits == "all", else [1, V] (the last position); None in a model-free replay
+        raise NotImplementedError
 
-    def propose(self, t0: int) -> DraftTree: ...
+    def propose(self, t0: int) -> DraftTree:
+        raise NotImplementedError
 
-    def observe(self, committed: np.ndarray, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
+    def observe(self, committed: np.ndarray, input_ids: torch.Tensor | None, logits: torch.Tensor | None) -> None:
         # committed: [1+a] int64 host ids; input_ids: [q] device ids of the verify input
-        # (placeholders as -1); logits: [q, V] the target's logits at those inputs
-        ...
+        # (placeholders as -1); logits: [q, V] the target's logits at those inputs (None in a replay)
+        raise NotImplementedError
+
+    def finish(self, output: np.ndarray) -> None:
+        """After the last step, every new token of the sequence ([m] int64; the last step has no
+        `observe`): for drafters that remember whole outputs across requests."""
+
+    def expect(self, prediction: np.ndarray | list[int] | None) -> None:
+        """The next request's expected output (`--prediction`, the server's Predicted Outputs), or
+        None; applies to the next `start` only. Drafters without a prediction source ignore it."""
+
+    def prediction_usage(self) -> Any:
+        """The last request's accepted and rejected prediction tokens (a PredictionUsage), or None."""
+        return None
+
+    def propose_scored(self, t0: int) -> tuple[DraftTree, np.ndarray | None]:
+        """`propose` with each node's path probability ([n] float64, prefix-closed order), which the
+        batched engine spends its node budget by; None: the engine estimates them from the tree."""
+        return self.propose(t0), None
+
+    def keep_first(self, k: int) -> None:
+        """The batched engine verifies only the first k nodes of the last (scored) proposal."""
+
+    def memory_documents(self) -> list[np.ndarray]:
+        """The remembered outputs, oldest first (with `keeps_memory`)."""
+        return []
+
+    def load_memory(self, documents: list[np.ndarray]) -> None:
+        """Preload the cross-request memory (with `keeps_memory`)."""
+
+    def report(self) -> dict:
+        """What the drafter learned so far, for `chat`'s /sources (empty: nothing to say)."""
+        return {}
 
 
-class NoDraft:
+class NoDraft(Drafter):
     """`ar`: plain decoding through the same loop, the baseline every method is compared to."""
 
     name = "ar"
 
-    def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor) -> None:
+    def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor | None) -> None:
         pass
 
     def propose(self, t0: int) -> DraftTree:
         return DraftTree.empty()
 
-    def observe(self, committed: np.ndarray, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
+    def observe(self, committed: np.ndarray, input_ids: torch.Tensor | None, logits: torch.Tensor | None) -> None:
         pass

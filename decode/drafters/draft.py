@@ -29,6 +29,7 @@ from samctl.decode.acceptance_head import AcceptanceHead
 from samctl.decode.draft_model import DraftModel
 from samctl.decode.engine.transfer import to_device
 from samctl.decode.sampling import SamplingConfig, draw, warp_probs
+from samctl.decode.drafters.base import Drafter
 from samctl.decode.tree import DraftTree
 from samctl.decode.configs import DraftConfig, SpecDecConfig
 
@@ -84,7 +85,7 @@ class AdaptiveLength:
         return 1.0 - self.all_accepted > self.config.stop_threshold
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     def __init__(
         self,
         draft: DraftModel,

@@ -38,6 +38,7 @@ from samctl.decode.drafters.adaptive import AdaptiveDrafter
 from samctl.decode.drafters.candidates import N_CELLS
 from samctl.decode.eagle_head import EagleHead
 from samctl.decode.engine.kv_cache import StaticKVCache
+from samctl.decode.drafters.base import Drafter
 from samctl.decode.tree import DraftTree, tree_depths
 from samctl.index.errors import UserError
 from samctl.decode.configs import EagleConfig
@@ -167,10 +168,9 @@ class _History:
         self.n += len(tokens)
 
 
-class EagleDrafter:
+class EagleDrafter(Drafter):
     name = "eagle"
     needs_hidden = True  # the loop passes the target's features of every committed position
-    prefill_logits = "last"
 
     def __init__(self, head: EagleHead, config: EagleConfig = EagleConfig(), cost: np.ndarray | None = None) -> None:
         self.head, self.config = head.eval(), config

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from samctl.decode.engine.transfer import record_event, to_device, wait_for
+from samctl.decode.drafters.base import Drafter
 from samctl.decode.tree import DraftTree
 from samctl.decode.configs import LookaheadConfig
 
@@ -334,10 +335,25 @@ class PoolMemory:
             self.documents.append(doc)
 
 
-class RemembersPool:
-    """`remember` (the flag bench turns off between repeats) of a drafter whose pool has a PoolMemory."""
+class RemembersPool(Drafter):
+    """The cross-request memory hooks of a drafter whose n-gram pool has a PoolMemory (lookahead,
+    ouroboros): `remember` (the flag bench turns off between repeats), `finish`, and the memory's
+    persistence."""
 
+    pool: NgramPool
+    deferred: DeferredPool
     memory: PoolMemory
+    keeps_memory = True
+
+    def finish(self, output: np.ndarray) -> None:
+        self.deferred.flush(self.pool)
+        self.memory.end(output)
+
+    def memory_documents(self) -> list[np.ndarray]:
+        return list(self.memory.documents)
+
+    def load_memory(self, documents: list[np.ndarray]) -> None:
+        self.memory.load(documents)
 
     @property
     def remember(self) -> bool:
@@ -350,7 +366,6 @@ class RemembersPool:
 
 class LookaheadDrafter(RemembersPool):
     name = "lookahead"
-    prefill_logits = "last"
 
     def __init__(self, config: LookaheadConfig = LookaheadConfig(), vocab_size: int = 0,
                  device: torch.device | str = "cpu", eos_token_ids: tuple[int, ...] = ()) -> None:
@@ -400,16 +415,6 @@ class LookaheadDrafter(RemembersPool):
                 grams = self.window.update(new)
                 if grams is not None:
                     self.deferred.put(self.pool, *grams)
-
-    def finish(self, output: np.ndarray) -> None:
-        self.deferred.flush(self.pool)
-        self.memory.end(output)
-
-    def memory_documents(self) -> list[np.ndarray]:
-        return list(self.memory.documents)
-
-    def load_memory(self, documents: list[np.ndarray]) -> None:
-        self.memory.load(documents)
 
     def report(self) -> dict:
         return {"pool_tuples": len(self.pool), "pool_keys": self.pool.rows}

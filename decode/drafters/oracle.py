@@ -10,11 +10,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from samctl.decode.drafters.base import Drafter
 from samctl.decode.tree import DraftTree
 from samctl.index.errors import UserError
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     name = "oracle"
 
     def __init__(self, continuation: np.ndarray, depth: int) -> None:

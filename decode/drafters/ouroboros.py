@@ -36,7 +36,6 @@ from samctl.decode.configs import OuroborosConfig
 
 class OuroborosDrafter(RemembersPool):
     name = "ouroboros"
-    prefill_logits = "last"
 
     def __init__(self, draft: DraftModel, config: OuroborosConfig = OuroborosConfig(), gamma: int = 4,
                  pool_text: bool = True, vocab_size: int = 0) -> None:
@@ -102,16 +101,6 @@ class OuroborosDrafter(RemembersPool):
             self.engine.truncate(before + 1 + same)
         if logits is not None and self.tree is not None and logits.shape[0] == 1 + len(self.tree):
             self._harvest(committed, input_ids, logits)
-
-    def finish(self, output: np.ndarray) -> None:
-        self.deferred.flush(self.pool)
-        self.memory.end(output)
-
-    def memory_documents(self) -> list[np.ndarray]:
-        return list(self.memory.documents)
-
-    def load_memory(self, documents: list[np.ndarray]) -> None:
-        self.memory.load(documents)
 
     def report(self) -> dict:
         return {"pool_tuples": len(self.pool), "pool_keys": self.pool.rows, "draft_forwards": self.forwards}

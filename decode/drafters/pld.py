@@ -11,6 +11,7 @@ import numba
 import numpy as np
 import torch
 
+from samctl.decode.drafters.base import Drafter
 from samctl.decode.tree import DraftTree
 from samctl.decode.configs import PldConfig
 
@@ -34,7 +35,7 @@ def pld_match(history: np.ndarray, length: int, max_ngram: int, num_draft: int) 
     return 0, 0
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(Drafter):
     name = "pld"
 
     def __init__(self, config: PldConfig = PldConfig(), eos_token_ids: tuple[int, ...] = ()) -> None:

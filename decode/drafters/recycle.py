@@ -18,6 +18,7 @@ import numba
 import numpy as np
 import torch
 
+from samctl.decode.drafters.base import Drafter
 from samctl.decode.tree import DraftTree
 from samctl.decode.configs import RECYCLE_RANK_ACCEPT as _RANK_ACCEPT, RecycleConfig
 from samctl.decode.engine.transfer import to_device
@@ -63,7 +64,7 @@ def write_rows(table: np.ndarray, ids: np.ndarray, successors: np.ndarray) -> No
             table[ids[i], :] = successors[i, :]
 
 
-class TokenRecycleDrafter:
+class TokenRecycleDrafter(Drafter):
     name = "recycle"
     prefill_logits = "all"  # the table learns every prompt position's successors
 

@@ -11,10 +11,10 @@ automaton the count of prefix p is the occurrence count of the state reached fro
 by count, a node's children pushed when it is taken, yields exactly the top prefixes by count:
 a child never outnumbers its parent. All occurrences count here, not the first 5,000.
 
-The pointer into the store streams over committed tokens like SAM-Decoding's static pointer; the
+The store's cursor (index/cursor.py) streams over committed tokens like SAM-Decoding's; the
 suffix of length max_span is its state, or the ancestor along suffix links whose length range
-holds max_span. A sharded store has one pointer per shard, and the tree comes from the shard with
-the longest match (its counts only). This module knows the automaton's arrays, not store files.
+holds max_span. A sharded store's cursor has one pointer per shard, and the tree comes from the
+shard with the longest match (its counts only). This module knows the automaton's arrays, not store files.
 """
 from __future__ import annotations
 
@@ -24,9 +24,11 @@ import numpy as np
 import torch
 from numba import njit
 
+from samctl.decode.drafters.base import Drafter
 from samctl.decode.tree import DraftTree
 from samctl.index.automaton import LEN, LINK, SuffixAutomaton, sam_step, sam_topk_next
-from samctl.index.errors import UserError
+from samctl.index.cursor import cursor
+from samctl.index.errors import ConfigError, UserError
 from samctl.index.sharded import ShardedAutomaton
 from samctl.decode.configs import RestConfig
 
@@ -94,33 +96,31 @@ def rest_tree(states, edges, slots, state, num_nodes, max_depth):
     return out_tok[:m], out_par[:m]
 
 
-class RestDrafter:
+class RestDrafter(Drafter):
     name = "rest"
 
     def __init__(self, config: RestConfig, static: "SuffixAutomaton | ShardedAutomaton | NgramTable | None") -> None:
         if static is None:
-            raise UserError("method rest drafts from a datastore: pass --sam STORE (built by samctl build)")
+            raise ConfigError("method rest drafts from a datastore: pass {store} (a store built by samctl build)")
         if not isinstance(static, (SuffixAutomaton, ShardedAutomaton)):
             raise UserError("method rest needs a suffix-automaton store: rebuild it with samctl build --kind sam")
         self.config = config
-        # One pointer per shard (a single store is one shard); the tree grows in the shard that
-        # holds the longest match, so with several shards its counts are that shard's.
-        self.sharded = static if isinstance(static, ShardedAutomaton) else ShardedAutomaton([static])
-        self.states, self.lengths = self.sharded.pointer()
-        rest_tree(self.sharded.states[0], self.sharded.edges[0], self.sharded.slots[0], 0, 1, 1)  # compile now
+        self.static = cursor(static)
+        states, edges, slots, _, _ = self.static.before(0)
+        rest_tree(states, edges, slots, 0, 1, 1)  # compile now
 
     def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor | None) -> None:
-        self.states, self.lengths = self.sharded.match(prompt.astype(np.int32))
+        self.static.reset(prompt)
 
     def propose(self, t0: int) -> DraftTree:
         cfg = self.config
-        shard, state, length = self.sharded.peek(self.states, self.lengths, t0)
+        length, handle = self.static.peek(t0)
         if length < cfg.min_span:
             return DraftTree.empty()
-        states, edges, slots = self.sharded.states[shard], self.sharded.edges[shard], self.sharded.slots[shard]
+        states, edges, slots, state = self.static.at(handle)
         state = span_state(states, state, length, cfg.max_span)
         tokens, parents = rest_tree(states, edges, slots, state, cfg.num_nodes, cfg.max_depth)
         return DraftTree(tokens=tokens.astype(np.int64), parents=parents)
 
     def observe(self, committed: np.ndarray, input_ids: torch.Tensor | None, logits: torch.Tensor | None) -> None:
-        self.sharded.walk(self.states, self.lengths, np.asarray(committed, dtype=np.int32))
+        self.static.advance(committed)

@@ -3,8 +3,8 @@
 Two match pointers, each the longest suffix of the committed text found in a structure:
 - dynamic: an automaton grown over prompt + output. Its pointer moves on a token *before* the
   token is inserted, so the match is always an earlier occurrence, which has a continuation.
-- static: a prebuilt datastore (suffix automaton, sharded store or n-gram table); only the
-  pointer moves (one per shard: the longest match over the shards counts and drafts).
+- static: a prebuilt datastore (suffix automaton, sharded store or n-gram table) through its
+  cursor (index/cursor.py); only the cursor moves.
 
 Each step (t0 = the pending token):
     m_dyn, m_st = matches after a non-mutating step on t0 (both count t0)
@@ -26,88 +26,15 @@ import torch
 from samctl.decode.drafters.base import Drafter
 from samctl.decode.tree import DraftTree
 from samctl.index.automaton import SuffixAutomaton
-from samctl.index.sharded import ShardedAutomaton
+from samctl.index.cursor import NgramCursor, cursor
 from samctl.decode.configs import SamConfig
 
 if TYPE_CHECKING:
     from samctl.index.ngram import NgramTable
+    from samctl.index.sharded import ShardedAutomaton
 
 
-class StaticAutomatonSource:
-    """Pointer into a static suffix automaton."""
-
-    def __init__(self, automaton: SuffixAutomaton) -> None:
-        self.automaton = automaton
-        self.state, self.length = 0, 0
-
-    def reset(self, prompt: np.ndarray) -> None:
-        self.state, self.length = self.automaton.match(prompt.astype(np.int32))
-
-    def advance(self, tokens: np.ndarray) -> None:
-        self.state, self.length = self.automaton.walk(self.state, self.length, tokens)
-
-    def peek(self, t0: int) -> tuple[int, int]:
-        state, length = self.automaton.step(self.state, self.length, t0)
-        return length, state
-
-    def draft(self, handle: int, n: int) -> np.ndarray:
-        return self.automaton.continuation(handle, n)
-
-
-class StaticNgramSource:
-    """The last max_n tokens, looked up in an n-gram table."""
-
-    def __init__(self, table: NgramTable) -> None:
-        self.table = table
-        self.context = np.zeros(0, dtype=np.int32)
-        self.keep = table.config.max_n
-
-    def reset(self, prompt: np.ndarray) -> None:
-        self.context = prompt[-self.keep :].astype(np.int32)
-
-    def advance(self, tokens: np.ndarray) -> None:
-        self.context = np.concatenate((self.context, tokens.astype(np.int32)))[-self.keep :]
-
-    def peek(self, t0: int) -> tuple[int, np.ndarray]:
-        context = np.append(self.context, np.int32(t0))[-self.keep :]
-        length, _, _ = self.table.lookup(context)
-        return length, context
-
-    def draft(self, handle: np.ndarray, n: int) -> np.ndarray:
-        return self.table.continuation(handle, n)
-
-
-class StaticShardedSource:
-    """One pointer per shard of a sharded store; the longest match drafts, from its shard (the
-    lowest on ties: the first occurrence, as one store over all shards would give)."""
-
-    def __init__(self, sharded: ShardedAutomaton) -> None:
-        self.sharded = sharded
-        self.states, self.lengths = sharded.pointer()
-
-    def reset(self, prompt: np.ndarray) -> None:
-        self.states, self.lengths = self.sharded.match(prompt.astype(np.int32))
-
-    def advance(self, tokens: np.ndarray) -> None:
-        self.sharded.walk(self.states, self.lengths, tokens)
-
-    def peek(self, t0: int) -> tuple[int, tuple[int, int]]:
-        shard, state, length = self.sharded.peek(self.states, self.lengths, t0)
-        return length, (shard, state)
-
-    def draft(self, handle: tuple[int, int], n: int) -> np.ndarray:
-        return self.sharded.continuation(*handle, n)
-
-
-def static_source(structure: SuffixAutomaton | ShardedAutomaton | NgramTable):
-    if isinstance(structure, SuffixAutomaton):
-        return StaticAutomatonSource(structure)
-    if isinstance(structure, ShardedAutomaton):
-        return StaticShardedSource(structure)
-    return StaticNgramSource(structure)
-
-
-class SamDrafter:
+class SamDrafter(Drafter):
     def __init__(
         self,
         config: SamConfig = SamConfig(),
@@ -115,19 +42,19 @@ class SamDrafter:
         fallback: Drafter | None = None,
     ) -> None:
         self.config = config
-        self.static = static_source(static) if static is not None else None
+        self.static = cursor(static) if static is not None else None
         # An n-gram table matches at most max_n tokens: a static threshold above that would never
         # trigger, so it is capped at max_n (the bias may turn negative).
         self._static_bias = config.static_bias
-        if isinstance(self.static, StaticNgramSource):
+        if isinstance(self.static, NgramCursor):
             self._static_bias = min(config.dyn_threshold + config.static_bias, static.config.max_n) - config.dyn_threshold
         self.fallback = fallback
         self.name = "sam" if fallback is None else f"sam+{fallback.name}"
         self.dynamic = SuffixAutomaton.empty(1024, occurrence=config.occurrence)
         self.dyn_state, self.dyn_length = 0, 0
         self.sources = {"dynamic": 0, "static": 0, "fallback": 0, "none": 0}  # steps by draft source
-        self.prefill_logits = getattr(fallback, "prefill_logits", "last")
-        self.needs_hidden = getattr(fallback, "needs_hidden", False)
+        if fallback is not None:
+            self.prefill_logits, self.needs_hidden = fallback.prefill_logits, fallback.needs_hidden
 
     def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor, **hidden: torch.Tensor) -> None:
         # hidden: `hidden=` [n, H] when the fallback needs the target's features, else nothing

@@ -24,8 +24,9 @@ import torch
 
 from samctl.decode.sdsat import SatSettings
 from samctl.decode.engine.target import TargetModel
+from samctl.decode.drafters.base import Drafter
 from samctl.decode.tree import DraftTree
-from samctl.index.errors import UserError
+from samctl.index.errors import ConfigError
 from samctl.decode.configs import SdsatConfig
 
 
@@ -35,8 +36,8 @@ class SatPeek:
     def __init__(self, target: TargetModel, settings: SatSettings, config: SdsatConfig) -> None:
         self.k = config.sat_count or settings.sat_count
         if self.k > settings.sat_count:
-            raise UserError(f"--sat-count {self.k} is more than the {settings.sat_count} SAT slots the model was "
-                            f"trained with: use at most {settings.sat_count}")
+            raise ConfigError("{sat_count} {k} is more than the {slots} SAT slots the model was trained with: "
+                              "use at most {slots}", k=self.k, slots=settings.sat_count)
         self.target = target
         # [1 + k] int64 device: t0 then k SAT ids; only slot 0 changes from step to step
         self._input = torch.full((1 + self.k,), settings.sat_token_id, dtype=torch.int64, device=target.device)
@@ -47,7 +48,7 @@ class SatPeek:
         return self.target.peek(self._input)
 
 
-class SdsatDrafter:
+class SdsatDrafter(Drafter):
     name = "sdsat"
 
     def __init__(self, target: TargetModel, settings: SatSettings, config: SdsatConfig = SdsatConfig()) -> None:

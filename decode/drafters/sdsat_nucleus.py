@@ -27,8 +27,9 @@ from samctl.decode.drafters.sdsat import SatPeek, SdsatConfig
 from samctl.decode.sampling import SamplingConfig, draw, warp_probs
 from samctl.decode.sdsat import SatSettings
 from samctl.decode.engine.target import TargetModel, to_device
+from samctl.decode.drafters.base import Drafter
 from samctl.decode.tree import DraftTree
-from samctl.index.errors import UserError
+from samctl.index.errors import ConfigError
 
 TOP_K = 10  # distinct candidates drawn at each SAT (the paper's top_k)
 
@@ -60,8 +61,8 @@ def static_tree(k: int) -> tuple[np.ndarray, np.ndarray]:
     -> parents [1 + m] int32 (-1: child of t0), slot [1 + m] int64: index into the flattened
     [k, TOP_K] candidates (node 0: -1, it is t1)."""
     if k not in TREES:
-        raise UserError(f"sdsat-nucleus-reference has the paper's trees for k = {', '.join(map(str, TREES))} "
-                        f"SATs only, not {k}: pass --sat-count with one of them")
+        raise ConfigError("sdsat-nucleus-reference has the paper's trees for k = {ks} SATs only, not {k}: "
+                          "pass {sat_count} with one of them", ks=", ".join(map(str, TREES)), k=k)
     paths = sorted(TREES[k].split(), key=lambda p: (len(p), p))
     index = {p: i + 1 for i, p in enumerate(paths)}
     parents = np.array([-1] + [index[p[:-1]] if len(p) > 1 else 0 for p in paths], dtype=np.int32)
@@ -85,7 +86,7 @@ def leaf_paths(parents: np.ndarray) -> np.ndarray:
     return np.array([p + [-1] * (depth - len(p)) for p in paths], dtype=np.int64)
 
 
-class SdsatNucleusDrafter:
+class SdsatNucleusDrafter(Drafter):
     name = "sdsat-nucleus-reference"
 
     def __init__(self, target: TargetModel, settings: SatSettings, sampling: SamplingConfig,

@@ -193,7 +193,7 @@ class VerifyGraphs:
         self.prepares += 1
 
     def _capture(self, width: int, keys: int, pool: object) -> _Graph:
-        target, cache, model = self.target, self.target.cache, self.target.model
+        cache, model = self.target.cache, self.target.model
         g, inputs = _Graph(width, keys), self._inputs[width]
         mask = self._mask[:width, :keys][None, None]
         saved = cache.get_seq_length()

@@ -81,6 +81,7 @@ class Turn:
 
 class Runner(Protocol):
     name: str
+    drafter: Drafter | None  # None: transformers' own generate
 
     def run(self, prompt: list[int], max_new_tokens: int) -> Turn: ...
 
@@ -279,6 +280,7 @@ class HfRunner:
         from transformers.utils import logging as hf_logging
 
         self.name, self.engine, self.extra = name, engine, extra
+        self.drafter = None
         self.forwards = 0
         # assisted generation warns about its own internal argument passing on every run
         hf_logging.set_verbosity_error()
@@ -345,9 +347,8 @@ def _warm_up(runners: dict[str, Runner], engine: Engine, question: Question, cha
 
 def _remember(runner: Runner, flag: bool) -> None:
     """Whether the runner's drafter keeps the coming outputs in its cross-request memory."""
-    drafter = getattr(runner, "drafter", None)
-    if hasattr(drafter, "remember"):
-        drafter.remember = flag
+    if runner.drafter is not None:
+        runner.drafter.remember = flag
 
 
 def _run_all(runners: dict[str, Runner], engine: Engine, questions: list[Question], opts: dict[str, Any],

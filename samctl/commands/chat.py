@@ -17,7 +17,7 @@ import click
 
 from samctl.decode.methods import ALL_METHODS, DEFAULT_METHOD
 from samctl.index.errors import UserError
-from samctl.options import draft_options, engine_options, method_options, sampling_options, session_config
+from samctl.options import cli_message, session_config, session_options
 
 HELP = """commands:
   /method NAME   draft with another method ({methods}); each keeps its own memory
@@ -36,10 +36,7 @@ HELP = """commands:
 @click.option("--system", metavar="TEXT", help="A system message at the start of the conversation.")
 @click.option("--max-new-tokens", type=int, default=512, show_default=True, help="Longest answer per turn.")
 @click.option("--compare", is_flag=True, help="Start with the side-by-side ar comparison on (/compare toggles it).")
-@sampling_options
-@engine_options
-@method_options
-@draft_options
+@session_options
 @click.option("--quiet", is_flag=True, help="No loading notes on stderr.")
 def chat(**opts: Any) -> None:
     """Talk to the model, faster, with per-turn speed and acceptance.
@@ -130,7 +127,7 @@ class Console:
         try:
             session = self._session()
         except UserError as err:  # a method that needs what this session lacks (a draft model, a head)
-            click.echo(f"samctl: {err}")
+            click.echo(f"samctl: {cli_message(err)}")
             self.messages.pop()
             return
         stream = TextStream(session.decode)
@@ -158,11 +155,10 @@ class Console:
         store = self.store_name if self.store_name and entry.uses_store else "none"
         lines = [f"method {self.method}: {entry.summary}", f"store: {store}"]
         drafter = self.sessions[self.method].drafter if self.method in self.sessions else None
-        report = getattr(drafter, "report", None)
-        if report is not None:
-            lines += _report_lines(report())
-        elif drafter is None:
+        if drafter is None:
             lines.append("(no turn with this method yet)")
+        else:
+            lines += _report_lines(drafter.report())
         return "\n".join(lines)
 
     def _session(self):

@@ -24,7 +24,7 @@ import click
 
 from samctl.decode.methods import ALL_METHODS, DEFAULT_METHOD
 from samctl.index.errors import UserError
-from samctl.options import draft_options, engine_options, method_options, sampling_options, session_config
+from samctl.options import session_config, session_options
 from samctl.textio import ERRORS
 
 _PROMPT_FIELDS_HELP = "the record field holding the prompt (default: prompt, turns, text, question, instruction)"
@@ -49,10 +49,7 @@ _PROMPT_FIELDS_HELP = "the record field holding the prompt (default: prompt, tur
 @click.option("--chat/--no-chat", default=None,
               help="Apply the tokenizer's chat template to the prompts (the way the model will be asked) "
                    "[default: --chat when the model has a chat template, else --no-chat].")
-@sampling_options
-@engine_options
-@method_options
-@draft_options
+@session_options
 @click.option("--compress/--no-compress", default=True, show_default=True, help="zstd-compress the store's arrays.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress, notes or summary.")
 def distill(**opts: Any) -> None:

@@ -27,8 +27,7 @@ import click
 from samctl.decode.configs import DraftConfig, SpecDecConfig
 from samctl.decode.methods import ALL_METHODS, DEFAULT_METHOD, NOT_LOSSLESS, method as method_entry
 from samctl.index.errors import UserError
-from samctl.options import (draft_options, engine_options, ignored_settings, method_options, sampling_options,
-                            session_config)
+from samctl.options import ignored_settings, session_config, session_options
 from samctl.textio import TEXT_FILE, check_utf8
 
 @click.command("generate")
@@ -69,10 +68,7 @@ from samctl.textio import TEXT_FILE, check_utf8
 @click.option("--json", "as_json", is_flag=True, help="Single prompt: print one JSON object instead of streaming text.")
 @click.option("--compare", is_flag=True, help="Also run plain decoding (ar) and report the speedup and whether outputs match.")
 @click.option("--compare-runs", type=int, default=3, show_default=True, help="--compare, single prompt: timed runs of each side, alternating; the speedup is their median, with its range.")
-@sampling_options
-@engine_options
-@method_options
-@draft_options
+@session_options
 @click.option("--quiet", is_flag=True, help="No notes on stderr.")
 def generate(**opts: Any) -> None:
     """Generate from a prompt or a JSONL batch, faster, with exactly the model's output.

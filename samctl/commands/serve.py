@@ -12,7 +12,7 @@ import click
 
 from samctl.decode.methods import ALL_METHODS, DEFAULT_METHOD
 from samctl.index.errors import UserError
-from samctl.options import draft_options, engine_options, method_options, sampling_options, session_config
+from samctl.options import session_config, session_options
 
 
 def _stores(specs: tuple[str, ...]) -> dict[str, str]:
@@ -52,10 +52,7 @@ def _stores(specs: tuple[str, ...]) -> dict[str, str]:
               help="Longest answer when a request sets no max_tokens.")
 @click.option("--memory-file", "memory_file", metavar="STORE", type=click.Path(exists=True, dir_okay=False),
               help="adaptive, lookahead, ouroboros: preload the memory of earlier outputs from this store.")
-@sampling_options
-@engine_options
-@method_options
-@draft_options
+@session_options
 @click.option("--quiet", is_flag=True, help="No loading notes on stderr.")
 def serve(**opts: Any) -> None:
     """Serve the model over an OpenAI-compatible HTTP API, with Predicted Outputs.

@@ -55,7 +55,7 @@ import torch
 
 from samctl.decode.engine.cost import relative_cost
 from samctl.decode.drafters.eagle import EagleConfig
-from samctl.decode.methods import MethodConfig, make_drafter
+from samctl.decode.methods import DEFAULT_METHOD, EAGLE_METHODS, MethodConfig, make_drafter
 from samctl.decode.eagle_head import EagleHead, eagle_loss, target_features
 from samctl.decode.simulate import Tally, make_trace, replay
 from samctl.index.errors import UserError
@@ -251,8 +251,9 @@ def train(head: EagleHead, batches: Batches, train_pool: list[int], args, log) -
     return {"steps": step, "positions_seen": seen, "seconds": round(time.time() - tic, 1)}
 
 
-# adaptive replays without its Token Recycle part (no logits in a replay), in both of its rows
-REPLAYED = ("eagle", "sam+eagle", "adaptive+eagle", "adaptive")
+# every EAGLE method beside the default one, which replays without its Token Recycle part (no
+# logits in a replay), in both of its rows
+REPLAYED = EAGLE_METHODS + (DEFAULT_METHOD,)
 
 
 def replay_traces(engine: Engine, head: EagleHead, path: Path, cost: np.ndarray | None, max_new_tokens: int,
@@ -273,8 +274,7 @@ def replay_traces(engine: Engine, head: EagleHead, path: Path, cost: np.ndarray 
         for name in REPLAYED:
             drafter = make_drafter(name, vocab_size=engine.vocab_size, device=engine.device, cost=cost, eagle=head,
                                    eos_token_ids=engine.eos_token_ids, config=MethodConfig(eagle=config))
-            if hasattr(drafter, "remember"):
-                drafter.remember = False  # no memory across traces: each trace stands alone, as in bench
+            drafter.remember = False  # no memory across traces: each trace stands alone, as in bench
             metrics = replay(drafter, trace, hidden=hidden)
             out.setdefault(name, {}).setdefault(group, Tally()).add(metrics)
     return {name: {group: {"traces": t.traces, "tokens_per_step": round(t.mean_accepted, 3),
