@@ -5,8 +5,8 @@ on what the target emits under greedy decoding, so training on the target's own 
 Medusa-2 and the EAGLE follow-ups do when the SFT data is not the model's) matches what acceptance
 measures; the datasets' human answers are another distribution.
 
-- `write_responses(engine, prompts, max_new_tokens, batch_size)`: transformers' `generate`,
-  greedy, batched with left padding (prompts sorted by length so a batch pads little), each answer
+- `write_responses(engine, prompts, max_new_tokens, batch_size)`: greedy answers to token-id
+  prompts through the batched engine (`Session.generate_batch` with a lossless method), each
   cut after its first EOS (kept) or at max_new_tokens (no EOS appended).
 - `cached_responses(engine, prompts, ..., cache=path)`: the same, answered in order in chunks and
   saved after each chunk to a JSON file in the cache folder (outside the repository), keyed by the
@@ -34,8 +34,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
-import torch
-
 from samctl.runtime import Engine
 
 if TYPE_CHECKING:
@@ -44,28 +42,17 @@ if TYPE_CHECKING:
 
 
 def write_responses(engine: Engine, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
-                    log: Callable[[str], None] | None = None) -> list[list[int]]:
-    """The model's own greedy answers to `prompts` (token ids), batched (left-padded), cut after EOS."""
-    eos = list(engine.eos_token_ids)
-    pad = eos[0] if eos else 0
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    responses: list[list[int]] = [[] for _ in prompts]
-    for start in range(0, len(order), batch_size):
-        batch = order[start : start + batch_size]
-        width = max(len(prompts[i]) for i in batch)
-        ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in batch], device=engine.device)
-        mask = (torch.arange(width, device=engine.device)[None] >= torch.tensor(
-            [width - len(prompts[i]) for i in batch], device=engine.device)[:, None]).long()
-        with torch.inference_mode():
-            out = engine.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                        max_new_tokens=max_new_tokens, pad_token_id=pad,
-                                        eos_token_id=eos or None)[:, width:].tolist()
-        for i, row in zip(batch, out):
-            cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
-            responses[i] = row[:cut]
-        if log is not None:
-            log(f"responses: {min(start + len(batch), len(order))}/{len(order)}")
-    return responses
+                    log: Callable[[str], None] | None = None, method: str = "adaptive") -> list[list[int]]:
+    """The model's own greedy answers to `prompts` (token ids), through the batched engine with
+    lossless `method` (each answer is plain greedy decoding's), cut after EOS (kept)."""
+    from samctl.config import SessionConfig
+    from samctl.session import Session
+
+    session = Session.over(engine, SessionConfig(method=method, max_new_tokens=max_new_tokens, quiet=True))
+    results = session.generate_batch(prompts, batch_size=batch_size)
+    if log is not None:
+        log(f"responses: {len(prompts)} written")
+    return [list(r.tokens) for r in results]
 
 
 def cached_responses(engine: Engine, prompts: list[list[int]], max_new_tokens: int, batch_size: int,

@@ -1,22 +1,24 @@
 """Train an EAGLE head for a target model (METHODS.md section 3), then measure it.
 
-    samctl train eagle --model /work/runs/smollm2 --data-dir ../shared/data \\
-        --cache ../runs/eagle --out ../runs/eagle/smollm2_head --max-tokens 150000 --minutes 25 \\
-        --threads 1 --replay ../runs/data/specbench_refs.jsonl
-    samctl train eagle --device cuda --model M --data-dir D --out H --max-tokens 5000000 --epochs 4
+    samctl train eagle --model models/SmolLM2-135M-Instruct.Q4_1.gguf --mixture ../shared/data \\
+        --exclude ../shared/data/specbench_question.jsonl --out head/ --max-tokens 1000000 \\
+        --answer-minutes 40 --draft-vocab 8192 --minutes 20 --threads 1 --replay refs.jsonl
+    samctl train eagle --device cuda --model M --prompts prompts.jsonl --out H --max-tokens 5000000
 
-1. Data: the instructions of --data-dir (GSM8K train, Code Alpaca, GPTeacher role-play; the
-   reference models' mixture without its synthetic copy tasks), any that is a turn of
-   --exclude (Spec-Bench, whose questions the replay traces answer) dropped, shuffled with --seed,
-   rendered with the model's chat template (user turn, then the response as the assistant's) and
-   taken up to --max-tokens; --heldout sequences are kept apart. Responses: --responses self (the
-   default) has the target write its own greedy answers (samctl/train/answers.py: batched `generate`,
-   --max-new-tokens, cached in --cache per model and selection, so a rerun or a larger
-   --max-tokens reuses them), which is what replay and acceptance measure; --responses data uses
-   the sets' fixed human answers, as EAGLE does with ShareGPT.
-2. Features: one target forward per sequence gives its post-norm last hidden states and greedy
-   choices; they are computed once and cached in --cache (safetensors, keyed by the model's
-   fingerprint and the data selection), never in the repository.
+1. Prompts: --prompts (any input `samctl build` reads; a record's user turns) and the built-in
+   --mixture (samctl/train/prompts.py: math, code, role-play, two-turn chat, translation,
+   summarization), less every prompt with a turn of --exclude (Spec-Bench, whose questions the
+   replay traces answer).
+2. Answers: the target's own greedy answers, written by the batched engine (samctl/train/answers.py,
+   --answer-method, --batch-size, --max-new-tokens) into cache/answers-<key>.jsonl, the key naming
+   the model's fingerprint, the prompt set and the answering settings; finished turns are appended
+   as they come, so a rerun (or a larger --max-tokens, or one after --answer-minutes ran out)
+   goes on where the last stopped. Each answered turn is one sequence (its input, earlier turns
+   and answers included, then its answer), cut at --max-len; sequences are taken in order up to
+   --max-tokens and the first --heldout are kept apart.
+   Features: the target's post-norm last hidden states from batched forwards (cached in shards
+   under --cache, never in the repository); on its own greedy answers the target's choice at each
+   position is the next token, so no output layer runs.
 3. Training: the head alone (fc over [embedding, feature] + one decoder layer of the target's
    architecture; the target's embedding and lm_head frozen): SmoothL1 on the next feature plus
    0.1 x cross-entropy against the target's next token, uniform feature noise, AdamW with
