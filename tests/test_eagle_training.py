@@ -139,3 +139,24 @@ def test_train_eagle_self_distilled_run_records_its_data(tmp_path):
     again = train.main(args + ["--baseline-head", str(tmp_path / "head")])  # answers and features reused
     assert again["data"]["answers_key"] == report["data"]["answers_key"]
     assert again["heldout_baseline"]["top1"] == report["heldout"]["top1"]
+
+
+def test_features_in_padded_batches_equal_one_forward_per_sequence_and_are_cached(engine, tmp_path):
+    import numpy as np
+
+    from samctl.decode.eagle_head import target_features
+    from samctl.train.eagle import cached_features
+
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(5, engine.vocab_size, size=n).astype(np.int64) for n in (7, 30, 12, 30, 5)]
+    features, choices = cached_features(engine, seqs, tmp_path, "m", log=lambda _: None, shard=3, batch_tokens=64)
+    start = 0
+    for ids in seqs:
+        alone, _ = target_features(engine.model, torch.from_numpy(ids))
+        assert torch.allclose(features[start : start + len(ids)].float(), alone, atol=2e-2, rtol=1e-2)
+        assert choices[start : start + len(ids) - 1].tolist() == ids[1:].tolist()  # the next token
+        start += len(ids)
+    assert len(list(tmp_path.glob("features-*.safetensors"))) == 2  # shards of 3 and 2 sequences
+    again, _ = cached_features(engine, seqs[:3] + [seqs[3][:10]], tmp_path, "m", log=lambda _: None, shard=3)
+    assert torch.equal(again[: sum(map(len, seqs[:3]))], features[: sum(map(len, seqs[:3]))])
+    assert len(list(tmp_path.glob("features-*.safetensors"))) == 3  # only the changed shard is new
