@@ -70,7 +70,7 @@ def test_batched_answers_are_greedy_resumable_and_multi_turn(engine, tmp_path):
     assert 1 <= len(first) < 7 and len(read_answers(path)) == len(path.read_text().splitlines())
     every = write_answers(session, prompts, path, batch_size=3, log=lambda _: None)  # resumes
     assert [(a.prompt, a.turn) for a in every] == [(i, 0) for i in range(6)] + [(5, 1)]
-    assert every[: len(first)] == first and len(path.read_text().splitlines()) == 7
+    assert all(a in every for a in first) and len(path.read_text().splitlines()) == 7
     for answer in every:  # each answer is plain greedy decoding's
         assert answer.output_ids == naive_greedy(engine, answer.prompt_ids, 10)
     second = every[-1]  # the second turn's input holds the first turn and its answer

@@ -121,7 +121,8 @@ def write_answers(session: "Session", prompts: Sequence["Prompt"], path: Path, *
     chunk, then every second turn, ...), appending each finished turn to `path` (JSONL); answers
     already there are reused. Stops once the answers hold `max_tokens` tokens (prompt + output) or
     at `deadline` (time.time()). A turn whose input exceeds `max_prompt_tokens` is left out with
-    its later turns. -> the answers of the prompts answered in full, in (prompt, turn) order."""
+    its later turns. -> every answered turn, in (prompt, turn) order (a prompt's later turns may
+    be missing when the budget ran out between them)."""
     log = log or (lambda text: print(text, file=sys.stderr, flush=True))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -176,8 +177,8 @@ def write_answers(session: "Session", prompts: Sequence["Prompt"], path: Path, *
                         f"{written / max(time.time() - tic, 1e-9):.0f} tokens/s -> {path}")
             if spent():
                 break
-    complete = [i for i in range(len(prompts)) if all((i, k) in done for k in range(len(prompts[i].turns)))]
-    return [done[(i, k)] for i in complete for k in range(len(prompts[i].turns))]
+    # a turn is answered only after the turns before it, so every answer here has its earlier ones
+    return [done[key] for key in sorted(done) if key[0] < len(prompts)]
 
 
 def _conversation(session: "Session", prompt: "Prompt", index: int, turn: int,
