@@ -25,6 +25,11 @@ Spec-Bench `turns` (+ `reference`), chat `messages`/`conversations`, Alpaca
 `instruction`/`input`/`output` (or `response`), GSM8K `question`/`answer`, `prompt`/`completion`
 (or `response`), or `text`. Documents whose text is empty or blank are dropped and counted.
 
+Read for prompts (`prompts=True`, `iter_prompts`: trainers that have a model answer them), a
+record becomes its user turns only (`record_turns`: Spec-Bench `turns`, the user messages of a
+chat, Alpaca `instruction` + `input`, GSM8K `question`, `prompt`, or `text`), and a plain-text
+document is one turn.
+
 This module does not know tokenizers, token ids or store files.
 """
 from __future__ import annotations
@@ -37,7 +42,7 @@ import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, TextIO
+from typing import Any, Callable, Iterable, Iterator, TextIO
 
 from samctl.index.errors import ConfigError, UserError
 
@@ -61,6 +66,7 @@ class Document:
 
     source: str  # where it came from: "path", "path:line", "hf:name[split]#row", "<stdin>:line"
     text: str
+    turns: tuple[str, ...] = ()  # read for prompts: the user turns, in order (text joins them)
 
 
 @dataclass
@@ -84,8 +90,10 @@ class CorpusReader:
         exclude: Iterable[str] = (),
         fields: Iterable[str] = (),
         stdin: TextIO | None = None,
+        prompts: bool = False,
     ) -> None:
         self.inputs = list(inputs)
+        self.prompts = prompts
         self.include = tuple(include)
         self.exclude = tuple(exclude)
         self.fields = tuple(fields)
@@ -112,9 +120,9 @@ class CorpusReader:
 
     def _documents(self, spec: str) -> Iterator[Document]:
         if spec == "-":
-            return _stdin_documents(self.stdin or sys.stdin, self.fields)
+            return _stdin_documents(self.stdin or sys.stdin, self._record)
         if spec.startswith("hf:"):
-            return _hf_documents(spec, self.fields)
+            return _hf_documents(spec, self._record)
         if os.path.isdir(spec):
             return self._folder_documents(Path(spec))
         return self._file_documents(Path(spec), explicit=True)
@@ -142,7 +150,7 @@ class CorpusReader:
         if suffix in RECORD_EXTENSIONS:
             records = _read_records(path)
             for where, record in records:
-                yield Document(where, record_text(record, self.fields, where))
+                yield self._record(record, where)
             return
         text = _read_text(path)
         if text is None:
@@ -151,7 +159,13 @@ class CorpusReader:
                                 ".json/.jsonl/.parquet records")
             self.counts.skipped.append(f"{path} (binary or not UTF-8)")
             return
-        yield Document(str(path), text)
+        yield Document(str(path), text, (text,) if self.prompts else ())
+
+    def _record(self, record: dict[str, Any], where: str) -> Document:
+        if self.prompts:
+            turns = record_turns(record, self.fields, where)
+            return Document(where, "\n".join(turns), turns)
+        return Document(where, record_text(record, self.fields, where))
 
 
 def iter_documents(
@@ -163,6 +177,18 @@ def iter_documents(
 ) -> Iterator[Document]:
     """The documents of `inputs`; use CorpusReader directly to see the counts."""
     return iter(CorpusReader(inputs, include, exclude, fields, stdin))
+
+
+def iter_prompts(
+    inputs: Iterable[str],
+    include: Iterable[str] = (),
+    exclude: Iterable[str] = (),
+    fields: Iterable[str] = (),
+    stdin: TextIO | None = None,
+) -> Iterator[Document]:
+    """The prompts of `inputs`: documents whose `turns` are a record's user turns (a plain-text
+    document is one turn)."""
+    return iter(CorpusReader(inputs, include, exclude, fields, stdin, prompts=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,7 +310,7 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
 # stdin and Hugging Face datasets
 
 
-def _stdin_documents(stream: TextIO, fields: tuple[str, ...]) -> Iterator[Document]:
+def _stdin_documents(stream: TextIO, convert: Callable[[dict[str, Any], str], Document]) -> Iterator[Document]:
     """JSON lines are read one at a time; plain text is one document (its lines joined by \\n)."""
     try:
         head: list[str] = []
@@ -295,9 +321,10 @@ def _stdin_documents(stream: TextIO, fields: tuple[str, ...]) -> Iterator[Docume
         if head and _is_json_object(head[-1]):
             lines = itertools.chain(head, stream)
             for where, record in _json_lines(lines, "<stdin>", start=1):
-                yield Document(where, record_text(record, fields, where))
+                yield convert(record, where)
         else:
-            yield Document("<stdin>", "\n".join(("".join(head) + stream.read()).splitlines()))
+            text = "\n".join(("".join(head) + stream.read()).splitlines())
+            yield convert({"text": text}, "<stdin>")
     except UnicodeDecodeError as err:
         raise UserError("standard input is not UTF-8 text: convert it first") from err
 
@@ -311,12 +338,11 @@ def _is_json_object(line: str) -> bool:
         return False
 
 
-def _hf_documents(spec: str, fields: tuple[str, ...]) -> Iterator[Document]:
+def _hf_documents(spec: str, convert: Callable[[dict[str, Any], str], Document]) -> Iterator[Document]:
     name, config, split = _parse_hf_spec(spec)
     dataset = _load_hf(spec, name, config, split)
     for row, record in enumerate(dataset, 1):
-        where = f"hf:{name}[{split}] row {row}"
-        yield Document(where, record_text(record, fields, where))
+        yield convert(record, f"hf:{name}[{split}] row {row}")
 
 
 def _parse_hf_spec(spec: str) -> tuple[str, str | None, str]:
@@ -390,6 +416,41 @@ _SHAPES: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("prompt",), ("completion", "response", "output")),
     (("text",),),
 )
+
+
+def record_turns(record: dict[str, Any], fields: tuple[str, ...], where: str) -> tuple[str, ...]:
+    """The user turns of one record (what a model is asked, never the answers): the named
+    `fields` as one turn, or else the first known prompt shape."""
+    if fields:
+        return (record_text(record, fields, where),)
+    if record.get("turns") is not None:
+        return tuple(_item_text(turn, "turns", where) for turn in _as_list(record["turns"], "turns", where))
+    chat = _first_present(record, ("messages", "conversations"))
+    if chat is not None:
+        turns = tuple(_item_text(m, chat, where) for m in _as_list(record[chat], chat, where)
+                      if isinstance(m, dict) and (m.get("role") or m.get("from")) in _USER_ROLES)
+        if not turns:
+            raise UserError(f"{where}: field {chat!r} has no user message (role user or from human): {_FIELD_HINT}")
+        return turns
+    if record.get("instruction") is not None:
+        parts = [_field_text(record[name], name, where) for name in ("instruction", "input")
+                 if record.get(name) is not None]
+        return ("\n\n".join(p.strip() for p in parts if p.strip()),)
+    name = _first_present(record, ("question", "prompt", "text"))
+    if name is None:
+        raise UserError(f"{where} has no known prompt fields (it has {_keys(record)}): {_FIELD_HINT}")
+    return (_field_text(record[name], name, where),)
+
+
+_USER_ROLES = frozenset(["user", "human"])
+
+
+def _as_list(value: Any, name: str, where: str) -> list:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return value
+    raise UserError(f"{where}: field {name!r} is a {type(value).__name__}, not a list of turns: {_FIELD_HINT}")
 
 
 def _first_present(record: dict[str, Any], slot: tuple[str, ...]) -> str | None:

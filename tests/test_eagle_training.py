@@ -57,14 +57,65 @@ def test_cached_answers_are_reused_and_extended(engine, tmp_path, monkeypatch):
     assert sd.cached_responses(engine, prompts, 6, 2, tmp_path, "k") == every and calls == [2, 1, 5]
 
 
-def test_spec_bench_turns_are_kept_out(tmp_path):
-    from samctl.train.eagle import drop_excluded
+def test_batched_answers_are_greedy_resumable_and_multi_turn(engine, tmp_path):
+    from samctl.config import SessionConfig
+    from samctl.session import Session
+    from samctl.train.answers import read_answers, write_answers
+    from samctl.train.prompts import Prompt
 
+    session = Session.over(engine, SessionConfig(method="adaptive", max_new_tokens=10, quiet=True))
+    prompts = [Prompt("code", (f"def f{i}(x):",)) for i in range(5)] + [Prompt("chat2", ("def g(x):", "and h?"))]
+    path = tmp_path / "answers.jsonl"
+    first = write_answers(session, prompts, path, batch_size=3, max_tokens=20, log=lambda _: None)
+    assert 1 <= len(first) < 7 and len(read_answers(path)) == len(path.read_text().splitlines())
+    every = write_answers(session, prompts, path, batch_size=3, log=lambda _: None)  # resumes
+    assert [(a.prompt, a.turn) for a in every] == [(i, 0) for i in range(6)] + [(5, 1)]
+    assert all(a in every for a in first) and len(path.read_text().splitlines()) == 7
+    for answer in every:  # each answer is plain greedy decoding's
+        assert answer.output_ids == naive_greedy(engine, answer.prompt_ids, 10)
+    second = every[-1]  # the second turn's input holds the first turn and its answer
+    assert second.prompt_ids == engine.encode_conversation(
+        [{"role": "user", "content": "def g(x):"}, {"role": "assistant", "content": engine.decode(every[5].output_ids)},
+         {"role": "user", "content": "and h?"}], chat=False)
+    with open(path, "a") as f:
+        f.write('{"prompt": 9, "tu')  # a torn line from a kill is dropped
+    assert read_answers(path) == {(a.prompt, a.turn): a for a in every}
+
+
+def test_prompts_come_from_any_corpus_and_spec_bench_turns_are_kept_out(tmp_path):
+    from samctl.train.prompts import Prompt, drop_excluded, read_prompts
+
+    (tmp_path / "a.jsonl").write_text(
+        json.dumps({"instruction": "Sort this", "input": "3 1 2", "output": "1 2 3"}) + "\n"
+        + json.dumps({"question": "What is  2+2?", "answer": "4"}) + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                                   {"role": "user", "content": "Bye"}]}) + "\n")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "p.txt").write_text("Rewrite this paragraph.")
+    prompts = read_prompts([str(tmp_path / "a.jsonl"), str(tmp_path / "docs")])
+    assert [p.turns for p in prompts] == [("Sort this\n\n3 1 2",), ("What is  2+2?",), ("Hi", "Bye"),
+                                          ("Rewrite this paragraph.",)]
     questions = tmp_path / "q.jsonl"
-    questions.write_text(json.dumps({"question_id": 1, "turns": ["What is  2+2?", "And 3+3?"]}) + "\n")
-    rows = [("gsm8k", "what is 2+2?", "4"), ("gsm8k", "What is 5+5?", "10"), ("x", "and 3+3?\n", "6")]
-    assert drop_excluded(rows, questions) == ([rows[1]], 2)
-    assert drop_excluded(rows, tmp_path / "absent.jsonl") == (rows, 0)
+    questions.write_text(json.dumps({"question_id": 1, "turns": ["what is 2+2?", "Bye"]}) + "\n")
+    assert drop_excluded(prompts, [str(questions)]) == ([prompts[0], prompts[3]], 2)
+    assert drop_excluded(prompts, []) == (prompts, 0)
+
+
+def test_mixture_interleaves_every_kind_from_local_text(tmp_path):
+    from samctl.train.prompts import local_texts, mixture
+
+    (tmp_path / "gsm8k_train.jsonl").write_text("".join(
+        json.dumps({"question": f"What is {i} plus {i}?", "answer": str(2 * i)}) + "\n" for i in range(4)))
+    (tmp_path / "gpteacher_roleplay.json").write_text(json.dumps(
+        [{"instruction": f"You are a pirate number {i}. Greet me.", "input": "", "output": "Arr"} for i in range(4)]))
+    sentences, texts = local_texts()
+    if not sentences or not texts:
+        pytest.skip("no local prose (standard library docstrings, /usr/share/doc) on this machine")
+    prompts = mixture(tmp_path, seed=1)
+    assert {p.kind for p in prompts[:5]} == {"math", "roleplay", "chat2", "translation", "summarization"}
+    assert all(len(p.turns) == 2 for p in prompts if p.kind == "chat2")
+    assert any(p.turns[0].startswith("Translate English to ") for p in prompts[:5])
+    assert mixture(tmp_path, seed=1) == prompts
 
 
 def test_train_eagle_self_distilled_run_records_its_data(tmp_path):
@@ -75,15 +126,37 @@ def test_train_eagle_self_distilled_run_records_its_data(tmp_path):
     rows = [{"question": f"What is {i} plus {i}?", "answer": f"{i} plus {i} is {2 * i}."} for i in range(30)]
     (data / "gsm8k_train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (data / "specbench_question.jsonl").write_text(json.dumps({"turns": ["What is 3 plus 3?"]}) + "\n")
-    args = ["--model", str(TARGET), "--data-dir", str(data), "--cache", str(tmp_path / "cache"),
+    args = ["--model", str(TARGET), "--prompts", str(data / "gsm8k_train.jsonl"),
+            "--exclude", str(data / "specbench_question.jsonl"), "--cache", str(tmp_path / "cache"),
             "--out", str(tmp_path / "head"), "--max-tokens", "1500", "--max-new-tokens", "16",
-            "--response-batch", "8", "--heldout", "3", "--max-steps", "2", "--threads", "1"]
+            "--batch-size", "8", "--heldout", "3", "--max-steps", "2", "--threads", "1"]
     report = train.main(args)
-    assert report["data"]["responses"] == "self" and report["data"]["excluded_instructions"] == 1
+    assert report["data"]["excluded_prompts"] == 1 and report["data"]["answer_method"] == "adaptive"
     assert report["run"]["steps"] == 2 and 0.0 <= report["heldout"]["top1"] <= 1.0
     saved = json.loads((tmp_path / "head" / "eagle.json").read_text())
-    assert "self" in json.dumps(saved)
-    assert len(list((tmp_path / "cache").glob("responses-*.json"))) == 1
+    assert saved["training"]["data"]["answers_key"] == report["data"]["answers_key"]
+    assert len(list((tmp_path / "cache").glob("answers-*.jsonl"))) == 1
     again = train.main(args + ["--baseline-head", str(tmp_path / "head")])  # answers and features reused
-    assert again["data"]["responses_key"] == report["data"]["responses_key"]
+    assert again["data"]["answers_key"] == report["data"]["answers_key"]
     assert again["heldout_baseline"]["top1"] == report["heldout"]["top1"]
+
+
+def test_features_in_padded_batches_equal_one_forward_per_sequence_and_are_cached(engine, tmp_path):
+    import numpy as np
+
+    from samctl.decode.eagle_head import target_features
+    from samctl.train.eagle import cached_features
+
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(5, engine.vocab_size, size=n).astype(np.int64) for n in (7, 30, 12, 30, 5)]
+    features, choices = cached_features(engine, seqs, tmp_path, "m", log=lambda _: None, shard=3, batch_tokens=64)
+    start = 0
+    for ids in seqs:
+        alone, _ = target_features(engine.model, torch.from_numpy(ids))
+        assert torch.allclose(features[start : start + len(ids)].float(), alone, atol=2e-2, rtol=1e-2)
+        assert choices[start : start + len(ids) - 1].tolist() == ids[1:].tolist()  # the next token
+        start += len(ids)
+    assert len(list(tmp_path.glob("features-*.safetensors"))) == 2  # shards of 3 and 2 sequences
+    again, _ = cached_features(engine, seqs[:3] + [seqs[3][:10]], tmp_path, "m", log=lambda _: None, shard=3)
+    assert torch.equal(again[: sum(map(len, seqs[:3]))], features[: sum(map(len, seqs[:3]))])
+    assert len(list(tmp_path.glob("features-*.safetensors"))) == 3  # only the changed shard is new

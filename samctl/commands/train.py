@@ -25,7 +25,7 @@ def train(ctx: click.Context, trainer: str | None, **_: Any) -> None:
     """Train an EAGLE head, an SDSAT fine-tune or a SpecDec++ acceptance head.
 
     \b
-    samctl train eagle --model M --out head/ --data-dir data/
+    samctl train eagle --model M --out head/ --prompts prompts.jsonl [--mixture data/]
     samctl train sdsat --model M --out tuned/ --data-dir data/
     samctl train acc-head --model M --draft-model D --out head/ --data-dir data/
     samctl train NAME --help      # the trainer's own options

@@ -1,22 +1,24 @@
 """Train an EAGLE head for a target model (METHODS.md section 3), then measure it.
 
-    samctl train eagle --model /work/runs/smollm2 --data-dir ../shared/data \\
-        --cache ../runs/eagle --out ../runs/eagle/smollm2_head --max-tokens 150000 --minutes 25 \\
-        --threads 1 --replay ../runs/data/specbench_refs.jsonl
-    samctl train eagle --device cuda --model M --data-dir D --out H --max-tokens 5000000 --epochs 4
+    samctl train eagle --model models/SmolLM2-135M-Instruct.Q4_1.gguf --mixture ../shared/data \\
+        --exclude ../shared/data/specbench_question.jsonl --out head/ --max-tokens 1000000 \\
+        --answer-minutes 40 --draft-vocab 8192 --minutes 20 --threads 1 --replay refs.jsonl
+    samctl train eagle --device cuda --model M --prompts prompts.jsonl --out H --max-tokens 5000000
 
-1. Data: the instructions of --data-dir (GSM8K train, Code Alpaca, GPTeacher role-play; the
-   reference models' mixture without its synthetic copy tasks), any that is a turn of
-   --exclude (Spec-Bench, whose questions the replay traces answer) dropped, shuffled with --seed,
-   rendered with the model's chat template (user turn, then the response as the assistant's) and
-   taken up to --max-tokens; --heldout sequences are kept apart. Responses: --responses self (the
-   default) has the target write its own greedy answers (samctl/train/answers.py: batched `generate`,
-   --max-new-tokens, cached in --cache per model and selection, so a rerun or a larger
-   --max-tokens reuses them), which is what replay and acceptance measure; --responses data uses
-   the sets' fixed human answers, as EAGLE does with ShareGPT.
-2. Features: one target forward per sequence gives its post-norm last hidden states and greedy
-   choices; they are computed once and cached in --cache (safetensors, keyed by the model's
-   fingerprint and the data selection), never in the repository.
+1. Prompts: --prompts (any input `samctl build` reads; a record's user turns) and the built-in
+   --mixture (samctl/train/prompts.py: math, code, role-play, two-turn chat, translation,
+   summarization), less every prompt with a turn of --exclude (Spec-Bench, whose questions the
+   replay traces answer).
+2. Answers: the target's own greedy answers, written by the batched engine (samctl/train/answers.py,
+   --answer-method, --batch-size, --max-new-tokens) into cache/answers-<key>.jsonl, the key naming
+   the model's fingerprint, the prompt set and the answering settings; finished turns are appended
+   as they come, so a rerun (or a larger --max-tokens, or one after --answer-minutes ran out)
+   goes on where the last stopped. Each answered turn is one sequence (its input, earlier turns
+   and answers included, then its answer), cut at --max-len; sequences are taken in order up to
+   --max-tokens and the first --heldout are kept apart.
+   Features: the target's post-norm last hidden states from batched forwards (cached in shards
+   under --cache, never in the repository); on its own greedy answers the target's choice at each
+   position is the next token, so no output layer runs.
 3. Training: the head alone (fc over [embedding, feature] + one decoder layer of the target's
    architecture; the target's embedding and lm_head frozen): SmoothL1 on the next feature plus
    0.1 x cross-entropy against the target's next token, uniform feature noise, AdamW with
@@ -63,74 +65,56 @@ from samctl.eagle_heads import save_eagle_head
 from samctl.gguf_cache import cache_dir
 from samctl.heads import model_fingerprint
 from samctl.runtime import Engine, load_engine
-from samctl.train.answers import cached_responses
-from samctl.train.prompts import read_instruction_rows
+from samctl.train.answers import Answer, write_answers
+from samctl.train.prompts import Prompt, drop_excluded, mixture, read_prompts
 
 
-def read_pairs(data_dir: Path) -> list[tuple[str, str, str]]:
-    """(source, instruction, response) from the instruction sets present in data_dir (the reference
-    models' reader, tools/train_reference.py)."""
-    rows = [(name, instruction, response) for name, pairs in read_instruction_rows(data_dir).items()
-            for instruction, response in pairs]
-    if not rows:
-        raise UserError(f"{data_dir} holds none of gsm8k_train.jsonl, codealpaca.json, gpteacher_roleplay.json: "
-                        "pass --data-dir with the shared data folder")
-    return rows
+def read_training_prompts(args) -> tuple[list[Prompt], dict]:
+    """--prompts inputs, then the built-in --mixture, less every prompt with a turn of --exclude."""
+    prompts = read_prompts(args.prompts, args.field) if args.prompts else []
+    if args.mixture is not None:
+        prompts += mixture(args.mixture, args.seed)
+    if not prompts:
+        raise UserError("no training prompts: pass --prompts INPUT (any input samctl build reads) or --mixture DIR")
+    prompts, dropped = drop_excluded(prompts, args.exclude)
+    return prompts, {"prompts": len(prompts), "excluded_prompts": dropped}
 
 
-def _normal(text: str) -> str:
-    return " ".join(text.split()).lower()
+def prompt_set_key(fingerprint: dict, prompts: list[Prompt], *settings) -> str:
+    """Names the answer file: the model, every prompt's turns in order, and the answering settings."""
+    digest = hashlib.sha256()
+    for prompt in prompts:
+        digest.update(json.dumps(prompt.turns).encode("utf-8"))
+    return hashlib.sha256(json.dumps([fingerprint, digest.hexdigest(), *settings], sort_keys=True).encode()).hexdigest()[:16]
 
 
-def drop_excluded(rows: list[tuple[str, str, str]], exclude: Path | None) -> tuple[list[tuple[str, str, str]], int]:
-    """Rows whose instruction is not (whitespace and case aside) a turn of the question file
-    `exclude` (Spec-Bench's question.jsonl: {"turns": [...]} per line); -> (rows, number dropped)."""
-    if exclude is None or not Path(exclude).exists():
-        return rows, 0
-    turns = {_normal(turn) for line in Path(exclude).read_text(encoding="utf-8").splitlines() if line.strip()
-             for turn in json.loads(line).get("turns", [])}
-    kept = [row for row in rows if _normal(row[1]) not in turns]
-    return kept, len(rows) - len(kept)
+def write_training_answers(args, prompts: list[Prompt], fingerprint: dict, log) -> tuple[list[Answer], dict]:
+    """The target's own greedy answers to `prompts`, through the batched engine (--answer-method,
+    --batch-size), appended to cache/answers-<key>.jsonl as they finish, until --max-tokens or
+    --answer-minutes; a rerun reuses the file. Its own session: prepacked weights answer faster,
+    and training needs the plain ones."""
+    from samctl.config import SessionConfig
+    from samctl.session import Session
 
-
-def encode_pair(engine: Engine, instruction: str, response: str, max_len: int) -> tuple[np.ndarray, int]:
-    """-> (ids [n] of prompt + response + EOS, cut at max_len; the prompt's length)."""
-    tok = engine.tokenizer
-    if getattr(tok, "chat_template", None):
-        prompt = engine.encode(instruction, chat=True)
-    else:
-        prompt = tok(instruction + "\n\n")["input_ids"]
-    answer = tok(response, add_special_tokens=False)["input_ids"] + list(engine.eos_token_ids[:1])
-    ids = np.asarray((prompt + answer)[:max_len], dtype=np.int64)
-    return ids, min(len(prompt), len(ids))
-
-
-def build_sequences(engine: Engine, args, fingerprint: str, log) -> tuple[list[np.ndarray], list[int], dict]:
-    """-> (sequences [n_i] int64 of prompt + response, their prompt lengths, a record of the selection)."""
-    rows, dropped = drop_excluded(read_pairs(Path(args.data_dir)), args.exclude)
-    random.Random(args.seed).shuffle(rows)
-    record = {"responses": args.responses, "excluded_instructions": dropped}
-    if args.responses == "data":
-        seqs, prompt_lens = _take((encode_pair(engine, instruction, response, args.max_len)
-                                   for _, instruction, response in rows), args.max_tokens)
-        return seqs, prompt_lens, record
-    # self-distilled: the target answers the shuffled prompts in order until --max-tokens is reached
-    encode = ((lambda text: engine.encode(text, chat=True)) if getattr(engine.tokenizer, "chat_template", None)
-              else (lambda text: engine.tokenizer(text + "\n\n")["input_ids"]))
-    prompts = [encode(instruction)[: args.max_len // 2] for _, instruction, _ in rows]
-    key = hashlib.sha256(json.dumps([fingerprint, args.data_dir, args.seed, args.max_len, args.max_new_tokens,
-                                     dropped], sort_keys=True).encode()).hexdigest()[:16]
-
-    def enough(answers: list[list[int]]) -> bool:
-        return sum(min(len(p) + len(a), args.max_len) for p, a in zip(prompts, answers)) >= args.max_tokens
-
-    answers = cached_responses(engine, prompts, args.max_new_tokens, args.response_batch, Path(args.cache), key,
-                               enough=enough, log=log)
-    seqs, prompt_lens = _take(((np.asarray((prompt + answer)[: args.max_len], dtype=np.int64), len(prompt))
-                               for prompt, answer in zip(prompts, answers)), args.max_tokens)
-    record.update(responses_key=key, max_new_tokens=args.max_new_tokens,
-                  responses_ending_in_eos=sum(bool(a) and a[-1] in engine.eos_token_ids for a in answers[: len(seqs)]))
-    return seqs, prompt_lens, record
+    max_prompt = args.max_len // 2
+    key = prompt_set_key(fingerprint, prompts, args.max_new_tokens, max_prompt)
+    path = Path(args.cache) / f"answers-{key}.jsonl"
+    session = Session(SessionConfig(model=args.model, device=args.device, dtype="float32", threads=args.threads,
+                                    method=args.answer_method, max_new_tokens=args.max_new_tokens, quiet=True))
+    session = session.for_method(args.answer_method, chat=bool(getattr(session.engine.tokenizer, "chat_template", None)))
+    deadline = time.time() + 60 * args.answer_minutes if args.answer_minutes else None
+    tic = time.time()
+    answers = write_answers(session, prompts, path, batch_size=args.batch_size, max_prompt_tokens=max_prompt,
+                            max_tokens=args.max_tokens, deadline=deadline, log=log)
+    kinds: dict[str, int] = {}
+    for answer in answers:
+        kinds[answer.kind] = kinds.get(answer.kind, 0) + answer.tokens
+    record = {"answers": str(path), "answers_key": key, "answer_method": args.answer_method,
+              "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "turns": len(answers),
+              "tokens_by_kind": kinds, "answer_seconds_this_run": round(time.time() - tic, 1),
+              "answers_ending_in_eos": sum(bool(a.output_ids) and a.output_ids[-1] in session.engine.eos_token_ids
+                                          for a in answers)}
+    return answers, record
 
 
 def _take(pairs, max_tokens: int) -> tuple[list[np.ndarray], list[int]]:
@@ -147,31 +131,54 @@ def _take(pairs, max_tokens: int) -> tuple[list[np.ndarray], list[int]]:
     return seqs, prompt_lens
 
 
-def cached_features(engine: Engine, seqs: list[np.ndarray], cache: Path, key: str, log) -> tuple[torch.Tensor, torch.Tensor]:
-    """Features [T, H] float16 and choices [T] int32 of every sequence, concatenated; computed once."""
+def cached_features(engine: Engine, seqs: list[np.ndarray], cache: Path, model_key: str, log,
+                    shard: int = 64, batch_tokens: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features [T, H] float16 (the target's post-norm last hidden states) and choices [T] int32 of
+    every sequence, concatenated. Computed in shards of `shard` sequences, each cached in `cache`
+    under the model and its sequences' ids, so that a rerun or a grown data set computes only new
+    shards; within a shard, sequences of like length share a right-padded forward (causal: padding
+    after a sequence never reaches it). The sequences are the target's own greedy answers, so its
+    greedy choice at each position is the next token and no output layer runs: choices[j] =
+    ids[j + 1] (the last position repeats its token; no loss reads it)."""
     from safetensors.torch import load_file, save_file
 
-    path = cache / f"features-{key}.safetensors"
-    if path.exists():
-        data = load_file(str(path))
-        log(f"features: {path} (cached)")
-        return data["features"], data["choices"]
-    feats, choices = [], []
-    tic, done = time.time(), 0
-    for i, ids in enumerate(seqs):
-        f, c = target_features(engine.model, torch.from_numpy(ids).to(engine.device))
-        feats.append(f.half().cpu())
-        choices.append(c.int().cpu())
-        done += len(ids)
-        if time.time() - tic > 30 and i % 50 == 0:
-            log(f"features: {i + 1}/{len(seqs)} sequences, {done / (time.time() - tic):.0f} tokens/s")
-    features, choice = torch.cat(feats), torch.cat(choices)
     cache.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    save_file({"features": features, "choices": choice}, str(tmp))
-    os.replace(tmp, path)
-    log(f"features: {len(seqs)} sequences, {done} tokens in {time.time() - tic:.0f} s -> {path}")
-    return features, choice
+    decoder = engine.model.get_decoder()
+    feats, tic, computed = [], time.time(), 0
+    for start in range(0, len(seqs), shard):
+        part = seqs[start : start + shard]
+        digest = hashlib.sha256(model_key.encode())
+        for ids in part:
+            digest.update(ids.astype("<i8").tobytes() + b"|")
+        path = cache / f"features-{digest.hexdigest()[:20]}.safetensors"
+        if path.exists():
+            feats.append(load_file(str(path))["features"])
+            continue
+        out: list[torch.Tensor | None] = [None] * len(part)
+        order = sorted(range(len(part)), key=lambda i: len(part[i]))
+        group: list[int] = []
+        for n, i in enumerate(order):
+            group.append(i)
+            width = len(part[group[-1]])
+            if n + 1 == len(order) or (len(group) + 1) * len(part[order[n + 1]]) > batch_tokens:
+                ids = torch.zeros(len(group), width, dtype=torch.int64)
+                for b, j in enumerate(group):
+                    ids[b, : len(part[j])] = torch.from_numpy(part[j])
+                with torch.inference_mode():
+                    hidden = decoder(input_ids=ids.to(engine.device)).last_hidden_state
+                for b, j in enumerate(group):
+                    out[j] = hidden[b, : len(part[j])].half().cpu()
+                group = []
+        shard_features = torch.cat(out)
+        tmp = path.with_suffix(".tmp")
+        save_file({"features": shard_features}, str(tmp))
+        os.replace(tmp, path)
+        feats.append(shard_features)
+        computed += sum(map(len, part))
+        log(f"features: {start + len(part)}/{len(seqs)} sequences, {computed} tokens computed at "
+            f"{computed / (time.time() - tic):.0f} tokens/s")
+    choices = torch.from_numpy(np.concatenate([np.append(ids[1:], ids[-1:]) for ids in seqs]).astype(np.int32))
+    return torch.cat(feats), choices
 
 
 class Batches:
@@ -287,17 +294,26 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="samctl train eagle", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="target model folder or .gguf")
     p.add_argument("--out", required=True, help="head folder to write")
-    p.add_argument("--data-dir", required=True, help="folder with gsm8k_train.jsonl, codealpaca.json, gpteacher_roleplay.json")
+    p.add_argument("--prompts", action="append", default=[], metavar="INPUT",
+                   help="training prompts: any input samctl build reads (folder, JSON/JSONL/Parquet records, "
+                        "hf:NAME, -); a record's user turns are answered one after the other; repeatable")
+    p.add_argument("--field", action="append", default=[], help="read prompts from this record field (repeatable)")
+    p.add_argument("--mixture", type=Path, default=None, metavar="DIR",
+                   help="the built-in mixture (samctl/train/prompts.py): math, code, role-play, two-turn chat "
+                        "from the instruction sets in DIR (gsm8k_train.jsonl, codealpaca.json, "
+                        "gpteacher_roleplay.json; any may be absent), translation and summarization from local text")
     p.add_argument("--cache", default=str(cache_dir() / "train-eagle"),
                    help="folder for the self-written answers and target features, reused by later runs "
                         "[default: samctl's cache, $SAMCTL_CACHE or ~/.cache/samctl]")
-    p.add_argument("--max-tokens", type=int, default=150_000, help="training + held-out tokens")
-    p.add_argument("--responses", choices=("self", "data"), default="self",
-                   help="self: the target's own greedy answers (cached); data: the sets' fixed answers")
-    p.add_argument("--max-new-tokens", type=int, default=192, help="longest self-written answer")
-    p.add_argument("--response-batch", type=int, default=32, help="prompts per batched generate call")
-    p.add_argument("--exclude", type=Path, default=None,
-                   help="question file whose turns never enter training (default: DATA_DIR/specbench_question.jsonl)")
+    p.add_argument("--max-tokens", type=int, default=150_000, help="training + held-out tokens (prompts and answers)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="longest self-written answer")
+    p.add_argument("--answer-method", default="adaptive",
+                   help="lossless method of the batched engine that writes the answers (greedy: any gives the same)")
+    p.add_argument("--batch-size", type=int, default=32, help="answers written at once by the batched engine")
+    p.add_argument("--answer-minutes", type=float, default=None,
+                   help="stop writing answers after this long (a rerun goes on where this one stopped)")
+    p.add_argument("--exclude", action="append", default=[], metavar="INPUT",
+                   help="prompts with a turn of these inputs never enter training (Spec-Bench's question.jsonl); repeatable")
     p.add_argument("--baseline-head", type=Path, default=None,
                    help="an earlier head of the same target: its held-out top-1 on this run's held-out set")
     p.add_argument("--max-len", type=int, default=768, help="longest sequence (tokens)")
@@ -320,8 +336,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if args.exclude is None:
-        args.exclude = Path(args.data_dir) / "specbench_question.jsonl"
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -345,22 +359,20 @@ def main(argv: list[str] | None = None) -> dict:
     for param in engine.model.parameters():
         param.requires_grad_(False)
     fingerprint = model_fingerprint(engine.model, engine.tokenizer)
-    seqs, prompt_lens, selection = build_sequences(engine, args, fingerprint, log)
-    # data mode keeps the key of the first heads' caches; a self-distilled selection adds its responses
-    key_parts = [fingerprint, args.data_dir, args.max_tokens, args.max_len, args.seed]
-    if args.responses == "self":
-        key_parts.append(selection["responses_key"])
-    if selection["excluded_instructions"]:
-        key_parts.append(selection["excluded_instructions"])
-    key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:16]
-    features, choices = cached_features(engine, seqs, Path(args.cache), key, log)
+    prompts, selection = read_training_prompts(args)
+    answers, written = write_training_answers(args, prompts, fingerprint, log)
+    selection.update(written)
+    seqs, prompt_lens = _take(((np.asarray((a.prompt_ids + a.output_ids)[: args.max_len], dtype=np.int64),
+                                len(a.prompt_ids)) for a in answers), args.max_tokens)
+    features, choices = cached_features(engine, seqs, Path(args.cache), json.dumps(fingerprint, sort_keys=True), log)
     offsets = np.concatenate(([0], np.cumsum([len(s) for s in seqs])[:-1]))
     heldout = list(range(min(args.heldout, len(seqs) // 5)))
     train_pool = list(range(len(heldout), len(seqs)))
     batches = Batches(seqs, prompt_lens, offsets, features, choices, args.batch_tokens, args.seed)
     vocab = None
     if 0 < args.draft_vocab < engine.vocab_size:  # the most frequent target choices of the training part
-        counts = torch.bincount(choices[int(offsets[len(heldout)]) if train_pool else 0 :].long(), minlength=engine.vocab_size)
+        chosen = np.concatenate([seqs[i][prompt_lens[i]:] for i in train_pool or heldout])
+        counts = torch.bincount(torch.from_numpy(chosen), minlength=engine.vocab_size)
         vocab = counts.topk(args.draft_vocab).indices.sort().values
         log(f"draft vocabulary: {args.draft_vocab} tokens cover {float(counts[vocab].sum() / counts.sum()):.3f} "
             "of the target's choices")
@@ -379,7 +391,8 @@ def main(argv: list[str] | None = None) -> dict:
     log(f"trained {run['steps']} steps in {run['seconds']} s: held-out top1 {after['top1']}")
     report = {
         "command": "python " + shlex.join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
-        "model": str(args.model), "data": {"dir": str(args.data_dir), "sequences": len(seqs),
+        "model": str(args.model), "data": {"prompts_from": args.prompts, "mixture": str(args.mixture),
+                                           "exclude": args.exclude, "sequences": len(seqs),
                                            "tokens": int(sum(map(len, seqs))), "heldout_sequences": len(heldout),
                                            **selection},
         "config": {k: (str(v) if isinstance(v, (Path, torch.device)) else v) for k, v in vars(args).items()},
