@@ -12,6 +12,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from samctl.decode.engine.kv_cache import with_cache
 from samctl.decode.accept import speculative_accept
 from samctl.decode.acceptance_head import AcceptanceHead, HeadConfig
 from samctl.decode.draft_model import DraftModel
@@ -60,7 +61,7 @@ def assert_cache_is_fresh(draft: DraftModel, history: list[int]) -> None:
         return
     fresh = DynamicCache(config=draft.model.config)
     with torch.no_grad():
-        draft.model(input_ids=torch.tensor([history[:n]]), past_key_values=fresh, use_cache=True)
+        draft.model(input_ids=torch.tensor([history[:n]]), **with_cache(draft.model, fresh), use_cache=True)
     for layer, ref in zip(draft.cache.layers, fresh.layers):
         torch.testing.assert_close(layer.keys, ref.keys, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(layer.values, ref.values, rtol=1e-4, atol=1e-5)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaConfig, Qwen2Config
 
+from samctl.decode.engine.kv_cache import with_cache
 from samctl.decode.drafters.oracle import OracleDrafter
 from samctl.decode.drafters.recycle import TokenRecycleDrafter
 from samctl.decode.loop import GenerationConfig, generate
@@ -50,12 +51,12 @@ def test_static_cache_logits_equal_dynamic_cache():
     dynamic = DynamicCache(config=model.config)
     with torch.inference_mode():
         target.prefill(ids[:10], reserve=40)
-        expected = model(input_ids=ids[None, :10], past_key_values=dynamic).logits
+        expected = model(input_ids=ids[None, :10], **with_cache(model, dynamic)).logits
         for start, stop in ((10, 11), (11, 17), (17, 30)):
             chain = DraftTree.chain(ids[start + 1 : stop].numpy())
             got = target.verify(ids[start:stop], chain)
             target.keep(np.arange(stop - start))
-            want = model(input_ids=ids[None, start:stop], past_key_values=dynamic).logits[0]
+            want = model(input_ids=ids[None, start:stop], **with_cache(model, dynamic)).logits[0]
             assert torch.equal(got, want), (start, stop)
     assert torch.equal(target.prefill(ids[:10], all_logits=True), expected[0])
 

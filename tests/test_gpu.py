@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from samctl.decode.engine.kv_cache import with_cache
 from samctl.decode.drafters.adaptive import _Recycle
 from samctl.decode.eagle_head import EagleHead
 from samctl.decode.engine.graphs import WIDTHS, VerifyGraphs, enable_cuda_graphs
@@ -102,12 +103,12 @@ def test_t3_static_cache_equals_dynamic_cache_on_cuda(arch, kv_heads):
     dynamic = DynamicCache(config=model.config)
     with torch.inference_mode():
         target.prefill(ids[:10], reserve=40)
-        model(input_ids=ids[None, :10], past_key_values=dynamic)
+        model(input_ids=ids[None, :10], **with_cache(model, dynamic))
         for start, stop in ((10, 11), (11, 17), (17, 30)):
             chain = DraftTree.chain(ids[start + 1 : stop].cpu().numpy())
             got = target.verify(ids[start:stop], chain)
             target.keep(np.arange(stop - start))
-            want = model(input_ids=ids[None, start:stop], past_key_values=dynamic).logits[0]
+            want = model(input_ids=ids[None, start:stop], **with_cache(model, dynamic)).logits[0]
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
