@@ -4,7 +4,8 @@
         --draft samctl/models/default/draft --prompts ../shared/data/codealpaca.json \
         --num-prompts 300 --out samctl/models/default/acc_head
 
-1. Prompts: an Alpaca-shape JSON list (`instruction`, optional `input`), shuffled with --seed, the
+1. Prompts: the first user turn of every record of --prompts (any input `samctl build` reads: a
+   folder, Alpaca / GSM8K / Spec-Bench JSON(L), Parquet, hf:NAME), shuffled with --seed, the
    first --num-prompts taken; --heldout of them are kept apart for the reported held-out loss and
    a tenth of the rest validates (the head keeps the weights of its best pass on them); the chat
    template is applied when the tokenizer has one (--no-chat to skip).
@@ -34,7 +35,6 @@ import random
 import shlex
 import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -45,6 +45,7 @@ from samctl.decode.acceptance_head import (AcceptanceHead, Examples, HeadConfig,
 from samctl.index.errors import UserError
 from samctl.heads import model_fingerprint, save_head
 from samctl.runtime import Engine, load_draft, load_engine
+from samctl.train.prompts import read_prompts
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,7 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, help="target model folder")
     ap.add_argument("--draft", required=True, help="draft model folder (same tokenizer)")
-    ap.add_argument("--prompts", required=True, help="Alpaca-shape JSON list (instruction, input)")
+    ap.add_argument("--prompts", action="append", required=True, metavar="INPUT",
+                    help="training prompts: any input samctl build reads (folder, Alpaca / GSM8K / Spec-Bench "
+                         "JSON(L), Parquet, hf:NAME, -); each record's first user turn; repeatable")
+    ap.add_argument("--field", action="append", default=[], help="read prompts from this record field (repeatable)")
     ap.add_argument("--out", required=True, help="folder for head.safetensors + head.json")
     ap.add_argument("--num-prompts", type=int, default=300)
     ap.add_argument("--heldout", type=float, default=0.1, help="share of prompts kept for the held-out loss")
@@ -74,23 +78,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     return ap.parse_args(argv)
-
-
-def read_prompts(path: str) -> list[str]:
-    try:
-        rows = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise UserError(f"cannot read prompts {path} ({err}): pass an Alpaca-shape JSON list") from err
-    if not isinstance(rows, list):
-        raise UserError(f"{path} is not a JSON list: pass an Alpaca-shape JSON list")
-    prompts = []
-    for row in rows:
-        if isinstance(row, dict) and isinstance(row.get("instruction"), str) and row["instruction"].strip():
-            extra = row.get("input")
-            prompts.append(row["instruction"] + (f"\n\n{extra}" if isinstance(extra, str) and extra.strip() else ""))
-    if not prompts:
-        raise UserError(f"{path} has no rows with an `instruction`: pass an Alpaca-shape JSON list")
-    return prompts
 
 
 def write_responses(engine: Engine, prompts: list[list[int]], args: argparse.Namespace) -> list[list[int]]:
@@ -154,7 +141,9 @@ def main(argv: list[str] | None = None) -> dict:
     draft = load_draft(args.draft, engine)
     chat = not args.no_chat and bool(getattr(engine.tokenizer, "chat_template", None))
 
-    texts = read_prompts(args.prompts)
+    texts = [p.turns[0] for p in read_prompts(args.prompts, args.field) if p.turns and p.turns[0].strip()]
+    if not texts:
+        raise UserError(f"no prompts in {', '.join(args.prompts)}: pass records with a user turn (--field to pick one)")
     random.Random(args.seed).shuffle(texts)
     encoded = [ids for ids in (engine.encode(t, chat) for t in texts[: args.num_prompts])
                if 0 < len(ids) <= args.max_prompt_tokens
