@@ -1,4 +1,5 @@
-"""Verify-cost curves on disk: measured once per model, device, dtype, thread count and graph mode.
+"""Verify-cost curves on disk: measured once per model, device, dtype, thread count, graph mode and
+version of the engine's code (a curve measured by older kernels is measured again).
 
 `cost_curve(engine)` returns the cached curve t(1..64) in ms (t(1..128) under CUDA graphs, whose
 widths reach 128), measuring it (a second or two) on first use, in the mode the engine runs
@@ -14,6 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from functools import lru_cache
+
 import click
 import torch
 
@@ -25,6 +28,17 @@ from samctl.gguf_cache import cache_dir
 CURVE_WIDTH = 64
 
 
+@lru_cache(maxsize=1)
+def engine_code() -> str:
+    """A digest of decode/engine's source: the kernels a curve was measured with."""
+    from samctl.decode import engine
+
+    digest = hashlib.sha256()
+    for path in sorted(Path(engine.__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def curve_width(engine: Any) -> int:
     """Tokens the curve covers: 64, or the widest CUDA graph (128) so that a 65-input draft is priced."""
     return max((CURVE_WIDTH, *graph_widths(engine.target)))
@@ -32,8 +46,8 @@ def curve_width(engine: Any) -> int:
 
 def curve_key(engine: Any) -> dict[str, Any]:
     """What a curve depends on: the model (its folder and config), device, dtype, how its linear
-    layers run (plain, packed, int8), CPU threads and whether verifies run as CUDA graphs (a step
-    function of the width) or eagerly."""
+    layers run (plain, packed, int8), CPU threads, whether verifies run as CUDA graphs (a step
+    function of the width) or eagerly, and the engine's code."""
     device = engine.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"model": str(Path(engine.name).resolve()) if Path(engine.name).exists() else engine.name,
@@ -41,7 +55,7 @@ def curve_key(engine: Any) -> dict[str, Any]:
             "device": name, "dtype": str(engine.target.dtype).replace("torch.", ""),
             "linear": linear_backend(engine.model),
             "threads": torch.get_num_threads() if device.type == "cpu" else 0,
-            "graphs": bool(graph_widths(engine.target))}
+            "graphs": bool(graph_widths(engine.target)), "code": engine_code()}
 
 
 def cost_curve(engine: Any, quiet: bool = False, refresh: bool = False) -> list[float]:
@@ -58,7 +72,8 @@ def cost_curve(engine: Any, quiet: bool = False, refresh: bool = False) -> list[
             pass  # a damaged cache entry is measured again and replaced
     if not quiet:
         click.echo(f"samctl: measuring the verify cost of {Path(engine.name).name} on {key['device']} "
-                   f"({key['dtype']}{', CUDA graphs' if key['graphs'] else ''}), once per model and device", err=True)
+                   f"({key['dtype']}, {key['linear']} linear layers{', CUDA graphs' if key['graphs'] else ''}), once per model "
+                   "and device", err=True)
     t_ms = measure_verify_cost(engine.target, width)
     _write_atomically(path, {"key": key, "t_ms": t_ms})
     return t_ms

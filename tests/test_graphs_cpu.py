@@ -255,3 +255,20 @@ def test_every_methods_default_gpu_draft_fits_a_captured_width():
         widest[name] = drafter.widest
     assert max(widest.values()) <= WIDTHS[-1], widest
     assert widest["recycle"] == 81 and widest["adaptive"] > 33, widest  # the wide drafts really ran
+
+
+def test_cost_curve_measured_again_when_the_engine_code_changes(monkeypatch):
+    # a curve cached by other kernels (another digest of decode/engine) is not reused
+    from types import SimpleNamespace
+
+    import samctl.costs as costs
+
+    model = tiny()
+    engine = SimpleNamespace(name="tiny-code-key", model=model, device=torch.device("cpu"), target=TargetModel(model))
+    measured = []
+    monkeypatch.setattr(costs, "measure_verify_cost", lambda target, width: measured.append(width) or [1.0] * width)
+    first = costs.cost_curve(engine, quiet=True)
+    assert costs.cost_curve(engine, quiet=True) == first and len(measured) == 1  # cached
+    monkeypatch.setattr(costs, "engine_code", lambda: "other-kernels")
+    costs.cost_curve(engine, quiet=True)
+    assert len(measured) == 2
