@@ -111,6 +111,7 @@ def main() -> None:
                    "the other (1: one wave of c requests; more: the batch stays full between waves)")
     p.add_argument("--min-requests", type=int, default=4, help="requests per cell at least")
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--quantize", choices=("none", "int8"), default="none", help="the server's linear layers")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--memory", type=int, default=0, help="adaptive's cross-request memory (default 0: the rounds "
                    "repeat the requests, so the memory alone would draft every answer after the first round)")
@@ -119,7 +120,7 @@ def main() -> None:
     args = p.parse_args()
 
     session = Session(SessionConfig(model=args.model, threads=args.threads, settings={"memory": args.memory},
-                                    quiet=True))
+                                    quantize=args.quantize, quiet=True))
     server, url = serve(session, args.batch_size)
     pairs = edits()
 
