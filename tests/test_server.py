@@ -451,3 +451,32 @@ def test_an_api_key_is_checked_on_every_request(model_dir):
         refused = client.get("/v1/models")
         assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
         assert client.get("/v1/models", headers={"Authorization": "Bearer sesame"}).status_code == 200
+
+
+def test_int8_requests_share_the_batch_and_equal_plain_int8_decoding(model_dir):
+    """--quantize int8 batches in the server too: 6 concurrent clients on a 3-row batch, each greedy
+    answer exactly the int8 model's own plain decoding."""
+    session = Session(SessionConfig(model=str(model_dir), max_new_tokens=16, threads=1, quiet=True, quantize="int8"))
+    questions = [[{"role": "user", "content": w}] for w in
+                 ("def add(a, b):", "The quick brown fox", "The dog sleeps.", "return a + b", "def f(x):", "The answer is")]
+    expected = [session.decode(plain(session, q)) for q in questions]
+    app = create_app(session, batch_size=3)
+    server, url = _serve(app)
+    try:
+        client = openai_client(url)
+        answers: list = [None] * len(questions)
+
+        def ask(i: int) -> None:
+            answers[i] = client.chat.completions.create(model=session.engine.name, messages=questions[i],
+                                                        max_tokens=16).choices[0].message.content
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert max(app.state.scheduler._run.stats.rows_per_step) > 1  # they did share steps
+        assert answers == expected
+    finally:
+        server.should_exit = True
+        server.thread.join(60)
