@@ -84,6 +84,33 @@ def test_apply_swaps_every_linear_and_names_the_backend(tiny_llama):
         apply_cpu_linear(plain, "int4")
 
 
+def test_int8_fused_projections_equal_separate_layers_bit_for_bit(tiny_llama, monkeypatch):
+    # q/k/v and gate/up run as one stacked int8 layer: the logits equal those of the model whose
+    # projections run separately, bit for bit, and no input or output is held between forwards.
+    import copy
+
+    from samctl.decode.engine import cpu_linear
+
+    fused = apply_cpu_linear(copy.deepcopy(tiny_llama), "int8")
+    monkeypatch.setattr(cpu_linear, "FUSED_GROUPS", ())
+    separate = apply_cpu_linear(copy.deepcopy(tiny_llama), "int8")
+    assert not any(isinstance(m, cpu_linear.Int8Fused) for m in separate.modules())
+    groups = [m for m in fused.modules() if isinstance(m, cpu_linear.Int8Fused)]
+    assert len(groups) == 2 * tiny_llama.config.num_hidden_layers
+    ids = torch.tensor(np.random.default_rng(0).integers(3, 96, (3, 21)))
+    with torch.inference_mode():
+        assert torch.equal(fused(ids).logits, separate(ids).logits)
+    assert all(g._output is None and g._key is None for g in groups)
+    # each part is its rows of the stacked weight, and reads as its own layer does
+    attention = fused.model.layers[0].self_attn
+    assert torch.equal(attention.k_proj.weight, separate.model.layers[0].self_attn.k_proj.weight)
+    x = torch.randn(4, tiny_llama.config.hidden_size)
+    q = attention.q_proj(x)
+    x.mul_(2)  # changed in place: the next part computes again
+    assert torch.equal(attention.k_proj(x), separate.model.layers[0].self_attn.k_proj(x))
+    assert not torch.equal(q, attention.q_proj(x))
+
+
 def _load(folder, quantize: str, prepack: bool = True):
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     return apply_cpu_linear(model, quantize, prepack)

@@ -17,6 +17,9 @@ head included) with one of:
   exact in any order; the scales and the epilogue are elementwise), so a verify of 8 tokens
   runs each layer as 8 single steps would. Attention must then be exact per row too: int8 models
   switch to `samctl_rowwise` (decode/engine/attention.py).
+  Projections of one input (q, k, v; gate, up) run as one `Int8Fused` layer of their stacked
+  weights, bit for bit what the separate layers give, with one quantization and one matmul
+  instead of three (or two): at one row a call costs more than its arithmetic.
 
 It knows modules and tensors, not decoding. `linear_backend(model)` names what a model runs with,
 so that measured costs can be kept per backend.
@@ -82,21 +85,84 @@ class Int8Linear(nn.Module):
         return self._dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., in] float -> [..., out] in x's dtype. Each op counts: a decode step runs this 211
-        # times on one row (SmolLM2), where a call costs more than its arithmetic, so in-place ops
-        # and no no-op casts.
-        rows = x.reshape(-1, self.in_features)
-        if rows.dtype != torch.float32:
-            rows = rows.float()
-        # [r, 1]; vector_norm(inf) is 5x slower at 8 rows
-        row_scale = rows.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny).div_(127.0)
-        # |rows / row_scale| <= 127 up to rounding, so no clamp is needed before the cast
-        xq = torch.div(rows, row_scale).round_().to(torch.int8)
-        y = torch.mul(torch._int_mm(xq, self.qweight_t), row_scale).mul_(self.scale)  # [r, out] float32
-        if self.bias is not None:
-            y = y.add_(self.bias)
+        # x: [..., in] float -> [..., out] in x's dtype
+        y = _int8_matmul(x.reshape(-1, self.in_features), self.qweight_t, self.scale, self.bias)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def _int8_matmul(rows: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """rows [r, in] float -> [r, out] float32, the module docstring's formula. Each op counts: a
+    decode step runs this 121 times on one row (SmolLM2, fused), where a call costs more than its
+    arithmetic, so in-place ops and no no-op casts."""
+    if rows.dtype != torch.float32:
+        rows = rows.float()
+    # [r, 1]; vector_norm(inf) is 5x slower at 8 rows
+    row_scale = rows.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny).div_(127.0)
+    # |rows / row_scale| <= 127 up to rounding, so no clamp is needed before the cast
+    xq = torch.div(rows, row_scale).round_().to(torch.int8)
+    y = torch.mul(torch._int_mm(xq, qweight_t), row_scale).mul_(scale)  # [r, out] float32
+    return y if bias is None else y.add_(bias)
+
+
+class Int8Fused(nn.Module):
+    """Sibling projections of one input (q, k, v; gate, up) as one Int8Linear of their stacked
+    weights: the input is quantized once and multiplied once. Exact: each output column is its
+    own integer sum times its own scales, so the stacked layer's columns equal the separate
+    layers' bit for bit. `parts` are what the model calls in place of each projection."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        super().__init__()
+        stacked = nn.Linear(linears[0].in_features, sum(l.out_features for l in linears),
+                            bias=linears[0].bias is not None)
+        with torch.no_grad():
+            stacked.weight.copy_(torch.cat([l.weight.detach().float() for l in linears]))
+            if stacked.bias is not None:
+                stacked.bias.copy_(torch.cat([l.bias.detach().float() for l in linears]))
+        self.layer = Int8Linear(stacked)
+        bounds = torch.tensor([0] + [l.out_features for l in linears]).cumsum(0).tolist()
+        self.parts = [Int8Part(self, lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+        self._key: tuple | None = None  # (input, its version): the input `_output` was computed for
+        self._output: torch.Tensor | None = None
+        self._left = 0  # parts still to read `_output`
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        """The stacked layer's output for `x`, computed once for all parts: the model calls each
+        part with the same tensor, one after the other. Computed again for any other input, or
+        one changed in place (inference tensors keep no version: the model does not change its
+        input between the parts' calls, and nothing is held once every part has read)."""
+        version = None if x.is_inference() else x._version
+        if self._left == 0 or self._key[0] is not x or self._key[1] != version:
+            self._key, self._output, self._left = (x, version), self.layer(x), len(self.parts)
+        output = self._output
+        self._left -= 1
+        if self._left == 0:  # every part has its slice: hold no tensor between forwards
+            self._key = self._output = None
+        return output
+
+
+class Int8Part(nn.Module):
+    """Columns lo:hi of an Int8Fused layer: what one of its projections computes."""
+
+    def __init__(self, fused: Int8Fused, lo: int, hi: int) -> None:
+        super().__init__()
+        self.lo, self.hi = lo, hi
+        self.in_features, self.out_features = fused.layer.in_features, hi - lo
+        self._fused = [fused]  # in a list: not a submodule, so the weights are listed once
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight [out, in] float32 of this projection."""
+        return self._fused[0].layer.weight[self.lo : self.hi]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._fused[0].output(x)[..., self.lo : self.hi]
+
+
+# Projections that read the same input in the models transformers ships (Llama, Mistral, Qwen,
+# SmolLM, ...): fused by Int8Fused where a module has all of a group as plain nn.Linear.
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def apply_cpu_linear(model: nn.Module, quantize: str = "none", prepack: bool = True) -> nn.Module:
@@ -116,6 +182,8 @@ def apply_cpu_linear(model: nn.Module, quantize: str = "none", prepack: bool = T
         backend, swap = "packed", PackedLinear
     else:
         return model
+    if backend == "int8":
+        _fuse_int8_groups(model)
     _replace_linears(model, swap)
     if backend == "int8":
         # exact per row needs attention exact per row too (decode/engine/attention.py)
@@ -136,3 +204,18 @@ def _replace_linears(model: nn.Module, swap: type[nn.Module]) -> None:
                for name, child in parent.named_children() if type(child) is nn.Linear]
     for parent, name, child in targets:
         setattr(parent, name, swap(child))
+
+
+@torch.no_grad()
+def _fuse_int8_groups(model: nn.Module) -> None:
+    for module in list(model.modules()):
+        for names in FUSED_GROUPS:
+            linears = [getattr(module, name, None) for name in names]
+            if not all(type(l) is nn.Linear for l in linears):
+                continue
+            if len({(l.in_features, l.bias is not None) for l in linears}) != 1:
+                continue
+            fused = Int8Fused(linears)
+            module.add_module("_samctl_" + "_".join(names), fused)
+            for name, part in zip(names, fused.parts):
+                setattr(module, name, part)
