@@ -143,11 +143,14 @@ def rowwise_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if q == kv and q > 1:  # a prefill (no cached keys): run as a plain greedy decoder's prefill runs it
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    gqa = heads != key.shape[1]
+    if attention_mask is None and q == 1 and batch == 1:  # a one-token step: the loop's one call, without the loop
+        out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2), None
     if attention_mask is None:
         rows, shared = [[kv - q + i + 1 for i in range(q)]] * batch, [[0] * q] * batch
     else:
         rows, shared = _visible_keys(attention_mask, batch, q, kv)
-    gqa = heads != key.shape[1]
     out = query.new_empty(batch, q, heads, dim)
     for b in range(batch):
         keys, values = key[b : b + 1], value[b : b + 1]
