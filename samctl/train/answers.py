@@ -26,6 +26,7 @@ Knows an Engine (model, tokenizer, EOS ids) and token ids; never the training ob
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -99,6 +100,23 @@ class Answer:
 
 class _Stop(Exception):
     """Raised from a result callback to end a batch early (budget or deadline)."""
+
+
+def answers_key(fingerprint: dict, prompts: Sequence["Prompt"], *settings) -> str:
+    """Names an answer file: the model, every prompt's turns in order, and the answering settings."""
+    digest = hashlib.sha256()
+    for prompt in prompts:
+        digest.update(json.dumps(prompt.turns).encode("utf-8"))
+    return hashlib.sha256(json.dumps([fingerprint, digest.hexdigest(), *settings], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def answering_session(engine: Engine, max_new_tokens: int, chat: bool, method: str = "adaptive") -> "Session":
+    """A session over a loaded engine that writes answers with lossless `method` (a trainer's
+    engine, whose weights it then trains)."""
+    from samctl.config import SessionConfig
+    from samctl.session import Session
+
+    return Session.over(engine, SessionConfig(method=method, max_new_tokens=max_new_tokens, chat=chat, quiet=True))
 
 
 def read_answers(path: Path) -> dict[tuple[int, int], Answer]:

@@ -65,7 +65,7 @@ from samctl.eagle_heads import save_eagle_head
 from samctl.gguf_cache import cache_dir
 from samctl.heads import model_fingerprint
 from samctl.runtime import Engine, load_engine
-from samctl.train.answers import Answer, write_answers
+from samctl.train.answers import Answer, answers_key, write_answers
 from samctl.train.prompts import Prompt, drop_excluded, mixture, read_prompts
 
 
@@ -80,14 +80,6 @@ def read_training_prompts(args) -> tuple[list[Prompt], dict]:
     return prompts, {"prompts": len(prompts), "excluded_prompts": dropped}
 
 
-def prompt_set_key(fingerprint: dict, prompts: list[Prompt], *settings) -> str:
-    """Names the answer file: the model, every prompt's turns in order, and the answering settings."""
-    digest = hashlib.sha256()
-    for prompt in prompts:
-        digest.update(json.dumps(prompt.turns).encode("utf-8"))
-    return hashlib.sha256(json.dumps([fingerprint, digest.hexdigest(), *settings], sort_keys=True).encode()).hexdigest()[:16]
-
-
 def write_training_answers(args, prompts: list[Prompt], fingerprint: dict, log) -> tuple[list[Answer], dict]:
     """The target's own greedy answers to `prompts`, through the batched engine (--answer-method,
     --batch-size), appended to cache/answers-<key>.jsonl as they finish, until --max-tokens or
@@ -97,7 +89,7 @@ def write_training_answers(args, prompts: list[Prompt], fingerprint: dict, log) 
     from samctl.session import Session
 
     max_prompt = args.max_len // 2
-    key = prompt_set_key(fingerprint, prompts, args.max_new_tokens, max_prompt)
+    key = answers_key(fingerprint, prompts, args.max_new_tokens, max_prompt)
     path = Path(args.cache) / f"answers-{key}.jsonl"
     session = Session(SessionConfig(model=args.model, device=args.device, dtype="float32", threads=args.threads,
                                     method=args.answer_method, max_new_tokens=args.max_new_tokens, quiet=True))
