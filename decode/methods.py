@@ -327,8 +327,9 @@ def make_drafter(
 # -- settings by name: the command line's options and the Python API's keyword arguments ---------
 
 # On a CPU a verify of q tokens costs about q times a small fixed cost once q passes a handful
-# (tools/bench_draft.py: 4.4 ms at 1 token, 10 ms at 16, 28 ms at 81 for the embedded model), so
-# the GPU-sized 80-node Token Recycle tree costs more than it saves there.
+# (BENCHMARKS.md, "Decoding engine: drafting cost per step": 4.4 ms at 1 token, 10 ms at 16, 28 ms
+# at 81 for the embedded model), so the GPU-sized 80-node Token Recycle tree costs more than it
+# saves there.
 CPU_RECYCLE_NODES = 16
 
 

@@ -28,7 +28,7 @@
 4. Report: held-out top-1 accuracy (the head's next-token argmax equals the target's, teacher-
    forced), before and after training (and of --baseline-head, an earlier head, on the same
    held-out positions), and, with --replay (reference traces: the target's own
-   greedy outputs, e.g. tools/gen_references.py), tokens per step of `eagle`, `sam+eagle`,
+   greedy outputs with their token ids, as `samctl simulate` reads them), tokens per step of `eagle`, `sam+eagle`,
    `adaptive+eagle` and `adaptive` in replay (decode.simulate.replay with the target's features,
    no target forward per step; Token Recycle, which learns from logits, is off in a replay).
 5. Output: --out holds eagle.safetensors and eagle.json (the target's fingerprint and this run's

@@ -14,7 +14,7 @@
 - `drop_excluded(prompts, exclude)`: prompts none of whose turns is a turn of the `exclude`
   inputs (Spec-Bench's questions, which replay traces answer), whitespace and case aside.
 - `read_instruction_rows(data_dir)`: the instruction sets as (instruction, response) pairs, for the
-  trainers that learn the sets' fixed answers (tools/train_reference.py).
+  trainers that learn the sets' fixed answers (the reference-model trainer).
 
 A prompt is a `Prompt(kind, turns)`; turns are user turns, answered one after the other.
 """
