@@ -3,10 +3,11 @@
     samctl train sdsat --model ../shared/models/<smollm2>.gguf --out runs/smollm2-sdsat \
         --data ../shared/data/codealpaca.json ../shared/data/gsm8k_train.jsonl --max-minutes 50 --threads 1
 
-1. Prompts: the first user turn of every record of --data (any input `samctl build` reads: a
-   folder, Alpaca / GSM8K / Spec-Bench / chat JSON(L), Parquet, hf:NAME, -; --field names the
-   prompt field; a plain-text file is one prompt), shuffled with --seed; --heldout of them are
-   kept apart. The chat template is applied when the tokenizer has one (--no-chat to skip).
+1. Prompts: the first user turn of every record of --data (any input `samctl build` reads:
+   Alpaca / GSM8K / Spec-Bench / chat JSON(L), Parquet, hf:NAME, -, a plain-text file as one
+   prompt, a folder's text files as `build` reads them (name record files explicitly: a folder's
+   .json files are not read); --field names the prompt field), shuffled with --seed; --heldout of
+   them are kept apart. The chat template is applied when the tokenizer has one (--no-chat to skip).
 2. Responses: SDSAT trains on prompt + response sequences, SATs and losses on the response only.
    --responses self (default) has the model write its own greedy answers (samctl/train/answers.py,
    the writer `samctl train eagle` and `acc-head` use: the batched engine, --max-new-tokens,
