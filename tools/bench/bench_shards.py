@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from samctl.index.automaton import SuffixAutomaton  # noqa: E402
 from samctl.index.load import load_datastore  # noqa: E402
-from samctl.index.load import load_datastore
 from samctl.index.sharded import ShardedAutomaton, plan_shards  # noqa: E402
 
 
