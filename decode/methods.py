@@ -73,6 +73,11 @@ class Resources:
     eagle: EagleHead | None = None
 
 
+# Settings of the draft-model methods that are no MethodConfig field of their own (SessionConfig
+# gathers them into its `draft` and `specdec` sections): name -> the section that reads it.
+DRAFT_MODEL_SETTINGS = {"gamma": "draft", "stop_threshold": "specdec", "bounds": "specdec"}
+
+
 @dataclass(frozen=True)
 class Method:
     name: str
@@ -93,6 +98,12 @@ class Method:
     # when a store is given
     sweep: dict[tuple[str, str], tuple] = field(default_factory=dict)
     store_fields: tuple[tuple[str, str], ...] = ()
+
+    def reads(self, setting: str) -> bool:
+        """Whether its drafter reads `setting`: a MethodConfig "section.field" or a draft-model
+        setting (`gamma`, `stop_threshold`, `bounds`); the other settings' flags do nothing."""
+        section = DRAFT_MODEL_SETTINGS.get(setting, setting.split(".")[0])
+        return section in self.settings or setting in self.settings
 
 
 def _recycle(r: Resources) -> TokenRecycleDrafter:
@@ -316,8 +327,9 @@ def make_drafter(
 # -- settings by name: the command line's options and the Python API's keyword arguments ---------
 
 # On a CPU a verify of q tokens costs about q times a small fixed cost once q passes a handful
-# (tools/bench_draft.py: 4.4 ms at 1 token, 10 ms at 16, 28 ms at 81 for the embedded model), so
-# the GPU-sized 80-node Token Recycle tree costs more than it saves there.
+# (BENCHMARKS.md, "Decoding engine: drafting cost per step": 4.4 ms at 1 token, 10 ms at 16, 28 ms
+# at 81 for the embedded model), so the GPU-sized 80-node Token Recycle tree costs more than it
+# saves there.
 CPU_RECYCLE_NODES = 16
 
 

@@ -27,8 +27,8 @@ Spec-Bench `turns` (+ `reference`), chat `messages`/`conversations`, Alpaca
 
 Read for prompts (`prompts=True`, `iter_prompts`: trainers that have a model answer them), a
 record becomes its user turns only (`record_turns`: Spec-Bench `turns`, the user messages of a
-chat, Alpaca `instruction` + `input`, GSM8K `question`, `prompt`, or `text`), and a plain-text
-document is one turn.
+chat, Alpaca `instruction` + `input`, GSM8K `question`, `prompt`, or `text`), with the record's
+own answer when its shape has one (`record_answer`), and a plain-text document is one turn.
 
 This module does not know tokenizers, token ids or store files.
 """
@@ -67,6 +67,7 @@ class Document:
     source: str  # where it came from: "path", "path:line", "hf:name[split]#row", "<stdin>:line"
     text: str
     turns: tuple[str, ...] = ()  # read for prompts: the user turns, in order (text joins them)
+    answer: str = ""  # read for prompts: the record's own answer to its first turn, when it has one
 
 
 @dataclass
@@ -164,7 +165,7 @@ class CorpusReader:
     def _record(self, record: dict[str, Any], where: str) -> Document:
         if self.prompts:
             turns = record_turns(record, self.fields, where)
-            return Document(where, "\n".join(turns), turns)
+            return Document(where, "\n".join(turns), turns, record_answer(record, self.fields, where))
         return Document(where, record_text(record, self.fields, where))
 
 
@@ -443,6 +444,21 @@ def record_turns(record: dict[str, Any], fields: tuple[str, ...], where: str) ->
 
 
 _USER_ROLES = frozenset(["user", "human"])
+# A prompt field and the fields that may hold its answer, for the shapes that carry one.
+_ANSWERS = (("instruction", ("output", "response")), ("question", ("answer",)),
+            ("prompt", ("completion", "response", "output")))
+
+
+def record_answer(record: dict[str, Any], fields: tuple[str, ...], where: str) -> str:
+    """The answer a record holds to its first user turn (Alpaca `output`, GSM8K `answer`, a
+    `prompt`'s `completion`), or "" when its shape has none or `fields` name what to read."""
+    if fields or record.get("turns") is not None or _first_present(record, ("messages", "conversations")):
+        return ""
+    for prompt, answers in _ANSWERS:
+        if record.get(prompt) is not None:
+            name = _first_present(record, answers)
+            return "" if name is None else _field_text(record[name], name, where)
+    return ""
 
 
 def _as_list(value: Any, name: str, where: str) -> list:

@@ -1,7 +1,8 @@
 """Datastores on disk: a suffix automaton or n-gram table plus what it was built from.
 
 `save_datastore` writes a structure and its `StoreMeta` (tokenizer identity, build config, corpus
-statistics) to a `.sam` store file; `load_single` reads one back, validates the header fields
+statistics) to a `.sam` store file; `read_meta` and `structure_counts` read what a store holds
+without loading it (`samctl info`); `load_single` reads one back, validates the header fields
 and the structure's arrays (both untrusted), and checks that every token id the structure can
 draft is below the recorded vocabulary size, so a corrupt store cannot feed the model an id it
 does not have. `Datastore.lookup` is the kind-independent query: longest matching suffix, its
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
-from samctl.index.automaton_layout import E_TOK, EDGE_TOK
+from samctl.index.automaton_layout import E_TOK, EDGE_TOK, edge_count
 from samctl.index.errors import UserError
 from samctl.index.ngram_config import NgramConfig
 from samctl.index.store import StoreError, StoreFile, read_store, write_store
@@ -74,6 +75,14 @@ class BuildConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+    def settings(self) -> dict[str, Any]:
+        """`to_dict` without the settings of the other kind (an automaton has no n-gram sizes)."""
+        settings = self.to_dict()
+        if self.kind != "ngram":
+            for name in (f.name for f in dataclasses.fields(NgramConfig)):
+                settings.pop(name, None)
+        return settings
 
 
 @dataclass(frozen=True)
@@ -226,6 +235,15 @@ def read_meta(path: str | os.PathLike, verify: bool = False) -> tuple[StoreFile,
     what `samctl info` shows. `samctl.index.load.load_datastore` is the way to use a store."""
     store = read_store(path, verify=verify)
     return store, _parse_meta(store)
+
+
+def structure_counts(store: StoreFile, kind: str) -> dict[str, int]:
+    """The size of a store's structure from its arrays' shapes and counters, without loading (or
+    validating) it: an automaton's states and edges, an n-gram table's contexts and entries."""
+    arrays = store.arrays
+    if kind == "sam":
+        return {"states": len(arrays["states"]), "edges": edge_count(arrays["states"], arrays["meta"])}
+    return {"contexts": len(arrays["keys"]), "entries": len(arrays["next"])}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,14 +10,15 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from samctl.decode.configs import DraftConfig, SamplingConfig, SpecDecConfig
-from samctl.decode.methods import ALL_METHODS, DEFAULT_METHOD, MethodConfig, method_config, setting_names
+from samctl.decode.methods import (ALL_METHODS, DEFAULT_METHOD, DRAFT_MODEL_SETTINGS, MethodConfig, method_config,
+                                   setting_names)
 from samctl.index.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
     import torch
 
 # Draft-model settings that are not drafter-section fields with a `cli` flag of their own.
-DRAFT_SETTINGS = ("gamma", "stop_threshold", "bounds")
+DRAFT_SETTINGS = tuple(DRAFT_MODEL_SETTINGS)
 
 
 @dataclass(frozen=True)

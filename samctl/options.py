@@ -139,14 +139,13 @@ def ignored_settings(opts: dict[str, Any], method_name: str) -> list[str]:
     """The drafter flags given a value other than their default that `method_name` never reads
     (`--method sam --max-nodes 3`), as the user typed them; `--occurrence` shapes the store, which
     every method that drafts from one reads."""
+    from samctl.decode.configs import DraftConfig, SpecDecConfig
     from samctl.decode.methods import method
 
     entry = method(method_name)
     flags = []
     for section, f in cli_fields():
-        if section in entry.settings or f"{section}.{f.name}" in entry.settings:
-            continue
-        if f.name == "occurrence" and entry.uses_store:
+        if entry.reads(f"{section}.{f.name}") or (f.name == "occurrence" and entry.uses_store):
             continue
         value = opts.get(setting_name(f))
         unset = None if f.metadata.get("device_default") or "cpu_default" in f.metadata else f.default
@@ -154,6 +153,13 @@ def ignored_settings(opts: dict[str, Any], method_name: str) -> list[str]:
             continue
         names = f.metadata["cli"].split("/")
         flags.append(names[1] if isinstance(value, bool) and not value and len(names) > 1 else names[0])
+    defaults = {"gamma": DraftConfig.gamma, "stop_threshold": SpecDecConfig.stop_threshold,
+                "bounds": (SpecDecConfig.min_draft, SpecDecConfig.max_draft)}
+    for name, default in defaults.items():
+        value = opts.get(name)
+        value = tuple(value) if isinstance(value, (list, tuple)) else value
+        if value is not None and value != default and not entry.reads(name):
+            flags.append(flag(name))
     return flags
 
 

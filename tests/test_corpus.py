@@ -198,3 +198,21 @@ def test_hf_saved_to_disk(tmp_path):
 def test_record_text_prefers_named_fields():
     assert record_text({"text": "t", "question": "q"}, ("text",), "r") == "t"
     assert record_text({"text": "t", "question": "q"}, (), "r") == "q"
+
+
+def test_prompts_carry_the_records_own_answer(tmp_path):
+    from samctl.index.corpus import iter_prompts
+
+    rows = [{"instruction": "Sort", "input": "3 1 2", "output": "1 2 3"}, {"question": "2+2?", "answer": "4"},
+            {"prompt": "Say hi", "completion": "hi"}, {"instruction": "No answer"},
+            {"turns": ["Write.", "Shorter."], "reference": ["r1", "r2"]}, {"text": "just text"}]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "d.txt").write_text("A document.")
+    docs = list(iter_prompts([str(path), str(tmp_path / "d.txt")]))
+    assert [(d.turns, d.answer) for d in docs] == [
+        (("Sort\n\n3 1 2",), "1 2 3"), (("2+2?",), "4"), (("Say hi",), "hi"), (("No answer",), ""),
+        (("Write.", "Shorter."), ""), (("just text",), ""), (("A document.",), "")]
+    (tmp_path / "q.jsonl").write_text(json.dumps(rows[1]) + "\n")
+    assert [d.answer for d in iter_prompts([str(tmp_path / "q.jsonl")], fields=("question",))] == [""]  # named fields
+    assert all(d.answer == "" for d in iter_documents([str(path)]))  # read as a corpus, answers are in the text

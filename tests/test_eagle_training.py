@@ -1,4 +1,4 @@
-"""samctl/train/answers.py (the target's own greedy answers, shared by train_eagle and train_sdsat)
+"""samctl/train/answers.py (the target's own answers, shared by the trainers)
 and `samctl train eagle`'s data selection, on the embedded target."""
 from __future__ import annotations
 
@@ -32,29 +32,66 @@ def naive_greedy(engine, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out
 
 
-def test_batched_left_padded_answers_equal_naive_greedy(engine):
-    from samctl.train.answers import write_responses
+def _session(engine, max_new_tokens):
+    from samctl.train.answers import answering_session
+
+    return answering_session(engine, max_new_tokens, chat=False)
+
+
+def test_batched_left_padded_answers_equal_naive_greedy(engine, tmp_path):
+    from samctl.train.answers import write_answers
+    from samctl.train.prompts import Prompt
 
     texts = ["def add(a, b):", "Write a function that reverses a list in Python.", "x", "Question: 2 + 2 = ?"]
     prompts = [engine.encode(t, chat=False) for t in texts]
     assert len({len(p) for p in prompts}) > 1  # the batch really pads
-    answers = write_responses(engine, prompts, max_new_tokens=12, batch_size=3)
-    assert answers == [naive_greedy(engine, p, 12) for p in prompts]
+    answers = write_answers(_session(engine, 12), [Prompt("t", (t,)) for t in texts], tmp_path / "a.jsonl",
+                            batch_size=3, log=lambda _: None)
+    assert [a.prompt_ids for a in answers] == prompts
+    assert [a.output_ids for a in answers] == [naive_greedy(engine, p, 12) for p in prompts]
 
 
 def test_cached_answers_are_reused_and_extended(engine, tmp_path, monkeypatch):
-    import samctl.train.answers as sd
+    from samctl.session import Session
+    from samctl.train.answers import read_answers, write_answers
+    from samctl.train.prompts import Prompt
 
-    prompts = [engine.encode(f"def f{i}(x):", chat=False) for i in range(5)]
-    first = sd.cached_responses(engine, prompts, 6, 2, tmp_path, "k", chunk=2, enough=lambda a: len(a) >= 2)
-    assert len(first) == 2 and json.loads((tmp_path / "responses-k.json").read_text())["responses"] == first
+    prompts = [Prompt("code", (f"def f{i}(x):",)) for i in range(5)]
+    path = tmp_path / "a.jsonl"
+    session = _session(engine, 6)
     calls = []
-    real = sd.write_responses
-    monkeypatch.setattr(sd, "write_responses", lambda e, p, *a, **k: calls.append(len(p)) or real(e, p, *a, **k))
-    every = sd.cached_responses(engine, prompts, 6, 2, tmp_path, "k", chunk=2)
-    assert every[:2] == first and len(every) == 5 and calls == [2, 1]  # only the 3 new prompts answered
-    assert every == sd.write_responses(engine, prompts, 6, 5)
-    assert sd.cached_responses(engine, prompts, 6, 2, tmp_path, "k") == every and calls == [2, 1, 5]
+    real = Session.generate_batch
+    monkeypatch.setattr(Session, "generate_batch", lambda self, p, **k: calls.append(len(p)) or real(self, p, **k))
+    first = write_answers(session, prompts, path, batch_size=2, chunk=2, max_tokens=1, log=lambda _: None)
+    assert len(first) == 1 and calls == [2] and list(read_answers(path).values()) == first  # budget spent
+    every = write_answers(session, prompts, path, batch_size=2, chunk=2, log=lambda _: None)
+    assert every[:1] == first and len(every) == 5 and calls == [2, 1, 2, 1]  # only the 4 new prompts answered
+    fresh = write_answers(session, prompts, tmp_path / "b.jsonl", batch_size=5, log=lambda _: None)
+    assert every == fresh
+    assert write_answers(session, prompts, path, batch_size=2, log=lambda _: None) == every and calls == [2, 1, 2, 1, 5]
+
+
+def test_sampled_answers_are_seeded_and_every_batch_draws_its_own(engine, tmp_path):
+    from samctl.decode.configs import SamplingConfig
+    from samctl.train.answers import write_answers
+    from samctl.train.prompts import Prompt
+
+    prompts = [Prompt("same", ("def f(x):",))] * 6  # one prompt per chunk: each chunk is its own batch
+    session = _session(engine, 12)
+
+    def write(name, sampling, chunk=1):
+        answers = write_answers(session, prompts, tmp_path / name, batch_size=2, chunk=chunk, sampling=sampling,
+                                log=lambda _: None)
+        return [tuple(a.output_ids) for a in answers]
+
+    warm = SamplingConfig(temperature=2.0, seed=7)
+    sampled = write("a.jsonl", warm)
+    assert sampled == write("b.jsonl", warm)  # seeded: the same draws again
+    assert len(set(sampled)) > 1  # chunks do not repeat each other's draws
+    assert sampled != write("c.jsonl", SamplingConfig(temperature=2.0, seed=8))
+    greedy = write("d.jsonl", SamplingConfig())
+    assert set(greedy) == {tuple(naive_greedy(engine, engine.encode("def f(x):", chat=False), 12))}
+    assert all(len(a) <= 12 for a in sampled)
 
 
 def test_batched_answers_are_greedy_resumable_and_multi_turn(engine, tmp_path):

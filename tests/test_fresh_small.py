@@ -104,3 +104,17 @@ def test_a_flag_the_method_does_not_read_gets_a_note():
     proc = samctl("generate", "--method", "adaptive", "--max-nodes", "3", "--occurrence", "latest",
                   "--prompt", "x", "--sam", "missing.sam")
     assert "does not use" not in proc.stderr and proc.returncode == 2
+
+
+def test_which_flags_a_method_ignores_comes_from_the_registry():
+    from samctl.decode.methods import method
+    from samctl.options import ignored_settings
+
+    changed = {"gamma": 5, "stop_threshold": 0.5, "bounds": (1, 6), "max_nodes": 3}
+    assert ignored_settings(changed, "sam") == ["--max-nodes", "--gamma", "--stop-threshold", "--bounds"]
+    assert ignored_settings(changed, "sd") == ["--max-nodes", "--stop-threshold", "--bounds"]
+    assert ignored_settings(changed, "specdec++") == ["--max-nodes", "--gamma"]
+    assert ignored_settings({"gamma": 5, "bounds": [2, 20], "max_nodes": 3}, "ouroboros") == ["--max-nodes"]
+    assert ignored_settings({"gamma": 4, "stop_threshold": 0.3, "bounds": (2, 20)}, "sam") == []
+    assert method("sam+draft").reads("gamma") and not method("sam+draft").reads("bounds")
+    assert method("ouroboros").reads("lookahead.pool_text") and not method("ouroboros").reads("lookahead.window")

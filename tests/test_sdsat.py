@@ -176,6 +176,48 @@ def test_train_script_writes_a_folder_sdsat_loads(tmp_path):
     assert result.tokens == hf_greedy(model, prompt, 12, eos=None)
 
 
+def test_train_reads_any_input_with_the_models_own_answers(tmp_path):
+    # Plain documents and Spec-Bench questions carry no answers: the model writes its own (the one
+    # answer writer, kept under --cache), and a rerun reuses them instead of answering again.
+    import samctl.train.sdsat as train
+    from samctl.runtime import load_engine
+    from samctl.train.answers import read_answers
+    from tests.test_eagle_training import naive_greedy
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(6):
+        (docs / f"p{i}.txt").write_text(f"Write a function number {i} that adds two numbers.")
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "turns": [f"Count to {i}.", "Again."]}) + "\n"
+                                 for i in range(4)))
+    cache = tmp_path / "cache"
+    argv = ["--model", "samctl/models/default/target", "--out", str(tmp_path / "o"), "--data", str(docs),
+            str(questions), "--heldout", "2", "--max-new-tokens", "8", "--max-steps", "1", "--sat-count", "2",
+            "--blocks", "2", "--threads", "1", "--cache", str(cache)]
+    report = train.main(argv)
+    assert report["responses"] == "self" and report["train_sequences"] == 8 and report["heldout_sequences"] == 2
+    assert "before_data_answers" not in report  # no record holds an answer of its own
+    [path] = cache.glob("sdsat-answers-*.jsonl")
+    answers = read_answers(path)
+    assert sorted(answers) == [(i, 0) for i in range(10)]  # first turns only
+    engine = load_engine("samctl/models/default/target", "cpu", "float32", quiet=True)
+    for answer in answers.values():  # the model's own greedy answers
+        assert answer.output_ids == naive_greedy(engine, answer.prompt_ids, 8)
+    lines = path.read_text()
+    assert train.main(argv)["train_sequences"] == 8 and path.read_text() == lines  # reused, nothing rewritten
+
+
+def test_train_on_the_records_answers_needs_records_with_answers(tmp_path):
+    import samctl.train.sdsat as train
+
+    docs = tmp_path / "p.txt"
+    docs.write_text("Some plain text without an answer.")
+    with pytest.raises(UserError, match="--responses self"):
+        train.main(["--model", "samctl/models/default/target", "--out", str(tmp_path / "o"), "--data", str(docs),
+                    "--responses", "data", "--threads", "1"])
+
+
 def test_nucleus_reference_trees_are_the_papers():
     from samctl.decode.drafters.sdsat_nucleus import TREES, static_tree
     from samctl.decode.tree import tree_depths

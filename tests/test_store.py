@@ -447,3 +447,20 @@ def test_fuzz_datastore_array_values(tmp_path, datastore_seeds, seed, array, pos
 def _write_bytes(path, data: bytes):
     path.write_bytes(data)
     return path
+
+
+def test_structure_counts_from_the_file_equal_the_loaded_structures(datastore_seeds, tmp_path):
+    # `samctl info` reads a store's size without loading it; it must say what loading would find.
+    from samctl.index.datastore import read_meta, structure_counts
+    from samctl.index.load import load_datastore
+
+    for i, data in enumerate(datastore_seeds):
+        path = tmp_path / f"s{i}.sam"
+        path.write_bytes(data)
+        file, meta = read_meta(path)
+        loaded = load_datastore(path).structure
+        expected = ({"states": loaded.num_states, "edges": loaded.num_edges} if meta.build.kind == "sam"
+                    else {"contexts": loaded.num_contexts, "entries": loaded.num_entries})
+        assert structure_counts(file, meta.build.kind) == expected and expected[next(iter(expected))] > 0
+        settings = meta.build.settings()
+        assert ("max_n" in settings) == (meta.build.kind == "ngram") and settings["kind"] == meta.build.kind

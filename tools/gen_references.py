@@ -9,11 +9,13 @@ template with --chat, else turns joined by blank lines) and writes one JSONL row
 
 `output_ids` are the generated ids (EOS included when the model stopped on it), so a replay sees
 exactly what the engine saw: simulate reads prompt_ids/output_ids as they are, and refuses them
-when its tokenizer's fingerprint differs from the one recorded. Every row is flushed as it is
-written, and progress goes to stderr (a line every few seconds off a terminal). Decoding runs
-through the samctl engine with a lossless drafter (--method, default pld), which gives the same
-tokens as plain greedy decoding, faster. Questions that do not fit the model's context are
-skipped, as in bench. Write the output outside the repository:
+when its tokenizer's fingerprint differs from the one recorded. The answers are written by the
+trainers' answer writer (samctl.train.answers.write_answers: the batched engine, --batch-size rows
+at once, with a lossless drafter, --method, default pld, which gives the same tokens as plain
+greedy decoding, faster) into OUT.answers-KEY.jsonl (KEY names the model, questions and
+settings) as each finishes, with progress on stderr; a rerun resumes from that file, and OUT is
+written from it, in question order, when every turn is answered. Questions that do not fit the model's context are skipped, as in bench. Write the
+output outside the repository:
 
     python tools/gen_references.py --questions ../shared/data/specbench_question.jsonl \\
         --out ../runs/data/specbench_refs.jsonl --max-new-tokens 256 --chat --threads 1
@@ -25,11 +27,13 @@ import json
 import sys
 from pathlib import Path
 
+from samctl.heads import model_fingerprint
 from samctl.index.errors import UserError
 from samctl.commands.bench import fitting_questions, read_questions
-from samctl.progress import progress_bar
 from samctl.session import Session, SessionConfig
 from samctl.tokenizer import tokenizer_fingerprint
+from samctl.train.answers import answers_key, write_answers
+from samctl.train.prompts import Prompt
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--limit", type=int, default=None, help="first N questions per category (as bench --limit)")
     p.add_argument("--categories", default=None, help="comma-separated categories to keep")
     p.add_argument("--method", default="pld", help="lossless drafter used to decode faster (greedy output is the same)")
+    p.add_argument("--batch-size", type=int, default=8, help="answers written at once by the batched engine")
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is steadier on a shared machine)")
     a = p.parse_args(argv)
@@ -65,28 +70,21 @@ def write_references(a: argparse.Namespace) -> tuple[int, int, int]:
     questions, skipped = fitting_questions(questions, engine, a.max_new_tokens, a.chat)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    rows = 0
-    with out.open("w", encoding="utf-8") as sink, \
-            progress_bar("gen_references", "question", quiet=False, total=len(questions)) as progress:
-        for q in questions:
-            messages: list[dict[str, str]] = []
-            tokens = 0
-            for k, turn in enumerate(q.turns):
-                messages.append({"role": "user", "content": turn})
-                prompt = session.encode(messages)
-                result = session.generate(prompt)
-                answer = session.decode(result.tokens)
-                messages.append({"role": "assistant", "content": answer})
-                sink.write(json.dumps({
-                    "id": f"{q.qid}.{k}", "question_id": q.qid, "category": q.category, "turn": k,
-                    "prompt_ids": list(map(int, prompt)), "output_ids": result.tokens,
-                    "prompt": engine.tokenizer.decode(prompt), "output": answer, "tokenizer": tokenizer,
-                }, ensure_ascii=False) + "\n")
-                sink.flush()  # a long run can be read (and replayed) while it goes on
-                tokens += len(result.tokens)
-                rows += 1
-            progress.update(1, tokens=tokens)
-    return rows, len(questions), skipped
+    prompts = [Prompt(q.category, tuple(q.turns)) for q in questions]
+    key = answers_key(model_fingerprint(engine.model, engine.tokenizer), prompts, a.max_new_tokens, a.chat)
+    answers = write_answers(session, prompts, out.with_name(f"{out.name}.answers-{key}.jsonl"), batch_size=a.batch_size,
+                            max_prompt_tokens=engine.target.max_positions,
+                            log=lambda text: print(f"gen_references: {text}", file=sys.stderr, flush=True))
+    with out.open("w", encoding="utf-8") as sink:
+        for answer in answers:
+            q = questions[answer.prompt]
+            sink.write(json.dumps({
+                "id": f"{q.qid}.{answer.turn}", "question_id": q.qid, "category": q.category, "turn": answer.turn,
+                "prompt_ids": answer.prompt_ids, "output_ids": answer.output_ids,
+                "prompt": engine.tokenizer.decode(answer.prompt_ids), "output": session.decode(answer.output_ids),
+                "tokenizer": tokenizer,
+            }, ensure_ascii=False) + "\n")
+    return len(answers), len({answer.prompt for answer in answers}), skipped
 
 
 if __name__ == "__main__":

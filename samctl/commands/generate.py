@@ -24,7 +24,6 @@ from typing import IO, Any, Callable, Iterable, Iterator
 
 import click
 
-from samctl.decode.configs import DraftConfig, SpecDecConfig
 from samctl.decode.methods import ALL_METHODS, DEFAULT_METHOD, NOT_LOSSLESS, method as method_entry
 from samctl.index.errors import UserError
 from samctl.options import ignored_settings, session_config, session_options
@@ -186,15 +185,7 @@ def _batch_size(opts: dict[str, Any], config, on_gpu: bool) -> int:
 
 def _note_ignored(opts: dict[str, Any]) -> None:
     """One line naming the drafter flags the chosen method does not read (`--method sam --max-nodes 3`)."""
-    settings = method_entry(opts["method"]).settings
     flags = ignored_settings(opts, opts["method"])
-    draft, specdec = DraftConfig(), SpecDecConfig()
-    if "draft" not in settings and opts["gamma"] != draft.gamma:
-        flags.append("--gamma")
-    if "specdec" not in settings:
-        flags += [flag for flag, changed in (
-            ("--stop-threshold", opts["stop_threshold"] != specdec.stop_threshold),
-            ("--bounds", tuple(opts["bounds"]) != (specdec.min_draft, specdec.max_draft))) if changed]
     if flags and not opts["quiet"]:
         click.echo(f"samctl: note: method {opts['method']} does not use {', '.join(flags)}", err=True)
 

@@ -5,17 +5,14 @@ every checksum and validates the structure as a decoder would load it.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from typing import Any
 
 import click
 
-from samctl.index.automaton_layout import edge_count
-from samctl.index.datastore import StoreMeta, read_meta
+from samctl.index.datastore import StoreMeta, read_meta, structure_counts
 from samctl.index.load import load_datastore
-from samctl.index.ngram_config import NgramConfig
 from samctl.index.store import StoreFile
 
 
@@ -39,15 +36,11 @@ def describe(store: StoreFile, meta: StoreMeta, verified: bool) -> dict[str, Any
         "documents": meta.corpus.documents,
         "tokens": tokens,
     }
-    arrays = store.arrays
-    if meta.build.kind == "sam":
-        report.update(states=len(arrays["states"]), edges=edge_count(arrays["states"], arrays["meta"]))
-    else:
-        report.update(contexts=len(arrays["keys"]), entries=len(arrays["next"]))
+    report.update(structure_counts(store, meta.build.kind))
     report.update(
         tokenizer={"name": meta.tokenizer_name, "fingerprint": meta.tokenizer_fingerprint,
                    "vocab_size": meta.vocab_size, "eos_token_id": meta.eos_token_id},
-        build=_build_settings(meta),
+        build=meta.build.settings(),
         corpus=meta.corpus.to_dict(),
         created_by=meta.created_by,
         written_by=meta.written_by or None,
@@ -71,21 +64,12 @@ def describe_sharded(store, verified: bool) -> dict[str, Any]:
         "states": sam.num_states, "edges": sam.num_edges,
         "tokenizer": {"name": meta.tokenizer_name, "fingerprint": meta.tokenizer_fingerprint,
                       "vocab_size": meta.vocab_size, "eos_token_id": meta.eos_token_id},
-        "build": _build_settings(meta), "corpus": meta.corpus.to_dict(), "created_by": meta.created_by,
+        "build": meta.build.settings(), "corpus": meta.corpus.to_dict(), "created_by": meta.created_by,
         "written_by": meta.written_by or None, "verified": verified,
         "shards": [{**entry, "states": shard.sam.num_states}
                    for entry, shard in zip(store.manifest["shards"], store.shards)],
     }
     return report
-
-
-def _build_settings(meta: StoreMeta) -> dict[str, Any]:
-    """The build config without the settings of the other kind (an automaton has no n-gram sizes)."""
-    settings = meta.build.to_dict()
-    if meta.build.kind != "ngram":
-        for name in (f.name for f in dataclasses.fields(NgramConfig)):
-            settings.pop(name, None)
-    return settings
 
 
 def _text(report: dict[str, Any]) -> str:

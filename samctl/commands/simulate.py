@@ -2,7 +2,8 @@
 
 Each trace is a prompt and the output the model is assumed to produce. A trace file is JSON lines
 (or a `.json` list) of records in one of these shapes:
-    prompt_ids + output_ids        token ids, used as they are (what tools/gen_references.py writes)
+    prompt_ids + output_ids        token ids, used as they are (a model's own greedy answers, as written
+                                   with the model's tokenizer name and fingerprint in `tokenizer`)
     prompt + output                (or completion / response / reference for the output)
     instruction [+ input] + output Alpaca
     question + answer              GSM8K
@@ -84,8 +85,8 @@ def simulate(**opts: Any) -> None:
         # --tokenizer cannot help here: the store fixes the tokenizer, and it is not the traces'.
         raise UserError(f"{err.where}: the ids come from tokenizer {err.name} (fingerprint {err.fingerprint}), but the "
                         f"store {opts['store_path']} was built with {tokenizer.name} (fingerprint {tokenizer.fingerprint}): "
-                        f"rebuild the store with --tokenizer {err.name}, or write the traces with the store's "
-                        f"tokenizer (tools/gen_references.py --model {tokenizer.name})") from err
+                        f"rebuild the store with --tokenizer {err.name}, or write the traces with a model that has "
+                        f"the store's tokenizer ({tokenizer.name})") from err
     config = method_config(opts)
     cost = CostModel(forward_ms=opts["forward_ms"], token_cost=opts["token_cost"])
     if opts["cost_curve"]:
@@ -258,7 +259,7 @@ def _turn_traces(record: dict[str, Any], rid: str, where: str, tok: Tokenizer, c
         references = [references]
     if not isinstance(references, list) or not references:
         raise UserError(f"{where} has turns but no reference outputs: add a `reference` list "
-                        "(tools/gen_references.py writes them)")
+                        "(the output of each turn)")
     messages: list[dict[str, str]] = []
     for k, (turn, reference) in enumerate(zip(turns, references)):
         if not isinstance(turn, str) or not isinstance(reference, str):

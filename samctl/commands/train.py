@@ -26,8 +26,8 @@ def train(ctx: click.Context, trainer: str | None, **_: Any) -> None:
 
     \b
     samctl train eagle --model M --out head/ --prompts prompts.jsonl [--mixture data/]
-    samctl train sdsat --model M --out tuned/ --data-dir data/
-    samctl train acc-head --model M --draft-model D --out head/ --data-dir data/
+    samctl train sdsat --model M --out tuned/ --data prompts.jsonl docs/
+    samctl train acc-head --target M --draft D --out head/ --prompts prompts.jsonl
     samctl train NAME --help      # the trainer's own options
     """
     if trainer in (None, "--help", "-h"):

@@ -10,9 +10,10 @@
    a tenth of the rest validates (the head keeps the weights of its best pass on them); the chat
    template is applied when the tokenizer has one (--no-chat to skip).
 2. Responses: the target writes up to --max-new-tokens per prompt, sampled at
-   --response-temperature (0 = greedy, no top-k/top-p), cut after EOS. They only need to be the
-   target's samples, so transformers' batched `generate` writes them (--response-batch prompts of
-   similar length at a time, left-padded): a small model on a CPU is bound by per-call overhead.
+   --response-temperature (0 = greedy, no top-k/top-p) with --seed, cut after EOS, by the one
+   answer writer (samctl/train/answers.py: the batched engine, --response-batch rows at once, its
+   sampling lossless, so the answers follow the target's own distribution). With --cache they are
+   kept in a JSONL file there, named by model, prompts and settings, and a rerun reuses them.
 3. Examples (`decode.acceptance_head.collect_examples`): teacher-forced on each response, the
    draft samples a token per position at temperature 1, labelled min(1, p/q) (the paper's labels;
    --label-mode greedy instead drafts the argmax, labelled 1 when it is the target's argmax, for
@@ -34,7 +35,9 @@ import os
 import random
 import shlex
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -42,10 +45,12 @@ import torch
 
 from samctl.decode.acceptance_head import (AcceptanceHead, Examples, HeadConfig, TrainConfig,
                                     collect_examples, evaluate_head, train_head, weighted_bce)
+from samctl.decode.configs import SamplingConfig
 from samctl.index.errors import UserError
 from samctl.heads import model_fingerprint, save_head
 from samctl.runtime import Engine, load_draft, load_engine
-from samctl.train.prompts import read_prompts
+from samctl.train.answers import answering_session, answers_key, write_answers
+from samctl.train.prompts import Prompt, read_prompts
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,7 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts are skipped")
     ap.add_argument("--response-temperature", type=float, default=1.0, help="target responses: 0 = greedy")
-    ap.add_argument("--response-batch", type=int, default=16, help="prompts per batched generate call")
+    ap.add_argument("--response-batch", type=int, default=16, help="responses written at once by the batched engine")
+    ap.add_argument("--cache", default="", help="folder for the responses (reused when model, prompts and settings match)")
     ap.add_argument("--no-chat", action="store_true", help="do not apply the tokenizer's chat template")
     ap.add_argument("--label-mode", choices=["sample", "greedy"], default="sample",
                     help="sample: z ~ q at T=1, label min(1, p/q) (paper); greedy: z = argmax q, label 1[argmax p = z]")
@@ -80,27 +86,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def write_responses(engine: Engine, prompts: list[list[int]], args: argparse.Namespace) -> list[list[int]]:
-    eos = list(engine.eos_token_ids)
-    pad = eos[0] if eos else 0
-    sample = args.response_temperature > 0
-    options = {"do_sample": sample, "max_new_tokens": args.max_new_tokens, "pad_token_id": pad,
-               "eos_token_id": eos or None, "top_k": 0 if sample else None, "top_p": 1.0 if sample else None,
-               "temperature": args.response_temperature if sample else None}
-    torch.manual_seed(args.seed)
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    responses: list[list[int]] = [[] for _ in prompts]
-    for start in range(0, len(order), args.response_batch):
-        batch = order[start : start + args.response_batch]
-        width = max(len(prompts[i]) for i in batch)
-        ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in batch], device=engine.device)
-        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in batch], device=engine.device)
-        with torch.inference_mode():
-            out = engine.model.generate(input_ids=ids, attention_mask=mask, **options)[:, width:].tolist()
-        for i, row in zip(batch, out):
-            cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
-            responses[i] = row[:cut]
-    return responses
+def write_responses(engine: Engine, texts: list[str], chat: bool,
+                    args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt ids, response ids) of every prompt answered: the target's samples at
+    --response-temperature, written by the one answer writer."""
+    session = answering_session(engine, args.max_new_tokens, chat)
+    prompts = [Prompt("corpus", (text,)) for text in texts]
+    sampling = SamplingConfig(temperature=args.response_temperature, seed=args.seed)
+    with tempfile.TemporaryDirectory() as scratch:
+        key = answers_key(model_fingerprint(engine.model, engine.tokenizer), prompts, args.max_new_tokens,
+                          args.max_prompt_tokens, chat, args.response_temperature, args.seed)
+        path = Path(args.cache or scratch) / f"acc-head-answers-{key}.jsonl"
+        answers = write_answers(session, prompts, path, batch_size=args.response_batch,
+                                max_prompt_tokens=args.max_prompt_tokens, sampling=sampling,
+                                log=lambda text: print(text, file=sys.stderr, flush=True))
+    return [a.prompt_ids for a in answers], [a.output_ids for a in answers]
 
 
 def examples_for(engine: Engine, draft, prompts: list[list[int]], responses: list[list[int]],
@@ -145,17 +145,16 @@ def main(argv: list[str] | None = None) -> dict:
     if not texts:
         raise UserError(f"no prompts in {', '.join(args.prompts)}: pass records with a user turn (--field to pick one)")
     random.Random(args.seed).shuffle(texts)
-    encoded = [ids for ids in (engine.encode(t, chat) for t in texts[: args.num_prompts])
-               if 0 < len(ids) <= args.max_prompt_tokens
-               and len(ids) + args.max_new_tokens < min(engine.target.max_positions, draft.max_positions)]
+    room = min(engine.target.max_positions, draft.max_positions) - args.max_new_tokens
+    texts = [t for t in texts[: args.num_prompts] if 0 < len(engine.encode(t, chat)) < room]
+
+    tic = time.perf_counter()
+    encoded, responses = write_responses(engine, texts, chat, args)  # longer than --max-prompt-tokens: left out
+    respond_s = time.perf_counter() - tic
     n_heldout = max(1, round(args.heldout * len(encoded)))
     n_valid = max(1, round(0.1 * (len(encoded) - n_heldout)))
     if len(encoded) - n_heldout - n_valid < 1:
         raise UserError(f"only {len(encoded)} usable prompts: give more with --num-prompts or raise --max-prompt-tokens")
-
-    tic = time.perf_counter()
-    responses = write_responses(engine, encoded, args)
-    respond_s = time.perf_counter() - tic
     generator = torch.Generator().manual_seed(args.seed)
     tic = time.perf_counter()
     parts = {}

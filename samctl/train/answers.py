@@ -1,39 +1,34 @@
-"""Self-distilled training answers: the target model's own greedy responses to training prompts.
+"""The one writer of a target model's own answers to training prompts.
 
-Shared by `samctl train sdsat` and `samctl train eagle` (`--responses self`). Drafters are scored
-on what the target emits under greedy decoding, so training on the target's own answers (as
-Medusa-2 and the EAGLE follow-ups do when the SFT data is not the model's) matches what acceptance
-measures; the datasets' human answers are another distribution.
-
-- `write_responses(engine, prompts, max_new_tokens, batch_size)`: greedy answers to token-id
-  prompts through the batched engine (`Session.generate_batch` with a lossless method), each
-  cut after its first EOS (kept) or at max_new_tokens (no EOS appended).
-- `cached_responses(engine, prompts, ..., cache=path)`: the same, answered in order in chunks and
-  saved after each chunk to a JSON file in the cache folder (outside the repository), keyed by the
-  caller (model fingerprint + prompt selection): a rerun reuses every answer already written and
-  an interrupted run resumes. `enough(answers)` may stop it early (a token budget).
+Used by `samctl train eagle`, `samctl train sdsat` (`--responses self`) and `samctl train acc-head`.
+Drafters are scored on what the target emits, so training on the target's own answers (as Medusa-2
+and the EAGLE follow-ups do when the SFT data is not the model's) matches what acceptance measures;
+the datasets' human answers are another distribution.
 
 - `write_answers(session, prompts, path, ...)`: conversations (`samctl.train.prompts.Prompt`,
   one or more user turns) answered turn after turn through the session's batched engine
-  (`Session.generate_batch`: greedy, so every answer is plain greedy decoding's, written several
-  times faster than one sequence at a time by a lossless method such as `adaptive`). Each finished
-  turn is appended to a JSONL file at once (`Answer`: prompt, turn, the turn's prompt ids with the
-  earlier turns and answers in the chat template, its output ids); a rerun reads the file and
-  answers only what is missing, so an interrupted run resumes. The caller names the file by model
-  fingerprint and prompt set. A token budget or a deadline stops it between two answers.
+  (`Session.generate_batch` with a lossless method: greedy answers are plain greedy decoding's,
+  sampled ones (`sampling`: temperature, top-k, top-p, seed) follow the model's own distribution,
+  written several times faster than one sequence at a time). Each finished turn is appended to a
+  JSONL file at once (`Answer`: prompt, turn, the turn's prompt ids with the earlier turns and
+  answers in the chat template, its output ids, EOS kept); a rerun reads the file and answers only
+  what is missing, so an interrupted run resumes. The caller names the file by model fingerprint,
+  prompt set and settings (`answers_key`). A token budget or a deadline stops it between two answers.
+- `answering_session(engine, ...)`: a session over a trainer's already loaded engine to answer with.
 
-Knows an Engine (model, tokenizer, EOS ids) and token ids; never the training objectives.
+Knows a session (model, tokenizer, EOS ids) and token ids; never the training objectives.
 """
 from __future__ import annotations
 
+import hashlib
 import json
-import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from samctl.decode.configs import SamplingConfig
 from samctl.runtime import Engine
 
 if TYPE_CHECKING:
@@ -41,55 +36,12 @@ if TYPE_CHECKING:
     from samctl.train.prompts import Prompt
 
 
-def write_responses(engine: Engine, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
-                    log: Callable[[str], None] | None = None, method: str = "adaptive") -> list[list[int]]:
-    """The model's own greedy answers to `prompts` (token ids), through the batched engine with
-    lossless `method` (each answer is plain greedy decoding's), cut after EOS (kept)."""
-    from samctl.config import SessionConfig
-    from samctl.session import Session
-
-    session = Session.over(engine, SessionConfig(method=method, max_new_tokens=max_new_tokens, quiet=True))
-    results = session.generate_batch(prompts, batch_size=batch_size)
-    if log is not None:
-        log(f"responses: {len(prompts)} written")
-    return [list(r.tokens) for r in results]
-
-
-def cached_responses(engine: Engine, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
-                     cache: Path, key: str, chunk: int = 128,
-                     enough: Callable[[list[list[int]]], bool] | None = None,
-                     log: Callable[[str], None] | None = None) -> list[list[int]]:
-    """Answers to a prefix of `prompts` (all of them unless `enough` says stop), written `chunk`
-    prompts at a time and saved to cache/responses-<key>.json after each chunk; the saved prefix is
-    reused. The key must name the model and the prompt order (the caller's fingerprint + selection)."""
-    log = log or (lambda text: print(text, file=sys.stderr, flush=True))
-    path = Path(cache) / f"responses-{key}.json"
-    answers: list[list[int]] = []
-    if path.exists():
-        saved = json.loads(path.read_text(encoding="utf-8"))
-        answers = [list(map(int, a)) for a in saved["responses"]][: len(prompts)]
-        log(f"responses: {len(answers)} reused from {path}")
-    tic, written = time.time(), 0
-    while len(answers) < len(prompts) and not (enough is not None and enough(answers)):
-        part = prompts[len(answers) : len(answers) + chunk]
-        answers += write_responses(engine, part, max_new_tokens, batch_size)
-        written += sum(map(len, answers[-len(part):]))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": key, "max_new_tokens": max_new_tokens, "responses": answers}),
-                       encoding="utf-8")
-        os.replace(tmp, path)
-        log(f"responses: {len(answers)}/{len(prompts)} prompts answered, {written} new tokens at "
-            f"{written / (time.time() - tic):.0f} tokens/s -> {path}")
-    return answers
-
-
 @dataclass(frozen=True)
 class Answer:
     prompt: int  # index into the prompt list
     turn: int
     prompt_ids: list[int]  # the turn's input: earlier turns and their answers, then this turn
-    output_ids: list[int]  # the greedy answer, EOS included when it ended on one
+    output_ids: list[int]  # the answer, EOS included when it ended on one
     kind: str = ""
 
     @property
@@ -99,6 +51,23 @@ class Answer:
 
 class _Stop(Exception):
     """Raised from a result callback to end a batch early (budget or deadline)."""
+
+
+def answers_key(fingerprint: dict, prompts: Sequence["Prompt"], *settings) -> str:
+    """Names an answer file: the model, every prompt's turns in order, and the answering settings."""
+    digest = hashlib.sha256()
+    for prompt in prompts:
+        digest.update(json.dumps(prompt.turns).encode("utf-8"))
+    return hashlib.sha256(json.dumps([fingerprint, digest.hexdigest(), *settings], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def answering_session(engine: Engine, max_new_tokens: int, chat: bool, method: str = "adaptive") -> "Session":
+    """A session over a loaded engine that writes answers with lossless `method` (a trainer's
+    engine, whose weights it then trains)."""
+    from samctl.config import SessionConfig
+    from samctl.session import Session
+
+    return Session.over(engine, SessionConfig(method=method, max_new_tokens=max_new_tokens, chat=chat, quiet=True))
 
 
 def read_answers(path: Path) -> dict[tuple[int, int], Answer]:
@@ -116,14 +85,19 @@ def read_answers(path: Path) -> dict[tuple[int, int], Answer]:
 
 def write_answers(session: "Session", prompts: Sequence["Prompt"], path: Path, *, batch_size: int = 32,
                   max_prompt_tokens: int = 512, max_tokens: int | None = None, deadline: float | None = None,
-                  chunk: int = 512, log: Callable[[str], None] | None = None) -> list[Answer]:
+                  chunk: int = 512, sampling: SamplingConfig = SamplingConfig(),
+                  log: Callable[[str], None] | None = None) -> list[Answer]:
     """Answer `prompts` turn by turn in order, `chunk` prompts at a time (every first turn of a
     chunk, then every second turn, ...), appending each finished turn to `path` (JSONL); answers
-    already there are reused. Stops once the answers hold `max_tokens` tokens (prompt + output) or
+    already there are reused. `sampling` is how every answer is drawn (greedy by default); with a
+    seed, each batch of a chunk and turn draws from its own seeded stream, so two chunks never
+    repeat each other's draws and a rerun on the same machine writes the same answers. Stops once the answers hold `max_tokens` tokens (prompt + output) or
     at `deadline` (time.time()). A turn whose input exceeds `max_prompt_tokens` is left out with
     its later turns. -> every answered turn, in (prompt, turn) order (a prompt's later turns may
     be missing when the budget ran out between them)."""
     log = log or (lambda text: print(text, file=sys.stderr, flush=True))
+    if session.config.sampling != sampling:
+        session = session.for_method(session.config.method, sampling=sampling)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     done = read_answers(path)
@@ -169,6 +143,9 @@ def write_answers(session: "Session", prompts: Sequence["Prompt"], path: Path, *
                         raise _Stop
 
                 if todo:
+                    if sampling.seed is not None:
+                        session = session.for_method(session.config.method, sampling=replace(
+                            sampling, seed=_batch_seed(sampling.seed, start, turn)))
                     try:
                         session.generate_batch(inputs, batch_size=batch_size, on_result=finished)
                     except _Stop:
@@ -179,6 +156,11 @@ def write_answers(session: "Session", prompts: Sequence["Prompt"], path: Path, *
                 break
     # a turn is answered only after the turns before it, so every answer here has its earlier ones
     return [done[key] for key in sorted(done) if key[0] < len(prompts)]
+
+
+def _batch_seed(seed: int, start: int, turn: int) -> int:
+    """The seed of the batch of the chunk starting at prompt `start`, turn `turn`: distinct per batch."""
+    return int.from_bytes(hashlib.sha256(json.dumps([seed, start, turn]).encode()).digest()[:8], "little") >> 1
 
 
 def _conversation(session: "Session", prompt: "Prompt", index: int, turn: int,

@@ -28,7 +28,7 @@
 4. Report: held-out top-1 accuracy (the head's next-token argmax equals the target's, teacher-
    forced), before and after training (and of --baseline-head, an earlier head, on the same
    held-out positions), and, with --replay (reference traces: the target's own
-   greedy outputs, e.g. tools/gen_references.py), tokens per step of `eagle`, `sam+eagle`,
+   greedy outputs with their token ids, as `samctl simulate` reads them), tokens per step of `eagle`, `sam+eagle`,
    `adaptive+eagle` and `adaptive` in replay (decode.simulate.replay with the target's features,
    no target forward per step; Token Recycle, which learns from logits, is off in a replay).
 5. Output: --out holds eagle.safetensors and eagle.json (the target's fingerprint and this run's
@@ -65,7 +65,7 @@ from samctl.eagle_heads import save_eagle_head
 from samctl.gguf_cache import cache_dir
 from samctl.heads import model_fingerprint
 from samctl.runtime import Engine, load_engine
-from samctl.train.answers import Answer, write_answers
+from samctl.train.answers import Answer, answers_key, write_answers
 from samctl.train.prompts import Prompt, drop_excluded, mixture, read_prompts
 
 
@@ -80,14 +80,6 @@ def read_training_prompts(args) -> tuple[list[Prompt], dict]:
     return prompts, {"prompts": len(prompts), "excluded_prompts": dropped}
 
 
-def prompt_set_key(fingerprint: dict, prompts: list[Prompt], *settings) -> str:
-    """Names the answer file: the model, every prompt's turns in order, and the answering settings."""
-    digest = hashlib.sha256()
-    for prompt in prompts:
-        digest.update(json.dumps(prompt.turns).encode("utf-8"))
-    return hashlib.sha256(json.dumps([fingerprint, digest.hexdigest(), *settings], sort_keys=True).encode()).hexdigest()[:16]
-
-
 def write_training_answers(args, prompts: list[Prompt], fingerprint: dict, log) -> tuple[list[Answer], dict]:
     """The target's own greedy answers to `prompts`, through the batched engine (--answer-method,
     --batch-size), appended to cache/answers-<key>.jsonl as they finish, until --max-tokens or
@@ -97,7 +89,7 @@ def write_training_answers(args, prompts: list[Prompt], fingerprint: dict, log) 
     from samctl.session import Session
 
     max_prompt = args.max_len // 2
-    key = prompt_set_key(fingerprint, prompts, args.max_new_tokens, max_prompt)
+    key = answers_key(fingerprint, prompts, args.max_new_tokens, max_prompt)
     path = Path(args.cache) / f"answers-{key}.jsonl"
     session = Session(SessionConfig(model=args.model, device=args.device, dtype="float32", threads=args.threads,
                                     method=args.answer_method, max_new_tokens=args.max_new_tokens, quiet=True))

@@ -2,7 +2,8 @@
 
 - `read_prompts(inputs, fields)`: the user turns of every record of `inputs` (folders, Alpaca /
   GSM8K / Spec-Bench / chat JSON(L) or Parquet files, `hf:` datasets, `-`), through
-  index/corpus.py's readers (`iter_prompts`); a plain-text file is one prompt.
+  index/corpus.py's readers (`iter_prompts`), with the record's own answer when it has one (Alpaca
+  `output`, GSM8K `answer`, a `prompt`'s `completion`); a plain-text file is one prompt.
 - `mixture(data_dir, seed)`: the built-in mixture, interleaved so that any prefix holds every kind
   in equal shares: math (GSM8K questions), code (Code Alpaca), role-play (GPTeacher), two-turn chat
   (a role-play prompt, then a follow-up turn asked after the model's first answer), translation
@@ -13,7 +14,7 @@
 - `drop_excluded(prompts, exclude)`: prompts none of whose turns is a turn of the `exclude`
   inputs (Spec-Bench's questions, which replay traces answer), whitespace and case aside.
 - `read_instruction_rows(data_dir)`: the instruction sets as (instruction, response) pairs, for the
-  trainers that learn the sets' fixed answers (tools/train_reference.py).
+  trainers that learn the sets' fixed answers (the reference-model trainer).
 
 A prompt is a `Prompt(kind, turns)`; turns are user turns, answered one after the other.
 """
@@ -54,11 +55,13 @@ FOLLOW_UPS = (
 class Prompt:
     kind: str  # where it came from: an input's kind ("math", "translation", ...) or "corpus"
     turns: tuple[str, ...]  # user turns, in order
+    answer: str = ""  # the input's own answer to the first turn, when its record holds one
 
 
 def read_prompts(inputs: Iterable[str], fields: Iterable[str] = ()) -> list[Prompt]:
-    """The user turns of every record of `inputs` (any input `samctl build` reads)."""
-    return [Prompt("corpus", doc.turns) for doc in iter_prompts(list(inputs), fields=tuple(fields))]
+    """The user turns (and the record's own answer, when it has one) of every record of `inputs`
+    (any input `samctl build` reads)."""
+    return [Prompt("corpus", doc.turns, doc.answer) for doc in iter_prompts(list(inputs), fields=tuple(fields))]
 
 
 def mixture(data_dir: Path | None, seed: int = 0) -> list[Prompt]:

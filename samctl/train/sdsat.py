@@ -1,15 +1,21 @@
 """Fine-tune a causal LM with semantic adaptive tokens (SDSAT) so that `--method sdsat` can use it.
 
     samctl train sdsat --model ../shared/models/<smollm2>.gguf --out runs/smollm2-sdsat \
-        --data ../shared/data --max-minutes 50 --threads 1
+        --data ../shared/data/codealpaca.json ../shared/data/gsm8k_train.jsonl --max-minutes 50 --threads 1
 
-1. Data: Alpaca-shape JSON lists (`instruction`, `input`, `output`) and GSM8K JSONL (`question`,
-   `answer`) from --data (files or folders), shuffled with --seed; --heldout prompts are kept apart.
-   The chat template is applied when the tokenizer has one.
-2. Responses: --responses self (default) has the model write its own greedy answers (transformers'
-   batched `generate`, --max-new-tokens; samctl/train/answers.py, shared with train_eagle.py), so
-   the SATs learn to predict what greedy decoding will emit, which is what acceptance counts;
-   --responses data trains on the files' answers.
+1. Prompts: the first user turn of every record of --data (any input `samctl build` reads:
+   Alpaca / GSM8K / Spec-Bench / chat JSON(L), Parquet, hf:NAME, -, a plain-text file as one
+   prompt, a folder's text files as `build` reads them (name record files explicitly: a folder's
+   .json files are not read); --field names the prompt field), shuffled with --seed; --heldout of
+   them are kept apart. The chat template is applied when the tokenizer has one (--no-chat to skip).
+2. Responses: SDSAT trains on prompt + response sequences, SATs and losses on the response only.
+   --responses self (default) has the model write its own greedy answers (samctl/train/answers.py,
+   the writer `samctl train eagle` and `acc-head` use: the batched engine, --max-new-tokens,
+   --response-batch; prompts longer than --seq-len / 2 tokens are left out), so the SATs learn to
+   predict what greedy decoding will emit, which is what acceptance counts. With --cache the
+   answers are kept in a JSONL file there, named by model, prompts and settings, and a rerun
+   reuses (or resumes) them. --responses data trains on the records' own answers instead (Alpaca
+   `output`, GSM8K `answer`, a `prompt`'s `completion`); records without one are left out.
 3. The SAT token: --sat-token names a token of the vocabulary; by default the last special token
    that is not BOS/EOS/PAD, never occurs in the data and is not in the chat template; when the
    tokenizer has none, a new token `<|sat|>` is added (vocabulary + 1). Which one is recorded.
@@ -33,13 +39,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
 import json
 import math
 import os
 import random
 import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -51,8 +57,10 @@ import torch.nn.functional as F
 
 from samctl.decode.sdsat import IGNORE, SatSettings, make_batch, sample_anchors, write_settings
 from samctl.heads import model_fingerprint
+from samctl.index.errors import UserError
 from samctl.runtime import Engine, load_engine
-from samctl.train.answers import cached_responses, write_responses
+from samctl.train.answers import answering_session, answers_key, write_answers
+from samctl.train.prompts import Prompt, read_prompts
 
 NEW_SAT_TOKEN = "<|sat|>"
 
@@ -62,13 +70,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="model folder or .gguf file to fine-tune")
     ap.add_argument("--out", required=True, help="folder for the fine-tuned model")
-    ap.add_argument("--data", nargs="+", required=True,
-                    help="Alpaca JSON / GSM8K JSONL files or folders holding them")
+    ap.add_argument("--data", nargs="+", required=True, metavar="INPUT",
+                    help="training prompts: any input samctl build reads (folder, Alpaca / GSM8K / Spec-Bench "
+                         "JSON(L), Parquet, hf:NAME, -); each record's first user turn")
+    ap.add_argument("--field", action="append", default=[], help="read prompts from this record field (repeatable)")
     ap.add_argument("--num-prompts", type=int, default=1200)
     ap.add_argument("--heldout", type=int, default=48, help="prompts kept apart for the report")
-    ap.add_argument("--responses", choices=("self", "data"), default="self")
+    ap.add_argument("--responses", choices=("self", "data"), default="self",
+                    help="self: the model's own greedy answers (default); data: the records' answers")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="length of self-written answers")
-    ap.add_argument("--response-batch", type=int, default=16)
+    ap.add_argument("--response-batch", type=int, default=16, help="answers written at once by the batched engine")
     ap.add_argument("--seq-len", type=int, default=320, help="prompt + answer tokens kept per sequence")
     ap.add_argument("--sat-count", type=int, default=5, help="k: SAT slots per block")
     ap.add_argument("--sat-token", default="", help="token used as the SAT (default: chosen, see above)")
@@ -80,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--keep-standard", choices=("kl", "ce"), default="kl",
                     help="standard-token term: KL to the original model (default) or CE on the answers")
     ap.add_argument("--standard-weight", type=float, default=1.0)
-    ap.add_argument("--cache", default="", help="folder for the self-written answers (reused when the selection matches)")
+    ap.add_argument("--cache", default="", help="folder for the self-written answers (reused when model, prompts and settings match)")
     ap.add_argument("--train-layers", type=int, default=0, help="train the top N layers only (0 = all)")
     ap.add_argument("--freeze-sat-embedding", action="store_true")
     ap.add_argument("--max-steps", type=int, default=1000)
@@ -94,24 +105,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # 1) data ---------------------------------------------------------------------------------------
 
-def read_pairs(paths: list[str]) -> list[tuple[str, str]]:
-    """(prompt, answer) pairs from Alpaca JSON lists and GSM8K-style JSONL files."""
-    files: list[Path] = []
-    for p in map(Path, paths):
-        files += sorted(f for f in p.iterdir() if f.suffix in (".json", ".jsonl")) if p.is_dir() else [p]
-    pairs: list[tuple[str, str]] = []
-    for f in files:
-        text = f.read_text(encoding="utf-8")
-        rows = json.loads(text) if f.suffix == ".json" else [json.loads(x) for x in text.splitlines() if x.strip()]
-        for row in rows if isinstance(rows, list) else []:
-            if "instruction" in row and "output" in row:
-                prompt = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
-                pairs.append((prompt, row["output"]))
-            elif "question" in row and "answer" in row:
-                pairs.append((row["question"], row["answer"]))
-    if not pairs:
-        raise SystemExit(f"train_sdsat: no Alpaca or question/answer records in {' '.join(paths)}")
-    return pairs
+def read_examples(args: argparse.Namespace) -> list[Prompt]:
+    """The first user turn (and the record's answer) of every record of --data, shuffled with
+    --seed and cut to --num-prompts + --heldout; with --responses data, only records with an answer."""
+    prompts = [Prompt(p.kind, p.turns[:1], p.answer) for p in read_prompts(args.data, args.field)
+               if p.turns and p.turns[0].strip()]
+    if args.responses == "data":
+        prompts = [p for p in prompts if p.answer.strip()]
+    if not prompts:
+        needs = "records with an answer (Alpaca output, GSM8K answer, prompt/completion)" \
+            if args.responses == "data" else "records with a user turn (--field to pick one)"
+        more = ", or --responses self to have the model answer" if args.responses == "data" else ""
+        raise UserError(f"no training prompts in {' '.join(args.data)}: pass {needs}{more}")
+    random.Random(args.seed).shuffle(prompts)
+    return prompts[: args.num_prompts + args.heldout]
 
 
 def choose_sat_token(engine: Engine, requested: str, texts: list[str]) -> tuple[int, str, bool]:
@@ -120,7 +127,7 @@ def choose_sat_token(engine: Engine, requested: str, texts: list[str]) -> tuple[
     if requested:
         ids = tok.convert_tokens_to_ids([requested])
         if ids[0] is None or ids[0] == tok.unk_token_id:
-            raise SystemExit(f"train_sdsat: --sat-token {requested!r} is not a token of this tokenizer")
+            raise UserError(f"--sat-token {requested!r} is not a token of this tokenizer: name one it has")
         return int(ids[0]), requested, False
     reserved = {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, *engine.eos_token_ids}
     template = str(getattr(tok, "chat_template", "") or "")
@@ -135,17 +142,21 @@ def choose_sat_token(engine: Engine, requested: str, texts: list[str]) -> tuple[
     return int(new_id), NEW_SAT_TOKEN, True
 
 
-def self_written(engine: Engine, prompts: list[list[int]], args: argparse.Namespace) -> list[list[int]]:
-    """The model's own answers; with --cache, reused (and resumed) when model, prompts and length match."""
+def self_written(engine: Engine, prompts: list[Prompt], chat: bool, args: argparse.Namespace) -> dict[int, list[list[int]]]:
+    """The model's own greedy answers by prompt index: [prompt ids, answer ids]; prompts longer than
+    --seq-len / 2 tokens are left out. With --cache they are kept (and resumed) there."""
     def log(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
-    if not args.cache:
-        return write_responses(engine, prompts, args.max_new_tokens, args.response_batch, log=log)
-    key = hashlib.sha256(json.dumps([model_fingerprint(engine.model, engine.tokenizer), prompts,
-                                     args.max_new_tokens], sort_keys=True).encode()).hexdigest()[:16]
-    return cached_responses(engine, prompts, args.max_new_tokens, args.response_batch, Path(args.cache),
-                            f"sdsat-{key}", log=log)
+    session = answering_session(engine, args.max_new_tokens, chat)
+    max_prompt = args.seq_len // 2
+    with tempfile.TemporaryDirectory() as scratch:
+        key = answers_key(model_fingerprint(engine.model, engine.tokenizer), prompts, args.max_new_tokens,
+                          max_prompt, chat)
+        path = Path(args.cache or scratch) / f"sdsat-answers-{key}.jsonl"
+        answers = write_answers(session, prompts, path, batch_size=args.response_batch,
+                                max_prompt_tokens=max_prompt, log=log)
+    return {a.prompt: [a.prompt_ids, a.output_ids] for a in answers}
 
 
 # 2) evaluation ---------------------------------------------------------------------------------
@@ -312,28 +323,32 @@ def main(argv: list[str] | None = None) -> dict:
     model, device = engine.model, engine.device
     chat = not args.no_chat and bool(getattr(engine.tokenizer, "chat_template", None))
 
-    pairs = read_pairs(args.data)
-    random.Random(args.seed).shuffle(pairs)
-    pairs = pairs[: args.num_prompts + args.heldout]
-    sat_id, sat_text, added = choose_sat_token(engine, args.sat_token, [a for _, a in pairs])
-    prompts = [engine.encode(p, chat)[: args.seq_len // 2] for p, _ in pairs]
+    prompts = read_examples(args)
     eos = list(engine.eos_token_ids)
-    data_answers = [engine.tokenizer(a, add_special_tokens=False)["input_ids"] + eos[:1] for _, a in pairs]
-    answers = data_answers
-    if args.responses == "self":
-        answers = self_written(engine, prompts, args)
+    # [prompt ids, answer ids] by prompt index: the records' answers and, with --responses self, the model's
+    data_answers = {i: [engine.encode(p.turns[0], chat)[: args.seq_len // 2],
+                        engine.tokenizer(p.answer, add_special_tokens=False)["input_ids"] + eos[:1]]
+                    for i, p in enumerate(prompts) if p.answer.strip()}
+    answers = self_written(engine, prompts, chat, args) if args.responses == "self" else data_answers
+    sat_id, sat_text, added = choose_sat_token(engine, args.sat_token, [p.turns[0] + p.answer for p in prompts])
 
     def rows(indices, kind):
         out = []
         for i in indices:
-            seq = np.asarray((prompts[i] + kind[i])[: args.seq_len], dtype=np.int64)
-            if len(seq) - len(prompts[i]) >= 2:
-                out.append((seq, len(prompts[i])))
+            if i not in kind:
+                continue
+            prompt, answer = kind[i]
+            seq = np.asarray((prompt + answer)[: args.seq_len], dtype=np.int64)
+            if len(seq) - len(prompt) >= 2:
+                out.append((seq, len(prompt)))
         return out
 
     held = range(args.heldout)
-    train_rows = rows(range(args.heldout, len(pairs)), answers)
+    train_rows = rows(range(args.heldout, len(prompts)), answers)
     held_rows = rows(held, answers)
+    if not train_rows:
+        raise UserError(f"no training sequences: {len(prompts)} prompts, {args.heldout} held out, none left with an "
+                        "answer of 2+ tokens: give more --data or --num-prompts, or a larger --seq-len")
     pad = eos[0] if eos else 0
     k = args.sat_count
     report = {"model": args.model, "out": args.out, "command": "samctl train sdsat " + shlex.join(
@@ -341,14 +356,14 @@ def main(argv: list[str] | None = None) -> dict:
         "added_to_vocab": added, "train_sequences": len(train_rows), "heldout_sequences": len(held_rows),
         "responses": args.responses, "device": str(device), "threads": torch.get_num_threads()}
     report["before"] = evaluate(model, held_rows, k, sat_id, pad, device, args.seed, args.blocks)
-    if args.responses == "self":
+    if args.responses == "self" and data_answers:
         report["before_data_answers"] = evaluate(model, rows(held, data_answers), k, sat_id, pad, device,
                                                  args.seed, args.blocks)
     report["training"] = train(model, train_rows, args, sat_id, pad, device)
     for p in model.parameters():
         p.requires_grad_(False)
     report["after"] = evaluate(model, held_rows, k, sat_id, pad, device, args.seed, args.blocks)
-    if args.responses == "self":
+    if args.responses == "self" and data_answers:
         report["after_data_answers"] = evaluate(model, rows(held, data_answers), k, sat_id, pad, device,
                                                 args.seed, args.blocks)
     before, after = report["before"]["standard_loss"], report["after"]["standard_loss"]

@@ -1,13 +1,13 @@
 """Benchmark growing an automaton store: append new documents versus rebuild everything.
 
-On the Python standard library's source (tokenized once, cached by tools/bench_index.py): a store
+On the Python standard library's source (tokenized once, cached by tools/bench/bench_index.py): a store
 over the first `--old` tokens (whole files) is written uncompressed, then, alternately in this
 process, (a) it is loaded (memory-mapped) and the next `--new` tokens are appended
 (`SuffixAutomaton.appended`) and (b) the automaton over old + new is built from scratch; each
 result is written as a store. Both results are checked equal state for state.
 
-    python tools/bench_append.py                          # 8M + 1M tokens, llama2 tokenizer
-    python tools/bench_append.py --old 2000000 --new 250000 --rounds 1
+    python tools/bench/bench_append.py                          # 8M + 1M tokens, llama2 tokenizer
+    python tools/bench/bench_append.py --old 2000000 --new 250000 --rounds 1
 """
 from __future__ import annotations
 
@@ -21,13 +21,13 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from samctl.index.automaton import SuffixAutomaton  # noqa: E402
 from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, save_datastore  # noqa: E402
 from samctl.index.load import load_datastore
-from tools.bench_index import DEFAULT_TOKENIZER, corpus, head  # noqa: E402
+from tools.bench.bench_index import DEFAULT_TOKENIZER, corpus, head  # noqa: E402
 
 
 def _meta(tokens: int, documents: int) -> StoreMeta:

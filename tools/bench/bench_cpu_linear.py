@@ -10,7 +10,7 @@ machine slows every backend alike:
    tokens of float32's greedy output, the mean identical greedy prefix, and next-token loss on
    held-out text (the questions' prompts).
 
-    python tools/bench_cpu_linear.py --model M.gguf --questions code.jsonl --limit 4 \\
+    python tools/bench/bench_cpu_linear.py --model M.gguf --questions code.jsonl --limit 4 \\
         --questions2 specbench_question.jsonl --limit2 1 --threads 1 --out runs/cpu_linear.json
 
 Against llama.cpp (issue 30): a `.gguf` model with llama-cpp-python installed adds llama.cpp greedy
@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from samctl.commands.bench import EngineRunner, HfRunner, read_questions  # noqa: E402
 from samctl.decode.engine.cost import measure_verify_cost  # noqa: E402
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     if "plain" not in engines:
         skip.add("quality")
     gguf = args.model if args.model.endswith(".gguf") and _has_llama_cpp() else None
-    report = {"command": "python tools/bench_cpu_linear.py " + " ".join(sys.argv[1:]), "threads": args.threads,
+    report = {"command": "python tools/bench/bench_cpu_linear.py " + " ".join(sys.argv[1:]), "threads": args.threads,
               "questions": len(prompts), "max_new_tokens": args.max_new_tokens, "widths": WIDTHS,
               "llama_cpp": _version("llama_cpp") if gguf else None, "torch": torch.__version__,
               "transformers": _version("transformers"), "loadavg_start": os.getloadavg()}

@@ -11,7 +11,7 @@ What it measures (the engine issue's performance check):
    (a Token Recycle tree) tokens after a ~1k-token context, median of --reps runs.
 
     python tools/make_code_edit_set.py --out out/data/code_edit.jsonl --n 80
-    python tools/bench_draft.py --questions out/data/code_edit.jsonl
+    python tools/bench/bench_draft.py --questions out/data/code_edit.jsonl
 
 Tokenized ids and the store are cached in out/bench_draft/ (gitignored).
 """

@@ -8,7 +8,7 @@ walk), the code path of an unsharded store. Every variant's match lengths are ch
 (the longest over the shards is the single store's match). The variants are interleaved in
 one process, `--rounds` times; the median per variant is reported.
 
-    python tools/bench_shards.py --store /work/runs/ray/py25m_1.samd --traces /work/runs/ray/py100m.jsonl \
+    python tools/bench/bench_shards.py --store /work/runs/ray/py25m_1.samd --traces /work/runs/ray/py100m.jsonl \
         --max-tokens 6000000
 
 The store and the trace use the byte-level tokenizer; the trace is the text of the last records
@@ -25,11 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from samctl.index.automaton import SuffixAutomaton  # noqa: E402
 from samctl.index.load import load_datastore  # noqa: E402
-from samctl.index.load import load_datastore
 from samctl.index.sharded import ShardedAutomaton, plan_shards  # noqa: E402
 
 

@@ -6,8 +6,8 @@ SAM-Decoding ships (run in child processes of this script, so the ratios share a
 store size with and without compression, load time (memory map + validation) against pickle,
 per-call cost of streaming `step` and a 16-token `continuation`, and the n-gram table.
 
-    python tools/bench_index.py                      # prints a Markdown table and a JSON line
-    python tools/bench_index.py --tokens 2000000 --slice 500000 --skip-dict-full
+    python tools/bench/bench_index.py                      # prints a Markdown table and a JSON line
+    python tools/bench/bench_index.py --tokens 2000000 --slice 500000 --skip-dict-full
 
 Tokenized ids are cached in out/bench_index/ (gitignored). The tokenizer argument is a folder
 with a SentencePiece `tokenizer.model` (read with `sentencepiece` directly, which gives the same
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 DEFAULT_TOKENIZER = Path("/work/shared/data/tokenizers/llama2")

@@ -1,6 +1,6 @@
 """Benchmark the draft-model methods (sd with several K, specdec++, sam+draft) against `ar`.
 
-    python tools/bench_draft_methods.py --target samctl/models/default/target \
+    python tools/bench/bench_draft_methods.py --target samctl/models/default/target \
         --draft samctl/models/default/draft --acc-head samctl/models/default/acc_head \
         --prompts ../shared/data/codealpaca.json --num-prompts 20 --max-new-tokens 128 --gammas 2 4 6
 
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

@@ -8,7 +8,7 @@ own drafter across calls and sees the same sequence of prompts, so memories grow
 first run every prompt once untimed (JIT caches, allocator growth). Rates are per wall second
 and per CPU second of this process (`time.process_time`, far steadier on a busy shared machine).
 
-    python tools/bench_hf.py --model /work/runs/smollm2 --prompts samctl/data/prompts/code_edit.txt --chat
+    python tools/bench/bench_hf.py --model /work/runs/smollm2 --prompts samctl/data/prompts/code_edit.txt --chat
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402

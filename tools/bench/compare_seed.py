@@ -1,7 +1,7 @@
 """samctl's automaton beside the seed's: SAM-Decoding's own `StaticSAM` (samd/sam/static_sam.py,
 copied unchanged from its repository to a path given with --seed), on the same corpus.
 
-Corpus: the head of the Python standard library as tools/bench_index.py tokenizes it (Llama 2
+Corpus: the head of the Python standard library as tools/bench/bench_index.py tokenizes it (Llama 2
 SentencePiece by default), whole files, --tokens each. Every measurement runs in a fresh
 process (`--child`), so one build's garbage cannot inflate the next one's peak:
 
@@ -13,7 +13,7 @@ process (`--child`), so one build's garbage cannot inflate the next one's peak:
               (match) and by brute force over every occurrence of the span's last token; all
               three must agree.
 
-    python tools/compare_seed.py --seed /work/runs/seed/static_sam.py --tokens 1000000,2600000
+    python tools/bench/compare_seed.py --seed /work/runs/seed/static_sam.py --tokens 1000000,2600000
 """
 from __future__ import annotations
 
@@ -31,11 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
 
-from bench_index import DEFAULT_TOKENIZER, corpus, head  # noqa: E402
+from tools.bench.bench_index import DEFAULT_TOKENIZER, corpus, head  # noqa: E402
 
 from samctl.index.automaton import SuffixAutomaton  # noqa: E402
 from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, save_datastore  # noqa: E402

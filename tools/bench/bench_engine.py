@@ -1,6 +1,6 @@
 """Engine overhead curve: what the decode loop costs beyond the target's forwards.
 
-    python tools/bench_engine.py --model /work/runs/smollm2 --threads 1
+    python tools/bench/bench_engine.py --model /work/runs/smollm2 --threads 1
 
 1) the target's greedy continuation of a prompt (HF model.generate, also timed: the baseline);
 2) `ar` through samctl's loop, same tokens, tokens/s against HF;
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from samctl.decode.drafters.base import NoDraft  # noqa: E402
 from samctl.decode.engine.kv_cache import with_cache  # noqa: E402

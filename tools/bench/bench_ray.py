@@ -6,7 +6,7 @@ runs the same `samctl generate --input ... --ray --workers W --threads 1` batch 
 included in its wall time), so the numbers are end-to-end batch throughput. Outputs of every run
 are checked equal (text and ids) to the first one's.
 
-    python tools/bench_ray.py --model /work/runs/smollm2 --input /work/runs/ray/bench_prompts.jsonl \\
+    python tools/bench/bench_ray.py --model /work/runs/smollm2 --input /work/runs/ray/bench_prompts.jsonl \\
         --max-new-tokens 48 --rounds 2
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from samctl.cli import main as samctl_main  # noqa: E402
 from samctl.cluster import LOCAL, start_ray  # noqa: E402

@@ -15,7 +15,7 @@ Records: document summaries and document questions (Spec-Bench `summarization` a
 edits (CodeAlpaca answers with an edit instruction) and the prompts in samctl/data/prompts, in
 the model's chat template, cut to --max-prompt tokens.
 
-    python tools/bench_batch.py --model /work/shared/models/SmolLM2-135M-Instruct.Q4_1.gguf \\
+    python tools/bench/bench_batch.py --model /work/shared/models/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --records 64 --batch-size 64 --max-new-tokens 64 --threads 1
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # End to end, as a user runs it: `samctl build` over old + new files versus
 # `samctl build --append-to old.sam new/` (tokenize + build + write each), alternated.
-#   tools/bench_append_cli.sh TOKENIZER OLD_DIR NEW_DIR WORK_DIR [ROUNDS]
+#   tools/bench/bench_append_cli.sh TOKENIZER OLD_DIR NEW_DIR WORK_DIR [ROUNDS]
 set -euo pipefail
 tok=$1 old=$2 new=$3 work=$4 rounds=${5:-2}
 export TOKENIZERS_PARALLELISM=false

@@ -1,6 +1,6 @@
 """Model-free predictions against end-to-end measurements: `samctl simulate` checked by `samctl bench`.
 
-    python tools/predicted_vs_measured.py --bench ../runs/bench_code --traces ../runs/data/code_edit_refs.jsonl \
+    python tools/bench/predicted_vs_measured.py --bench ../runs/bench_code --traces ../runs/data/code_edit_refs.jsonl \
         --cost-curve ../runs/smollm2_cpu_curve.json --max-new-tokens 128 [--sam STORE]
 
 1) measured: from the bench's records.jsonl, per category and method, the decode speedup over
@@ -24,13 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from samctl.decode.drafters.adaptive import AdaptiveConfig  # noqa: E402
 from samctl.decode.methods import REPLAYABLE, MethodConfig, make_drafter  # noqa: E402
 from samctl.decode.simulate import CostModel, make_trace, replay  # noqa: E402
 from samctl.index.load import load_datastore  # noqa: E402
-from samctl.index.load import load_datastore
 from samctl.commands.bench import report_category  # noqa: E402
 from samctl.costs import read_cost_curve  # noqa: E402
 

@@ -12,7 +12,7 @@ round, the configurations alternate in order. Reported per configuration and cli
 (medians over rounds): completion tokens per wall second, requests/s, p50 and p99 request latency,
 tokens per verify step, accepted / rejected prediction tokens.
 
-    python tools/bench_serve.py --model /work/shared/models/SmolLM2-135M-Instruct.Q4_1.gguf --threads 1 \
+    python tools/bench/bench_serve.py --model /work/shared/models/SmolLM2-135M-Instruct.Q4_1.gguf --threads 1 \
         --clients 1,4,16 --batch-size 16 --max-tokens 96 --rounds 2 \
         [--transformers-url http://127.0.0.1:8011]   # a running `transformers serve MODEL_FOLDER`
 """
@@ -30,7 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402

@@ -7,7 +7,7 @@ and the same row among 64 (0 = bitwise row independent), and the time of all 210
 scales through `torch._int_mm` or oneDNN's `qlinear_pointwise`, weight-only int8
 (`_weight_int8pack_mm`), and fbgemm's dynamic int8 (per-tensor activation scale).
 
-    python tools/bench_linear_kernels.py [layers=30] [candidates=plain,mkldnn_pp,...]
+    python tools/bench/bench_linear_kernels.py [layers=30] [candidates=plain,mkldnn_pp,...]
 """
 from __future__ import annotations
 
