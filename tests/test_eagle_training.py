@@ -120,7 +120,7 @@ def test_batched_answers_are_greedy_resumable_and_multi_turn(engine, tmp_path):
 
 
 def test_prompts_come_from_any_corpus_and_spec_bench_turns_are_kept_out(tmp_path):
-    from samctl.train.prompts import Prompt, drop_excluded, read_prompts
+    from samctl.train.prompts import drop_excluded, read_prompts
 
     (tmp_path / "a.jsonl").write_text(
         json.dumps({"instruction": "Sort this", "input": "3 1 2", "output": "1 2 3"}) + "\n"
