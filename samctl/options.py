@@ -116,6 +116,40 @@ def session_options(command: Callable) -> Callable:
     return sampling_options(engine_options(method_options(draft_options(command))))
 
 
+batch_size_option = click.option(
+    "--batch-size", type=int, default=None,
+    help="Records in flight at once on the batched engine, each output still exactly its own batch-1 output in "
+         "float32 and with --quantize int8 [default: 8 on a CPU, 32 on a GPU; 1 for methods without a batched form "
+         "(draft models, EAGLE, SDSAT) and --compare; with --ray, per worker].")
+
+
+def batch_size(opts: dict[str, Any], method: str, on_gpu: bool) -> int:
+    """--batch-size, or the default for the device; 1 (said once) where batching does not apply:
+    the method has no batched form, or --compare / --memory-file / --memory-save is given."""
+    from samctl.decode.batch import batch_refusal
+
+    asked = opts.get("batch_size")
+    if asked is not None and asked < 1:
+        raise UserError(f"--batch-size must be >= 1, got {asked}")
+    why = batch_refusal(method)
+    blocked = (why.rsplit(": use", 1)[0] if why else
+               "--compare times records one at a time" if opts.get("compare") else
+               "--memory-file/--memory-save keep one drafter's memory" if opts.get("memory_file") or opts.get("memory_save")
+               else "")
+    if blocked:
+        if asked is not None and asked > 1 and not opts.get("quiet"):
+            click.echo(f"samctl: note: {blocked}: batch size 1", err=True)
+        return 1
+    if asked is not None:
+        return asked
+    size = 32 if on_gpu else 8
+    if not opts.get("quiet"):
+        where = " per Ray worker" if opts.get("ray_address") is not None else ""
+        click.echo(f"samctl: up to {size} records in flight{where} on the batched engine (--batch-size to change)",
+                   err=True)
+    return size
+
+
 def session_config(opts: dict[str, Any], **changes: Any) -> "SessionConfig":
     """The SessionConfig of a command's parsed options (an option a command lacks keeps its default)."""
     from samctl.config import DRAFT_SETTINGS, SessionConfig

@@ -24,7 +24,7 @@ import click
 
 from samctl.decode.methods import ALL_METHODS, DEFAULT_METHOD
 from samctl.index.errors import UserError
-from samctl.options import session_config, session_options
+from samctl.options import batch_size, batch_size_option, session_config, session_options
 from samctl.textio import ERRORS
 
 _PROMPT_FIELDS_HELP = "the record field holding the prompt (default: prompt, turns, text, question, instruction)"
@@ -45,6 +45,7 @@ _PROMPT_FIELDS_HELP = "the record field holding the prompt (default: prompt, tur
 @click.option("--also", "also", multiple=True, metavar="INPUT",
               help="Also put this corpus in the store (as `samctl build` reads it; repeatable).")
 @click.option("--field", "prompt_field", metavar="NAME", help=_PROMPT_FIELDS_HELP)
+@batch_size_option
 @click.option("--max-new-tokens", type=int, default=256, show_default=True)
 @click.option("--chat/--no-chat", default=None,
               help="Apply the tokenizer's chat template to the prompts (the way the model will be asked) "
@@ -73,8 +74,10 @@ def distill(**opts: Any) -> None:
     producer = _producer(opts, engine, sampling)
     done = _answered(answers_path, producer, opts["quiet"])
 
-    # 1) answers, appended one record at a time so that an interrupted run loses at most one
+    # 1) answers, appended as they finish, in input order, so that an interrupted run loses at most
+    # the records in flight
     runner = RecordRunner(session, field=opts["prompt_field"])
+    size = batch_size(opts, config.method, on_gpu=engine.device.type != "cpu")
     if done and not opts["quiet"]:
         click.echo(f"samctl: resuming: {len(done)} prompt(s) already answered in {answers_path}", err=True)
     with open(opts["prompts_path"], encoding="utf-8", errors=ERRORS) as prompts, \
@@ -84,7 +87,9 @@ def distill(**opts: Any) -> None:
             out.write(json.dumps({**json.loads(line), "produced_by": producer}, ensure_ascii=False) + "\n")
             out.flush()
 
-        failed = runner.batch(_unanswered(prompts, done), write, opts["quiet"])
+        records = _unanswered(prompts, done)
+        failed = (runner.batch_many(records, write, opts["quiet"], None, size) if size > 1 else
+                  runner.batch(records, write, opts["quiet"]))
     if failed and not opts["quiet"]:
         click.echo(f"samctl: {failed} prompt(s) failed (see their `error` in {answers_path}); "
                    "run again to retry them", err=True)

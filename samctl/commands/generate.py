@@ -26,7 +26,7 @@ import click
 
 from samctl.decode.methods import ALL_METHODS, DEFAULT_METHOD, NOT_LOSSLESS, method as method_entry
 from samctl.index.errors import UserError
-from samctl.options import ignored_settings, session_config, session_options
+from samctl.options import batch_size, batch_size_option, ignored_settings, session_config, session_options
 from samctl.textio import TEXT_FILE, check_utf8
 
 @click.command("generate")
@@ -51,9 +51,7 @@ from samctl.textio import TEXT_FILE, check_utf8
                    "input order, as without --ray.")
 @click.option("--workers", type=int, default=None, help="--ray: worker actors [default: the cluster's CPUs / --threads, or its GPUs / --gpus-per-worker].")
 @click.option("--gpus-per-worker", type=float, default=0.0, show_default=True, help="--ray: GPUs each worker holds (0: CPU workers).")
-@click.option("--batch-size", type=int, default=None, help="Batch: records in flight at once on the batched engine, each "
-              "output still exactly its own batch-1 output in float32 and with --quantize int8 [default: 8 on a CPU, 32 on a "
-              "GPU; 1 for methods without a batched form (draft models, EAGLE, SDSAT) and --compare; with --ray, per worker].")
+@batch_size_option
 @click.option("--field", "prompt_field", metavar="NAME", help="Batch: the record field holding the prompt.")
 @click.option("--prediction", "prediction_file", type=TEXT_FILE,
               help="adaptive: the expected output (e.g. the file being edited), drafted from like the prompt; "
@@ -102,7 +100,7 @@ def generate(**opts: Any) -> None:
     if opts["ray_address"] is not None:
         from samctl.cluster import generate_on_ray
 
-        size = _batch_size(opts, config, on_gpu=opts["gpus_per_worker"] > 0)
+        size = batch_size(opts, config.method, on_gpu=opts["gpus_per_worker"] > 0)
         failed = _batch_to_output(opts, lambda records, write: generate_on_ray(
             opts, session_config(opts, quiet=True), records, write, batch_size=size))
         _exit_for(failed)
@@ -114,7 +112,7 @@ def generate(**opts: Any) -> None:
     if opts["input_file"] is not None:
         runner = RecordRunner(session, field=opts["prompt_field"], compare=opts["compare"])
         total = count_records(opts["input_file"])
-        size = _batch_size(opts, session.config, on_gpu=session.engine.device.type != "cpu")
+        size = batch_size(opts, session.config.method, on_gpu=session.engine.device.type != "cpu")
         if input_format == "openai":
             from samctl.records import OpenAIBatchRunner
 
@@ -155,32 +153,6 @@ def _single(session, text: str, opts: dict[str, Any], prediction: str | None) ->
     if opts["as_json"]:
         click.echo(json.dumps({**session.record, **out}, ensure_ascii=False))
     return mismatch
-
-
-def _batch_size(opts: dict[str, Any], config, on_gpu: bool) -> int:
-    """--batch-size, or the default for the device; 1 (said once) where batching does not apply."""
-    from samctl.decode.batch import batch_refusal
-
-    asked = opts["batch_size"]
-    if asked is not None and asked < 1:
-        raise UserError(f"--batch-size must be >= 1, got {asked}")
-    why = batch_refusal(config.method)
-    blocked = (why.rsplit(": use", 1)[0] if why else
-               "--compare times records one at a time" if opts["compare"] else
-               "--memory-file/--memory-save keep one drafter's memory" if opts["memory_file"] or opts["memory_save"]
-               else "")
-    if blocked:
-        if asked is not None and asked > 1 and not opts["quiet"]:
-            click.echo(f"samctl: note: {blocked}: batch size 1", err=True)
-        return 1
-    if asked is not None:
-        return asked
-    size = 32 if on_gpu else 8
-    if not opts["quiet"]:
-        where = " per Ray worker" if opts["ray_address"] is not None else ""
-        click.echo(f"samctl: up to {size} records in flight{where} on the batched engine (--batch-size to change)",
-                   err=True)
-    return size
 
 
 def _note_ignored(opts: dict[str, Any]) -> None:
