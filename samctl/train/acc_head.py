@@ -44,7 +44,7 @@ from samctl.decode.acceptance_head import (AcceptanceHead, Examples, HeadConfig,
                                     collect_examples, evaluate_head, train_head, weighted_bce)
 from samctl.index.errors import UserError
 from samctl.heads import model_fingerprint, save_head
-from samctl.runtime import Engine, load_draft, load_engine
+from samctl.session import Engine, load_draft, load_engine
 from samctl.train.prompts import read_prompts
 
 

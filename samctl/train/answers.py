@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from samctl.runtime import Engine
+from samctl.session import Engine
 
 if TYPE_CHECKING:
     from samctl.session import Session

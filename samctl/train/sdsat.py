@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from samctl.decode.sdsat import IGNORE, SatSettings, make_batch, sample_anchors, write_settings
 from samctl.heads import model_fingerprint
-from samctl.runtime import Engine, load_engine
+from samctl.session import Engine, load_engine
 from samctl.train.answers import cached_responses, write_responses
 
 NEW_SAT_TOKEN = "<|sat|>"
