@@ -46,7 +46,7 @@ import torch
 from samctl.decode.budget import TreeCalibration, choose_width
 from samctl.decode.drafters.base import Drafter
 from samctl.decode.engine.batched import BatchedTarget, measure_batch_cost
-from samctl.decode.engine.transfer import to_device
+from samctl.decode.engine.target import verify_input
 from samctl.decode.loop import GenerationConfig, _make_generator, _Output
 from samctl.decode.methods import REGISTRY, method as method_entry
 from samctl.decode.metrics import Metrics, PredictionUsage
@@ -308,7 +308,7 @@ class BatchRun:
                 if row.prefix:
                     row.drafter.keep_first(width)
         trees = [r.tree for r in active]
-        inputs = [_verify_input(r.t0, r.tree, target.device) for r in active]
+        inputs = [verify_input(r.t0, r.tree, target.device) for r in active]
 
         # 3) verify
         t_forward = time.perf_counter()
@@ -572,16 +572,3 @@ def _prefix(tree: DraftTree, k: int) -> DraftTree:
         return DraftTree.chain(tree.tokens[:k])
     return DraftTree(tokens=tree.tokens[:k], parents=tree.parents[:k])
 
-
-def _verify_input(t0: int, tree: DraftTree, device: torch.device) -> torch.Tensor:
-    # -> [1 + m] int64 on device: the pending token then the draft nodes (placeholders -1)
-    tokens = tree.tokens
-    if isinstance(tokens, torch.Tensor):
-        ids = torch.empty(len(tree) + 1, dtype=torch.int64, device=device)
-        ids[0] = t0
-        ids[1:] = tokens
-        return ids
-    ids = np.empty(len(tree) + 1, dtype=np.int64)
-    ids[0] = t0
-    ids[1:] = tokens
-    return to_device(ids, device)
