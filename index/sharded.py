@@ -48,7 +48,7 @@ from numba import njit
 from samctl.index.automaton import COUNT, E_DST, E_NEXT, E_TOK, EDGE_DST, EDGE_TOK, HEAD, SuffixAutomaton, sam_step
 from samctl.index.datastore import CorpusStats, Datastore, Lookup, StoreMeta, load_single, parse_meta, save_datastore
 from samctl.index.errors import ConfigError, UserError
-from samctl.index.store import StoreError, _fsync_directory
+from samctl.index.store import StoreError, _fsync_directory, _umask
 
 MANIFEST = "manifest.json"
 FORMAT = "samctl-sharded-store"
@@ -468,12 +468,6 @@ class StoreDirectoryWriter:
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 old.unlink()
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def build_shard(path: str | os.PathLike, tokens: np.ndarray, doc_offsets: np.ndarray, meta: StoreMeta) -> dict[str, Any]:
