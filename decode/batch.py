@@ -47,7 +47,7 @@ from samctl.decode.budget import TreeCalibration, choose_width
 from samctl.decode.drafters.base import Drafter
 from samctl.decode.engine.batched import BatchedTarget, measure_batch_cost
 from samctl.decode.engine.target import verify_input
-from samctl.decode.loop import GenerationConfig, _make_generator, _Output
+from samctl.decode.loop import GenerationConfig, _make_generator, _Output, prompt_error
 from samctl.decode.methods import REGISTRY, method as method_entry
 from samctl.decode.metrics import Metrics, PredictionUsage
 from samctl.decode.sampling import choose_tokens
@@ -238,7 +238,7 @@ class BatchRun:
         (finish reason "stop"); `prediction`: token ids of the expected output, for a drafter with
         `expect`. A prompt that is empty or fills the context is a UserError."""
         ids = np.asarray(prompt, dtype=np.int64).reshape(-1)
-        error = _record_error(ids, self.target.max_positions)
+        error = prompt_error(ids, self.target.max_positions)
         if error:
             raise UserError(error)
         if generator is None and not config.sampling.greedy:
@@ -480,7 +480,7 @@ def stream_batch(
     max_positions = BatchedTarget(model, 1, 2).max_positions  # cheap: the cache allocates lazily
     valid = []
     for i, prompt in enumerate(records):
-        error = _record_error(prompt, max_positions)
+        error = prompt_error(prompt, max_positions)
         if error:
             stats.records += 1
             yield BatchResult(i, [], "error", Metrics(), error)
@@ -517,14 +517,6 @@ def generate_batch(
         if on_result is not None:
             on_result(result)
     return [results[i] for i in sorted(results)]
-
-
-def _record_error(prompt: np.ndarray, max_positions: int) -> str:
-    if len(prompt) == 0:
-        return "the prompt is empty: give at least one token of text"
-    if len(prompt) + 1 > max_positions:
-        return f"prompt is {len(prompt)} tokens, the model's context is {max_positions}: shorten the prompt"
-    return ""
 
 
 def _choose(rows: Sequence[_Row], logits: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:

@@ -17,7 +17,7 @@ from samctl.decode.accept import speculative_accept
 from samctl.decode.acceptance_head import AcceptanceHead, HeadConfig
 from samctl.decode.draft_model import DraftModel
 from samctl.decode.drafters.base import Drafter
-from samctl.decode.drafters.draft import DraftConfig, SpecDecConfig
+from samctl.decode.configs import DraftConfig, SpecDecConfig
 from samctl.decode.drafters.ouroboros import OuroborosConfig
 from samctl.decode.drafters.sam import SamConfig
 from samctl.decode.loop import GenerationConfig, generate

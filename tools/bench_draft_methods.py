@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from samctl.decode.drafters.base import NoDraft  # noqa: E402
-from samctl.decode.drafters.draft import DraftConfig, SpecDecConfig  # noqa: E402
+from samctl.decode.configs import DraftConfig, SpecDecConfig  # noqa: E402
 from samctl.decode.loop import GenerationConfig, generate  # noqa: E402
 from samctl.decode.methods import MethodConfig  # noqa: E402
 from samctl.index.errors import UserError  # noqa: E402

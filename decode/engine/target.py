@@ -23,7 +23,7 @@ import torch
 
 from samctl.decode.engine.attention import NAME as FOLDED, ROWWISE, use_folded_gqa
 from samctl.decode.engine.kv_cache import StaticKVCache, with_cache
-from samctl.decode.engine.transfer import to_device  # noqa: F401  (re-exported: drafters import it from here)
+from samctl.decode.engine.transfer import to_device
 from samctl.decode.tree import DraftTree, ancestor_matrix
 from samctl.index.errors import UserError
 
