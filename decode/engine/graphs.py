@@ -113,6 +113,8 @@ class VerifyGraphs:
         self.generation: int | None = None  # the cache storage generation the graphs hold
         self.buckets: tuple[int, ...] = ()
         self.captures = 0  # graphs captured so far (all widths x buckets per prepare)
+        self.prepares = 0  # capture rounds: 1 unless the cache had to grow past `reserve`
+        self.replays = 0
         self.failed: str | None = None  # why graphs are off for good, after a failed capture
         self._inputs = {w: _Inputs(w, target.device) for w in widths}
         self._mask: torch.Tensor | None = None  # [max width, capacity], shared by every graph
@@ -154,6 +156,7 @@ class VerifyGraphs:
         torch.add(inputs.arange, past, out=inputs.write_positions)
         self._fill_mask(self._mask[:width, :keys], tree, past, q)
         g.replay()
+        self.replays += 1
         cache.set_length(past + q)
         if self.target.wants_hidden:
             self.target.hidden = g.hidden[:q]
@@ -187,6 +190,7 @@ class VerifyGraphs:
             warnings.warn(f"samctl: CUDA graph capture failed ({self.failed}); the verify forward runs eagerly",
                           RuntimeWarning, stacklevel=3)
             self.generation = None
+        self.prepares += 1
 
     def _capture(self, width: int, keys: int, pool: object) -> _Graph:
         cache, model = self.target.cache, self.target.model
