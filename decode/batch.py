@@ -46,8 +46,8 @@ import torch
 from samctl.decode.budget import TreeCalibration, choose_width
 from samctl.decode.drafters.base import Drafter
 from samctl.decode.engine.batched import BatchedTarget, measure_batch_cost
-from samctl.decode.engine.transfer import to_device
-from samctl.decode.loop import GenerationConfig, _make_generator, _Output
+from samctl.decode.engine.target import verify_input
+from samctl.decode.loop import GenerationConfig, _make_generator, _Output, prompt_error
 from samctl.decode.methods import REGISTRY, method as method_entry
 from samctl.decode.metrics import Metrics, PredictionUsage
 from samctl.decode.sampling import choose_tokens
@@ -238,7 +238,7 @@ class BatchRun:
         (finish reason "stop"); `prediction`: token ids of the expected output, for a drafter with
         `expect`. A prompt that is empty or fills the context is a UserError."""
         ids = np.asarray(prompt, dtype=np.int64).reshape(-1)
-        error = _record_error(ids, self.target.max_positions)
+        error = prompt_error(ids, self.target.max_positions)
         if error:
             raise UserError(error)
         if generator is None and not config.sampling.greedy:
@@ -308,7 +308,7 @@ class BatchRun:
                 if row.prefix:
                     row.drafter.keep_first(width)
         trees = [r.tree for r in active]
-        inputs = [_verify_input(r.t0, r.tree, target.device) for r in active]
+        inputs = [verify_input(r.t0, r.tree, target.device) for r in active]
 
         # 3) verify
         t_forward = time.perf_counter()
@@ -480,7 +480,7 @@ def stream_batch(
     max_positions = BatchedTarget(model, 1, 2).max_positions  # cheap: the cache allocates lazily
     valid = []
     for i, prompt in enumerate(records):
-        error = _record_error(prompt, max_positions)
+        error = prompt_error(prompt, max_positions)
         if error:
             stats.records += 1
             yield BatchResult(i, [], "error", Metrics(), error)
@@ -517,14 +517,6 @@ def generate_batch(
         if on_result is not None:
             on_result(result)
     return [results[i] for i in sorted(results)]
-
-
-def _record_error(prompt: np.ndarray, max_positions: int) -> str:
-    if len(prompt) == 0:
-        return "the prompt is empty: give at least one token of text"
-    if len(prompt) + 1 > max_positions:
-        return f"prompt is {len(prompt)} tokens, the model's context is {max_positions}: shorten the prompt"
-    return ""
 
 
 def _choose(rows: Sequence[_Row], logits: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
@@ -572,16 +564,3 @@ def _prefix(tree: DraftTree, k: int) -> DraftTree:
         return DraftTree.chain(tree.tokens[:k])
     return DraftTree(tokens=tree.tokens[:k], parents=tree.parents[:k])
 
-
-def _verify_input(t0: int, tree: DraftTree, device: torch.device) -> torch.Tensor:
-    # -> [1 + m] int64 on device: the pending token then the draft nodes (placeholders -1)
-    tokens = tree.tokens
-    if isinstance(tokens, torch.Tensor):
-        ids = torch.empty(len(tree) + 1, dtype=torch.int64, device=device)
-        ids[0] = t0
-        ids[1:] = tokens
-        return ids
-    ids = np.empty(len(tree) + 1, dtype=np.int64)
-    ids[0] = t0
-    ids[1:] = tokens
-    return to_device(ids, device)

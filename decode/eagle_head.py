@@ -17,7 +17,7 @@ rows of lm_head only, which makes each drafting forward's output layer V / N tim
 target still verifies with its full vocabulary, so this costs acceptance, never correctness.
 
 Knows tensors and the target's modules; never files, text or the decode loop (the drafter that
-runs it is decode/drafters/eagle.py, the head file samctl/eagle_heads.py).
+runs it is decode/drafters/eagle.py, the head file samctl/heads.py).
 """
 from __future__ import annotations
 

@@ -94,12 +94,9 @@ def generate(
     """Generate up to config.max_new_tokens after prompt_ids with drafts from `drafter`;
     `on_tokens` gets the new tokens of each step and may return True to stop after them."""
     prompt = np.asarray(prompt_ids, dtype=np.int64)
-    if len(prompt) == 0:
-        raise UserError("the prompt is empty: give at least one token of text")
-    if len(prompt) + 1 > target.max_positions:
-        raise UserError(
-            f"prompt is {len(prompt)} tokens, {target.context_note} is {target.max_positions}: shorten the prompt"
-        )
+    error = prompt_error(prompt, target.max_positions, target.context_note)
+    if error:
+        raise UserError(error)
     generator = _make_generator(config.sampling, target.device)
     metrics = Metrics()
     out = _Output(config, on_tokens)
@@ -132,6 +129,15 @@ def generate(
     metrics.time_s = time.perf_counter() - start
     metrics.cpu_s = time.process_time() - cpu_start
     return GenerationResult(tokens=out.tokens, finish_reason=out.finish_reason, metrics=metrics)
+
+
+def prompt_error(prompt: np.ndarray, max_positions: int, context_note: str = "the model's context") -> str:
+    """Why no token can be generated after `prompt` ("" when one can)."""
+    if len(prompt) == 0:
+        return "the prompt is empty: give at least one token of text"
+    if len(prompt) + 1 > max_positions:
+        return f"prompt is {len(prompt)} tokens, {context_note} is {max_positions}: shorten the prompt"
+    return ""
 
 
 def _step(

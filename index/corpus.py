@@ -169,17 +169,6 @@ class CorpusReader:
         return Document(where, record_text(record, self.fields, where))
 
 
-def iter_documents(
-    inputs: Iterable[str],
-    include: Iterable[str] = (),
-    exclude: Iterable[str] = (),
-    fields: Iterable[str] = (),
-    stdin: TextIO | None = None,
-) -> Iterator[Document]:
-    """The documents of `inputs`; use CorpusReader directly to see the counts."""
-    return iter(CorpusReader(inputs, include, exclude, fields, stdin))
-
-
 def iter_prompts(
     inputs: Iterable[str],
     include: Iterable[str] = (),

@@ -234,7 +234,7 @@ def read_meta(path: str | os.PathLike, verify: bool = False) -> tuple[StoreFile,
     """The store file and its validated header, without loading (or validating) the structure:
     what `samctl info` shows. `samctl.index.load.load_datastore` is the way to use a store."""
     store = read_store(path, verify=verify)
-    return store, _parse_meta(store)
+    return store, parse_meta(store.header, store.path)
 
 
 def structure_counts(store: StoreFile, kind: str) -> dict[str, int]:
@@ -248,10 +248,6 @@ def structure_counts(store: StoreFile, kind: str) -> dict[str, int]:
 
 # ---------------------------------------------------------------------------------------------
 # header validation: the header is untrusted, every field is type-checked
-
-
-def _parse_meta(store: StoreFile) -> StoreMeta:
-    return parse_meta(store.header, store.path)
 
 
 def parse_meta(header: dict[str, Any], name: str) -> StoreMeta:

@@ -48,7 +48,7 @@ from numba import njit
 from samctl.index.automaton import COUNT, E_DST, E_NEXT, E_TOK, EDGE_DST, EDGE_TOK, HEAD, SuffixAutomaton, sam_step
 from samctl.index.datastore import CorpusStats, Datastore, Lookup, StoreMeta, load_single, parse_meta, save_datastore
 from samctl.index.errors import ConfigError, UserError
-from samctl.index.store import StoreError, _fsync_directory
+from samctl.index.store import StoreError, _fsync_directory, _umask
 
 MANIFEST = "manifest.json"
 FORMAT = "samctl-sharded-store"
@@ -470,25 +470,9 @@ class StoreDirectoryWriter:
                 old.unlink()
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def build_shard(path: str | os.PathLike, tokens: np.ndarray, doc_offsets: np.ndarray, meta: StoreMeta) -> dict[str, Any]:
-    """Build the automaton of one shard and write it to path; returns its manifest entry.
-
-    tokens: [n] int32 of the shard's documents; doc_offsets: [d+1] int64 from 0 to n. `meta` is
-    the whole store's: the shard's header keeps its tokenizer and build config, with its own
-    corpus counts.
-    """
-    automaton = SuffixAutomaton.build(np.ascontiguousarray(tokens, dtype=np.int32), doc_offsets)
-    return save_shard(path, automaton, meta)
-
-
 def save_shard(path: str | os.PathLike, automaton: SuffixAutomaton, meta: StoreMeta) -> dict[str, Any]:
-    """Write one shard's automaton (see build_shard); returns its manifest entry."""
+    """Write one shard's automaton to path; returns its manifest entry. `meta` is the whole
+    store's: the shard's header keeps its tokenizer and build config, with its own corpus counts."""
     corpus = CorpusStats(documents=automaton.num_documents, tokens=automaton.num_tokens,
                          inputs=(f"shard {os.path.basename(path)} of {', '.join(meta.corpus.inputs)}",))
     save_datastore(path, automaton, dataclasses.replace(meta, corpus=corpus))

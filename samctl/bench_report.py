@@ -28,6 +28,13 @@ BASELINE = "ar"
 HF_BASELINE = "hf-greedy"
 OVERALL = "overall"
 MIN_TIMED_TOKENS = 8  # shorter answers are listed, not timed into a speedup
+MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+
+
+def report_category(category: Any) -> str:
+    """The category results are reported under: MT-bench's eight together, as Spec-Bench does."""
+    category = str(category) if category not in (None, "") else "uncategorized"
+    return "mt_bench" if category in MT_BENCH else category
 
 
 def short_answers(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

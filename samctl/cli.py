@@ -32,9 +32,9 @@ class _LazyGroup(click.Group):
             raise _PipeClosed() from err
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        from samctl.commands import command_names
+        from samctl.commands import COMMANDS
 
-        return command_names()
+        return [name for name, _ in COMMANDS]
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         from samctl.commands import load_command

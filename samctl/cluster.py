@@ -12,7 +12,7 @@ are grouped into chunks and tokenized by Ray Data `map_batches` on the cluster, 
 Generating (`generate_on_ray`): Ray Data `map_batches` over the input records with one actor
 per worker; each actor holds the model, the store (memory-mapped) and one drafter with its
 cross-request memory, and turns a record into its output line exactly as the local batch does
-(samctl.commands.generate.Worker). Records come back in input order and are written as they
+(samctl.records.RecordRunner). Records come back in input order and are written as they
 arrive, so a killed run can be resumed.
 
 Not in index/ or decode/: they never import ray.

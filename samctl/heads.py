@@ -1,15 +1,21 @@
-"""SpecDec++ acceptance-head files: a folder with `head.safetensors` and `head.json`.
+"""Head files: SpecDec++ acceptance heads and EAGLE heads, each a folder of safetensors + JSON.
 
-`head.json` holds the format name and version, the head's shape (hidden size, blocks, shared
-blocks), the fingerprints of the target and draft models it was trained for, and a free-form
-`training` record. A model's fingerprint is a hash of its architecture config (runtime-only keys
-such as dtype, name and version left out) plus its tokenizer's fingerprint; a head is refused with
-any other pair, since its predictions are about that pair's acceptances. A digest of a few
-embedding weights is recorded too: retrained weights of the same architecture only get a note,
-because the digest may differ across load dtypes. The JSON is untrusted input: every field is
-checked before use. No pickle.
+An acceptance head is `head.safetensors` and `head.json`: the format name and version, the head's
+shape (hidden size, blocks, shared blocks), the fingerprints of the target and draft models it
+was trained for, and a free-form `training` record. A model's fingerprint is a hash of its
+architecture config (runtime-only keys such as dtype, name and version left out) plus its
+tokenizer's fingerprint; a head is refused with any other pair, since its predictions are about
+that pair's acceptances. A digest of a few embedding weights is recorded too: retrained weights of
+the same architecture only get a note, because the digest may differ across load dtypes.
 
-This module knows files and fingerprints; the head itself is `decode.acceptance_head`.
+An EAGLE head is `eagle.safetensors` and `eagle.json`: the format name and version, the target's
+fingerprint and a `training` record (data, steps, held-out accuracy). The head's shapes follow
+from the target's config, so a head is refused for any other target architecture or tokenizer.
+Its weights hold the head's own parameters (fc and one decoder layer) and, if it has one, its
+draft vocabulary (int64 ids); the target's embedding and lm_head are never stored.
+
+The JSON is untrusted input: every field is checked before use. No pickle. This module knows
+files and fingerprints; the heads themselves are `decode.acceptance_head` and `decode.eagle_head`.
 """
 from __future__ import annotations
 
@@ -23,12 +29,18 @@ import click
 import torch
 
 from samctl.decode.acceptance_head import AcceptanceHead, HeadConfig
+from samctl.decode.eagle_head import EagleHead
+from samctl.gguf_cache import first_line
 from samctl.index.errors import UserError
 from samctl.tokenizer import tokenizer_fingerprint
 
 FORMAT = "samctl-acceptance-head"
 VERSION = 1
 WEIGHTS, CONFIG = "head.safetensors", "head.json"
+EAGLE_FORMAT = "samctl-eagle-head"
+EAGLE_VERSION = 1
+EAGLE_WEIGHTS, EAGLE_CONFIG = "eagle.safetensors", "eagle.json"
+_EAGLE_HINT = "train one for this model with `samctl train eagle`"
 # Config keys that say how a model was saved or run, not what it computes.
 _RUNTIME_KEYS = {"transformers_version", "architectures", "output_hidden_states", "output_attentions",
                  "return_dict", "dtype", "torch_dtype", "use_cache", "id2label", "label2id", "problem_type",
@@ -72,7 +84,45 @@ def load_head(path: str | Path, target: dict[str, str], draft: dict[str, str],
     return head.to(device).eval()
 
 
-# -- what every kind of head folder shares (acceptance heads here, EAGLE heads in eagle_heads.py) --
+def save_eagle_head(path: str | Path, head: EagleHead, target: dict[str, str], training: dict[str, Any],
+                    dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write the head folder (weights first, then the JSON that makes it loadable)."""
+    tensors = {name: t.detach().cpu().to(dtype if t.is_floating_point() else t.dtype).contiguous()
+               for name, t in head.state_dict().items()}
+    meta = {"format": EAGLE_FORMAT, "version": EAGLE_VERSION, "hidden_size": head.hidden_size, "target": target,
+            "training": training}
+    write_head_folder(Path(path), EAGLE_WEIGHTS, tensors, EAGLE_CONFIG, meta)
+
+
+def load_eagle_head(path: str | Path, target_model: torch.nn.Module, target: dict[str, str]) -> EagleHead:
+    """The head in `path`, bound to `target_model` (its device and dtype); UserError if the folder is
+    damaged or the head was trained for another model."""
+    folder = Path(path)
+    meta = _read_eagle_meta(folder)
+    check_trained_for(f"EAGLE head {folder}", "model", meta["target"], target, _EAGLE_HINT)
+    if meta["hidden_size"] != int(target_model.config.hidden_size):
+        raise UserError(f"EAGLE head {folder} has hidden size {meta['hidden_size']}, the model "
+                        f"{target_model.config.hidden_size}: {_EAGLE_HINT}")
+    tensors = read_head_weights(folder, EAGLE_WEIGHTS)
+    param = next(target_model.parameters())
+    vocab = tensors.get("vocab")
+    if vocab is not None and (vocab.ndim != 1 or vocab.dtype != torch.int64):
+        raise UserError(f"{folder / EAGLE_WEIGHTS} has a malformed draft vocabulary: retrain the head")
+    head = EagleHead(target_model, vocab=vocab)
+    load_head_weights(head, tensors, folder, EAGLE_WEIGHTS, EAGLE_CONFIG)
+    return head.to(device=param.device, dtype=param.dtype).eval()  # .to(dtype) leaves the int64 vocab alone
+
+
+def _read_eagle_meta(folder: Path) -> dict[str, Any]:
+    meta = read_head_header(folder, EAGLE_CONFIG, EAGLE_WEIGHTS, EAGLE_FORMAT, EAGLE_VERSION, "an EAGLE head",
+                            "`samctl train eagle`")
+    meta["target"] = fingerprint_field(meta.get("target"))
+    if not (isinstance(meta.get("hidden_size"), int) and 0 < meta["hidden_size"] <= 1 << 16 and meta["target"]):
+        raise UserError(f"{folder / EAGLE_CONFIG} has missing or invalid fields: retrain the head")
+    return meta
+
+
+# -- what every kind of head folder shares --
 
 def write_head_folder(folder: Path, weights: str, tensors: dict[str, torch.Tensor], config: str,
                       meta: dict[str, Any]) -> None:
@@ -112,8 +162,7 @@ def load_head_weights(head: torch.nn.Module, tensors: dict[str, torch.Tensor], f
     try:
         head.load_state_dict(tensors)
     except RuntimeError as err:
-        first = str(err).strip().splitlines()[0][:200]
-        raise UserError(f"{folder / weights} does not match its {config} ({first}): retrain the head") from err
+        raise UserError(f"{folder / weights} does not match its {config} ({first_line(err)}): retrain the head") from err
 
 
 def fingerprint_field(value: Any) -> dict[str, str | None] | None:

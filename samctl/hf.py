@@ -8,7 +8,7 @@
 Contract. transformers prepares the inputs, the generation config, the logits processors and the
 stopping criteria, then calls the callable with the model and `input_ids` [1, n]. This module
 turns what it is handed into samctl settings, runs `decode.loop.generate` on the model (wrapped
-by `samctl.runtime.engine_for`, which keeps its own KV cache; transformers' empty cache is
+by `samctl.session.engine_for`, which keeps its own KV cache; transformers' empty cache is
 unused) and returns what `generate` returns: `sequences` [1, n + k] (prompt, then the new tokens,
 EOS included), or a `GenerateDecoderOnlyOutput` holding only `sequences` with
 `return_dict_in_generate=True`. Honoured: `max_new_tokens`/`max_length`, the EOS ids, `streamer`,
@@ -38,8 +38,7 @@ from samctl.decode.methods import DEFAULT_METHOD, method as method_entry, settin
 from samctl.decode.sampling import SamplingConfig
 from samctl.index.datastore import Datastore
 from samctl.index.errors import UserError
-from samctl.runtime import Engine, engine_for, load_store
-from samctl.session import Session, SessionConfig
+from samctl.session import Engine, Session, SessionConfig, engine_for, load_store
 
 _STOPPING = ("MaxLengthCriteria", "EosTokenCriteria")  # the stopping criteria samctl applies itself
 _OUTPUT_FLAGS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")

@@ -100,6 +100,15 @@ class Progress:
         self.lines += 1
 
 
+def human_bytes(size: float) -> str:
+    """1234567 -> "1.2 MB" (decimal units), for status lines and reports."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    raise AssertionError(f"unreachable for size {size}")
+
+
 def _duration(seconds: float) -> str:
     seconds = int(round(seconds))
     if seconds < 60:

@@ -283,9 +283,9 @@ class OpenAIBatchRunner:
     def batch(self, records: Iterable[tuple[int, str]], write: Callable[[str], None], quiet: bool,
               total: int | None = None) -> int:
         """As RecordRunner.batch; returns the number of lines whose status is not 200."""
-        from samctl.scheduler import BatchScheduler, SerialScheduler
+        from samctl.scheduler import BatchScheduler
 
-        scheduler = BatchScheduler(self.sessions, self.batch_size) if self.batch_size > 1 else SerialScheduler()
+        scheduler = BatchScheduler(self.sessions, self.batch_size)
         failed = 0
         window: list = []
         try:

@@ -13,20 +13,18 @@ asyncio.Queue):
 
 The contract a scheduler keeps (`submit`, `close`, `running`, `waiting`): every submitted job
 gets exactly one of done / error / cancelled, last; a cancelled job stops at its next step and
-frees its slot; `close` finishes what was submitted, then returns. `BatchScheduler` (the
-server's default) runs up to --batch-size jobs at once as rows of the batched engine
-(decode.batch.BatchRun), refilling free slots between steps; `SerialScheduler` runs one job at a
-time (batch 1, --batch-size 1).
+frees its slot; `close` finishes what was submitted, then returns. `BatchScheduler` runs up to
+--batch-size jobs at once as rows of the batched engine (decode.batch.BatchRun), refilling free
+slots between steps; with --batch-size 1 it runs one job at a time on its session (batch 1).
 
 This module knows Sessions, token ids and text; not HTTP, not pydantic.
 """
 from __future__ import annotations
 
-import queue
 import threading
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import numpy as np
 
@@ -240,54 +238,6 @@ class Job:
         return self._stop.stopped
 
 
-class Scheduler(Protocol):
-    running: int
-    waiting: int
-
-    def submit(self, job: Job) -> None: ...
-
-    def close(self, timeout: float | None = None) -> None: ...
-
-
-class SerialScheduler:
-    """Batch 1: a queue and one worker thread that runs one job at a time, in arrival order."""
-
-    def __init__(self) -> None:
-        self._queue: queue.Queue[Job | None] = queue.Queue()
-        self._closed = False
-        self.running = 0
-        self._thread = threading.Thread(target=self._work, name="samctl-worker", daemon=True)
-        self._thread.start()
-
-    @property
-    def waiting(self) -> int:
-        return self._queue.qsize()
-
-    def submit(self, job: Job) -> None:
-        if self._closed:
-            job.sink(("error", RequestError("the server is shutting down", status=503, kind="server_error")))
-            return
-        self._queue.put(job)
-
-    def close(self, timeout: float | None = None) -> None:
-        """Finish every job submitted so far, then stop the worker."""
-        if not self._closed:
-            self._closed = True
-            self._queue.put(None)
-        self._thread.join(timeout)
-
-    def _work(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            self.running = 1
-            try:
-                job.run()
-            finally:
-                self.running = 0
-
-
 class _SessionDrafters(DrafterPool):
     """A session's drafters for the batched engine (a decode.batch.DrafterPool), and its share
     of the cross-request memory: every response is remembered by the session's kept drafter (the
@@ -340,9 +290,10 @@ class BatchScheduler:
     """Jobs share the batched engine (decode.batch.BatchRun): up to `batch_size` generate at once,
     each a row with its own length, sampling, stop strings and prediction; a job arriving while
     the batch runs joins a free slot between two steps; a cancelled job leaves at the next step.
-    A job whose method has no batched form (draft models, EAGLE, SDSAT)
-    runs alone on its session (batch 1) between two steps, the batch waiting. One worker thread
-    owns the model; with nothing to do it sleeps on a condition."""
+    A job whose method has no batched form (draft models, EAGLE, SDSAT), and every job when
+    `batch_size` is 1, runs alone on its session (batch 1) between two steps, the batch waiting,
+    in arrival order. One worker thread owns the model; with nothing to do it sleeps on a
+    condition."""
 
     def __init__(self, sessions: Sessions, batch_size: int = 8) -> None:
         if batch_size < 1:
@@ -389,9 +340,9 @@ class BatchScheduler:
                     self._cond.wait()
                 if self._closed and not self._inbox and not self._jobs:
                     return
-                arrived = list(self._inbox)
-                self._inbox.clear()
-            for job in arrived:
+            while self._inbox:  # one at a time: the rest count as waiting meanwhile
+                with self._cond:
+                    job = self._inbox.popleft()
                 self._take(job)
             if self._jobs:
                 self._step()
@@ -402,7 +353,7 @@ class BatchScheduler:
         # and its client learns why.
         session = self.sessions.by_store[self.sessions.default_store]
         try:
-            if not session.batch_refusal():
+            if self.batch_size > 1 and not session.batch_refusal():
                 self._run = session.batch_run(self.batch_size)
         except Exception:
             self._run = None
@@ -414,7 +365,7 @@ class BatchScheduler:
             return
         session, ids, max_new_tokens = prepared
         try:
-            if session.batch_refusal():
+            if self.batch_size == 1 or session.batch_refusal():
                 self._alone = 1
                 job.generate(session, ids, max_new_tokens)
                 return

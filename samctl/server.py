@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from samctl.decode.loop import GenerationResult
 from samctl.openai_api import (ChatChunk, ChatRequest, ChunkChoice, Completion, CompletionRequest, Delta, ModelCard,
                                ModelList, TextChoice, completion, invalid, job_request, new_id, now, usage_of)
-from samctl.scheduler import BatchScheduler, Job, RequestError, Scheduler, SerialScheduler, Sessions
+from samctl.scheduler import BatchScheduler, Job, RequestError, Sessions
 
 POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
@@ -64,7 +64,7 @@ class Counters:
                 self.prediction_accepted += result.prediction.accepted
                 self.prediction_rejected += result.prediction.rejected
 
-    def prometheus(self, scheduler: Scheduler) -> str:
+    def prometheus(self, scheduler: BatchScheduler) -> str:
         # tokens per verify step: each step commits its accepted drafts plus one bonus token
         mean = 1.0 + self.accepted / self.steps if self.steps else 0.0
         lines = ["# HELP samctl_requests_total Requests finished, by outcome.",
@@ -86,11 +86,10 @@ class Counters:
         return "\n".join(lines) + "\n"
 
 
-def create_app(sessions: Any, *, scheduler: Scheduler | None = None, batch_size: int = 8,
+def create_app(sessions: Any, *, scheduler: BatchScheduler | None = None, batch_size: int = 8,
                api_key: str | None = None) -> FastAPI:
     """The ASGI app over `sessions` (a Session, or a samctl.scheduler.Sessions of several stores);
-    `scheduler` defaults to a BatchScheduler of `batch_size` rows (a SerialScheduler for 1),
-    started with the app."""
+    `scheduler` defaults to a BatchScheduler of `batch_size` rows, started with the app."""
     if not isinstance(sessions, Sessions):
         sessions = Sessions({sessions.config.store: sessions})
     counters = Counters()
@@ -99,7 +98,7 @@ def create_app(sessions: Any, *, scheduler: Scheduler | None = None, batch_size:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if state["scheduler"] is None:
-            state["scheduler"] = BatchScheduler(sessions, batch_size) if batch_size > 1 else SerialScheduler()
+            state["scheduler"] = BatchScheduler(sessions, batch_size)
         app.state.scheduler = state["scheduler"]
         yield
         # uvicorn has waited for the open requests; the worker finishes what it holds, then stops
@@ -145,21 +144,20 @@ def create_app(sessions: Any, *, scheduler: Scheduler | None = None, batch_size:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        job, events, started = await _start(body, request)
-        if body.stream:
-            return _sse(_chat_stream(new_id("chatcmpl"), body, job, events, started))
-        text, result, reason = await _collect(job, events, started, request)
-        return completion(body, sessions.model_name, text, started, result, reason)
+        return await _respond(body, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        job, events, started = await _start(body, request)
-        if body.stream:
-            return _sse(_completion_stream(new_id("cmpl"), body, job, events, started))
-        text, result, reason = await _collect(job, events, started, request)
-        return completion(body, sessions.model_name, text, started, result, reason)
+        return await _respond(body, request)
 
     # -- jobs ---------------------------------------------------------------------------------
+
+    async def _respond(body: ChatRequest | CompletionRequest, request: Request):
+        job, events, started = await _start(body, request)
+        if body.stream:
+            return _sse(_stream(body, job, events, started))
+        text, result, reason = await _collect(job, events, started, request)
+        return completion(body, sessions.model_name, text, started, result, reason)
 
     async def _start(body: ChatRequest | CompletionRequest, request: Request) -> tuple[Job, asyncio.Queue, int]:
         """Submit the job; wait until it has started (so that a refusal is still a plain JSON
@@ -231,43 +229,34 @@ def create_app(sessions: Any, *, scheduler: Scheduler | None = None, batch_size:
                 job.cancel()
                 counters.finished("cancelled")
 
-    async def _chat_stream(rid: str, body: ChatRequest, job: Job, events: asyncio.Queue,
-                           prompt_tokens: int) -> AsyncIterator[str]:
-        def chunk(delta: Delta, reason: str | None = None) -> str:
-            return _data(ChatChunk(id=rid, created=created_at, model=sessions.model_name,
-                                   choices=[ChunkChoice(delta=delta, finish_reason=reason)]))
+    async def _stream(body: ChatRequest | CompletionRequest, job: Job, events: asyncio.Queue,
+                      prompt_tokens: int) -> AsyncIterator[str]:
+        """SSE: a chat request's deltas (after one that opens the assistant's turn) or a completion's
+        text pieces, then the finish reason, the usage when asked for, and [DONE]."""
+        chat, created_at = isinstance(body, ChatRequest), now()
+        rid = new_id("chatcmpl" if chat else "cmpl")
 
-        created_at = now()
-        yield chunk(Delta(role="assistant", content=""))
-        async for event in _events(job, events, prompt_tokens):
-            if event[0] == "text":
-                yield chunk(Delta(content=event[1]))
-            elif event[0] == "error":
-                yield f"data: {json.dumps(event[1].body())}\n\n"
+        def chunk(text: str | None, reason: str | None = None, usage: Any = None) -> str:
+            if chat:
+                choices = [ChunkChoice(delta=Delta(content=text), finish_reason=reason)]
             else:
-                yield chunk(Delta(), event[2])
-                if body.include_usage():
-                    yield _data(ChatChunk(id=rid, created=created_at, model=sessions.model_name, choices=[],
-                                          usage=usage_of(prompt_tokens, event[1])))
-        yield "data: [DONE]\n\n"
+                choices = [TextChoice(text=text or "", finish_reason=reason)]
+            shape = ChatChunk if chat else Completion
+            return _data(shape(id=rid, created=created_at, model=sessions.model_name,
+                               choices=[] if usage else choices, usage=usage))
 
-    async def _completion_stream(rid: str, body: CompletionRequest, job: Job, events: asyncio.Queue,
-                                 prompt_tokens: int) -> AsyncIterator[str]:
-        def chunk(text: str, reason: str | None = None) -> str:
-            return _data(Completion(id=rid, created=created_at, model=sessions.model_name,
-                                    choices=[TextChoice(text=text, finish_reason=reason)]))
-
-        created_at = now()
+        if chat:
+            yield _data(ChatChunk(id=rid, created=created_at, model=sessions.model_name,
+                                  choices=[ChunkChoice(delta=Delta(role="assistant", content=""))]))
         async for event in _events(job, events, prompt_tokens):
             if event[0] == "text":
                 yield chunk(event[1])
             elif event[0] == "error":
                 yield f"data: {json.dumps(event[1].body())}\n\n"
             else:
-                yield chunk("", event[2])
+                yield chunk(None, event[2])
                 if body.include_usage():
-                    yield _data(Completion(id=rid, created=created_at, model=sessions.model_name, choices=[],
-                                           usage=usage_of(prompt_tokens, event[1])))
+                    yield chunk(None, usage=usage_of(prompt_tokens, event[1]))
         yield "data: [DONE]\n\n"
 
     app.state.sessions, app.state.counters = sessions, counters

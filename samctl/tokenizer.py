@@ -45,7 +45,7 @@ import numpy as np
 
 from samctl.index.datastore import StoreMeta
 from samctl.index.errors import UserError
-from samctl.gguf_cache import is_gguf, model_folder
+from samctl.gguf_cache import first_line, is_gguf, model_folder
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "models" / "default" / "target"
 BYTES = "bytes"
@@ -246,10 +246,9 @@ def _load_hf(source: str, name: str) -> HFTokenizer | FastTokenizer:
     try:
         hf_tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
     except (OSError, ValueError, ImportError, KeyError) as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         where = "folder" if os.path.isdir(source) else "name"
         raise UserError(f"tokenizer {name} not found locally (offline) or not loadable "
-                        f"({reason[:200]}): pass a local tokenizer {where} that transformers "
+                        f"({first_line(err)}): pass a local tokenizer {where} that transformers "
                         "can load, e.g. one written by save_pretrained") from err
     return HFTokenizer(hf_tokenizer, name)
 

@@ -176,7 +176,7 @@ def test_head_file_roundtrip_and_refusals(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_training_tool_end_to_end(model_dir, tmp_path):
-    from samctl.runtime import load_acc_head, load_draft, load_engine
+    from samctl.session import load_acc_head, load_draft, load_engine
 
     draft_dir = tmp_path / "draft"
     save_model_with_tokenizer_of(model_dir, draft_dir)

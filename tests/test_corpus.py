@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from samctl.index.corpus import CorpusReader, iter_documents, record_text
+from samctl.index.corpus import CorpusReader, record_text
 from samctl.index.errors import UserError
 
 
 def _texts(*args, **kwargs) -> list[str]:
-    return [d.text for d in iter_documents(*args, **kwargs)]
+    return [d.text for d in CorpusReader(*args, **kwargs)]
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ def test_jsonl_shapes(tmp_path):
         "X\nY",
         "P\nC",
     ]
-    sources = [d.source for d in iter_documents([str(path)])]
+    sources = [d.source for d in CorpusReader([str(path)])]
     assert sources[0].endswith("data.jsonl line 1") and sources[2].endswith("line 3")
 
 
@@ -160,7 +160,7 @@ def test_parquet(tmp_path):
 
 def test_stdin_json_lines_and_plain_text():
     jsonl = io.StringIO("\n" + json.dumps(ALPACA) + "\n" + json.dumps({"text": "t"}) + "\n")
-    documents = list(iter_documents(["-"], stdin=jsonl))
+    documents = list(CorpusReader(["-"], stdin=jsonl))
     assert [d.text for d in documents] == ["Add two numbers.\n2 and 3\n5", "t"]
     assert documents[0].source == "<stdin> line 2"
     plain = io.StringIO("just some text\n{not json\nmore\n")
@@ -215,4 +215,4 @@ def test_prompts_carry_the_records_own_answer(tmp_path):
         (("Write.", "Shorter."), ""), (("just text",), ""), (("A document.",), "")]
     (tmp_path / "q.jsonl").write_text(json.dumps(rows[1]) + "\n")
     assert [d.answer for d in iter_prompts([str(tmp_path / "q.jsonl")], fields=("question",))] == [""]  # named fields
-    assert all(d.answer == "" for d in iter_documents([str(path)]))  # read as a corpus, answers are in the text
+    assert all(d.answer == "" for d in CorpusReader([str(path)]))  # read as a corpus, answers are in the text

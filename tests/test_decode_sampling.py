@@ -26,7 +26,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from samctl.decode.acceptance_head import AcceptanceHead, HeadConfig
 from samctl.decode.draft_model import DraftModel
 from samctl.decode.drafters.adaptive import AdaptiveConfig
-from samctl.decode.drafters.draft import DraftConfig, SpecDecConfig
+from samctl.decode.configs import DraftConfig, SpecDecConfig
 from samctl.decode.drafters.eagle import EagleConfig
 from samctl.decode.drafters.lookahead import LookaheadConfig
 from samctl.decode.drafters.ouroboros import OuroborosConfig

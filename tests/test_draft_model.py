@@ -17,7 +17,7 @@ from samctl.decode.accept import speculative_accept
 from samctl.decode.acceptance_head import AcceptanceHead, HeadConfig
 from samctl.decode.draft_model import DraftModel
 from samctl.decode.drafters.base import Drafter
-from samctl.decode.drafters.draft import DraftConfig, SpecDecConfig
+from samctl.decode.configs import DraftConfig, SpecDecConfig
 from samctl.decode.drafters.ouroboros import OuroborosConfig
 from samctl.decode.drafters.sam import SamConfig
 from samctl.decode.loop import GenerationConfig, generate
@@ -285,7 +285,7 @@ def other_tokenizer_dir(tmp_path_factory):
 
 
 def test_load_draft_checks_the_tokenizer(model_dir, draft_dir, other_tokenizer_dir):
-    from samctl.runtime import load_draft, load_engine
+    from samctl.session import load_draft, load_engine
 
     engine = load_engine(str(model_dir), "cpu", "float32", quiet=True)
     draft = load_draft(str(draft_dir), engine)

@@ -179,9 +179,9 @@ def test_training_loss_learns_a_copy_target(tiny_llama):
 
 
 def test_head_file_roundtrip_and_refusal(tmp_path, model_dir):
-    from samctl.eagle_heads import load_eagle_head, save_eagle_head
+    from samctl.heads import load_eagle_head, save_eagle_head
     from samctl.heads import model_fingerprint
-    from samctl.runtime import load_engine
+    from samctl.session import load_engine
 
     engine = load_engine(str(model_dir), "cpu", "float32", quiet=True)
     head = _head(engine.model, vocab=torch.arange(0, engine.vocab_size, 3))
@@ -201,9 +201,9 @@ def test_head_file_roundtrip_and_refusal(tmp_path, model_dir):
 
 
 def test_cli_generate_eagle_is_lossless(tmp_path, model_dir):
-    from samctl.eagle_heads import save_eagle_head
+    from samctl.heads import save_eagle_head
     from samctl.heads import model_fingerprint
-    from samctl.runtime import load_engine, resolve_eagle_path
+    from samctl.session import load_engine, resolve_eagle_path
 
     engine = load_engine(str(model_dir), "cpu", "float32", quiet=True)
     save_eagle_head(tmp_path / "h", _head(engine.model), model_fingerprint(engine.model, engine.tokenizer), {})
@@ -220,7 +220,7 @@ def test_cli_generate_eagle_is_lossless(tmp_path, model_dir):
 
 
 def test_embedded_head_loads_for_the_embedded_target_only(model_dir):
-    from samctl.runtime import DEFAULT_EAGLE_DIR, load_eagle, load_engine, resolve_eagle_path
+    from samctl.session import DEFAULT_EAGLE_DIR, load_eagle, load_engine, resolve_eagle_path
 
     if not DEFAULT_EAGLE_DIR.is_dir():
         pytest.skip("no embedded EAGLE head in this checkout")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from samctl.runtime import load_engine
+from samctl.session import load_engine
 
 TARGET = Path(__file__).resolve().parent.parent / "samctl" / "models" / "default" / "target"
 pytestmark = pytest.mark.skipif(not TARGET.is_dir(), reason="no embedded target in this checkout")

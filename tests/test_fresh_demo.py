@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.skipif(not DEFAULT_MODEL_DIR.is_dir(), reason="embedded default model not installed")
 def test_using_the_embedded_model_says_it_is_not_for_correct_edits(capsys):
-    from samctl.runtime import load_engine
+    from samctl.session import load_engine
 
     load_engine(None, "cpu")
     err = capsys.readouterr().err

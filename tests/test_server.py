@@ -22,7 +22,7 @@ from samctl.decode.drafters.base import NoDraft  # noqa: E402
 from samctl.decode.loop import GenerationResult  # noqa: E402
 from samctl.decode.metrics import Metrics  # noqa: E402
 from samctl.decode.sampling import SamplingConfig  # noqa: E402
-from samctl.scheduler import (BatchScheduler, Job, Request as JobRequest, SerialScheduler, Sessions,  # noqa: E402
+from samctl.scheduler import (BatchScheduler, Job, Request as JobRequest, Sessions,  # noqa: E402
                               StopCut)
 from samctl.server import create_app  # noqa: E402
 from samctl.session import Session, SessionConfig  # noqa: E402
@@ -257,7 +257,7 @@ def _job(sessions, prompt: str, events: list, stop=()) -> Job:
 def test_the_scheduler_finishes_what_it_was_given_and_skips_cancelled_jobs(batched):
     session = _FakeSession()
     sessions = Sessions({None: session})
-    scheduler = BatchScheduler(sessions, 4) if batched else SerialScheduler()
+    scheduler = BatchScheduler(sessions, 4 if batched else 1)
     first, second, third = [], [], []
     jobs = [_job(sessions, "a", first), _job(sessions, "h", second), _job(sessions, "p", third, stop=("rs",))]
     for job in jobs:

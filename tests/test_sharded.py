@@ -10,8 +10,8 @@ import pytest
 from samctl.index.automaton import SuffixAutomaton
 from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, save_datastore
 from samctl.index.load import load_datastore
-from samctl.index.sharded import (MANIFEST, ShardedAutomaton, StoreDirectoryWriter, build_shard, children, load_sharded,
-                           plan_shards)
+from samctl.index.sharded import (MANIFEST, ShardedAutomaton, StoreDirectoryWriter, children, load_sharded,
+                           plan_shards, save_shard)
 from samctl.index.errors import UserError
 from samctl.index.store import StoreError
 
@@ -28,6 +28,11 @@ def meta(tokens: np.ndarray, offsets: np.ndarray, vocab: int = 6) -> StoreMeta:
     return StoreMeta(tokenizer_name="test", tokenizer_fingerprint="fp", vocab_size=vocab, eos_token_id=None,
                      build=BuildConfig(kind="sam"), corpus=CorpusStats(documents=len(offsets) - 1,
                                                                        tokens=len(tokens), inputs=("x",)))
+
+
+def build_shard(path, tokens, doc_offsets, meta):
+    """One shard's automaton, written to path: its manifest entry."""
+    return save_shard(path, SuffixAutomaton.build(np.ascontiguousarray(tokens, dtype=np.int32), doc_offsets), meta)
 
 
 def write_sharded(path, tokens, offsets, n: int) -> None:

@@ -31,7 +31,7 @@ from samctl.decode.engine.transfer import to_device
 from samctl.decode.sampling import SamplingConfig, draw, warp_probs
 from samctl.decode.drafters.base import Drafter
 from samctl.decode.tree import DraftTree
-from samctl.decode.configs import DraftConfig, SpecDecConfig
+from samctl.decode.configs import SpecDecConfig
 
 
 class StopRule(Protocol):

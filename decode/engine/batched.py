@@ -27,11 +27,11 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from samctl.decode.engine.attention import exact_rows
 from samctl.decode.engine.cost import monotone_fit
-from samctl.decode.engine.kv_cache import with_cache
+from samctl.decode.engine.kv_cache import OwnedLayer, with_cache
 from samctl.decode.engine.target import TargetModel, to_device
 from samctl.decode.tree import DraftTree, ancestor_matrix
 from samctl.index.errors import UserError
@@ -41,17 +41,10 @@ from samctl.index.errors import UserError
 PLAIN_HEAD = ("llama", "qwen2", "qwen3", "mistral")
 
 
-class BatchedLayer(CacheLayerMixin):
+class BatchedLayer(OwnedLayer):
     """One layer's view of the shared storage; writes where the owner's current mode says."""
 
-    is_sliding = False
-    is_compileable = False
     is_croppable = False
-
-    def __init__(self, owner: "BatchedKVCache", index: int) -> None:
-        super().__init__()
-        self.owner, self.index = owner, index
-        self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         pass
@@ -81,9 +74,6 @@ class BatchedLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         return self.owner.kv_length
-
-    def get_max_length(self) -> int:
-        return self.owner.capacity
 
     def reset(self) -> None:
         pass

@@ -48,18 +48,27 @@ def with_cache(module: torch.nn.Module, cache: Cache | None) -> dict:
     return {_cache_name(type(module).forward): cache}
 
 
-class StaticLayer(CacheLayerMixin):
-    """One layer's view of the shared storage."""
+class OwnedLayer(CacheLayerMixin):
+    """One layer's view of storage its cache owns (transformers' cache-layer protocol); the
+    single-sequence and the batched cache (decode/engine/batched.py) both build on it."""
 
     is_sliding = False
     is_compileable = False
-    is_croppable = True
 
-    def __init__(self, owner: "StaticKVCache", index: int) -> None:
+    def __init__(self, owner: Cache, index: int) -> None:
         super().__init__()
         self.owner, self.index = owner, index
         self.length = 0
         self.is_initialized = True  # storage is the owner's; nothing to initialise lazily
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+
+class StaticLayer(OwnedLayer):
+    """One layer's view of the shared storage."""
+
+    is_croppable = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.owner.allocate_like(key_states, value_states)
@@ -88,9 +97,6 @@ class StaticLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         return self.length
-
-    def get_max_length(self) -> int:
-        return self.owner.capacity
 
     def crop(self, tokens_to_remove: int) -> None:
         self.length = self.length - tokens_to_remove if tokens_to_remove >= 0 else self.length + tokens_to_remove

@@ -23,7 +23,7 @@ import torch
 
 from samctl.decode.engine.attention import NAME as FOLDED, ROWWISE, use_folded_gqa
 from samctl.decode.engine.kv_cache import StaticKVCache, with_cache
-from samctl.decode.engine.transfer import to_device  # noqa: F401  (re-exported: drafters import it from here)
+from samctl.decode.engine.transfer import to_device
 from samctl.decode.tree import DraftTree, ancestor_matrix
 from samctl.index.errors import UserError
 
@@ -100,14 +100,7 @@ class TargetModel:
         return out.logits[0] if all_logits else out.logits[0, -1:]
 
     def verify_input(self, t0: int, tree: DraftTree) -> torch.Tensor:
-        # -> [1 + m] int64 on device: the pending token then the draft nodes (placeholders -1)
-        tokens = tree.tokens
-        if not isinstance(tokens, torch.Tensor):
-            return to_device(np.concatenate(([t0], np.asarray(tokens, dtype=np.int64))), self.device)
-        ids = torch.empty(len(tree) + 1, dtype=torch.int64, device=self.device)
-        ids[0] = t0  # a fill kernel: writing a host scalar needs no sync
-        ids[1:] = tokens
-        return ids
+        return verify_input(t0, tree, self.device)
 
     @torch.inference_mode()
     def verify(self, input_ids: torch.Tensor, tree: DraftTree) -> torch.Tensor:
@@ -194,6 +187,17 @@ class TargetModel:
         self._mask[:q, past : past + q] = to_device(block, self.device)
         self._mask_block = (q, past)
         return self._mask[:q, : past + q][None, None]
+
+
+def verify_input(t0: int, tree: DraftTree, device: torch.device) -> torch.Tensor:
+    # -> [1 + m] int64 on device: the pending token then the draft nodes (placeholders -1)
+    tokens = tree.tokens
+    if not isinstance(tokens, torch.Tensor):
+        return to_device(np.concatenate(([t0], np.asarray(tokens, dtype=np.int64))), device)
+    ids = torch.empty(len(tree) + 1, dtype=torch.int64, device=device)
+    ids[0] = t0  # a fill kernel: writing a host scalar needs no sync
+    ids[1:] = tokens
+    return ids
 
 
 def final_norm(model: torch.nn.Module) -> torch.nn.Module:

@@ -24,15 +24,6 @@ COMMANDS = [
 ]
 
 
-def command_names() -> list[str]:
-    return [name for name, _ in COMMANDS]
-
-
-def summary(name: str) -> str:
-    """The one-line summary of command `name` from the table (no import)."""
-    return dict(COMMANDS)[name]
-
-
 def load_command(name: str) -> click.Command | None:
     """The command called `name`, importing its module; None when there is no such command.
     The module defines a click command with the module's name."""

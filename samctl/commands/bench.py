@@ -41,7 +41,7 @@ import click
 
 from samctl.decode.methods import DRAFT_METHODS, EAGLE_METHODS, METHODS, SELF_DRAFT_METHODS
 from samctl.index.errors import UserError
-from samctl.bench_report import BASELINE, write_summary
+from samctl.bench_report import BASELINE, report_category, write_summary
 from samctl.options import draft_options, engine_options, method_options, parse_methods, session_config
 from samctl.progress import progress_bar
 from samctl.decode.metrics import first_difference
@@ -49,10 +49,8 @@ from samctl.textio import ERRORS, check_utf8
 
 if TYPE_CHECKING:  # torch, transformers and the decoder load with the model, not for --help
     from samctl.decode.drafters.base import Drafter
-    from samctl.runtime import Engine
-    from samctl.session import Session
+    from samctl.session import Engine, Session
 
-MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 HF_METHODS = ("hf-greedy", "hf-pld", "hf-assisted")
 ALL_BENCH_METHODS = METHODS + DRAFT_METHODS + EAGLE_METHODS + SELF_DRAFT_METHODS + HF_METHODS
 WARMUP_TOKENS = 16
@@ -168,12 +166,6 @@ def bench(**opts: Any) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # questions
-
-
-def report_category(category: Any) -> str:
-    """The category results are reported under: MT-bench's eight together, as Spec-Bench does."""
-    category = str(category) if category not in (None, "") else "uncategorized"
-    return "mt_bench" if category in MT_BENCH else category
 
 
 def read_questions(path: Path, categories: str | None, limit: int | None) -> list[Question]:

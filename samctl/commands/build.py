@@ -28,8 +28,7 @@ from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, save_dat
 from samctl.index.load import load_datastore
 from samctl.index.errors import UserError
 from samctl.index.store import is_store_file
-from samctl.commands.info import human_bytes
-from samctl.progress import progress_bar, status
+from samctl.progress import human_bytes, progress_bar, status
 from samctl.tokenizer import load_store_tokenizer, load_tokenizer, tokenize_documents
 
 
@@ -129,8 +128,18 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
         raise UserError(f"the corpus is empty ({counts.files} file(s) read, {counts.empty} blank "
                         "document(s)): check the inputs and --include/--exclude")
     tokenized = time.perf_counter()
+    corpus = CorpusStats(documents=counts.documents, tokens=int(len(tokens)),
+                         characters=counts.characters, files=counts.files,
+                         empty_documents=counts.empty, skipped_files=len(counts.skipped),
+                         inputs=tuple(inputs))
+    if old is not None:
+        corpus = _combined(old.meta.corpus, corpus)
+    eos = tok.eos_token_ids[0] if tok.eos_token_ids else None
+    meta = StoreMeta(tokenizer_name=tok.name, tokenizer_fingerprint=tok.fingerprint,
+                     vocab_size=tok.vocab_size, eos_token_id=eos, build=config, corpus=corpus,
+                     written_by=old.meta.written_by if old is not None else {})
     if shards is not None:
-        _build_and_write_sharded(output, tokens, doc_offsets, counts, inputs, tok, config, shards, ray_address,
+        _build_and_write_sharded(output, tokens, doc_offsets, meta, tok.name, shards, ray_address,
                                  workers, verify, quiet, (start, tokenize_start, tokenized))
         return
     if os.path.isdir(output):
@@ -152,19 +161,8 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
             with bar.heartbeat():
                 structure = NgramTable.build(tokens, doc_offsets, config.ngram_config())
     built = time.perf_counter()
-    n_tokens = len(tokens)
     del tokens, doc_offsets  # the structure holds what it needs; free the input before writing
     # 4) store
-    corpus = CorpusStats(documents=counts.documents, tokens=n_tokens,
-                         characters=counts.characters, files=counts.files,
-                         empty_documents=counts.empty, skipped_files=len(counts.skipped),
-                         inputs=tuple(inputs))
-    if old is not None:
-        corpus = _combined(old.meta.corpus, corpus)
-    eos = tok.eos_token_ids[0] if tok.eos_token_ids else None
-    meta = StoreMeta(tokenizer_name=tok.name, tokenizer_fingerprint=tok.fingerprint,
-                     vocab_size=tok.vocab_size, eos_token_id=eos, build=config, corpus=corpus,
-                     written_by=old.meta.written_by if old is not None else {})
     save_datastore(output, structure, meta)
     written = time.perf_counter()
     phases = [("load tokenizer", tokenize_start - start), ("read and tokenize", tokenized - tokenize_start),
@@ -177,26 +175,19 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
                             time.perf_counter() - start, verified=verify))
 
 
-def _build_and_write_sharded(output, tokens, doc_offsets, counts, inputs, tok, config, shards, ray_address,
+def _build_and_write_sharded(output, tokens, doc_offsets, meta, tokenizer_name, shards, ray_address,
                              workers, verify, quiet, times) -> None:
     """Phases 3-4 with --shards: each shard built and written by its own worker, then the manifest."""
     from samctl.index.sharded import verify_sharded  # numba loads here, not for --help
 
     start, tokenize_start, tokenized = times
-    corpus = CorpusStats(documents=counts.documents, tokens=int(len(tokens)),
-                         characters=counts.characters, files=counts.files,
-                         empty_documents=counts.empty, skipped_files=len(counts.skipped),
-                         inputs=tuple(inputs))
-    eos = tok.eos_token_ids[0] if tok.eos_token_ids else None
-    meta = StoreMeta(tokenizer_name=tok.name, tokenizer_fingerprint=tok.fingerprint,
-                     vocab_size=tok.vocab_size, eos_token_id=eos, build=config, corpus=corpus)
     results = _build_sharded(output, tokens, doc_offsets, meta, shards, ray_address, workers, quiet)
     written = time.perf_counter()
     if verify:
         verify_sharded(output)  # shard by shard: the driver never holds the whole store
     if not quiet:
         size = sum(entry["bytes"] for entry, _, _ in results)
-        click.echo(_sharded_summary(output, size, corpus, tok.name, results, written - start,
+        click.echo(_sharded_summary(output, size, meta.corpus, tokenizer_name, results, written - start,
                                     tokenized - tokenize_start, written - tokenized, ray_address, verify))
 
 

@@ -14,6 +14,7 @@ model itself said, which it accepts more often than human-written text.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from dataclasses import asdict
@@ -218,7 +219,7 @@ def _build_store(opts: dict[str, Any], documents: list[str], written_by: dict[st
     reader = None
     if opts["also"]:
         reader = CorpusReader(opts["also"], (), (), (), stdin=click.get_text_stream("stdin"))
-        texts = _chain(texts, (d.text for d in reader))
+        texts = itertools.chain(texts, (d.text for d in reader))
     tokens, offsets = tokenize_documents(texts, tok, append_eos=True)
     automaton = SuffixAutomaton.build(tokens, offsets)
     extra = reader.counts if reader is not None else None
@@ -234,8 +235,3 @@ def _build_store(opts: dict[str, Any], documents: list[str], written_by: dict[st
     return (f"wrote {opts['output']}: {len(documents):,} answers by {written_by['model']}"
             f"{f' + {len(offsets) - 1 - len(documents):,} documents of --also' if reader else ''}, "
             f"{len(tokens):,} tokens, {automaton.num_states:,} states")
-
-
-def _chain(*iterables: Iterator[str]) -> Iterator[str]:
-    for it in iterables:
-        yield from it

@@ -14,14 +14,7 @@ import click
 from samctl.index.datastore import StoreMeta, read_meta, structure_counts
 from samctl.index.load import load_datastore
 from samctl.index.store import StoreFile
-
-
-def human_bytes(size: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if size < 1000 or unit == "GB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1000
-    raise AssertionError(f"unreachable for size {size}")
+from samctl.progress import human_bytes
 
 
 def describe(store: StoreFile, meta: StoreMeta, verified: bool) -> dict[str, Any]:

@@ -82,9 +82,8 @@ def serve(**opts: Any) -> None:
     except ImportError as err:
         raise UserError(f"samctl serve needs the `serve` extra ({err.name} is missing): "
                         "pip install 'samctl[serve]'") from err
-    from samctl.runtime import load_store
     from samctl.scheduler import Sessions
-    from samctl.session import Session
+    from samctl.session import Session, load_store
 
     first = Session(config)
     by_store: dict[str | None, Session] = {names[0]: first}

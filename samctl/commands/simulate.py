@@ -35,7 +35,7 @@ from samctl.decode.simulate import CostModel, Tally, Trace, check_replayable, ma
 from samctl.index.datastore import Datastore
 from samctl.index.load import load_datastore
 from samctl.index.errors import UserError
-from samctl.commands.bench import report_category
+from samctl.bench_report import report_category
 from samctl.decode.methods import method_config
 from samctl.options import method_options, parse_methods
 from samctl.progress import progress_bar

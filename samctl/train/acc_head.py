@@ -48,7 +48,7 @@ from samctl.decode.acceptance_head import (AcceptanceHead, Examples, HeadConfig,
 from samctl.decode.configs import SamplingConfig
 from samctl.index.errors import UserError
 from samctl.heads import model_fingerprint, save_head
-from samctl.runtime import Engine, load_draft, load_engine
+from samctl.session import Engine, load_draft, load_engine
 from samctl.train.answers import answering_session, answers_key, write_answers
 from samctl.train.prompts import Prompt, read_prompts
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from samctl.decode.configs import SamplingConfig
-from samctl.runtime import Engine
+from samctl.session import Engine
 
 if TYPE_CHECKING:
     from samctl.session import Session

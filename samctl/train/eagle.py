@@ -61,10 +61,10 @@ from samctl.decode.methods import DEFAULT_METHOD, EAGLE_METHODS, MethodConfig, m
 from samctl.decode.eagle_head import EagleHead, eagle_loss, target_features
 from samctl.decode.simulate import Tally, make_trace, replay
 from samctl.index.errors import UserError
-from samctl.eagle_heads import save_eagle_head
+from samctl.heads import save_eagle_head
 from samctl.gguf_cache import cache_dir
 from samctl.heads import model_fingerprint
-from samctl.runtime import Engine, load_engine
+from samctl.session import Engine, load_engine
 from samctl.train.answers import Answer, answers_key, write_answers
 from samctl.train.prompts import Prompt, drop_excluded, mixture, read_prompts
 
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.cost is not None:
         cost = relative_cost(json.loads(args.cost.read_text(encoding="utf-8"))["t_ms"])
     if args.replay_only:  # measure an existing head (--out) on --replay, e.g. under another cost curve
-        from samctl.eagle_heads import load_eagle_head
+        from samctl.heads import load_eagle_head
 
         head = load_eagle_head(args.out, engine.model, model_fingerprint(engine.model, engine.tokenizer))
         result = {"head": args.out, "file": str(args.replay), "cost": str(args.cost),
@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> dict:
             "of the target's choices")
     baseline = None
     if args.baseline_head is not None:  # an earlier head on the same held-out positions
-        from samctl.eagle_heads import load_eagle_head
+        from samctl.heads import load_eagle_head
 
         baseline = evaluate(load_eagle_head(args.baseline_head, engine.model, fingerprint), batches, heldout,
                             engine.device)

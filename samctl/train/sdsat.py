@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from samctl.decode.sdsat import IGNORE, SatSettings, make_batch, sample_anchors, write_settings
 from samctl.heads import model_fingerprint
 from samctl.index.errors import UserError
-from samctl.runtime import Engine, load_engine
+from samctl.session import Engine, load_engine
 from samctl.train.answers import answering_session, answers_key, write_answers
 from samctl.train.prompts import Prompt, read_prompts
 

@@ -36,7 +36,7 @@ from samctl.decode.batch import BatchStats, generate_batch  # noqa: E402
 from samctl.decode.engine.batched import measure_batch_cost  # noqa: E402
 from samctl.decode.loop import GenerationConfig, generate  # noqa: E402
 from samctl.decode.methods import method_config  # noqa: E402
-from samctl.runtime import build_drafter, load_engine  # noqa: E402
+from samctl.session import build_drafter, load_engine  # noqa: E402
 
 DATA = Path("/work/shared/data")
 EDITS = ("Add a comment above every function explaining what it does.",

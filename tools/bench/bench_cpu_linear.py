@@ -37,7 +37,7 @@ from samctl.commands.bench import EngineRunner, HfRunner, read_questions  # noqa
 from samctl.decode.engine.cost import measure_verify_cost  # noqa: E402
 from samctl.decode.methods import method_config  # noqa: E402
 from samctl.config import SessionConfig  # noqa: E402
-from samctl.runtime import load_engine  # noqa: E402
+from samctl.session import load_engine  # noqa: E402
 from samctl.session import Session  # noqa: E402
 
 BACKENDS = {"plain": ("none", False), "packed": ("none", True), "int8": ("int8", True)}

@@ -38,7 +38,7 @@ from samctl.decode.tree import DraftTree
 from samctl.index.automaton import SuffixAutomaton
 from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, save_datastore
 from samctl.index.load import load_datastore
-from samctl.runtime import load_engine
+from samctl.session import load_engine
 from samctl.tokenizer import DEFAULT_MODEL_DIR, load_tokenizer, tokenize_documents
 
 OUT = Path("out/bench_draft")

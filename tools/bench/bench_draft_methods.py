@@ -39,11 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from samctl.decode.drafters.base import NoDraft  # noqa: E402
-from samctl.decode.drafters.draft import DraftConfig, SpecDecConfig  # noqa: E402
+from samctl.decode.configs import DraftConfig, SpecDecConfig  # noqa: E402
 from samctl.decode.loop import GenerationConfig, generate  # noqa: E402
 from samctl.decode.methods import MethodConfig  # noqa: E402
 from samctl.index.errors import UserError  # noqa: E402
-from samctl.runtime import build_drafter, load_acc_head, load_draft, load_engine  # noqa: E402
+from samctl.session import build_drafter, load_acc_head, load_draft, load_engine  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -27,7 +27,7 @@ from samctl.decode.drafters.base import NoDraft  # noqa: E402
 from samctl.decode.engine.kv_cache import with_cache  # noqa: E402
 from samctl.decode.drafters.oracle import OracleDrafter  # noqa: E402
 from samctl.decode.loop import GenerationConfig, generate  # noqa: E402
-from samctl.runtime import load_engine  # noqa: E402
+from samctl.session import load_engine  # noqa: E402
 
 PROMPT = (
     "Summarize the following passage in two sentences.\n\n"

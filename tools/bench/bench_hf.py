@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import samctl.hf  # noqa: E402
 from samctl.decode.loop import GenerationConfig, generate as decode_generate  # noqa: E402
 from samctl.decode.methods import method_config  # noqa: E402
-from samctl.runtime import build_drafter, load_engine  # noqa: E402
+from samctl.session import build_drafter, load_engine  # noqa: E402
 
 
 def main() -> None:

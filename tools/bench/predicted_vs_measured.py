@@ -30,7 +30,7 @@ from samctl.decode.drafters.adaptive import AdaptiveConfig  # noqa: E402
 from samctl.decode.methods import REPLAYABLE, MethodConfig, make_drafter  # noqa: E402
 from samctl.decode.simulate import CostModel, make_trace, replay  # noqa: E402
 from samctl.index.load import load_datastore  # noqa: E402
-from samctl.commands.bench import report_category  # noqa: E402
+from samctl.bench_report import report_category  # noqa: E402
 from samctl.costs import read_cost_curve  # noqa: E402
 
 
