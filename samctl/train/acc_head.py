@@ -193,10 +193,3 @@ def main(argv: list[str] | None = None) -> dict:
     print(json.dumps(summary, indent=2))
     return summary
 
-
-if __name__ == "__main__":
-    try:
-        main()
-    except UserError as err:
-        print(f"train_acceptance_head: {err}", file=sys.stderr)
-        sys.exit(2)
