@@ -31,6 +31,26 @@ def test_int8_row_alone_equals_row_among_64(shape):
         assert torch.equal(layer(x[row : row + 1])[0], full[row]), row
 
 
+def test_int8_one_row_kernel_equals_many_row_kernel():
+    # one row runs torch._int_mm, several oneDNN's GEMM (or _int_mm where oneDNN is missing): the
+    # same exact integer sums, converted to float32 once, so rows agree bit for bit, even where a
+    # sum is past float32's 2**24 (1536 products of 127 x 127: every step of the sum exact)
+    layer = int8_layer(1536, 40, seed=5)
+    with torch.no_grad():
+        layer.qweight.fill_(127)
+        layer.qweight[:, ::7] = 126
+        if layer.gemm is not None:
+            layer.gemm = type(layer.gemm).pack(layer.qweight)
+    x = torch.randn(6, 1536)
+    x[0] = 1.0  # every quantized value 127: sums of ~24.7M
+    full = layer(x)
+    assert int((127 * layer.qweight.long()).sum(1).min()) > 2**24  # row 0's integer sums
+    for row in range(6):
+        assert torch.equal(layer(x[row : row + 1])[0], full[row]), row
+    layer.gemm = None  # the _int_mm fallback for several rows gives the same numbers
+    assert torch.equal(layer(x), full)
+
+
 def test_int8_batch_rows_are_independent():
     layer = int8_layer(32, 64, bias=True)
     x = torch.randn(8, 9, 32)  # [B, q, H]: batch rows 1..8, each a verify of 9 tokens
@@ -46,7 +66,7 @@ def test_int8_is_the_integer_formula():
     x = torch.randn(5, 40)
     sx = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True) / 127.0
     xq = torch.round(x / sx).long()
-    wq = layer.qweight_t.t().long()
+    wq = layer.qweight.long()
     expected = (xq @ wq.t()).float() * sx * layer.scale
     assert torch.equal(layer(x), expected)
     # and close to the float layer it quantizes (a few quantization steps at most)

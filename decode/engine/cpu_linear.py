@@ -20,6 +20,13 @@ head included) with one of:
   Projections of one input (q, k, v; gate, up) run as one `Int8Fused` layer of their stacked
   weights, bit for bit what the separate layers give, with one quantization and one matmul
   instead of three (or two): at one row a call costs more than its arithmetic.
+  Which kernel sums the integers is free, since every one gives the same exact sums: one row
+  runs `torch._int_mm(weight [out, in], row [in, 1])` (a matrix-vector product at the memory
+  bound: SmolLM2's output head, 28 MB, in 1.6 ms where `_int_mm(row, weight [in, out])` takes
+  4.4), several rows oneDNN's int8 GEMM on its prepacked copy of the weight (`qlinear_pointwise`
+  with unit scales returns the integer sums as float32, as `_int_mm`'s int32 converts; 8 rows of
+  every SmolLM2 layer cost 1.3x one row's, against 2.5-3.5x with `_int_mm`). The price is
+  memory: the int8 weight is held twice (still half of float32).
 
 It knows modules and tensors, not decoding. `linear_backend(model)` names what a model runs with,
 so that measured costs can be kept per backend.
@@ -71,9 +78,10 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         scale = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
         qweight = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-        self.register_buffer("qweight_t", qweight.t().contiguous())  # [in, out] int8, as _int_mm takes it
+        self.register_buffer("qweight", qweight)  # [out, in] int8
         self.register_buffer("scale", scale)  # [out] float32
         self.bias = linear.bias
+        self.gemm = OneDnnGemm.pack(qweight)  # several rows; None where oneDNN's int8 ops are missing
         self._dense: torch.Tensor | None = None
 
     @property
@@ -81,29 +89,55 @@ class Int8Linear(nn.Module):
         """The dequantized weight [out, in] float32 (the weights this layer really multiplies by)."""
         if self._dense is None:
             with torch.inference_mode(False):
-                self._dense = self.qweight_t.t().float() * self.scale[:, None]
+                self._dense = self.qweight.float() * self.scale[:, None]
         return self._dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] float -> [..., out] in x's dtype
-        y = _int8_matmul(x.reshape(-1, self.in_features), self.qweight_t, self.scale, self.bias)
+        y = self._matmul(x.reshape(-1, self.in_features))
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [r, in] float -> [r, out] float32, the module docstring's formula. Each op counts:
+        a decode step runs this 121 times on one row (SmolLM2, fused), where a call costs more
+        than its arithmetic, so in-place ops and no no-op casts."""
+        if rows.dtype != torch.float32:
+            rows = rows.float()
+        # [r, 1]; vector_norm(inf) is 5x slower at 8 rows
+        row_scale = rows.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny).div_(127.0)
+        # |rows / row_scale| <= 127 up to rounding, so no clamp is needed before the cast
+        xq = torch.div(rows, row_scale).round_()
+        if len(xq) == 1 or self.gemm is None:  # [out, in] x [in, r]: int32 [r, out] after the transpose
+            y = torch.mul(torch._int_mm(self.qweight, xq.to(torch.int8).t()).t(), row_scale)
+        else:  # the same integer sums, as float32
+            y = self.gemm(xq.add_(128).to(torch.uint8)).mul_(row_scale)
+        y.mul_(self.scale)  # [r, out] float32
+        return y if self.bias is None else y.add_(self.bias)
 
-def _int8_matmul(rows: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tensor,
-                 bias: torch.Tensor | None) -> torch.Tensor:
-    """rows [r, in] float -> [r, out] float32, the module docstring's formula. Each op counts: a
-    decode step runs this 121 times on one row (SmolLM2, fused), where a call costs more than its
-    arithmetic, so in-place ops and no no-op casts."""
-    if rows.dtype != torch.float32:
-        rows = rows.float()
-    # [r, 1]; vector_norm(inf) is 5x slower at 8 rows
-    row_scale = rows.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny).div_(127.0)
-    # |rows / row_scale| <= 127 up to rounding, so no clamp is needed before the cast
-    xq = torch.div(rows, row_scale).round_().to(torch.int8)
-    y = torch.mul(torch._int_mm(xq, qweight_t), row_scale).mul_(scale)  # [r, out] float32
-    return y if bias is None else y.add_(bias)
+
+class OneDnnGemm:
+    """oneDNN's int8 GEMM over a prepacked copy of an int8 weight [out, in], called with unit
+    scales, so that it returns the exact integer sums of int8 rows, as float32. The rows come as
+    uint8 with zero point 128 (xq + 128): oneDNN's fast x86 kernels multiply u8 by s8 (its s8 x s8
+    path is 15x slower here); the zero point is subtracted in integers."""
+
+    def __init__(self, packed: torch.Tensor, out_features: int) -> None:
+        self.packed = packed
+        self.ones = torch.ones(out_features)
+        self.zeros = torch.zeros(out_features, dtype=torch.long)
+
+    @classmethod
+    def pack(cls, qweight: torch.Tensor) -> OneDnnGemm | None:
+        try:
+            return cls(torch.ops.onednn.qlinear_prepack(qweight, None), len(qweight))
+        except (AttributeError, RuntimeError, NotImplementedError):  # no oneDNN (non-x86 builds)
+            return None
+
+    def __call__(self, xu: torch.Tensor) -> torch.Tensor:
+        # xu [r, in] uint8 (xq + 128) -> [r, out] float32: sum_k xq[r, k] * w[n, k]
+        return torch.ops.onednn.qlinear_pointwise(xu, 1.0, 128, self.packed, self.ones, self.zeros, None, 1.0, 0,
+                                                  torch.float32, "none", [None], "")
 
 
 class Int8Fused(nn.Module):
