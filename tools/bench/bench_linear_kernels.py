@@ -5,9 +5,14 @@ and the same row among 64 (0 = bitwise row independent), and the time of all 210
 1, 8, 16 and 64 rows (fastest of 5). Candidates: plain F.linear (MKL), oneDNN prepacked float32
 (`mkldnn._linear_pointwise`), MKL prepacked (`mkl._mkl_linear`), int8 with per-row activation
 scales through `torch._int_mm` or oneDNN's `qlinear_pointwise`, weight-only int8
-(`_weight_int8pack_mm`), and fbgemm's dynamic int8 (per-tensor activation scale).
+(`_weight_int8pack_mm`), fbgemm's dynamic int8 (per-tensor activation scale), `_int_mm` with the
+weight on the left (`int_mm_gemv`: weight [out, in] times rows^T) and samctl's own `Int8Linear`
+(`samctl_int8`: that gemv for one row, oneDNN's GEMM for several).
 
-    python tools/bench/bench_linear_kernels.py [layers=30] [candidates=plain,mkldnn_pp,...]
+    python tools/bench/bench_linear_kernels.py [layers=30] [candidates=plain,mkldnn_pp,...] [fused]
+
+`fused`: the shapes an int8 SmolLM2 runs (q/k/v and gate/up stacked, as `Int8Fused` runs them)
+and its output head (49152 x 576), instead of the model's 7 separate projections.
 """
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ import torch
 
 H, I = 576, 1536
 SHAPES = [(H, H), (192, H), (192, H), (H, H), (I, H), (I, H), (H, I)]  # q, k, v, o, gate, up, down
+FUSED = [(H + 2 * 192, H), (H, H), (2 * I, H), (H, I)]  # qkv, o, gate+up, down
+HEAD = (49152, H)
 
 
 def q_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,6 +59,23 @@ def int_mm(w):
         xq, xs = q_rows(x)
         return torch._int_mm(xq, wt).float() * xs * s
     return f
+
+
+def int_mm_gemv(w):
+    wq, s = q_weight(w)
+
+    def f(x):
+        xq, xs = q_rows(x)
+        return torch._int_mm(wq, xq.t()).t().float() * xs * s
+    return f
+
+
+def samctl_int8(w):
+    from samctl.decode.engine.cpu_linear import Int8Linear
+
+    linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    linear.weight.data = w
+    return Int8Linear(linear)
 
 
 def onednn_q(w):
@@ -98,7 +122,7 @@ def timing(fns, weights, rows: int, reps: int = 5) -> float:
 def row_difference(fns, weights) -> float:
     torch.manual_seed(1)
     worst = 0.0
-    for f, w in list(zip(fns, weights))[: len(SHAPES)]:
+    for f, w in list(zip(fns, weights))[:8]:
         x = torch.randn(64, w.shape[1])
         full = f(x)
         for r in (0, 5, 63):
@@ -114,7 +138,11 @@ def main() -> None:
     layers = int(sys.argv[1]) if len(sys.argv) > 1 else 30
     names = sys.argv[2].split(",") if len(sys.argv) > 2 else \
         ["plain", "mkldnn_pp", "mkl_pp", "int_mm", "onednn_q", "fbgemm_dyn"]  # w8pack: ~10x slower
-    weights = [torch.randn(n, k) * 0.05 for _ in range(layers) for (n, k) in SHAPES]
+    fused = len(sys.argv) > 3 and sys.argv[3] == "fused"
+    shapes = FUSED if fused else SHAPES
+    weights = [torch.randn(n, k) * 0.05 for _ in range(layers) for (n, k) in shapes]
+    if fused:
+        weights.append(torch.randn(*HEAD) * 0.05)
     for name in names:
         fns = [globals()[name](w) for w in weights]
         t = [timing(fns, weights, m) for m in (1, 8, 16, 64)]
