@@ -58,7 +58,8 @@ QUANTIZE_HELP = (
     "method's greedy output equals the int8 model's own plain greedy decoding, bit for bit, at batch "
     "size 1 and batched. A different "
     "model from float32: on SmolLM2-135M (two runs, 9 and 3 prompts) it picks float32's greedy token at 92% "
-    "and 99% of the first 128 positions, next-token loss +0.07% and +0.7%."
+    "and 99% of the first 128 positions, next-token loss +0.07% and +0.7%. Weights take half of "
+    "float32's memory (held twice in int8: one copy for one-token steps, one for verifies)."
 )
 
 
