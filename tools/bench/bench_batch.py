@@ -88,12 +88,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--sides", default="batched,hf,batch1,plain")
+    ap.add_argument("--quantize", default="none", choices=("none", "int8"),
+                    help="the samctl sides' model (the hf side stays float32, as transformers runs it)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    engine = load_engine(args.model, device="cpu", dtype="float32", quiet=True)
+    engine = load_engine(args.model, device="cpu", dtype="float32", quiet=True, quantize=args.quantize)
     model, tok = engine.model, engine.tokenizer
+    hf_model = model if args.quantize == "none" else load_engine(args.model, device="cpu", dtype="float32",
+                                                                 quiet=True).model
     prompts = [engine.encode(t, True)[-args.max_prompt:] for t in mission_texts(args.records)]
     eos = engine.eos_token_ids
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=eos)
@@ -125,7 +129,7 @@ def main() -> None:
                                      cost_ms=cost, max_width=args.max_width, stats=stats)
                 got = [x.tokens for x in res]
             elif side == "hf":
-                got = hf_generate(model, part, args.batch_size, args.max_new_tokens, eos, pad)
+                got = hf_generate(hf_model, part, args.batch_size, args.max_new_tokens, eos, pad)
             else:
                 d = single_adaptive if side == "batch1" else single_plain
                 got = [generate(engine.target, d, p, config).tokens for p in part]
@@ -136,7 +140,7 @@ def main() -> None:
             print(f"round {r} {side}: {time.perf_counter() - tic:.1f} s", file=sys.stderr, flush=True)
 
     ref = outputs.get("plain")
-    report = {"model": args.model, "method": args.method, "records": len(prompts), "batch_size": args.batch_size,
+    report = {"model": args.model, "quantize": args.quantize, "method": args.method, "records": len(prompts), "batch_size": args.batch_size,
               "max_new_tokens": args.max_new_tokens, "threads": args.threads, "rounds": args.rounds,
               "prompt_tokens_mean": round(float(np.mean([len(p) for p in prompts])), 1),
               "batch_cost_measure_s": round(cost_s, 1),
