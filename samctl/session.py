@@ -355,20 +355,9 @@ def build_drafter(name: str, engine: Engine, store: Datastore | None, config: Me
     if store is not None and not uses_store(name) and not quiet:
         click.echo(f"samctl: note: method {name} does not use the store {store.path}", err=True)
     cost = relative_cost(cost_curve(engine, quiet=quiet)) if method_entry(name).sized_by_cost else None
-    return make_drafter(
-        name,
-        vocab_size=engine.vocab_size,
-        device=engine.device,
-        eos_token_ids=engine.eos_token_ids,
-        static=store.structure if store is not None and uses_store(name) else None,
-        config=config,
-        draft=draft,
-        head=head,
-        sampling=sampling,
-        cost=cost,
-        target=engine.target,
-        eagle=eagle,
-    )
+    return make_drafter(name, vocab_size=engine.vocab_size, device=engine.device, eos_token_ids=engine.eos_token_ids,
+                        static=store.structure if store is not None and uses_store(name) else None, config=config,
+                        draft=draft, head=head, sampling=sampling, cost=cost, target=engine.target, eagle=eagle)
 
 
 # ---------------------------------------------------------------------------------------------
