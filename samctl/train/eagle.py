@@ -61,9 +61,8 @@ from samctl.decode.methods import DEFAULT_METHOD, EAGLE_METHODS, MethodConfig, m
 from samctl.decode.eagle_head import EagleHead, eagle_loss, target_features
 from samctl.decode.simulate import Tally, make_trace, replay
 from samctl.index.errors import UserError
-from samctl.heads import save_eagle_head
+from samctl.heads import model_fingerprint, save_eagle_head
 from samctl.gguf_cache import cache_dir
-from samctl.heads import model_fingerprint
 from samctl.session import Engine
 from samctl.train.answers import Answer, answers_key, trainer_engine, write_answers
 from samctl.train.prompts import Prompt, drop_excluded, mixture, read_prompts
