@@ -76,7 +76,8 @@ class RecordRunner:
             self._window(chunk, emit, quiet)
 
     def _window(self, chunk: list[tuple[int, str]], emit: Callable[[str, bool, int], None], quiet: bool) -> None:
-        # 1) sort the lines: batchable records (one turn, a text prediction or none) and the rest
+        # 1) batchable records (one turn, a text prediction or none) wait for the batch; the rest,
+        # bad ones included, go one by one now
         outputs: list[tuple[str, bool] | None] = [None] * len(chunk)
         batched: list[tuple[int, Any, str, str | None]] = []  # (position in chunk, record id, prompt, prediction)
         for pos, (number, line) in enumerate(chunk):
@@ -84,11 +85,12 @@ class RecordRunner:
                 record = parse_record(line, number)
                 turns = prompt_turns(record, self.field)
             except UserError:
-                outputs[pos] = self.process(number, line)
-                continue
+                record, turns = {}, []
             prediction = record.get("prediction")
             if len(turns) == 1 and (prediction is None or isinstance(prediction, str)):
                 batched.append((pos, record_key(record, number), turns[0], prediction))
+            else:
+                outputs[pos] = self.process(number, line)
         written = 0
 
         def flush() -> None:  # 3) every line whose predecessors are written goes out now
@@ -107,10 +109,7 @@ class RecordRunner:
                 outputs[pos] = json.dumps({"id": record_id, **fields}, ensure_ascii=False), False
             flush()
 
-        # 2) the rest one by one (in input order), the batchable ones together
-        for pos, (number, line) in enumerate(chunk):
-            if outputs[pos] is None and not any(b[0] == pos for b in batched):
-                outputs[pos] = self.process(number, line)
+        # 2) the batchable ones together
         flush()
         if batched:
             from samctl.decode.batch import BatchStats
