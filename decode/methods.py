@@ -27,12 +27,6 @@ if TYPE_CHECKING:
     from samctl.decode.acceptance_head import AcceptanceHead
     from samctl.decode.draft_model import DraftModel
     from samctl.decode.drafters.base import Drafter
-    from samctl.decode.drafters.draft import DraftModelDrafter
-    from samctl.decode.drafters.ouroboros import OuroborosDrafter
-    from samctl.decode.drafters.recycle import TokenRecycleDrafter
-    from samctl.decode.drafters.sdsat import SdsatDrafter
-    from samctl.decode.drafters.sdsat_nucleus import SdsatNucleusDrafter
-    from samctl.decode.drafters.eagle import EagleDrafter
     from samctl.decode.eagle_head import EagleHead
     from samctl.decode.engine.target import TargetModel
     from samctl.index.automaton import SuffixAutomaton
@@ -106,97 +100,46 @@ class Method:
         return section in self.settings or setting in self.settings
 
 
-def _recycle(r: Resources) -> TokenRecycleDrafter:
-    from samctl.decode.drafters.recycle import TokenRecycleDrafter
+def _load(path: str) -> type:
+    """A drafter class by its path under samctl.decode.drafters ("pld.PromptLookupDrafter"),
+    imported when a drafter is first built: importing this module loads no torch."""
+    import importlib
 
-    return TokenRecycleDrafter(r.vocab_size, r.device, r.config.recycle)
-
-
-def _draft(r: Resources, name: str) -> DraftModelDrafter:
-    from samctl.decode.drafters.draft import DraftModelDrafter, FixedLength
-
-    return DraftModelDrafter(r.draft, FixedLength(r.config.draft.gamma), r.sampling, r.eos_token_ids, name)
+    module, name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(f"samctl.decode.drafters.{module}"), name)
 
 
-def _specdec(r: Resources) -> DraftModelDrafter:
-    from samctl.decode.drafters.draft import AdaptiveLength, DraftModelDrafter
+# The factories of the drafters that several methods build (alone, or as the fallback of sam).
+def _recycle(r: Resources) -> Drafter:
+    return _load("recycle.TokenRecycleDrafter")(r.vocab_size, r.device, r.config.recycle)
 
+
+def _draft(r: Resources, name: str) -> Drafter:
+    length = _load("draft.FixedLength")(r.config.draft.gamma)
+    return _load("draft.DraftModelDrafter")(r.draft, length, r.sampling, r.eos_token_ids, name)
+
+
+def _specdec(r: Resources) -> Drafter:
     if r.head.config.hidden_size != r.draft.hidden_size:
         raise UserError(f"the acceptance head reads hidden size {r.head.config.hidden_size}, the draft model "
                         f"has {r.draft.hidden_size}: use the head trained for this draft model")
-    return DraftModelDrafter(r.draft, AdaptiveLength(r.head, r.config.specdec), r.sampling, r.eos_token_ids, "specdec++")
+    length = _load("draft.AdaptiveLength")(r.head, r.config.specdec)
+    return _load("draft.DraftModelDrafter")(r.draft, length, r.sampling, r.eos_token_ids, "specdec++")
 
 
-def _ouroboros(r: Resources) -> OuroborosDrafter:
-    from samctl.decode.drafters.ouroboros import OuroborosDrafter
-
-    return OuroborosDrafter(r.draft, r.config.ouroboros, r.config.draft.gamma, r.config.lookahead.pool_text,
-                            r.vocab_size)
-
-
-def _sdsat(r: Resources) -> SdsatDrafter:
-    from samctl.decode.drafters.sdsat import SdsatDrafter
+def _sdsat(r: Resources, cls: str, *args: Any) -> Drafter:
     from samctl.decode.sdsat import read_settings
 
     name = getattr(r.target.model, "name_or_path", "") or "the model"
-    return SdsatDrafter(r.target, read_settings(r.target.model.config, name), r.config.sdsat)
+    return _load(cls)(r.target, read_settings(r.target.model.config, name), *args, r.config.sdsat)
 
 
-def _sdsat_nucleus(r: Resources) -> SdsatNucleusDrafter:
-    from samctl.decode.drafters.sdsat_nucleus import SdsatNucleusDrafter
-    from samctl.decode.sdsat import read_settings
-
-    name = getattr(r.target.model, "name_or_path", "") or "the model"
-    return SdsatNucleusDrafter(r.target, read_settings(r.target.model.config, name), r.sampling, r.config.sdsat)
-
-
-def _eagle(r: Resources) -> EagleDrafter:
-    from samctl.decode.drafters.eagle import EagleDrafter
-
-    return EagleDrafter(r.eagle, r.config.eagle, r.cost)
-
-
-def _adaptive(r: Resources) -> Drafter:
-    from samctl.decode.drafters.adaptive import AdaptiveDrafter
-
-    return AdaptiveDrafter(r.config.adaptive, r.static, r.cost, r.vocab_size, r.device)
-
-
-def _ar(r: Resources) -> Drafter:
-    from samctl.decode.drafters.base import NoDraft
-
-    return NoDraft()
-
-
-def _pld(r: Resources) -> Drafter:
-    from samctl.decode.drafters.pld import PromptLookupDrafter
-
-    return PromptLookupDrafter(r.config.pld, r.eos_token_ids)
+def _eagle(r: Resources) -> Drafter:
+    return _load("eagle.EagleDrafter")(r.eagle, r.config.eagle, r.cost)
 
 
 def _sam(r: Resources, fallback: Drafter | None = None) -> Drafter:
-    from samctl.decode.drafters.sam import SamDrafter
-
-    return SamDrafter(r.config.sam, static=r.static, fallback=fallback)
-
-
-def _rest(r: Resources) -> Drafter:
-    from samctl.decode.drafters.rest import RestDrafter
-
-    return RestDrafter(r.config.rest, r.static)
-
-
-def _lookahead(r: Resources) -> Drafter:
-    from samctl.decode.drafters.lookahead import LookaheadDrafter
-
-    return LookaheadDrafter(r.config.lookahead, r.vocab_size, r.device, r.eos_token_ids)
-
-
-def _adaptive_eagle(r: Resources) -> Drafter:
-    from samctl.decode.drafters.eagle import AdaptiveEagleDrafter
-
-    return AdaptiveEagleDrafter(_eagle(r), config=r.config.adaptive, static=r.static, cost=r.cost,
-                                vocab_size=r.vocab_size, device=r.device)
+    return _load("sam.SamDrafter")(r.config.sam, static=r.static, fallback=fallback)
 
 
 _EAGLE = "its drafts come from a head over the target's hidden states"
@@ -206,13 +149,13 @@ _DRAFT_MODEL = "its drafts come from a draft model"
 REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("adaptive", "every retrieval source (prompt and output, store, memory of earlier requests, "
            "--prediction) and Token Recycle, scored and sized by the verify cost (the default)",
-           _adaptive,
+           lambda r: _load("adaptive.AdaptiveDrafter")(r.config.adaptive, r.static, r.cost, r.vocab_size, r.device),
            uses_store=True, takes_prediction=True, sized_by_cost=True, settings=("adaptive",),
            sweep={("adaptive", "max_nodes"): (8, 16, 32, 64), ("adaptive", "min_prob"): (0.01, 0.02, 0.035, 0.05, 0.1),
                   ("adaptive", "width"): (2, 3, 4)}),
-    Method("ar", "nothing: plain decoding through the same loop, the baseline", _ar),
+    Method("ar", "nothing: plain decoding through the same loop, the baseline", lambda r: _load("base.NoDraft")()),
     Method("pld", "prompt lookup: the earliest earlier match of the last 1..3 tokens",
-           _pld, settings=("pld",),
+           lambda r: _load("pld.PromptLookupDrafter")(r.config.pld, r.eos_token_ids), settings=("pld",),
            sweep={("pld", "max_ngram"): (1, 2, 3, 4, 5), ("pld", "num_draft"): (5, 10, 20, 40)}),
     Method("sam", "SAM-Decoding: longest suffix match in the prompt/output automaton and the store",
            _sam, uses_store=True, settings=("sam",),
@@ -225,11 +168,12 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
            lambda r: _sam(r, fallback=_recycle(r)), uses_store=True,
            not_replayable=_LOGITS, settings=("sam", "recycle")),
     Method("rest", "REST: a tree of the most frequent continuations in the store",
-           _rest, uses_store=True, settings=("rest",),
+           lambda r: _load("rest.RestDrafter")(r.config.rest, r.static), uses_store=True, settings=("rest",),
            sweep={("rest", "num_nodes"): (16, 32, 64), ("rest", "max_depth"): (4, 6, 10)}),
     Method("lookahead", "Lookahead decoding: a Jacobi window and an n-gram pool verified in the same forward "
            "(simulate replays the pool only)",
-           _lookahead, settings=("lookahead",)),
+           lambda r: _load("lookahead.LookaheadDrafter")(r.config.lookahead, r.vocab_size, r.device, r.eos_token_ids),
+           settings=("lookahead",)),
     Method("sd", "speculative decoding with a draft model (--gamma tokens)", lambda r: _draft(r, "sd"),
            needs_draft=True, not_replayable=_DRAFT_MODEL, settings=("draft",)),
     Method("specdec++", "a draft model whose acceptance head stops drafting", _specdec,
@@ -238,14 +182,16 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
            lambda r: _sam(r, fallback=_draft(r, "draft")), uses_store=True,
            needs_draft=True, not_replayable="its fallback is a draft model", settings=("sam", "draft")),
     Method("ouroboros", "Dual Decoding: the draft model runs lookahead with a shared n-gram pool; the target "
-           "verifies its --gamma tokens plus the pool's suffixes", _ouroboros,
+           "verifies its --gamma tokens plus the pool's suffixes",
+           lambda r: _load("ouroboros.OuroborosDrafter")(r.draft, r.config.ouroboros, r.config.draft.gamma,
+                                                          r.config.lookahead.pool_text, r.vocab_size),
            needs_draft=True, not_replayable=_DRAFT_MODEL, settings=("ouroboros", "draft", "lookahead.pool_text")),
     Method("sdsat", "SDSAT: a target fine-tuned with semantic adaptive tokens drafts k tokens for itself "
-           "(`samctl train sdsat`)", _sdsat, needs_sat_model=True,
+           "(`samctl train sdsat`)", lambda r: _sdsat(r, "sdsat.SdsatDrafter"), needs_sat_model=True,
            not_replayable="its drafts come from the target's own forward at SAT tokens", settings=("sdsat",)),
     Method("sdsat-nucleus-reference", "NOT LOSSLESS when sampling: the SDSAT paper's nucleus variant (a static "
            "tree of sampled SAT candidates, the best of independently drawn paths), for comparison only",
-           _sdsat_nucleus, needs_sat_model=True, lossless=False,
+           lambda r: _sdsat(r, "sdsat_nucleus.SdsatNucleusDrafter", r.sampling), needs_sat_model=True, lossless=False,
            not_replayable="its drafts come from the target's own forward at SAT tokens", settings=("sdsat",)),
     Method("eagle", "EAGLE-2: a dynamic tree from a head trained on the target's hidden states (--eagle-head)",
            _eagle, needs_eagle=True, not_replayable=_EAGLE, sized_by_cost=True, settings=("eagle",)),
@@ -254,7 +200,8 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
            needs_eagle=True, not_replayable=_EAGLE, sized_by_cost=True, settings=("sam", "eagle")),
     Method("adaptive+eagle", "adaptive's candidates and the EAGLE-2 head's best nodes in one tree, each priced "
            "by its own calibrated estimate and cut by the verify cost",
-           _adaptive_eagle,
+           lambda r: _load("eagle.AdaptiveEagleDrafter")(_eagle(r), config=r.config.adaptive, static=r.static,
+                                                         cost=r.cost, vocab_size=r.vocab_size, device=r.device),
            uses_store=True, needs_eagle=True, not_replayable=_EAGLE, takes_prediction=True, sized_by_cost=True,
            settings=("adaptive", "eagle")),
 )}

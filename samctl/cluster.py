@@ -323,9 +323,8 @@ class _GenerateWorker:
         # A UserError here (a missing model or store) goes back as data, the `fatal` column of
         # every row: Ray hands the driver a worker's exception without its type.
         self.fatal = ""
-        self.batch_size = batch_size
         try:
-            self.runner = RecordRunner(Session(config), field=field, compare=compare)
+            self.runner = RecordRunner(Session(config), field=field, compare=compare, batch_size=batch_size)
         except UserError as err:
             self.fatal = str(err)
 
@@ -335,16 +334,9 @@ class _GenerateWorker:
             return {"number": batch["number"], "out": np.array([""] * n, dtype=object),
                     "failed": np.ones(n, dtype=bool), "fatal": np.array([self.fatal] * n, dtype=object)}
         items = [(int(number), str(line)) for number, line in zip(batch["number"], batch["line"])]
-        if self.batch_size > 1:  # the batch's records on the batched engine, lines back in order
-            lines: list[str] = []
-            self.runner.batch_many(items, lines.append, quiet=True, total=None, batch_size=self.batch_size)
-            failed = ["error" in json.loads(line) for line in lines]
-        else:
-            lines, failed = [], []
-            for number, line in items:
-                out, bad = self.runner.process(number, line)
-                lines.append(out)
-                failed.append(bad)
+        lines: list[str] = []  # in input order
+        self.runner.batch(items, lines.append, quiet=True)
+        failed = ["error" in json.loads(line) for line in lines]
         return {"number": batch["number"], "out": np.array(lines, dtype=object), "failed": np.array(failed),
                 "fatal": np.array([""] * len(lines), dtype=object)}
 

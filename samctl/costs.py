@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from functools import lru_cache
 
@@ -61,21 +61,9 @@ def cost_curve(engine: Any, quiet: bool = False, refresh: bool = False) -> list[
     """t_ms [curve_width]: the engine's verify time for 1..64 tokens (1..128 under CUDA graphs),
     from the cache or measured now."""
     key, width = curve_key(engine), curve_width(engine)
-    path = cache_dir() / "costs" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + ".json")
-    if path.is_file() and not refresh:
-        try:
-            record = json.loads(path.read_text())
-            if record.get("key") == key and len(record["t_ms"]) == width:
-                return [float(t) for t in record["t_ms"]]
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # a damaged cache entry is measured again and replaced
-    if not quiet:
-        click.echo(f"samctl: measuring the verify cost of {Path(engine.name).name} on {key['device']} "
-                   f"({key['dtype']}, {key['linear']} linear layers{', CUDA graphs' if key['graphs'] else ''}), once per model "
-                   "and device", err=True)
-    t_ms = measure_verify_cost(engine.target, width)
-    _write_atomically(path, {"key": key, "t_ms": t_ms})
-    return t_ms
+    note = (f"measuring the verify cost of {Path(engine.name).name} on {key['device']} ({key['dtype']}, "
+            f"{key['linear']} linear layers{', CUDA graphs' if key['graphs'] else ''}), once per model and device")
+    return _cached(key, lambda: measure_verify_cost(engine.target, width), None if quiet else note, width, refresh)
 
 
 def batch_cost_curve(engine: Any, rows: int, max_width: int, quiet: bool = False) -> list[float]:
@@ -83,20 +71,31 @@ def batch_cost_curve(engine: Any, rows: int, max_width: int, quiet: bool = False
     flight (decode.engine.batched.measure_batch_cost), from the cache or measured now."""
     from samctl.decode.engine.batched import measure_batch_cost
 
-    key = {**curve_key(engine), "batched_rows": rows, "max_width": max_width}
+    note = (f"measuring the batched verify cost of {Path(engine.name).name} at {rows} rows, once per model, "
+            "device and batch size")
+    return _cached({**curve_key(engine), "batched_rows": rows, "max_width": max_width},
+                   lambda: measure_batch_cost(engine.model, rows, max_width), None if quiet else note)
+
+
+def _cached(key: dict[str, Any], measure: Callable[[], Any], note: str | None, width: int | None = None,
+            refresh: bool = False) -> list[float]:
+    # The curve cached under `key` (of `width` points, when given), else measure() (said in `note`)
+    # and cached; a damaged entry is measured again and replaced.
     path = cache_dir() / "costs" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + ".json")
-    if path.is_file():
+    if path.is_file() and not refresh:
         try:
             record = json.loads(path.read_text())
-            if record.get("key") == key:
+            if record.get("key") == key and (width is None or len(record["t_ms"]) == width):
                 return [float(t) for t in record["t_ms"]]
         except (OSError, ValueError, KeyError, TypeError):
             pass
-    if not quiet:
-        click.echo(f"samctl: measuring the batched verify cost of {Path(engine.name).name} at {rows} rows, "
-                   "once per model, device and batch size", err=True)
-    t_ms = [float(t) for t in measure_batch_cost(engine.model, rows, max_width)]
-    _write_atomically(path, {"key": key, "t_ms": t_ms})
+    if note:
+        click.echo(f"samctl: {note}", err=True)
+    t_ms = [float(t) for t in measure()]
+    try:
+        write_text_atomically(path, json.dumps({"key": key, "t_ms": t_ms}))
+    except OSError as err:  # a read-only cache only costs a re-measure next time
+        click.echo(f"samctl: note: cannot cache the cost curve in {path.parent} ({err.strerror})", err=True)
     return t_ms
 
 
@@ -111,10 +110,3 @@ def read_cost_curve(path: str | os.PathLike) -> list[float]:
     if len(t_ms) < 2 or min(t_ms) <= 0:
         raise UserError(f"{path}: a cost curve needs at least two positive times: re-run samctl calibrate")
     return t_ms
-
-
-def _write_atomically(path: Path, record: dict[str, Any]) -> None:
-    try:
-        write_text_atomically(path, json.dumps(record))
-    except OSError as err:  # a read-only cache only costs a re-measure next time
-        click.echo(f"samctl: note: cannot cache the cost curve in {path.parent} ({err.strerror})", err=True)

@@ -37,17 +37,23 @@ def method_options(command: Callable) -> Callable:
     return command
 
 
-def sampling_options(command: Callable) -> Callable:
-    """--temperature, --top-k, --top-p, --seed and --device, as `generate`, `chat` and `distill` take them."""
-    for option in reversed((
-        click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
-        click.option("--top-k", type=int, default=0, show_default=True, help="0 = off."),
-        click.option("--top-p", type=float, default=1.0, show_default=True, help="1.0 = off."),
-        click.option("--seed", type=int, default=None, help="Sampling seed (default: random)."),
-        click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N."),
-    )):
-        command = option(command)
-    return command
+def _options(*options: Callable[[Callable], Callable]) -> Callable[[Callable], Callable]:
+    """One decorator for several options (or groups of them), listed by --help in the order given."""
+    def add(command: Callable) -> Callable:
+        for option in reversed(options):
+            command = option(command)
+        return command
+    return add
+
+
+# --temperature, --top-k, --top-p, --seed and --device, as `generate`, `chat` and `distill` take them
+sampling_options = _options(
+    click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
+    click.option("--top-k", type=int, default=0, show_default=True, help="0 = off."),
+    click.option("--top-p", type=float, default=1.0, show_default=True, help="1.0 = off."),
+    click.option("--seed", type=int, default=None, help="Sampling seed (default: random)."),
+    click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N."),
+)
 
 
 # Measured on SmolLM2-135M-Instruct (BENCHMARKS.md, "CPU int8 and prepacked weights").
@@ -63,58 +69,46 @@ QUANTIZE_HELP = (
 )
 
 
-def weight_options(command: Callable) -> Callable:
-    """--quantize and --prepack/--no-prepack: how a CPU model's linear layers run (decode/engine/cpu_linear.py)."""
-    for option in reversed((
-        click.option("--quantize", type=click.Choice(["none", "int8"]), default="none", show_default=True,
-                     help=QUANTIZE_HELP),
-        click.option("--prepack/--no-prepack", default=True, show_default=True,
-                     help="CPU, float32: reorder the weights once at load for oneDNN, so verifying a few tokens "
-                          "costs little more than one (results differ from unpacked weights in the last bits)."),
-    )):
-        command = option(command)
-    return command
+# --quantize and --prepack/--no-prepack: how a CPU model's linear layers run (decode/engine/cpu_linear.py)
+weight_options = _options(
+    click.option("--quantize", type=click.Choice(["none", "int8"]), default="none", show_default=True,
+                 help=QUANTIZE_HELP),
+    click.option("--prepack/--no-prepack", default=True, show_default=True,
+                 help="CPU, float32: reorder the weights once at load for oneDNN, so verifying a few tokens "
+                      "costs little more than one (results differ from unpacked weights in the last bits)."),
+)
 
 
-def engine_options(command: Callable) -> Callable:
-    """--dtype, --threads, --no-compile and the weight options, as every command that loads a model takes them."""
-    command = weight_options(command)
-    for option in reversed((
-        click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
-                     show_default=True, help="auto: float32 on CPU; on GPU the model's saved dtype (float32 models run "
-                     "in bfloat16). Greedy output equals plain greedy decoding token for token in float32; in half "
-                     "precision the distribution is the model's and greedy can differ at near-ties."),
-        click.option("--threads", type=int, default=None,
-                     help="torch CPU threads (default: torch's choice); 1 is steadier on a busy machine."),
-        click.option("--no-compile", is_flag=True, help="CUDA: run the verify forward eagerly instead of as CUDA "
-                     "graphs at fixed widths (the CPU never compiles)."),
-    )):
-        command = option(command)
-    return command
+# --dtype, --threads, --no-compile and the weight options, as every command that loads a model takes them
+engine_options = _options(
+    click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
+                 show_default=True, help="auto: float32 on CPU; on GPU the model's saved dtype (float32 models run "
+                 "in bfloat16). Greedy output equals plain greedy decoding token for token in float32; in half "
+                 "precision the distribution is the model's and greedy can differ at near-ties."),
+    click.option("--threads", type=int, default=None,
+                 help="torch CPU threads (default: torch's choice); 1 is steadier on a busy machine."),
+    click.option("--no-compile", is_flag=True, help="CUDA: run the verify forward eagerly instead of as CUDA "
+                 "graphs at fixed widths (the CPU never compiles)."),
+    weight_options,
+)
 
 
-def draft_options(command: Callable) -> Callable:
-    """The settings of the methods that draft with a second model or a head, declared once."""
-    for option in reversed((
-        click.option("--draft-model", "draft_path", metavar="PATH", help="sd, specdec++, sam+draft, ouroboros: a "
-                     "small model sharing the target's tokenizer (default: the embedded draft, with the embedded target only)."),
-        click.option("--gamma", type=int, default=4, show_default=True, help="sd, sam+draft, ouroboros: draft tokens per step."),
-        click.option("--acc-head", "acc_head_path", metavar="PATH", help="specdec++: acceptance head folder for this "
-                     "target and draft (default: the embedded one, with the embedded pair only)."),
-        click.option("--stop-threshold", type=float, default=0.3, show_default=True, help="specdec++: stop drafting "
-                     "once the predicted P(some draft token is rejected) exceeds this."),
-        click.option("--bounds", type=(int, int), default=(2, 20), show_default=True, metavar="MIN MAX",
-                     help="specdec++: inclusive bounds on the draft length."),
-        click.option("--eagle-head", "eagle_path", metavar="PATH", help="eagle, sam+eagle, adaptive+eagle: EAGLE head "
-                     "folder for this model (default: the embedded one, with the embedded target only)."),
-    )):
-        command = option(command)
-    return command
-
-
-def session_options(command: Callable) -> Callable:
-    """Every option a SessionConfig reads, as the commands that run a session take them."""
-    return sampling_options(engine_options(method_options(draft_options(command))))
+# The settings of the methods that draft with a second model or a head, declared once
+draft_options = _options(
+    click.option("--draft-model", "draft_path", metavar="PATH", help="sd, specdec++, sam+draft, ouroboros: a "
+                 "small model sharing the target's tokenizer (default: the embedded draft, with the embedded target only)."),
+    click.option("--gamma", type=int, default=4, show_default=True, help="sd, sam+draft, ouroboros: draft tokens per step."),
+    click.option("--acc-head", "acc_head_path", metavar="PATH", help="specdec++: acceptance head folder for this "
+                 "target and draft (default: the embedded one, with the embedded pair only)."),
+    click.option("--stop-threshold", type=float, default=0.3, show_default=True, help="specdec++: stop drafting "
+                 "once the predicted P(some draft token is rejected) exceeds this."),
+    click.option("--bounds", type=(int, int), default=(2, 20), show_default=True, metavar="MIN MAX",
+                 help="specdec++: inclusive bounds on the draft length."),
+    click.option("--eagle-head", "eagle_path", metavar="PATH", help="eagle, sam+eagle, adaptive+eagle: EAGLE head "
+                 "folder for this model (default: the embedded one, with the embedded target only)."),
+)
+# Every option a SessionConfig reads, as the commands that run a session take them
+session_options = _options(sampling_options, engine_options, method_options, draft_options)
 
 
 batch_size_option = click.option(

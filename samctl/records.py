@@ -5,12 +5,14 @@ A record is a JSON object whose prompt is in `prompt`, `turns` (a multi-turn con
 `question_id`, else its line number) is copied to the output, with the text, finish reason and
 metrics (and with compare, plain decoding's result beside them). A bad record, a blank line
 included, gets an `error` field and the rest go on. `generate --input`, `distill` and the Ray
-worker all run records through `RecordRunner`; resuming a killed run reads the ids already
+worker all run records through `RecordRunner` (OpenAI Batch API lines: `OpenAIBatchRunner`, the
+same runner over the server's scheduler); resuming a killed run reads the ids already
 written (`finished_ids`).
 """
 from __future__ import annotations
 
 import json
+from collections import deque
 from dataclasses import asdict
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
@@ -29,46 +31,53 @@ PROMPT_FIELDS = ("prompt", "turns", "text", "question", "instruction")
 
 
 class RecordRunner:
-    """Runs records through one session (its drafter kept warm across records)."""
+    """Runs records through one session (its drafter kept warm across records), up to
+    `batch_size` single-turn records (a text `prediction` each, or none) in flight at once on the
+    batched engine (Session.generate_batch); records with several turns, bad ones, and every
+    record with compare, go one by one through `process`."""
 
-    def __init__(self, session: Session, field: str | None = None, compare: bool = False) -> None:
-        self.session, self.field, self.compare = session, field, compare
+    unit = "record"
+
+    def __init__(self, session: Session, field: str | None = None, compare: bool = False,
+                 batch_size: int = 1) -> None:
+        self.session, self.field, self.compare, self.batch_size = session, field, compare, batch_size
+        self._noted: set[str] = set()
 
     def batch(self, records: Iterable[tuple[int, str]], write: Callable[[str], None], quiet: bool,
               total: int | None = None) -> int:
-        """Process (line number, line) records in order, writing each output line; returns the
-        number of failed records."""
+        """Process (line number, line) records, writing one output line per input line in input
+        order as soon as every earlier one is written; returns the number of failed records."""
         failed = 0
-        with progress_bar("generate", "record", quiet, total=total) as progress, progress.heartbeat():
+        with progress_bar("generate", self.unit, quiet, total=total) as progress, progress.heartbeat():
+            def emit(line: str, bad: bool, tokens: int) -> None:
+                nonlocal failed
+                failed += bad
+                write(line)
+                progress.update(1, tokens=tokens)
+
+            self._run(records, emit, quiet)
+        return failed
+
+    def _run(self, records: Iterable[tuple[int, str]], emit: Callable[[str, bool, int], None], quiet: bool) -> None:
+        if self.batch_size == 1 or self.compare:
             for number, line in records:
                 out, bad = self.process(number, line)
-                failed += bad
-                write(out)
-                progress.update(1, tokens=output_tokens(out))
-        return failed
+                emit(out, bad, output_tokens(out))
+            return
+        # lines are read in windows of a few batches
+        window = 4 * self.batch_size
+        chunk: list[tuple[int, str]] = []
+        for item in records:
+            chunk.append(item)
+            if len(chunk) == window:
+                self._window(chunk, emit, quiet)
+                chunk = []
+        if chunk:
+            self._window(chunk, emit, quiet)
 
-    def batch_many(self, records: Iterable[tuple[int, str]], write: Callable[[str], None], quiet: bool,
-                   total: int | None, batch_size: int) -> int:
-        """As `batch`, with up to `batch_size` single-turn records (a `prediction` each, or none) in
-        flight at once on the batched engine (Session.generate_batch); records with several turns,
-        and bad ones, go through `process`. Lines are read in windows of a few batches and written in
-        input order as soon as every earlier line of the window is written."""
-        failed = 0
-        window = 4 * batch_size
-        self._quiet, self._noted = quiet, set()
-        with progress_bar("generate", "record", quiet, total=total) as progress, progress.heartbeat():
-            chunk: list[tuple[int, str]] = []
-            for item in records:
-                chunk.append(item)
-                if len(chunk) == window:
-                    failed += self._window(chunk, write, progress, batch_size)
-                    chunk = []
-            if chunk:
-                failed += self._window(chunk, write, progress, batch_size)
-        return failed
-
-    def _window(self, chunk: list[tuple[int, str]], write: Callable[[str], None], progress, batch_size: int) -> int:
-        # 1) sort the lines: batchable records (one turn, a text prediction or none) and the rest
+    def _window(self, chunk: list[tuple[int, str]], emit: Callable[[str, bool, int], None], quiet: bool) -> None:
+        # 1) batchable records (one turn, a text prediction or none) wait for the batch; the rest,
+        # bad ones included, go one by one now
         outputs: list[tuple[str, bool] | None] = [None] * len(chunk)
         batched: list[tuple[int, Any, str, str | None]] = []  # (position in chunk, record id, prompt, prediction)
         for pos, (number, line) in enumerate(chunk):
@@ -76,19 +85,19 @@ class RecordRunner:
                 record = parse_record(line, number)
                 turns = prompt_turns(record, self.field)
             except UserError:
-                outputs[pos] = self.process(number, line)
-                continue
+                record, turns = {}, []
             prediction = record.get("prediction")
-            if len(turns) == 1 and (prediction is None or isinstance(prediction, str)) and not self.compare:
+            if len(turns) == 1 and (prediction is None or isinstance(prediction, str)):
                 batched.append((pos, record_key(record, number), turns[0], prediction))
+            else:
+                outputs[pos] = self.process(number, line)
         written = 0
 
         def flush() -> None:  # 3) every line whose predecessors are written goes out now
             nonlocal written
             while written < len(chunk) and outputs[written] is not None:
-                line, _ = outputs[written]
-                write(line)
-                progress.update(1, tokens=output_tokens(line))
+                line, bad = outputs[written]
+                emit(line, bad, output_tokens(line))
                 written += 1
 
         def done(result) -> None:
@@ -100,23 +109,19 @@ class RecordRunner:
                 outputs[pos] = json.dumps({"id": record_id, **fields}, ensure_ascii=False), False
             flush()
 
-        # 2) the rest one by one (in input order), the batchable ones together
-        for pos, (number, line) in enumerate(chunk):
-            if outputs[pos] is None and not any(b[0] == pos for b in batched):
-                outputs[pos] = self.process(number, line)
+        # 2) the batchable ones together
         flush()
         if batched:
             from samctl.decode.batch import BatchStats
 
             stats = BatchStats()
-            self.session.generate_batch([b[2] for b in batched], batch_size=batch_size, on_result=done, stats=stats,
-                                        predictions=[b[3] for b in batched])
+            self.session.generate_batch([b[2] for b in batched], batch_size=self.batch_size, on_result=done,
+                                        stats=stats, predictions=[b[3] for b in batched])
             for note in stats.notes:  # an out-of-memory that halved the batch, said once
-                if note not in self._noted and not self._quiet:
+                if note not in self._noted and not quiet:
                     self._noted.add(note)
                     click.echo(f"samctl: note: {note}", err=True)
         flush()
-        return sum(bad for _, bad in outputs)
 
     def process(self, number: int, line: str) -> tuple[str, bool]:
         """One input line -> (its output line, whether it failed): a bad record gets an `error`."""
@@ -266,45 +271,37 @@ def prompt_turns(record: dict[str, Any], field: str | None) -> list[str]:
                     "name the field with --field")
 
 
-class OpenAIBatchRunner:
+class OpenAIBatchRunner(RecordRunner):
     """OpenAI Batch API lines (`{"custom_id", "method": "POST", "url", "body"}`, as `vllm run-batch`
     reads them) through the server's scheduler, bodies validated by the server's schemas
     (samctl.openai_api): one output line per input line, in input order, `{"id", "custom_id",
     "response": {"status_code", "request_id", "body"}, "error"}` with the completion object the
     server returns; a refused request has its status and OpenAI's error object and no body. Up to
-    `batch_size` requests generate at once on the batched engine (samctl.scheduler.BatchScheduler)."""
+    `batch_size` requests generate at once on the batched engine (samctl.scheduler.BatchScheduler);
+    `batch` counts the lines whose status is not 200."""
+
+    unit = "request"
 
     def __init__(self, session: Session, model_name: str, batch_size: int) -> None:
         from samctl.scheduler import Sessions
 
+        super().__init__(session, batch_size=batch_size)
         self.sessions = Sessions({session.config.store: session}, model_name=model_name)
-        self.batch_size = batch_size
 
-    def batch(self, records: Iterable[tuple[int, str]], write: Callable[[str], None], quiet: bool,
-              total: int | None = None) -> int:
-        """As RecordRunner.batch; returns the number of lines whose status is not 200."""
+    def _run(self, records: Iterable[tuple[int, str]], emit: Callable[[str, bool, int], None], quiet: bool) -> None:
         from samctl.scheduler import BatchScheduler
 
         scheduler = BatchScheduler(self.sessions, self.batch_size)
-        failed = 0
-        window: list = []
+        window: deque[_BatchRequest] = deque()  # submitted, written in input order as each ends
         try:
-            with progress_bar("generate", "request", quiet, total=total) as progress, progress.heartbeat():
-                def flush(keep: int) -> None:
-                    nonlocal failed
-                    while len(window) > keep:
-                        line, bad, tokens = window.pop(0).result()
-                        failed += bad
-                        write(line)
-                        progress.update(1, tokens=tokens)
-
-                for number, line in records:
-                    window.append(self._submit(number, line, scheduler))
-                    flush(4 * self.batch_size)
-                flush(0)
+            for number, line in records:
+                window.append(self._submit(number, line, scheduler))
+                while len(window) > 4 * self.batch_size:
+                    emit(*window.popleft().result())
+            while window:
+                emit(*window.popleft().result())
         finally:
             scheduler.close()
-        return failed
 
     def _submit(self, number: int, line: str, scheduler) -> "_BatchRequest":
         from pydantic import ValidationError

@@ -142,7 +142,7 @@ class Request:
 
 class Job:
     """One request on the worker thread: resolves its session and prompt (`prepare`), generates
-    (`run` at batch 1, or as a row of the batched engine) and turns tokens into text events;
+    (`generate` at batch 1, or as a row of the batched engine) and turns tokens into text events;
     `cancel` (from any thread) stops it at its next step."""
 
     def __init__(self, request: Request, sessions: Sessions, sink: Sink) -> None:
@@ -153,12 +153,6 @@ class Job:
 
     def cancel(self) -> None:
         self.cancelled.set()
-
-    def run(self) -> None:
-        """Batch 1: prepare, generate on the session's own drafter, finish."""
-        prepared = self.prepare()
-        if prepared is not None:
-            self.generate(*prepared)
 
     def prepare(self) -> tuple[Any, list[int], int] | None:
         """(session, prompt ids, max new tokens), with "started" sent; None when the job ended here

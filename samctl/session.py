@@ -338,8 +338,7 @@ def installed_eagle_head(model: str) -> Path:
 
 def load_eagle(path: str, engine: Engine) -> EagleHead:
     """Load an EAGLE head bound to the engine's target, refusing one trained for another model."""
-    from samctl.heads import load_eagle_head
-    from samctl.heads import model_fingerprint
+    from samctl.heads import load_eagle_head, model_fingerprint
 
     return load_eagle_head(path, engine.model, model_fingerprint(engine.model, engine.tokenizer))
 
@@ -355,20 +354,9 @@ def build_drafter(name: str, engine: Engine, store: Datastore | None, config: Me
     if store is not None and not uses_store(name) and not quiet:
         click.echo(f"samctl: note: method {name} does not use the store {store.path}", err=True)
     cost = relative_cost(cost_curve(engine, quiet=quiet)) if method_entry(name).sized_by_cost else None
-    return make_drafter(
-        name,
-        vocab_size=engine.vocab_size,
-        device=engine.device,
-        eos_token_ids=engine.eos_token_ids,
-        static=store.structure if store is not None and uses_store(name) else None,
-        config=config,
-        draft=draft,
-        head=head,
-        sampling=sampling,
-        cost=cost,
-        target=engine.target,
-        eagle=eagle,
-    )
+    return make_drafter(name, vocab_size=engine.vocab_size, device=engine.device, eos_token_ids=engine.eos_token_ids,
+                        static=store.structure if store is not None and uses_store(name) else None, config=config,
+                        draft=draft, head=head, sampling=sampling, cost=cost, target=engine.target, eagle=eagle)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -424,24 +412,16 @@ class _Loaded:
 
     def __init__(self, engine: Engine, store: Datastore | None) -> None:
         self.engine, self.store = engine, store
-        self.drafts: dict[str, Any] = {}
-        self.heads: dict[str, Any] = {}
-        self.eagles: dict[str, Any] = {}
+        self._models: dict[tuple[Callable, str], Any] = {}
 
-    def draft(self, path: str):
-        if path not in self.drafts:
-            self.drafts[path] = load_draft(path, self.engine)
-        return self.drafts[path]
-
-    def head(self, path: str, draft):
-        if path not in self.heads:
-            self.heads[path] = load_acc_head(path, self.engine, draft)
-        return self.heads[path]
-
-    def eagle(self, path: str):
-        if path not in self.eagles:
-            self.eagles[path] = load_eagle(path, self.engine)
-        return self.eagles[path]
+    def load(self, loader: Callable[..., Any], path: str | None, *args: Any) -> Any:
+        """loader(path, engine, *args) (load_draft, load_acc_head, load_eagle), once per loader and
+        path; None without a path."""
+        if not path:
+            return None
+        if (loader, path) not in self._models:
+            self._models[loader, path] = loader(path, self.engine, *args)
+        return self._models[loader, path]
 
 
 class Session:
@@ -467,9 +447,9 @@ class Session:
         self.engine: Engine = _shared.engine
         self.method_config = config.method_config(self.engine.device)
         draft_path, head_path, eagle_path = self._resolve_paths()
-        self._draft = _shared.draft(draft_path) if draft_path else None
-        self._head = _shared.head(head_path, self._draft) if head_path else None
-        self._eagle = _shared.eagle(eagle_path) if eagle_path else None
+        self._draft = _shared.load(load_draft, draft_path)
+        self._head = _shared.load(load_acc_head, head_path, self._draft)
+        self._eagle = _shared.load(load_eagle, eagle_path)
         self.generation = GenerationConfig(max_new_tokens=config.max_new_tokens,
                                            eos_token_ids=self.engine.eos_token_ids, sampling=config.sampling)
         self.drafter = self._build_drafter(quiet=config.quiet)

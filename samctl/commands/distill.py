@@ -77,8 +77,8 @@ def distill(**opts: Any) -> None:
 
     # 1) answers, appended as they finish, in input order, so that an interrupted run loses at most
     # the records in flight
-    runner = RecordRunner(session, field=opts["prompt_field"])
-    size = batch_size(opts, config.method, on_gpu=engine.device.type != "cpu")
+    runner = RecordRunner(session, field=opts["prompt_field"],
+                          batch_size=batch_size(opts, config.method, on_gpu=engine.device.type != "cpu"))
     if done and not opts["quiet"]:
         click.echo(f"samctl: resuming: {len(done)} prompt(s) already answered in {answers_path}", err=True)
     with open(opts["prompts_path"], encoding="utf-8", errors=ERRORS) as prompts, \
@@ -89,8 +89,7 @@ def distill(**opts: Any) -> None:
             out.flush()
 
         records = _unanswered(prompts, done)
-        failed = (runner.batch_many(records, write, opts["quiet"], None, size) if size > 1 else
-                  runner.batch(records, write, opts["quiet"]))
+        failed = runner.batch(records, write, opts["quiet"])
     if failed and not opts["quiet"]:
         click.echo(f"samctl: {failed} prompt(s) failed (see their `error` in {answers_path}); "
                    "run again to retry them", err=True)

@@ -110,19 +110,15 @@ def generate(**opts: Any) -> None:
 
     session = Session(config)
     if opts["input_file"] is not None:
-        runner = RecordRunner(session, field=opts["prompt_field"], compare=opts["compare"])
         total = count_records(opts["input_file"])
         size = batch_size(opts, session.config.method, on_gpu=session.engine.device.type != "cpu")
         if input_format == "openai":
             from samctl.records import OpenAIBatchRunner
 
-            openai = OpenAIBatchRunner(session, opts["model_path"] or session.engine.name, size)
-            failed = _batch_to_output(opts, lambda records, write: openai.batch(records, write, opts["quiet"], total))
-        elif size > 1:
-            failed = _batch_to_output(opts, lambda records, write: runner.batch_many(records, write, opts["quiet"],
-                                                                                   total, size))
+            runner = OpenAIBatchRunner(session, opts["model_path"] or session.engine.name, size)
         else:
-            failed = _batch_to_output(opts, lambda records, write: runner.batch(records, write, opts["quiet"], total))
+            runner = RecordRunner(session, field=opts["prompt_field"], compare=opts["compare"], batch_size=size)
+        failed = _batch_to_output(opts, lambda records, write: runner.batch(records, write, opts["quiet"], total))
         _save_memory(opts, session)
         _exit_for(failed)
         return

@@ -35,9 +35,7 @@ import os
 import random
 import shlex
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -48,8 +46,8 @@ from samctl.decode.acceptance_head import (AcceptanceHead, Examples, HeadConfig,
 from samctl.decode.configs import SamplingConfig
 from samctl.index.errors import UserError
 from samctl.heads import model_fingerprint, save_head
-from samctl.session import Engine, load_draft, load_engine
-from samctl.train.answers import answering_session, answers_key, write_answers
+from samctl.session import Engine, load_draft
+from samctl.train.answers import own_answers, trainer_engine
 from samctl.train.prompts import Prompt, read_prompts
 
 
@@ -86,23 +84,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def write_responses(engine: Engine, texts: list[str], chat: bool,
-                    args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]]]:
-    """(prompt ids, response ids) of every prompt answered: the target's samples at
-    --response-temperature, written by the one answer writer."""
-    session = answering_session(engine, args.max_new_tokens, chat)
-    prompts = [Prompt("corpus", (text,)) for text in texts]
-    sampling = SamplingConfig(temperature=args.response_temperature, seed=args.seed)
-    with tempfile.TemporaryDirectory() as scratch:
-        key = answers_key(model_fingerprint(engine.model, engine.tokenizer), prompts, args.max_new_tokens,
-                          args.max_prompt_tokens, chat, args.response_temperature, args.seed)
-        path = Path(args.cache or scratch) / f"acc-head-answers-{key}.jsonl"
-        answers = write_answers(session, prompts, path, batch_size=args.response_batch,
-                                max_prompt_tokens=args.max_prompt_tokens, sampling=sampling,
-                                log=lambda text: print(text, file=sys.stderr, flush=True))
-    return [a.prompt_ids for a in answers], [a.output_ids for a in answers]
-
-
 def examples_for(engine: Engine, draft, prompts: list[list[int]], responses: list[list[int]],
                  args: argparse.Namespace, generator: torch.Generator) -> Examples:
     parts = [collect_examples(engine.model, draft.model, p, r, args.mixing_ratio, generator,
@@ -131,13 +112,10 @@ def correlation(head: AcceptanceHead, examples: Examples) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
     train_config = TrainConfig(mixing_ratio=args.mixing_ratio, weight_mismatch=args.weight_mismatch,
                                steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
     start = time.perf_counter()
-    engine = load_engine(args.target, args.device, "float32", quiet=True, prepack=False)  # trains on unpacked weights
+    engine = trainer_engine(args, args.target)
     draft = load_draft(args.draft, engine)
     chat = not args.no_chat and bool(getattr(engine.tokenizer, "chat_template", None))
 
@@ -149,7 +127,12 @@ def main(argv: list[str] | None = None) -> dict:
     texts = [t for t in texts[: args.num_prompts] if 0 < len(engine.encode(t, chat)) < room]
 
     tic = time.perf_counter()
-    encoded, responses = write_responses(engine, texts, chat, args)  # longer than --max-prompt-tokens: left out
+    # the target's samples at --response-temperature; prompts longer than --max-prompt-tokens are left out
+    answers = own_answers(engine, [Prompt("corpus", (text,)) for text in texts], chat, cache=args.cache,
+                          name="acc-head", max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                          batch_size=args.response_batch, settings=(args.response_temperature, args.seed),
+                          sampling=SamplingConfig(temperature=args.response_temperature, seed=args.seed))
+    encoded, responses = [a.prompt_ids for a in answers], [a.output_ids for a in answers]
     respond_s = time.perf_counter() - tic
     n_heldout = max(1, round(args.heldout * len(encoded)))
     n_valid = max(1, round(0.1 * (len(encoded) - n_heldout)))

@@ -14,7 +14,10 @@ the datasets' human answers are another distribution.
   answers in the chat template, its output ids, EOS kept); a rerun reads the file and answers only
   what is missing, so an interrupted run resumes. The caller names the file by model fingerprint,
   prompt set and settings (`answers_key`). A token budget or a deadline stops it between two answers.
-- `answering_session(engine, ...)`: a session over a trainer's already loaded engine to answer with.
+- `answering_session(engine, ...)`: a session over a trainer's already loaded engine to answer with;
+  `own_answers(engine, ...)`: write_answers on one, in a file named by the model, prompts and
+  settings (under --cache, else a scratch folder).
+- `trainer_engine(args, model)`: how every trainer starts (threads, seed, the model to train).
 
 Knows a session (model, tokenizer, EOS ids) and token ids; never the training objectives.
 """
@@ -23,13 +26,17 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
+import torch
+
 from samctl.decode.configs import SamplingConfig
-from samctl.session import Engine
+from samctl.heads import model_fingerprint
+from samctl.session import Engine, load_engine
 
 if TYPE_CHECKING:
     from samctl.session import Session
@@ -68,6 +75,29 @@ def answering_session(engine: Engine, max_new_tokens: int, chat: bool, method: s
     from samctl.session import Session
 
     return Session.over(engine, SessionConfig(method=method, max_new_tokens=max_new_tokens, chat=chat, quiet=True))
+
+
+def own_answers(engine: Engine, prompts: Sequence["Prompt"], chat: bool, *, cache: str, name: str,
+                max_new_tokens: int, max_prompt_tokens: int, batch_size: int,
+                sampling: SamplingConfig = SamplingConfig(), settings: tuple = ()) -> list[Answer]:
+    """The engine's own answers (`write_answers`), kept in `cache` (reused and resumed there) as
+    NAME-answers-KEY.jsonl, or in a scratch folder when `cache` is empty; `settings` enter the key."""
+    session = answering_session(engine, max_new_tokens, chat)
+    with tempfile.TemporaryDirectory() as scratch:
+        key = answers_key(model_fingerprint(engine.model, engine.tokenizer), prompts, max_new_tokens,
+                          max_prompt_tokens, chat, *settings)
+        path = Path(cache or scratch) / f"{name}-answers-{key}.jsonl"
+        return write_answers(session, prompts, path, batch_size=batch_size, max_prompt_tokens=max_prompt_tokens,
+                             sampling=sampling)
+
+
+def trainer_engine(args, model: str) -> Engine:
+    """A trainer's start: torch threads (--threads) and seed (--seed) set, then the model loaded in
+    float32 on unpacked weights (prepacked ones do not train), never printing the embedded-model note."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    return load_engine(model, args.device, "float32", quiet=True, prepack=False)
 
 
 def read_answers(path: Path) -> dict[tuple[int, int], Answer]:

@@ -61,11 +61,10 @@ from samctl.decode.methods import DEFAULT_METHOD, EAGLE_METHODS, MethodConfig, m
 from samctl.decode.eagle_head import EagleHead, eagle_loss, target_features
 from samctl.decode.simulate import Tally, make_trace, replay
 from samctl.index.errors import UserError
-from samctl.heads import save_eagle_head
+from samctl.heads import model_fingerprint, save_eagle_head
 from samctl.gguf_cache import cache_dir
-from samctl.heads import model_fingerprint
-from samctl.session import Engine, load_engine
-from samctl.train.answers import Answer, answers_key, write_answers
+from samctl.session import Engine
+from samctl.train.answers import Answer, answers_key, trainer_engine, write_answers
 from samctl.train.prompts import Prompt, drop_excluded, mixture, read_prompts
 
 
@@ -328,14 +327,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
 
     def log(text: str) -> None:
         print(f"[train_eagle {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
-    engine = load_engine(args.model, args.device, "float32", quiet=True, prepack=False)  # trains on unpacked weights
+    engine = trainer_engine(args, args.model)
     args.device = engine.device
     cost = None
     if args.cost is not None:
@@ -399,10 +395,3 @@ def main(argv: list[str] | None = None) -> dict:
         save_eagle_head(args.out, head, fingerprint, report)
     print(json.dumps(report, indent=2))
     return report
-
-
-if __name__ == "__main__":
-    try:
-        main()
-    except UserError as err:
-        sys.exit(f"train_eagle: {err}")

@@ -45,7 +45,6 @@ import os
 import random
 import shlex
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -56,10 +55,9 @@ import torch
 import torch.nn.functional as F
 
 from samctl.decode.sdsat import IGNORE, SatSettings, make_batch, sample_anchors, write_settings
-from samctl.heads import model_fingerprint
 from samctl.index.errors import UserError
-from samctl.session import Engine, load_engine
-from samctl.train.answers import answering_session, answers_key, write_answers
+from samctl.session import Engine
+from samctl.train.answers import own_answers, trainer_engine
 from samctl.train.prompts import Prompt, read_prompts
 
 NEW_SAT_TOKEN = "<|sat|>"
@@ -140,23 +138,6 @@ def choose_sat_token(engine: Engine, requested: str, texts: list[str]) -> tuple[
     new_id = tok.convert_tokens_to_ids(NEW_SAT_TOKEN)
     engine.model.resize_token_embeddings(len(tok), mean_resizing=True)
     return int(new_id), NEW_SAT_TOKEN, True
-
-
-def self_written(engine: Engine, prompts: list[Prompt], chat: bool, args: argparse.Namespace) -> dict[int, list[list[int]]]:
-    """The model's own greedy answers by prompt index: [prompt ids, answer ids]; prompts longer than
-    --seq-len / 2 tokens are left out. With --cache they are kept (and resumed) there."""
-    def log(text: str) -> None:
-        print(text, file=sys.stderr, flush=True)
-
-    session = answering_session(engine, args.max_new_tokens, chat)
-    max_prompt = args.seq_len // 2
-    with tempfile.TemporaryDirectory() as scratch:
-        key = answers_key(model_fingerprint(engine.model, engine.tokenizer), prompts, args.max_new_tokens,
-                          max_prompt, chat)
-        path = Path(args.cache or scratch) / f"sdsat-answers-{key}.jsonl"
-        answers = write_answers(session, prompts, path, batch_size=args.response_batch,
-                                max_prompt_tokens=max_prompt, log=log)
-    return {a.prompt: [a.prompt_ids, a.output_ids] for a in answers}
 
 
 # 2) evaluation ---------------------------------------------------------------------------------
@@ -315,11 +296,8 @@ def train(model, train_rows, args, sat_id: int, pad: int, device: torch.device) 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
     began = time.perf_counter()
-    engine = load_engine(args.model, args.device, "float32", quiet=True, prepack=False)  # its weights train
+    engine = trainer_engine(args, args.model)
     model, device = engine.model, engine.device
     chat = not args.no_chat and bool(getattr(engine.tokenizer, "chat_template", None))
 
@@ -329,7 +307,11 @@ def main(argv: list[str] | None = None) -> dict:
     data_answers = {i: [engine.encode(p.turns[0], chat)[: args.seq_len // 2],
                         engine.tokenizer(p.answer, add_special_tokens=False)["input_ids"] + eos[:1]]
                     for i, p in enumerate(prompts) if p.answer.strip()}
-    answers = self_written(engine, prompts, chat, args) if args.responses == "self" else data_answers
+    answers = data_answers
+    if args.responses == "self":  # prompts longer than --seq-len / 2 tokens are left out
+        answers = {a.prompt: [a.prompt_ids, a.output_ids] for a in own_answers(
+            engine, prompts, chat, cache=args.cache, name="sdsat", max_new_tokens=args.max_new_tokens,
+            max_prompt_tokens=args.seq_len // 2, batch_size=args.response_batch)}
     sat_id, sat_text, added = choose_sat_token(engine, args.sat_token, [p.turns[0] + p.answer for p in prompts])
 
     def rows(indices, kind):
@@ -383,7 +365,3 @@ def main(argv: list[str] | None = None) -> dict:
     (out / "sdsat_report.json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({key: v for key, v in report.items() if key != "training"}, indent=1))
     return report
-
-
-if __name__ == "__main__":
-    main()
