@@ -100,7 +100,7 @@ def test_graph_verify_equals_eager_on_random_trees_with_compaction(kv_heads):
 
 def test_a_verify_reads_only_its_key_bucket(monkeypatch):
     target = TargetModel(tiny())
-    graphs = graphs_on(target, StandIn(), reserve=2000)
+    graphs_on(target, StandIn(), reserve=2000)
     target.prefill(torch.arange(3, 43), reserve=2000)
     assert target.cache.capacity > 2000
     seen = []

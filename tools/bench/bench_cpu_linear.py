@@ -236,11 +236,9 @@ def _version(module: str) -> str:
 
 
 def _has_llama_cpp() -> bool:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
 
 
 if __name__ == "__main__":
