@@ -34,21 +34,99 @@ def test_int8_row_alone_equals_row_among_64(shape):
 def test_int8_one_row_kernel_equals_many_row_kernel():
     # one row runs torch._int_mm, several oneDNN's GEMM (or _int_mm where oneDNN is missing): the
     # same exact integer sums, converted to float32 once, so rows agree bit for bit, even where a
-    # sum is past float32's 2**24 (1536 products of 127 x 127: every step of the sum exact)
-    layer = int8_layer(1536, 40, seed=5)
+    # sum is past float32's 2**24 (3072 products at the largest levels: every step of the sum exact)
+    layer = int8_layer(3072, 40, seed=5)
     with torch.no_grad():
         layer.qweight.fill_(127)
         layer.qweight[:, ::7] = 126
         if layer.gemm is not None:
             layer.gemm = type(layer.gemm).pack(layer.qweight)
-    x = torch.randn(6, 1536)
-    x[0] = 1.0  # every quantized value 127: sums of ~24.7M
+    x = torch.randn(6, 3072)
+    x[0] = 1.0  # every quantized value at the top level: sums past 2**24
     full = layer(x)
-    assert int((127 * layer.qweight.long()).sum(1).min()) > 2**24  # row 0's integer sums
+    assert int((layer.kernels.levels * layer.qweight.long()).sum(1).min()) > 2**24  # row 0's integer sums
     for row in range(6):
         assert torch.equal(layer(x[row : row + 1])[0], full[row]), row
-    layer.gemm = None  # the _int_mm fallback for several rows gives the same numbers
-    assert torch.equal(layer(x), full)
+    if layer.kernels.gemv:  # the _int_mm fallback for several rows gives the same numbers
+        layer.gemm = None
+        assert torch.equal(layer(x), full)
+
+
+def exact_int8(layer, x: torch.Tensor) -> torch.Tensor:
+    # the layer's formula with its integer sums taken in float64 (exact at these sizes), then the
+    # layer's own float32 steps: (sum * sx) * sw
+    levels = layer.kernels.levels
+    sx = x.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / levels
+    sums = (torch.round(x / sx).double() @ layer.qweight.double().t()).float()
+    return torch.mul(sums, sx).mul_(layer.scale)
+
+
+@pytest.mark.parametrize("kernels", [(127, True, True), (127, False, True), (63, False, True)],
+                         ids=["vnni", "onednn-only", "7-bit"])
+def test_int8_modes_are_exact_and_row_independent(monkeypatch, kernels):
+    # every mode the probe can choose, forced: rows alone equal rows together and the formula
+    from samctl.decode.engine import cpu_linear
+
+    chosen = cpu_linear.Int8Kernels(*kernels)
+    if chosen.levels == 127 and cpu_linear.int8_kernels().levels != 127:
+        pytest.skip("this CPU does not sum 8-bit int8 products exactly (the probe chose 7 bits)")
+    if chosen.onednn and cpu_linear.OneDnnGemm.pack(torch.zeros(2, 2, dtype=torch.int8)) is None:
+        pytest.skip("no oneDNN int8 kernels in this build")
+    monkeypatch.setattr(cpu_linear, "int8_kernels", lambda: chosen)
+    layer = int8_layer(512, 48, seed=7)
+    x = torch.randn(9, 512) * torch.logspace(-3, 2, 9)[:, None]
+    x[0] = 3.0  # every activation at the top level
+    x[1, ::2] = -3.0
+    full = layer(x)
+    assert torch.equal(full, exact_int8(layer, x))
+    for row in range(9):
+        assert torch.equal(layer(x[row : row + 1])[0], full[row]), row
+
+
+def test_int8_probe_refuses_a_cpu_without_exact_int8(monkeypatch):
+    # a CPU whose int8 products saturate (x86 without VNNI, where oneDNN's 7-bit path also fails)
+    from samctl.decode.engine import cpu_linear
+
+    real = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: real(a, b).clamp(-32768, 32767))
+    monkeypatch.setattr(cpu_linear.OneDnnGemm, "pack", classmethod(lambda cls, w: None))
+    cpu_linear.int8_kernels.cache_clear()
+    try:
+        with pytest.raises(UserError, match="do not sum int8 products exactly"):
+            cpu_linear.int8_kernels()
+    finally:
+        cpu_linear.int8_kernels.cache_clear()
+
+
+def test_int8_without_vnni_takes_7_bits_and_stays_exact():
+    # oneDNN held to AVX2 (no VNNI) multiplies with vpmaddubsw, which saturates 8-bit products:
+    # the probe must see it and choose 7-bit activations, still exact and row independent
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from torch import nn\n"
+        "from samctl.decode.engine.cpu_linear import Int8Linear, int8_kernels\n"
+        "from tests.test_cpu_linear import exact_int8\n"
+        "torch.manual_seed(0)\n"
+        "layer = Int8Linear(nn.Linear(512, 40, bias=False))\n"
+        "x = torch.randn(6, 512) * 10\n"
+        "x[0] = 1.0\n"
+        "full = layer(x)\n"
+        "assert torch.equal(full, exact_int8(layer, x))\n"
+        "assert all(torch.equal(layer(x[i : i + 1])[0], full[i]) for i in range(6))\n"
+        "print(int8_kernels().levels)\n"
+    )
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    import platform
+
+    if platform.machine() in ("x86_64", "AMD64") and torch.backends.mkldnn.is_available():
+        assert done.stdout.split()[-1] == "63"  # 8-bit sums saturate under AVX2: 7 bits chosen
 
 
 def test_int8_batch_rows_are_independent():
@@ -64,7 +142,7 @@ def test_int8_is_the_integer_formula():
     # y[r, n] = (sum_k xq[r, k] wq[n, k]) sx[r] sw[n], with the integer sum taken naively
     layer = int8_layer(40, 24, seed=3)
     x = torch.randn(5, 40)
-    sx = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True) / 127.0
+    sx = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True) / layer.kernels.levels
     xq = torch.round(x / sx).long()
     wq = layer.qweight.long()
     expected = (xq @ wq.t()).float() * sx * layer.scale
