@@ -66,8 +66,9 @@ QUANTIZE_HELP = (
     "model from float32: on SmolLM2-135M (two runs, 9 and 3 prompts) it picks float32's greedy token at 92% "
     "and 99% of the first 128 positions, next-token loss +0.07% and +0.7%. Weights take half of "
     "float32's memory (held twice in int8: one copy for one-token steps, one for verifies). On x86 "
-    "CPUs without VNNI (AVX512-VNNI or AVX-VNNI), whose int8 instructions saturate, activations "
-    "take 7 bits instead of 8 (found by a probe at load), so results stay exact there too."
+    "CPUs without VNNI (AVX512-VNNI or AVX-VNNI), whose int8 instructions saturate, a probe at load "
+    "makes each token's activations run as two 7-bit halves whose sums are added: the same model, "
+    "exact there too."
 )
 
 

@@ -34,7 +34,7 @@ def test_int8_row_alone_equals_row_among_64(shape):
 def test_int8_one_row_kernel_equals_many_row_kernel():
     # one row runs torch._int_mm, several oneDNN's GEMM (or _int_mm where oneDNN is missing): the
     # same exact integer sums, converted to float32 once, so rows agree bit for bit, even where a
-    # sum is past float32's 2**24 (3072 products at the largest levels: every step of the sum exact)
+    # sum is past float32's 2**24 (3072 products of 127 x 127: every step of the sum exact)
     layer = int8_layer(3072, 40, seed=5)
     with torch.no_grad():
         layer.qweight.fill_(127)
@@ -44,7 +44,7 @@ def test_int8_one_row_kernel_equals_many_row_kernel():
     x = torch.randn(6, 3072)
     x[0] = 1.0  # every quantized value at the top level: sums past 2**24
     full = layer(x)
-    assert int((layer.kernels.levels * layer.qweight.long()).sum(1).min()) > 2**24  # row 0's integer sums
+    assert int((127 * layer.qweight.long()).sum(1).min()) > 2**24  # row 0's integer sums
     for row in range(6):
         assert torch.equal(layer(x[row : row + 1])[0], full[row]), row
     if layer.kernels.gemv:  # the _int_mm fallback for several rows gives the same numbers
@@ -55,21 +55,20 @@ def test_int8_one_row_kernel_equals_many_row_kernel():
 def exact_int8(layer, x: torch.Tensor) -> torch.Tensor:
     # the layer's formula with its integer sums taken in float64 (exact at these sizes), then the
     # layer's own float32 steps: (sum * sx) * sw
-    levels = layer.kernels.levels
-    sx = x.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / levels
+    sx = x.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
     sums = (torch.round(x / sx).double() @ layer.qweight.double().t()).float()
     return torch.mul(sums, sx).mul_(layer.scale)
 
 
-@pytest.mark.parametrize("kernels", [(127, True, True), (127, False, True), (63, False, True)],
-                         ids=["vnni", "onednn-only", "7-bit"])
+@pytest.mark.parametrize("kernels", [(True, True, False), (False, True, False), (True, False, False),
+                                     (False, True, True)], ids=["vnni", "onednn-only", "int_mm-only", "split"])
 def test_int8_modes_are_exact_and_row_independent(monkeypatch, kernels):
     # every mode the probe can choose, forced: rows alone equal rows together and the formula
     from samctl.decode.engine import cpu_linear
 
     chosen = cpu_linear.Int8Kernels(*kernels)
-    if chosen.levels == 127 and cpu_linear.int8_kernels().levels != 127:
-        pytest.skip("this CPU does not sum 8-bit int8 products exactly (the probe chose 7 bits)")
+    if not chosen.split and cpu_linear.int8_kernels().split:
+        pytest.skip("this CPU does not sum 8-bit int8 products exactly (the probe split them)")
     if chosen.onednn and cpu_linear.OneDnnGemm.pack(torch.zeros(2, 2, dtype=torch.int8)) is None:
         pytest.skip("no oneDNN int8 kernels in this build")
     monkeypatch.setattr(cpu_linear, "int8_kernels", lambda: chosen)
@@ -98,9 +97,9 @@ def test_int8_probe_refuses_a_cpu_without_exact_int8(monkeypatch):
         cpu_linear.int8_kernels.cache_clear()
 
 
-def test_int8_without_vnni_takes_7_bits_and_stays_exact():
+def test_int8_without_vnni_splits_rows_and_stays_exact():
     # oneDNN held to AVX2 (no VNNI) multiplies with vpmaddubsw, which saturates 8-bit products:
-    # the probe must see it and choose 7-bit activations, still exact and row independent
+    # the probe must see it and split rows into 7-bit halves, still exact and row independent
     import os
     import subprocess
     import sys
@@ -117,7 +116,7 @@ def test_int8_without_vnni_takes_7_bits_and_stays_exact():
         "full = layer(x)\n"
         "assert torch.equal(full, exact_int8(layer, x))\n"
         "assert all(torch.equal(layer(x[i : i + 1])[0], full[i]) for i in range(6))\n"
-        "print(int8_kernels().levels)\n"
+        "print(int8_kernels().split)\n"
     )
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -126,7 +125,7 @@ def test_int8_without_vnni_takes_7_bits_and_stays_exact():
     import platform
 
     if platform.machine() in ("x86_64", "AMD64") and torch.backends.mkldnn.is_available():
-        assert done.stdout.split()[-1] == "63"  # 8-bit sums saturate under AVX2: 7 bits chosen
+        assert done.stdout.split()[-1] == "True"  # 8-bit sums saturate under AVX2: rows split
 
 
 def test_int8_batch_rows_are_independent():
@@ -142,7 +141,7 @@ def test_int8_is_the_integer_formula():
     # y[r, n] = (sum_k xq[r, k] wq[n, k]) sx[r] sw[n], with the integer sum taken naively
     layer = int8_layer(40, 24, seed=3)
     x = torch.randn(5, 40)
-    sx = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True) / layer.kernels.levels
+    sx = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True) / 127.0
     xq = torch.round(x / sx).long()
     wq = layer.qweight.long()
     expected = (xq @ wq.t()).float() * sx * layer.scale

@@ -31,9 +31,12 @@ head included) with one of:
   int8 with `vpmaddubsw`, which saturates pairs of unsigned x signed products at 16 bits, and
   both `_int_mm` and oneDNN's 8-bit GEMM then return wrong sums (measured here with oneDNN held to
   AVX2: 73,440 for 9,290,304). `int8_kernels()` probes this once with products at the extremes:
-  where 8-bit activations are not summed exactly, activations take 7 bits (|xq| <= 63, as
-  PyTorch's own quantized kernels do on such CPUs) through oneDNN at zero point 64, whose pairs
-  stay below 2^15; where that is not exact either, int8 is refused.
+  where 8-bit rows are not summed exactly, each row runs as two 7-bit halves in one oneDNN call
+  (xq = h + (xq - h), h = floor(xq / 2), both within [-64, 64], zero point 64: every pair of
+  products stays below 2^15), and the halves' sums are added: the same 8-bit model, at twice the
+  rows (a weight is still read once). (7-bit activations, PyTorch's own answer on such CPUs, would
+  be exact too, but a coarser model: greedy agreement with float32 fell from 0.92 to 0.85 on
+  SmolLM2.) Where that is not exact either, int8 is refused.
 
 It knows modules and tensors, not decoding. `linear_backend(model)` names what a model runs with,
 so that measured costs can be kept per backend.
@@ -92,7 +95,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale)  # [out] float32
         self.bias = linear.bias
         self.kernels = int8_kernels()
-        self.gemm = OneDnnGemm.pack(qweight) if self.kernels.onednn else None  # several rows (all, at 7 bits)
+        self.gemm = OneDnnGemm.pack(qweight) if self.kernels.onednn else None  # several rows (all, when split)
         self._dense: torch.Tensor | None = None
 
     @property
@@ -115,16 +118,19 @@ class Int8Linear(nn.Module):
         than its arithmetic, so in-place ops and no no-op casts."""
         if rows.dtype != torch.float32:
             rows = rows.float()
-        levels = self.kernels.levels  # 127, or 63 where 8-bit products are not summed exactly
         # [r, 1]; vector_norm(inf) is 5x slower at 8 rows
-        row_scale = rows.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny).div_(levels)
-        # |rows / row_scale| <= levels up to rounding, so no clamp is needed before the cast
+        row_scale = rows.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny).div_(127.0)
+        # |rows / row_scale| <= 127 up to rounding, so no clamp is needed before the cast
         xq = torch.div(rows, row_scale).round_()
-        if self.gemm is None or (len(xq) == 1 and self.kernels.gemv):
+        if self.kernels.split:  # no VNNI: two 7-bit halves per row in one call, their sums added
+            half = torch.div(xq, 2, rounding_mode="floor")
+            sums = self.gemm(torch.cat([half, xq.sub_(half)]).add_(64).to(torch.uint8), 64)
+            y = sums[: len(half)].add_(sums[len(half) :]).mul_(row_scale)
+        elif self.gemm is None or (len(xq) == 1 and self.kernels.gemv):
             # [out, in] x [in, r]: int32 [r, out] after the transpose
             y = torch.mul(torch._int_mm(self.qweight, xq.to(torch.int8).t()).t(), row_scale)
         else:  # the same integer sums, as float32
-            y = self.gemm(xq.add_(levels + 1).to(torch.uint8), levels + 1).mul_(row_scale)
+            y = self.gemm(xq.add_(128).to(torch.uint8), 128).mul_(row_scale)
         y.mul_(self.scale)  # [r, out] float32
         return y if self.bias is None else y.add_(self.bias)
 
@@ -132,7 +138,7 @@ class Int8Linear(nn.Module):
 class OneDnnGemm:
     """oneDNN's int8 GEMM over a prepacked copy of an int8 weight [out, in], called with unit
     scales, so that it returns the exact integer sums of int8 rows, as float32. The rows come as
-    uint8 with a zero point (xq + 128, or xq + 64 at 7 bits): oneDNN's fast x86 kernels multiply
+    uint8 with a zero point (xq + 128, or 7-bit halves + 64): oneDNN's fast x86 kernels multiply
     u8 by s8 (its s8 x s8 path is 15x slower here); the zero point is subtracted in integers."""
 
     def __init__(self, packed: torch.Tensor, out_features: int) -> None:
@@ -215,26 +221,26 @@ FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 class Int8Kernels(NamedTuple):
     """Which kernels sum int8 products exactly on this CPU (`int8_kernels`)."""
 
-    levels: int  # activation levels: 127 (8 bits) or 63 (7 bits)
-    gemv: bool  # one row through torch._int_mm (8 bits only)
-    onednn: bool  # rows through oneDNN's prepacked GEMM (at 7 bits: every row)
+    gemv: bool  # one row through torch._int_mm(weight, row^T)
+    onednn: bool  # several rows (every row, when split) through oneDNN's prepacked GEMM
+    split: bool  # no VNNI: every row as two 7-bit halves through oneDNN, their sums added
 
 
 @lru_cache(maxsize=1)
 def int8_kernels() -> Int8Kernels:
-    """Probe the int8 kernels once with products at the extremes (+-127 weights against +-levels
+    """Probe the int8 kernels once with products at the extremes (+-127 weights against +-127
     activations, in runs of equal signs, where a saturating pair sum shows) against float64 sums,
     which are exact here. Raises UserError when no kernel sums exactly."""
     weight = torch.full((16, 512), 127, dtype=torch.int8)
     weight[1::2] = -127
     weight[2::4, ::3] = -127
+    x = torch.full((4, 512), 127, dtype=torch.int8)
+    x[1] = -127
+    x[2, ::2] = -127
+    x[3, 100:] = -127
+    expected = x.double() @ weight.double().t()
 
-    def exact(levels: int, kernel) -> bool:
-        x = torch.full((4, 512), levels, dtype=torch.int8)
-        x[1] = -levels
-        x[2, ::2] = -levels
-        x[3, 100:] = -levels
-        expected = x.double() @ weight.double().t()
+    def exact(kernel) -> bool:
         try:
             return all(torch.equal(kernel(x[:m]).double(), expected[:m]) for m in (1, 2, 4))
         except (AttributeError, RuntimeError, NotImplementedError):  # a kernel this build lacks
@@ -242,19 +248,17 @@ def int8_kernels() -> Int8Kernels:
 
     gemm = OneDnnGemm.pack(weight)
 
-    def gemv(x: torch.Tensor) -> torch.Tensor:  # the call Int8Linear makes
-        return torch._int_mm(weight, x.t()).t()
+    def split(rows: torch.Tensor) -> torch.Tensor:  # as Int8Linear runs it
+        half = torch.div(rows, 2, rounding_mode="floor")
+        sums = gemm(torch.cat([half, rows - half]).add(64).to(torch.uint8), 64)
+        return sums[: len(rows)] + sums[len(rows) :]
 
-    def onednn(levels: int):
-        return lambda x: gemm((x.int() + levels + 1).to(torch.uint8), levels + 1)
-
-    onednn8 = gemm is not None and exact(127, onednn(127))
-    if exact(127, gemv):
-        return Int8Kernels(127, True, onednn8)
-    if onednn8:
-        return Int8Kernels(127, False, True)
-    if gemm is not None and exact(63, onednn(63)):
-        return Int8Kernels(63, False, True)
+    gemv = exact(lambda rows: torch._int_mm(weight, rows.t()).t())  # the call Int8Linear makes
+    onednn = gemm is not None and exact(lambda rows: gemm((rows.int() + 128).to(torch.uint8), 128))
+    if gemv or onednn:
+        return Int8Kernels(gemv, onednn, False)
+    if gemm is not None and exact(lambda rows: split(rows.int())):
+        return Int8Kernels(False, True, True)
     raise UserError("--quantize int8: this CPU's int8 kernels do not sum int8 products exactly (no VNNI, "
                     "and oneDNN's 7-bit path failed too), so int8 results would be wrong: run without --quantize")
 
