@@ -122,10 +122,8 @@ class Int8Linear(nn.Module):
         row_scale = rows.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny).div_(127.0)
         # |rows / row_scale| <= 127 up to rounding, so no clamp is needed before the cast
         xq = torch.div(rows, row_scale).round_()
-        if self.kernels.split:  # no VNNI: two 7-bit halves per row in one call, their sums added
-            half = torch.div(xq, 2, rounding_mode="floor")
-            sums = self.gemm(torch.cat([half, xq.sub_(half)]).add_(64).to(torch.uint8), 64)
-            y = sums[: len(half)].add_(sums[len(half) :]).mul_(row_scale)
+        if self.kernels.split:  # no VNNI
+            y = split_sums(self.gemm, xq).mul_(row_scale)
         elif self.gemm is None or (len(xq) == 1 and self.kernels.gemv):
             # [out, in] x [in, r]: int32 [r, out] after the transpose
             y = torch.mul(torch._int_mm(self.qweight, xq.to(torch.int8).t()).t(), row_scale)
@@ -157,6 +155,15 @@ class OneDnnGemm:
         # xu [r, in] uint8 (xq + zero) -> [r, out] float32: sum_k xq[r, k] * w[n, k]
         return torch.ops.onednn.qlinear_pointwise(xu, 1.0, zero, self.packed, self.ones, self.zeros, None, 1.0, 0,
                                                   torch.float32, "none", [None], "")
+
+
+def split_sums(gemm: OneDnnGemm, xq: torch.Tensor) -> torch.Tensor:
+    """xq [r, in] integer-valued in [-127, 127] -> [r, out] float32: its integer sums against the
+    weight, with every row as two 7-bit halves h = floor(xq / 2) and xq - h (both within [-64, 64])
+    in one call at zero point 64, so no pair of products reaches 2^15 (CPUs without VNNI)."""
+    half = torch.div(xq, 2, rounding_mode="floor")
+    sums = gemm(torch.cat([half, xq - half]).add_(64).to(torch.uint8), 64)
+    return sums[: len(xq)].add_(sums[len(xq) :])
 
 
 class Int8Fused(nn.Module):
@@ -247,17 +254,11 @@ def int8_kernels() -> Int8Kernels:
             return False
 
     gemm = OneDnnGemm.pack(weight)
-
-    def split(rows: torch.Tensor) -> torch.Tensor:  # as Int8Linear runs it
-        half = torch.div(rows, 2, rounding_mode="floor")
-        sums = gemm(torch.cat([half, rows - half]).add(64).to(torch.uint8), 64)
-        return sums[: len(rows)] + sums[len(rows) :]
-
     gemv = exact(lambda rows: torch._int_mm(weight, rows.t()).t())  # the call Int8Linear makes
     onednn = gemm is not None and exact(lambda rows: gemm((rows.int() + 128).to(torch.uint8), 128))
     if gemv or onednn:
         return Int8Kernels(gemv, onednn, False)
-    if gemm is not None and exact(lambda rows: split(rows.int())):
+    if gemm is not None and exact(lambda rows: split_sums(gemm, rows.int())):
         return Int8Kernels(False, True, True)
     raise UserError("--quantize int8: this CPU's int8 kernels do not sum int8 products exactly (no VNNI, "
                     "and oneDNN's 7-bit path failed too), so int8 results would be wrong: run without --quantize")
