@@ -2,6 +2,11 @@
 stays lossless against plain greedy decoding of the same model (decode/engine/cpu_linear.py)."""
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -100,10 +105,6 @@ def test_int8_probe_refuses_a_cpu_without_exact_int8(monkeypatch):
 def test_int8_without_vnni_splits_rows_and_stays_exact():
     # oneDNN held to AVX2 (no VNNI) multiplies with vpmaddubsw, which saturates 8-bit products:
     # the probe must see it and split rows into 7-bit halves, still exact and row independent
-    import os
-    import subprocess
-    import sys
-
     code = (
         "import torch\n"
         "from torch import nn\n"
@@ -122,8 +123,6 @@ def test_int8_without_vnni_splits_rows_and_stays_exact():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    import platform
-
     if platform.machine() in ("x86_64", "AMD64") and torch.backends.mkldnn.is_available():
         assert done.stdout.split()[-1] == "True"  # 8-bit sums saturate under AVX2: rows split
 
