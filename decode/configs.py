@@ -12,6 +12,10 @@ from dataclasses import asdict, dataclass, field
 
 from samctl.index.errors import ConfigError, UserError
 
+# How the target's forward runs (decode/engine/native.py): native where the architecture is
+# supported (auto) or required, else transformers' modules (hf)
+BACKENDS = ("auto", "hf", "native")
+
 # Token Recycle's rank acceptance model behind the default template: the r-th candidate of a token
 # is the target's next choice with about this probability (measured shape from the paper's Vicuna
 # runs, rounded); RecycleConfig.k is at most its length.

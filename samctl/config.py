@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from samctl.decode.configs import DraftConfig, SamplingConfig, SpecDecConfig
+from samctl.decode.configs import BACKENDS, DraftConfig, SamplingConfig, SpecDecConfig
 from samctl.decode.methods import (ALL_METHODS, DEFAULT_METHOD, DRAFT_MODEL_SETTINGS, MethodConfig, method_config,
                                    setting_names)
 from samctl.index.errors import ConfigError, UserError
@@ -33,6 +33,7 @@ class SessionConfig:
     threads: int | None = None
     quantize: str = "none"  # CPU: "int8" runs int8 weights x per-token int8 activations (decode/engine/cpu_linear.py)
     prepack: bool = True  # CPU, float32: oneDNN-reordered weights
+    backend: str = "auto"  # the target's forward: native (decode/engine/native.py) where supported, else hf
     graphs: bool = True  # CUDA only: the verify forward as CUDA graphs at fixed widths
     store: str | None = None
     occurrence: str = "first"
@@ -52,6 +53,8 @@ class SessionConfig:
             raise UserError(f"unknown method {self.method!r}: choose from {', '.join(ALL_METHODS)}")
         if self.quantize not in ("none", "int8"):
             raise ConfigError("{quantize} must be none or int8, got {value!r}", value=self.quantize)
+        if self.backend not in BACKENDS:
+            raise ConfigError("{backend} must be one of " + ", ".join(BACKENDS) + ", got {value!r}", value=self.backend)
         if self.threads is not None and self.threads < 1:
             raise ConfigError("{threads} must be >= 1, got {value}", value=self.threads)
         if self.max_new_tokens < 1:

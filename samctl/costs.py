@@ -20,7 +20,7 @@ import click
 import torch
 
 from samctl.decode.engine.cost import graph_widths, measure_verify_cost
-from samctl.decode.engine.cpu_linear import linear_backend
+from samctl.decode.engine.native import backend_name
 from samctl.index.errors import UserError
 from samctl.gguf_cache import cache_dir, write_text_atomically
 
@@ -45,14 +45,14 @@ def curve_width(engine: Any) -> int:
 
 def curve_key(engine: Any) -> dict[str, Any]:
     """What a curve depends on: the model (its folder and config), device, dtype, how its linear
-    layers run (plain, packed, int8), CPU threads, whether verifies run as CUDA graphs (a step
+    forward and its linear layers run (native or hf; plain, packed, int8), CPU threads, whether verifies run as CUDA graphs (a step
     function of the width) or eagerly, and the engine's code."""
     device = engine.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"model": str(Path(engine.name).resolve()) if Path(engine.name).exists() else engine.name,
             "config": hashlib.sha256(engine.model.config.to_json_string().encode()).hexdigest()[:16],
             "device": name, "dtype": str(engine.target.dtype).replace("torch.", ""),
-            "linear": linear_backend(engine.model),
+            "linear": backend_name(engine.model),
             "threads": torch.get_num_threads() if device.type == "cpu" else 0,
             "graphs": bool(graph_widths(engine.target)), "code": engine_code()}
 
@@ -62,7 +62,7 @@ def cost_curve(engine: Any, quiet: bool = False, refresh: bool = False) -> list[
     from the cache or measured now."""
     key, width = curve_key(engine), curve_width(engine)
     note = (f"measuring the verify cost of {Path(engine.name).name} on {key['device']} ({key['dtype']}, "
-            f"{key['linear']} linear layers{', CUDA graphs' if key['graphs'] else ''}), once per model and device")
+            f"{key['linear']} forward and linear layers{', CUDA graphs' if key['graphs'] else ''}), once per model and device")
     return _cached(key, lambda: measure_verify_cost(engine.target, width), None if quiet else note, width, refresh)
 
 

@@ -76,6 +76,11 @@ QUANTIZE_HELP = (
 weight_options = _options(
     click.option("--quantize", type=click.Choice(["none", "int8"]), default="none", show_default=True,
                  help=QUANTIZE_HELP),
+    click.option("--backend", type=click.Choice(["auto", "hf", "native"]), default="auto", show_default=True,
+                 help="How the model's forward runs. native: samctl's own forward for Llama, Mistral, Qwen2 and "
+                      "Qwen3 models (fused projections, one RoPE table, few ops per layer: much less Python per "
+                      "step); hf: transformers' modules (any causal LM). auto: native where the architecture "
+                      "is supported. The backend that ran is recorded in every output."),
     click.option("--prepack/--no-prepack", default=True, show_default=True,
                  help="CPU, float32: reorder the weights once at load for oneDNN, so verifying a few tokens "
                       "costs little more than one (results differ from unpacked weights in the last bits)."),
@@ -163,7 +168,8 @@ def session_config(opts: dict[str, Any], **changes: Any) -> "SessionConfig":
         draft_model=opts.get("draft_path"), acc_head=opts.get("acc_head_path"), eagle_head=opts.get("eagle_path"),
         max_new_tokens=opts.get("max_new_tokens", 256), sampling=sampling, chat=opts.get("chat", False),
         memory_file=opts.get("memory_file"), quiet=opts.get("quiet", False),
-        quantize=opts.get("quantize", "none"), prepack=opts.get("prepack", True))
+        quantize=opts.get("quantize", "none"), prepack=opts.get("prepack", True),
+        backend=opts.get("backend", "auto"))
     return dataclasses.replace(config, **changes) if changes else config
 
 

@@ -40,6 +40,7 @@ from samctl.decode.eagle_head import EagleHead
 from samctl.decode.engine.cost import relative_cost
 from samctl.decode.engine.cpu_linear import apply_cpu_linear
 from samctl.decode.engine.graphs import enable_cuda_graphs
+from samctl.decode.engine.native import backend_name, use_backend
 from samctl.decode.engine.target import TargetModel
 from samctl.decode.loop import GenerationConfig, GenerationResult, generate as decode_generate
 from samctl.decode.methods import DRAFT_METHODS, MethodConfig, make_drafter, method as method_entry, uses_store
@@ -148,11 +149,11 @@ def _config_dtype(model: str) -> torch.dtype | None:
 
 
 def load_engine(model: str | None, device: str = "auto", dtype: str = "auto", quiet: bool = False,
-                quantize: str = "none", prepack: bool = True) -> Engine:
+                quantize: str = "none", prepack: bool = True, backend: str = "auto") -> Engine:
     """Load a causal LM and its tokenizer from a local folder, a `.gguf` file (dequantized once and
     cached, see samctl/gguf_cache.py) or the local HF cache (never a download). On a CPU its linear
     layers run as `quantize` and `prepack` say (decode/engine/cpu_linear.py); pass prepack=False
-    to train the model's weights."""
+    to train the model's weights. `backend` picks the forward (decode/engine/native.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -188,12 +189,16 @@ def load_engine(model: str | None, device: str = "auto", dtype: str = "auto", qu
                           reason=first_line(err)) from err
     hf_model.to(torch_device).eval()
     apply_cpu_linear(hf_model, quantize, prepack)
-    return engine_for(hf_model, tokenizer, name=model)
+    return engine_for(hf_model, tokenizer, name=model, backend=backend)
 
 
-def engine_for(model: torch.nn.Module, tokenizer: object | None, name: str | None = None) -> Engine:
+def engine_for(model: torch.nn.Module, tokenizer: object | None, name: str | None = None,
+               backend: str = "auto") -> Engine:
     """An Engine around a causal LM that is already loaded (the Python API's entry); the model is
-    switched to sdpa attention if it uses one that ignores samctl's tree mask (decode/target.py)."""
+    switched to sdpa attention if it uses one that ignores samctl's tree mask (decode/target.py).
+    With the native backend the forward reads the model's weights once, here: a model whose
+    weights change afterwards (training) wants backend="hf"."""
+    use_backend(model, backend)
     return Engine(
         name=name or str(getattr(model, "name_or_path", "") or type(model).__name__),
         model=model,
@@ -440,7 +445,7 @@ class Session:
             self._note_sampling()
             self._resolve_paths()  # a missing draft model or head is refused before the model loads
             engine = load_engine(config.model, config.device, config.dtype, quiet=config.quiet,
-                                 quantize=config.quantize, prepack=config.prepack)
+                                 quantize=config.quantize, prepack=config.prepack, backend=config.backend)
             enable_cuda_graphs(engine.target, config.graphs)
             _shared = _Loaded(engine, load_store(config.store, engine, config.occurrence))
         self._shared = _shared
@@ -455,7 +460,8 @@ class Session:
         self.drafter = self._build_drafter(quiet=config.quiet)
         if config.memory_file:
             load_memory(config.memory_file, self.engine, self.drafter)
-        self.record = {"method": config.method, "model": self.engine.name, "store": config.store,
+        self.record = {"method": config.method, "model": self.engine.name, "backend": backend_name(self.engine.model),
+                       "store": config.store,
                        "draft_model": draft_path, "acc_head": head_path, "eagle_head": eagle_path,
                        "config": {"session": config.to_record(), "generation": asdict(self.generation),
                                   "method": asdict(self.method_config)}}

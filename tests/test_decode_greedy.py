@@ -10,6 +10,7 @@ from samctl.decode.loop import GenerationConfig, generate
 from samctl.decode.eagle_head import EagleHead
 from samctl.decode.methods import EAGLE_METHODS, METHODS, MethodConfig, make_drafter, method as method_entry, uses_store
 from samctl.decode.drafters.sam import SamConfig
+from samctl.decode.engine.native import use_backend
 from samctl.decode.engine.target import TargetModel
 from samctl.index.automaton import SuffixAutomaton
 from samctl.index.ngram import NgramConfig, NgramTable
@@ -36,8 +37,9 @@ def eagle_head(model) -> EagleHead:
 
 
 def run(model, method: str, prompt: list[int], max_new_tokens: int, eos: tuple[int, ...] = (), static=None,
-        spy=None):
+        spy=None, backend: str = "hf"):
     """spy: called each step with whether a verified draft node carries an EOS id."""
+    use_backend(model, backend)
     target = TargetModel(model)
     drafter = make_drafter(
         method, vocab_size=model.config.vocab_size, device=target.device, eos_token_ids=eos,
@@ -61,11 +63,15 @@ def prompts(vocab: int) -> list[list[int]]:
     return [base + base[:7] + rng.integers(3, vocab, 5).tolist(), rng.integers(3, vocab, 30).tolist(), [5]]
 
 
+@pytest.mark.parametrize("backend", ["hf", "native"])
 @pytest.mark.parametrize("method", METHODS + EAGLE_METHODS)
-def test_greedy_equals_generate(tiny_model_dir, method):
+def test_greedy_equals_generate(tiny_model_dir, method, backend):
+    # hf: equal to transformers' own greedy generate; native: to the native forward's plain
+    # decoding (`ar`), the backend's own greedy (native against hf: tests/test_native.py)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     for prompt in prompts(model.config.vocab_size):
-        expected = hf_greedy(model, prompt, 80, eos=None)
+        expected = hf_greedy(model, prompt, 80, eos=None) if backend == "hf" else \
+            run(model, "ar", prompt, 80, backend="native").tokens
         corpus = np.asarray(expected[:40], dtype=np.int32), np.array([0, 40])
         static = SuffixAutomaton.build(*corpus)
         ngram = NgramTable.build(*corpus, NgramConfig(min_count=1))
@@ -75,7 +81,7 @@ def test_greedy_equals_generate(tiny_model_dir, method):
         stores = (static, sharded) if method == "rest" else (None, static, sharded, ngram) if uses_store(method) \
             else (None,)
         for store in stores:
-            result = run(model, method, prompt, 80, static=store)
+            result = run(model, method, prompt, 80, static=store, backend=backend)
             assert result.tokens == expected, (method, prompt, store is not None)
             assert result.metrics.new_tokens == 80 and result.finish_reason == "length"
 

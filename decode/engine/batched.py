@@ -117,6 +117,7 @@ class BatchedTarget:
         self._blocked = torch.finfo(self.dtype).min
         split = getattr(model.config, "model_type", "") in PLAIN_HEAD and hasattr(model, "lm_head")
         self._decoder = model.get_decoder() if split else None
+        self.native = single.native  # the native forward (decode/engine/native.py), or None: transformers'
         # attention exact per row (int8): a padded batch prefill would sum in another order than
         # batch 1's, so each prompt is prefilled alone, as batch 1 prefills it
         self._prefill_alone = exact_rows(model)
@@ -127,6 +128,8 @@ class BatchedTarget:
              keep: torch.Tensor | None) -> torch.Tensor:
         # input_ids, position_ids: [A, q]; mask: [A or 1, 1, q, kv] (None: the model's causal mask); keep: [N] flat indices into
         # A * q of the inputs whose logits are wanted (None: all) -> logits [N, V]
+        if self.native is not None:
+            return self.native(input_ids, position_ids, mask, self.cache, keep)[0]
         if self._decoder is not None:
             hidden = self._decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                                    **with_cache(self._decoder, self.cache), use_cache=True).last_hidden_state

@@ -210,15 +210,18 @@ class VerifyGraphs:
 
         def forward() -> None:
             cache.write_positions, cache.key_length = inputs.write_positions, keys
-            hook = norm.register_forward_hook(keep_hidden) if norm is not None else None
+            native = getattr(self.target, "native", None)
+            hook = norm.register_forward_hook(keep_hidden) if norm is not None and native is None else None
             try:
-                out = model(input_ids=inputs.ids, position_ids=inputs.positions, attention_mask=mask,
-                            **with_cache(model, cache), use_cache=True)
+                if native is not None:
+                    g.logits, g.hidden = native(inputs.ids, inputs.positions, mask, cache)
+                else:
+                    g.logits = model(input_ids=inputs.ids, position_ids=inputs.positions, attention_mask=mask,
+                                     **with_cache(model, cache), use_cache=True).logits[0]
             finally:
                 cache.write_positions, cache.key_length = None, None
                 if hook is not None:
                     hook.remove()
-            g.logits = out.logits[0]
 
         g.replay = self.backend.capture(forward, pool)
         cache.set_length(saved)

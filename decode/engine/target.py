@@ -23,6 +23,7 @@ import torch
 
 from samctl.decode.engine.attention import NAME as FOLDED, ROWWISE, use_folded_gqa
 from samctl.decode.engine.kv_cache import StaticKVCache, with_cache
+from samctl.decode.engine.native import native_of
 from samctl.decode.engine.transfer import to_device
 from samctl.decode.tree import DraftTree, ancestor_matrix
 from samctl.index.errors import UserError
@@ -63,22 +64,40 @@ class TargetModel:
         self.eager_fallbacks = 0  # verifies run eagerly while graphs were on (too wide, or capture failed)
         self.hidden: torch.Tensor | None = None  # [q, H] of the last forward, with capture_hidden only
         self._hidden_hook = None
+        self._wants_hidden = False
+        self.native = native_of(model)  # the native forward (decode/engine/native.py), or None: transformers'
 
     def capture_hidden(self, enabled: bool) -> None:
         """Keep the last hidden state of every prefill and verify position in `hidden`."""
-        if enabled == (self._hidden_hook is not None):
+        if enabled == self._wants_hidden:
             return
+        self._wants_hidden = enabled
         if not enabled:
-            self._hidden_hook.remove()
+            if self._hidden_hook is not None:
+                self._hidden_hook.remove()
             self._hidden_hook, self.hidden = None, None
             return
-        norm = final_norm(self.model)
-        self._hidden_hook = norm.register_forward_hook(self._keep_hidden)
+        if self.native is None:  # the native forward returns them itself
+            self._hidden_hook = final_norm(self.model).register_forward_hook(self._keep_hidden)
         # CUDA graphs keep the final norm's output in every capture: nothing to recapture here
 
     @property
     def wants_hidden(self) -> bool:
-        return self._hidden_hook is not None
+        return self._wants_hidden
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+                last: int = 0) -> torch.Tensor:
+        # input_ids, position_ids: [1, q] int64 on device; mask: [1, 1, q, kv] additive or None
+        # (causal); last: logits of the last `last` inputs only (0: all) -> logits [q or last, V].
+        # The one place a forward of either backend runs (CUDA graphs capture it too).
+        if self.native is not None:
+            logits, hidden = self.native(input_ids, position_ids, mask, self.cache, last)
+            if self._wants_hidden:
+                self.hidden = hidden
+            return logits
+        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                         **with_cache(self.model, self.cache), use_cache=True, logits_to_keep=last)
+        return out.logits[0]
 
     def _keep_hidden(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
         # output: [1, q, H] the final norm's output = the lm_head input at every input position
@@ -92,12 +111,9 @@ class TargetModel:
         self.cache.set_length(0)
         self.cache.reserve(max(reserve, n) + VERIFY_SLACK)
         self._reset_mask()
-        out = self.model(
-            input_ids=prompt_ids[None], **with_cache(self.model, self.cache), use_cache=True,
-            logits_to_keep=0 if all_logits else 1,
-        )
+        logits = self.forward(prompt_ids[None], torch.arange(n, device=self.device)[None], None, 0 if all_logits else 1)
         self.cached = n
-        return out.logits[0] if all_logits else out.logits[0, -1:]
+        return logits
 
     def verify_input(self, t0: int, tree: DraftTree) -> torch.Tensor:
         return verify_input(t0, tree, self.device)
@@ -120,15 +136,9 @@ class TargetModel:
             self.eager_fallbacks += 1
         # A chain needs no mask: the model's own causal mask is exactly the chain's tree mask.
         mask = None if tree.is_chain else self._tree_mask(tree.parents, past)
-        out = self.model(
-            input_ids=input_ids.clamp_min(0)[None],
-            position_ids=position_ids,
-            attention_mask=mask,
-            **with_cache(self.model, self.cache),
-            use_cache=True,
-        )
+        logits = self.forward(input_ids.clamp_min(0)[None], position_ids, mask)
         assert self.cache.get_seq_length() == past + q, (self.cache.get_seq_length(), past, q)
-        return out.logits[0]
+        return logits
 
     @torch.inference_mode()
     def peek(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -138,14 +148,9 @@ class TargetModel:
         q = int(input_ids.shape[0])
         past = self.cached
         self.cache.reserve(past + q)
-        out = self.model(
-            input_ids=input_ids[None],
-            position_ids=torch.arange(past, past + q, device=self.device)[None],
-            **with_cache(self.model, self.cache),
-            use_cache=True,
-        )
+        logits = self.forward(input_ids[None], torch.arange(past, past + q, device=self.device)[None], None)
         self.cache.set_length(past)
-        return out.logits[0]
+        return logits
 
     @torch.inference_mode()
     def keep(self, path: np.ndarray) -> None:

@@ -93,11 +93,12 @@ def own_answers(engine: Engine, prompts: Sequence["Prompt"], chat: bool, *, cach
 
 def trainer_engine(args, model: str) -> Engine:
     """A trainer's start: torch threads (--threads) and seed (--seed) set, then the model loaded in
-    float32 on unpacked weights (prepacked ones do not train), never printing the embedded-model note."""
+    float32 on unpacked weights (prepacked ones do not train) and transformers' forward (the native one
+    reads the weights once, and a trainer changes them), never printing the embedded-model note."""
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    return load_engine(model, args.device, "float32", quiet=True, prepack=False)
+    return load_engine(model, args.device, "float32", quiet=True, prepack=False, backend="hf")
 
 
 def read_answers(path: Path) -> dict[tuple[int, int], Answer]:
