@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from samctl.decode.engine.native import use_backend
 from samctl.decode.batch import BatchRun, BatchStats, DrafterPool, batch_refusal, generate_batch, require_batchable
 from samctl.decode.budget import TreeCalibration, choose_width, path_probs
 from samctl.decode.drafters.adaptive import AdaptiveDrafter
@@ -64,12 +65,14 @@ def _references(key: str, model, prompts: list[list[int]]) -> tuple[list[list[in
     return _REFERENCES[key]
 
 
+@pytest.mark.parametrize("backend", ["hf", "native"])
 @pytest.mark.parametrize("method", BATCHED)
-def test_batched_greedy_equals_batch1_greedy(tiny_model_dir, method):
+def test_batched_greedy_equals_batch1_greedy(tiny_model_dir, method, backend):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    use_backend(model, backend)
     vocab = model.config.vocab_size
     prompts = mixed_prompts(vocab)
-    plain, eos, expected = _references(str(tiny_model_dir), model, prompts)
+    plain, eos, expected = _references(f"{tiny_model_dir}-{backend}", model, prompts)
     config = GenerationConfig(max_new_tokens=NEW, eos_token_ids=(eos,))
     corpus = np.concatenate([np.asarray(r, dtype=np.int32) for r in plain])
     static = SuffixAutomaton.build(corpus, np.concatenate(([0], np.cumsum([len(r) for r in plain]))))
@@ -91,10 +94,12 @@ def test_batched_greedy_equals_batch1_greedy(tiny_model_dir, method):
             assert stats.prefills >= 2  # refills happened
 
 
-def test_row_logits_do_not_depend_on_other_rows():
+@pytest.mark.parametrize("backend", ["hf", "native"])
+def test_row_logits_do_not_depend_on_other_rows(backend):
     """A row's prefill and tree-verify logits equal the batch-1 engine's within fp32 tolerance,
     whatever the other rows hold (lengths, trees, padding)."""
     model = tiny("qwen2", 2)
+    use_backend(model, backend)
     rng = np.random.default_rng(0)
     mine = rng.integers(0, 96, 9)
     tokens = rng.integers(0, 96, 6)

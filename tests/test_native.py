@@ -1,0 +1,137 @@
+"""The native forward (decode/engine/native.py) against transformers' own, and its exactness rules."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+from samctl.config import SessionConfig
+from samctl.decode.drafters.base import NoDraft
+from samctl.decode.engine.batched import BatchedTarget
+from samctl.decode.engine.cpu_linear import apply_cpu_linear
+from samctl.decode.engine.native import backend_name, native_of, native_refusal, use_backend
+from samctl.decode.engine.target import TargetModel
+from samctl.decode.loop import GenerationConfig, generate
+from samctl.decode.tree import DraftTree
+from samctl.index.errors import ConfigError, UserError
+
+CONFIGS = {
+    "llama": LlamaConfig, "qwen2": Qwen2Config,
+    "qwen3": lambda **kw: Qwen3Config(head_dim=16, **kw),  # per-head q/k norms
+}
+
+
+def tiny(family: str, seed: int = 0, **extra) -> torch.nn.Module:
+    config = CONFIGS[family](vocab_size=120, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                             tie_word_embeddings=False, **extra)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # peaked logits: greedy paths are stable
+    return model
+
+
+def tree_step(target: TargetModel, rng: np.random.Generator) -> torch.Tensor:
+    # a 7-node tree after the committed tokens -> its logits [8, V]
+    tree = DraftTree(tokens=rng.integers(0, 120, 7), parents=np.array([-1, 0, 0, 1, -1, 4, 3], dtype=np.int32))
+    return target.verify(target.verify_input(int(rng.integers(0, 120)), tree), tree)
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_native_logits_match_transformers(family):
+    model = tiny(family)
+    rng = np.random.default_rng(1)
+    prompt = torch.from_numpy(rng.integers(0, 120, 30))
+    got = {}
+    for backend in ("hf", "native"):
+        assert use_backend(model, backend) == backend
+        target = TargetModel(model)
+        prefill = target.prefill(prompt, all_logits=True)
+        verify = tree_step(target, np.random.default_rng(2))
+        target.keep(np.array([0, 1, 3]))
+        step = tree_step(target, np.random.default_rng(3))
+        got[backend] = torch.cat([prefill, verify, step])
+    scale = got["hf"].abs().max()
+    assert (got["native"] - got["hf"]).abs().max() <= 1e-4 * scale
+    assert torch.equal(got["native"].argmax(-1), got["hf"].argmax(-1))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_native_greedy_matches_transformers_greedy(family):
+    model = tiny(family, seed=4)
+    prompt = np.random.default_rng(5).integers(0, 120, 12)
+    tokens = {}
+    for backend in ("hf", "native"):
+        use_backend(model, backend)
+        tokens[backend] = generate(TargetModel(model), NoDraft(), prompt, GenerationConfig(max_new_tokens=40)).tokens
+    assert tokens["native"] == tokens["hf"]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_native_int8_verify_rows_equal_one_token_steps_bit_for_bit(batched):
+    # int8 linears and row-by-row attention: a verified row is what a one-token step computes,
+    # whatever the block's width (1..40) and the other rows
+    model = apply_cpu_linear(tiny("llama", seed=6), "int8")
+    assert use_backend(model, "native") == "native" and native_of(model).exact_rows
+    rng = np.random.default_rng(7)
+    prompt = rng.integers(0, 120, 20)
+    chain = rng.integers(0, 120, 40)
+    steps = TargetModel(model)
+    steps.prefill(torch.from_numpy(prompt))
+    want = []
+    for token in chain:
+        want.append(steps.verify(torch.tensor([int(token)]), DraftTree.empty()))
+        steps.keep(np.array([0]))
+    want = torch.cat(want)
+    for width in (1, 16, 17, 40):
+        if batched:
+            target = BatchedTarget(model, 2, 128)
+            target.prefill([0, 1], [prompt, rng.integers(0, 120, 9)], [False, False])
+            logits, offsets = target.verify([torch.from_numpy(chain[:width]), torch.from_numpy(chain[:3])],
+                                            [DraftTree.chain(chain[1:width]), DraftTree.chain(chain[1:3])])
+            got = logits[offsets[0] : offsets[1]]
+        else:
+            target = TargetModel(model)
+            target.prefill(torch.from_numpy(prompt))
+            got = target.verify(torch.from_numpy(chain[:width]), DraftTree.chain(chain[1:width]))
+        assert torch.equal(got, want[:width]), width
+
+
+def test_native_hidden_states_are_the_final_norms_output():
+    model = tiny("llama", seed=8)
+    prompt = torch.from_numpy(np.random.default_rng(9).integers(0, 120, 10))
+    hidden = {}
+    for backend in ("hf", "native"):
+        use_backend(model, backend)
+        target = TargetModel(model)
+        target.capture_hidden(True)
+        target.prefill(prompt)  # logits of the last position only; hidden states of every one
+        hidden[backend] = target.hidden
+    assert hidden["native"].shape == (10, 64)
+    torch.testing.assert_close(hidden["native"], hidden["hf"], atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_models_fall_back_or_are_refused_in_one_line():
+    dynamic = tiny("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    assert "dynamic" in native_refusal(dynamic)
+    assert use_backend(dynamic, "auto") == "hf" and native_of(dynamic) is None
+    with pytest.raises(UserError, match="native backend cannot run this model.*use the hf backend") as err:
+        use_backend(dynamic, "native")
+    assert "\n" not in str(err.value)
+    with pytest.raises(UserError, match="choose one of auto, hf, native"):
+        use_backend(dynamic, "fast")
+    with pytest.raises(ConfigError):
+        SessionConfig(backend="fast")
+
+
+def test_backend_names_what_runs_and_auto_picks_native():
+    model = tiny("qwen2")
+    assert use_backend(model) == "native" and backend_name(model) == "native/plain"
+    assert use_backend(model, "hf") == "hf" and backend_name(model) == "hf/plain"
+    packed = apply_cpu_linear(copy.deepcopy(model), "none")
+    use_backend(packed)
+    assert backend_name(packed) == "native/packed"
