@@ -190,8 +190,8 @@ def test_int8_fused_projections_equal_separate_layers_bit_for_bit(tiny_llama, mo
     fused = apply_cpu_linear(copy.deepcopy(tiny_llama), "int8")
     monkeypatch.setattr(cpu_linear, "FUSED_GROUPS", ())
     separate = apply_cpu_linear(copy.deepcopy(tiny_llama), "int8")
-    assert not any(isinstance(m, cpu_linear.Int8Fused) for m in separate.modules())
-    groups = [m for m in fused.modules() if isinstance(m, cpu_linear.Int8Fused)]
+    assert not any(isinstance(m, cpu_linear.FusedLinear) for m in separate.modules())
+    groups = [m for m in fused.modules() if isinstance(m, cpu_linear.FusedLinear)]
     assert len(groups) == 2 * tiny_llama.config.num_hidden_layers
     ids = torch.tensor(np.random.default_rng(0).integers(3, 96, (3, 21)))
     with torch.inference_mode():

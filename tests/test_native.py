@@ -135,3 +135,21 @@ def test_backend_names_what_runs_and_auto_picks_native():
     packed = apply_cpu_linear(copy.deepcopy(model), "none")
     use_backend(packed)
     assert backend_name(packed) == "native/packed"
+
+
+def test_plain_weights_are_held_once_and_shared_with_transformers_modules():
+    # the stacked q/k/v (and gate/up) weight is the projections' storage: no second copy, and a
+    # weight changed in place reaches both backends
+    model = tiny("llama", seed=10)
+    use_backend(model, "native")
+    attention = model.model.layers[0].self_attn
+    stacked = native_of(model).layers[0].qkv.weight
+    assert attention.k_proj.weight.data_ptr() == stacked[attention.q_proj.out_features :].data_ptr()
+    prompt = torch.from_numpy(np.random.default_rng(11).integers(0, 120, 8))
+    with torch.no_grad():
+        attention.v_proj.weight.mul_(3.0)
+    logits = {}
+    for backend in ("hf", "native"):
+        use_backend(model, backend)
+        logits[backend] = TargetModel(model).prefill(prompt, all_logits=True)
+    torch.testing.assert_close(logits["native"], logits["hf"], atol=1e-4, rtol=1e-4)

@@ -17,9 +17,10 @@ head included) with one of:
   exact in any order; the scales and the epilogue are elementwise), so a verify of 8 tokens
   runs each layer as 8 single steps would. Attention must then be exact per row too: int8 models
   switch to `samctl_rowwise` (decode/engine/attention.py).
-  Projections of one input (q, k, v; gate, up) run as one `Int8Fused` layer of their stacked
+  Projections of one input (q, k, v; gate, up) run as one `FusedLinear` layer of their stacked
   weights, bit for bit what the separate layers give, with one quantization and one matmul
-  instead of three (or two): at one row a call costs more than its arithmetic.
+  instead of three (or two): at one row a call costs more than its arithmetic. (Float32 layers
+  are stacked the same way, each weight packed once.)
   Which kernel sums the integers is free, since every one gives the same exact sums: one row
   runs `torch._int_mm(weight [out, in], row [in, 1])` (a matrix-vector product at the memory
   bound: SmolLM2's output head, 28 MB, in 1.6 ms where `_int_mm(row, weight [in, out])` takes
@@ -166,23 +167,26 @@ def split_sums(gemm: OneDnnGemm, xq: torch.Tensor) -> torch.Tensor:
     return sums[: len(xq)].add_(sums[len(xq) :])
 
 
-class Int8Fused(nn.Module):
-    """Sibling projections of one input (q, k, v; gate, up) as one Int8Linear of their stacked
-    weights: the input is quantized once and multiplied once. Exact: each output column is its
-    own integer sum times its own scales, so the stacked layer's columns equal the separate
-    layers' bit for bit. `parts` are what the model calls in place of each projection."""
+class FusedLinear(nn.Module):
+    """Sibling projections of one input (q, k, v; gate, up) as one layer of their stacked weights
+    (an Int8Linear or a PackedLinear): the input is quantized (int8) once and multiplied once.
+    int8: exact, each output column is its own integer sum times its own scales, so the stacked
+    layer's columns equal the separate layers' bit for bit; float32: the same products, summed
+    as the one GEMM blocks them (last bits). `parts` are what the model calls in place of each
+    projection; the native forward (decode/engine/native.py) calls `layer` itself."""
 
-    def __init__(self, linears: list[nn.Linear]) -> None:
+    def __init__(self, linears: list[nn.Linear], swap: type[nn.Module]) -> None:
         super().__init__()
-        stacked = nn.Linear(linears[0].in_features, sum(l.out_features for l in linears),
-                            bias=linears[0].bias is not None)
+        first = linears[0]
+        stacked = nn.Linear(first.in_features, sum(l.out_features for l in linears), bias=first.bias is not None,
+                            dtype=first.weight.dtype)
         with torch.no_grad():
-            stacked.weight.copy_(torch.cat([l.weight.detach().float() for l in linears]))
+            stacked.weight.copy_(torch.cat([l.weight.detach() for l in linears]))
             if stacked.bias is not None:
-                stacked.bias.copy_(torch.cat([l.bias.detach().float() for l in linears]))
-        self.layer = Int8Linear(stacked)
+                stacked.bias.copy_(torch.cat([l.bias.detach() for l in linears]))
+        self.layer = swap(stacked)
         bounds = torch.tensor([0] + [l.out_features for l in linears]).cumsum(0).tolist()
-        self.parts = [Int8Part(self, lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+        self.parts = [FusedPart(self, lo, hi) for lo, hi in zip(bounds, bounds[1:])]
         self._key: tuple | None = None  # (input, its version): the input `_output` was computed for
         self._output: torch.Tensor | None = None
         self._left = 0  # parts still to read `_output`
@@ -202,10 +206,10 @@ class Int8Fused(nn.Module):
         return output
 
 
-class Int8Part(nn.Module):
-    """Columns lo:hi of an Int8Fused layer: what one of its projections computes."""
+class FusedPart(nn.Module):
+    """Columns lo:hi of a FusedLinear layer: what one of its projections computes."""
 
-    def __init__(self, fused: Int8Fused, lo: int, hi: int) -> None:
+    def __init__(self, fused: FusedLinear, lo: int, hi: int) -> None:
         super().__init__()
         self.lo, self.hi = lo, hi
         self.in_features, self.out_features = fused.layer.in_features, hi - lo
@@ -213,7 +217,7 @@ class Int8Part(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The dequantized weight [out, in] float32 of this projection."""
+        """The weight [out, in] float32 this projection multiplies by (dequantized for int8)."""
         return self._fused[0].layer.weight[self.lo : self.hi]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -221,7 +225,7 @@ class Int8Part(nn.Module):
 
 
 # Projections that read the same input in the models transformers ships (Llama, Mistral, Qwen,
-# SmolLM, ...): fused by Int8Fused where a module has all of a group as plain nn.Linear.
+# SmolLM, ...): fused by FusedLinear where a module has all of a group as plain nn.Linear.
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
@@ -281,8 +285,7 @@ def apply_cpu_linear(model: nn.Module, quantize: str = "none", prepack: bool = T
         backend, swap = "packed", PackedLinear
     else:
         return model
-    if backend == "int8":
-        _fuse_int8_groups(model)
+    _fuse_groups(model, swap)
     _replace_linears(model, swap)
     if backend == "int8":
         # exact per row needs attention exact per row too (decode/engine/attention.py)
@@ -306,7 +309,7 @@ def _replace_linears(model: nn.Module, swap: type[nn.Module]) -> None:
 
 
 @torch.no_grad()
-def _fuse_int8_groups(model: nn.Module) -> None:
+def _fuse_groups(model: nn.Module, swap: type[nn.Module]) -> None:
     for module in list(model.modules()):
         for names in FUSED_GROUPS:
             linears = [getattr(module, name, None) for name in names]
@@ -314,7 +317,7 @@ def _fuse_int8_groups(model: nn.Module) -> None:
                 continue
             if len({(l.in_features, l.bias is not None) for l in linears}) != 1:
                 continue
-            fused = Int8Fused(linears)
+            fused = FusedLinear(linears, swap)
             module.add_module("_samctl_" + "_".join(names), fused)
             for name, part in zip(names, fused.parts):
                 setattr(module, name, part)

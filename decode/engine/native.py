@@ -36,7 +36,7 @@ from torch import nn
 
 from samctl.decode.configs import BACKENDS
 from samctl.decode.engine.attention import exact_rows, rowwise_attention
-from samctl.decode.engine.cpu_linear import Int8Fused, Int8Linear, PackedLinear, linear_backend
+from samctl.decode.engine.cpu_linear import FusedLinear, linear_backend
 from samctl.index.errors import UserError
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -83,25 +83,32 @@ class NativeLayer:
 
 
 def _fused(module: nn.Module, names: tuple[str, ...]) -> nn.Module:
-    """The projections `names` of `module` as one layer of their stacked weights: int8 models
-    already hold it (Int8Fused); float ones are stacked here, prepacked where theirs were."""
+    """The projections `names` of `module` as one layer of their stacked weights. CPU backends
+    already hold it (FusedLinear, decode/engine/cpu_linear.py); plain layers (CUDA, bfloat16,
+    unpacked float32) are stacked here, and their own weights become views of the stack, so that
+    the weights are held once and both backends read the same values."""
     for child in module.children():
-        if isinstance(child, Int8Fused) and len(child.parts) == len(names):
+        if isinstance(child, FusedLinear) and len(child.parts) == len(names):
             return child.layer
     linears = [getattr(module, name) for name in names]
-    first = linears[0]
-    bias = getattr(first, "bias", None) is not None
+    if not all(type(l) is nn.Linear for l in linears):
+        raise UserError(f"{type(module).__name__}: projections {', '.join(names)} are "
+                        f"{', '.join(sorted({type(l).__name__ for l in linears}))}, which the native forward does not stack")
     weight = torch.cat([l.weight.detach() for l in linears])
-    stacked = nn.Linear(weight.shape[1], weight.shape[0], bias=bias, device=weight.device, dtype=weight.dtype)
+    stacked = nn.Linear(weight.shape[1], weight.shape[0], bias=linears[0].bias is not None, device=weight.device,
+                        dtype=weight.dtype)
+    stacked.requires_grad_(False)
     with torch.no_grad():
         stacked.weight.copy_(weight)
-        if bias:
+        if stacked.bias is not None:
             stacked.bias.copy_(torch.cat([l.bias.detach() for l in linears]))
-    stacked.requires_grad_(False)
-    if isinstance(first, PackedLinear):
-        return PackedLinear(stacked)
-    if isinstance(first, Int8Linear):  # int8 layers not fused at load (unusual shapes)
-        return Int8Linear(stacked)
+    lo = 0
+    for l in linears:  # each projection's weight: its rows of the stack
+        hi = lo + l.out_features
+        l.weight = nn.Parameter(stacked.weight[lo:hi], requires_grad=l.weight.requires_grad)
+        if stacked.bias is not None:
+            l.bias = nn.Parameter(stacked.bias[lo:hi], requires_grad=l.bias.requires_grad)
+        lo = hi
     return stacked
 
 

@@ -11,7 +11,7 @@ weight on the left (`int_mm_gemv`: weight [out, in] times rows^T) and samctl's o
 
     python tools/bench/bench_linear_kernels.py [layers=30] [candidates=plain,mkldnn_pp,...] [fused]
 
-`fused`: the shapes an int8 SmolLM2 runs (q/k/v and gate/up stacked, as `Int8Fused` runs them)
+`fused`: the shapes an int8 SmolLM2 runs (q/k/v and gate/up stacked, as `FusedLinear` runs them)
 and its output head (49152 x 576), instead of the model's 7 separate projections.
 """
 from __future__ import annotations
