@@ -4,6 +4,8 @@ rows, sampling follows the model's distribution per row (chi-square), and method
 batched form are refused with a clear error."""
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -24,7 +26,9 @@ from samctl.index.automaton import SuffixAutomaton
 from samctl.index.errors import UserError
 from tests.mock_lm import CopyLM, copy_rule
 from tests.test_decode_greedy import EAGER
-from tests.test_decode_sampling import CONFIG as SAMPLING_METHODS, PEAK, VOCAB, Case, exact_distribution, fits
+from tests.planted import BUGS, acceptance
+from tests.test_decode_sampling import (ALPHA, CONFIG as SAMPLING_METHODS, LOOKS, NEW as DEEP, PEAK, POWER, PROMPT,
+                                        SAMPLES, VOCAB, Case, copy_views, exact_distribution, fits)
 from tests.test_engine import tiny
 
 BATCHED = ("ar", "pld", "sam", "adaptive", "rest", "recycle", "lookahead", "sam+recycle")
@@ -231,6 +235,47 @@ def test_rows_of_one_batch_keep_their_own_sampling():
     for r in results[1::2]:
         counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
     assert len(counts) > 1 and fits(counts, _exact(model, prompt, sampling), samples) > 1e-3, counts
+
+
+FLAT = np.ones(512)  # every verify costs the same: the budget keeps whole trees, so they go deep
+
+
+def _deep_samples(bug: str | None, exact: dict, case: Case) -> tuple[float, Counter, object]:
+    """Outputs of `case.prompt` from batched runs (8 rows, adaptive trees, DEEP new tokens) under the
+    true rules or a planted bug -> (p-value over copy_views, counts, what acceptance saw). As in
+    test_decode_sampling, a bug stops at the first look in LOOKS that rejects it."""
+    model = BatchCopyLM(vocab=VOCAB, peak=PEAK)
+
+    def make():
+        return make_drafter("adaptive", vocab_size=VOCAB, device=torch.device("cpu"), config=SAMPLING_METHODS)
+
+    counts: Counter = Counter()
+    with acceptance(bug) as seen:
+        for look in ([case.samples] if bug is None else LOOKS):
+            # a seed per look: each look's records draw afresh, not the last look's draws again
+            config = GenerationConfig(max_new_tokens=DEEP, sampling=replace(case.sampling, seed=look))
+            more = look - sum(counts.values())
+            results = generate_batch(model, make, [case.prompt] * more, config, 8, cost_ms=FLAT)
+            counts.update(tuple(r.tokens) for r in results)
+            p_value = fits(counts, exact, views=copy_views(case))
+            if bug is not None and p_value < POWER:
+                break
+    return p_value, counts, seen
+
+
+def test_batched_sampling_verifies_deep_trees_and_catches_planted_bugs():
+    """Six new tokens at a flat cost: batched rows verify adaptive trees three deep and more, their
+    outputs fit the exact distribution (whole outputs and per-position views), and every planted
+    acceptance bug in place of `batch_accept` is rejected, the redraw from p instead of the
+    residual after a partial accept included."""
+    case = Case("adaptive", prompt=PROMPT)
+    exact = exact_distribution(case)
+    p_value, counts, seen = _deep_samples(None, exact, case)
+    assert p_value > ALPHA, (p_value, counts.most_common(8))
+    assert seen.rejections_at_every_depth(3) and seen.accepted[3] > 0, \
+        f"drafts rejected {dict(seen.rejected)}, accepted {dict(seen.accepted)}: not verified 3 deep"
+    caught = {bug: _deep_samples(bug, exact, case)[0] for bug in (*BUGS, "partial")}
+    assert all(p < POWER for p in caught.values()), f"planted bugs not caught (p-values): {caught}"
 
 
 def _exact(model, prompt, sampling):
