@@ -156,10 +156,11 @@ class _Row:
         self.started = time.perf_counter()
         self.cancelled = False
         self.scored = False  # the drafter scored this step's draft itself (`propose_scored`)
-        # this step's draft: tree, path probabilities, whether it is a prefix of the proposal
+        # this step's draft: tree, path probabilities
         self.tree: DraftTree = DraftTree.empty()
         self.probs = np.zeros(0)
-        self.prefix = True
+        self.proposed = 0  # nodes in the drafter's proposal, before any cut
+        self.leading = 0  # how many of the proposal's first nodes `tree` starts with, in order
 
 
 class DrafterPool:
@@ -306,8 +307,8 @@ class BatchRun:
         for row in active:
             if row.tree.accept_limit is None and len(row.tree) > width:
                 row.tree = _prefix(row.tree, width)
-                if row.prefix:
-                    row.drafter.keep_first(width)
+            if len(row.tree) < row.proposed and len(row.tree) <= row.leading:  # cut to a prefix of the proposal
+                row.drafter.keep_first(len(row.tree))
         trees = [r.tree for r in active]
         inputs = [verify_input(r.t0, r.tree, target.device) for r in active]
 
@@ -516,21 +517,22 @@ def generate_batch(
 
 
 def _propose(row: _Row, calibration: TreeCalibration, room: int) -> None:
-    # Sets row.tree, row.probs (path probabilities, prefix-closed order) and row.prefix (whether
-    # the tree is a prefix of the drafter's proposal, so `keep_first` may be told its length).
+    # Sets row.tree, row.probs (path probabilities, prefix-closed order), row.proposed and
+    # row.leading: a cut of the tree to k <= leading nodes is the proposal's first k nodes, so
+    # `keep_first(k)` may tell the drafter what was verified.
     tree, probs = row.drafter.propose_scored(row.t0)
     row.scored = probs is not None
+    row.proposed = row.leading = len(tree)
     if probs is None:
         if tree.q is not None:
             raise UserError(f"method {row.drafter.name} {BATCH_ONE} (its drafts carry draft "
                             "probabilities): use batch size 1 or another method")
         probs = calibration.score(tree.parents)
-    row.prefix = True
     if len(tree):
         depth = tree.depths()
         if depth.max() > room:  # drafts deeper than the tokens still wanted, or the context, are waste
             keep = np.flatnonzero(depth <= room)
-            row.prefix = bool(len(keep) == 0 or keep[-1] == len(keep) - 1)
+            row.leading = int(np.argmin(np.append(keep, -1) == np.arange(len(keep) + 1)))
             tree, probs = tree.limit_depth(room), probs[keep]
     if tree.accept_limit is not None:
         probs = probs[: tree.accept_limit]

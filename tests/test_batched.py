@@ -355,3 +355,57 @@ def test_adaptive_scored_proposal_is_prefix_closed():
     assert np.all((probs > 0) & (probs <= 1))
     drafter.keep_first(1)
     assert len(drafter.last[0]) == 1
+
+
+class _Told:
+    """Wraps a drafter's propose_scored, keep_first and observe: per step what it proposed, the
+    prefix length it was told was kept (None: not told), and the inputs the step verified."""
+
+    def __init__(self, drafter) -> None:
+        self.steps: list[list] = []  # [proposed tokens, kept or None, verified draft tokens or None]
+        propose, keep, learn = drafter.propose_scored, drafter.keep_first, drafter.observe
+
+        def propose_scored(t0):
+            tree, probs = propose(t0)
+            self.steps.append([tree.tokens.tolist(), None, None])
+            return tree, probs
+
+        def keep_first(k):
+            assert self.steps[-1][1] is None, "told twice in one step"
+            self.steps[-1][1] = k
+            keep(k)
+
+        def observe(committed, input_ids, logits):
+            self.steps[-1][2] = input_ids[1:].tolist()
+            learn(committed, input_ids, logits)
+
+        drafter.propose_scored, drafter.keep_first, drafter.observe = propose_scored, keep_first, observe
+
+
+def test_each_row_verifies_a_prefix_of_its_own_draft_and_tells_its_drafter():
+    """Every row verifies the first k nodes of its own drafter's proposal, and a drafter whose
+    proposal was cut (by the step's width or the tokens still wanted) is told k (`keep_first`),
+    so that it learns from the nodes verified and no others."""
+    model = BatchCopyLM(vocab=32)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 32, n).tolist() * 3 for n in (3, 7, 5, 11, 2, 9)]
+    told: list[_Told] = []
+
+    def make():
+        drafter = make_drafter("adaptive", vocab_size=32, device=torch.device("cpu"))
+        told.append(_Told(drafter))
+        return drafter
+
+    mid = 1.0 + 0.1 * np.arange(1, 513)  # a few nodes per row: most proposals are cut
+    results = generate_batch(model, make, prompts, GenerationConfig(max_new_tokens=20), 3, cost_ms=mid, max_width=6)
+    assert [r.tokens for r in results] == [model.reference(p, 20) for p in prompts]
+    steps = [s for t in told for s in t.steps if s[2] is not None]  # the last step of a record observes nothing
+    cut = 0
+    for proposed, kept, verified in steps:
+        assert verified == proposed[:len(verified)], (proposed, verified)
+        if len(verified) < len(proposed):
+            cut += 1
+            assert kept == len(verified), (proposed, kept, verified)
+        else:
+            assert kept in (None, len(proposed)), (proposed, kept)
+    assert cut > len(steps) // 4 and any(len(v) for _, _, v in steps), (cut, len(steps))
