@@ -136,3 +136,21 @@ def test_eos_ends_a_batched_row(model_dir):
         stops = [i for i, t in enumerate(r.tokens) if t in eos]
         assert stops in ([], [len(r.tokens) - 1]) and (r.finish_reason == "eos") == bool(stops), r
     assert any(r.finish_reason == "eos" for r in sampled) and len({tuple(r.tokens) for r in sampled}) > 2
+
+
+def test_row_drafters_get_the_sessions_settings(model_dir, monkeypatch):
+    """Every drafter a batched row takes (Session.generate_batch, and the server's pool) is built
+    with the session's method settings, not the defaults."""
+    from samctl.decode.batch import DrafterPool
+    from samctl.scheduler import BatchScheduler, Job, Request, Sessions
+
+    session = Session(SessionConfig(model=str(model_dir), method="adaptive", max_new_tokens=6, quiet=True,
+                                    settings={"max_nodes": 7, "min_prob": 0.2}))
+    assert (session.drafter.config.max_nodes, session.drafter.config.min_prob) == (7, 0.2)
+    taken, take = [], DrafterPool.take
+    monkeypatch.setattr(DrafterPool, "take", lambda self: taken.append(take(self)) or taken[-1])
+    session.generate_batch(["def add(a, b):", "hello", "abc abc"], batch_size=2)
+    scheduler = BatchScheduler(Sessions({None: session}), batch_size=2)
+    scheduler.submit(Job(Request(prompt="hello", store=None, method="adaptive"), scheduler.sessions, lambda _: None))
+    scheduler.close()
+    assert len(taken) == 4 and all(d.config == session.drafter.config for d in taken), [d.config for d in taken]
