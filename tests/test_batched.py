@@ -409,3 +409,33 @@ def test_each_row_verifies_a_prefix_of_its_own_draft_and_tells_its_drafter():
         else:
             assert kept in (None, len(proposed)), (proposed, kept)
     assert cut > len(steps) // 4 and any(len(v) for _, _, v in steps), (cut, len(steps))
+
+
+def test_int8_batched_prefill_is_one_forward_per_prompt(monkeypatch):
+    """int8 attends exactly per row only as batch 1 sums: the batched engine prefills each prompt
+    alone, unpadded, in one forward of its own, and each row's greedy output is batch 1's."""
+    from samctl.decode.engine.attention import exact_rows
+    from samctl.decode.engine.cpu_linear import apply_cpu_linear
+
+    model = tiny("llama", 2)
+    try:
+        apply_cpu_linear(model, "int8")
+    except UserError as err:  # a CPU whose int8 kernels do not sum exactly
+        pytest.skip(str(err))
+    assert exact_rows(model)
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(3, 96, n).tolist() for n in (9, 11, 8, 10, 9)]  # one padded group of 5 otherwise
+    config = GenerationConfig(max_new_tokens=4)
+    expected = [batch1(model, "pld", p, config) for p in prompts]
+    run, prefills = BatchedTarget._run, []
+
+    def spy(self, input_ids, position_ids, mask, keep):
+        if self.cache.prefill_rows is not None:
+            prefills.append(tuple(input_ids.shape))
+        return run(self, input_ids, position_ids, mask, keep)
+
+    monkeypatch.setattr(BatchedTarget, "_run", spy)
+    results = generate_batch(model, lambda: make_drafter("pld", vocab_size=96, device=torch.device("cpu")),
+                             prompts, config, len(prompts), cost_ms=CHEAP)
+    assert sorted(prefills) == sorted((1, len(p)) for p in prompts)
+    assert [r.tokens for r in results] == expected
