@@ -2,7 +2,8 @@
 
 Deterministic drafts (retrieval, Token Recycle, n-gram pools, argmax drafts) use `tree_accept`:
 the target's choice at every verified input (argmax, or one sample per node shared by every path
-through it), then a walk down the tree along those choices (`decode.tree.walk_tree`). Drafts
+through it), then a walk down the tree along those choices (`decode.tree.walk_tree`); the batched
+engine applies the same rule to every row of a step at once (`batch_accept`). Drafts
 sampled from a draft distribution q use `speculative_accept`, speculative sampling (Leviathan et
 al. 2023; Chen et al. 2023):
 
@@ -15,6 +16,8 @@ with a smaller vocabulary gives q over the first V' ids: the ids it lacks have q
 the target's whole vocabulary and the residual covers them.
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -38,6 +41,52 @@ def tree_accept(
     host = torch.stack((input_ids, choices)).cpu().numpy()  # the step's one host sync
     path = walk_tree(tree.parents, host[0][1:], host[1], tree.drafts)
     return path, int(host[1][path[-1]]), host[0]
+
+
+def batch_accept(
+    logits: torch.Tensor,
+    offsets: np.ndarray,
+    input_ids: torch.Tensor,
+    trees: Sequence[DraftTree],
+    samplings: Sequence[SamplingConfig],
+    generators: Sequence[torch.Generator | None],
+) -> tuple[list[np.ndarray], list[int], np.ndarray]:
+    # logits: [N, V] and input_ids: [N], A rows' inputs [t0, nodes...] concatenated, row b's at
+    # offsets[b]:offsets[b + 1]; trees, samplings, generators: per row
+    # -> (per row its accepted input indices, root first; per row its next token; input_ids on the host)
+    # `tree_accept` for every row at once: each row's choices by its own sampling, one host sync
+    # for the whole step, then each row walks its own tree; the choice at a row's last accepted
+    # input is its next token (the bonus after a full match, the correction after a rejection).
+    choices = choose_rows(logits, offsets, samplings, generators)
+    host = torch.stack((input_ids, choices)).cpu().numpy()  # the step's one host sync
+    paths, nexts = [], []
+    for b, tree in enumerate(trees):
+        ids, chosen = host[0, offsets[b]: offsets[b + 1]], host[1, offsets[b]: offsets[b + 1]]
+        path = walk_tree(tree.parents, ids[1:], chosen, tree.drafts)
+        paths.append(path)
+        nexts.append(int(chosen[path[-1]]))
+    return paths, nexts, host[0]
+
+
+def choose_rows(
+    logits: torch.Tensor,
+    offsets: np.ndarray,
+    samplings: Sequence[SamplingConfig],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    # logits: [N, V], row b's inputs at offsets[b]:offsets[b + 1] -> [N] int64: the target's choice
+    # at every input by each row's own sampling (argmax for greedy rows). Neighbouring rows with
+    # the same sampling and generator draw in one call.
+    if all(s.greedy for s in samplings):
+        return logits.argmax(dim=-1)
+    parts, b = [], 0
+    while b < len(samplings):
+        e = b + 1
+        while e < len(samplings) and samplings[e] == samplings[b] and generators[e] is generators[b]:
+            e += 1
+        parts.append(choose_tokens(logits[offsets[b]: offsets[e]], samplings[b], generators[b]))
+        b = e
+    return torch.cat(parts)
 
 
 def speculative_accept(

@@ -11,6 +11,7 @@ sampling, prediction and token callback, and each step runs:
     3) verify   one target forward over every row's block, padded to the widest
     4) accept   the target's choice at every real input (argmax or one draw each), moved to the
                 host in the step's only synchronization; each row walks its own tree
+                (`decode.accept.batch_accept`)
     5) commit   the accepted paths are kept with one gather; tokens emitted per row
     6) observe  each drafter sees its committed tokens and its own inputs' logits
     7) refill   finished and cancelled rows leave (results go out at once); the queue's next
@@ -43,6 +44,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from samctl.decode.accept import batch_accept, choose_rows
 from samctl.decode.budget import TreeCalibration, choose_width
 from samctl.decode.drafters.base import Drafter
 from samctl.decode.engine.batched import BatchedTarget, measure_batch_cost
@@ -50,8 +52,7 @@ from samctl.decode.engine.target import verify_input
 from samctl.decode.loop import GenerationConfig, _make_generator, _Output, prompt_error
 from samctl.decode.methods import REGISTRY, method as method_entry
 from samctl.decode.metrics import Metrics, PredictionUsage
-from samctl.decode.sampling import choose_tokens
-from samctl.decode.tree import DraftTree, walk_tree
+from samctl.decode.tree import DraftTree
 from samctl.index.errors import UserError
 
 BATCH_ONE = "runs at batch size 1 only"
@@ -155,10 +156,11 @@ class _Row:
         self.started = time.perf_counter()
         self.cancelled = False
         self.scored = False  # the drafter scored this step's draft itself (`propose_scored`)
-        # this step's draft: tree, path probabilities, whether it is a prefix of the proposal
+        # this step's draft: tree, path probabilities
         self.tree: DraftTree = DraftTree.empty()
         self.probs = np.zeros(0)
-        self.prefix = True
+        self.proposed = 0  # nodes in the drafter's proposal, before any cut
+        self.leading = 0  # how many of the proposal's first nodes `tree` starts with, in order
 
 
 class DrafterPool:
@@ -305,8 +307,8 @@ class BatchRun:
         for row in active:
             if row.tree.accept_limit is None and len(row.tree) > width:
                 row.tree = _prefix(row.tree, width)
-                if row.prefix:
-                    row.drafter.keep_first(width)
+            if len(row.tree) < row.proposed and len(row.tree) <= row.leading:  # cut to a prefix of the proposal
+                row.drafter.keep_first(len(row.tree))
         trees = [r.tree for r in active]
         inputs = [verify_input(r.t0, r.tree, target.device) for r in active]
 
@@ -322,20 +324,14 @@ class BatchRun:
 
         # 4) accept: one draw (or argmax) per real input, each row by its own sampling, one host sync
         flat = torch.cat(inputs)
-        choices = _choose(active, logits, offsets)
-        host = torch.stack((flat, choices)).cpu().numpy()  # the step's one host sync
-        paths = []
-        for b, tree in enumerate(trees):
-            ids, chosen = host[0, offsets[b]: offsets[b + 1]], host[1, offsets[b]: offsets[b + 1]]
-            paths.append(walk_tree(tree.parents, ids[1:], chosen, tree.drafts))
+        paths, nexts, host = batch_accept(logits, offsets, flat, trees, [r.config.sampling for r in active],
+                                          [r.generator for r in active])
 
         # 5) commit: tokens go out per row as they are committed (on_tokens)
         target.keep(paths)
         finished = []
-        for b, (row, tree, path) in enumerate(zip(active, trees, paths)):
-            ids = host[0, offsets[b]: offsets[b + 1]]
-            committed = ids[path]
-            bonus = int(host[1, offsets[b] + path[-1]])
+        for b, (row, tree, path, bonus) in enumerate(zip(active, trees, paths, nexts)):
+            committed = host[offsets[b]: offsets[b + 1]][path]
             before = len(row.out.tokens)
             row.out.emit([int(t) for t in committed[1:]] + [bonus])
             row.metrics.record_step(drafted=tree.drafts, accepted=min(len(path) - 1, len(row.out.tokens) - before))
@@ -392,7 +388,8 @@ class BatchRun:
                     raise _OutOfMemory() from err
                 raise
             last = torch.stack([lg[-1] for lg in logits])  # [k, V]
-            firsts = _choose(newcomers, last, np.arange(len(newcomers) + 1)).cpu().numpy()  # the prefill's one sync
+            firsts = choose_rows(last, np.arange(len(newcomers) + 1), [r.config.sampling for r in newcomers],
+                                 [r.generator for r in newcomers]).cpu().numpy()  # the prefill's one sync
             elapsed = time.perf_counter() - tic
             stats.prefill_s += elapsed
             stats.prefills += 1
@@ -519,39 +516,23 @@ def generate_batch(
     return [results[i] for i in sorted(results)]
 
 
-def _choose(rows: Sequence[_Row], logits: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
-    # logits: [N, V], rows' inputs concatenated, row b's at offsets[b]:offsets[b + 1] -> [N] int64:
-    # the target's choice at every input, by each row's own sampling (argmax for greedy rows).
-    # Neighbouring rows with the same sampling and generator draw in one call.
-    if all(r.config.sampling.greedy for r in rows):
-        return logits.argmax(dim=-1)
-    parts, b = [], 0
-    while b < len(rows):
-        e = b + 1
-        same = lambda r: r.config.sampling == rows[b].config.sampling and r.generator is rows[b].generator  # noqa: E731
-        while e < len(rows) and same(rows[e]):
-            e += 1
-        parts.append(choose_tokens(logits[offsets[b]: offsets[e]], rows[b].config.sampling, rows[b].generator))
-        b = e
-    return torch.cat(parts)
-
-
 def _propose(row: _Row, calibration: TreeCalibration, room: int) -> None:
-    # Sets row.tree, row.probs (path probabilities, prefix-closed order) and row.prefix (whether
-    # the tree is a prefix of the drafter's proposal, so `keep_first` may be told its length).
+    # Sets row.tree, row.probs (path probabilities, prefix-closed order), row.proposed and
+    # row.leading: a cut of the tree to k <= leading nodes is the proposal's first k nodes, so
+    # `keep_first(k)` may tell the drafter what was verified.
     tree, probs = row.drafter.propose_scored(row.t0)
     row.scored = probs is not None
+    row.proposed = row.leading = len(tree)
     if probs is None:
         if tree.q is not None:
             raise UserError(f"method {row.drafter.name} {BATCH_ONE} (its drafts carry draft "
                             "probabilities): use batch size 1 or another method")
         probs = calibration.score(tree.parents)
-    row.prefix = True
     if len(tree):
         depth = tree.depths()
         if depth.max() > room:  # drafts deeper than the tokens still wanted, or the context, are waste
             keep = np.flatnonzero(depth <= room)
-            row.prefix = bool(len(keep) == 0 or keep[-1] == len(keep) - 1)
+            row.leading = int(np.argmin(np.append(keep, -1) == np.arange(len(keep) + 1)))
             tree, probs = tree.limit_depth(room), probs[keep]
     if tree.accept_limit is not None:
         probs = probs[: tree.accept_limit]

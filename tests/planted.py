@@ -1,8 +1,9 @@
-"""Planted acceptance bugs, and a spy on the loop's acceptance step, for the sampling tests.
+"""Planted acceptance bugs, and a spy on the acceptance step, for the sampling tests.
 
 A statistical test shows its power in the same run: besides the true rules it runs the decode loop
 with each wrong rule below swapped in for `decode.accept.tree_accept` (deterministic drafts) and
-`decode.accept.speculative_accept` (drafts carrying q), and must reject every one of them. Each
+`decode.accept.speculative_accept` (drafts carrying q), and the batched engine with it swapped in
+for `decode.accept.batch_accept` (row by row), and must reject every one of them. Each
 bug is the classic slip of its kind, written once for each rule; where a bug cannot change a
 rule's output (no rejection ever happens, say), the test says so instead of asserting power.
 
@@ -14,6 +15,9 @@ rule's output (no rejection ever happens, say), the test says so instead of asse
                 acceptance threshold r for the whole chain under the q rule)
     bonus       the bonus after a full match comes from the row before (the last draft's own
                 row) instead of the row after it
+    partial     redraw, only after a partial accept (a rejection below an accepted draft): the
+                next token is a fresh draw from p instead of the residual. Depth-1 trees never
+                show it, so it is not in BUGS: the tests that verify deeper trees add it
 """
 from __future__ import annotations
 
@@ -24,8 +28,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+import samctl.decode.batch as batch
 import samctl.decode.loop as loop
-from samctl.decode.accept import speculative_accept, tree_accept
+from samctl.decode.accept import batch_accept, speculative_accept, tree_accept
 from samctl.decode.sampling import SamplingConfig, warp_probs
 from samctl.decode.tree import DraftTree, tree_depths, walk_tree
 
@@ -46,6 +51,13 @@ def _draw(row: torch.Tensor, generator: torch.Generator) -> int:
 def tree_redraw(logits, tree, input_ids, sampling, generator):
     path, bonus, host = tree_accept(logits, tree, input_ids, sampling, generator)
     if len(_children(tree, int(path[-1]) - 1)):  # the draw there matched no child: a rejection
+        bonus = _draw(warp_probs(logits[int(path[-1])][None], sampling)[0], generator)
+    return path, bonus, host
+
+
+def tree_partial(logits, tree, input_ids, sampling, generator):
+    path, bonus, host = tree_accept(logits, tree, input_ids, sampling, generator)
+    if len(path) > 1 and len(_children(tree, int(path[-1]) - 1)):  # accepted a draft, then rejected
         bonus = _draw(warp_probs(logits[int(path[-1])][None], sampling)[0], generator)
     return path, bonus, host
 
@@ -100,7 +112,8 @@ def _spec(logits, tree, input_ids, sampling, generator, bug: str):
     if a == g:
         row = p[g - 1] if bug == "bonus" and g > 0 else p[g]
         return np.arange(g + 1, dtype=np.int64), _draw(row, generator), host
-    residual = {"redraw": p[a], "residual": (p[a] - q[a]).abs()}.get(bug, (p[a] - q[a]).clamp_min(0))
+    wrong = {"redraw": p[a], "residual": (p[a] - q[a]).abs(), "partial": p[a] if a > 0 else None}.get(bug)
+    residual = (p[a] - q[a]).clamp_min(0) if wrong is None else wrong
     if float(residual.sum()) <= 0:
         residual = p[a]
     return np.arange(a + 1, dtype=np.int64), _draw(residual, generator), host
@@ -115,7 +128,25 @@ RULES = {
     "residual": (tree_residual, _spec_rule("residual")),
     "shared_u": (tree_shared_u, _spec_rule("shared_u")),
     "bonus": (tree_bonus, _spec_rule("bonus")),
+    "partial": (tree_partial, _spec_rule("partial")),
 }
+
+
+def _row_by_row(tree_rule):
+    """A batched acceptance step (`batch_accept`'s signature) applying `tree_rule` to each
+    sampled row on its own; greedy rows keep the true rule (no bug here is about argmax)."""
+
+    def rule(logits, offsets, input_ids, trees, samplings, generators):
+        paths, nexts = [], []
+        for b, tree in enumerate(trees):
+            rows = slice(int(offsets[b]), int(offsets[b + 1]))
+            chosen = tree_accept if samplings[b].greedy else tree_rule
+            path, token, _ = chosen(logits[rows], tree, input_ids[rows], samplings[b], generators[b])
+            paths.append(path)
+            nexts.append(token)
+        return paths, nexts, input_ids.cpu().numpy()
+
+    return rule
 
 
 # -- the spy ------------------------------------------------------------------------------------
@@ -151,8 +182,10 @@ def _record(seen: Seen, tree: DraftTree, path: np.ndarray) -> None:
 
 @contextlib.contextmanager
 def acceptance(bug: str | None = None):
-    """Run the loop under the true rules (bug None) or a planted bug; yields a `Seen`."""
+    """Run the loop and the batched engine under the true rules (bug None) or a planted bug;
+    yields a `Seen` (a batched step counts once per row)."""
     tree_rule, spec_rule = (tree_accept, speculative_accept) if bug is None else RULES[bug]
+    batch_rule = batch_accept if bug is None else _row_by_row(tree_rule)
     seen = Seen()
 
     def spy_tree(logits, tree, input_ids, sampling: SamplingConfig, generator):
@@ -166,9 +199,15 @@ def acceptance(bug: str | None = None):
         _record(seen, tree, path)
         return path, bonus, host
 
-    saved = loop.tree_accept, loop.speculative_accept
-    loop.tree_accept, loop.speculative_accept = spy_tree, spy_spec
+    def spy_batch(logits, offsets, input_ids, trees, samplings, generators):
+        paths, nexts, host = batch_rule(logits, offsets, input_ids, trees, samplings, generators)
+        for tree, path in zip(trees, paths):
+            _record(seen, tree, path)
+        return paths, nexts, host
+
+    saved = loop.tree_accept, loop.speculative_accept, batch.batch_accept
+    loop.tree_accept, loop.speculative_accept, batch.batch_accept = spy_tree, spy_spec, spy_batch
     try:
         yield seen
     finally:
-        loop.tree_accept, loop.speculative_accept = saved
+        loop.tree_accept, loop.speculative_accept, batch.batch_accept = saved

@@ -1,9 +1,13 @@
 """The batched engine is lossless per record: greedy equals batch-1 greedy token for token (ragged
 acceptance, mixed prompt lengths, early EOS, refills), a row's logits do not depend on the other
-rows, sampling follows the model's distribution per row (chi-square), and methods without a
-batched form are refused with a clear error."""
+rows, sampling follows the model's distribution per row (chi-square), also through trees verified
+three deep where every planted acceptance bug of tests/planted.py is rejected, and methods without a
+batched form are refused with a clear error. The bookkeeping too: each row verifies a prefix of
+its own drafter's proposal and tells the drafter how much, and int8 prefills each prompt alone."""
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -25,7 +29,9 @@ from samctl.index.automaton import SuffixAutomaton
 from samctl.index.errors import UserError
 from tests.mock_lm import CopyLM, copy_rule
 from tests.test_decode_greedy import EAGER
-from tests.test_decode_sampling import CONFIG as SAMPLING_METHODS, PEAK, VOCAB, Case, exact_distribution, fits
+from tests.planted import BUGS, acceptance
+from tests.test_decode_sampling import (ALPHA, CONFIG as SAMPLING_METHODS, LOOKS, NEW as DEEP, PEAK, POWER, PROMPT,
+                                        SAMPLES, VOCAB, Case, copy_views, exact_distribution, fits)
 from tests.test_engine import tiny
 
 BATCHED = ("ar", "pld", "sam", "adaptive", "rest", "recycle", "lookahead", "sam+recycle")
@@ -238,6 +244,47 @@ def test_rows_of_one_batch_keep_their_own_sampling():
     assert len(counts) > 1 and fits(counts, _exact(model, prompt, sampling), samples) > 1e-3, counts
 
 
+FLAT = np.ones(512)  # every verify costs the same: the budget keeps whole trees, so they go deep
+
+
+def _deep_samples(bug: str | None, exact: dict, case: Case) -> tuple[float, Counter, object]:
+    """Outputs of `case.prompt` from batched runs (8 rows, adaptive trees, DEEP new tokens) under the
+    true rules or a planted bug -> (p-value over copy_views, counts, what acceptance saw). As in
+    test_decode_sampling, a bug stops at the first look in LOOKS that rejects it."""
+    model = BatchCopyLM(vocab=VOCAB, peak=PEAK)
+
+    def make():
+        return make_drafter("adaptive", vocab_size=VOCAB, device=torch.device("cpu"), config=SAMPLING_METHODS)
+
+    counts: Counter = Counter()
+    with acceptance(bug) as seen:
+        for look in ([case.samples] if bug is None else LOOKS):
+            # a seed per look: each look's records draw afresh, not the last look's draws again
+            config = GenerationConfig(max_new_tokens=DEEP, sampling=replace(case.sampling, seed=look))
+            more = look - sum(counts.values())
+            results = generate_batch(model, make, [case.prompt] * more, config, 8, cost_ms=FLAT)
+            counts.update(tuple(r.tokens) for r in results)
+            p_value = fits(counts, exact, views=copy_views(case))
+            if bug is not None and p_value < POWER:
+                break
+    return p_value, counts, seen
+
+
+def test_batched_sampling_verifies_deep_trees_and_catches_planted_bugs():
+    """Six new tokens at a flat cost: batched rows verify adaptive trees three deep and more, their
+    outputs fit the exact distribution (whole outputs and per-position views), and every planted
+    acceptance bug in place of `batch_accept` is rejected, the redraw from p instead of the
+    residual after a partial accept included."""
+    case = Case("adaptive", prompt=PROMPT)
+    exact = exact_distribution(case)
+    p_value, counts, seen = _deep_samples(None, exact, case)
+    assert p_value > ALPHA, (p_value, counts.most_common(8))
+    assert seen.rejections_at_every_depth(3) and seen.accepted[3] > 0, \
+        f"drafts rejected {dict(seen.rejected)}, accepted {dict(seen.accepted)}: not verified 3 deep"
+    caught = {bug: _deep_samples(bug, exact, case)[0] for bug in (*BUGS, "partial")}
+    assert all(p < POWER for p in caught.values()), f"planted bugs not caught (p-values): {caught}"
+
+
 def _exact(model, prompt, sampling):
     # The batched copy model follows tests/mock_lm.copy_rule at test_decode_sampling's PEAK.
     assert model.peak == PEAK
@@ -315,3 +362,87 @@ def test_adaptive_scored_proposal_is_prefix_closed():
     assert np.all((probs > 0) & (probs <= 1))
     drafter.keep_first(1)
     assert len(drafter.last[0]) == 1
+
+
+class _Told:
+    """Wraps a drafter's propose_scored, keep_first and observe: per step what it proposed, the
+    prefix length it was told was kept (None: not told), and the inputs the step verified."""
+
+    def __init__(self, drafter) -> None:
+        self.steps: list[list] = []  # [proposed tokens, kept or None, verified draft tokens or None]
+        propose, keep, learn = drafter.propose_scored, drafter.keep_first, drafter.observe
+
+        def propose_scored(t0):
+            tree, probs = propose(t0)
+            self.steps.append([tree.tokens.tolist(), None, None])
+            return tree, probs
+
+        def keep_first(k):
+            assert self.steps[-1][1] is None, "told twice in one step"
+            self.steps[-1][1] = k
+            keep(k)
+
+        def observe(committed, input_ids, logits):
+            self.steps[-1][2] = input_ids[1:].tolist()
+            learn(committed, input_ids, logits)
+
+        drafter.propose_scored, drafter.keep_first, drafter.observe = propose_scored, keep_first, observe
+
+
+def test_each_row_verifies_a_prefix_of_its_own_draft_and_tells_its_drafter():
+    """Every row verifies the first k nodes of its own drafter's proposal, and a drafter whose
+    proposal was cut (by the step's width or the tokens still wanted) is told k (`keep_first`),
+    so that it learns from the nodes verified and no others."""
+    model = BatchCopyLM(vocab=32)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 32, n).tolist() * 3 for n in (3, 7, 5, 11, 2, 9)]
+    told: list[_Told] = []
+
+    def make():
+        drafter = make_drafter("adaptive", vocab_size=32, device=torch.device("cpu"))
+        told.append(_Told(drafter))
+        return drafter
+
+    mid = 1.0 + 0.1 * np.arange(1, 513)  # a few nodes per row: most proposals are cut
+    results = generate_batch(model, make, prompts, GenerationConfig(max_new_tokens=20), 3, cost_ms=mid, max_width=6)
+    assert [r.tokens for r in results] == [model.reference(p, 20) for p in prompts]
+    steps = [s for t in told for s in t.steps if s[2] is not None]  # the last step of a record observes nothing
+    cut = 0
+    for proposed, kept, verified in steps:
+        assert verified == proposed[:len(verified)], (proposed, verified)
+        if len(verified) < len(proposed):
+            cut += 1
+            assert kept == len(verified), (proposed, kept, verified)
+        else:
+            assert kept in (None, len(proposed)), (proposed, kept)
+    assert cut > len(steps) // 4 and any(len(v) for _, _, v in steps), (cut, len(steps))
+
+
+def test_int8_batched_prefill_is_one_forward_per_prompt(monkeypatch):
+    """int8 attends exactly per row only as batch 1 sums: the batched engine prefills each prompt
+    alone, unpadded, in one forward of its own, and each row's greedy output is batch 1's."""
+    from samctl.decode.engine.attention import exact_rows
+    from samctl.decode.engine.cpu_linear import apply_cpu_linear
+
+    model = tiny("llama", 2)
+    try:
+        apply_cpu_linear(model, "int8")
+    except UserError as err:  # a CPU whose int8 kernels do not sum exactly
+        pytest.skip(str(err))
+    assert exact_rows(model)
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(3, 96, n).tolist() for n in (9, 11, 8, 10, 9)]  # one padded group of 5 otherwise
+    config = GenerationConfig(max_new_tokens=4)
+    expected = [batch1(model, "pld", p, config) for p in prompts]
+    run, prefills = BatchedTarget._run, []
+
+    def spy(self, input_ids, position_ids, mask, keep):
+        if self.cache.prefill_rows is not None:
+            prefills.append(tuple(input_ids.shape))
+        return run(self, input_ids, position_ids, mask, keep)
+
+    monkeypatch.setattr(BatchedTarget, "_run", spy)
+    results = generate_batch(model, lambda: make_drafter("pld", vocab_size=96, device=torch.device("cpu")),
+                             prompts, config, len(prompts), cost_ms=CHEAP)
+    assert sorted(prefills) == sorted((1, len(p)) for p in prompts)
+    assert [r.tokens for r in results] == expected

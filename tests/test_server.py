@@ -218,6 +218,47 @@ def test_every_response_teaches_the_cross_request_memory(model_dir):
     assert sorted(d.tolist() for d in row_drafter.memory_documents()) == sorted(outputs)
 
 
+def test_the_batch_gets_each_requests_sampling(model_dir, monkeypatch):
+    """A spy on the batched engine's submit: the config a request's row runs with is the request's
+    (temperature, top_p, seed, max_tokens; top_k and EOS the session's)."""
+    from fastapi.testclient import TestClient
+
+    from samctl.decode.batch import BatchRun
+    from samctl.decode.loop import GenerationConfig
+
+    session = Session(SessionConfig(model=str(model_dir), max_new_tokens=24, threads=1, quiet=True,
+                                    sampling=SamplingConfig(top_k=7)))
+    seen, submit = [], BatchRun.submit
+    monkeypatch.setattr(BatchRun, "submit", lambda self, key, prompt, config, pool, **kw:
+                        seen.append(config) or submit(self, key, prompt, config, pool, **kw))
+    with TestClient(create_app(session, batch_size=2)) as client:
+        for fields in ({"temperature": 0.7, "top_p": 0.9, "seed": 5, "max_tokens": 6}, {"max_tokens": 5}):
+            assert client.post("/v1/chat/completions", json=body(session, **fields)).status_code == 200
+    eos = session.engine.eos_token_ids
+    assert seen == [GenerationConfig(6, eos, SamplingConfig(temperature=0.7, top_k=7, top_p=0.9, seed=5)),
+                    GenerationConfig(5, eos, SamplingConfig(top_k=7))]
+
+
+def test_batched_rows_follow_their_own_seeds_beside_a_greedy_row(model_dir):
+    """One batch: a greedy request, three sampled ones with distinct seeds and a repeat of one
+    seed. The greedy row is its batch-1 greedy answer; distinct seeds give distinct answers; the
+    repeated seed gives the same answer again."""
+    session = Session(SessionConfig(model=str(model_dir), max_new_tokens=12, threads=1, quiet=True))
+    ids = session.engine.encode("def add(a, b):", chat=False)
+    scheduler = BatchScheduler(Sessions({None: session}), batch_size=8)
+    samplings = [SamplingConfig()] + [SamplingConfig(temperature=1.0, seed=seed) for seed in (1, 2, 3, 1)]
+    events: list[list] = [[] for _ in samplings]
+    with scheduler._cond:  # the worker takes them all before its first step: one batch
+        for sampling, sink in zip(samplings, events):
+            scheduler.submit(Job(JobRequest(prompt=ids, store=None, method="adaptive", sampling=sampling),
+                                 scheduler.sessions, sink.append))
+    scheduler.close()
+    assert scheduler._run.stats.rows_per_step[0] == len(samplings)
+    greedy, *sampled = [e[-1][1].tokens for e in events]
+    assert greedy == plain(session, ids=ids)
+    assert len({tuple(t) for t in [greedy] + sampled[:3]}) == 4 and sampled[3] == sampled[0], sampled
+
+
 class _FakeSession:
     """A session without a model: token t is the letter chr(97 + t); generation counts upwards
     from the prompt's last token, calling on_tokens once per token, and waits for `gate`."""

@@ -89,3 +89,68 @@ def test_generate_input_batches_and_keeps_every_line(model_dir, tmp_path):
     assert [o.get("id") for o in outs[0]] == ["a", 2, "c", "d"]
     assert [o.get("text") for o in outs[0]] == [o.get("text") for o in outs[1]]
     assert "error" in outs[0][1]
+
+
+def _submitted(monkeypatch) -> list:
+    """Spy on BatchRun.submit: the GenerationConfig of every record that reaches the batched engine."""
+    from samctl.decode.batch import BatchRun
+
+    seen, submit = [], BatchRun.submit
+
+    def spy(self, key, prompt, config, pool, **kwargs):
+        seen.append(config)
+        return submit(self, key, prompt, config, pool, **kwargs)
+
+    monkeypatch.setattr(BatchRun, "submit", spy)
+    return seen
+
+
+def test_generate_batch_hands_the_engine_the_sessions_sampling_and_eos(model_dir, monkeypatch):
+    sampling = SamplingConfig(temperature=0.8, top_k=5, top_p=0.9, seed=3)
+    session = Session(SessionConfig(model=str(model_dir), max_new_tokens=6, sampling=sampling, quiet=True))
+    seen = _submitted(monkeypatch)
+    results = session.generate_batch(["def add(a, b):", "hello"], batch_size=2)
+    assert len(results) == 2 and len(seen) == 2
+    assert all(c == session.generation for c in seen)
+    assert seen[0].sampling == sampling and seen[0].eos_token_ids == session.engine.eos_token_ids != ()
+
+
+def test_eos_ends_a_batched_row(model_dir):
+    """The tiny model greedily reaches its EOS (id 1) three tokens after FOX and not after the
+    others: batched, that row stops there ("eos") while its neighbours run to the length, each
+    equal to its batch-1 output; sampled at a low temperature, rows end at the EOS too."""
+    session = Session(SessionConfig(model=str(model_dir), max_new_tokens=12, quiet=True))
+    fox, dog, code = (session.engine.encode(text, chat=False) for text in ("The quick brown fox", "The dog sleeps.",
+                                                                            "def add(a, b):"))
+    eos = session.engine.eos_token_ids
+    results = session.generate_batch([dog, fox, code], batch_size=3)
+    assert [r.tokens for r in results] == [session.generate(p).tokens for p in (dog, fox, code)]
+    assert results[1].tokens[-1] in eos and len(results[1].tokens) < 12 and results[1].finish_reason == "eos"
+    assert [r.finish_reason for r in results] == ["length", "eos", "length"]
+
+    # at T = 0.1 about 0.4 of FOX's samples take the greedy path to the EOS (measured): 12 rows
+    # miss it with probability 0.6^12 < 0.003, whatever drafts the machine's cost curve sizes
+    cool = session.for_method(session.config.method, sampling=SamplingConfig(temperature=0.1, seed=1))
+    sampled = cool.generate_batch([fox] * 12 + [dog] * 2, batch_size=4)
+    for r in sampled:
+        stops = [i for i, t in enumerate(r.tokens) if t in eos]
+        assert stops in ([], [len(r.tokens) - 1]) and (r.finish_reason == "eos") == bool(stops), r
+    assert any(r.finish_reason == "eos" for r in sampled) and len({tuple(r.tokens) for r in sampled}) > 2
+
+
+def test_row_drafters_get_the_sessions_settings(model_dir, monkeypatch):
+    """Every drafter a batched row takes (Session.generate_batch, and the server's pool) is built
+    with the session's method settings, not the defaults."""
+    from samctl.decode.batch import DrafterPool
+    from samctl.scheduler import BatchScheduler, Job, Request, Sessions
+
+    session = Session(SessionConfig(model=str(model_dir), method="adaptive", max_new_tokens=6, quiet=True,
+                                    settings={"max_nodes": 7, "min_prob": 0.2}))
+    assert (session.drafter.config.max_nodes, session.drafter.config.min_prob) == (7, 0.2)
+    taken, take = [], DrafterPool.take
+    monkeypatch.setattr(DrafterPool, "take", lambda self: taken.append(take(self)) or taken[-1])
+    session.generate_batch(["def add(a, b):", "hello", "abc abc"], batch_size=2)
+    scheduler = BatchScheduler(Sessions({None: session}), batch_size=2)
+    scheduler.submit(Job(Request(prompt="hello", store=None, method="adaptive"), scheduler.sessions, lambda _: None))
+    scheduler.close()
+    assert len(taken) == 4 and all(d.config == session.drafter.config for d in taken), [d.config for d in taken]
