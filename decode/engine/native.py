@@ -79,7 +79,6 @@ class NativeLayer:
         self.o = attn.o_proj
         self.gate_up = _fused(mlp, ("gate_proj", "up_proj"))
         self.down = mlp.down_proj
-        self.split = (shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.kv_heads * shape.head_dim)
 
 
 def _fused(module: nn.Module, names: tuple[str, ...]) -> nn.Module:
@@ -143,12 +142,14 @@ class NativeForward:
     def _table(self, positions: torch.Tensor, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [A, q] int64 -> cos, sin [A, q, 1, D]: rows of the model's own rotary module,
         # evaluated once for positions [0, n) (cos/sin of position * inv_freq are elementwise, so a
-        # table row is bit for bit what the module computes for that position in any forward)
+        # table row is bit for bit what the module computes for that position in any forward).
+        # sin's first half is stored negated: rope() then needs no negation (exact: a sign flip)
         if upto > self._cos.shape[0]:
             n = -(-upto // TABLE_GRANULE) * TABLE_GRANULE
             probe = torch.empty(1, dtype=self.dtype, device=self.device)
             cos, sin = self.rotary(probe, torch.arange(n, device=self.device)[None])
-            self._cos, self._sin = cos[0], sin[0]
+            half = sin.shape[-1] // 2
+            self._cos, self._sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
         return self._cos[positions][:, :, None], self._sin[positions][:, :, None]
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -156,10 +157,10 @@ class NativeForward:
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [A, q, h, D]; cos, sin: [A, q, 1, D] -> x rotated (transformers' rotate_half convention)
+        # x: [A, q, h, D]; cos, sin: [A, q, 1, D] (sin's first half negated) -> x rotated:
+        # x * cos + rotate_half(x) * sin, transformers' convention, rotate_half(x) = [-x2, x1]
         half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         # q: [A, Hq, q, D]; k, v: [A, Hkv, kv, D]; mask: [A or 1, 1, q, kv] additive or bool, or None
@@ -193,14 +194,16 @@ class NativeForward:
         x = self.embed(input_ids)  # [A, q, H]
         for index, layer in enumerate(self.layers):
             h = self._norm(x, layer.norm_in)
-            q, k, v = layer.qkv(h).split(layer.split, dim=-1)
-            q = q.view(rows, n, shape.heads, shape.head_dim)
-            k = k.view(rows, n, shape.kv_heads, shape.head_dim)
-            if layer.q_norm is not None:
-                q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
-            q = self._rope(q, cos, sin).transpose(1, 2).contiguous()  # [A, Hq, q, D]
-            k = self._rope(k, cos, sin).transpose(1, 2)
-            v = v.view(rows, n, shape.kv_heads, shape.head_dim).transpose(1, 2)
+            qkv = layer.qkv(h).view(rows, n, shape.heads + 2 * shape.kv_heads, shape.head_dim)
+            if layer.q_norm is None:  # q and k rotated together: one set of ops for both
+                qk = self._rope(qkv[:, :, : shape.heads + shape.kv_heads], cos, sin)
+                q, k = qk[:, :, : shape.heads], qk[:, :, shape.heads :]
+            else:  # Qwen3: each normalized by its own weight first
+                q = self._rope(self._norm(qkv[:, :, : shape.heads], layer.q_norm), cos, sin)
+                k = self._rope(self._norm(qkv[:, :, shape.heads : shape.heads + shape.kv_heads], layer.k_norm), cos, sin)
+            q = q.transpose(1, 2).contiguous()  # [A, Hq, q, D]
+            k = k.transpose(1, 2)
+            v = qkv[:, :, shape.heads + shape.kv_heads :].transpose(1, 2)
             keys, values = cache.layers[index].update(k, v)
             x = x + layer.o(self._attend(q, keys, values, attention_mask))
             h = self._norm(x, layer.norm_post)
