@@ -434,14 +434,14 @@ def test_int8_batched_prefill_is_one_forward_per_prompt(monkeypatch):
     prompts = [rng.integers(3, 96, n).tolist() for n in (9, 11, 8, 10, 9)]  # one padded group of 5 otherwise
     config = GenerationConfig(max_new_tokens=4)
     expected = [batch1(model, "pld", p, config) for p in prompts]
-    run, prefills = BatchedTarget._run, []
+    run, prefills = BatchedTarget.forward, []
 
-    def spy(self, input_ids, position_ids, mask, keep):
+    def spy(self, input_ids, position_ids, mask, keep, upto=None):
         if self.cache.prefill_rows is not None:
             prefills.append(tuple(input_ids.shape))
-        return run(self, input_ids, position_ids, mask, keep)
+        return run(self, input_ids, position_ids, mask, keep, upto)
 
-    monkeypatch.setattr(BatchedTarget, "_run", spy)
+    monkeypatch.setattr(BatchedTarget, "forward", spy)
     results = generate_batch(model, lambda: make_drafter("pld", vocab_size=96, device=torch.device("cpu")),
                              prompts, config, len(prompts), cost_ms=CHEAP)
     assert sorted(prefills) == sorted((1, len(p)) for p in prompts)

@@ -90,17 +90,23 @@ class BatchedKVCache(Cache):
         self.prefill_rows: torch.Tensor | None = None  # [k] int64 slots being prefilled
         self.write_positions: torch.Tensor | None = None  # [A, q] int64 cache positions of the inputs
         self.kv_length = 0  # entries the verify's attention reads: max L_b + q
+        self.generation = 0  # storage allocations so far (CUDA graphs hold the storage's address)
 
     def allocate_like(self, key_states: torch.Tensor) -> None:
         # key_states: [k, kv_heads, q, head_dim] from layer 0's first forward
         _, heads, _, dim = key_states.shape
         shape = (2, len(self.layers), self.rows, heads, self.capacity, dim)
-        self.storage = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
+        self.set_storage(torch.zeros(shape, dtype=key_states.dtype, device=key_states.device))
+
+    def set_storage(self, storage: torch.Tensor) -> None:
+        self.storage = storage
+        self.generation += 1
 
 
 class BatchedTarget:
     """The model and a cache for up to `rows` sequences of at most `capacity` tokens each
-    (prompt + output + the widest verify block). Eager forwards only."""
+    (prompt + output + the widest verify block). Verifies replay CUDA graphs once
+    `enable_batch_graphs` (decode/engine/graphs.py) captured them, else run eagerly."""
 
     def __init__(self, model: torch.nn.Module, rows: int, capacity: int) -> None:
         # TargetModel's checks (mask-capable attention, sliding window) and context limit.
@@ -121,15 +127,18 @@ class BatchedTarget:
         # attention exact per row (int8): a padded batch prefill would sum in another order than
         # batch 1's, so each prompt is prefilled alone, as batch 1 prefills it
         self._prefill_alone = exact_rows(model)
+        self.graphs = None  # decode.engine.graphs.BatchVerifyGraphs, on CUDA only
+        self.eager_fallbacks = 0  # verifies run eagerly while graphs were on (too wide, or capture failed)
 
     # -- forwards -----------------------------------------------------------------------------
 
-    def _run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
-             keep: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+                keep: torch.Tensor | None, upto: int | None = None) -> torch.Tensor:
         # input_ids, position_ids: [A, q]; mask: [A or 1, 1, q, kv] (None: the model's causal mask); keep: [N] flat indices into
-        # A * q of the inputs whose logits are wanted (None: all) -> logits [N, V]
+        # A * q of the inputs whose logits are wanted (None: all); upto: a host bound on the
+        # positions -> logits [N, V]. The one place a forward of either backend runs.
         if self.native is not None:
-            return self.native(input_ids, position_ids, mask, self.cache, keep)[0]
+            return self.native(input_ids, position_ids, mask, self.cache, keep, upto)[0]
         if self._decoder is not None:
             hidden = self._decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                                    **with_cache(self._decoder, self.cache), use_cache=True).last_hidden_state
@@ -160,7 +169,7 @@ class BatchedTarget:
         causal = torch.full((width, width), self._blocked, dtype=self.dtype, device=self.device).triu_(1)
         self.cache.prefill_rows = to_device(np.asarray(slots, dtype=np.int64), self.device)
         try:
-            logits = self._run(to_device(ids, self.device),
+            logits = self.forward(to_device(ids, self.device),
                                torch.arange(width, device=self.device)[None].expand(k, width),
                                causal[None, None], to_device(keep, self.device))
         finally:
@@ -178,7 +187,7 @@ class BatchedTarget:
         self.cache.prefill_rows = to_device(np.array([slot], dtype=np.int64), self.device)
         self.cache.kv_length = n
         try:
-            logits = self._run(to_device(np.asarray(prompt, dtype=np.int64)[None], self.device),
+            logits = self.forward(to_device(np.asarray(prompt, dtype=np.int64)[None], self.device),
                                torch.arange(n, device=self.device)[None], None, to_device(keep, self.device))
         finally:
             self.cache.prefill_rows = None
@@ -206,28 +215,40 @@ class BatchedTarget:
             if n > 1:
                 rel[b, 1:n] = tree.depths()
                 visible[b, :n, :n] = ancestor_matrix(np.asarray(tree.parents, dtype=np.int32))
+        offsets = np.concatenate(([0], np.cumsum(sizes)))
+        # 2) a graph of the step's buckets (CUDA), which computes positions and mask itself
+        if self.graphs is not None:
+            if self.graphs.covers(rows, q):
+                out = self.graphs.run(ids, rel, visible, past)
+                if out is not None:
+                    logits, width = out
+                    keep = to_device(np.concatenate([b * width + np.arange(n) for b, n in enumerate(sizes)]), self.device)
+                    return logits.index_select(0, keep), offsets
+            self.eager_fallbacks += 1
+        # 3) eagerly: the mask shows the committed prefix, the tree block by ancestry, hides the rest
         positions = to_device(past[:, None] + rel, self.device)
         write = to_device(past[:, None] + np.arange(q), self.device)
-        # 2) the mask: committed prefix visible, the tree block by ancestry, the rest hidden
         kv = int(past.max()) + q
-        mask = self._verify_mask(to_device(past, self.device), to_device(visible, self.device), kv)
+        mask = self.verify_mask(to_device(past, self.device), to_device(visible, self.device), kv)
         keep = to_device(np.concatenate([b * q + np.arange(n) for b, n in enumerate(sizes)]), self.device)
         self.cache.write_positions, self.cache.kv_length = write, kv
         try:
-            logits = self._run(ids, positions, mask, keep)
+            logits = self.forward(ids, positions, mask, keep, upto=kv)
         finally:
             self.cache.write_positions = None
-        return logits, np.concatenate(([0], np.cumsum(sizes)))
+        return logits, offsets
 
-    def _verify_mask(self, past: torch.Tensor, visible: torch.Tensor, kv: int) -> torch.Tensor:
+    def verify_mask(self, past: torch.Tensor, visible: torch.Tensor, kv: int) -> torch.Tensor:
         # past: [A] int64; visible: [A, q, q] bool ancestry within each row's block -> [A, 1, q, kv]
+        # additive: 0 where row i of a row's block sees the key, finfo.min where not. Device ops
+        # only (a CUDA graph computes it from its static inputs).
         rows, q, _ = visible.shape
         col = torch.arange(kv, device=self.device)[None, :] - past[:, None]  # [A, kv] relative column
         in_block = (col >= 0) & (col < q)
         block = visible.gather(2, col.clamp(0, q - 1)[:, None, :].expand(rows, q, kv))  # [A, q, kv]
         seen = (col < 0)[:, None, :] | (block & in_block[:, None, :])
-        zero = torch.zeros((), dtype=self.dtype, device=self.device)
-        return torch.where(seen, zero, torch.tensor(self._blocked, dtype=self.dtype, device=self.device))[:, None]
+        mask = torch.zeros(rows, 1, q, kv, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~seen[:, None], self._blocked)
 
     @torch.inference_mode()
     def keep(self, paths: Sequence[np.ndarray]) -> None:
@@ -260,7 +281,7 @@ class BatchedTarget:
         if old is not None:
             shape = list(old.shape)
             shape[-2] = self.capacity
-            self.cache.storage = torch.zeros(shape, dtype=old.dtype, device=old.device)
+            self.cache.set_storage(torch.zeros(shape, dtype=old.dtype, device=old.device))
             self.cache.storage[..., : old.shape[-2], :] = old
 
     @torch.inference_mode()
@@ -276,7 +297,7 @@ class BatchedTarget:
         """Keep slots [0, rows) only and free the rest (after an out-of-memory)."""
         assert 1 <= rows <= self.rows, (rows, self.rows)
         if self.cache.storage is not None:
-            self.cache.storage = self.cache.storage[:, :, :rows].clone()
+            self.cache.set_storage(self.cache.storage[:, :, :rows].clone())
         self.cache.rows = self.rows = rows
         self.lengths = self.lengths[:rows].copy()
 

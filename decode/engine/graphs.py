@@ -214,7 +214,7 @@ class VerifyGraphs:
             hook = norm.register_forward_hook(keep_hidden) if norm is not None and native is None else None
             try:
                 if native is not None:
-                    g.logits, g.hidden = native(inputs.ids, inputs.positions, mask, cache)
+                    g.logits, g.hidden = native(inputs.ids, inputs.positions, mask, cache, upto=keys)
                 else:
                     g.logits = model(input_ids=inputs.ids, position_ids=inputs.positions, attention_mask=mask,
                                      **with_cache(model, cache), use_cache=True).logits[0]
@@ -241,5 +241,153 @@ def enable_cuda_graphs(target, enabled: bool = True, reserve: int | None = None)
     target.graphs = None
     if enabled and target.device.type == "cuda":
         graphs = VerifyGraphs(target, reserve=reserve)
+        graphs.prepare()
+        target.graphs = graphs
+
+
+# -- the batched target's verify (decode/engine/batched.py) ------------------------------------------
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+BATCH_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def buckets_upto(sizes: tuple[int, ...], most: int) -> tuple[int, ...]:
+    """The sizes below `most`, then `most` itself: every count 1..most has a bucket >= it."""
+    return tuple(s for s in sizes if s < most) + (most,)
+
+
+class _BatchInputs:
+    """Static inputs of one (rows, width) bucket, shared by its graphs at every key-length bucket;
+    positions, write positions and the mask are computed from them inside the graph."""
+
+    def __init__(self, rows: int, width: int, device: torch.device) -> None:
+        self.ids = torch.zeros(rows, width, dtype=torch.int64, device=device)
+        self.rel = torch.zeros(rows, width, dtype=torch.int64, device=device)  # depth of each input in its tree
+        self.visible = torch.eye(width, dtype=torch.bool, device=device).expand(rows, width, width).clone()
+        self.past = torch.zeros(rows, dtype=torch.int64, device=device)  # committed entries per row
+        self.arange = torch.arange(width, device=device)
+
+
+class BatchVerifyGraphs:
+    """The batched verify forward as graphs at (rows, width, key length) buckets.
+
+    A step of A rows whose widest block has q inputs replays the graph of the smallest row bucket
+    R >= A, width bucket W >= q and key bucket K >= max L_b + W: rows are padded to W inputs
+    (padding sees itself only and writes K/V behind its row's committed entries), rows A..R-1
+    are empty slots of the cache that compute and write garbage into their own free rows. The
+    positions, the cache's write positions and the [R, 1, W, K] mask are computed inside the
+    graph from four static inputs (ids, depths, ancestry, committed lengths), so a replay copies
+    those and nothing else. The logits of every padded input come out ([R * W, V], graph memory);
+    the caller picks the real ones. Every graph is captured at once (`prepare`), largest first,
+    into one pool; a new cache storage (growth, a shrink after an out-of-memory) recaptures all.
+    """
+
+    def __init__(self, target, max_width: int, backend: CaptureBackend | None = None) -> None:
+        if backend is None:
+            assert target.device.type == "cuda", target.device
+            backend = CudaBackend(target.device)
+        self.target, self.backend = target, backend
+        self.widths = buckets_upto(BATCH_WIDTHS, max_width + 1)
+        self.rows: tuple[int, ...] = ()
+        self.graphs: dict[tuple[int, int, int], _Graph] = {}
+        self.buckets: tuple[int, ...] = ()
+        self.generation: int | None = None
+        self.captures = self.prepares = self.replays = 0
+        self.failed: str | None = None
+        self._inputs: dict[tuple[int, int], _BatchInputs] = {}
+
+    def covers(self, rows: int, q: int) -> bool:
+        return self.failed is None and q <= self.widths[-1] and rows <= self.target.rows
+
+    @torch.inference_mode()
+    def prepare(self) -> None:
+        """Capture every graph now, for the cache as it is (its storage allocated here if need be)."""
+        target = self.target
+        if target.cache.storage is None:  # the storage takes its shapes from a first forward
+            target.prefill([0], [np.zeros(1, dtype=np.int64)], [False])
+            target.lengths[0] = 0
+        target.reserve(int(target.lengths.max()) + self.widths[-1])
+        self._capture_all()
+
+    @torch.inference_mode()
+    def run(self, ids: torch.Tensor, rel: np.ndarray, visible: np.ndarray, past: np.ndarray) -> tuple[torch.Tensor, int] | None:
+        # ids: [A, q] int64 device (placeholders 0); rel: [A, q] host depths; visible: [A, q, q]
+        # host ancestry; past: [A] host committed lengths -> (logits [R * W, V] graph memory, W),
+        # row b's input i at b * W + i; None when graphs are off (the caller runs eagerly)
+        target, cache = self.target, self.target.cache
+        rows, q = ids.shape
+        # room for every width behind every row: a recapture writes them all there
+        target.reserve(int(target.lengths.max()) + self.widths[-1])
+        if cache.generation != self.generation:
+            self._capture_all()
+            if self.failed is not None:
+                return None
+        r = next(b for b in self.rows if b >= rows)
+        w = next(b for b in self.widths if b >= q)
+        keys = next(b for b in self.buckets if b >= int(past.max()) + w)
+        inputs = self._inputs[(r, w)]
+        inputs.ids.zero_()
+        inputs.ids[:rows, :q] = ids
+        rel_pad = np.zeros((r, w), dtype=np.int64)
+        rel_pad[:rows, :q] = rel
+        vis_pad = np.broadcast_to(np.eye(w, dtype=np.bool_), (r, w, w)).copy()
+        vis_pad[:rows, :q, :q] = visible
+        past_pad = np.zeros(r, dtype=np.int64)
+        past_pad[:rows] = past
+        inputs.rel.copy_(to_device(rel_pad, target.device))
+        inputs.visible.copy_(to_device(vis_pad, target.device))
+        inputs.past.copy_(to_device(past_pad, target.device))
+        g = self.graphs[(r, w, keys)]
+        g.replay()
+        self.replays += 1
+        return g.logits, w
+
+    def _capture_all(self) -> None:
+        target, cache = self.target, self.target.cache
+        self.graphs.clear()
+        self.generation = cache.generation
+        self.rows = buckets_upto(ROW_BUCKETS, target.rows)
+        self.buckets = key_buckets(cache.capacity)
+        self._inputs = {(r, w): _BatchInputs(r, w, target.device) for r in self.rows for w in self.widths}
+        pool = self.backend.new_pool()
+        order = sorted(((r, w, k) for r in self.rows for w in self.widths for k in self.buckets if w <= k),
+                       key=lambda rwk: (-rwk[0] * rwk[1] * rwk[2], -rwk[0] * rwk[1]))
+        try:
+            for r, w, k in order:
+                self.graphs[(r, w, k)] = self._capture(r, w, k, pool)
+                self.captures += 1
+        except Exception as err:  # noqa: BLE001 - any capture failure means: run eagerly
+            self.graphs.clear()
+            self.failed = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}"
+            warnings.warn(f"samctl: CUDA graph capture of the batched verify failed ({self.failed}); it runs eagerly",
+                          RuntimeWarning, stacklevel=3)
+            self.generation = None
+        self.prepares += 1
+
+    def _capture(self, rows: int, width: int, keys: int, pool: object) -> _Graph:
+        # Warm-up and capture write each row's K/V behind its committed entries (rows in flight
+        # keep theirs), as every replay does.
+        target, cache = self.target, self.target.cache
+        g, inputs = _Graph(width, keys), self._inputs[(rows, width)]
+        inputs.past.copy_(to_device(target.lengths[:rows].astype(np.int64), target.device))
+
+        def forward() -> None:
+            positions = inputs.past[:, None] + inputs.rel
+            cache.write_positions = inputs.past[:, None] + inputs.arange
+            cache.kv_length = keys
+            try:
+                g.logits = target.forward(inputs.ids, positions, target.verify_mask(inputs.past, inputs.visible, keys),
+                                          None, upto=keys)
+            finally:
+                cache.write_positions = None
+
+        g.replay = self.backend.capture(forward, pool)
+        return g
+
+
+def enable_batch_graphs(target, max_width: int, enabled: bool = True) -> None:
+    """Capture the batched target's verify forwards as CUDA graphs (a no-op off CUDA), all now."""
+    target.graphs = None
+    if enabled and target.device.type == "cuda":
+        graphs = BatchVerifyGraphs(target, max_width)
         graphs.prepare()
         target.graphs = graphs

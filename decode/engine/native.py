@@ -182,15 +182,17 @@ class NativeForward:
     # -- the forward --------------------------------------------------------------------------
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 cache, keep: torch.Tensor | int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 cache, keep: torch.Tensor | int | None = None, upto: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # input_ids, position_ids: [A, q] int64; attention_mask: [A or 1, 1, q, kv] or None (causal);
         # cache: a transformers Cache whose layers[i].update(k [A, Hkv, q, D], v) stores the new
         # entries and returns every key/value the inputs attend; keep: [N] flat indices into
         # A * q of the rows whose logits are wanted, an int n (the last n of each row: 0 = all)
-        # or None (all) -> (logits [N, V], hidden [A * q, H] post-final-norm at every input)
+        # or None (all); upto: a bound on the positions, known on the host (None: read from
+        # position_ids, a host sync that a CUDA graph cannot hold)
+        # -> (logits [N, V], hidden [A * q, H] post-final-norm at every input)
         shape = self.shape
         rows, n = input_ids.shape
-        cos, sin = self._table(position_ids, int(position_ids.max()) + 1)
+        cos, sin = self._table(position_ids, upto if upto is not None else int(position_ids.max()) + 1)
         x = self.embed(input_ids)  # [A, q, H]
         for index, layer in enumerate(self.layers):
             h = self._norm(x, layer.norm_in)

@@ -86,12 +86,13 @@ class TargetModel:
         return self._wants_hidden
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
-                last: int = 0) -> torch.Tensor:
+                last: int = 0, upto: int | None = None) -> torch.Tensor:
         # input_ids, position_ids: [1, q] int64 on device; mask: [1, 1, q, kv] additive or None
-        # (causal); last: logits of the last `last` inputs only (0: all) -> logits [q or last, V].
-        # The one place a forward of either backend runs (CUDA graphs capture it too).
+        # (causal); last: logits of the last `last` inputs only (0: all); upto: a host bound on
+        # the positions -> logits [q or last, V]. The one place an eager forward of either
+        # backend runs.
         if self.native is not None:
-            logits, hidden = self.native(input_ids, position_ids, mask, self.cache, last)
+            logits, hidden = self.native(input_ids, position_ids, mask, self.cache, last, upto)
             if self._wants_hidden:
                 self.hidden = hidden
             return logits
@@ -111,7 +112,7 @@ class TargetModel:
         self.cache.set_length(0)
         self.cache.reserve(max(reserve, n) + VERIFY_SLACK)
         self._reset_mask()
-        logits = self.forward(prompt_ids[None], torch.arange(n, device=self.device)[None], None, 0 if all_logits else 1)
+        logits = self.forward(prompt_ids[None], torch.arange(n, device=self.device)[None], None, 0 if all_logits else 1, n)
         self.cached = n
         return logits
 
@@ -136,7 +137,7 @@ class TargetModel:
             self.eager_fallbacks += 1
         # A chain needs no mask: the model's own causal mask is exactly the chain's tree mask.
         mask = None if tree.is_chain else self._tree_mask(tree.parents, past)
-        logits = self.forward(input_ids.clamp_min(0)[None], position_ids, mask)
+        logits = self.forward(input_ids.clamp_min(0)[None], position_ids, mask, upto=past + q)
         assert self.cache.get_seq_length() == past + q, (self.cache.get_seq_length(), past, q)
         return logits
 
@@ -148,7 +149,7 @@ class TargetModel:
         q = int(input_ids.shape[0])
         past = self.cached
         self.cache.reserve(past + q)
-        logits = self.forward(input_ids[None], torch.arange(past, past + q, device=self.device)[None], None)
+        logits = self.forward(input_ids[None], torch.arange(past, past + q, device=self.device)[None], None, upto=past + q)
         self.cache.set_length(past)
         return logits
 
