@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from samctl.decode.engine.cpu_linear import Int8Linear, PackedLinear, apply_cpu_linear, linear_backend
 from samctl.decode.methods import EAGLE_METHODS, METHODS, uses_store
 from samctl.index.automaton import SuffixAutomaton
-from samctl.index.errors import UserError
+from samctl.index.errors import ConfigError
 from tests.test_decode_greedy import hf_greedy, prompts, run
 
 
@@ -101,10 +101,11 @@ def test_int8_probe_refuses_a_cpu_without_exact_int8(monkeypatch):
     monkeypatch.setattr(cpu_linear.OneDnnGemm, "pack", classmethod(lambda cls, w: None))
     cpu_linear.int8_kernels.cache_clear()
     try:
-        with pytest.raises(UserError, match="do not sum int8 products exactly"):
+        with pytest.raises(ConfigError, match="do not sum int8 products exactly") as err:
             cpu_linear.int8_kernels()
     finally:
         cpu_linear.int8_kernels.cache_clear()
+    assert set(err.value.fields) == {"quantize"} and "use quantize= none" in str(err.value)
 
 
 def test_int8_probed_kernels_are_exact_at_the_extremes():
@@ -191,7 +192,7 @@ def test_apply_swaps_every_linear_and_names_the_backend(tiny_llama):
         assert isinstance(model.lm_head, kind)
     unpacked = apply_cpu_linear(copy.deepcopy(tiny_llama), "none", prepack=False)
     assert linear_backend(unpacked) == "plain"
-    with pytest.raises(UserError, match="--quantize"):
+    with pytest.raises(ConfigError, match="quantize= 'int4': choose one of none, int8"):
         apply_cpu_linear(plain, "int4")
 
 

@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from samctl.decode.engine.attention import use_rowwise_attention
-from samctl.index.errors import UserError
+from samctl.index.errors import ConfigError
 
 QUANTIZE = ("none", "int8")
 _BACKEND_ATTR = "_samctl_linear"  # set on the model: "plain", "packed" or "int8"
@@ -237,7 +237,7 @@ class Int8Kernels(NamedTuple):
 def int8_kernels() -> Int8Kernels:
     """Probe the int8 kernels once with products at the extremes (+-127 weights against +-127
     activations, in runs of equal signs, where a saturating pair sum shows) against float64 sums,
-    which are exact here. Raises UserError when no kernel sums exactly."""
+    which are exact here. Raises ConfigError (naming `quantize`) when no kernel sums exactly."""
     weight = torch.full((16, 512), 127, dtype=torch.int8)
     weight[1::2] = -127
     weight[2::4, ::3] = -127
@@ -260,8 +260,8 @@ def int8_kernels() -> Int8Kernels:
         return Int8Kernels(gemv, onednn, False)
     if gemm is not None and exact(lambda rows: split_sums(gemm, rows.int())):
         return Int8Kernels(False, True, True)
-    raise UserError("--quantize int8: this CPU's int8 kernels do not sum int8 products exactly (no VNNI, "
-                    "and oneDNN's 7-bit path failed too), so int8 results would be wrong: run without --quantize")
+    raise ConfigError("{quantize} int8: this CPU's int8 kernels do not sum int8 products exactly (no VNNI, "
+                      "and oneDNN's 7-bit path failed too), so int8 results would be wrong: use {quantize} none")
 
 
 def apply_cpu_linear(model: nn.Module, quantize: str = "none", prepack: bool = True) -> nn.Module:
@@ -269,11 +269,12 @@ def apply_cpu_linear(model: nn.Module, quantize: str = "none", prepack: bool = T
     quantize "int8": Int8Linear everywhere; "none" with prepack: PackedLinear (float32 models);
     otherwise the model is left as it is. Only on a CPU: elsewhere "int8" is refused."""
     if quantize not in QUANTIZE:
-        raise UserError(f"--quantize {quantize!r}: choose one of {', '.join(QUANTIZE)}")
+        raise ConfigError("{quantize} {value!r}: choose one of {choices}", value=quantize, choices=", ".join(QUANTIZE))
     device = next(model.parameters()).device
     if device.type != "cpu":
         if quantize != "none":
-            raise UserError(f"--quantize {quantize} runs on the CPU only: drop it, or pass --device cpu")
+            raise ConfigError("{quantize} {value} runs on the CPU only: use {quantize} none, or {device} cpu",
+                              value=quantize)
         return model
     if quantize == "int8":
         backend, swap = "int8", Int8Linear
