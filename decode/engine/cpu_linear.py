@@ -82,15 +82,21 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] float32 -> (qweight [out, in] int8, scale [out] float32), symmetric per
+    output channel: each channel's largest |weight| maps to 127, so every channel spans the whole
+    int8 range and |weight - qweight * scale| <= scale / 2 elementwise."""
+    scale = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
+    return torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+
 class Int8Linear(nn.Module):
     """nn.Linear as int8 weights (a scale per output channel) times int8 activations (a scale per row)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        weight = linear.weight.detach().float()  # [out, in]
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        scale = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
-        qweight = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        qweight, scale = quantize_weight(linear.weight.detach().float())
         self.register_buffer("qweight", qweight)  # [out, in] int8
         self.register_buffer("scale", scale)  # [out] float32
         self.bias = linear.bias
