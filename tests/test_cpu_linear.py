@@ -226,12 +226,12 @@ def test_int8_layers_use_the_full_range_and_stay_within_the_bound_of_float(plant
 
 
 @torch.inference_mode()
-def greedy_agreement(float_model: nn.Module, int8_model: nn.Module, prompts: torch.Tensor, new: int) -> float:
-    """Teacher-forced top-1 agreement of int8 with float32's greedy output (prompts [n, p] int64)."""
-    out = float_model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+def greedy_agreement(float_model: nn.Module, int8_model: nn.Module, ids: torch.Tensor, new: int) -> float:
+    """Teacher-forced top-1 agreement of int8 with float32's greedy output (ids [n, p] int64 prompts)."""
+    out = float_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                max_new_tokens=new, eos_token_id=None, pad_token_id=0)
-    choice = int8_model(out).logits[:, prompts.shape[1] - 1 : -1].argmax(-1)
-    return float((choice == out[:, prompts.shape[1] :]).double().mean())
+    choice = int8_model(out).logits[:, ids.shape[1] - 1 : -1].argmax(-1)
+    return float((choice == out[:, ids.shape[1] :]).double().mean())
 
 
 @pytest.mark.parametrize("plant", [None, *PLANTS])
@@ -241,10 +241,10 @@ def test_int8_greedy_agreement_with_float32_is_pinned(tiny_llama, plant):
     # weights 0.979, one scale per tensor 0.979
     import copy
 
-    prompts = torch.tensor(np.random.default_rng(0).integers(3, 96, (32, 12)))
+    ids = torch.tensor(np.random.default_rng(0).integers(3, 96, (32, 12)))
     with quantizer(plant):
         int8_model = apply_cpu_linear(copy.deepcopy(tiny_llama), "int8")
-    agreement = greedy_agreement(tiny_llama, int8_model, prompts, 32)
+    agreement = greedy_agreement(tiny_llama, int8_model, ids, 32)
     assert (agreement >= 0.985) == (plant is None), (plant, agreement)
 
 
@@ -319,23 +319,42 @@ def _load(folder, quantize: str, prepack: bool = True):
     return apply_cpu_linear(model, quantize, prepack)
 
 
-@pytest.mark.parametrize("method", METHODS + EAGLE_METHODS)
-def test_int8_greedy_equals_its_own_plain_greedy(tiny_model_dir, method):
+@pytest.fixture(scope="module")
+def int8_greedy(tiny_model_dir):
+    """Per architecture: the int8 tiny model and its plain greedy continuations of two prompts
+    (computed once, read by every method's test)."""
     model = _load(tiny_model_dir, "int8")
-    for prompt in prompts(model.config.vocab_size)[:2]:
-        expected = hf_greedy(model, prompt, 48, eos=None)
+    cases = [(p, hf_greedy(model, p, 48, eos=None)) for p in prompts(model.config.vocab_size)[:2]]
+    return model, cases
+
+
+@pytest.mark.parametrize("method", METHODS + EAGLE_METHODS)
+def test_int8_greedy_equals_its_own_plain_greedy(int8_greedy, method):
+    model, cases = int8_greedy
+    for prompt, expected in cases:
         # store methods draft from the continuation's first half, so their drafts are long and accepted
         store = SuffixAutomaton.build(np.asarray(expected[:24], dtype=np.int32), np.array([0, 24])) \
             if uses_store(method) else None
         assert run(model, method, prompt, 48, static=store).tokens == expected, (method, prompt)
 
 
-@pytest.mark.parametrize("method", ["ar", "pld", "adaptive", "recycle", "eagle"])
-def test_packed_greedy_equals_plain_greedy(tiny_model_dir, method):
+@pytest.fixture(scope="module")
+def packed_greedy(tiny_model_dir):
+    """Per architecture: the prepacked tiny model and plain float32's greedy continuations of
+    three prompts, which prepacked greedy decoding (transformers' own loop) must reproduce."""
     plain, packed = _load(tiny_model_dir, "none", prepack=False), _load(tiny_model_dir, "none")
+    cases = []
     for prompt in prompts(plain.config.vocab_size):
         expected = hf_greedy(plain, prompt, 48, eos=None)
-        assert hf_greedy(packed, prompt, 48, eos=None) == expected
+        assert hf_greedy(packed, prompt, 48, eos=None) == expected, prompt
+        cases.append((prompt, expected))
+    return packed, cases
+
+
+@pytest.mark.parametrize("method", ["ar", "pld", "adaptive", "recycle", "eagle"])
+def test_packed_greedy_equals_plain_greedy(packed_greedy, method):
+    packed, cases = packed_greedy
+    for prompt, expected in cases:
         assert run(packed, method, prompt, 48).tokens == expected, (method, prompt)
 
 
@@ -493,34 +512,42 @@ def default_int8():
     return _load(DEFAULT_MODEL_DIR, "int8")
 
 
+@pytest.fixture(scope="module")
+def default_int8_case(default_int8):
+    """Six prompts of mixed lengths, most repeating a span so that drafts are accepted in some
+    rows, their plain greedy continuations by the int8 embedded model, and a store of those."""
+    vocab = default_int8.config.vocab_size
+    rng = np.random.default_rng(0)
+    cases = []
+    for i in range(6):
+        base = rng.integers(3, vocab, 5 + 6 * i).tolist()
+        cases.append(base + base[: 4 + i] if i % 3 else base)
+    expected = [hf_greedy(default_int8, p, 16, eos=None) for p in cases]
+    corpus = np.concatenate([np.asarray(r, dtype=np.int32) for r in expected])
+    static = SuffixAutomaton.build(corpus, np.concatenate(([0], np.cumsum([len(r) for r in expected]))))
+    return cases, expected, static
+
+
 @pytest.mark.parametrize("method", ["ar", "pld", "sam", "adaptive", "rest", "recycle", "lookahead", "sam+recycle"])
-def test_int8_batched_greedy_equals_its_own_plain_greedy(default_int8, method):
+def test_int8_batched_greedy_equals_its_own_plain_greedy(default_int8, default_int8_case, method):
     # Every batched method on the int8 embedded model: each record's output equals plain greedy
-    # decoding of the same int8 model, at batch sizes 1, 3 and 6 (wide drafts: up to 32 inputs a row;
-    # widths to 64 and batch sizes 1..8 bit for bit: test_int8_batched_rows_equal_batch1_bit_for_bit).
+    # decoding of the same int8 model, at batch size 1 and at 4 (6 prompts: rows leave and newcomers
+    # join mid-run; wide drafts: up to 32 inputs a row; widths to 64 and batch sizes 1..8 bit for
+    # bit: test_int8_batched_rows_equal_batch1_bit_for_bit).
     from samctl.decode.batch import generate_batch
     from samctl.decode.loop import GenerationConfig
     from samctl.decode.methods import make_drafter
     from tests.test_decode_greedy import EAGER
 
-    model, new = default_int8, 16
-    vocab = model.config.vocab_size
-    rng = np.random.default_rng(0)
-    prompts = []
-    for i in range(6):  # mixed lengths, most repeating a span so that drafts are accepted in some rows
-        base = rng.integers(3, vocab, 5 + 6 * i).tolist()
-        prompts.append(base + base[: 4 + i] if i % 3 else base)
-    expected = [hf_greedy(model, p, new, eos=None) for p in prompts]
-    corpus = np.concatenate([np.asarray(r, dtype=np.int32) for r in expected])
-    static = SuffixAutomaton.build(corpus, np.concatenate(([0], np.cumsum([len(r) for r in expected]))))
+    model, (inputs, expected, static) = default_int8, default_int8_case
 
     def make():
-        return make_drafter(method, vocab_size=vocab, device=torch.device("cpu"), eos_token_ids=(),
-                            static=static if uses_store(method) else None, config=EAGER)
+        return make_drafter(method, vocab_size=model.config.vocab_size, device=torch.device("cpu"),
+                            eos_token_ids=(), static=static if uses_store(method) else None, config=EAGER)
 
     cheap = 1.0 + 0.02 * np.arange(1, 513)  # drafting nearly free: wide trees, ragged acceptance
-    for batch_size in (1, 3, 6):
-        results = generate_batch(model, make, prompts, GenerationConfig(max_new_tokens=new), batch_size,
+    for batch_size in (1, 4):
+        results = generate_batch(model, make, inputs, GenerationConfig(max_new_tokens=16), batch_size,
                                  cost_ms=cheap, max_width=32)
         for r, want in zip(results, expected):
             assert r.tokens == want, (method, batch_size, r.index)
