@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from samctl.index.errors import UserError
+from samctl.index.errors import ConfigError, UserError
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.mixing_ratio < 1.0:
-            raise UserError(f"--mixing-ratio must be in [0, 1), got {self.mixing_ratio}")
+            raise ConfigError("{mixing_ratio} must be in [0, 1), got {value}", value=self.mixing_ratio)
         if self.weight_mismatch <= 0 or self.steps < 1 or self.batch_size < 1 or self.lr <= 0:
             raise UserError(f"invalid head training settings {self}: weight, steps, batch and lr must be > 0")
 

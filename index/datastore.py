@@ -167,14 +167,14 @@ class Datastore:
     def sam(self) -> SuffixAutomaton:
         if self.kind != "sam":
             raise UserError(f"{self.path} is an n-gram store, not a suffix automaton: "
-                            "rebuild it with samctl build --kind sam")
+                            "rebuild it with `samctl build --kind sam`")
         return self.structure
 
     @property
     def ngram(self) -> NgramTable:
         if self.kind != "ngram":
             raise UserError(f"{self.path} is a suffix automaton store, not an n-gram table: "
-                            "rebuild it with samctl build --kind ngram")
+                            "rebuild it with `samctl build --kind ngram`")
         return self.structure
 
     def verify(self) -> None:

@@ -54,7 +54,7 @@ MANIFEST = "manifest.json"
 FORMAT = "samctl-sharded-store"
 FORMAT_VERSION = 1
 MAX_SHARDS = 4096
-_REBUILD = "rebuild it with samctl build --shards N"
+_REBUILD = "rebuild it with `samctl build --shards N`"
 _SHARD_KEYS = {"file": str, "documents": int, "tokens": int, "bytes": int, "crc32": int}
 
 
@@ -359,7 +359,7 @@ def _read_manifest(name: str) -> dict[str, Any]:
             raw = handle.read(16 << 20)
     except FileNotFoundError as err:
         raise StoreError(f"{name} is a directory without {MANIFEST}: pass a .sam file or a store directory "
-                         "written by samctl build --shards") from err
+                         "written by `samctl build --shards N`") from err
     except OSError as err:
         raise StoreError(f"cannot read {file}: {err.strerror or err}") from err
     try:

@@ -2,13 +2,23 @@
 command line words it as a flag, the Python API as an argument."""
 from __future__ import annotations
 
+import ast
 import pickle
+import re
+from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 import samctl
+from samctl.decode.acceptance_head import TrainConfig
+from samctl.decode.configs import RestConfig
+from samctl.decode.drafters.rest import RestDrafter
+from samctl.decode.engine.cpu_linear import apply_cpu_linear
 from samctl.cli import main
 from samctl.index.errors import ConfigError
+from samctl.index.ngram import NgramTable
 
 
 def cli_error(capsys, *args: str) -> str:
@@ -45,3 +55,69 @@ def test_a_config_error_pickles_with_its_fields():
     err = ConfigError("{sat_count} {k} is more than {slots}", k=9, slots={"a": 1})
     back = pickle.loads(pickle.dumps(err))
     assert str(back) == str(err) == "sat_count= 9 is more than {'a': 1}" and back.fields == ("sat_count",)
+
+
+# A flag, and a command line to run (quoted in backticks, whole: `samctl build --kind sam`), which
+# may name its own command's flags: how else to say which store to build.
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+COMMAND = re.compile(r"`samctl [^`]*`")
+
+
+def error_texts(path: Path):
+    """(line, text) of every string an exception raised in `path` is built from: the arguments of a
+    `...Error(...)` call, f-strings whole (their fields as {}), and the module constants it reads."""
+    tree = ast.parse(path.read_text())
+    constants = {node.targets[0].id: node.value.value for node in tree.body
+                 if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                 and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)}
+
+    def text(node) -> str | None:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        if isinstance(node, ast.Name):
+            return constants.get(node.id)
+        if isinstance(node, ast.FormattedValue):
+            return text(node.value) or "{}"
+        if isinstance(node, ast.JoinedStr):
+            return "".join(text(v) or "{}" for v in node.values)
+        return None
+
+    for node in ast.walk(tree):
+        func = getattr(node, "func", None)
+        if not (isinstance(node, ast.Call) and getattr(func, "id", getattr(func, "attr", "")).endswith("Error")):
+            continue
+        inner = {id(v) for part in ast.walk(node) if isinstance(part, ast.JoinedStr) for v in ast.walk(part)
+                 if v is not part}
+        for part in ast.walk(node):
+            if id(part) not in inner and (said := text(part)):
+                yield node.lineno, said
+
+
+def test_errors_below_the_command_line_name_no_flags():
+    # decode/ and index/ serve the Python API too: a setting is a ConfigError field ("{quantize}"),
+    # worded as --quantize or quantize= at the boundary; only a quoted command line names flags
+    root = Path(__file__).resolve().parent.parent
+    named = [f"{path.relative_to(root)}:{line}: {FLAG.findall(COMMAND.sub('', text))}"
+             for folder in ("decode", "index") for path in sorted((root / folder).rglob("*.py"))
+             for line, text in error_texts(path) if FLAG.search(COMMAND.sub("", text))]
+    assert not named, "\n".join(named)
+    assert FLAG.search(COMMAND.sub("", "run without --quantize")) and not FLAG.search(COMMAND.sub("", "`samctl build --kind sam`"))
+
+
+@pytest.mark.parametrize("make,flags,arguments", [
+    (lambda: apply_cpu_linear(torch.nn.Linear(2, 2), "int4"), ["--quantize"], ["quantize="]),
+    (lambda: apply_cpu_linear(torch.nn.Linear(2, 2).to("meta"), "int8"), ["--quantize", "--device"],
+     ["quantize=", "device="]),
+    (lambda: TrainConfig(mixing_ratio=1.5), ["--mixing-ratio"], ["mixing_ratio="]),
+    (lambda: RestDrafter(RestConfig(), NgramTable.build(np.arange(3, 40, dtype=np.int32), np.array([0, 37]))),
+     ["--sam"], ["store="]),
+])
+def test_library_settings_errors_name_the_flag_or_the_argument(make, flags, arguments):
+    from samctl.options import cli_message
+
+    with pytest.raises(ConfigError) as err:
+        make()
+    said, api = cli_message(err.value), str(err.value)
+    assert all(f in said for f in flags) and not any(a in said for a in arguments), said
+    assert all(a in api for a in arguments) and not FLAG.search(COMMAND.sub("", api)), api
+

@@ -103,7 +103,8 @@ class RestDrafter(Drafter):
         if static is None:
             raise ConfigError("method rest drafts from a datastore: pass {store} (a store built by samctl build)")
         if not isinstance(static, (SuffixAutomaton, ShardedAutomaton)):
-            raise UserError("method rest needs a suffix-automaton store: rebuild it with samctl build --kind sam")
+            raise ConfigError("method rest needs a suffix-automaton store, and {store} is an n-gram table: pass a store "
+                              "built by `samctl build --kind sam`")
         self.config = config
         self.static = cursor(static)
         states, edges, slots, _, _ = self.static.before(0)

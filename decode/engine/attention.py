@@ -132,6 +132,17 @@ def _visible_keys(mask: torch.Tensor, batch: int, q: int, kv: int) -> tuple[list
     return rows, shared
 
 
+def _row_query(query: torch.Tensor) -> torch.Tensor:
+    """query [1, Hq, 1, D] as a one-token step's own: a tensor of its own, strides (Hq * D, D, D, 1).
+    A row sliced from a verify's query is a view at an offset whose strides (q * Hq * D, D, Hq * D, 1)
+    say "contiguous" yet reach the kernel as other leading dimensions: on an AVX2 CPU (an AMD EPYC,
+    issue 42) sdpa rounded the two differently, 1.5e-8 in layer 0 at every verify width >= 16."""
+    _, heads, _, dim = query.shape
+    if query.storage_offset() == 0 and query.stride() == (heads * dim, dim, dim, 1):
+        return query
+    return query.clone(memory_format=torch.contiguous_format)
+
+
 def rowwise_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       **kwargs) -> tuple[torch.Tensor, None]:
@@ -145,7 +156,8 @@ def rowwise_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                       **kwargs)
     gqa = heads != key.shape[1]
     if attention_mask is None and q == 1 and batch == 1:  # a one-token step: the loop's one call, without the loop
-        out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(_row_query(query), key, value, dropout_p=dropout, scale=scaling,
+                                             enable_gqa=gqa)
         return out.transpose(1, 2), None
     if attention_mask is None:
         rows, shared = [[kv - q + i + 1 for i in range(q)]] * batch, [[0] * q] * batch
@@ -164,15 +176,16 @@ def rowwise_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             else:  # the shared prefix, then this row's own keys copied behind it
                 if scratch is None:
                     width = start + max(int(s.numel()) for s in rows[b] if not isinstance(s, int))
-                    scratch = keys.new_empty(2, 1, keys.shape[1], width, dim)
+                    # the cache's own head stride (its capacity), so these keys lie as a step's do
+                    scratch = keys.new_empty(2, 1, keys.shape[1], max(width, keys.stride(1) // dim), dim)
                     scratch[0, :, :, :start] = keys[:, :, :start]
                     scratch[1, :, :, :start] = values[:, :, :start]
                 n = int(seen.numel())
                 scratch[0, :, :, start : start + n] = keys.index_select(2, seen)
                 scratch[1, :, :, start : start + n] = values.index_select(2, seen)
                 k, v = scratch[0, :, :, : start + n], scratch[1, :, :, : start + n]
-            row = F.scaled_dot_product_attention(query[b : b + 1, :, i : i + 1], k, v, dropout_p=dropout,
-                                                 scale=scaling, enable_gqa=gqa)  # [1, Hq, 1, D]
+            row = F.scaled_dot_product_attention(_row_query(query[b : b + 1, :, i : i + 1]), k, v,
+                                                 dropout_p=dropout, scale=scaling, enable_gqa=gqa)  # [1, Hq, 1, D]
             out[b, i] = row[0, :, 0]
     return out, None
 

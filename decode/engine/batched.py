@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache
 
 from samctl.decode.engine.attention import exact_rows
 from samctl.decode.engine.cost import monotone_fit
-from samctl.decode.engine.kv_cache import OwnedLayer, with_cache
+from samctl.decode.engine.kv_cache import OwnedLayer, aligned, with_cache
 from samctl.decode.engine.target import TargetModel, to_device
 from samctl.decode.tree import DraftTree, ancestor_matrix
 from samctl.index.errors import UserError
@@ -117,7 +117,9 @@ class BatchedTarget:
         if rows < 1 or capacity < 2:
             raise UserError(f"batch size must be >= 1 (got {rows}) and the capacity >= 2 (got {capacity})")
         self.rows = rows
-        self.capacity = capacity
+        # a multiple of ALIGN, as batch 1's cache: every row's and head's keys start 64-byte aligned,
+        # as a one-token step's do (attention exact per row hands the kernel the same layouts)
+        self.capacity = aligned(capacity)
         self.cache = BatchedKVCache(int(model.config.num_hidden_layers), rows, self.capacity)
         self.lengths = np.zeros(rows, dtype=np.int64)  # committed entries per slot
         self._blocked = torch.finfo(self.dtype).min
@@ -276,7 +278,7 @@ class BatchedTarget:
         """Room for n entries per row, keeping the valid ones (grows by half, so growth is rare)."""
         if n <= self.capacity:
             return
-        self.capacity = self.cache.capacity = max(n, self.capacity + self.capacity // 2)
+        self.capacity = self.cache.capacity = aligned(max(n, self.capacity + self.capacity // 2))
         old = self.cache.storage
         if old is not None:
             shape = list(old.shape)

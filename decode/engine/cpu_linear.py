@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from samctl.decode.engine.attention import use_rowwise_attention
-from samctl.index.errors import UserError
+from samctl.index.errors import ConfigError
 
 QUANTIZE = ("none", "int8")
 _BACKEND_ATTR = "_samctl_linear"  # set on the model: "plain", "packed" or "int8"
@@ -83,15 +83,21 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] float32 -> (qweight [out, in] int8, scale [out] float32), symmetric per
+    output channel: each channel's largest |weight| maps to 127, so every channel spans the whole
+    int8 range and |weight - qweight * scale| <= scale / 2 elementwise."""
+    scale = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
+    return torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+
 class Int8Linear(nn.Module):
     """nn.Linear as int8 weights (a scale per output channel) times int8 activations (a scale per row)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        weight = linear.weight.detach().float()  # [out, in]
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        scale = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
-        qweight = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        qweight, scale = quantize_weight(linear.weight.detach().float())
         self.register_buffer("qweight", qweight)  # [out, in] int8
         self.register_buffer("scale", scale)  # [out] float32
         self.bias = linear.bias
@@ -241,7 +247,7 @@ class Int8Kernels(NamedTuple):
 def int8_kernels() -> Int8Kernels:
     """Probe the int8 kernels once with products at the extremes (+-127 weights against +-127
     activations, in runs of equal signs, where a saturating pair sum shows) against float64 sums,
-    which are exact here. Raises UserError when no kernel sums exactly."""
+    which are exact here. Raises ConfigError (naming `quantize`) when no kernel sums exactly."""
     weight = torch.full((16, 512), 127, dtype=torch.int8)
     weight[1::2] = -127
     weight[2::4, ::3] = -127
@@ -264,8 +270,8 @@ def int8_kernels() -> Int8Kernels:
         return Int8Kernels(gemv, onednn, False)
     if gemm is not None and exact(lambda rows: split_sums(gemm, rows.int())):
         return Int8Kernels(False, True, True)
-    raise UserError("--quantize int8: this CPU's int8 kernels do not sum int8 products exactly (no VNNI, "
-                    "and oneDNN's 7-bit path failed too), so int8 results would be wrong: run without --quantize")
+    raise ConfigError("{quantize} int8: this CPU's int8 kernels do not sum int8 products exactly (no VNNI, "
+                      "and oneDNN's 7-bit path failed too), so int8 results would be wrong: use {quantize} none")
 
 
 def apply_cpu_linear(model: nn.Module, quantize: str = "none", prepack: bool = True) -> nn.Module:
@@ -273,11 +279,12 @@ def apply_cpu_linear(model: nn.Module, quantize: str = "none", prepack: bool = T
     quantize "int8": Int8Linear everywhere; "none" with prepack: PackedLinear (float32 models);
     otherwise the model is left as it is. Only on a CPU: elsewhere "int8" is refused."""
     if quantize not in QUANTIZE:
-        raise UserError(f"--quantize {quantize!r}: choose one of {', '.join(QUANTIZE)}")
+        raise ConfigError("{quantize} {value!r}: choose one of {choices}", value=quantize, choices=", ".join(QUANTIZE))
     device = next(model.parameters()).device
     if device.type != "cpu":
         if quantize != "none":
-            raise UserError(f"--quantize {quantize} runs on the CPU only: drop it, or pass --device cpu")
+            raise ConfigError("{quantize} {value} runs on the CPU only: use {quantize} none, or {device} cpu",
+                              value=quantize)
         return model
     if quantize == "int8":
         backend, swap = "int8", Int8Linear
