@@ -4,6 +4,7 @@ shared mask, capture order, fallback and hidden-state handling run here as they 
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -272,3 +273,91 @@ def test_cost_curve_measured_again_when_the_engine_code_changes(monkeypatch):
     monkeypatch.setattr(costs, "engine_code", lambda: "other-kernels")
     costs.cost_curve(engine, quiet=True)
     assert len(measured) == 2
+
+
+# -- the batched verify's graphs (BatchVerifyGraphs) ---------------------------------------------------
+
+def batch_graphs_on(run, backend: StandIn, max_width: int):
+    from samctl.decode.engine.graphs import BatchVerifyGraphs
+
+    run.target.graphs = BatchVerifyGraphs(run.target, max_width, backend=backend)
+    run.target.graphs.prepare()
+    return run.target.graphs
+
+
+def test_batch_graphs_capture_every_bucket_once_largest_first():
+    from samctl.decode.batch import BatchRun
+    from samctl.decode.engine.graphs import buckets_upto, ROW_BUCKETS
+
+    run = BatchRun(tiny(), 5, cost_ms=np.full(64, 1.0), max_width=6, capacity=300)
+    backend = StandIn()
+    graphs = batch_graphs_on(run, backend, 6)
+    assert graphs.rows == buckets_upto(ROW_BUCKETS, 5) == (1, 2, 4, 5) and graphs.widths == (1, 2, 4, 7)
+    expected = {(r, w, k) for r in graphs.rows for w in graphs.widths for k in key_buckets(run.target.capacity)}
+    assert set(graphs.graphs) == expected and graphs.captures == len(expected) and backend.pools == 1
+    sizes = [r * g.width * g.keys for (r, _, _), g in graphs.graphs.items()]
+    assert sizes == sorted(sizes, reverse=True)
+    assert not run.target.lengths.any()  # capturing committed nothing
+
+
+@pytest.mark.parametrize("backend_name", ["hf", "native"])
+def test_batched_graph_verify_equals_eager_with_ragged_rows_refills_and_growth(backend_name):
+    # rows join and leave (5 records, 3 slots), trees of every width up to 8, a cache that grows
+    # past its first capacity mid-run (a recapture): every record equals its eager batched output
+    from samctl.decode.batch import BatchRun, DrafterPool
+    from samctl.decode.engine.native import use_backend
+    from tests.test_decode_greedy import EAGER
+
+    model = tiny("llama", 2)
+    use_backend(model, backend_name)
+    rng = np.random.default_rng(5)
+    base = rng.integers(3, 96, 10).tolist()
+    prompts = [base + base[:6], rng.integers(3, 96, 30).tolist(), base * 3, [7, 8, 9], base[:4] * 4]
+    config = GenerationConfig(max_new_tokens=40)
+
+    def outputs(graphed: bool):
+        run = BatchRun(model, 3, cost_ms=1.0 + 0.02 * np.arange(1, 513), max_width=8, capacity=64)
+        graphs = batch_graphs_on(run, StandIn(), 8) if graphed else None
+        pool = DrafterPool(lambda: make_drafter("adaptive", vocab_size=96, device=torch.device("cpu"), config=EAGER))
+        for i, p in enumerate(prompts):
+            run.submit(i, p, config, pool)
+        results = sorted(run.drain(), key=lambda r: r.index)
+        return [r.tokens for r in results], graphs, run
+
+    eager, _, _ = outputs(False)
+    graphed, graphs, run = outputs(True)
+    assert graphed == eager
+    assert graphs.replays == run.stats.steps and run.target.eager_fallbacks == 0
+    assert graphs.prepares >= 2  # the cache grew past 64 entries: every graph captured again
+    assert max(run.stats.width_per_step) > 1  # trees were verified, not only single tokens
+
+
+@pytest.mark.parametrize("backend_name", ["hf", "native"])
+def test_batched_graph_logits_equal_eager_across_row_width_and_key_buckets(backend_name):
+    # the same steps on two targets, one replaying graphs: the logits of every real input are
+    # equal up to the summation order of the padded shapes, for random trees of ragged widths, rows of 3..280 committed tokens
+    # (key buckets 256 and beyond) and 1..3 rows in flight (row buckets 1, 2, 3)
+    from samctl.decode.engine.batched import BatchedTarget
+    from samctl.decode.engine.native import use_backend
+
+    model = tiny("llama", 2)
+    use_backend(model, backend_name)
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(0, 96, n) for n in (3, 280, 40)]
+    eager, graphed = BatchedTarget(model, 3, 320), BatchedTarget(model, 3, 320)
+    for target in (eager, graphed):
+        target.prefill([0, 1, 2], prompts, [False] * 3)
+    graphs = batch_graphs_on(SimpleNamespace(target=graphed), StandIn(), 8)
+    assert len(graphs.buckets) > 1
+    for step in range(6):
+        rows = 1 + step % 3
+        trees = [random_tree(rng, int(rng.integers(0, 9))) for _ in range(rows)]
+        inputs = [torch.from_numpy(np.concatenate(([rng.integers(0, 96)], t.tokens)).astype(np.int64)) for t in trees]
+        want, offsets = eager.verify(inputs, trees)
+        got, got_offsets = graphed.verify(inputs, trees)
+        assert np.array_equal(offsets, got_offsets)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        paths = [np.array([0] + ([1] if len(t) and t.parents[0] == -1 else []), dtype=np.int64) for t in trees]
+        for target in (eager, graphed):
+            target.keep(paths)
+    assert graphs.replays == 6 and graphed.eager_fallbacks == 0
