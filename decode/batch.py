@@ -553,6 +553,7 @@ def _propose(row: _Row, calibration: TreeCalibration, room: int) -> None:
             keep = np.flatnonzero(depth <= room)
             row.prefix = bool(len(keep) == 0 or keep[-1] == len(keep) - 1)
             tree, probs = tree.limit_depth(room), probs[keep]
+            row.drafter.keep_depth(room)
     if tree.accept_limit is not None:
         probs = probs[: tree.accept_limit]
     row.tree, row.probs = tree, probs

@@ -153,7 +153,11 @@ def _step(
     # 1) propose: drafts deeper than the tokens still wanted, or than the context allows, are waste
     tic = time.perf_counter()
     tree = drafter.propose(t0)
-    tree = tree.limit_depth(min(out.remaining - 1, target.max_positions - target.cached - 1))
+    depth = min(out.remaining - 1, target.max_positions - target.cached - 1)
+    limited = tree.limit_depth(depth)
+    if limited is not tree:
+        drafter.keep_depth(depth)
+        tree = limited
     input_ids = target.verify_input(t0, tree)
     draft_s = time.perf_counter() - tic
 

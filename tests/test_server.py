@@ -11,6 +11,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 pytest.importorskip("fastapi")
@@ -168,29 +169,75 @@ def test_sixteen_concurrent_clients_each_get_their_sequential_answer(served):
         [e for i, e in enumerate(expected) if i not in sampled]
 
 
-def test_prediction_raises_acceptance_and_leaves_the_answer_alone(served):
-    # A session without cross-request memory, so that only the prediction differs between requests.
+# A text completion whose greedy answer survives the tiny tokenizer's decode -> encode (asserted),
+# so that a prediction of its text is token for token the answer.
+PREDICTED = "The"
+
+
+def _client(session, batch_size: int):
     from fastapi.testclient import TestClient
 
-    session = served[0].for_method("adaptive", settings={"memory": 0})
-    expected = session.decode(plain(session, QUESTION))
-    n_prediction = len(session.prediction_ids(expected))
-    with TestClient(create_app(session, batch_size=2)) as client:
-        def ask(prediction=None) -> dict:
-            fields = {} if prediction is None else {"prediction": {"type": "content", "content": prediction}}
-            return client.post("/v1/chat/completions", json=body(session, **fields)).json()
+    return TestClient(create_app(session, batch_size=batch_size))
 
-        none, right = ask(), ask(expected)
-        wrong = ask("Summarize the document. The answer is in the passage.")
-    for answer in (none, right, wrong):
-        assert answer["choices"][0]["message"]["content"] == expected
-    assert right["usage"]["num_accepted_draft_tokens"] > none["usage"]["num_accepted_draft_tokens"]
-    details = right["usage"]["completion_tokens_details"]
-    assert details["accepted_prediction_tokens"] > 0
-    assert details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"] <= n_prediction
-    assert wrong["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] == 0
-    assert none["usage"]["completion_tokens_details"] == {"accepted_prediction_tokens": 0,
-                                                          "rejected_prediction_tokens": 0}
+
+def test_usage_maps_prediction_counts_to_accepted_and_rejected():
+    from samctl.decode.drafters.adaptive import PredictionCount
+    from samctl.decode.metrics import PredictionUsage
+    from samctl.openai_api import usage_of
+    from samctl.server import Counters
+
+    # a tree of 3 nodes, root children 0 and 1, node 2 under 0; positions 4, 5 and 6 of the
+    # prediction; the step accepted node 0 then node 2: 4 and 6 accepted, 5 drafted and rejected
+    count = PredictionCount(8)
+    count.add(np.array([4, 5, 6], np.int32), np.array([10, 11, 12]), np.array([-1, -1, 0], np.int32),
+              np.array([10, 12]))
+    assert count.usage() == PredictionUsage(tokens=8, accepted=2, rejected=1)
+    result = GenerationResult([10, 12, 13], "length", Metrics(new_tokens=3, steps=1, accepted=2, drafted=3),
+                              PredictionUsage(tokens=8, accepted=2, rejected=1))
+    usage = usage_of(5, result)
+    assert usage.completion_tokens_details.model_dump() == {"accepted_prediction_tokens": 2,
+                                                            "rejected_prediction_tokens": 1}
+    counters = Counters()
+    counters.finished("length", 5, result)
+    assert (counters.prediction_accepted, counters.prediction_rejected) == (2, 1)
+
+
+def test_prediction_counts_at_batch_one_and_batched(served):
+    """A prediction that is the answer itself: every accepted draft comes from it, so
+    accepted_prediction_tokens equals num_accepted_draft_tokens (the last step included) and none
+    is rejected, at batch 1 and on the batched engine alike; a prediction right for half of the
+    answer then wrong: both counts positive. The answer never changes."""
+    session = served[0].for_method("adaptive", settings={"memory": 0})  # only the prediction differs
+    tokens = plain(session, ids=session.engine.encode(PREDICTED, chat=False))
+    expected = session.decode(tokens)
+    assert session.prediction_ids(expected) == tokens  # the prediction is the answer, token for token
+    half = session.decode(tokens[: len(tokens) // 2]) + " The quick brown fox jumps over the lazy dog."
+    usages = {}
+    for batch_size in (1, 2):
+        with _client(session, batch_size) as client:
+            for name, prediction in (("none", None), ("right", expected), ("half", half)):
+                fields = {} if prediction is None else {"prediction": {"type": "content", "content": prediction}}
+                answer = client.post("/v1/completions", json={"model": session.engine.name, "prompt": PREDICTED,
+                                                              **fields}).json()
+                assert answer["choices"][0]["text"] == expected
+                usages[batch_size, name] = answer["usage"]
+    for batch_size in (1, 2):
+        none, right, half_right = (usages[batch_size, name] for name in ("none", "right", "half"))
+        assert none["completion_tokens_details"] == {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
+        assert right["num_accepted_draft_tokens"] >= none["num_accepted_draft_tokens"]
+        assert right["completion_tokens_details"] == {
+            "accepted_prediction_tokens": right["num_accepted_draft_tokens"], "rejected_prediction_tokens": 0}
+        details = half_right["completion_tokens_details"]
+        assert 0 < details["accepted_prediction_tokens"] < len(tokens) // 2
+        assert details["rejected_prediction_tokens"] > 0  # its wrong half was drafted
+        assert details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"] <= \
+            len(session.prediction_ids(half))
+    # the batched engine takes other steps than batch 1, so its counts differ exactly as its
+    # accepted drafts do
+    one, batched = usages[1, "right"], usages[2, "right"]
+    assert batched["completion_tokens_details"]["accepted_prediction_tokens"] - \
+        one["completion_tokens_details"]["accepted_prediction_tokens"] == \
+        batched["num_accepted_draft_tokens"] - one["num_accepted_draft_tokens"]
 
 
 def test_stop_strings_cut_the_text_before_them(served):
