@@ -222,14 +222,23 @@ class Job:
                                code="context_length_exceeded")
         return ids
 
-    def on_tokens(self, tokens: list[int]) -> bool:
-        """Stream the new text; True stops generation (the client is gone, or a stop string came)."""
+    def on_tokens(self, tokens: list[int]) -> bool | int:
+        """Stream the new text; True stops generation (the client is gone), k stops it after the
+        k-th of these tokens (it completed a stop string: the answer ends there)."""
         if self.cancelled.is_set():
             return True
-        text = self._stop.push(self._detok.push(tokens))
+        if not self._stop.stops:
+            self._send(self._detok.push(tokens))
+            return False
+        for k, token in enumerate(tokens, 1):  # a step commits several tokens; the stop may come at any
+            self._send(self._stop.push(self._detok.push([token])))
+            if self._stop.stopped:
+                return k
+        return False
+
+    def _send(self, text: str) -> None:
         if text:
             self.sink(("text", text))
-        return self._stop.stopped
 
 
 class _SessionDrafters(DrafterPool):

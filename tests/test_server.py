@@ -240,13 +240,33 @@ def test_prediction_counts_at_batch_one_and_batched(served):
         batched["num_accepted_draft_tokens"] - one["num_accepted_draft_tokens"]
 
 
-def test_stop_strings_cut_the_text_before_them(served):
-    session, _, client, _ = served
-    expected = session.decode(plain(session, QUESTION))
-    stop = expected[5:7]
-    answer = client.post("/v1/chat/completions", json=body(session, stop=[stop])).json()
+def _stop_index(session, tokens: list[int], stop: str) -> int:
+    """How many tokens the answer has when it ends at `stop`: the first prefix whose text holds it."""
+    return next(k for k in range(1, len(tokens) + 1) if stop in session.decode(tokens[:k]))
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_stop_strings_end_the_answer_and_its_tokens(served, batch_size):
+    """The text is cut before the stop string, and generation ends with the token that completed
+    it: completion_tokens counts up to that token, never on to max_tokens nor to the end of the
+    step that committed it."""
+    session = served[0]
+    tokens = plain(session, QUESTION)
+    expected = session.decode(tokens)
+    stop = "my"
+    at = _stop_index(session, tokens, stop)
+    assert at < len(tokens) - 2
+    with _client(session, batch_size) as client:
+        answer = client.post("/v1/chat/completions", json=body(session, stop=[stop])).json()
+        with client.stream("POST", "/v1/chat/completions", json=body(
+                session, stop=stop, stream=True, stream_options={"include_usage": True})) as response:
+            events = sse(response)
     assert answer["choices"][0]["message"]["content"] == expected[:expected.index(stop)]
     assert answer["choices"][0]["finish_reason"] == "stop"
+    assert answer["usage"]["completion_tokens"] == at
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"])
+    assert streamed == expected[:expected.index(stop)]
+    assert events[-2]["usage"]["completion_tokens"] == at
 
 
 def test_every_response_teaches_the_cross_request_memory(model_dir):
