@@ -285,6 +285,46 @@ def test_every_response_teaches_the_cross_request_memory(model_dir):
     assert sorted(d.tolist() for d in row_drafter.memory_documents()) == sorted(outputs)
 
 
+def test_a_greedy_answer_is_the_same_after_other_requests_filled_the_memory(model_dir):
+    """llama.cpp's greedy server output changes across runs with prompt caching; samctl's does
+    not: a prompt's answer on a fresh server equals its answer after concurrent requests (other
+    prompts, the same one inside longer ones, other methods) filled the cross-request memory,
+    the batched cache's rows and batch 1's cache, which do change how it is drafted."""
+    session = Session(SessionConfig(model=str(model_dir), max_new_tokens=24, threads=1, quiet=True))
+    expected = session.decode(plain(session, QUESTION))
+    app = create_app(session, batch_size=4)
+    server, url = _serve(app)
+    try:
+        with httpx.Client(base_url=url, timeout=120) as client:
+            def ask(messages=QUESTION, **fields) -> dict:
+                return client.post("/v1/chat/completions", json={**body(session, **fields), "messages": messages}).json()
+
+            first = ask()
+            others = [[{"role": "user", "content": text}] for text in (
+                "The quick brown fox", "def add(a, b):\n    return a + b\n\ndef add(a, b):", "Summarize the document.",
+                "jumps over the lazy dog " * 8, "def f(x):", "The answer is in", "return a + b", "The dog sleeps.")]
+            fillers = [threading.Thread(target=ask, args=(m,), kwargs={"max_tokens": 8 + 5 * i, **extra})
+                       for i, m in enumerate(others) for extra in ({}, {"method": "pld"})]
+            for t in fillers:
+                t.start()
+            for t in fillers:
+                t.join(120)
+            again = ask()
+            streamed = list(openai_client(url).chat.completions.create(model=session.engine.name, messages=QUESTION,
+                                                                       stream=True))
+    finally:
+        server.should_exit = True
+        server.thread.join(60)
+    assert len(session.drafter.memory_documents()) >= len(others) + 2  # the memory did fill
+    assert again["usage"]["num_accepted_draft_tokens"] > first["usage"]["num_accepted_draft_tokens"]  # and drafted
+    assert first["choices"][0]["message"]["content"] == expected
+    assert again["choices"][0]["message"]["content"] == expected
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == expected
+    with _client(session, 1) as client:  # batch 1, on the cache the session's earlier requests left
+        answer = client.post("/v1/chat/completions", json=body(session)).json()
+    assert answer["choices"][0]["message"]["content"] == expected
+
+
 class _FakeSession:
     """A session without a model: token t is the letter chr(97 + t); generation counts upwards
     from the prompt's last token, calling on_tokens once per token, and waits for `gate`."""
