@@ -31,8 +31,9 @@ from samctl.session import Session, SessionConfig  # noqa: E402
 QUESTION = [{"role": "user", "content": "def add(a, b):"}]
 
 
-def _serve(app) -> tuple:
-    """(uvicorn server, base URL) of `app` on a free local port, served by a thread."""
+def _serve(app, ready: bool = True) -> tuple:
+    """(uvicorn server, base URL) of `app` on a free local port, served by a thread; with `ready`,
+    once /health says the engine can serve."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -42,7 +43,10 @@ def _serve(app) -> tuple:
     while not server.started:
         assert server.thread.is_alive(), "the server did not start"
         time.sleep(0.05)
-    return server, f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{port}"
+    while ready and httpx.get(f"{url}/health").status_code == 503:
+        time.sleep(0.05)
+    return server, url
 
 
 @pytest.fixture(scope="module")
