@@ -12,20 +12,21 @@ import subprocess
 import sys
 import threading
 import time
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("fastapi")
-uvicorn = pytest.importorskip("uvicorn")
-httpx = pytest.importorskip("httpx")
-
-from samctl.decode.engine.batched import BatchedTarget, measure_batch_cost  # noqa: E402
-from samctl.decode.engine.cost import Stopped, measure_verify_cost  # noqa: E402
-from samctl.decode.engine.target import TargetModel  # noqa: E402
-from samctl.tokenizer import DEFAULT_MODEL_DIR  # noqa: E402
+from samctl.decode.engine.batched import BatchedTarget, measure_batch_cost
+from samctl.decode.engine.cost import Stopped, measure_verify_cost
+from samctl.decode.engine.target import TargetModel
+from samctl.tokenizer import DEFAULT_MODEL_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
+needs_serve = pytest.mark.skipif(not all(find_spec(m) for m in ("fastapi", "uvicorn", "httpx")),
+                                 reason="needs the serve extra")
+if find_spec("httpx"):
+    import httpx
 
 
 class _Fed:
@@ -85,6 +86,7 @@ def _slow_verifies(monkeypatch, seconds: float) -> list[int]:
     return calls
 
 
+@needs_serve
 def test_health_is_starting_until_the_engine_can_serve(model_dir, tmp_path, monkeypatch):
     """A cold cache: /health is 503 "starting" while the batched verify cost is measured; a request
     sent meanwhile waits and is then served; /health is 200 after."""
@@ -109,6 +111,7 @@ def test_health_is_starting_until_the_engine_can_serve(model_dir, tmp_path, monk
         server.thread.join(60)
 
 
+@needs_serve
 def test_stop_starting_refuses_the_waiting_requests_and_measures_no_more(model_dir, tmp_path, monkeypatch):
     from samctl.server import create_app, stop_starting
     from samctl.session import Session, SessionConfig
@@ -174,6 +177,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@needs_serve
 @pytest.mark.skipif(not DEFAULT_MODEL_DIR.is_dir(), reason="embedded default model not installed")
 @pytest.mark.parametrize("phase", ["batch-1", "batched"])
 def test_sigterm_stops_serve_during_its_start_up_measurement(phase, tmp_path):
