@@ -534,6 +534,7 @@ def _propose(row: _Row, calibration: TreeCalibration, room: int) -> None:
             keep = np.flatnonzero(depth <= room)
             row.leading = int(np.argmin(np.append(keep, -1) == np.arange(len(keep) + 1)))
             tree, probs = tree.limit_depth(room), probs[keep]
+            row.drafter.keep_depth(room)
     if tree.accept_limit is not None:
         probs = probs[: tree.accept_limit]
     row.tree, row.probs = tree, probs

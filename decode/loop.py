@@ -51,7 +51,8 @@ class GenerationResult:
 
 
 class _Output:
-    """Collects emitted tokens, cutting at the first EOS and exactly at max_new_tokens."""
+    """Collects emitted tokens, cutting at the first EOS, exactly at max_new_tokens, and where
+    on_tokens says a stop string ended the answer."""
 
     def __init__(self, config: GenerationConfig, on_tokens: Callable[[list[int]], bool | None] | None) -> None:
         self.tokens: list[int] = []
@@ -70,8 +71,19 @@ class _Output:
         self.tokens.extend(take)
         if not self.finish_reason and len(self.tokens) >= self.limit:
             self.finish_reason = "length"
-        # on_tokens returning True ends generation here (a stop string, a client gone): "stop"
-        if self.on_tokens and take and self.on_tokens(take) and not self.finish_reason:
+        if self.on_tokens and take:
+            self._stop_at(self.on_tokens(take), len(take))
+
+    def _stop_at(self, answer: bool | int | None, given: int) -> None:
+        # on_tokens ends generation (a stop string, a client gone) by returning True (after every
+        # token it was given) or an int k: the k-th completed a stop string, the rest are not the
+        # answer and are dropped (a step may commit several tokens past a stop string)
+        if answer is None or answer is False:
+            return
+        if answer is not True and answer < given:
+            del self.tokens[len(self.tokens) - given + answer:]
+            self.finish_reason = "stop"
+        elif not self.finish_reason:
             self.finish_reason = "stop"
 
     @property
@@ -92,7 +104,8 @@ def generate(
     on_tokens: Callable[[list[int]], bool | None] | None = None,
 ) -> GenerationResult:
     """Generate up to config.max_new_tokens after prompt_ids with drafts from `drafter`;
-    `on_tokens` gets the new tokens of each step and may return True to stop after them."""
+    `on_tokens` gets the new tokens of each step and may return True to stop after them, or k to
+    stop after the first k of them."""
     prompt = np.asarray(prompt_ids, dtype=np.int64)
     error = prompt_error(prompt, target.max_positions, target.context_note)
     if error:
@@ -153,7 +166,11 @@ def _step(
     # 1) propose: drafts deeper than the tokens still wanted, or than the context allows, are waste
     tic = time.perf_counter()
     tree = drafter.propose(t0)
-    tree = tree.limit_depth(min(out.remaining - 1, target.max_positions - target.cached - 1))
+    depth = min(out.remaining - 1, target.max_positions - target.cached - 1)
+    limited = tree.limit_depth(depth)
+    if limited is not tree:
+        drafter.keep_depth(depth)
+        tree = limited
     input_ids = target.verify_input(t0, tree)
     draft_s = time.perf_counter() - tic
 

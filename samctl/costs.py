@@ -2,7 +2,7 @@
 version of the engine's code (a curve measured by older kernels is measured again).
 
 `cost_curve(engine)` returns the cached curve t(1..64) in ms (t(1..128) under CUDA graphs, whose
-widths reach 128), measuring it (a second or two) on first use, in the mode the engine runs
+widths reach 128), measuring it (seconds: 3 x 7 widths) on first use, in the mode the engine runs
 (eager or CUDA graphs: a graph curve is a step function); `adaptive` sizes its drafts by it. Files live in `<cache>/costs/<key>.json`, where the
 cache is $SAMCTL_CACHE or the user's cache folder (~/.cache/samctl); written atomically.
 """
@@ -66,15 +66,17 @@ def cost_curve(engine: Any, quiet: bool = False, refresh: bool = False) -> list[
     return _cached(key, lambda: measure_verify_cost(engine.target, width), None if quiet else note, width, refresh)
 
 
-def batch_cost_curve(engine: Any, rows: int, max_width: int, quiet: bool = False) -> list[float]:
+def batch_cost_curve(engine: Any, rows: int, max_width: int, quiet: bool = False,
+                     stop: Callable[[], bool] | None = None) -> list[float]:
     """t_ms [rows * max_width]: a batched forward over 1.. total input tokens with `rows` rows in
-    flight (decode.engine.batched.measure_batch_cost), from the cache or measured now."""
+    flight (decode.engine.batched.measure_batch_cost), from the cache or measured now; `stop()`
+    true stops a measurement between two forwards (decode.engine.cost.Stopped; nothing cached)."""
     from samctl.decode.engine.batched import measure_batch_cost
 
     note = (f"measuring the batched verify cost of {Path(engine.name).name} at {rows} rows, once per model, "
             "device and batch size")
     return _cached({**curve_key(engine), "batched_rows": rows, "max_width": max_width},
-                   lambda: measure_batch_cost(engine.model, rows, max_width), None if quiet else note)
+                   lambda: measure_batch_cost(engine.model, rows, max_width, stop=stop), None if quiet else note)
 
 
 def _cached(key: dict[str, Any], measure: Callable[[], Any], note: str | None, width: int | None = None,

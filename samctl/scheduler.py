@@ -11,11 +11,15 @@ asyncio.Queue):
     ("error", RequestError)      refused before generation (bad store, method, prompt) or failed
     ("cancelled",)               the client went away; the job stopped after its current step
 
-The contract a scheduler keeps (`submit`, `close`, `running`, `waiting`): every submitted job
-gets exactly one of done / error / cancelled, last; a cancelled job stops at its next step and
-frees its slot; `close` finishes what was submitted, then returns. `BatchScheduler` runs up to
---batch-size jobs at once as rows of the batched engine (decode.batch.BatchRun), refilling free
-slots between steps; with --batch-size 1 it runs one job at a time on its session (batch 1).
+The contract a scheduler keeps (`submit`, `close`, `stop_starting`, `starting`, `running`,
+`waiting`): every submitted job gets exactly one of done / error / cancelled, last; a cancelled
+job stops at its next step and frees its slot; `close` finishes what was submitted, then returns.
+`BatchScheduler` runs up to --batch-size jobs at once as rows of the batched engine
+(decode.batch.BatchRun), refilling free slots between steps; with --batch-size 1 it runs one job
+at a time on its session (batch 1). Its worker first prepares the batched engine (reading its
+verify cost from the cache or measuring it); meanwhile `starting` says so and jobs wait.
+`stop_starting` (SIGTERM) ends that preparation at its next forward: the jobs waiting for it are
+refused (503), and nothing is measured again.
 
 This module knows Sessions, token ids and text; not HTTP, not pydantic.
 """
@@ -29,6 +33,7 @@ from typing import Any, Callable
 import numpy as np
 
 from samctl.decode.batch import DrafterPool
+from samctl.decode.engine.cost import Stopped
 from samctl.decode.loop import GenerationResult
 from samctl.decode.sampling import SamplingConfig
 from samctl.detok import IncrementalDetokenizer
@@ -48,6 +53,10 @@ class RequestError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def _shutting_down() -> RequestError:
+    return RequestError("the server is shutting down", status=503, kind="server_error")
 
 
 class Sessions:
@@ -197,6 +206,8 @@ class Job:
     def fail(self, err: Exception) -> None:
         if isinstance(err, RequestError):
             self.sink(("error", err))
+        elif isinstance(err, Stopped):  # a measurement this job waited for, stopped by a shutdown
+            self.sink(("error", _shutting_down()))
         elif isinstance(err, UserError):
             self.sink(("error", RequestError(str(err))))
         else:  # the server keeps serving; the client learns what failed
@@ -222,14 +233,23 @@ class Job:
                                code="context_length_exceeded")
         return ids
 
-    def on_tokens(self, tokens: list[int]) -> bool:
-        """Stream the new text; True stops generation (the client is gone, or a stop string came)."""
+    def on_tokens(self, tokens: list[int]) -> bool | int:
+        """Stream the new text; True stops generation (the client is gone), k stops it after the
+        k-th of these tokens (it completed a stop string: the answer ends there)."""
         if self.cancelled.is_set():
             return True
-        text = self._stop.push(self._detok.push(tokens))
+        if not self._stop.stops:
+            self._send(self._detok.push(tokens))
+            return False
+        for k, token in enumerate(tokens, 1):  # a step commits several tokens; the stop may come at any
+            self._send(self._stop.push(self._detok.push([token])))
+            if self._stop.stopped:
+                return k
+        return False
+
+    def _send(self, text: str) -> None:
         if text:
             self.sink(("text", text))
-        return self._stop.stopped
 
 
 class _SessionDrafters(DrafterPool):
@@ -296,6 +316,8 @@ class BatchScheduler:
         self._cond = threading.Condition()
         self._inbox: deque[Job] = deque()
         self._closed = False
+        self._stopping = threading.Event()  # start-up and any later measurement end at the next forward
+        self.starting = "preparing the batched engine (its verify cost: read from the cache or measured)"
         self._run = None  # decode.batch.BatchRun, built by the worker on the first batched job
         self._jobs: dict[int, Job] = {}  # in the run, by key
         self._drafters: dict[int, _SessionDrafters] = {}  # by id(session)
@@ -314,9 +336,17 @@ class BatchScheduler:
     def submit(self, job: Job) -> None:
         with self._cond:
             if self._closed:
-                job.sink(("error", RequestError("the server is shutting down", status=503, kind="server_error")))
+                job.sink(("error", _shutting_down()))
                 return
             self._inbox.append(job)
+            self._cond.notify()
+
+    def stop_starting(self) -> None:
+        """The server is shutting down: a measurement in progress (at start, or for a batch
+        rebuilt later) stops at its next forward, and if the engine never became ready, the jobs
+        waiting for it are refused. Jobs already generating go on to their end."""
+        self._stopping.set()
+        with self._cond:
             self._cond.notify()
 
     def close(self, timeout: float | None = None) -> None:
@@ -337,20 +367,30 @@ class BatchScheduler:
             while self._inbox:  # one at a time: the rest count as waiting meanwhile
                 with self._cond:
                     job = self._inbox.popleft()
-                self._take(job)
+                if self._refusing():
+                    job.sink(("error", _shutting_down()))
+                else:
+                    self._take(job)
             if self._jobs:
                 self._step()
 
+    def _refusing(self) -> bool:
+        # shutting down before the engine was ready: nothing more is measured for anyone
+        return self._stopping.is_set() and bool(self.starting)
+
     def _open_run(self) -> None:
-        # At start, so that the first request does not wait for the batch's verify cost to be
-        # measured (or read from the cache). Should it fail, the first batched job tries again
-        # and its client learns why.
+        # At start, so that no request waits for the batch's verify cost to be measured (or read
+        # from the cache) while /health says ready. Should it fail, the first batched job tries
+        # again and its client learns why.
         session = self.sessions.by_store[self.sessions.default_store]
         try:
             if self.batch_size > 1 and not session.batch_refusal():
-                self._run = session.batch_run(self.batch_size)
+                self._run = session.batch_run(self.batch_size, stop=self._stopping.is_set)
+        except Stopped:
+            return  # still starting: the waiting jobs are refused
         except Exception:
             self._run = None
+        self.starting = ""
 
     def _take(self, job: Job) -> None:
         # A new job: refused, run alone (no batched form), or queued in the run.
@@ -364,7 +404,7 @@ class BatchScheduler:
                 job.generate(session, ids, max_new_tokens)
                 return
             if self._run is None:
-                self._run = session.batch_run(self.batch_size)
+                self._run = session.batch_run(self.batch_size, stop=self._stopping.is_set)
             r = job.request
             config = replace(session.generation, max_new_tokens=max_new_tokens,
                              sampling=r.sampling or session.generation.sampling)

@@ -3,7 +3,8 @@
     POST /v1/chat/completions   messages -> the chat template -> generate (streamed as SSE or not)
     POST /v1/completions        prompt text or token ids -> generate
     GET  /v1/models             the one model served
-    GET  /health                200 while the worker serves
+    GET  /health                200 "ok" once the engine can serve; 503 "starting: ..." before
+                                (its verify cost is being read or measured), 503 when stopping
     GET  /metrics               Prometheus text: requests, tokens, draft and accepted tokens
 
 Requests are validated by the schemas of samctl.openai_api; every error is OpenAI's
@@ -15,7 +16,9 @@ asyncio.Queue. A client that goes away cancels its job, which leaves at its next
 samctl.openai_api turns a body into the scheduler's request and a result into a completion, for
 this app and for `samctl generate --input` with OpenAI Batch API lines alike. At shutdown
 (SIGTERM: uvicorn stops accepting and waits for the open requests) the scheduler finishes what it
-was given, then stops.
+was given, then stops; `stop_starting(app)`, called by `samctl serve`'s signal handler, first ends
+a start-up still in progress, so that the requests waiting for it are refused (503) instead of
+holding the shutdown.
 
 Usage reports prompt, completion and total tokens, Predicted Outputs' accepted and rejected
 prediction tokens (decode.metrics.PredictionUsage defines them) and the speculative metrics
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
@@ -94,14 +98,19 @@ def create_app(sessions: Any, *, scheduler: BatchScheduler | None = None, batch_
         sessions = Sessions({sessions.config.store: sessions})
     counters = Counters()
     state: dict[str, Any] = {"scheduler": scheduler}
+    stopping = threading.Event()  # set by stop_starting (SIGTERM)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if state["scheduler"] is None:
             state["scheduler"] = BatchScheduler(sessions, batch_size)
         app.state.scheduler = state["scheduler"]
+        if stopping.is_set():  # the signal came before the scheduler
+            state["scheduler"].stop_starting()
         yield
-        # uvicorn has waited for the open requests; the worker finishes what it holds, then stops
+        # uvicorn has waited for the open requests; a start-up still measuring stops (nobody waits
+        # for it now), the worker finishes what it holds, then stops
+        state["scheduler"].stop_starting()
         await asyncio.to_thread(state["scheduler"].close)
 
     app = FastAPI(title="samctl", lifespan=lifespan)
@@ -132,6 +141,12 @@ def create_app(sessions: Any, *, scheduler: BatchScheduler | None = None, batch_
 
     @app.get("/health")
     async def health() -> PlainTextResponse:
+        scheduler = state["scheduler"]
+        if scheduler is None or scheduler.starting:
+            reason = scheduler.starting if scheduler is not None else "starting the worker"
+            return PlainTextResponse(f"starting: {reason}", status_code=503, headers={"Retry-After": "1"})
+        if stopping.is_set():
+            return PlainTextResponse("stopping", status_code=503)
         return PlainTextResponse("ok")
 
     @app.get("/metrics")
@@ -259,8 +274,20 @@ def create_app(sessions: Any, *, scheduler: BatchScheduler | None = None, batch_
                     yield chunk(None, usage=usage_of(prompt_tokens, event[1]))
         yield "data: [DONE]\n\n"
 
-    app.state.sessions, app.state.counters = sessions, counters
+    def _stop_starting() -> None:
+        stopping.set()
+        if state["scheduler"] is not None:
+            state["scheduler"].stop_starting()
+
+    app.state.sessions, app.state.counters, app.state.stop_starting = sessions, counters, _stop_starting
     return app
+
+
+def stop_starting(app: FastAPI) -> None:
+    """The server is shutting down (SIGTERM; safe from a signal handler): /health says so, and a
+    start-up still in progress ends at its next forward, the requests waiting for it refused (503)
+    so that they do not hold uvicorn's wait for open requests."""
+    app.state.stop_starting()
 
 
 def _error(err: RequestError) -> JSONResponse:

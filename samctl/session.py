@@ -554,12 +554,15 @@ class Session:
                               cost_ms=self._batch_cost(batch_size), max_width=BATCH_MAX_WIDTH, stats=stats,
                               predictions=expected)
 
-    def batch_run(self, batch_size: int):
+    def batch_run(self, batch_size: int, stop: Callable[[], bool] | None = None):
         """An empty decode.batch.BatchRun on this session's engine, for records submitted one by
-        one (the server's scheduler); any session of the engine may submit to it."""
+        one (the server's scheduler); any session of the engine may submit to it. Measuring its
+        verify cost (once per model and batch size) stops between two forwards when `stop()` is
+        true (decode.engine.cost.Stopped)."""
         from samctl.decode.batch import BatchRun
 
-        return BatchRun(self.engine.model, batch_size, cost_ms=self._batch_cost(batch_size), max_width=BATCH_MAX_WIDTH)
+        return BatchRun(self.engine.model, batch_size, cost_ms=self._batch_cost(batch_size, stop),
+                        max_width=BATCH_MAX_WIDTH)
 
     def batch_refusal(self) -> str:
         """Why this session cannot run on the batched engine ("" when it can)."""
@@ -567,10 +570,11 @@ class Session:
 
         return batch_refusal(self.config.method)
 
-    def _batch_cost(self, batch_size: int) -> np.ndarray:
+    def _batch_cost(self, batch_size: int, stop: Callable[[], bool] | None = None) -> np.ndarray:
         from samctl.costs import batch_cost_curve
 
-        return np.asarray(batch_cost_curve(self.engine, batch_size, BATCH_MAX_WIDTH, quiet=self.config.quiet))
+        return np.asarray(batch_cost_curve(self.engine, batch_size, BATCH_MAX_WIDTH, quiet=self.config.quiet,
+                                           stop=stop))
 
     def fresh_drafter(self) -> Drafter:
         """A new drafter of the session's method that shares nothing learned with the kept one."""

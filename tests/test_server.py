@@ -11,6 +11,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 pytest.importorskip("fastapi")
@@ -30,8 +31,9 @@ from samctl.session import Session, SessionConfig  # noqa: E402
 QUESTION = [{"role": "user", "content": "def add(a, b):"}]
 
 
-def _serve(app) -> tuple:
-    """(uvicorn server, base URL) of `app` on a free local port, served by a thread."""
+def _serve(app, ready: bool = True) -> tuple:
+    """(uvicorn server, base URL) of `app` on a free local port, served by a thread; with `ready`,
+    once /health says the engine can serve."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -41,7 +43,10 @@ def _serve(app) -> tuple:
     while not server.started:
         assert server.thread.is_alive(), "the server did not start"
         time.sleep(0.05)
-    return server, f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{port}"
+    while ready and httpx.get(f"{url}/health").status_code == 503:
+        time.sleep(0.05)
+    return server, url
 
 
 @pytest.fixture(scope="module")
@@ -168,38 +173,104 @@ def test_sixteen_concurrent_clients_each_get_their_sequential_answer(served):
         [e for i, e in enumerate(expected) if i not in sampled]
 
 
-def test_prediction_raises_acceptance_and_leaves_the_answer_alone(served):
-    # A session without cross-request memory, so that only the prediction differs between requests.
+# A text completion whose greedy answer survives the tiny tokenizer's decode -> encode (asserted),
+# so that a prediction of its text is token for token the answer.
+PREDICTED = "The"
+
+
+def _client(session, batch_size: int):
     from fastapi.testclient import TestClient
 
-    session = served[0].for_method("adaptive", settings={"memory": 0})
-    expected = session.decode(plain(session, QUESTION))
-    n_prediction = len(session.prediction_ids(expected))
-    with TestClient(create_app(session, batch_size=2)) as client:
-        def ask(prediction=None) -> dict:
-            fields = {} if prediction is None else {"prediction": {"type": "content", "content": prediction}}
-            return client.post("/v1/chat/completions", json=body(session, **fields)).json()
-
-        none, right = ask(), ask(expected)
-        wrong = ask("Summarize the document. The answer is in the passage.")
-    for answer in (none, right, wrong):
-        assert answer["choices"][0]["message"]["content"] == expected
-    assert right["usage"]["num_accepted_draft_tokens"] > none["usage"]["num_accepted_draft_tokens"]
-    details = right["usage"]["completion_tokens_details"]
-    assert details["accepted_prediction_tokens"] > 0
-    assert details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"] <= n_prediction
-    assert wrong["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] == 0
-    assert none["usage"]["completion_tokens_details"] == {"accepted_prediction_tokens": 0,
-                                                          "rejected_prediction_tokens": 0}
+    return TestClient(create_app(session, batch_size=batch_size))
 
 
-def test_stop_strings_cut_the_text_before_them(served):
-    session, _, client, _ = served
-    expected = session.decode(plain(session, QUESTION))
-    stop = expected[5:7]
-    answer = client.post("/v1/chat/completions", json=body(session, stop=[stop])).json()
+def test_usage_maps_prediction_counts_to_accepted_and_rejected():
+    from samctl.decode.drafters.adaptive import PredictionCount
+    from samctl.decode.metrics import PredictionUsage
+    from samctl.openai_api import usage_of
+    from samctl.server import Counters
+
+    # a tree of 3 nodes, root children 0 and 1, node 2 under 0; positions 4, 5 and 6 of the
+    # prediction; the step accepted node 0 then node 2: 4 and 6 accepted, 5 drafted and rejected
+    count = PredictionCount(8)
+    count.add(np.array([4, 5, 6], np.int32), np.array([10, 11, 12]), np.array([-1, -1, 0], np.int32),
+              np.array([10, 12]))
+    assert count.usage() == PredictionUsage(tokens=8, accepted=2, rejected=1)
+    result = GenerationResult([10, 12, 13], "length", Metrics(new_tokens=3, steps=1, accepted=2, drafted=3),
+                              PredictionUsage(tokens=8, accepted=2, rejected=1))
+    usage = usage_of(5, result)
+    assert usage.completion_tokens_details.model_dump() == {"accepted_prediction_tokens": 2,
+                                                            "rejected_prediction_tokens": 1}
+    counters = Counters()
+    counters.finished("length", 5, result)
+    assert (counters.prediction_accepted, counters.prediction_rejected) == (2, 1)
+
+
+def test_prediction_counts_at_batch_one_and_batched(served):
+    """A prediction that is the answer itself: every accepted draft comes from it, so
+    accepted_prediction_tokens equals num_accepted_draft_tokens (the last step included) and none
+    is rejected, at batch 1 and on the batched engine alike; a prediction right for half of the
+    answer then wrong: both counts positive. The answer never changes."""
+    session = served[0].for_method("adaptive", settings={"memory": 0})  # only the prediction differs
+    tokens = plain(session, ids=session.engine.encode(PREDICTED, chat=False))
+    expected = session.decode(tokens)
+    assert session.prediction_ids(expected) == tokens  # the prediction is the answer, token for token
+    half = session.decode(tokens[: len(tokens) // 2]) + " The quick brown fox jumps over the lazy dog."
+    usages = {}
+    for batch_size in (1, 2):
+        with _client(session, batch_size) as client:
+            for name, prediction in (("none", None), ("right", expected), ("half", half)):
+                fields = {} if prediction is None else {"prediction": {"type": "content", "content": prediction}}
+                answer = client.post("/v1/completions", json={"model": session.engine.name, "prompt": PREDICTED,
+                                                              **fields}).json()
+                assert answer["choices"][0]["text"] == expected
+                usages[batch_size, name] = answer["usage"]
+    for batch_size in (1, 2):
+        none, right, half_right = (usages[batch_size, name] for name in ("none", "right", "half"))
+        assert none["completion_tokens_details"] == {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
+        assert right["num_accepted_draft_tokens"] >= none["num_accepted_draft_tokens"]
+        assert right["completion_tokens_details"] == {
+            "accepted_prediction_tokens": right["num_accepted_draft_tokens"], "rejected_prediction_tokens": 0}
+        details = half_right["completion_tokens_details"]
+        assert 0 < details["accepted_prediction_tokens"] < len(tokens) // 2
+        assert details["rejected_prediction_tokens"] > 0  # its wrong half was drafted
+        assert details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"] <= \
+            len(session.prediction_ids(half))
+    # the batched engine takes other steps than batch 1, so its counts differ exactly as its
+    # accepted drafts do
+    one, batched = usages[1, "right"], usages[2, "right"]
+    assert batched["completion_tokens_details"]["accepted_prediction_tokens"] - \
+        one["completion_tokens_details"]["accepted_prediction_tokens"] == \
+        batched["num_accepted_draft_tokens"] - one["num_accepted_draft_tokens"]
+
+
+def _stop_index(session, tokens: list[int], stop: str) -> int:
+    """How many tokens the answer has when it ends at `stop`: the first prefix whose text holds it."""
+    return next(k for k in range(1, len(tokens) + 1) if stop in session.decode(tokens[:k]))
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_stop_strings_end_the_answer_and_its_tokens(served, batch_size):
+    """The text is cut before the stop string, and generation ends with the token that completed
+    it: completion_tokens counts up to that token, never on to max_tokens nor to the end of the
+    step that committed it."""
+    session = served[0]
+    tokens = plain(session, QUESTION)
+    expected = session.decode(tokens)
+    stop = "my"
+    at = _stop_index(session, tokens, stop)
+    assert at < len(tokens) - 2
+    with _client(session, batch_size) as client:
+        answer = client.post("/v1/chat/completions", json=body(session, stop=[stop])).json()
+        with client.stream("POST", "/v1/chat/completions", json=body(
+                session, stop=stop, stream=True, stream_options={"include_usage": True})) as response:
+            events = sse(response)
     assert answer["choices"][0]["message"]["content"] == expected[:expected.index(stop)]
     assert answer["choices"][0]["finish_reason"] == "stop"
+    assert answer["usage"]["completion_tokens"] == at
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"])
+    assert streamed == expected[:expected.index(stop)]
+    assert events[-2]["usage"]["completion_tokens"] == at
 
 
 def test_every_response_teaches_the_cross_request_memory(model_dir):
@@ -257,6 +328,46 @@ def test_batched_rows_follow_their_own_seeds_beside_a_greedy_row(model_dir):
     greedy, *sampled = [e[-1][1].tokens for e in events]
     assert greedy == plain(session, ids=ids)
     assert len({tuple(t) for t in [greedy] + sampled[:3]}) == 4 and sampled[3] == sampled[0], sampled
+
+
+def test_a_greedy_answer_is_the_same_after_other_requests_filled_the_memory(model_dir):
+    """llama.cpp's greedy server output changes across runs with prompt caching; samctl's does
+    not: a prompt's answer on a fresh server equals its answer after concurrent requests (other
+    prompts, the same one inside longer ones, other methods) filled the cross-request memory,
+    the batched cache's rows and batch 1's cache, which do change how it is drafted."""
+    session = Session(SessionConfig(model=str(model_dir), max_new_tokens=24, threads=1, quiet=True))
+    expected = session.decode(plain(session, QUESTION))
+    app = create_app(session, batch_size=4)
+    server, url = _serve(app)
+    try:
+        with httpx.Client(base_url=url, timeout=120) as client:
+            def ask(messages=QUESTION, **fields) -> dict:
+                return client.post("/v1/chat/completions", json={**body(session, **fields), "messages": messages}).json()
+
+            first = ask()
+            others = [[{"role": "user", "content": text}] for text in (
+                "The quick brown fox", "def add(a, b):\n    return a + b\n\ndef add(a, b):", "Summarize the document.",
+                "jumps over the lazy dog " * 8, "def f(x):", "The answer is in", "return a + b", "The dog sleeps.")]
+            fillers = [threading.Thread(target=ask, args=(m,), kwargs={"max_tokens": 8 + 5 * i, **extra})
+                       for i, m in enumerate(others) for extra in ({}, {"method": "pld"})]
+            for t in fillers:
+                t.start()
+            for t in fillers:
+                t.join(120)
+            again = ask()
+            streamed = list(openai_client(url).chat.completions.create(model=session.engine.name, messages=QUESTION,
+                                                                       stream=True))
+    finally:
+        server.should_exit = True
+        server.thread.join(60)
+    assert len(session.drafter.memory_documents()) >= len(others) + 2  # the memory did fill
+    assert again["usage"]["num_accepted_draft_tokens"] > first["usage"]["num_accepted_draft_tokens"]  # and drafted
+    assert first["choices"][0]["message"]["content"] == expected
+    assert again["choices"][0]["message"]["content"] == expected
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == expected
+    with _client(session, 1) as client:  # batch 1, on the cache the session's earlier requests left
+        answer = client.post("/v1/chat/completions", json=body(session)).json()
+    assert answer["choices"][0]["message"]["content"] == expected
 
 
 class _FakeSession:

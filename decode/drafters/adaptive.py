@@ -38,7 +38,7 @@ from samctl.decode.drafters.candidates import (N_CELLS, SOURCES, learn, ngram_ca
                                                prior_means, propose_tree)
 from samctl.decode.metrics import PredictionUsage
 from samctl.decode.drafters.base import Drafter
-from samctl.decode.tree import DraftTree
+from samctl.decode.tree import DraftTree, tree_depths
 from samctl.index.automaton import SuffixAutomaton
 from samctl.index.cursor import AutomatonCursor, NgramCursor, cursor
 from samctl.index.errors import UserError
@@ -271,6 +271,20 @@ class AdaptiveDrafter(Drafter):
         """Only the first k nodes of the last proposal were verified: learn from those."""
         tokens, parents, cells = self.last
         self.last = (tokens[:k], parents[:k], cells[:k])
+
+    def keep_depth(self, max_depth: int) -> None:
+        """Only the nodes of the last proposal up to `max_depth` were verified: learn and count
+        the prediction from those (a node never verified was not rejected, and a deeper node
+        must not take the step's bonus token for an accepted draft)."""
+        tokens, parents, cells = self.last
+        keep = np.flatnonzero(tree_depths(parents) <= max_depth)
+        if len(keep) == len(parents):
+            return
+        remap = np.full(len(parents), -1, dtype=np.int32)
+        remap[keep] = np.arange(len(keep), dtype=np.int32)
+        kept_parents = parents[keep]  # a kept node's parent is kept: it is shallower
+        kept_parents = np.where(kept_parents >= 0, remap[np.maximum(kept_parents, 0)], -1).astype(np.int32)
+        self.last = (tokens[keep], kept_parents, cells[keep])
 
     def _propose(self, t0: int, cost: np.ndarray) -> DraftTree:
         # One kernel call for the automata, Token Recycle and the selection (an n-gram store's

@@ -84,6 +84,10 @@ class Drafter:
     def keep_first(self, k: int) -> None:
         """The batched engine verifies only the first k nodes of the last (scored) proposal."""
 
+    def keep_depth(self, max_depth: int) -> None:
+        """The loop verifies only the nodes of the last proposal up to `max_depth` (root children
+        at 1): deeper drafts would pass the tokens still wanted or the context."""
+
     def memory_documents(self) -> list[np.ndarray]:
         """The remembered outputs, oldest first (with `keeps_memory`)."""
         return []

@@ -23,14 +23,14 @@ accepted paths on the host anyway (the step's one synchronization).
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
 from samctl.decode.engine.attention import exact_rows
-from samctl.decode.engine.cost import monotone_fit
+from samctl.decode.engine.cost import check_stop, monotone_fit
 from samctl.decode.engine.kv_cache import OwnedLayer, aligned, with_cache
 from samctl.decode.engine.target import TargetModel, to_device
 from samctl.decode.tree import DraftTree, ancestor_matrix
@@ -304,23 +304,32 @@ class BatchedTarget:
         self.lengths = self.lengths[:rows].copy()
 
 
+BATCH_POINTS = (1, 4, 16, 64, 256)  # rows of the [N, 1] forwards measured (and the batch size)
+WIDTH_POINTS = (2, 4, 8, 16, 32, 64)  # widths of the [rows, w] forwards measured (and max_width)
+
+
 @torch.inference_mode()
 def measure_batch_cost(model: torch.nn.Module, rows: int, max_width: int = 8, context: int = 256,
-                       rounds: int = 2, clock=time.perf_counter) -> np.ndarray:
+                       rounds: int = 2, clock=time.perf_counter, stop: Callable[[], bool] | None = None) -> np.ndarray:
     """-> t_ms [rows * max_width]: milliseconds of a batched verify forward over N = 1.. total input
     tokens, measured as [N, 1] forwards for N <= rows and [rows, w] forwards beyond, after
-    `context` committed tokens per row (fastest of `rounds`), interpolated between grid points.
+    `context` committed tokens per row (fastest of `rounds`), interpolated between grid points
+    (N growing by 2-4x: the curve is smooth, and each point costs start-up time).
     `clock`: time.process_time measures one CPU thread's own work on a busy machine.
+    `stop()` true: raise decode.engine.cost.Stopped before the next forward.
     The batched drafting budget prices a step's padded block [A, q] at t(A * q)."""
     vocab = int(getattr(model.config, "vocab_size", 1000))
     gen = torch.Generator().manual_seed(0)
-    shapes = sorted({(b, 1) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= rows} | {(rows, 1)}
-                    | {(rows, w) for w in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if w <= max_width}
-                    | {(rows, max_width)}, key=lambda s: s[0] * s[1])
+    shapes = sorted({(b, 1) for b in BATCH_POINTS if b <= rows} | {(rows, 1)}
+                    | {(rows, w) for w in WIDTH_POINTS if w <= max_width} | {(rows, max_width)},
+                    key=lambda s: s[0] * s[1])
     target = BatchedTarget(model, rows, context + max_width + 8)
     context = max(1, min(context, target.max_positions - max_width - 8))
-    prompts = [torch.randint(0, vocab, (context,), generator=gen).numpy() for _ in range(rows)]
-    target.prefill(list(range(rows)), prompts, [False] * rows)
+    # A verify's time depends on how many entries it attends to, not on what they hold: one
+    # token per row is prefilled (which allocates the cache) and the rows are then taken to hold
+    # `context` entries, instead of prefilling rows * context tokens.
+    check_stop(stop)
+    target.prefill(list(range(rows)), [np.array([1], dtype=np.int64)] * rows, [False] * rows)
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
     best = np.full(len(shapes), np.inf)
     for r in range(rounds + 1):  # round 0 warms up and is not kept
@@ -328,6 +337,7 @@ def measure_batch_cost(model: torch.nn.Module, rows: int, max_width: int = 8, co
             target.lengths[:] = context  # the same context every time: the verify is not kept
             inputs = [torch.randint(0, vocab, (w,), generator=gen) for _ in range(b)]
             trees = [DraftTree.chain(x[1:].numpy()) for x in inputs]
+            check_stop(stop)
             sync()
             tic = clock()
             target.verify([x.to(target.device) for x in inputs], trees)

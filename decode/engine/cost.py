@@ -1,11 +1,14 @@
 """The target's verify-cost curve t(n): the time of one forward over n input tokens.
 
 `measure_verify_cost` times verify forwards of 1..n_max tokens (t0 plus a chain of n - 1 draft
-nodes) after a fixed context, as the decode loop runs them, at a geometric grid of widths then
-interpolated (the curve is smooth and a full sweep costs seconds more than it tells). The widths
-are visited round-robin and each keeps its fastest time: on a shared machine another process only
-ever adds time, so the minimum is the forward's own cost and a busy moment cannot bend one width. `relative_cost` turns it into what drafters size drafts by:
-cost[k] = t(1 + k) / t(1), the price of k draft nodes relative to plain decoding.
+nodes) after a fixed context, as the decode loop runs them, at widths doubling from 1 then
+interpolated (the curve is smooth; a denser grid costs start-up time, on a large model on a CPU
+minutes, and tells little more). The widths are visited round-robin and each keeps its fastest
+time: on a shared machine another process only ever adds time, so the minimum is the forward's own
+cost and a busy moment cannot bend one width. `relative_cost` turns it into what drafters size
+drafts by: cost[k] = t(1 + k) / t(1), the price of k draft nodes relative to plain decoding.
+A measurement may be stopped between two forwards (`stop`: a server shutting down while it
+starts), which raises `Stopped`.
 
 Under CUDA graphs (`target.graphs` on) a verify of n tokens runs the graph of the smallest
 width w >= n, so t(n) is a step function: the curve is measured at the graph widths only and
@@ -17,6 +20,7 @@ It knows the target and token ids; caching curves on disk is the caller's busine
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -24,7 +28,16 @@ import torch
 from samctl.decode.engine.target import TargetModel
 from samctl.decode.tree import DraftTree
 
-MEASURED_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+MEASURED_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class Stopped(Exception):
+    """A cost measurement was stopped before its end (its `stop` said so)."""
+
+
+def check_stop(stop: Callable[[], bool] | None) -> None:
+    if stop is not None and stop():
+        raise Stopped("the measurement was stopped")
 
 
 def linear_cost(token_cost: float, n: int = 256) -> np.ndarray:
@@ -43,15 +56,16 @@ def relative_cost(t_ms: np.ndarray | list[float], n: int = 256) -> np.ndarray:
 
 
 @torch.inference_mode()
-def measure_verify_cost(target: TargetModel, n_max: int = 64, context: int = 256, rounds: int = 4,
-                        widths: tuple[int, ...] = MEASURED_WIDTHS) -> list[float]:
+def measure_verify_cost(target: TargetModel, n_max: int = 64, context: int = 256, rounds: int = 2,
+                        widths: tuple[int, ...] = MEASURED_WIDTHS, stop: Callable[[], bool] | None = None) -> list[float]:
     """-> t_ms [n_max]: milliseconds of a verify forward over n = 1..n_max tokens after `context`
     cached tokens (fastest of `rounds`, measured at `widths` and interpolated between them; under
-    CUDA graphs measured at the graph widths and taken as steps)."""
+    CUDA graphs measured at the graph widths and taken as steps). `stop()` true: raise Stopped."""
     vocab = int(getattr(target.model.config, "vocab_size", 1000))
     gen = torch.Generator().manual_seed(0)
     context = max(1, min(context, target.max_positions - n_max - 64))
     prompt = torch.randint(0, vocab, (context,), generator=gen).to(target.device)
+    check_stop(stop)
     target.prefill(prompt)
     device = target.device
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -63,6 +77,7 @@ def measure_verify_cost(target: TargetModel, n_max: int = 64, context: int = 256
     for r in range(rounds + 1):  # round 0 warms up and is not kept
         for i, ids in enumerate(inputs):
             tree = DraftTree.chain(ids[1:].cpu().numpy())
+            check_stop(stop)
             sync()
             tic = time.perf_counter()
             target.verify(ids, tree)

@@ -57,12 +57,14 @@ def _stores(specs: tuple[str, ...]) -> dict[str, str]:
 def serve(**opts: Any) -> None:
     """Serve the model over an OpenAI-compatible HTTP API, with Predicted Outputs.
 
-    POST /v1/chat/completions and /v1/completions (streaming too), GET /v1/models, /health and
-    /metrics. A request's `prediction` is drafted from; usage reports accepted and rejected
-    prediction tokens. Up to --batch-size requests generate at once on the batched engine, each
-    with its own max_tokens, sampling, stop strings and prediction; a request that arrives takes
-    a free slot at the next step. Sampling flags are the defaults of requests that set none.
-    SIGTERM finishes the requests in flight, then exits.
+    POST /v1/chat/completions and /v1/completions (streaming too), GET /v1/models, /health (503
+    until the engine can serve: its batched verify cost is read from the cache or measured, in
+    seconds, once per model and batch size) and /metrics. A request's `prediction` is drafted
+    from; usage reports accepted and rejected prediction tokens. Up to --batch-size requests
+    generate at once on the batched engine, each with its own max_tokens, sampling, stop strings
+    and prediction; a request that arrives takes a free slot at the next step. Sampling flags are
+    the defaults of requests that set none. SIGTERM finishes the requests in flight, then exits
+    (during start-up at once, refusing the requests that wait).
 
     \b
     samctl serve --model ./SmolLM2-135M-Instruct --sam docs=docs.sam --port 8000
@@ -98,4 +100,21 @@ def serve(**opts: Any) -> None:
         click.echo(f"samctl: serving {sessions.model_name} (method {opts['method']}, stores: "
                    f"{', '.join(sessions.store_names) or 'none'}) on http://{opts['host']}:{opts['port']}/v1, "
                    f"{at_once}", err=True)
-    uvicorn.run(app, host=opts["host"], port=opts["port"], log_level="warning" if opts["quiet"] else "info")
+    _server(app, uvicorn.Config(app, host=opts["host"], port=opts["port"],
+                                log_level="warning" if opts["quiet"] else "info")).run()
+
+
+def _server(app: Any, config: Any) -> Any:
+    """uvicorn's server, whose SIGTERM / Ctrl-C also stops the engine's start-up (uvicorn waits
+    for open requests before the app's shutdown runs, and a request waiting for a verify-cost
+    measurement would hold it until the measurement ended)."""
+    import uvicorn
+
+    from samctl.server import stop_starting
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            stop_starting(app)
+            super().handle_exit(sig, frame)
+
+    return Server(config)
