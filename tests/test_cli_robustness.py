@@ -17,6 +17,7 @@ import pytest
 from samctl.index import store as store_module
 from samctl.index.load import load_datastore
 from samctl.cli import main
+from tests.conftest import save_hub_style_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "The quick brown fox jumps over the lazy dog.\ndef reverse(items):\n    return items[::-1]\n"
@@ -95,6 +96,26 @@ def test_light_commands_import_no_model_libraries(small_store):
         assert not loaded & {"torch", "transformers", "numba"}, args
     loaded = _modules_after(["query", str(small_store), "--text", "quick brown"])
     assert not loaded & {"torch", "transformers"}
+
+
+def test_build_and_query_with_a_hub_tokenizer_folder_skip_transformers(tmp_path):
+    """SmolLM2's Hub folder names GPT2Tokenizer with add_prefix_space: `tokenizers` reads it exactly,
+    so neither build nor query pays for torch (issue 42, item 7); `--ids` needs no transformers even
+    where `--text` does, and says why its text columns are empty."""
+    save_hub_style_tokenizer(tmp_path / "hub")
+    save_hub_style_tokenizer(tmp_path / "prefix", add_prefix_space=True)  # transformers rewrites this one
+    (tmp_path / "a.txt").write_text(TEXT)
+    stores = {name: tmp_path / f"{name}.sam" for name in ("hub", "prefix")}
+    build = ["build", str(tmp_path / "a.txt"), "-o", str(stores["hub"]), "--tokenizer", str(tmp_path / "hub"), "-q"]
+    assert not _modules_after(build) & {"torch", "transformers"}
+    for args in (["--text", "quick brown"], ["--ids", "1,2"]):
+        assert not _modules_after(["query", str(stores["hub"]), *args]) & {"torch", "transformers"}, args
+    assert main_status(["build", str(tmp_path / "a.txt"), "-o", str(stores["prefix"]), "-q",
+                        "--tokenizer", str(tmp_path / "prefix")]) == 0
+    assert not _modules_after(["query", str(stores["prefix"]), "--ids", "1,2"]) & {"torch", "transformers"}
+    proc = samctl("query", str(stores["prefix"]), "--ids", "1,2", "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["matched_text"] is None
+    assert "query with --text to see text" in proc.stderr
 
 
 def test_query_with_the_embedded_tokenizer_skips_transformers(tmp_path):
