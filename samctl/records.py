@@ -125,10 +125,12 @@ class RecordRunner:
 
     def process(self, number: int, line: str) -> tuple[str, bool]:
         """One input line -> (its output line, whether it failed): a bad record gets an `error`."""
-        record_id: Any = number
         try:
             record = parse_record(line, number)
-            record_id = record_key(record, number)
+        except UserError as err:
+            return json.dumps({"id": line_key(line, number), "error": str(err)}, ensure_ascii=False), True
+        record_id = record_key(record, number)
+        try:
             out = self.run(record)
         except UserError as err:
             return json.dumps({"id": record_id, "error": str(err)}, ensure_ascii=False), True
@@ -212,13 +214,31 @@ def record_key(record: dict[str, Any], number: int) -> Any:
     return record.get("id", record.get("question_id", number))
 
 
+def line_key(line: str, number: int) -> Any:
+    """The id a line's output carries: its record's (record_key); for a line refused only for a
+    byte that is not UTF-8, the id its JSON holds all the same, when that id is UTF-8 itself (the
+    bad byte is elsewhere); else the line number."""
+    try:
+        return record_key(parse_record(line, number), number)
+    except UserError:
+        pass
+    try:
+        record = json.loads(line)  # a bad byte reads as a lone surrogate (textio), which JSON keeps
+    except ValueError:
+        return number
+    if not isinstance(record, dict):
+        return number
+    key = record_key(record, number)
+    try:
+        json.dumps(key, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:  # the id holds the bad byte
+        return number
+    return key
+
+
 def output_key(number: int, line: str) -> str:
     """A record's id as the output will write it (JSON text, so 7 and "7" differ)."""
-    try:
-        record = parse_record(line, number)
-    except UserError:
-        return json.dumps(number)
-    return json.dumps(record_key(record, number))
+    return json.dumps(line_key(line, number))
 
 
 def finished_ids(path: str) -> set[str]:
