@@ -249,3 +249,78 @@ def test_shipped_question_file_is_spec_bench_format():
         assert isinstance(record["turns"], list) and all(isinstance(t, str) and t for t in record["turns"])
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert "--questions samctl/data/questions/specbench_sample.jsonl" in readme
+
+
+# ---------------------------------------------------------------------------------------------
+# bad sizes, ports and a full disk end in one line (issue 42, item 14)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "--prompt", "x", "--max-nodes", "4000000000000"], "--max-nodes must be at most 1024, got 4000000000000"),
+    (["generate", "--prompt", "x", "--max-new-tokens", "4000000000000"], "--max-new-tokens must be in [1, "),
+    (["generate", "--prompt", "x", "--method", "rest", "--rest-nodes", "99999"], "--rest-nodes must be at most"),
+    (["generate", "--prompt", "x", "--method", "lookahead", "--la-window", "99999"], "--la-window must be at most"),
+    (["generate", "--prompt", "x", "--method", "sd", "--gamma", "99999"], "--gamma must be in [1, "),
+    (["generate", "--prompt", "x", "--method", "specdec++", "--bounds", "2", "99999"], "--bounds (MIN, MAX) need"),
+    (["generate", "--prompt", "x", "--threads", "99999999"], "--threads must be at most"),
+    (["generate", "--prompt", "x", "--compare-runs", "99999999"], "--compare-runs must be at most 1000"),
+    (["serve", "--port", "99999"], "'--port': 99999 is not in the range 0<=x<=65535"),
+    (["serve", "--port", "-1"], "is not in the range 0<=x<=65535"),
+    (["serve", "--batch-size", "99999"], "--batch-size must be at most 4096"),
+    (["build", "a.txt", "-o", "x.sam", "--kind", "ngram", "--max-n", "99999"], "--max-n must be at most 64"),
+    (["build", "a.txt", "-o", "x.sam", "--shards", "99999999"], "--shards must be at most"),
+])
+def test_sizes_and_ports_beyond_any_use_are_one_line_errors(args, message, capsys):
+    code, _, err = _main(args, capsys)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("samctl: error: ") and message in err, err
+
+
+def test_the_python_api_refuses_a_huge_setting_by_its_name():
+    from samctl.config import SessionConfig
+    from samctl.index.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"max_nodes= must be at most 1024"):
+        SessionConfig(settings={"max_nodes": 4_000_000_000_000})
+
+
+class _FullDisk:
+    """A text file on a disk that fills after `room` lines: the next write lands half, then ENOSPC."""
+
+    def __init__(self, real, room: int) -> None:
+        self.real, self.room = real, room
+
+    def write(self, text: str) -> int:
+        import errno
+
+        if self.room <= 0:
+            self.real.write(text[: len(text) // 2])
+            self.real.flush()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= 1
+        return self.real.write(text)
+
+    def flush(self) -> None:
+        self.real.flush()
+
+    def close(self) -> None:
+        self.real.close()
+
+
+def test_a_full_disk_keeps_the_lines_written_and_resume_finishes(model_dir, tmp_path, monkeypatch, capsys):
+    import samctl.commands.generate as generate_module
+
+    records = [json.dumps({"id": f"r{i}", "prompt": f"def f{i}(x):"}) for i in range(5)]
+    (tmp_path / "in.jsonl").write_text("\n".join(records) + "\n")
+    out = tmp_path / "out.jsonl"
+    args = ["generate", "--model", str(model_dir), "--input", str(tmp_path / "in.jsonl"), "--output", str(out),
+            "--max-new-tokens", "4", "--quiet", "--threads", "1"]
+    with monkeypatch.context() as patch:
+        patch.setattr(generate_module, "open", lambda *a, **k: _FullDisk(open(*a, **k), room=2), raising=False)
+        code, _, err = _main(args, capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert "No space left on device (errno 28)" in err and "2 complete line(s)" in err and "--resume" in err, err
+    kept = out.read_text()
+    assert kept.count("\n") == 2 and not kept.endswith("\n")  # two whole lines, then the torn one
+    code, _, err = _main([*args, "--resume"], capsys)
+    assert code == 0, err
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [f"r{i}" for i in range(5)]
