@@ -434,11 +434,12 @@ class Session:
 
     def __init__(self, config: SessionConfig, *, _shared: _Loaded | None = None) -> None:
         self.config = config
+        paths = None
         if _shared is None:
             if config.threads is not None:  # validated by SessionConfig
                 torch.set_num_threads(config.threads)
             self._note_sampling()
-            self._resolve_paths()  # a missing draft model or head is refused before the model loads
+            paths = self._resolve_paths()  # a missing draft model or head is refused before the model loads
             engine = load_engine(config.model, config.device, config.dtype, quiet=config.quiet,
                                  quantize=config.quantize, prepack=config.prepack)
             enable_cuda_graphs(engine.target, config.graphs)
@@ -446,7 +447,7 @@ class Session:
         self._shared = _shared
         self.engine: Engine = _shared.engine
         self.method_config = config.method_config(self.engine.device)
-        draft_path, head_path, eagle_path = self._resolve_paths()
+        draft_path, head_path, eagle_path = paths or self._resolve_paths()  # resolved (and said) once
         self._draft = _shared.load(load_draft, draft_path)
         self._head = _shared.load(load_acc_head, head_path, self._draft)
         self._eagle = _shared.load(load_eagle, eagle_path)
