@@ -42,7 +42,8 @@ def _tokenizer_for_ids(store: Datastore, spec: str | None) -> Tokenizer | None:
         return None
     if tok is None:
         click.echo(f"samctl: note: no text shown: tokenizer {spec or store.meta.tokenizer_name} loads only "
-                   "through transformers (seconds per query); query with --text to see text", err=True)
+                   "through transformers or a .gguf file's first conversion (seconds); query with --text to see "
+                   "text", err=True)
     return tok
 
 
