@@ -222,18 +222,25 @@ def line_key(line: str, number: int) -> Any:
         return record_key(parse_record(line, number), number)
     except UserError:
         pass
+    key = salvaged_field(line, lambda record: record_key(record, number))
+    return number if key is None else key
+
+
+def salvaged_field(line: str, field: Callable[[dict[str, Any]], Any]) -> Any:
+    """`field(record)` of a line that is a JSON object but holds a byte that is not UTF-8
+    elsewhere; None when it is no JSON object, or when the field's value holds the bad byte."""
     try:
         record = json.loads(line)  # a bad byte reads as a lone surrogate (textio), which JSON keeps
     except ValueError:
-        return number
+        return None
     if not isinstance(record, dict):
-        return number
-    key = record_key(record, number)
+        return None
+    value = field(record)
     try:
-        json.dumps(key, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:  # the id holds the bad byte
-        return number
-    return key
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    return value
 
 
 def output_key(number: int, line: str) -> str:
@@ -329,7 +336,9 @@ class OpenAIBatchRunner(RecordRunner):
         from samctl.openai_api import BatchLine, invalid, job_request
         from samctl.scheduler import Job, RequestError
 
-        custom_id = None
+        # kept for a line refused before its schema is read (a byte that is not UTF-8, a bad body)
+        custom_id = salvaged_field(line, lambda record: record.get("custom_id"))
+        custom_id = custom_id if isinstance(custom_id, str) else None
         try:
             check_utf8(line, f"line {number}")
             try:
