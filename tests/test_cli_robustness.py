@@ -324,3 +324,15 @@ def test_a_full_disk_keeps_the_lines_written_and_resume_finishes(model_dir, tmp_
     code, _, err = _main([*args, "--resume"], capsys)
     assert code == 0, err
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [f"r{i}" for i in range(5)]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_standard_output_on_a_full_device_is_one_line(model_dir, tmp_path):
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt": "def f(x):"}) + "\n")
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "samctl", "generate", "--model", str(model_dir), "--input",
+                               str(tmp_path / "in.jsonl"), "--max-new-tokens", "2", "--quiet", "--threads", "1"],
+                              cwd=ROOT, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "cannot write to standard output: No space left on device (errno 28)" in proc.stderr
