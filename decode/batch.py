@@ -154,6 +154,7 @@ class _Row:
         self.metrics = Metrics()
         self.t0 = -1
         self.started = time.perf_counter()
+        self.cpu_started = time.process_time()
         self.cancelled = False
         self.scored = False  # the drafter scored this step's draft itself (`propose_scored`)
         # this step's draft: tree, path probabilities
@@ -424,6 +425,7 @@ class BatchRun:
         row.pool.give(row.drafter, output)
         row.metrics.new_tokens = len(row.out.tokens)
         row.metrics.time_s = time.perf_counter() - row.started
+        row.metrics.cpu_s = time.process_time() - row.cpu_started  # the process's, as time_s is the wall's: rows share both
         self.stats.records += 1
         self.stats.new_tokens += len(row.out.tokens)
         return BatchResult(row.key, row.out.tokens, row.out.finish_reason, row.metrics, prediction=prediction)

@@ -8,7 +8,7 @@ drafter module re-exports its own section.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from samctl.index.errors import ConfigError, UserError
 
@@ -22,6 +22,24 @@ BACKENDS = ("auto", "hf", "native")
 RECYCLE_RANK_ACCEPT = (0.55, 0.14, 0.07, 0.045, 0.03, 0.022, 0.016, 0.012)
 
 
+# Upper bounds of the size settings: far above any useful value, low enough that what they size
+# (draft trees verified in one forward, buffers preallocated from them) fits in memory.
+TREE_MAX = 1024  # draft nodes per step
+LENGTH_MAX = 256  # draft lengths and depths, n-gram sizes, windows, children per node
+MEMORY_MAX = 1 << 20  # earlier outputs remembered
+
+
+def _within_bounds(config: object) -> None:
+    """Refuse a setting above its field's `max` (metadata), named by its setting name."""
+    for f in fields(config):
+        high = f.metadata.get("max")
+        value = getattr(config, f.name)
+        if high is not None and isinstance(value, int) and value > high:
+            name = f.metadata["cli"].split("/")[0].lstrip("-").replace("-", "_")
+            raise ConfigError(f"{{{name}}} must be at most {high}, got {{value}}: pass a value up to {high} "
+                              "(a larger one costs memory and time, and drafts no better)", value=value)
+
+
 def _need(ok: bool, template: str, value: object) -> None:
     """A setting's check: the ConfigError names the setting by its Python name (`max_nodes`)."""
     if not ok:
@@ -31,11 +49,11 @@ def _need(ok: bool, template: str, value: object) -> None:
 @dataclass(frozen=True)
 class AdaptiveConfig:
     max_nodes: int = field(default=64, metadata={
-        "cli": "--max-nodes", "help": "adaptive: most draft nodes per step (the cost curve usually picks fewer)."})
+        "max": TREE_MAX, "cli": "--max-nodes", "help": "adaptive: most draft nodes per step (the cost curve usually picks fewer)."})
     min_prob: float = field(default=0.035, metadata={
         "cli": "--min-prob", "help": "adaptive: drop draft nodes less likely than this to be accepted."})
     memory: int = field(default=1024, metadata={
-        "cli": "--memory", "help": "adaptive: earlier outputs remembered across requests (0: off)."})
+        "max": MEMORY_MAX, "cli": "--memory", "help": "adaptive: earlier outputs remembered across requests (0: off)."})
     memory_tokens: int = 4_000_000  # the memory's token budget; the oldest requests go first
     recycle: bool = field(default=True, metadata={
         "cli": "--recycle/--no-recycle", "help": "adaptive: Token Recycle candidates where retrieval has none."})
@@ -50,6 +68,7 @@ class AdaptiveConfig:
     recycle_k: int = 8  # successors kept per token
 
     def __post_init__(self) -> None:
+        _within_bounds(self)
         _need(self.max_nodes >= 0, "{max_nodes} must be >= 0, got {value}", self.max_nodes)
         _need(0.0 <= self.min_prob < 1.0, "{min_prob} must be in [0, 1), got {value}", self.min_prob)
         _need(self.memory >= 0, "{memory} must be >= 0, got {value}", self.memory)
@@ -61,12 +80,12 @@ class AdaptiveConfig:
 class SamConfig:
     # SAM-Decoding's len_threshold
     dyn_threshold: int = field(default=5, metadata={
-        "cli": "--sam-threshold", "help": "sam: dynamic-automaton match length that triggers a retrieval draft."})
+        "max": LENGTH_MAX, "cli": "--sam-threshold", "help": "sam: dynamic-automaton match length that triggers a retrieval draft."})
     # len_bias: the static match must reach dyn_threshold + static_bias
     static_bias: int = field(default=5, metadata={
-        "cli": "--static-bias", "help": "sam: extra match length the static store needs (it triggers at threshold "
+        "max": LENGTH_MAX, "cli": "--static-bias", "help": "sam: extra match length the static store needs (it triggers at threshold "
                                         "+ bias, capped at an n-gram store's longest context)."})
-    max_draft: int = field(default=39, metadata={"cli": "--max-draft", "help": "sam: longest retrieval draft."})  # n_predicts 40 - t0
+    max_draft: int = field(default=39, metadata={"max": LENGTH_MAX, "cli": "--max-draft", "help": "sam: longest retrieval draft."})  # n_predicts 40 - t0
     alpha: float = field(default=4.0, metadata={
         "cli": "--sam-alpha", "help": "sam: draft length grows as alpha x match length, up to --max-draft."})
     occurrence: str = field(default="first", metadata={
@@ -74,6 +93,7 @@ class SamConfig:
         "help": "sam: which earlier occurrence retrieval drafts continue."})
 
     def __post_init__(self) -> None:
+        _within_bounds(self)
         if self.dyn_threshold < 1 or self.static_bias < 0 or self.max_draft < 1 or self.alpha <= 0:
             raise UserError(f"invalid SAM settings {asdict(self)}: thresholds >= 1, max draft >= 1, alpha > 0")
         if self.occurrence not in ("first", "latest"):
@@ -83,11 +103,12 @@ class SamConfig:
 @dataclass(frozen=True)
 class PldConfig:
     # transformers' max_matching_ngram_size (its default is 2; Spec-Bench uses 3)
-    max_ngram: int = field(default=3, metadata={"cli": "--pld-ngram", "help": "pld: longest n-gram matched."})
+    max_ngram: int = field(default=3, metadata={"max": LENGTH_MAX, "cli": "--pld-ngram", "help": "pld: longest n-gram matched."})
     # transformers' prompt_lookup_num_tokens
-    num_draft: int = field(default=10, metadata={"cli": "--pld-tokens", "help": "pld: draft tokens."})
+    num_draft: int = field(default=10, metadata={"max": LENGTH_MAX, "cli": "--pld-tokens", "help": "pld: draft tokens."})
 
     def __post_init__(self) -> None:
+        _within_bounds(self)
         if self.max_ngram < 1 or self.num_draft < 1:
             raise UserError(f"prompt lookup needs max_ngram >= 1 and num_draft >= 1, got {self}")
 
@@ -98,12 +119,13 @@ class RecycleConfig:
     # template size, root excluded (the official "2.2.2" tree has 80 + root); on a CPU, where a
     # verify costs about linearly in its tokens, the CLI's default is smaller (samctl/options.py)
     nodes: int = field(default=80, metadata={
-        "cli": "--recycle-nodes", "device_default": True,
+        "max": TREE_MAX, "cli": "--recycle-nodes", "device_default": True,
         "help": "recycle, sam+recycle: draft tree size (default: 80 on a GPU; 16 on a CPU, where a verify "
                 "costs about linearly in its tokens)."})
     max_depth: int = 6
 
     def __post_init__(self) -> None:
+        _within_bounds(self)
         if not 1 <= self.k <= len(RECYCLE_RANK_ACCEPT) or self.nodes < 1 or self.max_depth < 1:
             raise UserError(f"Token Recycle needs 1 <= k <= {len(RECYCLE_RANK_ACCEPT)}, nodes >= 1, depth >= 1; got {self}")
 
@@ -113,11 +135,12 @@ class RestConfig:
     max_span: int = 16  # longest context suffix tried (REST max_token_span)
     min_span: int = 2  # shortest suffix that may draft
     # draft tokens, root excluded (REST num_draft)
-    num_nodes: int = field(default=64, metadata={"cli": "--rest-nodes", "help": "rest: draft tree size."})
+    num_nodes: int = field(default=64, metadata={"max": TREE_MAX, "cli": "--rest-nodes", "help": "rest: draft tree size."})
     # continuation length counted per occurrence
-    max_depth: int = field(default=10, metadata={"cli": "--rest-depth", "help": "rest: deepest draft token."})
+    max_depth: int = field(default=10, metadata={"max": LENGTH_MAX, "cli": "--rest-depth", "help": "rest: deepest draft token."})
 
     def __post_init__(self) -> None:
+        _within_bounds(self)
         if not 1 <= self.min_span <= self.max_span or self.num_nodes < 1 or self.max_depth < 1:
             raise UserError(f"REST needs 1 <= min_span <= max_span, num_nodes >= 1, max_depth >= 1; got {self}")
 
@@ -127,8 +150,8 @@ class DraftConfig:
     gamma: int = 4  # tokens per step for `sd` (and for `sam+draft`'s fallback)
 
     def __post_init__(self) -> None:
-        if self.gamma < 1:
-            raise ConfigError("{gamma} must be >= 1, got {value}", value=self.gamma)
+        if not 1 <= self.gamma <= LENGTH_MAX:
+            raise ConfigError(f"{{gamma}} must be in [1, {LENGTH_MAX}], got {{value}}", value=self.gamma)
 
 
 @dataclass(frozen=True)
@@ -140,8 +163,9 @@ class SpecDecConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.stop_threshold <= 1.0:
             raise ConfigError("{stop_threshold} must be in [0, 1], got {value}", value=self.stop_threshold)
-        if not 1 <= self.min_draft <= self.max_draft:
-            raise ConfigError("{bounds} (MIN, MAX) need 1 <= MIN <= MAX, got {low} {high}", low=self.min_draft,
+        if not 1 <= self.min_draft <= self.max_draft <= LENGTH_MAX:
+            raise ConfigError(f"{{bounds}} (MIN, MAX) need 1 <= MIN <= MAX <= {LENGTH_MAX}, got {{low}} {{high}}",
+                              low=self.min_draft,
                               high=self.max_draft)
 
 
@@ -151,13 +175,13 @@ class LookaheadConfig:
     # little; on a CPU a verify of k tokens costs about k times more (BENCHMARKS.md), so the CLI
     # uses the small `cpu_default` there.
     ngram: int = field(default=5, metadata={
-        "cli": "--la-ngram", "cpu_default": 4,
+        "max": LENGTH_MAX, "cli": "--la-ngram", "cpu_default": 4,
         "help": "lookahead: N, the n-gram size (N-1 window levels, guesses of N-1 tokens) [default: 5; 4 on a CPU]."})
     window: int = field(default=15, metadata={
-        "cli": "--la-window", "cpu_default": 2,
+        "max": LENGTH_MAX, "cli": "--la-window", "cpu_default": 2,
         "help": "lookahead: W, the window's columns (0: no window, the pool alone) [default: 15; 2 on a CPU]."})
     guesses: int = field(default=15, metadata={
-        "cli": "--la-guesses", "cpu_default": 4,
+        "max": LENGTH_MAX, "cli": "--la-guesses", "cpu_default": 4,
         "help": "lookahead: G, pool tuples per key and guesses verified per step [default: 15; 4 on a CPU]."})
     pool_text: bool = field(default=True, metadata={
         "cli": "--la-pool-text/--no-la-pool-text",
@@ -166,6 +190,7 @@ class LookaheadConfig:
     memory: int = 1024  # earlier outputs kept for --memory-save (the pool itself is bounded by G per key)
 
     def __post_init__(self) -> None:
+        _within_bounds(self)
         _need(self.ngram >= 2, "{la_ngram} must be >= 2, got {value}", self.ngram)
         _need(self.window >= 0, "{la_window} must be >= 0, got {value}", self.window)
         _need(self.guesses >= 0, "{la_guesses} must be >= 0, got {value}", self.guesses)
@@ -178,15 +203,16 @@ class OuroborosConfig:
     # Section 9's benchmark settings (N 6, W = G 15) for a GPU; the CLI's CPU values are smaller
     # (the draft's wide lookahead forward costs more than it returns there, BENCHMARKS.md).
     ngram: int = field(default=6, metadata={
-        "cli": "--ouro-ngram", "cpu_default": 4, "help": "ouroboros: N of the draft's lookahead [default: 6; 4 on a CPU]."})
+        "max": LENGTH_MAX, "cli": "--ouro-ngram", "cpu_default": 4, "help": "ouroboros: N of the draft's lookahead [default: 6; 4 on a CPU]."})
     window: int = field(default=15, metadata={
-        "cli": "--ouro-window", "cpu_default": 4,
+        "max": LENGTH_MAX, "cli": "--ouro-window", "cpu_default": 4,
         "help": "ouroboros: W = G, the draft's window columns and pool tuples per key [default: 15; 4 on a CPU]."})
-    topk: int = field(default=3, metadata={"cli": "--ouro-topk", "help": "ouroboros: pool suffixes the target verifies."})
+    topk: int = field(default=3, metadata={"max": LENGTH_MAX, "cli": "--ouro-topk", "help": "ouroboros: pool suffixes the target verifies."})
     seed: int = 0
     memory: int = 1024
 
     def __post_init__(self) -> None:
+        _within_bounds(self)
         _need(self.ngram >= 2, "{ouro_ngram} must be >= 2, got {value}", self.ngram)
         _need(self.window >= 1, "{ouro_window} must be >= 1, got {value}", self.window)
         _need(self.topk >= 0, "{ouro_topk} must be >= 0, got {value}", self.topk)
@@ -197,9 +223,10 @@ class OuroborosConfig:
 @dataclass(frozen=True)
 class SdsatConfig:
     sat_count: int = field(default=0, metadata={
-        "cli": "--sat-count", "help": "SAT slots per step (sdsat; default 0 = the count the model was trained with)"})
+        "max": LENGTH_MAX, "cli": "--sat-count", "help": "SAT slots per step (sdsat; default 0 = the count the model was trained with)"})
 
     def __post_init__(self) -> None:
+        _within_bounds(self)
         if self.sat_count < 0:
             raise ConfigError("{sat_count} must be >= 0, got {value}", value=self.sat_count)
 
@@ -207,16 +234,17 @@ class SdsatConfig:
 @dataclass(frozen=True)
 class EagleConfig:
     top_k: int = field(default=8, metadata={
-        "cli": "--eagle-top-k", "help": "eagle, sam+eagle, adaptive+eagle: children per expanded node and frontier width."})
+        "max": LENGTH_MAX, "cli": "--eagle-top-k", "help": "eagle, sam+eagle, adaptive+eagle: children per expanded node and frontier width."})
     depth: int = field(default=5, metadata={
-        "cli": "--eagle-depth", "help": "eagle, sam+eagle, adaptive+eagle: frontier expansions per step (levels up to depth + 1)."})
+        "max": LENGTH_MAX, "cli": "--eagle-depth", "help": "eagle, sam+eagle, adaptive+eagle: frontier expansions per step (levels up to depth + 1)."})
     max_nodes: int = field(default=60, metadata={
-        "cli": "--eagle-nodes", "help": "eagle, sam+eagle, adaptive+eagle: most draft nodes per step (the cost curve usually picks fewer)."})
+        "max": TREE_MAX, "cli": "--eagle-nodes", "help": "eagle, sam+eagle, adaptive+eagle: most draft nodes per step (the cost curve usually picks fewer)."})
     min_prob: float = field(default=0.02, metadata={
         "cli": "--eagle-min-prob", "help": "eagle, sam+eagle, adaptive+eagle (CPU): stop expanding once no frontier path is this likely."})
     prior_weight: float = 8.0  # pseudo-observations behind the calibration's prior scale 1
 
     def __post_init__(self) -> None:
+        _within_bounds(self)
         _need(self.top_k >= 1, "{eagle_top_k} must be >= 1, got {value}", self.top_k)
         _need(self.depth >= 0, "{eagle_depth} must be >= 0, got {value}", self.depth)
         _need(self.max_nodes >= 0, "{eagle_nodes} must be >= 0, got {value}", self.max_nodes)

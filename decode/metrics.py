@@ -38,7 +38,7 @@ class Metrics:
     verify_s: float = 0.0  # target forward + acceptance, including the one host sync per step
     prefill_s: float = 0.0
     time_s: float = 0.0  # wall time of the whole generation, prefill included
-    cpu_s: float = 0.0  # this process's CPU time over the same span (other processes do not count)
+    cpu_s: float = 0.0  # this process's CPU time over the same span (other processes do not count; rows batched together share it, as they share time_s)
     eager_verifies: int = 0  # CUDA graphs on, yet the verify ran eagerly (wider than every graph, or capture failed)
 
     def record_step(self, drafted: int, accepted: int) -> None:

@@ -17,6 +17,8 @@ from samctl.index.errors import ConfigError, UserError
 if TYPE_CHECKING:
     import torch
 
+MAX_NEW_TOKENS = 1 << 20  # bounds what is preallocated per generation
+MAX_THREADS = 4096
 # Draft-model settings that are not drafter-section fields with a `cli` flag of their own.
 DRAFT_SETTINGS = tuple(DRAFT_MODEL_SETTINGS)
 
@@ -57,8 +59,12 @@ class SessionConfig:
             raise ConfigError("{backend} must be one of " + ", ".join(BACKENDS) + ", got {value!r}", value=self.backend)
         if self.threads is not None and self.threads < 1:
             raise ConfigError("{threads} must be >= 1, got {value}", value=self.threads)
-        if self.max_new_tokens < 1:
-            raise ConfigError("{max_new_tokens} must be >= 1, got {value}", value=self.max_new_tokens)
+        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise ConfigError(f"{{max_new_tokens}} must be in [1, {MAX_NEW_TOKENS}] (longer than any context samctl "
+                              "runs), got {value}", value=self.max_new_tokens)
+        if self.threads is not None and self.threads > MAX_THREADS:
+            raise ConfigError(f"{{threads}} must be at most {MAX_THREADS}, got {{value}}: pass the cores to use",
+                              value=self.threads)
         unknown = sorted(set(self.settings) - set(setting_names()) - set(DRAFT_SETTINGS))
         if unknown:
             raise UserError(f"unknown setting {unknown[0]!r}: choose from "

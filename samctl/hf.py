@@ -48,7 +48,7 @@ class SamctlGenerate:
     """A `custom_generate` callable bound to a method, an optional store and drafter settings."""
 
     def __init__(self, store: str | os.PathLike | None = None, method: str = DEFAULT_METHOD,
-                 tokenizer: Any = None, **settings: Any) -> None:
+                 tokenizer: Any = None, eagle_head: str | os.PathLike | None = None, **settings: Any) -> None:
         entry = method_entry(method)
         if entry.needs_draft:
             raise UserError(f"method {method} needs a draft model, which samctl.hf does not load yet: "
@@ -59,14 +59,19 @@ class SamctlGenerate:
                             f"choose from {', '.join(setting_names())}")
         if store is not None and not entry.uses_store:
             raise UserError(f"method {method} does not draft from a store: drop store= or use method={DEFAULT_METHOD!r}")
+        if eagle_head is not None and not entry.needs_eagle:
+            raise UserError(f"method {method} does not draft with an EAGLE head: drop eagle_head= or use "
+                            "method='eagle', 'sam+eagle' or 'adaptive+eagle'")
         self.method = method
+        self.eagle_head = None if eagle_head is None else os.fspath(eagle_head)
         self.store_path = None if store is None else os.fspath(store)
         self.tokenizer = tokenizer
         self.settings = settings
         self.last_metrics = None  # decode.metrics.Metrics of the latest call: tokens/step, timings
 
     def __repr__(self) -> str:
-        return f"samctl.hf.make_generate(store={self.store_path!r}, method={self.method!r}, **{self.settings!r})"
+        head = f", eagle_head={self.eagle_head!r}" if self.eagle_head is not None else ""
+        return f"samctl.hf.make_generate(store={self.store_path!r}, method={self.method!r}{head}, **{self.settings!r})"
 
     def __call__(self, model, input_ids: torch.LongTensor, logits_processor=None, stopping_criteria=None,
                  generation_config=None, synced_gpus: bool = False, streamer=None, **model_kwargs: Any):
@@ -109,26 +114,31 @@ class SamctlGenerate:
         session = sessions.get(self)
         if session is None:
             engine = engine_for(model, self.tokenizer)
+            if engine.tokenizer is None and (self.store_path is not None or method_entry(self.method).needs_eagle):
+                # stores and EAGLE heads name the tokenizer they were made with
+                what = f"the store {self.store_path}" if self.store_path is not None else "the EAGLE head"
+                engine.tokenizer = _model_tokenizer(engine.name, what)
             config = SessionConfig(method=self.method, store=self.store_path, settings=self.settings, quiet=True,
-                                   occurrence=self.settings.get("occurrence", "first"))
+                                   occurrence=self.settings.get("occurrence", "first"), eagle_head=self.eagle_head)
             session = sessions[self] = Session.over(engine, config, self._load_store(engine))
         return session
 
     def _load_store(self, engine: Engine) -> Datastore | None:
         if self.store_path is None:
             return None
-        if engine.tokenizer is None:
-            engine.tokenizer = _model_tokenizer(engine.name, self.store_path)
         return load_store(self.store_path, engine, self.settings.get("occurrence", "first"))
 
 
 def make_generate(store: str | os.PathLike | None = None, method: str = DEFAULT_METHOD, *,
-                  tokenizer: Any = None, **settings: Any) -> SamctlGenerate:
+                  tokenizer: Any = None, eagle_head: str | os.PathLike | None = None,
+                  **settings: Any) -> SamctlGenerate:
     """A `custom_generate` callable that drafts with `method` from `store` (a `.sam` file built
     with the model's tokenizer; `tokenizer` checks it, loaded from the model's folder when not
-    given). `settings` are the drafters' options as on the command line, with underscores
-    (`max_nodes=32`, `sam_threshold=3`; see `setting_names()`)."""
-    return SamctlGenerate(store, method, tokenizer, **settings)
+    given). `eagle_head`: the EAGLE head folder of the eagle methods (`samctl train eagle` writes
+    one; default: the one installed beside the model, X.eagle). `settings` are the drafters'
+    options as on the command line, with underscores (`max_nodes=32`, `sam_threshold=3`; see
+    `setting_names()`)."""
+    return SamctlGenerate(store, method, tokenizer, eagle_head, **settings)
 
 
 custom_generate = SamctlGenerate()
@@ -226,13 +236,13 @@ def _callers_streamer():
     return None
 
 
-def _model_tokenizer(name: str, store_path: str):
+def _model_tokenizer(name: str, what: str):
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(name, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise UserError(f"cannot load the tokenizer of {name!r} to check the store {store_path}: pass "
+        raise UserError(f"cannot load the tokenizer of {name!r} to check {what}: pass "
                         "tokenizer= to samctl.hf.make_generate") from err
 
 

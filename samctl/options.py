@@ -20,6 +20,23 @@ from samctl.index.errors import ConfigError, UserError
 if TYPE_CHECKING:
     from samctl.config import SessionConfig
 
+# Upper bounds of the command line's own counts (the drafters' settings have theirs in
+# decode/configs.py): far above any useful value, low enough that what they size fits in memory.
+MAX_BATCH_SIZE = 4096
+MAX_WORKERS = 4096
+
+
+def check_count(flag: str, value: int | None, high: int, low: int | None = 1) -> None:
+    """Refuse a count option outside [low, high] in one line (value None: not given; low None:
+    the lower bound is checked elsewhere)."""
+    if value is None:
+        return
+    if low is not None and value < low:
+        raise UserError(f"{flag} must be >= {low}, got {value}")
+    if value > high:
+        raise UserError(f"{flag} must be at most {high}, got {value}: pass a value up to {high}")
+
+
 def _option(f: dataclasses.Field) -> Callable:
     meta = f.metadata
     if isinstance(f.default, bool):
@@ -132,8 +149,7 @@ def batch_size(opts: dict[str, Any], method: str, on_gpu: bool) -> int:
     from samctl.decode.batch import batch_refusal
 
     asked = opts.get("batch_size")
-    if asked is not None and asked < 1:
-        raise UserError(f"--batch-size must be >= 1, got {asked}")
+    check_count("--batch-size", asked, MAX_BATCH_SIZE)
     why = batch_refusal(method)
     blocked = (why.rsplit(": use", 1)[0] if why else
                "--compare times records one at a time" if opts.get("compare") else

@@ -125,10 +125,12 @@ class RecordRunner:
 
     def process(self, number: int, line: str) -> tuple[str, bool]:
         """One input line -> (its output line, whether it failed): a bad record gets an `error`."""
-        record_id: Any = number
         try:
             record = parse_record(line, number)
-            record_id = record_key(record, number)
+        except UserError as err:
+            return json.dumps({"id": line_key(line, number), "error": str(err)}, ensure_ascii=False), True
+        record_id = record_key(record, number)
+        try:
             out = self.run(record)
         except UserError as err:
             return json.dumps({"id": record_id, "error": str(err)}, ensure_ascii=False), True
@@ -212,13 +214,38 @@ def record_key(record: dict[str, Any], number: int) -> Any:
     return record.get("id", record.get("question_id", number))
 
 
+def line_key(line: str, number: int) -> Any:
+    """The id a line's output carries: its record's (record_key); for a line refused only for a
+    byte that is not UTF-8, the id its JSON holds all the same, when that id is UTF-8 itself (the
+    bad byte is elsewhere); else the line number."""
+    try:
+        return record_key(parse_record(line, number), number)
+    except UserError:
+        pass
+    key = salvaged_field(line, lambda record: record_key(record, number))
+    return number if key is None else key
+
+
+def salvaged_field(line: str, field: Callable[[dict[str, Any]], Any]) -> Any:
+    """`field(record)` of a line that is a JSON object but holds a byte that is not UTF-8
+    elsewhere; None when it is no JSON object, or when the field's value holds the bad byte."""
+    try:
+        record = json.loads(line)  # a bad byte reads as a lone surrogate (textio), which JSON keeps
+    except ValueError:
+        return None
+    if not isinstance(record, dict):
+        return None
+    value = field(record)
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    return value
+
+
 def output_key(number: int, line: str) -> str:
     """A record's id as the output will write it (JSON text, so 7 and "7" differ)."""
-    try:
-        record = parse_record(line, number)
-    except UserError:
-        return json.dumps(number)
-    return json.dumps(record_key(record, number))
+    return json.dumps(line_key(line, number))
 
 
 def finished_ids(path: str) -> set[str]:
@@ -309,7 +336,9 @@ class OpenAIBatchRunner(RecordRunner):
         from samctl.openai_api import BatchLine, invalid, job_request
         from samctl.scheduler import Job, RequestError
 
-        custom_id = None
+        # kept for a line refused before its schema is read (a byte that is not UTF-8, a bad body)
+        custom_id = salvaged_field(line, lambda record: record.get("custom_id"))
+        custom_id = custom_id if isinstance(custom_id, str) else None
         try:
             check_utf8(line, f"line {number}")
             try:

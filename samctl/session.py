@@ -42,7 +42,7 @@ from samctl.decode.engine.cpu_linear import apply_cpu_linear
 from samctl.decode.engine.graphs import enable_cuda_graphs
 from samctl.decode.engine.native import backend_name, use_backend
 from samctl.decode.engine.target import TargetModel
-from samctl.decode.loop import GenerationConfig, GenerationResult, generate as decode_generate
+from samctl.decode.loop import GenerationConfig, GenerationResult, generate as decode_generate, prompt_error
 from samctl.decode.methods import DRAFT_METHODS, MethodConfig, make_drafter, method as method_entry, uses_store
 from samctl.decode.metrics import first_difference
 from samctl.gguf_cache import first_line, model_folder
@@ -439,11 +439,12 @@ class Session:
 
     def __init__(self, config: SessionConfig, *, _shared: _Loaded | None = None) -> None:
         self.config = config
+        paths = None
         if _shared is None:
             if config.threads is not None:  # validated by SessionConfig
                 torch.set_num_threads(config.threads)
             self._note_sampling()
-            self._resolve_paths()  # a missing draft model or head is refused before the model loads
+            paths = self._resolve_paths()  # a missing draft model or head is refused before the model loads
             engine = load_engine(config.model, config.device, config.dtype, quiet=config.quiet,
                                  quantize=config.quantize, prepack=config.prepack, backend=config.backend)
             enable_cuda_graphs(engine.target, config.graphs)
@@ -451,7 +452,7 @@ class Session:
         self._shared = _shared
         self.engine: Engine = _shared.engine
         self.method_config = config.method_config(self.engine.device)
-        draft_path, head_path, eagle_path = self._resolve_paths()
+        draft_path, head_path, eagle_path = paths or self._resolve_paths()  # resolved (and said) once
         self._draft = _shared.load(load_draft, draft_path)
         self._head = _shared.load(load_acc_head, head_path, self._draft)
         self._eagle = _shared.load(load_eagle, eagle_path)
@@ -465,7 +466,8 @@ class Session:
                        "draft_model": draft_path, "acc_head": head_path, "eagle_head": eagle_path,
                        "config": {"session": config.to_record(), "generation": asdict(self.generation),
                                   "method": asdict(self.method_config)}}
-        self.warm = False
+        self.warm = False  # warm_up has run (batch 1)
+        self.batch_warm = False  # and the batched engine's warm-up (_warm_up_batched)
         self._room_noted = False
 
     @classmethod
@@ -550,9 +552,11 @@ class Session:
         require_batchable(self.config.method)
         ids = [self.encode(p) for p in prompts]
         expected = None if predictions is None else [self.prediction_ids(p) for p in predictions]
+        cost_ms = self._batch_cost(batch_size)
+        if not self.batch_warm:  # else the first records' metrics carry the JIT loads (or compiles)
+            self._warm_up_batched(ids, cost_ms)
         return generate_batch(self.engine.model, self.fresh_drafter, ids, self.generation, batch_size, on_result,
-                              cost_ms=self._batch_cost(batch_size), max_width=BATCH_MAX_WIDTH, stats=stats,
-                              predictions=expected)
+                              cost_ms=cost_ms, max_width=BATCH_MAX_WIDTH, stats=stats, predictions=expected)
 
     def batch_run(self, batch_size: int, stop: Callable[[], bool] | None = None):
         """An empty decode.batch.BatchRun on this session's engine, for records submitted one by
@@ -587,8 +591,27 @@ class Session:
         kept one would teach it (Token Recycle, memories) this very prompt."""
         self.warm = True
         warm = GenerationConfig(max_new_tokens=WARM_UP_TOKENS, eos_token_ids=(), sampling=self.config.sampling)
-        decode_generate(self.engine.target, self.fresh_drafter(), ids, warm)
+        drafter = self.fresh_drafter()
+        for _ in range(2):  # the second run drafts from what the first taught it: other kernels, or other types
+            decode_generate(self.engine.target, drafter, ids, warm)
         decode_generate(self.engine.target, NoDraft(), ids, warm)
+
+    def _warm_up_batched(self, prompts: list[list[int]], cost_ms: np.ndarray) -> None:
+        """warm_up, then the same throwaway run through the batched engine, whose drafters take
+        paths of their own (scored proposals), on the first prompt the model can continue (the
+        others get their errors in the batch)."""
+        from samctl.decode.batch import generate_batch
+
+        for ids in prompts:
+            if not prompt_error(np.asarray(ids), self.engine.target.max_positions):
+                if not self.warm:
+                    self.warm_up(ids)
+                self.batch_warm = True
+                warm = GenerationConfig(max_new_tokens=WARM_UP_TOKENS, eos_token_ids=(), sampling=self.config.sampling)
+                # twice through one slot, whose drafter drafts from the first record in the second
+                generate_batch(self.engine.model, self.fresh_drafter, [ids, ids], warm, 1, cost_ms=cost_ms,
+                               max_width=BATCH_MAX_WIDTH)
+                return
 
     def compare(self, prompt: str | Sequence[int] | list[dict[str, str]], result: GenerationResult,
                 runs: int = 1) -> dict[str, Any]:

@@ -15,10 +15,14 @@ refuses one whose fingerprint differs, and `check_store_tokenizer` does the same
 the caller already holds (the model's, in `generate`).
 
 A folder whose tokenizer.json the `tokenizers` library reads exactly as transformers would (the
-tokenizer classes in BACKEND_CLASSES, which add nothing to their Rust backend) is loaded by
-`tokenizers` alone (FastTokenizer: same ids, vocabulary, EOS and fingerprint); any other needs
-transformers, imported only then. So `build` and `query` never load torch or transformers for
-the usual tokenizer.json folders.
+tokenizer classes in BACKEND_CLASSES, whose pipeline is the file's, or for GPT2Tokenizer one the
+file already has: `_same_backend_as_transformers`) is loaded by `tokenizers` alone (FastTokenizer:
+same ids, vocabulary, EOS and fingerprint); any other needs transformers, which imports torch
+(seconds and hundreds of MB), imported only then. So `build` and `query` never load torch or
+transformers for tokenizer.json folders as transformers saves them or the Hub ships them (SmolLM2's
+GPT2Tokenizer config included), nor for a .gguf file's cached tokenizer; a folder with only a
+SentencePiece model (Llama 2's tokenizer.model) still needs transformers. `light=True` loads only
+what needs no transformers (`query --ids`, where the text is a courtesy).
 
 `tokenize_documents` streams: documents are tokenized in batches of about `batch_chars`
 characters, and a document longer than `piece_chars` is cut into pieces where the tokenizer's
@@ -45,7 +49,7 @@ import numpy as np
 
 from samctl.index.datastore import StoreMeta
 from samctl.index.errors import UserError
-from samctl.gguf_cache import first_line, is_gguf, model_folder
+from samctl.gguf_cache import cached_folder, first_line, is_gguf, model_folder
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "models" / "default" / "target"
 BYTES = "bytes"
@@ -187,7 +191,7 @@ def _load_fast(folder: str, name: str) -> FastTokenizer | None:
         return None  # transformers will say what is wrong with it
     if not isinstance(config, dict) or config.get("tokenizer_class") not in BACKEND_CLASSES:
         return None
-    if "add_prefix_space" in config:  # transformers would rewrite the pre-tokenizer
+    if config.get("clean_up_tokenization_spaces"):  # transformers' decode would rewrite spaces
         return None
     eos = config.get("eos_token")
     if isinstance(eos, dict):
@@ -200,18 +204,41 @@ def _load_fast(folder: str, name: str) -> FastTokenizer | None:
         backend = RustTokenizer.from_file(str(files[0]))
     except Exception:  # noqa: BLE001 - any failure falls back to transformers, which reports it
         return None
+    if not _same_backend_as_transformers(backend, config):
+        return None
     return FastTokenizer(backend, name, eos)
 
 
-def load_tokenizer(spec: str | None, quiet: bool = False) -> Tokenizer:
+def _same_backend_as_transformers(backend: Any, config: dict) -> bool:
+    """Whether transformers would encode and decode with `backend` unchanged. GPT2Tokenizer keeps
+    the file's vocabulary and merges but sets its own pre-tokenizer (ByteLevel with the GPT-2 regex
+    and the config's add_prefix_space) and ByteLevel decoder; the other BACKEND_CLASSES keep the
+    file's pipeline, and a config's add_prefix_space is taken as a request to rewrite the
+    pre-tokenizer (older transformers did) unless the file's ByteLevel already has that value."""
+    from tokenizers import decoders, pre_tokenizers
+
+    pre = backend.pre_tokenizer
+    byte_level = isinstance(pre, pre_tokenizers.ByteLevel)
+    if config.get("tokenizer_class") in ("GPT2Tokenizer", "GPT2TokenizerFast"):
+        return (byte_level and pre.use_regex and backend.normalizer is None
+                and pre.add_prefix_space == bool(config.get("add_prefix_space", False))
+                and isinstance(backend.decoder, decoders.ByteLevel))
+    if "add_prefix_space" in config:
+        return byte_level and pre.add_prefix_space == bool(config["add_prefix_space"])
+    return True
+
+
+def load_tokenizer(spec: str | None, quiet: bool = False, light: bool = False) -> Tokenizer | None:
     """The tokenizer `spec` names (see the module docstring); UserError when it cannot be found.
-    Without a spec, one line on stderr says which tokenizer is used (not with `quiet`)."""
+    Without a spec, one line on stderr says which tokenizer is used (not with `quiet`). With
+    `light`, None where loading it would take transformers (and torch: seconds and hundreds of MB)
+    or dequantizing a .gguf file not yet in the cache."""
     if spec is None:
         if DEFAULT_MODEL_DIR.is_dir():
             if not quiet:
                 click.echo(f"samctl: using the embedded default tokenizer ({DEFAULT_MODEL_DIR}); "
                            "pass --tokenizer to choose another", err=True)
-            return _load_hf(str(DEFAULT_MODEL_DIR), DEFAULT)
+            return _load_hf(str(DEFAULT_MODEL_DIR), DEFAULT, light)
         if not quiet:
             click.echo("samctl: using the byte-level tokenizer (no embedded default model is "
                        "installed); pass --tokenizer to choose another", err=True)
@@ -222,23 +249,26 @@ def load_tokenizer(spec: str | None, quiet: bool = False) -> Tokenizer:
         if not DEFAULT_MODEL_DIR.is_dir():
             raise UserError(f"the embedded default model is not installed ({DEFAULT_MODEL_DIR} "
                             "is missing): pass --tokenizer with a local tokenizer folder")
-        return _load_hf(str(DEFAULT_MODEL_DIR), DEFAULT)
+        return _load_hf(str(DEFAULT_MODEL_DIR), DEFAULT, light)
     path = Path(spec).expanduser()
     if is_gguf(spec):
-        return _load_hf(model_folder(spec), str(path.resolve()))
+        folder = cached_folder(spec) if light else model_folder(spec)
+        return _load_hf(folder, str(path.resolve()), light) if folder is not None else None
     if path.is_dir():
-        return _load_hf(str(path), str(path.resolve()))
+        return _load_hf(str(path), str(path.resolve()), light)
     if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
         raise UserError(f"tokenizer folder {spec} does not exist (or is not a folder): pass a "
                         "folder holding tokenizer.json or tokenizer_config.json")
-    return _load_hf(spec, spec)
+    return _load_hf(spec, spec, light)
 
 
-def _load_hf(source: str, name: str) -> HFTokenizer | FastTokenizer:
+def _load_hf(source: str, name: str, light: bool = False) -> HFTokenizer | FastTokenizer | None:
     if os.path.isdir(source):
         fast = _load_fast(source, name)
         if fast is not None:
             return fast
+    if light:
+        return None
     try:
         from transformers import AutoTokenizer
     except ImportError as err:
@@ -262,17 +292,21 @@ def check_store_tokenizer(meta: StoreMeta, store_path: str, fingerprint: str, na
             f"store's tokenizer, or rebuild the store with --tokenizer {name}")
 
 
-def load_store_tokenizer(meta: StoreMeta, store_path: str, spec: str | None = None) -> Tokenizer:
-    """The tokenizer a store was built with: `spec` if given, else the one the store names."""
+def load_store_tokenizer(meta: StoreMeta, store_path: str, spec: str | None = None,
+                         light: bool = False) -> Tokenizer | None:
+    """The tokenizer a store was built with: `spec` if given, else the one the store names.
+    With `light`, None where only transformers could load it (see load_tokenizer)."""
     if spec is None:
         try:
-            tokenizer = load_tokenizer(meta.tokenizer_name)
+            tokenizer = load_tokenizer(meta.tokenizer_name, light=light)
         except UserError as err:
             raise UserError(f"{store_path} was built with tokenizer {meta.tokenizer_name}, which "
                             "cannot be loaded here: pass --tokenizer with a local copy of it "
                             f"(fingerprint {meta.tokenizer_fingerprint})") from err
     else:
-        tokenizer = load_tokenizer(spec)
+        tokenizer = load_tokenizer(spec, light=light)
+    if tokenizer is None:
+        return None
     check_store_tokenizer(meta, store_path, tokenizer.fingerprint, tokenizer.name)
     return tokenizer
 

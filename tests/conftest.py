@@ -87,3 +87,28 @@ def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-model-tok")
     save_tiny_model_with_tokenizer(path)
     return path
+
+
+def save_hub_style_tokenizer(folder, **config) -> None:
+    """A byte-level BPE tokenizer folder as the Hub ships SmolLM2's: tokenizer.json beside a
+    tokenizer_config.json naming GPT2Tokenizer with add_prefix_space (overridden by `config`).
+    Built with the `tokenizers` library alone."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(["The quick brown fox jumps over the lazy dog. def f(x):\n    return x\n"] * 20,
+                            trainer)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    bpe.save(str(folder / "tokenizer.json"))
+    settings = {"add_prefix_space": False, "bos_token": "<|endoftext|>", "clean_up_tokenization_spaces": False,
+                "eos_token": "<|endoftext|>", "model_max_length": 8192, "tokenizer_class": "GPT2Tokenizer",
+                "unk_token": "<|endoftext|>", **config}
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))

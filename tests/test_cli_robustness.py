@@ -17,6 +17,7 @@ import pytest
 from samctl.index import store as store_module
 from samctl.index.load import load_datastore
 from samctl.cli import main
+from tests.conftest import save_hub_style_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "The quick brown fox jumps over the lazy dog.\ndef reverse(items):\n    return items[::-1]\n"
@@ -95,6 +96,26 @@ def test_light_commands_import_no_model_libraries(small_store):
         assert not loaded & {"torch", "transformers", "numba"}, args
     loaded = _modules_after(["query", str(small_store), "--text", "quick brown"])
     assert not loaded & {"torch", "transformers"}
+
+
+def test_build_and_query_with_a_hub_tokenizer_folder_skip_transformers(tmp_path):
+    """SmolLM2's Hub folder names GPT2Tokenizer with add_prefix_space: `tokenizers` reads it exactly,
+    so neither build nor query pays for torch (issue 42, item 7); `--ids` needs no transformers even
+    where `--text` does, and says why its text columns are empty."""
+    save_hub_style_tokenizer(tmp_path / "hub")
+    save_hub_style_tokenizer(tmp_path / "prefix", add_prefix_space=True)  # transformers rewrites this one
+    (tmp_path / "a.txt").write_text(TEXT)
+    stores = {name: tmp_path / f"{name}.sam" for name in ("hub", "prefix")}
+    build = ["build", str(tmp_path / "a.txt"), "-o", str(stores["hub"]), "--tokenizer", str(tmp_path / "hub"), "-q"]
+    assert not _modules_after(build) & {"torch", "transformers"}
+    for args in (["--text", "quick brown"], ["--ids", "1,2"]):
+        assert not _modules_after(["query", str(stores["hub"]), *args]) & {"torch", "transformers"}, args
+    assert main_status(["build", str(tmp_path / "a.txt"), "-o", str(stores["prefix"]), "-q",
+                        "--tokenizer", str(tmp_path / "prefix")]) == 0
+    assert not _modules_after(["query", str(stores["prefix"]), "--ids", "1,2"]) & {"torch", "transformers"}
+    proc = samctl("query", str(stores["prefix"]), "--ids", "1,2", "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["matched_text"] is None
+    assert "query with --text to see text" in proc.stderr
 
 
 def test_query_with_the_embedded_tokenizer_skips_transformers(tmp_path):
@@ -228,3 +249,90 @@ def test_shipped_question_file_is_spec_bench_format():
         assert isinstance(record["turns"], list) and all(isinstance(t, str) and t for t in record["turns"])
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert "--questions samctl/data/questions/specbench_sample.jsonl" in readme
+
+
+# ---------------------------------------------------------------------------------------------
+# bad sizes, ports and a full disk end in one line (issue 42, item 14)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "--prompt", "x", "--max-nodes", "4000000000000"], "--max-nodes must be at most 1024, got 4000000000000"),
+    (["generate", "--prompt", "x", "--max-new-tokens", "4000000000000"], "--max-new-tokens must be in [1, "),
+    (["generate", "--prompt", "x", "--method", "rest", "--rest-nodes", "99999"], "--rest-nodes must be at most"),
+    (["generate", "--prompt", "x", "--method", "lookahead", "--la-window", "99999"], "--la-window must be at most"),
+    (["generate", "--prompt", "x", "--method", "sd", "--gamma", "99999"], "--gamma must be in [1, "),
+    (["generate", "--prompt", "x", "--method", "specdec++", "--bounds", "2", "99999"], "--bounds (MIN, MAX) need"),
+    (["generate", "--prompt", "x", "--threads", "99999999"], "--threads must be at most"),
+    (["generate", "--prompt", "x", "--compare-runs", "99999999"], "--compare-runs must be at most 1000"),
+    (["serve", "--port", "99999"], "'--port': 99999 is not in the range 0<=x<=65535"),
+    (["serve", "--port", "-1"], "is not in the range 0<=x<=65535"),
+    (["serve", "--batch-size", "99999"], "--batch-size must be at most 4096"),
+    (["build", "a.txt", "-o", "x.sam", "--kind", "ngram", "--max-n", "99999"], "--max-n must be at most 64"),
+    (["build", "a.txt", "-o", "x.sam", "--shards", "99999999"], "--shards must be at most"),
+])
+def test_sizes_and_ports_beyond_any_use_are_one_line_errors(args, message, capsys):
+    code, _, err = _main(args, capsys)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("samctl: error: ") and message in err, err
+
+
+def test_the_python_api_refuses_a_huge_setting_by_its_name():
+    from samctl.config import SessionConfig
+    from samctl.index.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"max_nodes= must be at most 1024"):
+        SessionConfig(settings={"max_nodes": 4_000_000_000_000})
+
+
+class _FullDisk:
+    """A text file on a disk that fills after `room` lines: the next write lands half, then ENOSPC."""
+
+    def __init__(self, real, room: int) -> None:
+        self.real, self.room = real, room
+
+    def write(self, text: str) -> int:
+        import errno
+
+        if self.room <= 0:
+            self.real.write(text[: len(text) // 2])
+            self.real.flush()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= 1
+        return self.real.write(text)
+
+    def flush(self) -> None:
+        self.real.flush()
+
+    def close(self) -> None:
+        self.real.close()
+
+
+def test_a_full_disk_keeps_the_lines_written_and_resume_finishes(model_dir, tmp_path, monkeypatch, capsys):
+    import samctl.commands.generate as generate_module
+
+    records = [json.dumps({"id": f"r{i}", "prompt": f"def f{i}(x):"}) for i in range(5)]
+    (tmp_path / "in.jsonl").write_text("\n".join(records) + "\n")
+    out = tmp_path / "out.jsonl"
+    args = ["generate", "--model", str(model_dir), "--input", str(tmp_path / "in.jsonl"), "--output", str(out),
+            "--max-new-tokens", "4", "--quiet", "--threads", "1"]
+    with monkeypatch.context() as patch:
+        patch.setattr(generate_module, "open", lambda *a, **k: _FullDisk(open(*a, **k), room=2), raising=False)
+        code, _, err = _main(args, capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert "No space left on device (errno 28)" in err and "2 complete line(s)" in err and "--resume" in err, err
+    kept = out.read_text()
+    assert kept.count("\n") == 2 and not kept.endswith("\n")  # two whole lines, then the torn one
+    code, _, err = _main([*args, "--resume"], capsys)
+    assert code == 0, err
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [f"r{i}" for i in range(5)]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_standard_output_on_a_full_device_is_one_line(model_dir, tmp_path):
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt": "def f(x):"}) + "\n")
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "samctl", "generate", "--model", str(model_dir), "--input",
+                               str(tmp_path / "in.jsonl"), "--max-new-tokens", "2", "--quiet", "--threads", "1"],
+                              cwd=ROOT, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "cannot write to standard output: No space left on device (errno 28)" in proc.stderr

@@ -230,3 +230,37 @@ def test_embedded_head_loads_for_the_embedded_target_only(model_dir):
     assert head.vocab is None and head.hidden_size == 256
     with pytest.raises(UserError, match="trained for another model"):
         load_eagle(path, load_engine(str(model_dir), "cpu", "float32", quiet=True))
+
+
+def test_hf_takes_the_eagle_head_its_message_names(tmp_path, model_dir):
+    """samctl.hf's error says `eagle_head=`, and make_generate takes it (issue 42, item 12): the
+    output is plain greedy generate's; a method without a head refuses one."""
+    from transformers import AutoModelForCausalLM
+
+    import samctl.hf
+    from samctl.heads import model_fingerprint, save_eagle_head
+    from samctl.session import load_engine
+
+    engine = load_engine(str(model_dir), "cpu", "float32", quiet=True)
+    save_eagle_head(tmp_path / "h", _head(engine.model), model_fingerprint(engine.model, engine.tokenizer), {})
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([engine.tokenizer.encode("def add(a, b):\n    return a + b\n")])
+    kw = dict(attention_mask=torch.ones_like(ids), pad_token_id=0, do_sample=False, max_new_tokens=12)
+    with pytest.raises(UserError, match="eagle_head="):
+        model.generate(ids, custom_generate=samctl.hf.make_generate(method="eagle"), **kw)
+    fast = samctl.hf.make_generate(method="eagle", eagle_head=tmp_path / "h")
+    assert torch.equal(model.generate(ids, custom_generate=fast, **kw), model.generate(ids, **kw))
+    with pytest.raises(UserError, match="does not draft with an EAGLE head: drop eagle_head="):
+        samctl.hf.make_generate(method="pld", eagle_head=tmp_path / "h")
+
+
+def test_the_installed_head_is_announced_once(tmp_path, model_dir, capsys):
+    from samctl.heads import model_fingerprint, save_eagle_head
+    from samctl.session import Session, SessionConfig, load_engine
+
+    engine = load_engine(str(model_dir), "cpu", "float32", quiet=True)
+    (tmp_path / "m").symlink_to(model_dir, target_is_directory=True)
+    save_eagle_head(tmp_path / "m.eagle", _head(engine.model), model_fingerprint(engine.model, engine.tokenizer), {})
+    capsys.readouterr()
+    Session(SessionConfig(model=str(tmp_path / "m"), method="eagle", max_new_tokens=4))
+    assert capsys.readouterr().err.count("using the EAGLE head installed beside the model") == 1

@@ -41,6 +41,9 @@ def test_help_of_model_commands_loads_no_torch(command):
     ["generate", "--prompt", "x", "--temperature", "-1"],
     ["generate", "--prompt", "x", "--max-new-tokens", "0"],
     ["generate", "--prompt", "x", "--max-nodes", "-1"],
+    ["generate", "--prompt", "x", "--max-nodes", "4000000000000"],  # numpy tried 14.6 TiB (issue 42, item 14)
+    ["generate", "--input", "README.md", "--batch-size", "100000"],
+    ["serve", "--port", "99999"],  # an OverflowError in the event loop, then a native thread's abort
     ["generate", "--prompt", "x", "--gamma", "0", "--method", "sd"],
     ["generate", "--prompt", "x", "--sam", "missing.sam"],
     ["distill", "--prompts", "README.md", "-o", "x.sam", "--threads", "0"],

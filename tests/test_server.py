@@ -578,19 +578,22 @@ def test_generate_reads_and_writes_openai_batch_lines(served, model_dir, tmp_pat
         {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions", "body": {**chat, "temperature": -1}},
         {"custom_id": "other", "method": "POST", "url": "/v1/completions", "body": {"model": "gpt-4o", "prompt": "x"}},
     ]
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines) + "{not json\n")
+    latin1 = b'{"custom_id": "latin", "method": "POST", "url": "/v1/completions", "body": {"prompt": "caf\xe9"}}\n'
+    (tmp_path / "in.jsonl").write_bytes("".join(json.dumps(line) + "\n" for line in lines).encode()
+                                        + b"{not json\n" + latin1)  # the custom_id survives the bad byte (issue 42, item 10)
     proc = samctl("generate", "--model", name, "--input", str(tmp_path / "in.jsonl"), "--output",
                   str(tmp_path / "out.jsonl"), "--threads", "1", "--batch-size", "2", "--quiet")
-    assert proc.returncode == 1, proc.stderr  # three lines failed
+    assert proc.returncode == 1, proc.stderr  # four lines failed
     out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert [o["custom_id"] for o in out] == ["chat", "text", "bad", "other", None]
+    assert [o["custom_id"] for o in out] == ["chat", "text", "bad", "other", None, "latin"]
+    assert "is not UTF-8 (byte 0xe9" in out[5]["error"]["message"]
     served_chat = client.post("/v1/chat/completions", json=chat).json()
     assert out[0]["error"] is None and out[0]["response"]["status_code"] == 200
     assert out[0]["response"]["body"]["choices"] == served_chat["choices"]
     assert out[0]["response"]["body"]["object"] == "chat.completion"
     expected = session.decode(plain(session, ids=session.engine.encode("The quick brown fox", chat=False)))
     assert out[1]["response"]["body"]["choices"][0]["text"] == expected
-    assert [o["response"]["status_code"] for o in out[2:]] == [400, 404, 400]
+    assert [o["response"]["status_code"] for o in out[2:]] == [400, 404, 400, 400]
     assert out[2]["error"]["param"] == "temperature" and out[2]["response"]["body"] is None
     assert out[3]["error"]["code"] == "model_not_found"
 

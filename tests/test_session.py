@@ -89,6 +89,10 @@ def test_generate_input_batches_and_keeps_every_line(model_dir, tmp_path):
     assert [o.get("id") for o in outs[0]] == ["a", 2, "c", "d"]
     assert [o.get("text") for o in outs[0]] == [o.get("text") for o in outs[1]]
     assert "error" in outs[0][1]
+    for out in outs:  # every record's CPU time is measured, batched or not (issue 42, item 9)
+        for o in out:
+            metrics = o.get("metrics", [])
+            assert all(m["cpu_s"] > 0 for m in (metrics if isinstance(metrics, list) else [metrics])), o
 
 
 def _submitted(monkeypatch) -> list:
@@ -108,6 +112,7 @@ def _submitted(monkeypatch) -> list:
 def test_generate_batch_hands_the_engine_the_sessions_sampling_and_eos(model_dir, monkeypatch):
     sampling = SamplingConfig(temperature=0.8, top_k=5, top_p=0.9, seed=3)
     session = Session(SessionConfig(model=str(model_dir), max_new_tokens=6, sampling=sampling, quiet=True))
+    session.batch_warm = True  # no throwaway warm-up run: the spy sees the records alone
     seen = _submitted(monkeypatch)
     results = session.generate_batch(["def add(a, b):", "hello"], batch_size=2)
     assert len(results) == 2 and len(seen) == 2
@@ -147,6 +152,7 @@ def test_row_drafters_get_the_sessions_settings(model_dir, monkeypatch):
     session = Session(SessionConfig(model=str(model_dir), method="adaptive", max_new_tokens=6, quiet=True,
                                     settings={"max_nodes": 7, "min_prob": 0.2}))
     assert (session.drafter.config.max_nodes, session.drafter.config.min_prob) == (7, 0.2)
+    session.batch_warm = True  # no throwaway warm-up run: the spy sees the records' drafters alone
     taken, take = [], DrafterPool.take
     monkeypatch.setattr(DrafterPool, "take", lambda self: taken.append(take(self)) or taken[-1])
     session.generate_batch(["def add(a, b):", "hello", "abc abc"], batch_size=2)
@@ -154,3 +160,47 @@ def test_row_drafters_get_the_sessions_settings(model_dir, monkeypatch):
     scheduler.submit(Job(Request(prompt="hello", store=None, method="adaptive"), scheduler.sessions, lambda _: None))
     scheduler.close()
     assert len(taken) == 4 and all(d.config == session.drafter.config for d in taken), [d.config for d in taken]
+
+
+# Run in a fresh process, so that no earlier test has loaded the kernels: every numba dispatcher's
+# first call (compile, or load from the on-disk cache) is logged, and so is the start of each
+# batched run; the session's own warm-up runs come before the last one, the records' run.
+_JIT_PROBE = """
+import json, sys
+from numba.core.dispatcher import Dispatcher
+import samctl.decode.batch as batch
+from samctl.session import Session, SessionConfig
+events = []
+original, run = Dispatcher._compile_for_args, batch.generate_batch
+def compiling(self, *args, **kwargs):
+    events.append(self.py_func.__name__)
+    return original(self, *args, **kwargs)
+def batched(*args, **kwargs):
+    events.append("BATCH")
+    return run(*args, **kwargs)
+Dispatcher._compile_for_args, batch.generate_batch = compiling, batched
+session = Session(SessionConfig(model=sys.argv[1], method="adaptive", max_new_tokens=10, quiet=True))
+results = session.generate_batch(["", "def f(x):\\n    return x + 1\\n", "hello"], batch_size=2)
+print(json.dumps({"events": events, "errors": [bool(r.error) for r in results],
+                  "cpu_s": [r.metrics.cpu_s for r in results]}))
+"""
+
+
+def test_a_batch_pays_no_jit_inside_its_records(model_dir):
+    """The drafters' and the batched engine's kernels load in a throwaway warm-up on the first
+    prompt the model can continue, before the records run, so that no record's metrics carry it
+    (issue 42, item 9: 415 ms per step for the first record of a batch); cpu_s is measured."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _JIT_PROBE, str(model_dir)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    events = out["events"]
+    records = len(events) - events[::-1].index("BATCH")
+    assert events[:records - 1].count("path_probs") == 1  # a kernel of adaptive's scored (batched) proposals
+    assert events[records:] == [], "kernels loaded while the records ran"
+    assert out["errors"] == [True, False, False] and all(t > 0 for t in out["cpu_s"][1:])

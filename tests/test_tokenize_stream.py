@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.conftest import save_hub_style_tokenizer
 from samctl.tokenizer import (_CUT, DEFAULT_MODEL_DIR, ByteTokenizer, FastTokenizer, HFTokenizer, load_tokenizer,
                               split_text, tokenize_documents)
 
@@ -152,9 +153,12 @@ def test_a_tokenizer_that_is_not_split_safe_gets_whole_documents():
     assert len(tokens) == len(huge) + 1
 
 
-@pytest.mark.parametrize("which", ["tiny", "default", "smollm2"])
-def test_fast_tokenizer_equals_transformers(which, tiny_folder):
-    folder = {"tiny": tiny_folder, "default": DEFAULT_MODEL_DIR, "smollm2": _smollm2_folder()}[which]
+@pytest.mark.parametrize("which", ["tiny", "default", "smollm2", "hub-gpt2"])
+def test_fast_tokenizer_equals_transformers(which, tiny_folder, tmp_path):
+    if which == "hub-gpt2":  # GPT2Tokenizer with add_prefix_space, as SmolLM2's Hub folder (issue 42, item 7)
+        save_hub_style_tokenizer(tmp_path / "hub")
+    folder = {"tiny": tiny_folder, "default": DEFAULT_MODEL_DIR, "smollm2": _smollm2_folder(),
+              "hub-gpt2": tmp_path / "hub"}[which]
     if folder is None or not (Path(folder) / "tokenizer.json").is_file():
         pytest.skip(f"{folder} is absent")
     from transformers import AutoTokenizer
@@ -168,3 +172,24 @@ def test_fast_tokenizer_equals_transformers(which, tiny_folder):
         ids = fast.encode(text)
         assert ids == hf.encode(text)
         assert fast.decode(ids) == hf.decode(ids)
+
+
+@pytest.mark.parametrize("config", [{"add_prefix_space": True}, {"clean_up_tokenization_spaces": True}])
+def test_configs_that_change_the_backend_load_through_transformers(config, tmp_path):
+    """A config under which transformers may encode or decode otherwise than the file's pipeline is
+    not read by `tokenizers` alone (clean-up rewrites decoded BPE text in transformers 4.x; 5.x
+    ignores it for BPE), and a light load declines it."""
+    save_hub_style_tokenizer(tmp_path, **config)
+    pytest.importorskip("transformers")
+    assert isinstance(load_tokenizer(str(tmp_path)), HFTokenizer)
+    assert load_tokenizer(str(tmp_path), light=True) is None
+
+
+def test_add_prefix_space_that_the_file_lacks_changes_the_ids(tmp_path):
+    """Why the config's add_prefix_space is checked against the file's: transformers applies it."""
+    save_hub_style_tokenizer(tmp_path, add_prefix_space=True)
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+
+    assert load_tokenizer(str(tmp_path)).encode("x = 1") != Tokenizer.from_file(
+        str(tmp_path / "tokenizer.json")).encode("x = 1", add_special_tokens=False).ids

@@ -28,8 +28,14 @@ from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, save_dat
 from samctl.index.load import load_datastore
 from samctl.index.errors import UserError
 from samctl.index.store import is_store_file
+from samctl.options import MAX_WORKERS, check_count
 from samctl.progress import human_bytes, progress_bar, status
 from samctl.tokenizer import load_store_tokenizer, load_tokenizer, tokenize_documents
+
+
+MAX_SHARDS = 1 << 16
+MAX_NGRAM = 64  # longest n-gram context
+MAX_NGRAM_TOP_K = 4096  # next tokens kept per context
 
 
 @click.command("build")
@@ -86,6 +92,9 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
     samctl build --append-to store.sam new_docs/ -o store.sam    # grow it
     """
     start = time.perf_counter()
+    if kind == "ngram":
+        check_count("--max-n", max_n, MAX_NGRAM, low=None)  # BuildConfig checks the lower bounds
+        check_count("--top-k", top_k, MAX_NGRAM_TOP_K, low=None)
     config = BuildConfig(kind=kind, max_n=max_n, min_count=min_count, top_k=top_k,
                          compress=compress, append_eos=append_eos, include=include,
                          exclude=exclude, fields=fields)
@@ -199,10 +208,10 @@ def _check_sharding(kind: str, shards: int | None, ray_address: str | None, work
     if kind != "sam":
         raise UserError("--shards splits suffix automata; an n-gram table is small enough for one file: "
                         "drop --shards or use --kind sam")
-    if shards < 1:
-        raise UserError(f"--shards must be >= 1, got {shards}")
-    if workers is not None and (workers < 1 or ray_address is not None):
-        raise UserError("--workers must be >= 1, and Ray schedules its own workers: drop --workers with --ray")
+    check_count("--shards", shards, MAX_SHARDS)
+    check_count("--workers", workers, MAX_WORKERS)
+    if workers is not None and ray_address is not None:
+        raise UserError("Ray schedules its own workers: drop --workers with --ray")
 
 
 def _build_sharded(output: str, tokens, doc_offsets, meta: StoreMeta, shards: int, ray_address: str | None,

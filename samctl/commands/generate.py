@@ -26,7 +26,8 @@ import click
 
 from samctl.decode.methods import ALL_METHODS, DEFAULT_METHOD, NOT_LOSSLESS, method as method_entry
 from samctl.index.errors import UserError
-from samctl.options import batch_size, batch_size_option, ignored_settings, session_config, session_options
+from samctl.options import (MAX_BATCH_SIZE, MAX_WORKERS, batch_size, batch_size_option, check_count, ignored_settings, session_config,
+                            session_options)
 from samctl.textio import TEXT_FILE, check_utf8
 
 @click.command("generate")
@@ -79,8 +80,7 @@ def generate(**opts: Any) -> None:
     sources = [name for name in ("prompt", "prompt_file", "input_file") if opts[name] is not None]
     if len(sources) != 1:
         raise UserError("give exactly one of --prompt, --prompt-file or --input")
-    if opts["compare_runs"] < 1:
-        raise UserError(f"--compare-runs must be >= 1, got {opts['compare_runs']}")
+    check_count("--compare-runs", opts["compare_runs"], 1000)
     _check_batch_options(opts)
     if opts["compare"] and opts["threads"] is None:
         # Timing both sides on one thread keeps the ratio steady when other processes want the
@@ -211,6 +211,7 @@ def _check_batch_options(opts: dict[str, Any]) -> None:
                        ("--workers", opts["workers"] is not None), ("--gpus-per-worker", opts["gpus_per_worker"] != 0)):
         if used and not batch:
             raise UserError(f"{flag} applies to a batch: give --input FILE")
+    check_count("--batch-size", opts["batch_size"], MAX_BATCH_SIZE)  # before the model loads
     if opts["resume"] and opts["output_path"] == "-":
         raise UserError("--resume appends to the --output file: give a file, not stdout")
     if opts["ray_address"] is None and (opts["workers"] is not None or opts["gpus_per_worker"] != 0):
@@ -218,8 +219,9 @@ def _check_batch_options(opts: dict[str, Any]) -> None:
     if opts["ray_address"] is not None:
         if opts["memory_save"]:
             raise UserError("--memory-save keeps one process's memory; each --ray worker has its own: drop one of them")
-        if opts["workers"] is not None and opts["workers"] < 1 or opts["gpus_per_worker"] < 0:
-            raise UserError("--workers must be >= 1 and --gpus-per-worker >= 0")
+        check_count("--workers", opts["workers"], MAX_WORKERS)
+        if opts["gpus_per_worker"] < 0:
+            raise UserError("--gpus-per-worker must be >= 0")
 
 
 def _batch_to_output(opts: dict[str, Any], run: Callable[[Iterable[tuple[int, str]], Callable[[str], None]], int]) -> int:
@@ -246,17 +248,41 @@ def _batch_to_output(opts: dict[str, Any], run: Callable[[Iterable[tuple[int, st
     else:
         output = sys.stdout if path == "-" else open(path, "w", encoding="utf-8")
 
+    written = 0
+    broken: OSError | None = None
+
     def write(line: str) -> None:
-        output.write(line + "\n")
-        output.flush()
+        nonlocal written, broken
+        try:
+            output.write(line + "\n")
+            output.flush()
+        except BrokenPipeError:
+            raise  # the reader went away (`| head`): samctl.cli ends quietly
+        except OSError as err:  # a full disk, a quota, an I/O error
+            broken = err
+            raise _write_error(err, path, written) from err
+        written += 1
 
     try:
         return run(records, write)
     finally:
         if output is not sys.stdout:
-            output.close()
+            try:
+                output.close()
+            except OSError:  # flushing what the failed write left in the buffer fails again
+                if broken is None:
+                    raise
         if opts["resume"] and not opts["quiet"]:
             click.echo(f"samctl: --resume: skipped {skipped} record(s) already in {path}", err=True)
+
+
+def _write_error(err: OSError, path: str, written: int) -> UserError:
+    """A failed write of the batch's output as one line: what failed, what was kept, what to do.
+    Every line before the failed one was flushed whole; `--resume` cuts a torn last line."""
+    where = "standard output" if path == "-" else path
+    then = (f"; the {written} complete line(s) written are kept: make room, then rerun with --resume to finish"
+            if path != "-" else f" after {written} line(s): make room, then rerun")
+    return UserError(f"cannot write to {where}: {err.strerror or err} (errno {err.errno}){then}")
 
 
 def _exit_for(failed: int) -> None:

@@ -1,8 +1,10 @@
 """`samctl query`: the longest suffix of a text (or id list) found in a store, and what follows it.
 
 `--text` is tokenized with the store's tokenizer (or `--tokenizer`, which must have the same
-fingerprint). With `--ids` the text columns are filled in when that tokenizer can be loaded and
-left null otherwise.
+fingerprint). With `--ids` no tokenizer is needed: the text columns are filled in when that
+tokenizer loads without transformers (the `tokenizers` library reads its tokenizer.json in a
+fraction of a second) and left null otherwise, with a note, rather than spend seconds importing
+torch and transformers on every query.
 """
 from __future__ import annotations
 
@@ -32,12 +34,17 @@ def _parse_ids(spec: str, vocab_size: int) -> np.ndarray:
 
 def _tokenizer_for_ids(store: Datastore, spec: str | None) -> Tokenizer | None:
     try:
-        return load_store_tokenizer(store.meta, store.path, spec)
+        tok = load_store_tokenizer(store.meta, store.path, spec, light=True)
     except UserError as err:
         if spec is not None:
             raise
         click.echo(f"samctl: warning: no text shown: {err}", err=True)
         return None
+    if tok is None:
+        click.echo(f"samctl: note: no text shown: tokenizer {spec or store.meta.tokenizer_name} loads only "
+                   "through transformers or a .gguf file's first conversion (seconds); query with --text to see "
+                   "text", err=True)
+    return tok
 
 
 def answer(store: Datastore, ids: np.ndarray, n: int, k: int, tok: Tokenizer | None) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import click
 
 from samctl.decode.methods import ALL_METHODS, DEFAULT_METHOD
 from samctl.index.errors import UserError
-from samctl.options import session_config, session_options
+from samctl.options import MAX_BATCH_SIZE, check_count, session_config, session_options
 
 
 def _stores(specs: tuple[str, ...]) -> dict[str, str]:
@@ -40,7 +40,7 @@ def _stores(specs: tuple[str, ...]) -> dict[str, str]:
 @click.option("--method", type=click.Choice(ALL_METHODS), default=DEFAULT_METHOD, show_default=True,
               help="Default drafting method (a request may name another in `method`).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0: every interface).")
-@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="TCP port (0: any free one).")
 @click.option("--api-key", metavar="KEY", envvar="SAMCTL_API_KEY",
               help="Require 'Authorization: Bearer KEY' on every request (also $SAMCTL_API_KEY).")
 @click.option("--served-model-name", metavar="NAME", help="The model id clients send (default: --model as given).")
@@ -72,8 +72,7 @@ def serve(**opts: Any) -> None:
       -d '{"model": "./SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
     """
     # usage errors first: they load neither torch nor the server
-    if opts["batch_size"] is not None and opts["batch_size"] < 1:
-        raise UserError(f"--batch-size must be >= 1, got {opts['batch_size']}")
+    check_count("--batch-size", opts["batch_size"], MAX_BATCH_SIZE)
     stores = _stores(opts["stores"])
     names = list(stores) or [None]
     config = session_config(opts, store=stores.get(names[0]))
