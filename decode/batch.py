@@ -31,8 +31,9 @@ models, EAGLE heads, SDSAT, a drafter's own acceptance rule) run at batch size 1
 A bad record (empty, longer than the context) gets an "error" result and never stalls the batch.
 An out-of-memory in a forward halves the batch size and puts the rows it drops back at the head
 of the queue (they restart: nothing of theirs was emitted yet), except rows whose tokens already
-streamed out through `on_tokens`, which end with an "error" result; then it goes on. Runs eagerly
-(no CUDA graphs).
+streamed out through `on_tokens`, which end with an "error" result; then it goes on. On CUDA with
+`graphs`, every verify replays a graph of its (rows, width, key length) buckets, all captured when
+the run starts (decode/engine/graphs.py, BatchVerifyGraphs); elsewhere it runs eagerly.
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ from samctl.decode.accept import batch_accept, choose_rows
 from samctl.decode.budget import TreeCalibration, choose_width
 from samctl.decode.drafters.base import Drafter
 from samctl.decode.engine.batched import BatchedTarget, measure_batch_cost
+from samctl.decode.engine.graphs import enable_batch_graphs
 from samctl.decode.engine.target import verify_input
 from samctl.decode.loop import GenerationConfig, _make_generator, _Output, prompt_error
 from samctl.decode.methods import REGISTRY, method as method_entry
@@ -204,10 +206,12 @@ class BatchRun:
 
     def __init__(self, model: torch.nn.Module, batch_size: int = 8, *, cost_ms: np.ndarray | None = None,
                  max_width: int = 16, max_prefill_tokens: int = 8192, capacity: int = 256,
-                 stats: BatchStats | None = None) -> None:
+                 stats: BatchStats | None = None, graphs: bool = False) -> None:
         if batch_size < 1 or max_width < 0:
             raise UserError(f"batch size must be >= 1 (got {batch_size}) and the draft width >= 0 (got {max_width})")
         self.target = BatchedTarget(model, batch_size, max(capacity, max_width + 4))  # the cache allocates lazily
+        # CUDA: every verify forward as a graph, captured now (decode/engine/graphs.py); else eager
+        enable_batch_graphs(self.target, max_width, graphs)
         self.cost_ms = measure_batch_cost(model, batch_size, max(1, min(max_width, 8))) if cost_ms is None else cost_ms
         self.max_width, self.max_prefill_tokens = max_width, max_prefill_tokens
         self.stats = stats if stats is not None else BatchStats()
@@ -465,6 +469,7 @@ def stream_batch(
     max_prefill_tokens: int = 8192,
     stats: BatchStats | None = None,
     predictions: Sequence[Sequence[int] | None] | None = None,
+    graphs: bool = False,
 ) -> Iterator[BatchResult]:
     """Generate for every prompt (host token ids) with up to `batch_size` in flight (a BatchRun);
     yields each record's result as soon as it finishes (`index` says which). `make_drafter()`
@@ -491,7 +496,7 @@ def stream_batch(
         _check_drafter(pool.idle[0])
         capacity = max(len(records[i]) for i in valid) + config.max_new_tokens + max_width + 2
         run = BatchRun(model, min(batch_size, len(valid)), cost_ms=cost_ms, max_width=max_width,
-                       max_prefill_tokens=max_prefill_tokens, capacity=capacity, stats=stats)
+                       max_prefill_tokens=max_prefill_tokens, capacity=capacity, stats=stats, graphs=graphs)
         generator = _make_generator(config.sampling, run.target.device)  # one stream of draws for the batch
         for i in valid:
             run.submit(i, records[i], config, pool, generator=generator,

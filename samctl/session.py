@@ -556,7 +556,8 @@ class Session:
         if not self.batch_warm:  # else the first records' metrics carry the JIT loads (or compiles)
             self._warm_up_batched(ids, cost_ms)
         return generate_batch(self.engine.model, self.fresh_drafter, ids, self.generation, batch_size, on_result,
-                              cost_ms=cost_ms, max_width=BATCH_MAX_WIDTH, stats=stats, predictions=expected)
+                              cost_ms=cost_ms, max_width=BATCH_MAX_WIDTH, stats=stats, predictions=expected,
+                              graphs=self.config.graphs)
 
     def batch_run(self, batch_size: int, stop: Callable[[], bool] | None = None):
         """An empty decode.batch.BatchRun on this session's engine, for records submitted one by
@@ -566,7 +567,7 @@ class Session:
         from samctl.decode.batch import BatchRun
 
         return BatchRun(self.engine.model, batch_size, cost_ms=self._batch_cost(batch_size, stop),
-                        max_width=BATCH_MAX_WIDTH)
+                        max_width=BATCH_MAX_WIDTH, graphs=self.config.graphs)
 
     def batch_refusal(self) -> str:
         """Why this session cannot run on the batched engine ("" when it can)."""

@@ -15,7 +15,8 @@ Invariant: for every row, storage[..., b, :, :L_b, :] holds exactly the K/V a ba
 for that row's committed tokens, each computed at its true position; so a row's logits equal its
 batch-1 logits up to floating-point summation order, whatever the other rows do.
 
-Runs eagerly (no CUDA graphs). Works with the model families `TargetModel` supports (sdpa or
+Verifies replay CUDA graphs where `enable_batch_graphs` captured them (decode/engine/graphs.py),
+else run eagerly. Works with the model families `TargetModel` supports (sdpa or
 eager attention with a 4D additive mask, explicit position ids, a transformers Cache). Knows
 nothing of drafters or acceptance rules; lengths live on the host because the caller learns the
 accepted paths on the host anyway (the step's one synchronization).
