@@ -17,7 +17,7 @@ the target's whole vocabulary and the residual covers them.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -50,18 +50,38 @@ def batch_accept(
     trees: Sequence[DraftTree],
     samplings: Sequence[SamplingConfig],
     generators: Sequence[torch.Generator | None],
+    rules: Sequence[Callable | None] | None = None,
 ) -> tuple[list[np.ndarray], list[int], np.ndarray]:
     # logits: [N, V] and input_ids: [N], A rows' inputs [t0, nodes...] concatenated, row b's at
-    # offsets[b]:offsets[b + 1]; trees, samplings, generators: per row
+    # offsets[b]:offsets[b + 1]; trees, samplings, generators: per row; rules: per row None (this
+    # rule) or a rule of `tree_accept`'s signature (speculative_accept for sampled chains with q,
+    # a drafter's own) that decides that row instead
     # -> (per row its accepted input indices, root first; per row its next token; input_ids on the host)
     # `tree_accept` for every row at once: each row's choices by its own sampling, one host sync
     # for the whole step, then each row walks its own tree; the choice at a row's last accepted
     # input is its next token (the bonus after a full match, the correction after a rejection).
-    choices = choose_rows(logits, offsets, samplings, generators)
+    # Rows with a rule of their own draw nothing here and sync once more each.
+    rules = rules if rules is not None else [None] * len(trees)
+    shared = [b for b, rule in enumerate(rules) if rule is None]
+    choices = torch.zeros_like(input_ids)
+    if shared:
+        spans = [torch.arange(int(offsets[b]), int(offsets[b + 1]), device=logits.device) for b in shared]
+        picked = torch.cat(spans) if len(shared) < len(trees) else None
+        sizes = np.array([offsets[b + 1] - offsets[b] for b in shared])
+        part = choose_rows(logits if picked is None else logits.index_select(0, picked),
+                           np.concatenate(([0], np.cumsum(sizes))), [samplings[b] for b in shared],
+                           [generators[b] for b in shared])
+        choices = part if picked is None else choices.index_copy_(0, picked, part)
     host = torch.stack((input_ids, choices)).cpu().numpy()  # the step's one host sync
     paths, nexts = [], []
     for b, tree in enumerate(trees):
-        ids, chosen = host[0, offsets[b]: offsets[b + 1]], host[1, offsets[b]: offsets[b + 1]]
+        lo, hi = int(offsets[b]), int(offsets[b + 1])
+        if rules[b] is not None:
+            path, bonus, _ = rules[b](logits[lo:hi], tree, input_ids[lo:hi], samplings[b], generators[b])
+            paths.append(np.asarray(path, dtype=np.int64))
+            nexts.append(int(bonus))
+            continue
+        ids, chosen = host[0, lo:hi], host[1, lo:hi]
         path = walk_tree(tree.parents, ids[1:], chosen, tree.drafts)
         paths.append(path)
         nexts.append(int(chosen[path[-1]]))

@@ -45,12 +45,13 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from samctl.decode.accept import batch_accept, choose_rows
+from samctl.decode.accept import batch_accept, choose_rows, speculative_accept
 from samctl.decode.budget import TreeCalibration, choose_width
 from samctl.decode.drafters.base import Drafter
 from samctl.decode.engine.batched import BatchedTarget, measure_batch_cost
 from samctl.decode.engine.graphs import enable_batch_graphs
 from samctl.decode.engine.target import verify_input
+from samctl.decode.engine.transfer import to_device
 from samctl.decode.loop import GenerationConfig, _make_generator, _Output, prompt_error
 from samctl.decode.methods import REGISTRY, method as method_entry
 from samctl.decode.metrics import Metrics, PredictionUsage
@@ -60,18 +61,16 @@ from samctl.index.errors import UserError
 BATCH_ONE = "runs at batch size 1 only"
 
 
+def batch_blocker(name: str) -> str:
+    """What keeps method `name` from the batched engine, as a clause ("" when nothing does):
+    SDSAT drafts with the target's own forward and cache, which rows share."""
+    return "it drafts with the target's own forward at SAT tokens" if method_entry(name).needs_sat_model else ""
+
+
 def batch_refusal(name: str) -> str:
-    """Why method `name` has no batched form ("" when it has one)."""
-    entry = method_entry(name)
-    if entry.needs_draft:
-        why = "its drafts come from a draft model"
-    elif entry.needs_eagle:
-        why = "its drafts come from an EAGLE head over the target's hidden states"
-    elif entry.needs_sat_model:
-        why = "it drafts with the target's own forward at SAT tokens"
-    else:
-        return ""
-    return f"method {name} {BATCH_ONE} ({why}): use batch size 1 or another method"
+    """Why method `name` has no batched form, in one line that says what to do ("" when it has one)."""
+    why = batch_blocker(name)
+    return f"method {name} {BATCH_ONE} ({why}): use batch size 1 or another method" if why else ""
 
 
 def require_batchable(name: str) -> None:
@@ -80,13 +79,13 @@ def require_batchable(name: str) -> None:
         raise UserError(reason)
 
 
-def _check_drafter(drafter: Drafter) -> None:
+def _check_drafter(drafter: Drafter, target: BatchedTarget) -> None:
     name = drafter.name
     if name in REGISTRY:
         require_batchable(name)
-    if drafter.needs_hidden or drafter.accept is not None:
-        raise UserError(f"method {name} {BATCH_ONE} (it reads the target's hidden states or has its own "
-                        "acceptance rule): use batch size 1 or another method")
+    if drafter.needs_hidden and not target.gives_hidden:
+        raise UserError(f"method {name} reads the target's hidden states, which this model's batched forward "
+                        f"does not give ({getattr(target.model.config, 'model_type', 'its family')}): use batch size 1")
 
 
 @dataclass
@@ -330,7 +329,7 @@ class BatchRun:
         # 4) accept: one draw (or argmax) per real input, each row by its own sampling, one host sync
         flat = torch.cat(inputs)
         paths, nexts, host = batch_accept(logits, offsets, flat, trees, [r.config.sampling for r in active],
-                                          [r.generator for r in active])
+                                          [r.generator for r in active], [_own_rule(r) for r in active])
 
         # 5) commit: tokens go out per row as they are committed (on_tokens)
         target.keep(paths)
@@ -348,6 +347,9 @@ class BatchRun:
             t_draft = time.perf_counter()
             if row.out.done or target.lengths[b] + 1 >= target.max_positions:
                 finished.append(row)
+            elif row.drafter.needs_hidden:  # [1 + a, H] at the committed inputs, from this verify
+                row.drafter.observe(committed, flat[offsets[b]: offsets[b + 1]], logits[offsets[b]: offsets[b + 1]],
+                                    hidden=target.hidden[to_device(offsets[b] + path, target.device)])
             else:
                 row.drafter.observe(committed, flat[offsets[b]: offsets[b + 1]], logits[offsets[b]: offsets[b + 1]])
             row.metrics.record_draft(time.perf_counter() - t_draft)
@@ -384,6 +386,8 @@ class BatchRun:
             target.reserve(min(longest, target.max_positions) + self.max_width + 2)
             newcomers = [_Row(w, w.pool.take()) for w in group]
             wants_all = [r.drafter.prefill_logits == "all" for r in newcomers]
+            if any(r.drafter.needs_hidden for r in newcomers):
+                target.wants_hidden = True  # for the rest of the run: EAGLE rows read every forward's
             tic = time.perf_counter()
             try:
                 logits = target.prefill(slots, [r.prompt for r in newcomers], wants_all)
@@ -398,11 +402,14 @@ class BatchRun:
             elapsed = time.perf_counter() - tic
             stats.prefill_s += elapsed
             stats.prefills += 1
-            for row, lg, t0 in zip(newcomers, logits, firsts):
+            for i, (row, lg, t0) in enumerate(zip(newcomers, logits, firsts)):
                 row.metrics.prefill_s = elapsed
                 t_draft = time.perf_counter()
                 row.drafter.expect(row.prediction)  # this row's prediction, or none (a reused drafter forgets the last)
-                row.drafter.start(row.prompt, lg)
+                if row.drafter.needs_hidden:
+                    row.drafter.start(row.prompt, lg, hidden=target.prefill_hidden[i])
+                else:
+                    row.drafter.start(row.prompt, lg)
                 row.metrics.draft_s += time.perf_counter() - t_draft
                 row.t0 = int(t0)
                 row.out.emit([row.t0])
@@ -493,10 +500,10 @@ def stream_batch(
     if valid:
         pool = DrafterPool(make_drafter)
         pool.idle.append(make_drafter())
-        _check_drafter(pool.idle[0])
         capacity = max(len(records[i]) for i in valid) + config.max_new_tokens + max_width + 2
         run = BatchRun(model, min(batch_size, len(valid)), cost_ms=cost_ms, max_width=max_width,
                        max_prefill_tokens=max_prefill_tokens, capacity=capacity, stats=stats, graphs=graphs)
+        _check_drafter(pool.idle[0], run.target)
         generator = _make_generator(config.sampling, run.target.device)  # one stream of draws for the batch
         for i in valid:
             run.submit(i, records[i], config, pool, generator=generator,
@@ -531,9 +538,6 @@ def _propose(row: _Row, calibration: TreeCalibration, room: int) -> None:
     row.scored = probs is not None
     row.proposed = row.leading = len(tree)
     if probs is None:
-        if tree.q is not None:
-            raise UserError(f"method {row.drafter.name} {BATCH_ONE} (its drafts carry draft "
-                            "probabilities): use batch size 1 or another method")
         probs = calibration.score(tree.parents)
     if len(tree):
         depth = tree.depths()
@@ -548,8 +552,19 @@ def _propose(row: _Row, calibration: TreeCalibration, room: int) -> None:
 
 
 def _prefix(tree: DraftTree, k: int) -> DraftTree:
-    """The first k nodes of `tree` (a tree again: parents come before their children)."""
+    """The first k nodes of `tree` (a tree again: parents come before their children); a chain
+    drawn from a draft model keeps the draft probabilities of its first k tokens."""
     if tree.is_chain:
-        return DraftTree.chain(tree.tokens[:k])
+        return DraftTree.chain(tree.tokens[:k], None if tree.q is None else tree.q[:k])
     return DraftTree(tokens=tree.tokens[:k], parents=tree.parents[:k])
+
+
+def _own_rule(row: _Row) -> Callable | None:
+    """The acceptance rule a row's step needs besides the shared tree rule: the drafter's own
+    (a reference reproduction), or speculative sampling's for sampled chains carrying q."""
+    if row.drafter.accept is not None:
+        return row.drafter.accept
+    if row.tree.q is not None and not row.config.sampling.greedy:
+        return speculative_accept
+    return None
 

@@ -37,6 +37,11 @@ class DraftModel:
         self.cache = DynamicCache(config=self.model.config)
         self.cached = 0
 
+    def fork(self) -> "DraftModel":
+        """Another holder of the same model with a cache of its own: one per sequence in flight
+        (the batched engine's rows), the weights loaded once."""
+        return DraftModel(self.model, self.vocab)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         # input_ids: [n] int64 on the draft's device, the tokens after the cached ones

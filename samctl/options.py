@@ -139,19 +139,19 @@ session_options = _options(sampling_options, engine_options, method_options, dra
 batch_size_option = click.option(
     "--batch-size", type=int, default=None,
     help="Records in flight at once on the batched engine, each output still exactly its own batch-1 output in "
-         "float32 and with --quantize int8 [default: 8 on a CPU, 32 on a GPU; 1 for methods without a batched form "
-         "(draft models, EAGLE, SDSAT) and --compare; with --ray, per worker].")
+         "float32 and with --quantize int8 [default: 8 on a CPU, 32 on a GPU; 1 for the methods without a batched form "
+         "(SDSAT's) and --compare; with --ray, per worker].")
 
 
 def batch_size(opts: dict[str, Any], method: str, on_gpu: bool) -> int:
     """--batch-size, or the default for the device; 1 (said once) where batching does not apply:
     the method has no batched form, or --compare / --memory-file / --memory-save is given."""
-    from samctl.decode.batch import batch_refusal
+    from samctl.decode.batch import BATCH_ONE, batch_blocker
 
     asked = opts.get("batch_size")
     check_count("--batch-size", asked, MAX_BATCH_SIZE)
-    why = batch_refusal(method)
-    blocked = (why.rsplit(": use", 1)[0] if why else
+    why = batch_blocker(method)
+    blocked = (f"method {method} {BATCH_ONE} ({why})" if why else
                "--compare times records one at a time" if opts.get("compare") else
                "--memory-file/--memory-save keep one drafter's memory" if opts.get("memory_file") or opts.get("memory_save")
                else "")

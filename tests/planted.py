@@ -132,15 +132,17 @@ RULES = {
 }
 
 
-def _row_by_row(tree_rule):
+def _row_by_row(tree_rule, spec_rule):
     """A batched acceptance step (`batch_accept`'s signature) applying `tree_rule` to each
-    sampled row on its own; greedy rows keep the true rule (no bug here is about argmax)."""
+    sampled row on its own, and `spec_rule` to the rows the engine sends to the q rule; greedy
+    rows keep the true rule (no bug here is about argmax)."""
 
-    def rule(logits, offsets, input_ids, trees, samplings, generators):
+    def rule(logits, offsets, input_ids, trees, samplings, generators, rules=None):
         paths, nexts = [], []
         for b, tree in enumerate(trees):
             rows = slice(int(offsets[b]), int(offsets[b + 1]))
-            chosen = tree_accept if samplings[b].greedy else tree_rule
+            own = None if rules is None else rules[b]
+            chosen = tree_accept if samplings[b].greedy else spec_rule if own is speculative_accept else own or tree_rule
             path, token, _ = chosen(logits[rows], tree, input_ids[rows], samplings[b], generators[b])
             paths.append(path)
             nexts.append(token)
@@ -185,7 +187,7 @@ def acceptance(bug: str | None = None):
     """Run the loop and the batched engine under the true rules (bug None) or a planted bug;
     yields a `Seen` (a batched step counts once per row)."""
     tree_rule, spec_rule = (tree_accept, speculative_accept) if bug is None else RULES[bug]
-    batch_rule = batch_accept if bug is None else _row_by_row(tree_rule)
+    batch_rule = batch_accept if bug is None else _row_by_row(tree_rule, spec_rule)
     seen = Seen()
 
     def spy_tree(logits, tree, input_ids, sampling: SamplingConfig, generator):
@@ -199,9 +201,10 @@ def acceptance(bug: str | None = None):
         _record(seen, tree, path)
         return path, bonus, host
 
-    def spy_batch(logits, offsets, input_ids, trees, samplings, generators):
-        paths, nexts, host = batch_rule(logits, offsets, input_ids, trees, samplings, generators)
-        for tree, path in zip(trees, paths):
+    def spy_batch(logits, offsets, input_ids, trees, samplings, generators, rules=None):
+        paths, nexts, host = batch_rule(logits, offsets, input_ids, trees, samplings, generators, rules)
+        for b, (tree, path) in enumerate(zip(trees, paths)):
+            seen.q_steps += rules is not None and rules[b] is speculative_accept
             _record(seen, tree, path)
         return paths, nexts, host
 

@@ -291,18 +291,21 @@ def _exact(model, prompt, sampling):
     return exact_distribution(Case("ar", sampling, prompt=tuple(prompt), turns=(3,)))
 
 
-def test_methods_without_a_batched_form_are_refused():
-    for name in ("sd", "specdec++", "sam+draft", "ouroboros", "eagle", "sam+eagle", "adaptive+eagle", "sdsat"):
+def test_only_methods_drafting_with_the_target_itself_are_refused():
+    from samctl.decode.batch import _check_drafter
+    from samctl.decode.methods import SELF_DRAFT_METHODS
+
+    for name in SELF_DRAFT_METHODS:
         with pytest.raises(UserError, match="batch size 1"):
             require_batchable(name)
-    assert [m for m in ALL_METHODS if not batch_refusal(m)] == [m for m in ALL_METHODS if m in (
-        "adaptive", "ar", "pld", "sam", "recycle", "sam+recycle", "rest", "lookahead")]
+    assert [m for m in ALL_METHODS if batch_refusal(m)] == list(SELF_DRAFT_METHODS)
 
     class Hidden:
         name, needs_hidden = "custom", True
 
-    with pytest.raises(UserError, match="batch size 1"):
-        generate_batch(tiny(), Hidden, [[1, 2]], GenerationConfig(max_new_tokens=2), 2, cost_ms=CHEAP)
+    no_hidden = SimpleNamespace(gives_hidden=False, model=SimpleNamespace(config=SimpleNamespace(model_type="gpt2")))
+    with pytest.raises(UserError, match="hidden states.*gpt2.*batch size 1"):
+        _check_drafter(Hidden(), no_hidden)
 
 
 def test_bad_records_and_out_of_memory_do_not_stall_the_batch(monkeypatch):
@@ -446,3 +449,88 @@ def test_int8_batched_prefill_is_one_forward_per_prompt(monkeypatch):
                              prompts, config, len(prompts), cost_ms=CHEAP)
     assert sorted(prefills) == sorted((1, len(p)) for p in prompts)
     assert [r.tokens for r in results] == expected
+
+
+@pytest.mark.parametrize("method", ["sd", "specdec++", "sam+draft", "ouroboros", "eagle", "sam+eagle", "adaptive+eagle"])
+def test_draft_model_and_eagle_methods_batched_equal_batch1(method):
+    # each row its own drafter (a draft model's cache, an EAGLE head's state and features of its
+    # own), verified beside other rows; greedy outputs equal batch 1's, EOS and refills included
+    from samctl.decode.acceptance_head import AcceptanceHead, HeadConfig
+    from samctl.decode.draft_model import DraftModel
+    from samctl.decode.eagle_head import EagleHead
+    from samctl.decode.methods import method as method_entry
+
+    model = tiny("llama", 2)
+    entry = method_entry(method)
+    draft = DraftModel(tiny("llama", 2, seed=1)) if entry.needs_draft else None
+    torch.manual_seed(0)
+    head = AcceptanceHead(HeadConfig(draft.hidden_size, num_blocks=1)).eval() if entry.needs_head else None
+    eagle = EagleHead(model).eval() if entry.needs_eagle else None
+    prompts = mixed_prompts(96)
+    plain, eos, expected = _references("draft-eagle", model, prompts)
+    config = GenerationConfig(max_new_tokens=NEW, eos_token_ids=(eos,))
+    corpus = np.concatenate([np.asarray(r, dtype=np.int32) for r in plain])
+    static = SuffixAutomaton.build(corpus, np.concatenate(([0], np.cumsum([len(r) for r in plain]))))
+
+    def make():
+        return make_drafter(method, vocab_size=96, device=torch.device("cpu"), eos_token_ids=(eos,), static=static,
+                            config=EAGER, draft=None if draft is None else draft.fork(), head=head, eagle=eagle)
+
+    target = TargetModel(model)
+    alone = [generate(target, make(), p, config).tokens for p in prompts]
+    assert alone == expected
+    stats = BatchStats()
+    results = generate_batch(model, make, prompts, config, 3, cost_ms=CHEAP, stats=stats)
+    assert [r.tokens for r in results] == expected, method
+    assert stats.prefills >= 2 and max(stats.rows_per_step) == 3
+
+
+def test_batched_speculative_sampling_rows_fit_the_model():
+    """`sd` batched: sampled chains carrying q are accepted by speculative sampling row by row,
+    beside other rows; each prompt's samples fit the model's exact distribution."""
+    from samctl.decode.draft_model import DraftModel
+    from tests.test_decode_sampling import DraftCopyLM
+
+    model = BatchCopyLM(vocab=VOCAB, peak=1.5)
+    draft = DraftModel(DraftCopyLM(vocab=VOCAB, peak=1.0))
+    sampling = SamplingConfig(temperature=0.9, top_p=0.95, seed=7)
+    first, second = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1], [3, 1, 0, 2, 3, 1, 0, 2, 3]
+    samples = 600
+    prompts = [first if i % 2 == 0 else second for i in range(2 * samples)]
+    def make():  # each slot's draft draws from a stream of its own, unseeded: not restarted per record
+        return make_drafter("sd", vocab_size=VOCAB, device=torch.device("cpu"), config=SAMPLING_METHODS,
+                            draft=draft.fork(), sampling=replace(sampling, seed=None))
+
+    results = generate_batch(model, make, prompts, GenerationConfig(max_new_tokens=3, sampling=sampling), 8,
+                             cost_ms=CHEAP)
+    assert sum(r.metrics.accepted for r in results) > samples // 10
+    assert sum(r.metrics.drafted - r.metrics.accepted for r in results) > samples // 10  # rejections happened
+    for parity, prompt in ((0, first), (1, second)):
+        counts: dict[tuple[int, ...], int] = {}
+        for r in results[parity::2]:
+            counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
+        assert fits(counts, _exact(model, prompt, sampling), samples) > 1e-3, (parity, counts)
+
+
+@pytest.mark.parametrize("bug", ["residual"])
+def test_batched_speculative_sampling_rejects_planted_q_rules(bug):
+    """The same run under a planted q rule (the residual norm(|p - q|)) must fail the fit: the q rows
+    really go through the rule the planted bugs replace."""
+    from samctl.decode.draft_model import DraftModel
+    from tests.test_decode_sampling import DraftCopyLM
+
+    model = BatchCopyLM(vocab=VOCAB, peak=1.5)
+    draft = DraftModel(DraftCopyLM(vocab=VOCAB, peak=1.0))
+    sampling = SamplingConfig(temperature=0.9, top_p=0.95, seed=7)
+    prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+
+    def make():
+        return make_drafter("sd", vocab_size=VOCAB, device=torch.device("cpu"), config=SAMPLING_METHODS,
+                            draft=draft.fork(), sampling=replace(sampling, seed=None))
+
+    with acceptance(bug) as seen:
+        results = generate_batch(model, make, [prompt] * 600, GenerationConfig(max_new_tokens=3, sampling=sampling), 8,
+                                 cost_ms=CHEAP)
+    assert seen.q_steps > 100
+    counts = Counter(tuple(r.tokens) for r in results)
+    assert fits(counts, _exact(model, prompt, sampling), 600) < 1e-6, bug

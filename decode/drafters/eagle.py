@@ -231,6 +231,12 @@ class EagleDrafter(Drafter):
         self.last = (tokens[keep], tree_parents, depths[keep], np.exp(scores[keep]))
         return DraftTree(tokens=tokens[keep].astype(np.int64), parents=tree_parents)
 
+    def keep_first(self, k: int) -> None:
+        """The batched engine verifies the first k nodes of the last tree: calibration learns
+        from those only (the first k nodes of a tree in this order are a tree)."""
+        if self.last is not None:
+            self.last = tuple(part[:k] for part in self.last)
+
     @torch.inference_mode()
     def offer(self, t0: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The head's best `n` candidates for a caller that merges them with other drafts:

@@ -131,6 +131,13 @@ class BatchedTarget:
         # batch 1's, so each prompt is prefilled alone, as batch 1 prefills it
         self._prefill_alone = exact_rows(model)
         self.graphs = None  # decode.engine.graphs.BatchVerifyGraphs, on CUDA only
+        # hidden states (EAGLE heads): the final norm's output, from the same forwards. Only where
+        # the forward is the decoder then the head (native, or hf's PLAIN_HEAD families)
+        self.gives_hidden = self.native is not None or self._decoder is not None
+        self.wants_hidden = False
+        self.forward_hidden: torch.Tensor | None = None  # [A * q, H] of the last forward
+        self.hidden: torch.Tensor | None = None  # [N, H] at the last verify's real inputs, as its logits
+        self.prefill_hidden: list[torch.Tensor] = []  # per prompt of the last prefill: [n, H]
         self.eager_fallbacks = 0  # verifies run eagerly while graphs were on (too wide, or capture failed)
 
     # -- forwards -----------------------------------------------------------------------------
@@ -139,13 +146,17 @@ class BatchedTarget:
                 keep: torch.Tensor | None, upto: int | None = None) -> torch.Tensor:
         # input_ids, position_ids: [A, q]; mask: [A or 1, 1, q, kv] (None: the model's causal mask); keep: [N] flat indices into
         # A * q of the inputs whose logits are wanted (None: all); upto: a host bound on the
-        # positions -> logits [N, V]. The one place a forward of either backend runs.
+        # positions -> logits [N, V]. The one place a forward of either backend runs. With
+        # `wants_hidden`, `forward_hidden` is then [A * q, H], the final norm's output at every input.
         if self.native is not None:
-            return self.native(input_ids, position_ids, mask, self.cache, keep, upto)[0]
+            logits, hidden = self.native(input_ids, position_ids, mask, self.cache, keep, upto)
+            self.forward_hidden = hidden if self.wants_hidden else None
+            return logits
         if self._decoder is not None:
             hidden = self._decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                                    **with_cache(self._decoder, self.cache), use_cache=True).last_hidden_state
             hidden = hidden.reshape(-1, hidden.shape[-1])
+            self.forward_hidden = hidden if self.wants_hidden else None
             return self.model.lm_head(hidden if keep is None else hidden.index_select(0, keep))
         logits = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                             **with_cache(self.model, self.cache), use_cache=True).logits
@@ -155,9 +166,11 @@ class BatchedTarget:
     @torch.inference_mode()
     def prefill(self, slots: Sequence[int], prompts: Sequence[np.ndarray], all_logits: Sequence[bool]) -> list[torch.Tensor]:
         # slots: [k] free slots; prompts: k host int64 arrays (1 <= len, len + verify room <= capacity)
-        # -> per prompt its logits: [n, V] if all_logits[i] else [1, V] at the last position.
+        # -> per prompt its logits: [n, V] if all_logits[i] else [1, V] at the last position
+        # (and, with wants_hidden, its hidden states [n, H] in prefill_hidden).
         # One forward, right-padded to the longest prompt: with right padding a plain causal mask
         # is exactly right for every real position.
+        self.prefill_hidden = []
         if self._prefill_alone:
             return [self._prefill_alone_one(s, p, a) for s, p, a in zip(slots, prompts, all_logits)]
         k = len(slots)
@@ -178,6 +191,8 @@ class BatchedTarget:
         finally:
             self.cache.prefill_rows = None
         self.lengths[list(slots)] = lengths
+        if self.forward_hidden is not None:
+            self.prefill_hidden = [self.forward_hidden[i * width : i * width + n] for i, n in enumerate(lengths)]
         counts = np.where(np.asarray(all_logits), lengths, 1)
         return list(torch.split(logits, counts.tolist()))
 
@@ -195,6 +210,8 @@ class BatchedTarget:
         finally:
             self.cache.prefill_rows = None
         self.lengths[slot] = n
+        if self.forward_hidden is not None:
+            self.prefill_hidden.append(self.forward_hidden)
         return logits
 
     @torch.inference_mode()
@@ -226,6 +243,7 @@ class BatchedTarget:
                 if out is not None:
                     logits, width = out
                     keep = to_device(np.concatenate([b * width + np.arange(n) for b, n in enumerate(sizes)]), self.device)
+                    self.hidden = None if self.graphs.hidden is None else self.graphs.hidden.index_select(0, keep)
                     return logits.index_select(0, keep), offsets
             self.eager_fallbacks += 1
         # 3) eagerly: the mask shows the committed prefix, the tree block by ancestry, hides the rest
@@ -239,6 +257,7 @@ class BatchedTarget:
             logits = self.forward(ids, positions, mask, keep, upto=kv)
         finally:
             self.cache.write_positions = None
+        self.hidden = None if self.forward_hidden is None else self.forward_hidden.index_select(0, keep)
         return logits, offsets
 
     def verify_mask(self, past: torch.Tensor, visible: torch.Tensor, kv: int) -> torch.Tensor:

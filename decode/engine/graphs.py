@@ -293,6 +293,7 @@ class BatchVerifyGraphs:
         self.generation: int | None = None
         self.captures = self.prepares = self.replays = 0
         self.failed: str | None = None
+        self.hidden: torch.Tensor | None = None  # [R * W, H] of the last replay, when the target wants it
         self._inputs: dict[tuple[int, int], _BatchInputs] = {}
 
     def covers(self, rows: int, q: int) -> bool:
@@ -339,6 +340,7 @@ class BatchVerifyGraphs:
         g = self.graphs[(r, w, keys)]
         g.replay()
         self.replays += 1
+        self.hidden = g.hidden if target.wants_hidden else None
         return g.logits, w
 
     def _capture_all(self) -> None:
@@ -374,11 +376,15 @@ class BatchVerifyGraphs:
             positions = inputs.past[:, None] + inputs.rel
             cache.write_positions = inputs.past[:, None] + inputs.arange
             cache.kv_length = keys
+            wants = target.wants_hidden
+            target.wants_hidden = target.gives_hidden  # every graph keeps them: switching needs no recapture
             try:
                 g.logits = target.forward(inputs.ids, positions, target.verify_mask(inputs.past, inputs.visible, keys),
                                           None, upto=keys)
+                g.hidden = target.forward_hidden
             finally:
                 cache.write_positions = None
+                target.wants_hidden = wants
 
         g.replay = self.backend.capture(forward, pool)
         return g
