@@ -58,6 +58,7 @@ class _Request(BaseModel):
     prediction: Prediction | None = None
     # samctl's own
     method: str | None = None
+    speculation: Literal["on", "off"] = "on"  # off: plain decoding for this request (method ar)
     store: str | None = None
     top_k: int | None = Field(default=None, ge=0)
 
@@ -321,7 +322,10 @@ def job_request(body: ChatRequest | CompletionRequest, sessions: "Sessions") -> 
     if body.model != sessions.model_name:
         raise RequestError(f"model {body.model!r} is not served here: this server has {sessions.model_name!r}",
                            status=404, param="model", code="model_not_found")
-    store, method = sessions.check(body.store, body.method)
+    if body.speculation == "off" and body.method not in (None, "ar"):
+        raise RequestError(f"speculation off and method {body.method!r} contradict each other: send one of them",
+                           param="speculation")
+    store, method = sessions.check(body.store, "ar" if body.speculation == "off" else body.method)
     default = sessions.by_store[store].config.sampling
     pick = lambda value, fallback: fallback if value is None else value  # noqa: E731
     try:

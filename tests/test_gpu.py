@@ -1,7 +1,8 @@
 """CUDA checks of GPU.md section 2 (T1-T11): CUDA graphs against eager, every method lossless on the
 GPU, static against DynamicCache, half precision, storage growth, pinned buffers, host syncs,
-EAGLE without recaptures, capture fallback, the graph cost curve and the CLI. Skipped without CUDA;
-the same bookkeeping runs on the CPU in tests/test_graphs_cpu.py and tests/test_syncs_cpu.py."""
+EAGLE without recaptures, capture fallback, the graph cost curve and the CLI; T12-T13: the batched
+verify as CUDA graphs, both backends. Skipped without CUDA; the same bookkeeping runs on the CPU
+in tests/test_graphs_cpu.py and tests/test_syncs_cpu.py."""
 from __future__ import annotations
 
 import json
@@ -267,3 +268,60 @@ def test_t11_cli_generate_compare_on_cuda(dtype):
         assert out["compare"]["identical"] is True, out["compare"]
     else:
         print(f"\nT11 bfloat16: identical={out['compare']['identical']} first_difference={out['compare']['first_difference']}")
+
+
+@pytest.mark.parametrize("backend", ["hf", "native"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_t12_batched_graphs_equal_eager_across_buckets(backend, dtype, tol):
+    # the batched verify replayed as CUDA graphs at (rows, width, key length) buckets against the
+    # same steps run eagerly: random trees of ragged widths, 1..3 rows, rows past the first key bucket
+    from samctl.decode.engine.batched import BatchedTarget
+    from samctl.decode.engine.graphs import enable_batch_graphs
+    from samctl.decode.engine.native import use_backend
+
+    model = tiny().to(CUDA, dtype)
+    use_backend(model, backend)
+    rng = np.random.default_rng(12)
+    prompts = [rng.integers(0, 96, n) for n in (3, 280, 40)]
+    eager, graphed = BatchedTarget(model, 3, 320), BatchedTarget(model, 3, 320)
+    for target in (eager, graphed):
+        target.prefill([0, 1, 2], prompts, [False] * 3)
+    enable_batch_graphs(graphed, 8)
+    graphs = graphed.graphs
+    assert graphs is not None and graphs.failed is None and len(graphs.buckets) > 1
+    for step in range(6):
+        rows = 1 + step % 3
+        trees = [random_tree(rng, int(rng.integers(0, 9))) for _ in range(rows)]
+        inputs = [torch.from_numpy(np.concatenate(([rng.integers(0, 96)], t.tokens)).astype(np.int64)).to(CUDA)
+                  for t in trees]
+        want, _ = eager.verify(inputs, trees)
+        got, _ = graphed.verify(inputs, trees)
+        assert torch.isfinite(got).all() and (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
+        paths = [np.array([0], dtype=np.int64) for _ in trees]
+        for target in (eager, graphed):
+            target.keep(paths)
+    assert graphs.replays == 6 and graphed.eager_fallbacks == 0 and graphs.prepares == 1
+
+
+@pytest.mark.parametrize("method", ["adaptive", "eagle", "sd"])
+def test_t13_batched_run_with_graphs_equals_batch1_on_cuda(method):
+    # BatchRun with graphs on (as the server and --input batches run on a GPU): every record's
+    # greedy output equals its batch-1 output in float32, native backend
+    from samctl.decode.batch import generate_batch
+    from samctl.decode.draft_model import DraftModel
+    from samctl.decode.engine.native import use_backend
+
+    model = tiny().to(CUDA)
+    use_backend(model, "native")
+    draft = DraftModel(tiny(seed=1).to(CUDA)) if method_entry(method).needs_draft else None
+    eagle = EagleHead(model).to(CUDA).eval() if method_entry(method).needs_eagle else None
+
+    def make():
+        return make_drafter(method, vocab_size=96, device=CUDA, config=EAGER, eagle=eagle,
+                            draft=None if draft is None else draft.fork())
+
+    ps = [p for p in prompts(96) if len(p) > 1] * 3
+    config = GenerationConfig(max_new_tokens=40)
+    alone = [generate(TargetModel(model), make(), p, config).tokens for p in ps]
+    batched = generate_batch(model, make, ps, config, 4, cost_ms=1.0 + 0.02 * np.arange(1, 513), graphs=True)
+    assert [r.tokens for r in batched] == alone

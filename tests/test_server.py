@@ -518,6 +518,8 @@ def test_stop_cut_holds_back_a_possible_stop_string():
     ({"method": "nope"}, 400, "method"),
     ({"store": "nope"}, 400, "store"),
     ({"method": "sd"}, 400, "method"),  # needs a draft model the server was not given
+    ({"speculation": "maybe"}, 400, "speculation"),
+    ({"speculation": "off", "method": "pld"}, 400, "speculation"),
     ({"model": "other"}, 404, "model"),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_goes_on(served, change, status, param):
@@ -527,6 +529,15 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(served, change, s
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
     assert client.post("/v1/chat/completions", json=body(session, max_tokens=2)).status_code == 200
+
+
+def test_a_request_may_turn_speculation_off(served):
+    # plain decoding for this request only: no drafts, the same text
+    session, _, client, _ = served
+    on = client.post("/v1/chat/completions", json=body(session)).json()
+    off = client.post("/v1/chat/completions", json=body(session, speculation="off")).json()
+    assert off["usage"]["num_draft_tokens"] == 0 < on["usage"]["num_draft_tokens"]
+    assert off["choices"][0]["message"]["content"] == on["choices"][0]["message"]["content"]
 
 
 def test_malformed_json_and_overlong_prompts_are_refused(served):
