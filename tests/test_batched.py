@@ -31,7 +31,7 @@ from tests.mock_lm import CopyLM, copy_rule
 from tests.test_decode_greedy import EAGER
 from tests.planted import BUGS, acceptance
 from tests.test_decode_sampling import (ALPHA, CONFIG as SAMPLING_METHODS, LOOKS, NEW as DEEP, PEAK, POWER, PROMPT,
-                                        SAMPLES, VOCAB, Case, copy_views, exact_distribution, fits)
+                                        VOCAB, Case, copy_views, exact_distribution, fits)
 from tests.test_engine import tiny
 
 BATCHED = ("ar", "pld", "sam", "adaptive", "rest", "recycle", "lookahead", "sam+recycle")

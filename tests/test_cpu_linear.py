@@ -72,7 +72,6 @@ def exact_int8(layer, x: torch.Tensor) -> torch.Tensor:
                                      (False, True, True)], ids=["vnni", "onednn-only", "int_mm-only", "split"])
 def test_int8_modes_are_exact_and_row_independent(monkeypatch, kernels):
     # every mode the probe can choose, forced: rows alone equal rows together and the formula
-    from samctl.decode.engine import cpu_linear
 
     chosen, probed = cpu_linear.Int8Kernels(*kernels), cpu_linear.int8_kernels()
     if chosen.onednn and cpu_linear.OneDnnGemm.pack(torch.zeros(2, 2, dtype=torch.int8)) is None:
@@ -96,7 +95,6 @@ def test_int8_modes_are_exact_and_row_independent(monkeypatch, kernels):
 
 def test_int8_probe_refuses_a_cpu_without_exact_int8(monkeypatch):
     # a CPU whose int8 products saturate (x86 without VNNI, where oneDNN's 7-bit path also fails)
-    from samctl.decode.engine import cpu_linear
 
     real = torch._int_mm
     monkeypatch.setattr(torch, "_int_mm", lambda a, b: real(a, b).clamp(-32768, 32767))
@@ -284,7 +282,6 @@ def test_int8_fused_projections_equal_separate_layers_bit_for_bit(tiny_llama, mo
     # projections run separately, bit for bit, and no input or output is held between forwards.
     import copy
 
-    from samctl.decode.engine import cpu_linear
 
     fused = apply_cpu_linear(copy.deepcopy(tiny_llama), "int8")
     monkeypatch.setattr(cpu_linear, "FUSED_GROUPS", ())

@@ -28,7 +28,7 @@ from samctl.decode.drafters.base import Drafter
 from samctl.decode.tree import DraftTree
 from samctl.index.automaton import LEN, LINK, SuffixAutomaton, sam_step, sam_topk_next
 from samctl.index.cursor import cursor
-from samctl.index.errors import ConfigError, UserError
+from samctl.index.errors import ConfigError
 from samctl.index.sharded import ShardedAutomaton
 from samctl.decode.configs import RestConfig
 
