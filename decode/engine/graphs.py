@@ -178,19 +178,8 @@ class VerifyGraphs:
         self.buckets = key_buckets(cache.capacity)
         # capacity is a multiple of 64 (kv_cache.ALIGN): the mask rows' stride stays aligned
         self._mask = torch.zeros(self.widths[-1], cache.capacity, dtype=self.target.dtype, device=self.target.device)
-        pool = self.backend.new_pool()
         order = sorted(((w, b) for w in self.widths for b in self.buckets), key=lambda wb: (-wb[0] * wb[1], -wb[0]))
-        try:
-            for width, keys in order:  # largest first: the later ones fit in the pool it grew
-                self.graphs[(width, keys)] = self._capture(width, keys, pool)
-                self.captures += 1
-        except Exception as err:  # noqa: BLE001 - any capture failure means: run eagerly
-            self.graphs.clear()
-            self.failed = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}"
-            warnings.warn(f"samctl: CUDA graph capture failed ({self.failed}); the verify forward runs eagerly",
-                          RuntimeWarning, stacklevel=3)
-            self.generation = None
-        self.prepares += 1
+        capture_each(self, order, self._capture, "the verify forward")
 
     def _capture(self, width: int, keys: int, pool: object) -> _Graph:
         cache, model = self.target.cache, self.target.model
@@ -226,6 +215,24 @@ class VerifyGraphs:
         g.replay = self.backend.capture(forward, pool)
         cache.set_length(saved)
         return g
+
+
+def capture_each(owner, order: list[tuple], capture: Callable[..., _Graph], what: str) -> None:
+    """One graph per key of `order` (a bucket tuple, the capture's arguments) into one new pool,
+    largest first so that the later ones fit in the pool it grew. Any failure drops them all,
+    warns once and leaves `owner.failed` set: `what` then runs eagerly."""
+    pool = owner.backend.new_pool()
+    try:
+        for key in order:
+            owner.graphs[key] = capture(*key, pool)
+            owner.captures += 1
+    except Exception as err:  # noqa: BLE001 - any capture failure means: run eagerly
+        owner.graphs.clear()
+        owner.failed = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}"
+        warnings.warn(f"samctl: CUDA graph capture failed ({owner.failed}); {what} runs eagerly",
+                      RuntimeWarning, stacklevel=4)
+        owner.generation = None
+    owner.prepares += 1
 
 
 def final_norm_or_none(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -350,20 +357,9 @@ class BatchVerifyGraphs:
         self.rows = buckets_upto(ROW_BUCKETS, target.rows)
         self.buckets = key_buckets(cache.capacity)
         self._inputs = {(r, w): _BatchInputs(r, w, target.device) for r in self.rows for w in self.widths}
-        pool = self.backend.new_pool()
         order = sorted(((r, w, k) for r in self.rows for w in self.widths for k in self.buckets if w <= k),
                        key=lambda rwk: (-rwk[0] * rwk[1] * rwk[2], -rwk[0] * rwk[1]))
-        try:
-            for r, w, k in order:
-                self.graphs[(r, w, k)] = self._capture(r, w, k, pool)
-                self.captures += 1
-        except Exception as err:  # noqa: BLE001 - any capture failure means: run eagerly
-            self.graphs.clear()
-            self.failed = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}"
-            warnings.warn(f"samctl: CUDA graph capture of the batched verify failed ({self.failed}); it runs eagerly",
-                          RuntimeWarning, stacklevel=3)
-            self.generation = None
-        self.prepares += 1
+        capture_each(self, order, self._capture, "the batched verify")
 
     def _capture(self, rows: int, width: int, keys: int, pool: object) -> _Graph:
         # Warm-up and capture write each row's K/V behind its committed entries (rows in flight
