@@ -28,6 +28,7 @@ from samctl.index.automaton import SuffixAutomaton
 from samctl.tokenizer import DEFAULT_MODEL_DIR
 from tests.test_decode_greedy import EAGER, hf_greedy, prompts
 from tests.test_engine import tiny
+from tests.test_graphs_cpu import bucket_steps
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 CUDA = torch.device("cuda")
@@ -289,17 +290,10 @@ def test_t12_batched_graphs_equal_eager_across_buckets(backend, dtype, tol):
     enable_batch_graphs(graphed, 8)
     graphs = graphed.graphs
     assert graphs is not None and graphs.failed is None and len(graphs.buckets) > 1
-    for step in range(6):
-        rows = 1 + step % 3
-        trees = [random_tree(rng, int(rng.integers(0, 9))) for _ in range(rows)]
-        inputs = [torch.from_numpy(np.concatenate(([rng.integers(0, 96)], t.tokens)).astype(np.int64)).to(CUDA)
-                  for t in trees]
-        want, _ = eager.verify(inputs, trees)
-        got, _ = graphed.verify(inputs, trees)
+    def check(got, want):
         assert torch.isfinite(got).all() and (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
-        paths = [np.array([0], dtype=np.int64) for _ in trees]
-        for target in (eager, graphed):
-            target.keep(paths)
+
+    bucket_steps(eager, graphed, rng, check)
     assert graphs.replays == 6 and graphed.eager_fallbacks == 0 and graphs.prepares == 1
 
 

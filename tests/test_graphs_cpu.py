@@ -349,15 +349,23 @@ def test_batched_graph_logits_equal_eager_across_row_width_and_key_buckets(backe
         target.prefill([0, 1, 2], prompts, [False] * 3)
     graphs = batch_graphs_on(SimpleNamespace(target=graphed), StandIn(), 8)
     assert len(graphs.buckets) > 1
-    for step in range(6):
+    bucket_steps(eager, graphed, rng, lambda got, want: torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5))
+    assert graphs.replays == 6 and graphed.eager_fallbacks == 0
+
+
+def bucket_steps(eager, graphed, rng: np.random.Generator, check, steps: int = 6) -> None:
+    """The same verify steps on two batched targets of 3 rows: random trees of 0..8 nodes, 1..3
+    rows in flight; `check(got, want)` compares each step's logits; a short path is kept after each."""
+    device = graphed.device
+    for step in range(steps):
         rows = 1 + step % 3
         trees = [random_tree(rng, int(rng.integers(0, 9))) for _ in range(rows)]
-        inputs = [torch.from_numpy(np.concatenate(([rng.integers(0, 96)], t.tokens)).astype(np.int64)) for t in trees]
+        inputs = [torch.from_numpy(np.concatenate(([rng.integers(0, 96)], t.tokens)).astype(np.int64)).to(device)
+                  for t in trees]
         want, offsets = eager.verify(inputs, trees)
         got, got_offsets = graphed.verify(inputs, trees)
         assert np.array_equal(offsets, got_offsets)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        check(got, want)
         paths = [np.array([0] + ([1] if len(t) and t.parents[0] == -1 else []), dtype=np.int64) for t in trees]
         for target in (eager, graphed):
             target.keep(paths)
-    assert graphs.replays == 6 and graphed.eager_fallbacks == 0

@@ -122,7 +122,6 @@ class NativeForward:
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
         self.shape = SimpleNamespace(heads=heads, kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
                                      head_dim=head_dim, eps=float(config.rms_norm_eps))
-        self.model = model
         self.embed = decoder.embed_tokens
         self.layers = [NativeLayer(layer, self.shape) for layer in decoder.layers[: config.num_hidden_layers]]
         self.norm = decoder.norm.weight
