@@ -170,11 +170,9 @@ class NativeForward:
             return out.reshape(rows, n, -1)
         kv = k.shape[2]
         gqa = q.shape[1] != k.shape[1]
-        if mask is None and n > 1:
-            if n == kv:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=gqa)
-                return out.transpose(1, 2).reshape(rows, n, -1)
-            mask = torch.ones(n, kv, dtype=torch.bool, device=q.device).tril_(kv - n)
+        if mask is None and n > 1:  # a prefill (n == kv); chains after a cache come with a mask (__call__)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=gqa)
+            return out.transpose(1, 2).reshape(rows, n, -1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=gqa)
         return out.transpose(1, 2).reshape(rows, n, -1)
 
@@ -206,6 +204,10 @@ class NativeForward:
             k = k.transpose(1, 2)
             v = qkv[:, :, shape.heads + shape.kv_heads :].transpose(1, 2)
             keys, values = cache.layers[index].update(k, v)
+            kv = keys.shape[2]
+            if attention_mask is None and not self.exact_rows and 1 < n < kv:  # a chain after cached keys
+                # the causal mask, built once per forward: every layer attends the same keys
+                attention_mask = torch.ones(n, kv, dtype=torch.bool, device=keys.device).tril_(kv - n)
             x = x + layer.o(self._attend(q, keys, values, attention_mask))
             h = self._norm(x, layer.norm_post)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
