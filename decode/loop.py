@@ -1,33 +1,66 @@
-"""The decode loop: one loop for every method.
+"""The decode loop: one engine for every method, one record or thousands.
 
-    1) propose  the drafter returns a draft tree rooted at the pending token t0
-    2) verify   one target forward over [t0, nodes...] with the tree mask
-    3) accept   the target's choice at every input (argmax, or one sample each), moved to the host
-                in the step's only synchronization; walk the tree along those choices
-    4) commit   keep the accepted path's K/V, emit its tokens, stop at EOS or max_new_tokens
-    5) observe  the drafter learns what was committed and sees every verified input's logits
-                (and, for a drafter with `needs_hidden`, the target's last hidden state at each
-                committed position, from the same verify forward)
+Up to `batch_size` records are in flight, each with its own drafter instance, in the rows of one
+`BatchedTarget` (decode/engine/batched.py); batch 1 is one row. `BatchRun` is the one step loop:
+records are submitted to its queue at any time (a JSONL batch all at once, a server as requests
+arrive, `generate` one record), each with its own generation length, sampling, prediction and
+token callback, and each step runs:
 
-Greedy output equals plain greedy decoding token for token. With sampling, one draw per node
-shared by every path through it keeps the output distribution exactly the target's
+    1) propose  every row's drafter proposes a tree rooted at its pending token t0, with per-node
+                path acceptance estimates (`propose_scored`, else `TreeCalibration`)
+    2) budget   one width for the step (decode/budget.py): each row keeps a prefix of its tree
+                (off for `generate`: one record's drafter sizes its own drafts)
+    3) verify   one target forward over every row's block, padded to the widest, tree masks inside
+    4) accept   the target's choice at every real input (argmax or one draw each), moved to the
+                host in the step's only synchronization; each row walks its own tree
+                (`decode.accept.batch_accept`)
+    5) commit   the accepted paths are kept with one gather; tokens emitted per row, stopping at
+                EOS, max_new_tokens or a stop the token callback reports
+    6) observe  each drafter sees its committed tokens and its own inputs' logits (and, for a
+                drafter with `needs_hidden`, the target's last hidden state at each committed
+                position, from the same verify forward)
+    7) refill   finished and cancelled rows leave (results go out at once); the queue's next
+                records are prefilled together into the free slots, the rest packed down
+
+Greedy output equals plain greedy decoding token for token (up to floating-point summation order,
+which a batch of other rows changes as a wider verify does). With sampling, one draw per node
+shared by every path through it keeps each row's output distribution exactly the target's
 (`decode.accept.tree_accept` for deterministic drafts, `decode.accept.speculative_accept` for
-drafts carrying q).
+drafts carrying q), each row with its own temperature, top-k, top-p and generator. In half
+precision (float16, bfloat16) a row's logits differ from its batch-1 logits by rounding that
+depends on the batch's shape, so a greedy output may part from batch-1's at a near-tie, as a wider
+verify block already makes it at batch 1; acceptance stays exact with respect to the logits each
+step computes. SDSAT drafts with the target's own forward, so it runs as a one-row batch.
+
+A bad record (empty, longer than the context) gets an "error" result and never stalls the batch.
+An out-of-memory in a forward halves the batch size and puts the rows it drops back at the head
+of the queue (they restart: nothing of theirs was emitted yet), except rows whose tokens already
+streamed out through `on_tokens`, which end with an "error" result; then it goes on. On CUDA with
+`graphs`, every verify replays a graph of its (rows, width, key length) buckets, all captured when
+the run starts (decode/engine/graphs.py, BatchVerifyGraphs); elsewhere it runs eagerly.
 """
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 
-from samctl.decode.accept import speculative_accept, tree_accept
+from samctl.decode.accept import batch_accept, choose_rows, speculative_accept
+from samctl.decode.budget import TreeCalibration, choose_width
 from samctl.decode.drafters.base import Drafter
+from samctl.decode.engine.batched import BatchedTarget, verify_input
+from samctl.decode.engine.cost import measure_batch_cost
+from samctl.decode.engine.graphs import enable_batch_graphs
+from samctl.decode.engine.target import VERIFY_SLACK, TargetModel, room
+from samctl.decode.engine.transfer import to_device
+from samctl.decode.methods import REGISTRY, method as method_entry
 from samctl.decode.metrics import Metrics, PredictionUsage
-from samctl.decode.sampling import SamplingConfig, choose_tokens
-from samctl.decode.engine.target import TargetModel, to_device
+from samctl.decode.sampling import SamplingConfig
+from samctl.decode.tree import DraftTree
 from samctl.index.errors import ConfigError, UserError
 
 
@@ -95,55 +128,6 @@ class _Output:
         return self.limit - len(self.tokens)
 
 
-@torch.inference_mode()
-def generate(
-    target: TargetModel,
-    drafter: Drafter,
-    prompt_ids: list[int] | np.ndarray,
-    config: GenerationConfig,
-    on_tokens: Callable[[list[int]], bool | None] | None = None,
-) -> GenerationResult:
-    """Generate up to config.max_new_tokens after prompt_ids with drafts from `drafter`;
-    `on_tokens` gets the new tokens of each step and may return True to stop after them, or k to
-    stop after the first k of them."""
-    prompt = np.asarray(prompt_ids, dtype=np.int64)
-    error = prompt_error(prompt, target.max_positions, target.context_note)
-    if error:
-        raise UserError(error)
-    generator = _make_generator(config.sampling, target.device)
-    metrics = Metrics()
-    out = _Output(config, on_tokens)
-    start, cpu_start = time.perf_counter(), time.process_time()
-
-    # Only Token Recycle reads the logits of every prompt position; the rest need the last row.
-    all_logits = drafter.prefill_logits == "all"
-    hidden = drafter.needs_hidden  # EAGLE heads read the target's features
-    target.capture_hidden(hidden)
-    logits = target.prefill(to_device(prompt, target.device), all_logits, reserve=len(prompt) + config.max_new_tokens)
-    t0 = int(choose_tokens(logits[-1:], config.sampling, generator)[0])  # the prefill's one host sync
-    metrics.prefill_s = time.perf_counter() - start
-    tic = time.perf_counter()
-    if hidden:
-        drafter.start(prompt, logits, hidden=target.hidden)
-    else:
-        drafter.start(prompt, logits)
-    metrics.draft_s += time.perf_counter() - tic
-    out.emit([t0])
-
-    own_rule = drafter.accept  # only reference reproductions that are not lossless
-    eager_before = target.eager_fallbacks
-    while not out.done and target.cached + 1 < target.max_positions:
-        t0 = _step(target, drafter, t0, config.sampling, generator, out, metrics, own_rule)
-    if not out.done:
-        out.finish_reason = "length"  # the model's context is full
-    drafter.finish(np.asarray(out.tokens, dtype=np.int64))
-    metrics.new_tokens = len(out.tokens)
-    metrics.eager_verifies = target.eager_fallbacks - eager_before
-    metrics.time_s = time.perf_counter() - start
-    metrics.cpu_s = time.process_time() - cpu_start
-    return GenerationResult(tokens=out.tokens, finish_reason=out.finish_reason, metrics=metrics)
-
-
 def prompt_error(prompt: np.ndarray, max_positions: int, context_note: str = "the model's context") -> str:
     """Why no token can be generated after `prompt` ("" when one can)."""
     if len(prompt) == 0:
@@ -153,54 +137,558 @@ def prompt_error(prompt: np.ndarray, max_positions: int, context_note: str = "th
     return ""
 
 
-def _step(
+BATCH_ONE = "runs at batch size 1 only"
+
+
+def batch_blocker(name: str) -> str:
+    """What keeps method `name` from the batched engine, as a clause ("" when nothing does):
+    SDSAT drafts with the target's own forward and cache, which rows share."""
+    return "it drafts with the target's own forward at SAT tokens" if method_entry(name).needs_sat_model else ""
+
+
+def batch_refusal(name: str) -> str:
+    """Why method `name` has no batched form, in one line that says what to do ("" when it has one)."""
+    why = batch_blocker(name)
+    return f"method {name} {BATCH_ONE} ({why}): use batch size 1 or another method" if why else ""
+
+
+def require_batchable(name: str) -> None:
+    reason = batch_refusal(name)
+    if reason:
+        raise UserError(reason)
+
+
+def _check_drafter(drafter: Drafter, target: BatchedTarget) -> None:
+    name = drafter.name
+    if name in REGISTRY and target.rows > 1:
+        require_batchable(name)
+    if drafter.needs_hidden and not target.gives_hidden:
+        raise UserError(f"method {name} reads the target's hidden states, which this model's batched forward "
+                        f"does not give ({getattr(target.model.config, 'model_type', 'its family')}): use batch size 1")
+
+
+@dataclass
+class BatchResult:
+    index: Any  # the record's key: its position in the input for stream_batch
+    tokens: list[int]  # new tokens, EOS included when generation stopped on it
+    finish_reason: str  # "eos" | "length" | "stop" (on_tokens asked) | "cancelled" | "error"
+    metrics: Metrics
+    error: str = ""  # what was wrong with the record, for "error"
+    prediction: PredictionUsage | None = None  # when the record had a prediction and its drafter counts it
+
+
+@dataclass
+class BatchStats:
+    """The whole run: every step's forward beside the host work around it."""
+
+    batch_size: int = 0  # at the end (an out-of-memory halves it)
+    steps: int = 0
+    rows_per_step: list[int] = field(default_factory=list)
+    width_per_step: list[int] = field(default_factory=list)  # draft nodes per row allowed (w*)
+    forward_s: float = 0.0  # verify forwards
+    host_s: float = 0.0  # everything else in the steps: drafting, budget, accept, commit, observe
+    prefill_s: float = 0.0
+    prefills: int = 0
+    new_tokens: int = 0
+    records: int = 0
+    time_s: float = 0.0
+    notes: list[str] = field(default_factory=list)  # e.g. the batch size halved
+
+    def to_dict(self) -> dict:
+        steps = max(self.steps, 1)
+        return {
+            "batch_size": self.batch_size, "steps": self.steps, "records": self.records,
+            "new_tokens": self.new_tokens, "time_s": round(self.time_s, 4),
+            "tokens_per_s": round(self.new_tokens / self.time_s, 3) if self.time_s else 0.0,
+            "records_per_hour": round(3600 * self.records / self.time_s, 1) if self.time_s else 0.0,
+            "forward_ms_per_step": round(1e3 * self.forward_s / steps, 3),
+            "host_ms_per_step": round(1e3 * self.host_s / steps, 3),
+            "prefill_s": round(self.prefill_s, 4), "prefills": self.prefills,
+            "mean_rows": round(float(np.mean(self.rows_per_step)), 2) if self.rows_per_step else 0.0,
+            "mean_width": round(float(np.mean(self.width_per_step)), 3) if self.width_per_step else 0.0,
+            "notes": list(self.notes),
+        }
+
+
+@dataclass
+class _Waiting:
+    """A record in the queue: what its row needs once a slot is free."""
+
+    key: Any
+    prompt: np.ndarray  # [n] int64 host token ids
+    config: GenerationConfig
+    pool: DrafterPool
+    generator: torch.Generator | None
+    on_tokens: Callable[[list[int]], bool | None] | None
+    prediction: np.ndarray | None  # [p] int32 expected output, drafted from by this row only
+
+
+class _Row:
+    """One record in flight: its drafter, its output so far, its pending token."""
+
+    def __init__(self, waiting: _Waiting, drafter: Drafter) -> None:
+        self.key, self.prompt, self.config = waiting.key, waiting.prompt, waiting.config
+        self.pool, self.generator, self.prediction = waiting.pool, waiting.generator, waiting.prediction
+        self.drafter = drafter
+        self.out = _Output(waiting.config, waiting.on_tokens)
+        self.metrics = Metrics()
+        self.t0 = -1
+        self.started = time.perf_counter()
+        self.cpu_started = time.process_time()
+        self.cancelled = False
+        self.scored = False  # the drafter scored this step's draft itself (`propose_scored`)
+        self.draft_s = 0.0  # this step's proposing time
+        # this step's draft: tree, path probabilities
+        self.tree: DraftTree = DraftTree.empty()
+        self.probs = np.zeros(0)
+        self.proposed = 0  # nodes in the drafter's proposal, before any cut
+        self.leading = 0  # how many of the proposal's first nodes `tree` starts with, in order
+
+
+class DrafterPool:
+    """Idle drafters of one method, reused by later records (as batch 1 reuses its one drafter:
+    calibration, Token Recycle's table and memory carry over). `give` takes a drafter back with
+    the record's whole output; a subclass may share that output with other drafters."""
+
+    def __init__(self, make: Callable[[], Drafter]) -> None:
+        self.make = make
+        self.idle: list[Drafter] = []
+
+    def take(self) -> Drafter:
+        return self.idle.pop() if self.idle else self.make()
+
+    def give(self, drafter: Drafter, output: np.ndarray) -> None:
+        self.idle.append(drafter)
+
+
+class _OutOfMemory(Exception):
+    pass
+
+
+def _is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError) and "out of memory" in str(err))
+
+
+class BatchRun:
+    """Up to `batch_size` records in the slots of one BatchedTarget, and a queue behind them.
+
+    `submit` queues a record (any time, also between steps of a running batch); each `step`
+    lets cancelled rows leave, admits queued records into free slots (prefilled together), runs
+    one verify step over every row and returns the results of the records that finished. Every
+    submitted key gets exactly one result. `drain` steps until nothing is left. Not thread-safe:
+    one thread owns a run (it runs the model).
+
+    `cost_ms`: [n] ms of a batched forward over 1..n total input tokens (`measure_batch_cost`;
+    measured here when None); `max_width`: most draft nodes a row verifies per step;
+    `max_prefill_tokens`: newcomers are prefilled together while their padded block stays within
+    it; `capacity`: initial cache length per row (it grows when a longer record comes).
+    `target`: run on this BatchedTarget (its rows, graphs and cache as they are) instead of a new
+    one; `budget=False`: no step width, every row verifies its whole tree (for `generate`)."""
+
+    def __init__(self, model: torch.nn.Module, batch_size: int = 8, *, cost_ms: np.ndarray | None = None,
+                 max_width: int = 16, max_prefill_tokens: int = 8192, capacity: int = 256,
+                 stats: BatchStats | None = None, graphs: bool = False, target: BatchedTarget | None = None,
+                 budget: bool = True) -> None:
+        if batch_size < 1 or max_width < 0:
+            raise UserError(f"batch size must be >= 1 (got {batch_size}) and the draft width >= 0 (got {max_width})")
+        if target is None:
+            target = BatchedTarget(model, batch_size, max(capacity, max_width + 4))  # the cache allocates lazily
+            # CUDA: every verify forward as a graph, captured now (decode/engine/graphs.py); else eager
+            enable_batch_graphs(target, max_width, graphs)
+        self.target, self.budget = target, budget
+        if budget and cost_ms is None:
+            cost_ms = measure_batch_cost(model, batch_size, max(1, min(max_width, 8)))
+        self.cost_ms = cost_ms
+        self.max_width, self.max_prefill_tokens = max_width, max_prefill_tokens
+        self.stats = stats if stats is not None else BatchStats()
+        self.stats.batch_size = batch_size
+        self.calibration = TreeCalibration()
+        self.active: list[_Row] = []  # row b of `active` is slot b of the cache
+        self.pending: deque[_Waiting] = deque()
+        self._cancelled: set = set()
+
+    @property
+    def max_positions(self) -> int:
+        return self.target.max_positions
+
+    @property
+    def running(self) -> int:
+        return len(self.active)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.pending)
+
+    @property
+    def idle(self) -> bool:
+        return not self.active and not self.pending
+
+    def submit(self, key: Any, prompt: Sequence[int], config: GenerationConfig, pool: DrafterPool, *,
+               generator: torch.Generator | None = None, on_tokens: Callable[[list[int]], bool | None] | None = None,
+               prediction: Sequence[int] | None = None) -> None:
+        """Queue a record. `generator`: the row's random draws when config.sampling samples (rows
+        may share one); `on_tokens` gets each step's committed tokens and may return True to stop
+        (finish reason "stop"); `prediction`: token ids of the expected output, for a drafter with
+        `expect`. A prompt that is empty or fills the context is a UserError."""
+        ids = np.asarray(prompt, dtype=np.int64).reshape(-1)
+        error = prompt_error(ids, self.target.max_positions)
+        if error:
+            raise UserError(error)
+        if generator is None and not config.sampling.greedy:
+            generator = _make_generator(config.sampling, self.target.device)
+        self.pending.append(_Waiting(key, ids, config, pool, generator, on_tokens,
+                                     None if prediction is None else np.asarray(prediction, dtype=np.int32)))
+
+    def cancel(self, key: Any) -> None:
+        """The record `key` leaves at the next step (result "cancelled"), queued or in flight."""
+        self._cancelled.add(key)
+
+    def drain(self) -> Iterator[BatchResult]:
+        while not self.idle:
+            yield from self.step()
+
+    def step(self) -> list[BatchResult]:
+        """Cancelled rows leave, newcomers take the free slots, one verify step -> the results of
+        the records that finished."""
+        done = self._leave_cancelled()
+        # 7) refill: newcomers take the free slots, prefilled in batched forwards
+        try:
+            self._admit()
+        except _OutOfMemory:
+            return done + self._halve()
+        done += [self._retire(r) for r in [r for r in self.active if r.out.done]]  # done on its first token
+        if not self.active:
+            return done
+        try:
+            finished = self._step()
+        except _OutOfMemory:
+            return done + self._halve()
+        return done + [self._retire(row) for row in finished]
+
+    def _leave_cancelled(self) -> list[BatchResult]:
+        if not self._cancelled:
+            return []
+        done = []
+        for row in [r for r in self.active if r.key in self._cancelled]:
+            row.out.finish_reason = "cancelled"
+            done.append(self._retire(row))
+        kept = [w for w in self.pending if w.key not in self._cancelled]
+        done += [BatchResult(w.key, [], "cancelled", Metrics()) for w in self.pending if w.key in self._cancelled]
+        self.pending = deque(kept)
+        self._cancelled.clear()
+        return done
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def _step(self) -> list[_Row]:
+        # -> the rows that finished this step. Row b of `active` is slot b of the cache.
+        target, active, stats = self.target, self.active, self.stats
+        tic = time.perf_counter()
+        # 1) propose: each row's tree and its nodes' path probabilities
+        fixed = 0  # widest tree that cannot be cut (context rows: lookahead's window)
+        for b, row in enumerate(active):
+            t_draft = time.perf_counter()
+            room = min(row.out.remaining - 1, target.max_positions - int(target.lengths[b]) - 1)
+            _propose(row, self.calibration if self.budget else None, max(room, 0))
+            if row.tree.accept_limit is not None:
+                fixed = max(fixed, len(row.tree))
+            row.draft_s = time.perf_counter() - t_draft
+        # 2) budget: one width for the step, each row keeps a prefix of its tree
+        if not self.budget:
+            width = max(len(r.tree) for r in active)
+        else:
+            width = choose_width([r.probs for r in active], self.cost_ms, self.max_width, fixed)
+        for row in active:
+            if row.tree.accept_limit is None and len(row.tree) > width:
+                row.tree = _prefix(row.tree, width)
+            if len(row.tree) < row.proposed and len(row.tree) <= row.leading:  # cut to a prefix of the proposal
+                row.drafter.keep_first(len(row.tree))
+        trees = [r.tree for r in active]
+        inputs = [verify_input(r.t0, r.tree, target.device) for r in active]
+
+        # 3) verify
+        t_forward = time.perf_counter()
+        try:
+            logits, offsets = target.verify(inputs, trees)
+        except (RuntimeError, torch.OutOfMemoryError) as err:
+            if _is_oom(err) and target.rows > 1:
+                raise _OutOfMemory() from err
+            raise
+        forward_s = time.perf_counter() - t_forward
+
+        # 4) accept: one draw (or argmax) per real input, each row by its own sampling, one host sync
+        flat = torch.cat(inputs)
+        paths, nexts, host = batch_accept(logits, offsets, flat, trees, [r.config.sampling for r in active],
+                                          [r.generator for r in active], [_own_rule(r) for r in active])
+
+        # 5) commit: tokens go out per row as they are committed (on_tokens)
+        target.keep(paths)
+        finished = []
+        for b, (row, tree, path, bonus) in enumerate(zip(active, trees, paths, nexts)):
+            committed = host[offsets[b]: offsets[b + 1]][path]
+            before = len(row.out.tokens)
+            row.out.emit([int(t) for t in committed[1:]] + [bonus])
+            row.metrics.record_step(drafted=tree.drafts, accepted=min(len(path) - 1, len(row.out.tokens) - before))
+            row.metrics.verify_s += forward_s
+            if not row.scored and self.budget:
+                self.calibration.learn(tree.parents, tree.drafts, path)
+            row.t0 = bonus
+            # 6) observe
+            t_draft = time.perf_counter()
+            if row.out.done or target.lengths[b] + 1 >= target.max_positions:
+                finished.append(row)
+            elif row.drafter.needs_hidden:  # [1 + a, H] at the committed inputs, from this verify
+                row.drafter.observe(committed, flat[offsets[b]: offsets[b + 1]], logits[offsets[b]: offsets[b + 1]],
+                                    hidden=target.hidden[to_device(offsets[b] + path, target.device)])
+            else:
+                row.drafter.observe(committed, flat[offsets[b]: offsets[b + 1]], logits[offsets[b]: offsets[b + 1]])
+            row.metrics.record_draft(row.draft_s + time.perf_counter() - t_draft)
+        stats.steps += 1
+        stats.rows_per_step.append(len(active))
+        stats.width_per_step.append(width)
+        stats.forward_s += forward_s
+        stats.host_s += time.perf_counter() - tic - forward_s
+        return finished
+
+    # -- admission, retirement, out-of-memory ------------------------------------------------------
+
+    def _admit(self) -> None:
+        # Fills slots len(active).. from the queue. The records that fit are taken in queue order,
+        # then prefilled shortest first in groups of similar length (the longest at most 1.5x the
+        # shortest) whose padded block [k, longest] stays within max_prefill_tokens (at least one
+        # per group): padding costs forward time like real tokens. While other rows are decoding,
+        # one group per step, so a wave of newcomers delays them by one prefill; the rest go back
+        # to the head of the queue.
+        target, active, pending, stats = self.target, self.active, self.pending, self.stats
+        decoding = bool(active)
+        while pending and len(active) < target.rows:
+            wave = sorted((pending.popleft() for _ in range(min(len(pending), target.rows - len(active)))),
+                          key=lambda w: len(w.prompt))
+            group: list[_Waiting] = []
+            for w in wave:
+                n = len(w.prompt)
+                if group and (n * (len(group) + 1) > self.max_prefill_tokens or n > 1.5 * len(group[0].prompt)):
+                    break
+                group.append(w)
+            pending.extendleft(reversed(wave[len(group):]))
+            slots = list(range(len(active), len(active) + len(group)))
+            longest = max(len(w.prompt) + w.config.max_new_tokens for w in group)
+            target.reserve(room(min(longest, target.max_positions), self.max_width))
+            newcomers = [_Row(w, w.pool.take()) for w in group]
+            wants_all = [r.drafter.prefill_logits == "all" for r in newcomers]
+            if any(r.drafter.needs_hidden for r in newcomers):
+                target.wants_hidden = True  # for the rest of the run: EAGLE rows read every forward's
+            tic = time.perf_counter()
+            try:
+                logits = target.prefill(slots, [r.prompt for r in newcomers], wants_all)
+            except (RuntimeError, torch.OutOfMemoryError) as err:
+                if _is_oom(err) and target.rows > 1:
+                    pending.extendleft(reversed(group))
+                    raise _OutOfMemory() from err
+                raise
+            last = torch.stack([lg[-1] for lg in logits])  # [k, V]
+            firsts = choose_rows(last, np.arange(len(newcomers) + 1), [r.config.sampling for r in newcomers],
+                                 [r.generator for r in newcomers]).cpu().numpy()  # the prefill's one sync
+            elapsed = time.perf_counter() - tic
+            stats.prefill_s += elapsed
+            stats.prefills += 1
+            for i, (row, lg, t0) in enumerate(zip(newcomers, logits, firsts)):
+                row.metrics.prefill_s = elapsed
+                t_draft = time.perf_counter()
+                row.drafter.expect(row.prediction)  # this row's prediction, or none (a reused drafter forgets the last)
+                if row.drafter.needs_hidden:
+                    row.drafter.start(row.prompt, lg, hidden=target.prefill_hidden[i])
+                else:
+                    row.drafter.start(row.prompt, lg)
+                row.metrics.draft_s += time.perf_counter() - t_draft
+                row.t0 = int(t0)
+                row.out.emit([row.t0])
+                active.append(row)
+            if decoding:
+                return
+
+    def _retire(self, row: _Row) -> BatchResult:
+        # Takes `row` out of slot b; the last row moves into the hole so rows stay packed in [0, A).
+        target, active = self.target, self.active
+        b = active.index(row)
+        last = len(active) - 1
+        if b != last:
+            target.move_row(last, b)
+            active[b] = active[last]
+        else:
+            target.lengths[b] = 0
+        active.pop()
+        if not row.out.done:
+            row.out.finish_reason = "length"  # the model's context is full
+        output = np.asarray(row.out.tokens, dtype=np.int64)
+        row.drafter.finish(output)
+        prediction = row.drafter.prediction_usage() if row.prediction is not None and len(row.prediction) else None
+        row.pool.give(row.drafter, output)
+        row.metrics.new_tokens = len(row.out.tokens)
+        row.metrics.time_s = time.perf_counter() - row.started
+        row.metrics.cpu_s = time.process_time() - row.cpu_started  # the process's, as time_s is the wall's: rows share both
+        self.stats.records += 1
+        self.stats.new_tokens += len(row.out.tokens)
+        return BatchResult(row.key, row.out.tokens, row.out.finish_reason, row.metrics, prediction=prediction)
+
+    def _halve(self) -> list[BatchResult]:
+        # Out of memory: rows in slots >= half leave the cache. Those that emitted nothing to an
+        # `on_tokens` yet go back to the head of the queue, in submission order, and restart; a
+        # row whose tokens already streamed out cannot restart and ends with an error.
+        target, stats = self.target, self.stats
+        before = target.rows
+        half = max(1, before // 2)
+        dropped = self.active[half:]
+        del self.active[half:]
+        target.shrink(half)
+        failed = []
+        for row in reversed(dropped):
+            if row.out.on_tokens is None:
+                self.pending.appendleft(_Waiting(row.key, row.prompt, row.config, row.pool, row.generator, None,
+                                                 row.prediction))
+            else:
+                failed.append(BatchResult(row.key, row.out.tokens, "error", row.metrics,
+                                          f"out of memory at batch size {before}: retry the request"))
+        stats.batch_size = half
+        stats.notes.append(f"out of memory at batch size {before}: continuing at {half}")
+        return failed
+
+
+def stream_batch(
+    model: torch.nn.Module,
+    make_drafter: Callable[[], Drafter],
+    prompts: Iterable[Sequence[int]],
+    config: GenerationConfig,
+    batch_size: int = 8,
+    *,
+    cost_ms: np.ndarray | None = None,
+    max_width: int = 16,
+    max_prefill_tokens: int = 8192,
+    stats: BatchStats | None = None,
+    predictions: Sequence[Sequence[int] | None] | None = None,
+    graphs: bool = False,
+) -> Iterator[BatchResult]:
+    """Generate for every prompt (host token ids) with up to `batch_size` in flight (a BatchRun);
+    yields each record's result as soon as it finishes (`index` says which). `make_drafter()`
+    builds one drafter per slot, reused for the slot's later records, as batch 1 reuses one.
+    `predictions[i]`: token ids of record i's expected output (or None), for drafters with
+    `expect`. The other arguments are BatchRun's; `stats` is filled if given."""
+    stats = stats if stats is not None else BatchStats()
+    start = time.perf_counter()
+    records = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
+    if batch_size < 1 or max_width < 0:
+        raise UserError(f"batch size must be >= 1 (got {batch_size}) and the draft width >= 0 (got {max_width})")
+    max_positions = BatchedTarget(model, 1, 2).max_positions  # cheap: the cache allocates lazily
+    valid = []
+    for i, prompt in enumerate(records):
+        error = prompt_error(prompt, max_positions)
+        if error:
+            stats.records += 1
+            yield BatchResult(i, [], "error", Metrics(), error)
+        else:
+            valid.append(i)
+    if valid:
+        pool = DrafterPool(make_drafter)
+        pool.idle.append(make_drafter())
+        capacity = max(len(records[i]) for i in valid) + config.max_new_tokens + max_width + 2
+        run = BatchRun(model, min(batch_size, len(valid)), cost_ms=cost_ms, max_width=max_width,
+                       max_prefill_tokens=max_prefill_tokens, capacity=capacity, stats=stats, graphs=graphs)
+        _check_drafter(pool.idle[0], run.target)
+        generator = _make_generator(config.sampling, run.target.device)  # one stream of draws for the batch
+        for i in valid:
+            run.submit(i, records[i], config, pool, generator=generator,
+                       prediction=None if predictions is None else predictions[i])
+        yield from run.drain()
+    stats.time_s = time.perf_counter() - start
+
+
+def generate_batch(
+    model: torch.nn.Module,
+    make_drafter: Callable[[], Drafter],
+    prompts: Iterable[Sequence[int]],
+    config: GenerationConfig,
+    batch_size: int = 8,
+    on_result: Callable[[BatchResult], None] | None = None,
+    **options,
+) -> list[BatchResult]:
+    """`stream_batch`, collected in input order; `on_result` sees each result as it finishes."""
+    results: dict[int, BatchResult] = {}
+    for result in stream_batch(model, make_drafter, prompts, config, batch_size, **options):
+        results[result.index] = result
+        if on_result is not None:
+            on_result(result)
+    return [results[i] for i in sorted(results)]
+
+
+@torch.inference_mode()
+def generate(
     target: TargetModel,
     drafter: Drafter,
-    t0: int,
-    sampling: SamplingConfig,
-    generator: torch.Generator | None,
-    out: _Output,
-    metrics: Metrics,
-    own_rule: Callable | None = None,
-) -> int:
-    # 1) propose: drafts deeper than the tokens still wanted, or than the context allows, are waste
-    tic = time.perf_counter()
-    tree = drafter.propose(t0)
-    depth = min(out.remaining - 1, target.max_positions - target.cached - 1)
-    limited = tree.limit_depth(depth)
-    if limited is not tree:
-        drafter.keep_depth(depth)
-        tree = limited
-    input_ids = target.verify_input(t0, tree)
-    draft_s = time.perf_counter() - tic
+    prompt_ids: list[int] | np.ndarray,
+    config: GenerationConfig,
+    on_tokens: Callable[[list[int]], bool | None] | None = None,
+    prediction: Sequence[int] | None = None,
+) -> GenerationResult:
+    """Generate up to config.max_new_tokens after prompt_ids with drafts from `drafter`, as the one
+    row of a BatchRun on `target.rows` with no step budget (the drafter sizes its own drafts).
+    `on_tokens` gets the new tokens of each step and may return True to stop after them, or k to
+    stop after the first k of them; `prediction`: token ids of the expected output, for a
+    drafter with `expect`."""
+    prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+    error = prompt_error(prompt, target.max_positions, target.context_note)
+    if error:
+        raise UserError(error)
+    rows = target.rows
+    _check_drafter(drafter, rows)
+    wanted, eager_before = rows.wants_hidden, rows.eager_fallbacks
+    run = BatchRun(target.model, 1, target=rows, budget=False, max_width=VERIFY_SLACK)
+    run.submit(0, prompt, config, DrafterPool(lambda: drafter), on_tokens=on_tokens, prediction=prediction)
+    try:
+        (result,) = run.drain()
+    finally:
+        rows.wants_hidden = wanted
+    result.metrics.eager_verifies = rows.eager_fallbacks - eager_before
+    return GenerationResult(tokens=result.tokens, finish_reason=result.finish_reason, metrics=result.metrics,
+                            prediction=result.prediction)
 
-    # 2) verify and 3) accept
-    tic = time.perf_counter()
-    logits = target.verify(input_ids, tree)
-    if own_rule is not None:  # the drafter's own acceptance (decode/drafters/base.py)
-        path, bonus, host_inputs = own_rule(logits, tree, input_ids, sampling, generator)
-    elif tree.q is not None and not sampling.greedy:
-        path, bonus, host_inputs = speculative_accept(logits, tree, input_ids, sampling, generator)
-    else:
-        path, bonus, host_inputs = tree_accept(logits, tree, input_ids, sampling, generator)
-    metrics.verify_s += time.perf_counter() - tic
 
-    # 4) commit
-    target.keep(path)
-    committed = host_inputs[path]
-    before = len(out.tokens)
-    out.emit([int(t) for t in committed[1:]] + [bonus])
-    metrics.record_step(drafted=tree.drafts, accepted=min(len(path) - 1, len(out.tokens) - before))
+def _propose(row: _Row, calibration: TreeCalibration | None, room: int) -> None:
+    # Sets row.tree, row.probs (path probabilities, prefix-closed order; without a calibration,
+    # no budget reads them), row.proposed and row.leading: a cut of the tree to k <= leading nodes
+    # is the proposal's first k nodes, so `keep_first(k)` may tell the drafter what was verified.
+    tree, probs = row.drafter.propose_scored(row.t0)
+    row.scored = probs is not None
+    row.proposed = row.leading = len(tree)
+    if probs is None:
+        probs = calibration.score(tree.parents) if calibration is not None else np.ones(len(tree))
+    if len(tree):
+        depth = tree.depths()
+        if depth.max() > room:  # drafts deeper than the tokens still wanted, or the context, are waste
+            keep = np.flatnonzero(depth <= room)
+            row.leading = int(np.argmin(np.append(keep, -1) == np.arange(len(keep) + 1)))
+            tree, probs = tree.limit_depth(room), probs[keep]
+            row.drafter.keep_depth(room)
+    if tree.accept_limit is not None:
+        probs = probs[: tree.accept_limit]
+    row.tree, row.probs = tree, probs
 
-    # 5) observe
-    tic = time.perf_counter()
-    if not out.done:
-        if target.hidden is not None:  # [q, H] of this verify -> [1 + a, H] at the committed inputs
-            drafter.observe(committed, input_ids, logits, hidden=target.hidden[to_device(path, target.device)])
-        else:
-            drafter.observe(committed, input_ids, logits)
-    metrics.record_draft(draft_s + time.perf_counter() - tic)
-    return bonus
+
+def _prefix(tree: DraftTree, k: int) -> DraftTree:
+    """The first k nodes of `tree` (a tree again: parents come before their children); a chain
+    drawn from a draft model keeps the draft probabilities of its first k tokens."""
+    if tree.is_chain:
+        return DraftTree.chain(tree.tokens[:k], None if tree.q is None else tree.q[:k])
+    return DraftTree(tokens=tree.tokens[:k], parents=tree.parents[:k])
+
+
+def _own_rule(row: _Row) -> Callable | None:
+    """The acceptance rule a row's step needs besides the shared tree rule: the drafter's own
+    (a reference reproduction), or speculative sampling's for sampled chains carrying q."""
+    if row.drafter.accept is not None:
+        return row.drafter.accept
+    if row.tree.q is not None and not row.config.sampling.greedy:
+        return speculative_accept
+    return None
 
 
 def _make_generator(sampling: SamplingConfig, device: torch.device) -> torch.Generator | None:

@@ -35,7 +35,7 @@ class Metrics:
     step_draft_us: list[float] = field(default_factory=list)  # propose + observe of each step
     step_drafted: list[int] = field(default_factory=list)  # draft nodes verified by each step
     draft_s: float = 0.0  # propose + observe, host side
-    verify_s: float = 0.0  # target forward + acceptance, including the one host sync per step
+    verify_s: float = 0.0  # the verify forwards (rows batched together share them)
     prefill_s: float = 0.0
     time_s: float = 0.0  # wall time of the whole generation, prefill included
     cpu_s: float = 0.0  # this process's CPU time over the same span (other processes do not count; rows batched together share it, as they share time_s)
@@ -72,6 +72,12 @@ class Metrics:
         return max(0.0, self.time_s - self.draft_s - self.verify_s)
 
     @property
+    def host_s(self) -> float:
+        """Everything in the decode steps outside the verify forward: drafting, budget, acceptance
+        (its host sync included), commit, bookkeeping."""
+        return max(0.0, self.time_s - self.prefill_s - self.verify_s)
+
+    @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.time_s if self.time_s > 0 else 0.0
 
@@ -91,6 +97,8 @@ class Metrics:
             "verify_s": round(self.verify_s, 6),
             "other_s": round(self.other_s, 6),
             "prefill_s": round(self.prefill_s, 6),
+            "forward_ms_per_step": round(1e3 * self.verify_s / self.steps, 3) if self.steps else 0.0,
+            "host_ms_per_step": round(1e3 * self.host_s / self.steps, 3) if self.steps else 0.0,
             "draft_us_per_step": round(1e6 * self.draft_s / self.steps, 2) if self.steps else 0.0,
             "draft_us_median": round(self.draft_us_quantile(0.5), 2),
             "draft_us_p90": round(self.draft_us_quantile(0.9), 2),

@@ -69,9 +69,9 @@ def cost_curve(engine: Any, quiet: bool = False, refresh: bool = False) -> list[
 def batch_cost_curve(engine: Any, rows: int, max_width: int, quiet: bool = False,
                      stop: Callable[[], bool] | None = None) -> list[float]:
     """t_ms [rows * max_width]: a batched forward over 1.. total input tokens with `rows` rows in
-    flight (decode.engine.batched.measure_batch_cost), from the cache or measured now; `stop()`
+    flight (decode.engine.cost.measure_batch_cost), from the cache or measured now; `stop()`
     true stops a measurement between two forwards (decode.engine.cost.Stopped; nothing cached)."""
-    from samctl.decode.engine.batched import measure_batch_cost
+    from samctl.decode.engine.cost import measure_batch_cost
 
     note = (f"measuring the batched verify cost of {Path(engine.name).name} at {rows} rows, once per model, "
             "device and batch size")

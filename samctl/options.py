@@ -146,7 +146,7 @@ batch_size_option = click.option(
 def batch_size(opts: dict[str, Any], method: str, on_gpu: bool) -> int:
     """--batch-size, or the default for the device; 1 (said once) where batching does not apply:
     the method has no batched form, or --compare / --memory-file / --memory-save is given."""
-    from samctl.decode.batch import BATCH_ONE, batch_blocker
+    from samctl.decode.loop import BATCH_ONE, batch_blocker
 
     asked = opts.get("batch_size")
     check_count("--batch-size", asked, MAX_BATCH_SIZE)

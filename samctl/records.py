@@ -23,7 +23,7 @@ from samctl.progress import progress_bar
 from samctl.textio import check_utf8
 
 if TYPE_CHECKING:  # parsing records (distill's resume, --resume) needs no model
-    from samctl.decode.batch import BatchResult
+    from samctl.decode.loop import BatchResult
     from samctl.decode.loop import GenerationResult
     from samctl.session import Session
 
@@ -112,7 +112,7 @@ class RecordRunner:
         # 2) the batchable ones together
         flush()
         if batched:
-            from samctl.decode.batch import BatchStats
+            from samctl.decode.loop import BatchStats
 
             stats = BatchStats()
             self.session.generate_batch([b[2] for b in batched], batch_size=self.batch_size, on_result=done,

@@ -15,7 +15,7 @@ The contract a scheduler keeps (`submit`, `close`, `stop_starting`, `starting`, 
 `waiting`): every submitted job gets exactly one of done / error / cancelled, last; a cancelled
 job stops at its next step and frees its slot; `close` finishes what was submitted, then returns.
 `BatchScheduler` runs up to --batch-size jobs at once as rows of the batched engine
-(decode.batch.BatchRun), refilling free slots between steps; with --batch-size 1 it runs one job
+(decode.loop.BatchRun), refilling free slots between steps; with --batch-size 1 it runs one job
 at a time on its session (batch 1). Its worker first prepares the batched engine (reading its
 verify cost from the cache or measuring it); meanwhile `starting` says so and jobs wait.
 `stop_starting` (SIGTERM) ends that preparation at its next forward: the jobs waiting for it are
@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from samctl.decode.batch import DrafterPool
+from samctl.decode.loop import DrafterPool
 from samctl.decode.engine.cost import Stopped
 from samctl.decode.loop import GenerationResult
 from samctl.decode.sampling import SamplingConfig
@@ -253,7 +253,7 @@ class Job:
 
 
 class _SessionDrafters(DrafterPool):
-    """A session's drafters for the batched engine (a decode.batch.DrafterPool), and its share
+    """A session's drafters for the batched engine (a decode.loop.DrafterPool), and its share
     of the cross-request memory: every response is remembered by the session's kept drafter (the
     batch-1 path's, and the seed of every new row drafter) and by every row drafter of the
     session. A row drafter takes in the other rows' outputs when it starts its next request,
@@ -301,7 +301,7 @@ class _SessionDrafters(DrafterPool):
 
 
 class BatchScheduler:
-    """Jobs share the batched engine (decode.batch.BatchRun): up to `batch_size` generate at once,
+    """Jobs share the batched engine (decode.loop.BatchRun): up to `batch_size` generate at once,
     each a row with its own length, sampling, stop strings and prediction; a job arriving while
     the batch runs joins a free slot between two steps; a cancelled job leaves at the next step.
     A job whose method has no batched form (draft models, EAGLE, SDSAT), and every job when
@@ -318,7 +318,7 @@ class BatchScheduler:
         self._closed = False
         self._stopping = threading.Event()  # start-up and any later measurement end at the next forward
         self.starting = "preparing the batched engine (its verify cost: read from the cache or measured)"
-        self._run = None  # decode.batch.BatchRun, built by the worker on the first batched job
+        self._run = None  # decode.loop.BatchRun, built by the worker on the first batched job
         self._jobs: dict[int, Job] = {}  # in the run, by key
         self._drafters: dict[int, _SessionDrafters] = {}  # by id(session)
         self._alone = 0  # a batch-1 job running

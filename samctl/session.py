@@ -524,17 +524,14 @@ class Session:
         ids = self.encode(prompt)
         drafter = self.drafter if drafter is None else drafter
         self._note_room(ids)
-        drafter.expect(self.prediction_ids(prediction))  # the request's expected output, if it takes one
         if not self.warm:
             self.warm_up(ids)
         generation = self.generation
         if max_new_tokens is not None or sampling is not None:
             generation = replace(generation, max_new_tokens=max_new_tokens or generation.max_new_tokens,
                                  sampling=sampling or generation.sampling)
-        result = decode_generate(self.engine.target, drafter, ids, generation, on_tokens=on_tokens)
-        if prediction:
-            result.prediction = drafter.prediction_usage()
-        return result
+        return decode_generate(self.engine.target, drafter, ids, generation, on_tokens=on_tokens,
+                               prediction=self.prediction_ids(prediction))
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int] | list[dict[str, str]]], *, batch_size: int = 8,
                        on_result: Callable[[Any], None] | None = None, stats: Any = None,
@@ -542,12 +539,12 @@ class Session:
         """Generate for every prompt with up to `batch_size` sequences in flight (named as
         transformers names its batched call), each record's output exactly its batch-1 output in
         float32; a finished row is refilled from the queue at once. Returns
-        decode.batch.BatchResult per prompt, in input order; `on_result` sees each as it finishes.
+        decode.loop.BatchResult per prompt, in input order; `on_result` sees each as it finishes.
         Every slot drafts with its own fresh drafter. `predictions[i]` is prompt i's expected
         output (or None), drafted from by its own row only; its usage comes back in the result's
         `prediction`. Methods without a batched form (draft models, EAGLE, SDSAT) are refused:
         run them one prompt at a time."""
-        from samctl.decode.batch import generate_batch, require_batchable
+        from samctl.decode.loop import generate_batch, require_batchable
 
         require_batchable(self.config.method)
         ids = [self.encode(p) for p in prompts]
@@ -560,18 +557,18 @@ class Session:
                               graphs=self.config.graphs)
 
     def batch_run(self, batch_size: int, stop: Callable[[], bool] | None = None):
-        """An empty decode.batch.BatchRun on this session's engine, for records submitted one by
+        """An empty decode.loop.BatchRun on this session's engine, for records submitted one by
         one (the server's scheduler); any session of the engine may submit to it. Measuring its
         verify cost (once per model and batch size) stops between two forwards when `stop()` is
         true (decode.engine.cost.Stopped)."""
-        from samctl.decode.batch import BatchRun
+        from samctl.decode.loop import BatchRun
 
         return BatchRun(self.engine.model, batch_size, cost_ms=self._batch_cost(batch_size, stop),
                         max_width=BATCH_MAX_WIDTH, graphs=self.config.graphs)
 
     def batch_refusal(self) -> str:
         """Why this session cannot run on the batched engine ("" when it can)."""
-        from samctl.decode.batch import batch_refusal
+        from samctl.decode.loop import batch_refusal
 
         return batch_refusal(self.config.method)
 
@@ -605,7 +602,7 @@ class Session:
         """warm_up, then the same throwaway run through the batched engine, whose drafters take
         paths of their own (scored proposals), on the first prompt the model can continue (the
         others get their errors in the batch)."""
-        from samctl.decode.batch import generate_batch
+        from samctl.decode.loop import generate_batch
 
         for ids in prompts:
             if not prompt_error(np.asarray(ids), self.engine.target.max_positions):

@@ -1,9 +1,9 @@
 """Planted acceptance bugs, and a spy on the acceptance step, for the sampling tests.
 
 A statistical test shows its power in the same run: besides the true rules it runs the decode loop
-with each wrong rule below swapped in for `decode.accept.tree_accept` (deterministic drafts) and
-`decode.accept.speculative_accept` (drafts carrying q), and the batched engine with it swapped in
-for `decode.accept.batch_accept` (row by row), and must reject every one of them. Each
+(one record or a batch) with each wrong rule below swapped in for `decode.accept.batch_accept`'s
+row by row, in place of `decode.accept.tree_accept` (deterministic drafts) and
+`decode.accept.speculative_accept` (drafts carrying q), and must reject every one of them. Each
 bug is the classic slip of its kind, written once for each rule; where a bug cannot change a
 rule's output (no rejection ever happens, say), the test says so instead of asserting power.
 
@@ -28,10 +28,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-import samctl.decode.batch as batch
 import samctl.decode.loop as loop
 from samctl.decode.accept import batch_accept, speculative_accept, tree_accept
-from samctl.decode.sampling import SamplingConfig, warp_probs
+from samctl.decode.sampling import warp_probs
 from samctl.decode.tree import DraftTree, tree_depths, walk_tree
 
 BUGS = ("redraw", "residual", "shared_u", "bonus")
@@ -190,17 +189,6 @@ def acceptance(bug: str | None = None):
     batch_rule = batch_accept if bug is None else _row_by_row(tree_rule, spec_rule)
     seen = Seen()
 
-    def spy_tree(logits, tree, input_ids, sampling: SamplingConfig, generator):
-        path, bonus, host = tree_rule(logits, tree, input_ids, sampling, generator)
-        _record(seen, tree, path)
-        return path, bonus, host
-
-    def spy_spec(logits, tree, input_ids, sampling: SamplingConfig, generator):
-        path, bonus, host = spec_rule(logits, tree, input_ids, sampling, generator)
-        seen.q_steps += 1
-        _record(seen, tree, path)
-        return path, bonus, host
-
     def spy_batch(logits, offsets, input_ids, trees, samplings, generators, rules=None):
         paths, nexts, host = batch_rule(logits, offsets, input_ids, trees, samplings, generators, rules)
         for b, (tree, path) in enumerate(zip(trees, paths)):
@@ -208,9 +196,9 @@ def acceptance(bug: str | None = None):
             _record(seen, tree, path)
         return paths, nexts, host
 
-    saved = loop.tree_accept, loop.speculative_accept, batch.batch_accept
-    loop.tree_accept, loop.speculative_accept, batch.batch_accept = spy_tree, spy_spec, spy_batch
+    saved = loop.batch_accept
+    loop.batch_accept = spy_batch
     try:
         yield seen
     finally:
-        loop.tree_accept, loop.speculative_accept, batch.batch_accept = saved
+        loop.batch_accept = saved

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from samctl.decode.engine.native import use_backend
-from samctl.decode.batch import BatchRun, BatchStats, DrafterPool, batch_refusal, generate_batch, require_batchable
+from samctl.decode.loop import BatchRun, BatchStats, DrafterPool, batch_refusal, generate_batch, require_batchable
 from samctl.decode.budget import TreeCalibration, choose_width, path_probs
 from samctl.decode.drafters.adaptive import AdaptiveDrafter
 from samctl.decode.engine.batched import BatchedTarget
@@ -292,7 +292,7 @@ def _exact(model, prompt, sampling):
 
 
 def test_only_methods_drafting_with_the_target_itself_are_refused():
-    from samctl.decode.batch import _check_drafter
+    from samctl.decode.loop import _check_drafter
     from samctl.decode.methods import SELF_DRAFT_METHODS
 
     for name in SELF_DRAFT_METHODS:

@@ -531,7 +531,7 @@ def test_int8_batched_greedy_equals_its_own_plain_greedy(default_int8, default_i
     # decoding of the same int8 model, at batch size 1 and at 4 (6 prompts: rows leave and newcomers
     # join mid-run; wide drafts: up to 32 inputs a row; widths to 64 and batch sizes 1..8 bit for
     # bit: test_int8_batched_rows_equal_batch1_bit_for_bit).
-    from samctl.decode.batch import generate_batch
+    from samctl.decode.loop import generate_batch
     from samctl.decode.loop import GenerationConfig
     from samctl.decode.methods import make_drafter
     from tests.test_decode_greedy import EAGER

@@ -46,14 +46,15 @@ def run(model, method: str, prompt: list[int], max_new_tokens: int, eos: tuple[i
         static=static, config=EAGER, eagle=eagle_head(model) if method_entry(method).needs_eagle else None,
     )
     if spy is not None:
-        verify = target.verify
+        verify = target.rows.verify
 
-        def spied(input_ids, tree):
+        def spied(inputs, trees):
+            (input_ids,), (tree,) = inputs, trees
             nodes = input_ids[1 : 1 + tree.drafts].cpu().numpy()
             spy(bool(np.isin(nodes, eos).any()))
-            return verify(input_ids, tree)
+            return verify(inputs, trees)
 
-        target.verify = spied
+        target.rows.verify = spied
     return generate(target, drafter, prompt, GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos))
 
 

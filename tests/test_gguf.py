@@ -251,7 +251,7 @@ def test_real_gguf_every_method_matches_transformers_greedy(tmp_path, private_ca
         expectations.append(expected)
     # The batched engine: both prompts in flight together, each record equal to its own output;
     # a flat cost curve, so that the budget drafts and rows verify trees of different shapes.
-    from samctl.decode.batch import generate_batch
+    from samctl.decode.loop import generate_batch
 
     batch = [engine.encode(text, chat=True) for text in prompts]
     for method in ("adaptive", "pld", "ar"):

@@ -18,7 +18,7 @@ from transformers import DynamicCache
 from samctl.decode.engine.kv_cache import with_cache
 from samctl.decode.drafters.adaptive import _Recycle
 from samctl.decode.eagle_head import EagleHead
-from samctl.decode.engine.graphs import WIDTHS, VerifyGraphs, enable_cuda_graphs
+from samctl.decode.engine.graphs import WIDTHS, enable_cuda_graphs
 from samctl.decode.engine.target import TargetModel
 from samctl.decode.loop import GenerationConfig, generate
 from samctl.decode.methods import EAGLE_METHODS, METHODS, make_drafter, method as method_entry, uses_store
@@ -223,9 +223,8 @@ class _Failing:
 def test_t9_capture_failure_falls_back_to_eager():
     model = tiny().to(CUDA)
     target = TargetModel(model)
-    target.graphs = VerifyGraphs(target, backend=_Failing(), reserve=256)
     with pytest.warns(RuntimeWarning, match="capture failed"):
-        target.graphs.prepare()
+        enable_cuda_graphs(target, True, 256, _Failing())
     prompt = prompts(96)[0]
     result = generate(target, drafter("pld"), prompt, GenerationConfig(max_new_tokens=30))
     assert result.tokens == generate(TargetModel(model), drafter("pld"), prompt, GenerationConfig(max_new_tokens=30)).tokens
@@ -301,7 +300,7 @@ def test_t12_batched_graphs_equal_eager_across_buckets(backend, dtype, tol):
 def test_t13_batched_run_with_graphs_equals_batch1_on_cuda(method):
     # BatchRun with graphs on (as the server and --input batches run on a GPU): every record's
     # greedy output equals its batch-1 output in float32, native backend
-    from samctl.decode.batch import generate_batch
+    from samctl.decode.loop import generate_batch
     from samctl.decode.draft_model import DraftModel
     from samctl.decode.engine.native import use_backend
 

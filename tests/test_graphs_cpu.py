@@ -1,6 +1,7 @@
-"""CUDA-graph bookkeeping on the CPU: `VerifyGraphs` driven through a stand-in backend whose
-"replay" reruns the captured forward eagerly, so the fixed-mode cache, key-length buckets, the
-shared mask, capture order, fallback and hidden-state handling run here as they do on a GPU."""
+"""CUDA-graph bookkeeping on the CPU: `BatchVerifyGraphs`, at one row (`enable_cuda_graphs`) and
+at many, driven through a stand-in backend whose "replay" reruns the captured forward eagerly, so
+the fixed-mode cache, row, width and key-length buckets, capture order, fallback and hidden-state
+handling run here as they do on a GPU."""
 from __future__ import annotations
 
 import warnings
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from samctl.decode.engine.graphs import WIDTHS, VerifyGraphs, key_buckets
+from samctl.decode.engine.graphs import WIDTHS, BatchVerifyGraphs, enable_cuda_graphs, key_buckets
 from samctl.decode.engine.kv_cache import ALIGN
 from samctl.decode.engine.target import TargetModel
 from samctl.decode.loop import GenerationConfig, generate
@@ -40,9 +41,8 @@ class StandIn:
         return forward
 
 
-def graphs_on(target: TargetModel, backend: StandIn, reserve: int = 500) -> VerifyGraphs:
-    target.graphs = VerifyGraphs(target, backend=backend, reserve=reserve)
-    target.graphs.prepare()
+def graphs_on(target: TargetModel, backend: StandIn, reserve: int = 500) -> BatchVerifyGraphs:
+    enable_cuda_graphs(target, True, reserve, backend)
     return target.graphs
 
 
@@ -62,12 +62,13 @@ def test_prepare_captures_every_width_and_bucket_once_largest_first_into_one_poo
     graphs = graphs_on(target, backend)
     capacity = target.cache.capacity
     assert capacity % ALIGN == 0 and capacity >= 500, capacity
-    expected = {(w, b) for w in WIDTHS for b in key_buckets(capacity)}
+    assert graphs.widths == WIDTHS and graphs.rows == (1,)
+    expected = {(1, w, b) for w in WIDTHS for b in key_buckets(capacity) if w <= b}
     assert set(graphs.graphs) == expected and graphs.captures == len(expected)
     assert backend.pools == 1 and graphs.prepares == 1
     sizes = [g.width * g.keys for g in graphs.graphs.values()]  # dict order = capture order
     assert sizes == sorted(sizes, reverse=True), sizes
-    assert target.cache.get_seq_length() == 0  # capturing committed nothing
+    assert target.cached == 0  # capturing committed nothing
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
@@ -103,7 +104,7 @@ def test_a_verify_reads_only_its_key_bucket(monkeypatch):
     target = TargetModel(tiny())
     graphs_on(target, StandIn(), reserve=2000)
     target.prefill(torch.arange(3, 43), reserve=2000)
-    assert target.cache.capacity > 2000
+    assert target.rows.capacity > 2000
     seen = []
     real = torch.nn.functional.scaled_dot_product_attention
 
@@ -149,7 +150,7 @@ def test_hidden_states_toggle_without_recapture_and_match_eager():
             t.prefill(prompt)
         tree = random_tree(rng, 9)
         a = eager.verify(eager.verify_input(3, tree), tree)
-        hidden = eager.hidden  # read now: both targets hook the same model's norm
+        hidden = eager.hidden
         b = graphed.verify(graphed.verify_input(3, tree), tree)
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
         if want:
@@ -179,11 +180,12 @@ def test_storage_growth_recaptures_once_and_output_stays_exact():
 def test_generation_counts_allocations_not_addresses():
     target = TargetModel(tiny())
     target.prefill(torch.arange(3, 13), reserve=10)
-    g = target.cache.generation
-    target.cache.reserve(target.cache.capacity)  # fits: no allocation
-    assert target.cache.generation == g
-    target.cache.reserve(target.cache.capacity + 1)
-    assert target.cache.generation == g + 1 and target.cache.capacity % ALIGN == 0
+    rows = target.rows
+    g = rows.cache.generation
+    rows.reserve(rows.capacity)  # fits: no allocation
+    assert rows.cache.generation == g
+    rows.reserve(rows.capacity + 1)
+    assert rows.cache.generation == g + 1 and rows.capacity % ALIGN == 0
 
 
 def test_graph_cost_curve_is_a_step_function_and_cached_apart():
@@ -216,10 +218,10 @@ class Widest:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def propose(self, t0: int) -> DraftTree:
-        tree = self.inner.propose(t0)
+    def propose_scored(self, t0: int):
+        tree, probs = self.inner.propose_scored(t0)
         self.widest = max(self.widest, len(tree) + 1)
-        return tree
+        return tree, probs
 
 
 def test_every_methods_default_gpu_draft_fits_a_captured_width():
@@ -278,15 +280,13 @@ def test_cost_curve_measured_again_when_the_engine_code_changes(monkeypatch):
 # -- the batched verify's graphs (BatchVerifyGraphs) ---------------------------------------------------
 
 def batch_graphs_on(run, backend: StandIn, max_width: int):
-    from samctl.decode.engine.graphs import BatchVerifyGraphs
-
     run.target.graphs = BatchVerifyGraphs(run.target, max_width, backend=backend)
     run.target.graphs.prepare()
     return run.target.graphs
 
 
 def test_batch_graphs_capture_every_bucket_once_largest_first():
-    from samctl.decode.batch import BatchRun
+    from samctl.decode.loop import BatchRun
     from samctl.decode.engine.graphs import buckets_upto, ROW_BUCKETS
 
     run = BatchRun(tiny(), 5, cost_ms=np.full(64, 1.0), max_width=6, capacity=300)
@@ -304,7 +304,7 @@ def test_batch_graphs_capture_every_bucket_once_largest_first():
 def test_batched_graph_verify_equals_eager_with_ragged_rows_refills_and_growth(backend_name):
     # rows join and leave (5 records, 3 slots), trees of every width up to 8, a cache that grows
     # past its first capacity mid-run (a recapture): every record equals its eager batched output
-    from samctl.decode.batch import BatchRun, DrafterPool
+    from samctl.decode.loop import BatchRun, DrafterPool
     from samctl.decode.engine.native import use_backend
     from tests.test_decode_greedy import EAGER
 

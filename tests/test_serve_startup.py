@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from samctl.decode.engine.batched import BatchedTarget, measure_batch_cost
-from samctl.decode.engine.cost import Stopped, measure_verify_cost
+from samctl.decode.engine.batched import BatchedTarget
+from samctl.decode.engine.cost import Stopped, measure_batch_cost, measure_verify_cost
 from samctl.decode.engine.target import TargetModel
 from samctl.tokenizer import DEFAULT_MODEL_DIR
 
@@ -42,14 +42,16 @@ class _Fed:
 
 
 def test_the_verify_cost_curves_take_few_forwards(tiny_llama):
-    """Batch 1: 7 widths (1..64, doubling) x 3 rounds after one prefill of the context, 637
-    tokens in all (was 12 widths x 5 rounds, 1356 tokens). 16 rows: 7 shapes x 3 rounds and one
-    token per row where 16 x 256 context tokens were prefilled (6637 tokens, now 1519)."""
+    """One measurement for both (decode.engine.cost.measure_cost). Batch 1: 7 widths (1..64,
+    doubling) x 3 rounds after a one-token prefill, the row then taken to hold the context: 382
+    tokens in all (was 12 widths x 5 rounds after a 256-token prefill, 1356 tokens). 16 rows:
+    7 shapes x 3 rounds and one token per row where 16 x 256 context tokens were prefilled (6637
+    tokens, now 1519)."""
     fed = _Fed(tiny_llama)
     try:
         t_ms = measure_verify_cost(TargetModel(tiny_llama), 64, context=256)
         assert len(t_ms) == 64 and all(b >= a for a, b in zip(t_ms, t_ms[1:]))
-        assert (fed.forwards, fed.tokens) == (1 + 3 * 7, 256 + 3 * (1 + 2 + 4 + 8 + 16 + 32 + 64))
+        assert (fed.forwards, fed.tokens) == (1 + 3 * 7, 1 + 3 * (1 + 2 + 4 + 8 + 16 + 32 + 64))
         fed.forwards = fed.tokens = 0
         t_ms = measure_batch_cost(tiny_llama, 16, 16, context=256)
         assert len(t_ms) == 16 * 16
@@ -145,18 +147,17 @@ def test_stop_starting_refuses_the_waiting_requests_and_measures_no_more(model_d
 
 SLOW_SERVE = """
 import sys, time
-from samctl.decode.engine import batched, target
+from samctl.decode.engine.batched import BatchedTarget
 from samctl.cli import main
 
-def slowed(cls, name):
-    verify = cls.verify
-    def slow(self, *args):
-        sys.stderr.write(name + "\\n"); sys.stderr.flush()
+one_row = sys.argv[1] == "batch-1"  # the batch-1 curve is measured on a target of one row
+verify = BatchedTarget.verify
+def slow(self, *args):
+    if (self.rows == 1) == one_row:
+        sys.stderr.write("VERIFY\\n"); sys.stderr.flush()
         time.sleep(1.0)
-        return verify(self, *args)
-    cls.verify = slow
-
-slowed(target.TargetModel if sys.argv[1] == "batch-1" else batched.BatchedTarget, "VERIFY")
+    return verify(self, *args)
+BatchedTarget.verify = slow
 main(sys.argv[2:])
 """
 

@@ -294,7 +294,7 @@ def test_the_batch_gets_each_requests_sampling(model_dir, monkeypatch):
     (temperature, top_p, seed, max_tokens; top_k and EOS the session's)."""
     from fastapi.testclient import TestClient
 
-    from samctl.decode.batch import BatchRun
+    from samctl.decode.loop import BatchRun
     from samctl.decode.loop import GenerationConfig
 
     session = Session(SessionConfig(model=str(model_dir), max_new_tokens=24, threads=1, quiet=True,

@@ -97,7 +97,7 @@ def test_generate_input_batches_and_keeps_every_line(model_dir, tmp_path):
 
 def _submitted(monkeypatch) -> list:
     """Spy on BatchRun.submit: the GenerationConfig of every record that reaches the batched engine."""
-    from samctl.decode.batch import BatchRun
+    from samctl.decode.loop import BatchRun
 
     seen, submit = [], BatchRun.submit
 
@@ -146,7 +146,7 @@ def test_eos_ends_a_batched_row(model_dir):
 def test_row_drafters_get_the_sessions_settings(model_dir, monkeypatch):
     """Every drafter a batched row takes (Session.generate_batch, and the server's pool) is built
     with the session's method settings, not the defaults."""
-    from samctl.decode.batch import DrafterPool
+    from samctl.decode.loop import DrafterPool
     from samctl.scheduler import BatchScheduler, Job, Request, Sessions
 
     session = Session(SessionConfig(model=str(model_dir), method="adaptive", max_new_tokens=6, quiet=True,
@@ -168,7 +168,7 @@ def test_row_drafters_get_the_sessions_settings(model_dir, monkeypatch):
 _JIT_PROBE = """
 import json, sys
 from numba.core.dispatcher import Dispatcher
-import samctl.decode.batch as batch
+import samctl.decode.loop as batch
 from samctl.session import Session, SessionConfig
 events = []
 original, run = Dispatcher._compile_for_args, batch.generate_batch

@@ -16,30 +16,36 @@ for that row's committed tokens, each computed at its true position; so a row's 
 batch-1 logits up to floating-point summation order, whatever the other rows do.
 
 Verifies replay CUDA graphs where `enable_batch_graphs` captured them (decode/engine/graphs.py),
-else run eagerly. Works with the model families `TargetModel` supports (sdpa or
-eager attention with a 4D additive mask, explicit position ids, a transformers Cache). Knows
+else run eagerly. Works with any Hugging Face causal LM that takes a 4D additive attention mask,
+explicit position ids and a transformers Cache (Llama, Qwen2, Mistral, GPT-NeoX families), under
+the sdpa or eager attention paths; others (flash, flex) ignore a 4D mask, so the model is switched
+to sdpa or refused. On CUDA, grouped-query models switch to the same sdpa with head groups folded
+into query rows (decode.engine.attention), so a tree verify copies no K/V per head. Sliding-window
+models work while prompt + output fit in the window, which then caps the context. With the native
+backend (decode/engine/native.py) the forward is samctl's own. Knows
 nothing of drafters or acceptance rules; lengths live on the host because the caller learns the
 accepted paths on the host anyway (the step's one synchronization).
 """
 from __future__ import annotations
 
-import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
-from samctl.decode.engine.attention import exact_rows
-from samctl.decode.engine.cost import check_stop, monotone_fit
+from samctl.decode.engine.attention import NAME as FOLDED, ROWWISE, exact_rows, use_folded_gqa
 from samctl.decode.engine.kv_cache import OwnedLayer, aligned, with_cache
-from samctl.decode.engine.target import TargetModel, to_device
+from samctl.decode.engine.native import native_of
+from samctl.decode.engine.transfer import to_device
 from samctl.decode.tree import DraftTree, ancestor_matrix
 from samctl.index.errors import UserError
 
 # Families whose causal-LM forward is `lm_head(decoder(...))` with nothing in between, so the head
 # can run on the real (unpadded) inputs only. Others run the whole forward on the padded block.
 PLAIN_HEAD = ("llama", "qwen2", "qwen3", "mistral")
+# attention paths that apply a custom 4D additive mask (decode/engine/attention.py: FOLDED, ROWWISE)
+MASK_ATTENTION = ("sdpa", "eager", FOLDED, ROWWISE)
 
 
 class BatchedLayer(OwnedLayer):
@@ -74,7 +80,7 @@ class BatchedLayer(OwnedLayer):
         return self.owner.kv_length, 0
 
     def get_seq_length(self) -> int:
-        return self.owner.kv_length
+        return self.owner.seen
 
     def reset(self) -> None:
         pass
@@ -91,6 +97,7 @@ class BatchedKVCache(Cache):
         self.prefill_rows: torch.Tensor | None = None  # [k] int64 slots being prefilled
         self.write_positions: torch.Tensor | None = None  # [A, q] int64 cache positions of the inputs
         self.kv_length = 0  # entries the verify's attention reads: max L_b + q
+        self.seen = 0  # committed entries before a one-row forward's inputs (transformers' causal mask reads it)
         self.generation = 0  # storage allocations so far (CUDA graphs hold the storage's address)
 
     def allocate_like(self, key_states: torch.Tensor) -> None:
@@ -109,12 +116,25 @@ class BatchedTarget:
     (prompt + output + the widest verify block). Verifies replay CUDA graphs once
     `enable_batch_graphs` (decode/engine/graphs.py) captured them, else run eagerly."""
 
-    def __init__(self, model: torch.nn.Module, rows: int, capacity: int) -> None:
-        # TargetModel's checks (mask-capable attention, sliding window) and context limit.
-        single = TargetModel(model)
-        self.model = single.model
-        self.device, self.dtype = single.device, single.dtype
-        self.max_positions, self.context_note = single.max_positions, single.context_note
+    def __init__(self, model: torch.nn.Module, rows: int, capacity: int, fold_groups: bool | None = None) -> None:
+        # fold_groups: grouped-query attention folds head groups into query rows instead of
+        # copying K/V per head (decode.engine.attention); default: on CUDA
+        self.model = model.eval()
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        config = model.config
+        _require_mask_attention(model)
+        if fold_groups if fold_groups is not None else self.device.type == "cuda":
+            use_folded_gqa(model)
+        self.max_positions = int(getattr(config, "max_position_embeddings", 1 << 30) or (1 << 30))
+        self.context_note = "the model's context"
+        window = _sliding_window(config)
+        if window is not None and window < self.max_positions:
+            # Beyond the window the model must stop seeing old tokens, which this engine's
+            # full-context mask does not do: cap the context instead of computing wrong logits.
+            self.max_positions = window
+            self.context_note = (f"{getattr(config, 'model_type', 'this model')} uses sliding-window attention, "
+                                 "which samctl supports only within the window; the window")
         if rows < 1 or capacity < 2:
             raise UserError(f"batch size must be >= 1 (got {rows}) and the capacity >= 2 (got {capacity})")
         self.rows = rows
@@ -126,7 +146,7 @@ class BatchedTarget:
         self._blocked = torch.finfo(self.dtype).min
         split = getattr(model.config, "model_type", "") in PLAIN_HEAD and hasattr(model, "lm_head")
         self._decoder = model.get_decoder() if split else None
-        self.native = single.native  # the native forward (decode/engine/native.py), or None: transformers'
+        self.native = native_of(model)  # the native forward (decode/engine/native.py), or None: transformers'
         # attention exact per row (int8): a padded batch prefill would sum in another order than
         # batch 1's, so each prompt is prefilled alone, as batch 1 prefills it
         self._prefill_alone = exact_rows(model)
@@ -171,7 +191,7 @@ class BatchedTarget:
         # One forward, right-padded to the longest prompt: with right padding a plain causal mask
         # is exactly right for every real position.
         self.prefill_hidden = []
-        if self._prefill_alone:
+        if self._prefill_alone or len(slots) == 1:
             return [self._prefill_alone_one(s, p, a) for s, p, a in zip(slots, prompts, all_logits)]
         k = len(slots)
         lengths = np.array([len(p) for p in prompts], dtype=np.int64)
@@ -198,12 +218,12 @@ class BatchedTarget:
 
     def _prefill_alone_one(self, slot: int, prompt: np.ndarray, all_logits: bool) -> torch.Tensor:
         # prompt: [n] host int64 -> logits [n, V] or [1, V]: a batch-1 forward with no mask, the
-        # model's own causal mask sized as TargetModel.prefill's ([n, n]: kv_length n)
+        # model's own causal mask ([n, n]: kv_length n)
         n = len(prompt)
         self.reserve(n)
         keep = np.arange(n) if all_logits else np.array([n - 1])
         self.cache.prefill_rows = to_device(np.array([slot], dtype=np.int64), self.device)
-        self.cache.kv_length = n
+        self.cache.kv_length, self.cache.seen = n, 0
         try:
             logits = self.forward(to_device(np.asarray(prompt, dtype=np.int64)[None], self.device),
                                torch.arange(n, device=self.device)[None], None, to_device(keep, self.device))
@@ -250,7 +270,11 @@ class BatchedTarget:
         positions = to_device(past[:, None] + rel, self.device)
         write = to_device(past[:, None] + np.arange(q), self.device)
         kv = int(past.max()) + q
-        mask = self.verify_mask(to_device(past, self.device), to_device(visible, self.device), kv)
+        if rows == 1 and trees[0].is_chain:
+            mask = None  # one chain: the model's own causal mask after `seen` entries is exactly the tree mask
+            self.cache.seen = int(past[0])
+        else:
+            mask = self.verify_mask(to_device(past, self.device), to_device(visible, self.device), kv)
         keep = to_device(np.concatenate([b * q + np.arange(n) for b, n in enumerate(sizes)]), self.device)
         self.cache.write_positions, self.cache.kv_length = write, kv
         try:
@@ -324,45 +348,49 @@ class BatchedTarget:
         self.lengths = self.lengths[:rows].copy()
 
 
-BATCH_POINTS = (1, 4, 16, 64, 256)  # rows of the [N, 1] forwards measured (and the batch size)
-WIDTH_POINTS = (2, 4, 8, 16, 32, 64)  # widths of the [rows, w] forwards measured (and max_width)
+def verify_input(t0: int, tree: DraftTree, device: torch.device) -> torch.Tensor:
+    # -> [1 + m] int64 on device: the pending token then the draft nodes (placeholders -1)
+    tokens = tree.tokens
+    if not isinstance(tokens, torch.Tensor):
+        return to_device(np.concatenate(([t0], np.asarray(tokens, dtype=np.int64))), device)
+    ids = torch.empty(len(tree) + 1, dtype=torch.int64, device=device)
+    ids[0] = t0  # a fill kernel: writing a host scalar needs no sync
+    ids[1:] = tokens
+    return ids
 
 
-@torch.inference_mode()
-def measure_batch_cost(model: torch.nn.Module, rows: int, max_width: int = 8, context: int = 256,
-                       rounds: int = 2, clock=time.perf_counter, stop: Callable[[], bool] | None = None) -> np.ndarray:
-    """-> t_ms [rows * max_width]: milliseconds of a batched verify forward over N = 1.. total input
-    tokens, measured as [N, 1] forwards for N <= rows and [rows, w] forwards beyond, after
-    `context` committed tokens per row (fastest of `rounds`), interpolated between grid points
-    (N growing by 2-4x: the curve is smooth, and each point costs start-up time).
-    `clock`: time.process_time measures one CPU thread's own work on a busy machine.
-    `stop()` true: raise decode.engine.cost.Stopped before the next forward.
-    The batched drafting budget prices a step's padded block [A, q] at t(A * q)."""
-    vocab = int(getattr(model.config, "vocab_size", 1000))
-    gen = torch.Generator().manual_seed(0)
-    shapes = sorted({(b, 1) for b in BATCH_POINTS if b <= rows} | {(rows, 1)}
-                    | {(rows, w) for w in WIDTH_POINTS if w <= max_width} | {(rows, max_width)},
-                    key=lambda s: s[0] * s[1])
-    target = BatchedTarget(model, rows, context + max_width + 8)
-    context = max(1, min(context, target.max_positions - max_width - 8))
-    # A verify's time depends on how many entries it attends to, not on what they hold: one
-    # token per row is prefilled (which allocates the cache) and the rows are then taken to hold
-    # `context` entries, instead of prefilling rows * context tokens.
-    check_stop(stop)
-    target.prefill(list(range(rows)), [np.array([1], dtype=np.int64)] * rows, [False] * rows)
-    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
-    best = np.full(len(shapes), np.inf)
-    for r in range(rounds + 1):  # round 0 warms up and is not kept
-        for i, (b, w) in enumerate(shapes):
-            target.lengths[:] = context  # the same context every time: the verify is not kept
-            inputs = [torch.randint(0, vocab, (w,), generator=gen) for _ in range(b)]
-            trees = [DraftTree.chain(x[1:].numpy()) for x in inputs]
-            check_stop(stop)
-            sync()
-            tic = clock()
-            target.verify([x.to(target.device) for x in inputs], trees)
-            sync()
-            if r:
-                best[i] = min(best[i], 1e3 * (clock() - tic))
-    points = np.array([b * w for b, w in shapes], dtype=np.float64)
-    return np.interp(np.arange(1, rows * max_width + 1), points, monotone_fit(best))
+def final_norm(model: torch.nn.Module) -> torch.nn.Module:
+    """The norm whose output is the lm_head input (Llama, Qwen2, Mistral: model.model.norm)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    norm = getattr(decoder, "norm", None)
+    if not isinstance(norm, torch.nn.Module):
+        raise UserError(f"{getattr(model.config, 'model_type', 'this model')}: no final norm found (model.model.norm), "
+                        "so its last hidden states cannot be read for an EAGLE head: use another method")
+    return norm
+
+
+def _require_mask_attention(model: torch.nn.Module) -> None:
+    config = model.config
+    impl = getattr(config, "_attn_implementation", None)
+    if impl is None or impl in MASK_ATTENTION:
+        return
+    try:
+        model.set_attn_implementation("sdpa")
+    except (AttributeError, ValueError, ImportError) as err:
+        raise UserError(
+            f"{getattr(config, 'model_type', 'this model')} is loaded with {impl} attention, which ignores "
+            f"samctl's tree mask, and cannot switch to sdpa ({err}): load it with attn_implementation='sdpa'"
+        ) from err
+    if getattr(model.config, "_attn_implementation", None) not in MASK_ATTENTION:
+        raise UserError(f"{config.model_type}: attention {impl} ignores the tree mask; load it with sdpa")
+
+
+def _sliding_window(config) -> int | None:
+    # The window of a model whose layers really use sliding attention, else None.
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return int(window) if "sliding_attention" in layer_types else None
+    return int(window) if getattr(config, "use_sliding_window", True) else None

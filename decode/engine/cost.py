@@ -1,12 +1,15 @@
 """The target's verify-cost curve t(n): the time of one forward over n input tokens.
 
-`measure_verify_cost` times verify forwards of 1..n_max tokens (t0 plus a chain of n - 1 draft
-nodes) after a fixed context, as the decode loop runs them, at widths doubling from 1 then
-interpolated (the curve is smooth; a denser grid costs start-up time, on a large model on a CPU
+`measure_cost` is the one measurement, of one target with `rows` rows in flight: verify
+forwards of N = 1.. total input tokens (per row t0 plus a chain of w - 1 draft nodes) after a
+fixed context, as the decode loop runs them, at [N, 1] below the row count and [rows, w] beyond,
+w doubling from 1, then interpolated (the curve is smooth; a denser grid costs start-up time, on a large model on a CPU
 minutes, and tells little more). The widths are visited round-robin and each keeps its fastest
 time: on a shared machine another process only ever adds time, so the minimum is the forward's own
 cost and a busy moment cannot bend one width. `relative_cost` turns it into what drafters size
 drafts by: cost[k] = t(1 + k) / t(1), the price of k draft nodes relative to plain decoding.
+`measure_verify_cost` is its one-row curve (what one record's drafter sizes drafts by),
+`measure_batch_cost` its curve at a batch size (what the batched budget spends by).
 A measurement may be stopped between two forwards (`stop`: a server shutting down while it
 starts), which raises `Stopped`.
 
@@ -25,10 +28,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-from samctl.decode.engine.target import TargetModel
+from samctl.decode.engine.batched import BatchedTarget
+from samctl.decode.engine.target import TargetModel, room
 from samctl.decode.tree import DraftTree
 
-MEASURED_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+MEASURED_WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # widths of the forwards measured (eager)
+BATCH_POINTS = (1, 4, 16, 64, 256)  # rows of the [N, 1] forwards measured below the batch size
 
 
 class Stopped(Exception):
@@ -56,40 +61,65 @@ def relative_cost(t_ms: np.ndarray | list[float], n: int = 256) -> np.ndarray:
 
 
 @torch.inference_mode()
-def measure_verify_cost(target: TargetModel, n_max: int = 64, context: int = 256, rounds: int = 2,
-                        widths: tuple[int, ...] = MEASURED_WIDTHS, stop: Callable[[], bool] | None = None) -> list[float]:
-    """-> t_ms [n_max]: milliseconds of a verify forward over n = 1..n_max tokens after `context`
-    cached tokens (fastest of `rounds`, measured at `widths` and interpolated between them; under
-    CUDA graphs measured at the graph widths and taken as steps). `stop()` true: raise Stopped."""
+def measure_cost(target: BatchedTarget, rows: int = 1, max_width: int = 64, context: int = 256, rounds: int = 2,
+                 widths: tuple[int, ...] = MEASURED_WIDTHS, clock: Callable[[], float] = time.perf_counter,
+                 stop: Callable[[], bool] | None = None) -> np.ndarray:
+    """-> t_ms [rows * max_width]: milliseconds of one verify forward of `target` over N = 1..
+    total input tokens with up to `rows` rows in flight: [N, 1] forwards for N <= rows, [rows, w]
+    forwards beyond (w over `widths`, or under CUDA graphs the graph widths), after `context`
+    committed entries per row, fastest of `rounds`; interpolated between the points measured
+    (eager), or held at the next point's time (graphs: a step function, since a graph of width
+    w serves every narrower verify). `clock`: time.process_time measures one CPU thread's own
+    work on a busy machine. The target's rows hold nothing committed afterwards."""
     vocab = int(getattr(target.model.config, "vocab_size", 1000))
     gen = torch.Generator().manual_seed(0)
-    context = max(1, min(context, target.max_positions - n_max - 64))
-    prompt = torch.randint(0, vocab, (context,), generator=gen).to(target.device)
-    check_stop(stop)
-    target.prefill(prompt)
-    device = target.device
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     graphs = graph_widths(target)
-    points = [w for w in (graphs or widths) if w < n_max]
-    points.append(next((w for w in graphs if w >= n_max), n_max))  # the width that serves n_max
-    best = np.full(len(points), np.inf)
-    inputs = [torch.randint(0, vocab, (w,), generator=gen).to(target.device) for w in points]
+    grid = [w for w in (graphs or widths) if w < max_width]
+    grid.append(next((w for w in graphs if w >= max_width), max_width))
+    shapes = sorted({(b, 1) for b in BATCH_POINTS if b < rows} | {(rows, w) for w in grid}, key=lambda s: s[0] * s[1])
+    context = max(1, min(context, target.max_positions - grid[-1] - 8))
+    # A verify's time depends on how many entries it attends to, not on what they hold: one token
+    # per row is prefilled (which allocates the cache) and the rows are then taken to hold
+    # `context` entries, instead of prefilling rows * context tokens.
+    check_stop(stop)
+    target.reserve(room(context, grid[-1]))
+    target.prefill(list(range(rows)), [np.array([1], dtype=np.int64)] * rows, [False] * rows)
+    sync = (lambda: torch.cuda.synchronize(target.device)) if target.device.type == "cuda" else (lambda: None)
+    best = np.full(len(shapes), np.inf)
     for r in range(rounds + 1):  # round 0 warms up and is not kept
-        for i, ids in enumerate(inputs):
-            tree = DraftTree.chain(ids[1:].cpu().numpy())
+        for i, (b, w) in enumerate(shapes):
+            target.lengths[:] = 0
+            target.lengths[:b] = context  # the same context every time: the verify is not kept
+            inputs = [torch.randint(0, vocab, (w,), generator=gen).to(target.device) for _ in range(b)]
+            trees = [DraftTree.chain(np.zeros(w - 1, dtype=np.int64)) for _ in range(b)]
             check_stop(stop)
             sync()
-            tic = time.perf_counter()
-            target.verify(ids, tree)
+            tic = clock()
+            target.verify(inputs, trees)
             sync()
             if r:
-                best[i] = min(best[i], 1e3 * (time.perf_counter() - tic))
-            target.keep(np.zeros(1, dtype=np.int64))  # the context grows by one: immaterial here
+                best[i] = min(best[i], 1e3 * (clock() - tic))
+    target.lengths[:] = 0
+    points = np.array([b * w for b, w in shapes], dtype=np.float64)
     fitted = monotone_fit(best)
-    n = np.arange(1, n_max + 1)
-    if graphs:  # t(n) = t(width(n))
-        return [float(t) for t in fitted[np.searchsorted(np.asarray(points), n)]]
-    return list(np.interp(n, points, fitted))
+    n = np.arange(1, rows * max_width + 1)
+    if graphs:  # t(n) = t(the graph that serves n)
+        return fitted[np.minimum(np.searchsorted(points, n), len(points) - 1)]
+    return np.interp(n, points, fitted)
+
+
+def measure_verify_cost(target: TargetModel, n_max: int = 64, context: int = 256, rounds: int = 2,
+                        widths: tuple[int, ...] = MEASURED_WIDTHS, stop: Callable[[], bool] | None = None) -> list[float]:
+    """-> t_ms [n_max]: `measure_cost` of a one-row target (decode.engine.target.TargetModel)."""
+    return [float(t) for t in measure_cost(target.rows, 1, n_max, context, rounds, widths, stop=stop)]
+
+
+def measure_batch_cost(model: torch.nn.Module, rows: int, max_width: int = 8, context: int = 256, rounds: int = 2,
+                       clock: Callable[[], float] = time.perf_counter, stop: Callable[[], bool] | None = None) -> np.ndarray:
+    """-> t_ms [rows * max_width]: `measure_cost` of a new eager target of `rows` rows; the batched
+    drafting budget prices a step's padded block [A, q] at t(A * q)."""
+    target = BatchedTarget(model, rows, room(context, max_width))
+    return measure_cost(target, rows, max_width, context, rounds, clock=clock, stop=stop)
 
 
 def graph_widths(target: TargetModel) -> tuple[int, ...]:

@@ -1,20 +1,13 @@
-"""A preallocated KV cache for one sequence, with in-place compaction of an accepted tree path.
+"""KV caches samctl owns: the preallocated storage behind transformers' cache-layer protocol.
 
-Storage is one tensor `[2, layers, 1, kv_heads, capacity, head_dim]` (keys, values), allocated at
-the first `update` from the shapes the model really produces (MHA, GQA and MQA differ only in
-kv_heads) and kept across sequences. Each layer is a transformers cache layer viewing its slice,
-so any model that calls `past_key_values.update(k, v, layer_idx)` works unchanged.
-
-Invariant: every layer holds `length` valid entries at [0, length); `update` writes the new ones
-behind them and returns views of [0, length + q), exactly the tensors a DynamicCache would return,
-so eager results are bit-identical to DynamicCache's. `compact` moves an accepted tree path to
-the front of the verified block for all layers with one gather. In `fixed` mode (CUDA graphs)
-`update` writes at device positions and returns the first `key_length` entries (the graph's
-key-length bucket, never the whole capacity); the caller's mask hides what lies past the committed
-ones. Capacity is a multiple of ALIGN, so mask rows sized by it stay aligned for the fused
-attention kernels. `generation` counts allocations: a CUDA graph holds the storage's address, and
-a new allocation may reuse the old address, so graphs compare generations, never pointers.
-Knows nothing of drafts or acceptance.
+`OwnedLayer` is one layer's view of storage its cache owns, so any model that calls
+`past_key_values.update(k, v, layer_idx)` works unchanged; the target's cache (one row or many,
+decode/engine/batched.py) builds on it. `StaticKVCache` is the small one-sequence cache of an
+EAGLE head: storage `[2, layers, 1, kv_heads, capacity, head_dim]`, allocated at the first `update`
+from the shapes the model really produces, every layer holding `length` valid entries at
+[0, length); `update` writes the new ones behind them and returns views of [0, length + q),
+exactly the tensors a DynamicCache would return. Capacity is a multiple of ALIGN, so mask rows
+sized by it stay aligned for the fused attention kernels. Knows nothing of drafts or acceptance.
 """
 from __future__ import annotations
 
@@ -79,11 +72,6 @@ class StaticLayer(OwnedLayer):
         if owner.storage is None:
             owner.allocate_like(key_states, value_states)
         keys, values = owner.storage[0, self.index], owner.storage[1, self.index]
-        if owner.write_positions is not None:  # fixed mode: static shapes for CUDA graphs
-            keys.index_copy_(2, owner.write_positions, key_states)
-            values.index_copy_(2, owner.write_positions, value_states)
-            n = owner.key_length or keys.shape[-2]
-            return keys.narrow(2, 0, n), values.narrow(2, 0, n)
         start = self.length
         end = start + key_states.shape[-2]
         assert end <= keys.shape[-2], ("KV cache overflow: reserve before the forward", end, keys.shape)
@@ -111,9 +99,6 @@ class StaticKVCache(Cache):
         self.dtype, self.device = dtype, device
         self.storage: torch.Tensor | None = None
         self.min_capacity = 0
-        self.write_positions: torch.Tensor | None = None  # [w] int64 device, fixed mode only
-        self.key_length: int | None = None  # fixed mode: entries the attention reads (a graph's bucket)
-        self.generation = 0  # storage allocations so far
 
     @property
     def capacity(self) -> int:
@@ -132,7 +117,6 @@ class StaticKVCache(Cache):
         # zeros, not empty: unused slots are read under a blocked mask, and a NaN there would
         # poison every row (0 * NaN in the attention's weighted sum)
         self.storage = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
-        self.generation += 1
 
     def reserve(self, n: int) -> None:
         """Make room for n entries, keeping the valid ones; doubles so that growth is rare, and
@@ -145,16 +129,7 @@ class StaticKVCache(Cache):
         shape[-2] = aligned(max(n, 2 * old.shape[-2]))
         self.storage = torch.zeros(shape, dtype=old.dtype, device=old.device)
         self.storage[..., :valid, :] = old[..., :valid, :]
-        self.generation += 1
 
     def set_length(self, n: int) -> None:
         for layer in self.layers:
             layer.length = n
-
-    def compact(self, past: int, src: torch.Tensor) -> None:
-        # src: [n] int64 device, absolute positions of the accepted entries in order (src[0] = past).
-        # One gather over both K and V of every layer; index_select copies first, so the
-        # overlapping destination is safe.
-        n = src.shape[0]
-        self.storage[..., past : past + n, :] = self.storage.index_select(-2, src)
-        self.set_length(past + n)

@@ -7,8 +7,8 @@ the arithmetic. This forward is the same model computed with few ops:
     x = embed(ids)                                                   # [A, q, H]
     per layer:  h = rms_norm(x) ; qkv = Wqkv h                       (q, k, v fused: one matmul)
                 q, k = rope(q, k) at each input's position           (one cos/sin table, gathered)
-                k, v -> the KV cache (the same cache objects as the hf backend: StaticKVCache,
-                        BatchedKVCache, CUDA graphs' fixed mode), attention over what it returns
+                k, v -> the KV cache (the same cache object as the hf backend's, BatchedKVCache,
+                        also under CUDA graphs), attention over what it returns
                 x = x + Wo attn ; h = rms_norm(x) ; x = x + Wdown (silu(g) * u), [g, u] = Wgu h
     x = rms_norm(x) -> the lm_head on the rows asked for
 
@@ -168,7 +168,6 @@ class NativeForward:
         if self.exact_rows:
             out, _ = rowwise_attention(self._attn_module, q, k, v, mask, scaling=self.scaling)
             return out.reshape(rows, n, -1)
-        kv = k.shape[2]
         gqa = q.shape[1] != k.shape[1]
         if mask is None and n > 1:  # a prefill (n == kv); chains after a cache come with a mask (__call__)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=gqa)

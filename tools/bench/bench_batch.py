@@ -1,7 +1,7 @@
 """Benchmark the batched engine on the mission's batch jobs (issue 26).
 
 One process, one model, the same records for every side:
-    batched   decode.batch.generate_batch with `--method` (default adaptive) at --batch-size
+    batched   decode.loop.generate_batch with `--method` (default adaptive) at --batch-size
     batch-1   decode.loop.generate with the same method, one record at a time
     hf        transformers `model.generate`, greedy, left padding, --batch-size records per call
     plain     decode.loop.generate with `ar` (plain greedy, batch 1): the reference every other
@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from samctl.decode.batch import BatchStats, generate_batch  # noqa: E402
-from samctl.decode.engine.batched import measure_batch_cost  # noqa: E402
+from samctl.decode.loop import BatchStats, generate_batch  # noqa: E402
+from samctl.decode.engine.cost import measure_batch_cost  # noqa: E402
 from samctl.decode.loop import GenerationConfig, generate  # noqa: E402
 from samctl.decode.methods import method_config  # noqa: E402
 from samctl.session import build_drafter, load_engine  # noqa: E402
