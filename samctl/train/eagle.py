@@ -63,7 +63,7 @@ from samctl.decode.simulate import Tally, make_trace, replay
 from samctl.index.errors import UserError
 from samctl.heads import model_fingerprint, save_eagle_head
 from samctl.gguf_cache import cache_dir
-from samctl.session import Engine
+from samctl.models import Engine
 from samctl.train.answers import Answer, answers_key, trainer_engine, write_answers
 from samctl.train.prompts import Prompt, drop_excluded, mixture, read_prompts
 

@@ -43,7 +43,9 @@ from samctl.decode.configs import DraftConfig, SpecDecConfig  # noqa: E402
 from samctl.decode.loop import GenerationConfig, generate  # noqa: E402
 from samctl.decode.methods import MethodConfig  # noqa: E402
 from samctl.index.errors import UserError  # noqa: E402
-from samctl.session import build_drafter, load_acc_head, load_draft, load_engine  # noqa: E402
+from samctl.heads import load_acc_head  # noqa: E402
+from samctl.models import load_draft, load_engine  # noqa: E402
+from samctl.session import build_drafter  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = load_engine(args.target, args.device, args.dtype, quiet=True)
+    engine = load_engine(args.target, args.device, args.dtype)
     draft = load_draft(args.draft, engine)
     heads = {Path(path).name: load_acc_head(path, engine, draft) for path in args.acc_head}
     chat = not args.no_chat and bool(getattr(engine.tokenizer, "chat_template", None))
