@@ -108,7 +108,7 @@ def read_cost_curve(path: str | os.PathLike) -> list[float]:
         t_ms = [float(t) for t in record["t_ms"]]
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise UserError(f"{path} is not a cost curve ({type(err).__name__}): write one with "
-                        "samctl calibrate --json > curve.json") from err
+                        "`samctl calibrate --json > curve.json`") from err
     if len(t_ms) < 2 or min(t_ms) <= 0:
         raise UserError(f"{path}: a cost curve needs at least two positive times: re-run samctl calibrate")
     return t_ms

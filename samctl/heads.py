@@ -193,7 +193,7 @@ def read_head_header(folder: Path, config: str, weights: str, form: str, version
     shared by every kind of head samctl saves (acceptance heads, EAGLE heads)."""
     if not (folder / config).is_file() or not (folder / weights).is_file():
         raise UserError(f"{folder} is not {what} folder (needs {config} and {weights}): "
-                        f"pass the --out folder of {tool}")
+                        f"pass a folder that {tool} wrote")
     try:
         meta = json.loads((folder / config).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
