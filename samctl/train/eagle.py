@@ -1,4 +1,4 @@
-"""Train an EAGLE head for a target model (METHODS.md section 3), then measure it.
+"""Train an EAGLE head for a target model (EAGLE-2, Li et al. 2024), then measure it.
 
     samctl train eagle --model models/SmolLM2-135M-Instruct.Q4_1.gguf --mixture ../shared/data \\
         --exclude ../shared/data/specbench_question.jsonl --out head/ --max-tokens 1000000 \\

@@ -7,7 +7,7 @@
 Greedy decoding through samctl's loop, one target/draft pair loaded once. For every prompt each
 method runs in turn (interleaved, so slow drifts of a shared machine hit all methods alike) after
 one warm-up generation per method; each prompt runs --repeats times per method and its time is the
-median. Counting follows METHODS.md section 12:
+median. Counting follows Spec-Bench's (as samctl/bench_report.py):
 - mean accepted tokens (MAT): tokens committed per target forward, bonus included (ar = 1.00),
   over all prompts;
 - acceptance rate: accepted drafted tokens / drafted tokens, over all prompts;
