@@ -116,3 +116,18 @@ def test_hf_takes_the_draft_model_its_errors_ask_for():
     got = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
                          custom_generate=custom)
     assert torch.equal(got, expected) and custom.last_metrics.drafted > 0
+
+
+def test_a_session_over_a_loaded_model_takes_the_configs_graphs_setting(monkeypatch):
+    # samctl.hf's sessions: on CUDA they capture graphs as a command's do (a no-op on a CPU)
+    from samctl.models import load_engine
+    from samctl.session import Session
+
+    asked = []
+    monkeypatch.setattr("samctl.session.enable_cuda_graphs", lambda target, enabled: asked.append(enabled))
+    engine = load_engine(None, "cpu")
+    Session.over(engine, SessionConfig(method="pld", max_new_tokens=2))
+    Session.over(engine, SessionConfig(method="pld", max_new_tokens=2, graphs=False))
+    engine.target.graphs = object()  # graphs already captured: kept
+    Session.over(engine, SessionConfig(method="pld", max_new_tokens=2))
+    assert asked == [True, False]
