@@ -72,19 +72,29 @@ class Resources:
 DRAFT_MODEL_SETTINGS = {"gamma": "draft", "stop_threshold": "specdec", "bounds": "specdec"}
 
 
+# What a method may require, by the configuration field that names it ("sat_model": a target
+# fine-tuned with semantic adaptive tokens), and what the error says when it is missing.
+REQUIREMENTS = {
+    "draft_model": "method {method} needs a draft model: pass {draft_model} with a small model that shares the "
+                   "target's tokenizer",
+    "acc_head": "method {method} needs an acceptance head: pass {acc_head} (train one with `samctl train acc-head`)",
+    "eagle_head": "method {method} needs an EAGLE head: pass {eagle_head} with a folder written by `samctl train "
+                  "eagle` for this model",
+    "sat_model": "method {method} drafts with the target itself: it needs the loaded target model",
+}
+
+
 @dataclass(frozen=True)
 class Method:
     name: str
     summary: str  # one line: what it drafts from
     build: Callable[[Resources], "Drafter"]
     uses_store: bool = False
-    needs_draft: bool = False  # a draft model (--draft-model)
-    needs_head: bool = False  # a SpecDec++ acceptance head (--acc-head)
-    needs_eagle: bool = False  # an EAGLE head trained for the target (--eagle-head)
+    # What it cannot run without (REQUIREMENTS), read by the session, samctl.hf and the engine.
+    requires: frozenset[str] = frozenset()
     not_replayable: str = ""  # why `simulate` cannot replay it without a model ("" = it can)
     takes_prediction: bool = False  # drafts from an expected output (--prediction)
     sized_by_cost: bool = False  # sizes drafts by the target's verify-cost curve (samctl calibrate)
-    needs_sat_model: bool = False  # a target fine-tuned with semantic adaptive tokens (`samctl train sdsat`)
     lossless: bool = True  # False only for reference reproductions whose sampling is biased
     # The MethodConfig sections (or "section.field") its drafter reads; the other settings' flags do nothing.
     settings: tuple[str, ...] = ()
@@ -92,6 +102,11 @@ class Method:
     # when a store is given
     sweep: dict[tuple[str, str], tuple] = field(default_factory=dict)
     store_fields: tuple[tuple[str, str], ...] = ()
+
+    needs_draft = property(lambda self: "draft_model" in self.requires)
+    needs_head = property(lambda self: "acc_head" in self.requires)
+    needs_eagle = property(lambda self: "eagle_head" in self.requires)
+    needs_sat_model = property(lambda self: "sat_model" in self.requires)
 
     def reads(self, setting: str) -> bool:
         """Whether its drafter reads `setting`: a MethodConfig "section.field" or a draft-model
@@ -145,6 +160,7 @@ def _sam(r: Resources, fallback: Drafter | None = None) -> Drafter:
 _EAGLE = "its drafts come from a head over the target's hidden states"
 _LOGITS = "its Token Recycle part learns from the target's logits"
 _DRAFT_MODEL = "its drafts come from a draft model"
+_DRAFT_MODEL_ONLY, _EAGLE_ONLY, _SAT_ONLY = (frozenset({need}) for need in ("draft_model", "eagle_head", "sat_model"))
 
 REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("adaptive", "every retrieval source (prompt and output, store, memory of earlier requests, "
@@ -175,34 +191,35 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
            lambda r: _load("lookahead.LookaheadDrafter")(r.config.lookahead, r.vocab_size, r.device, r.eos_token_ids),
            settings=("lookahead",)),
     Method("sd", "speculative decoding with a draft model (--gamma tokens)", lambda r: _draft(r, "sd"),
-           needs_draft=True, not_replayable=_DRAFT_MODEL, settings=("draft",)),
+           requires=_DRAFT_MODEL_ONLY, not_replayable=_DRAFT_MODEL, settings=("draft",)),
     Method("specdec++", "a draft model whose acceptance head stops drafting", _specdec,
-           needs_draft=True, needs_head=True, not_replayable=_DRAFT_MODEL, settings=("specdec",)),
+           requires=frozenset({"draft_model", "acc_head"}), not_replayable=_DRAFT_MODEL, settings=("specdec",)),
     Method("sam+draft", "sam when the match is long enough, the draft model otherwise",
            lambda r: _sam(r, fallback=_draft(r, "draft")), uses_store=True,
-           needs_draft=True, not_replayable="its fallback is a draft model", settings=("sam", "draft")),
+           requires=_DRAFT_MODEL_ONLY, not_replayable="its fallback is a draft model", settings=("sam", "draft")),
     Method("ouroboros", "Dual Decoding: the draft model runs lookahead with a shared n-gram pool; the target "
            "verifies its --gamma tokens plus the pool's suffixes",
            lambda r: _load("ouroboros.OuroborosDrafter")(r.draft, r.config.ouroboros, r.config.draft.gamma,
                                                           r.config.lookahead.pool_text, r.vocab_size),
-           needs_draft=True, not_replayable=_DRAFT_MODEL, settings=("ouroboros", "draft", "lookahead.pool_text")),
+           requires=_DRAFT_MODEL_ONLY, not_replayable=_DRAFT_MODEL,
+           settings=("ouroboros", "draft", "lookahead.pool_text")),
     Method("sdsat", "SDSAT: a target fine-tuned with semantic adaptive tokens drafts k tokens for itself "
-           "(`samctl train sdsat`)", lambda r: _sdsat(r, "sdsat.SdsatDrafter"), needs_sat_model=True,
+           "(`samctl train sdsat`)", lambda r: _sdsat(r, "sdsat.SdsatDrafter"), requires=_SAT_ONLY,
            not_replayable="its drafts come from the target's own forward at SAT tokens", settings=("sdsat",)),
     Method("sdsat-nucleus-reference", "NOT LOSSLESS when sampling: the SDSAT paper's nucleus variant (a static "
            "tree of sampled SAT candidates, the best of independently drawn paths), for comparison only",
-           lambda r: _sdsat(r, "sdsat_nucleus.SdsatNucleusDrafter", r.sampling), needs_sat_model=True, lossless=False,
+           lambda r: _sdsat(r, "sdsat_nucleus.SdsatNucleusDrafter", r.sampling), requires=_SAT_ONLY, lossless=False,
            not_replayable="its drafts come from the target's own forward at SAT tokens", settings=("sdsat",)),
     Method("eagle", "EAGLE-2: a dynamic tree from a head trained on the target's hidden states (--eagle-head)",
-           _eagle, needs_eagle=True, not_replayable=_EAGLE, sized_by_cost=True, settings=("eagle",)),
+           _eagle, requires=_EAGLE_ONLY, not_replayable=_EAGLE, sized_by_cost=True, settings=("eagle",)),
     Method("sam+eagle", "sam when the match is long enough, the EAGLE-2 tree otherwise",
            lambda r: _sam(r, fallback=_eagle(r)), uses_store=True,
-           needs_eagle=True, not_replayable=_EAGLE, sized_by_cost=True, settings=("sam", "eagle")),
+           requires=_EAGLE_ONLY, not_replayable=_EAGLE, sized_by_cost=True, settings=("sam", "eagle")),
     Method("adaptive+eagle", "adaptive's candidates and the EAGLE-2 head's best nodes in one tree, each priced "
            "by its own calibrated estimate and cut by the verify cost",
            lambda r: _load("eagle.AdaptiveEagleDrafter")(_eagle(r), config=r.config.adaptive, static=r.static,
                                                          cost=r.cost, vocab_size=r.vocab_size, device=r.device),
-           uses_store=True, needs_eagle=True, not_replayable=_EAGLE, takes_prediction=True, sized_by_cost=True,
+           uses_store=True, requires=_EAGLE_ONLY, not_replayable=_EAGLE, takes_prediction=True, sized_by_cost=True,
            settings=("adaptive", "eagle")),
 )}
 
@@ -210,8 +227,7 @@ DEFAULT_METHOD = "adaptive"
 # Methods that run on any target with nothing trained for it, and those that need a draft model,
 # an EAGLE head, or a target fine-tuned with semantic adaptive tokens: code looping over METHODS
 # needs none of them.
-METHODS = tuple(name for name, m in REGISTRY.items()
-                if not m.needs_draft and not m.needs_eagle and not m.needs_sat_model)
+METHODS = tuple(name for name, m in REGISTRY.items() if not m.requires)
 DRAFT_METHODS = tuple(name for name, m in REGISTRY.items() if m.needs_draft)
 EAGLE_METHODS = tuple(name for name, m in REGISTRY.items() if m.needs_eagle)
 SELF_DRAFT_METHODS = tuple(name for name, m in REGISTRY.items() if m.needs_sat_model)
@@ -225,6 +241,11 @@ def method(name: str) -> Method:
         return REGISTRY[name]
     except KeyError:
         raise UserError(f"unknown method {name!r}: choose one of {', '.join(ALL_METHODS)}") from None
+
+
+def missing(name: str, need: str) -> ConfigError:
+    """The error for method `name` run without `need` (one of REQUIREMENTS)."""
+    return ConfigError(REQUIREMENTS[need], method=name)
 
 
 def uses_store(name: str) -> bool:
@@ -255,17 +276,10 @@ def make_drafter(
     import torch
 
     entry = method(name)
-    if entry.needs_draft and draft is None:
-        raise ConfigError("method {method} needs a draft model: pass {draft_model} with a small model "
-                          "that shares the target's tokenizer", method=name)
-    if entry.needs_head and head is None:
-        raise ConfigError("method {method} needs an acceptance head: pass {acc_head} "
-                          "(train one with `samctl train acc-head`)", method=name)
-    if entry.needs_sat_model and target is None:
-        raise UserError(f"method {name} drafts with the target itself: it needs the loaded target model")
-    if entry.needs_eagle and eagle is None:
-        raise ConfigError("method {method} needs an EAGLE head: pass {eagle_head} with a folder written by "
-                          "`samctl train eagle` for this model", method=name)
+    given = {"draft_model": draft, "acc_head": head, "eagle_head": eagle, "sat_model": target}
+    for need in REQUIREMENTS:  # in its order: the draft model's error before its head's
+        if need in entry.requires and given[need] is None:
+            raise missing(name, need)
     return entry.build(Resources(vocab_size=vocab_size, device=torch.device(device), eos_token_ids=eos_token_ids,
                                  static=static if entry.uses_store else None, config=config, draft=draft,
                                  head=head, sampling=sampling, cost=cost, target=target, eagle=eagle))

@@ -4,6 +4,9 @@
 first use, so that `import samctl` (and `samctl --help`) does not pull in torch.
 """
 
+import logging
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())  # notes are the application's to show
 __version__ = "0.1.0"
 __all__ = ["Session", "SessionConfig"]
 

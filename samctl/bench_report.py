@@ -3,7 +3,7 @@
 Input: one record per (method, question), as bench writes them to records.jsonl:
     {"method", "question_id", "category", "group", "new_tokens", "time_s", "tokens_per_s",
      "steps" (None when unknown), "draft_s", "mismatched_turns", "turns": [...]}
-Counting (Spec-Bench, METHODS.md §12, with the same token counting on both sides):
+Counting (Spec-Bench's, with the same token counting on both sides):
     tokens/s of a question = its new tokens over all turns / its wall time over all turns
     speedup               = mean over questions of the method's tokens/s
                             / mean over the same questions of ar's tokens/s

@@ -3,11 +3,14 @@
 Commands live in `samctl/commands/`, one module per command, imported on first use; `--help`
 lists them from the registry's summaries without importing any. A `UserError` (from any layer)
 and a usage error (a bad option value, a missing argument) print `samctl: error: <message>` in
-one line and exit 2 (a `ConfigError` names configuration fields: here they are worded as flags); set SAMCTL_DEBUG=1 to get the traceback instead. A closed standard output
-(`samctl ... | head`) ends the command quietly with exit status 0.
+one line and exit 2 (a `ConfigError` names configuration fields: here they are worded as flags);
+set SAMCTL_DEBUG=1 to get the traceback instead. A closed standard output (`samctl ... | head`)
+ends the command quietly with exit status 0. The library's notes (the `samctl` logger) are printed
+here too, `samctl: <note>` on stderr, once each as logged; a command's `--quiet` keeps warnings.
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -20,6 +23,25 @@ from samctl import __version__
 class _PipeClosed(Exception):
     """Standard output's reader went away (`samctl ... | head`). Not an OSError, so that click's
     own handler, which would exit 1, lets it through to `main`."""
+
+
+class _Notes(logging.Handler):
+    """The `samctl` logger's records, one line each on stderr as it is when said (click.echo)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(f"samctl: {record.getMessage()}", err=True)
+
+
+_NOTES = _Notes()
+
+
+def _heard(callback):
+    """A command's callback that first sets which notes it shows: warnings only with --quiet."""
+    def run(*args, **kwargs):
+        _NOTES.setLevel(logging.WARNING if kwargs.get("quiet") else logging.INFO)
+        return callback(*args, **kwargs)
+    run.heard = True
+    return run
 
 
 class _LazyGroup(click.Group):
@@ -39,7 +61,10 @@ class _LazyGroup(click.Group):
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         from samctl.commands import load_command
 
-        return load_command(name)
+        command = load_command(name)
+        if command is not None and not getattr(command.callback, "heard", False):
+            command.callback = _heard(command.callback)
+        return command
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         from samctl.commands import COMMANDS
@@ -58,6 +83,10 @@ def cli() -> None:
     Build a datastore from corpora, then generate with lossless speculative decoding
     (greedy output is identical to plain decoding; sampling keeps the model's distribution).
     """
+    notes = logging.getLogger("samctl")
+    if _NOTES not in notes.handlers:  # the library's notes are printed here only, once each
+        notes.addHandler(_NOTES)
+        notes.setLevel(logging.INFO)
 
 
 def main(argv: list[str] | None = None) -> None:

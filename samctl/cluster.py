@@ -241,7 +241,7 @@ class _Tokenize:
     def __init__(self, tokenizer_spec: str | None, append_eos: bool) -> None:
         from samctl.tokenizer import load_tokenizer
 
-        self.tokenizer = load_tokenizer(tokenizer_spec, quiet=True)  # the driver said which
+        self.tokenizer = load_tokenizer(tokenizer_spec)  # the driver said which
         self.append_eos = append_eos
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

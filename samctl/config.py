@@ -48,7 +48,7 @@ class SessionConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     chat: bool = False  # render prompts with the tokenizer's chat template
     memory_file: str | None = None
-    quiet: bool = False
+    quiet: bool = False  # the session logs no notes of its own (its plan, a prompt near the context)
 
     def __post_init__(self) -> None:
         if self.method not in ALL_METHODS:

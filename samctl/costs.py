@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Callable
 
 from functools import lru_cache
 
-import click
 import torch
 
 from samctl.decode.engine.cost import graph_widths, measure_verify_cost
 from samctl.decode.engine.native import backend_name
 from samctl.index.errors import UserError
 from samctl.gguf_cache import cache_dir, write_text_atomically
+
+log = logging.getLogger(__name__)
 
 CURVE_WIDTH = 64
 
@@ -57,17 +59,16 @@ def curve_key(engine: Any) -> dict[str, Any]:
             "graphs": bool(graph_widths(engine.target)), "code": engine_code()}
 
 
-def cost_curve(engine: Any, quiet: bool = False, refresh: bool = False) -> list[float]:
+def cost_curve(engine: Any, refresh: bool = False) -> list[float]:
     """t_ms [curve_width]: the engine's verify time for 1..64 tokens (1..128 under CUDA graphs),
     from the cache or measured now."""
     key, width = curve_key(engine), curve_width(engine)
     note = (f"measuring the verify cost of {Path(engine.name).name} on {key['device']} ({key['dtype']}, "
             f"{key['linear']} forward and linear layers{', CUDA graphs' if key['graphs'] else ''}), once per model and device")
-    return _cached(key, lambda: measure_verify_cost(engine.target, width), None if quiet else note, width, refresh)
+    return _cached(key, lambda: measure_verify_cost(engine.target, width), note, width, refresh)
 
 
-def batch_cost_curve(engine: Any, rows: int, max_width: int, quiet: bool = False,
-                     stop: Callable[[], bool] | None = None) -> list[float]:
+def batch_cost_curve(engine: Any, rows: int, max_width: int, stop: Callable[[], bool] | None = None) -> list[float]:
     """t_ms [rows * max_width]: a batched forward over 1.. total input tokens with `rows` rows in
     flight (decode.engine.cost.measure_batch_cost), from the cache or measured now; `stop()`
     true stops a measurement between two forwards (decode.engine.cost.Stopped; nothing cached)."""
@@ -76,10 +77,10 @@ def batch_cost_curve(engine: Any, rows: int, max_width: int, quiet: bool = False
     note = (f"measuring the batched verify cost of {Path(engine.name).name} at {rows} rows, once per model, "
             "device and batch size")
     return _cached({**curve_key(engine), "batched_rows": rows, "max_width": max_width},
-                   lambda: measure_batch_cost(engine.model, rows, max_width, stop=stop), None if quiet else note)
+                   lambda: measure_batch_cost(engine.model, rows, max_width, stop=stop), note)
 
 
-def _cached(key: dict[str, Any], measure: Callable[[], Any], note: str | None, width: int | None = None,
+def _cached(key: dict[str, Any], measure: Callable[[], Any], note: str, width: int | None = None,
             refresh: bool = False) -> list[float]:
     # The curve cached under `key` (of `width` points, when given), else measure() (said in `note`)
     # and cached; a damaged entry is measured again and replaced.
@@ -91,13 +92,12 @@ def _cached(key: dict[str, Any], measure: Callable[[], Any], note: str | None, w
                 return [float(t) for t in record["t_ms"]]
         except (OSError, ValueError, KeyError, TypeError):
             pass
-    if note:
-        click.echo(f"samctl: {note}", err=True)
+    log.info(note)
     t_ms = [float(t) for t in measure()]
     try:
         write_text_atomically(path, json.dumps({"key": key, "t_ms": t_ms}))
     except OSError as err:  # a read-only cache only costs a re-measure next time
-        click.echo(f"samctl: note: cannot cache the cost curve in {path.parent} ({err.strerror})", err=True)
+        log.warning(f"note: cannot cache the cost curve in {path.parent} ({err.strerror})")
     return t_ms
 
 
@@ -108,7 +108,7 @@ def read_cost_curve(path: str | os.PathLike) -> list[float]:
         t_ms = [float(t) for t in record["t_ms"]]
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise UserError(f"{path} is not a cost curve ({type(err).__name__}): write one with "
-                        "samctl calibrate --json > curve.json") from err
+                        "`samctl calibrate --json > curve.json`") from err
     if len(t_ms) < 2 or min(t_ms) <= 0:
         raise UserError(f"{path}: a cost curve needs at least two positive times: re-run samctl calibrate")
     return t_ms

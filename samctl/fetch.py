@@ -86,7 +86,7 @@ def fetch_smollm2(dest: Path = DEFAULT_DEST) -> Path:
 def install_head(head: Path, model: Path) -> Path | None:
     """Copy the shipped head folder `head` to the model's installed-head folder (replacing an older
     copy whole: written beside it, then renamed); None when this checkout ships no head."""
-    from samctl.session import installed_eagle_head
+    from samctl.plan import installed_eagle_head
 
     if not head.is_dir():
         print(f"samctl fetch: no EAGLE head ships with this samctl ({head}); train one with `samctl train eagle`",

@@ -23,6 +23,7 @@ import functools
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -30,10 +31,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-import click
-
 from samctl.index.errors import UserError
 from samctl.progress import progress_enabled
+
+log = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
 SUFFIX = ".gguf"
@@ -61,7 +62,7 @@ def cached_folder(spec: str) -> str | None:
     return str(folder) if (folder / SOURCE_FILE).is_file() else None
 
 
-def model_folder(spec: str, quiet: bool = False) -> str:
+def model_folder(spec: str) -> str:
     """The folder transformers should load for `spec`: `spec` itself unless it names a .gguf file."""
     if not is_gguf(spec):
         return spec
@@ -73,9 +74,7 @@ def model_folder(spec: str, quiet: bool = False) -> str:
         return str(folder)
     require_extra()
     arch = supported_architecture(path)
-    if not quiet:
-        click.echo(f"samctl: dequantizing {path.name} once (tens of seconds); later runs load the "
-                   f"cached copy in {folder}", err=True)
+    log.info(f"dequantizing {path.name} once (tens of seconds); later runs load the cached copy in {folder}")
     _convert(path, digest, arch, folder)
     return str(folder)
 

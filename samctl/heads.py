@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
-import click
 import torch
 
 from samctl.decode.acceptance_head import AcceptanceHead, HeadConfig
@@ -33,6 +33,8 @@ from samctl.decode.eagle_head import EagleHead
 from samctl.gguf_cache import first_line
 from samctl.index.errors import UserError
 from samctl.tokenizer import tokenizer_fingerprint
+
+log = logging.getLogger(__name__)
 
 FORMAT = "samctl-acceptance-head"
 VERSION = 1
@@ -82,6 +84,17 @@ def load_head(path: str | Path, target: dict[str, str], draft: dict[str, str],
     head = AcceptanceHead(HeadConfig(meta["hidden_size"], meta["num_blocks"], meta["shared_blocks"]))
     load_head_weights(head, read_head_weights(folder, WEIGHTS), folder, WEIGHTS, CONFIG)
     return head.to(device).eval()
+
+
+def load_acc_head(path: str, engine: Any, draft: Any) -> AcceptanceHead:
+    """A SpecDec++ acceptance head for the engine's target and draft, refused if trained for another pair."""
+    return load_head(path, model_fingerprint(engine.model, engine.tokenizer),
+                     model_fingerprint(draft.model, engine.tokenizer), engine.device)
+
+
+def load_eagle(path: str, engine: Any) -> EagleHead:
+    """An EAGLE head bound to the engine's target, refusing one trained for another model."""
+    return load_eagle_head(path, engine.model, model_fingerprint(engine.model, engine.tokenizer))
 
 
 def save_eagle_head(path: str | Path, head: EagleHead, target: dict[str, str], training: dict[str, Any],
@@ -143,8 +156,8 @@ def check_trained_for(what: str, role: str, trained: dict[str, str | None], want
         raise UserError(f"{what} was trained for another {role} (config {trained['config']}, tokenizer "
                         f"{trained['tokenizer']}; this one has {wanted['config']}, {wanted['tokenizer']}): {hint}")
     if trained.get("weights") not in (None, wanted.get("weights")):
-        click.echo(f"samctl: note: {what} was trained on other weights of this {role.split()[0]} architecture; "
-                   "its predictions may be off (retrain it for these weights)", err=True)
+        log.warning(f"note: {what} was trained on other weights of this {role.split()[0]} architecture; "
+                    "its predictions may be off (retrain it for these weights)")
 
 
 def read_head_weights(folder: Path, weights: str) -> dict[str, torch.Tensor]:
@@ -180,7 +193,7 @@ def read_head_header(folder: Path, config: str, weights: str, form: str, version
     shared by every kind of head samctl saves (acceptance heads, EAGLE heads)."""
     if not (folder / config).is_file() or not (folder / weights).is_file():
         raise UserError(f"{folder} is not {what} folder (needs {config} and {weights}): "
-                        f"pass the --out folder of {tool}")
+                        f"pass a folder that {tool} wrote")
     try:
         meta = json.loads((folder / config).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:

@@ -8,7 +8,7 @@
 Contract. transformers prepares the inputs, the generation config, the logits processors and the
 stopping criteria, then calls the callable with the model and `input_ids` [1, n]. This module
 turns what it is handed into samctl settings, runs `decode.loop.generate` on the model (wrapped
-by `samctl.session.engine_for`, which keeps its own KV cache; transformers' empty cache is
+by `samctl.models.engine_for`, which keeps its own KV cache; transformers' empty cache is
 unused) and returns what `generate` returns: `sequences` [1, n + k] (prompt, then the new tokens,
 EOS included), or a `GenerateDecoderOnlyOutput` holding only `sequences` with
 `return_dict_in_generate=True`. Honoured: `max_new_tokens`/`max_length`, the EOS ids, `streamer`,
@@ -36,9 +36,10 @@ import torch
 from samctl.decode.loop import GenerationConfig, generate as decode_generate
 from samctl.decode.methods import DEFAULT_METHOD, method as method_entry, setting_names
 from samctl.decode.sampling import SamplingConfig
-from samctl.index.datastore import Datastore
 from samctl.index.errors import UserError
-from samctl.session import Engine, Session, SessionConfig, engine_for, load_store
+from samctl.models import engine_for
+from samctl.session import Session, SessionConfig
+from samctl.stores import load_store
 
 _STOPPING = ("MaxLengthCriteria", "EosTokenCriteria")  # the stopping criteria samctl applies itself
 _OUTPUT_FLAGS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
@@ -48,30 +49,28 @@ class SamctlGenerate:
     """A `custom_generate` callable bound to a method, an optional store and drafter settings."""
 
     def __init__(self, store: str | os.PathLike | None = None, method: str = DEFAULT_METHOD,
-                 tokenizer: Any = None, eagle_head: str | os.PathLike | None = None, **settings: Any) -> None:
+                 tokenizer: Any = None, **settings: Any) -> None:
         entry = method_entry(method)
-        if entry.needs_draft:
-            raise UserError(f"method {method} needs a draft model, which samctl.hf does not load yet: "
-                            f"use `samctl generate --method {method} --draft-model ...`, or a method without one")
+        # the model files a method requires, by the SessionConfig fields its errors name (`pass eagle_head=`)
+        self.files = {name: os.fspath(settings.pop(name)) for name in ("draft_model", "acc_head", "eagle_head")
+                      if settings.get(name) is not None}
         unknown = sorted(set(settings) - set(setting_names()))
         if unknown:
             raise UserError(f"unknown setting {unknown[0]!r} for samctl.hf.make_generate: "
                             f"choose from {', '.join(setting_names())}")
         if store is not None and not entry.uses_store:
             raise UserError(f"method {method} does not draft from a store: drop store= or use method={DEFAULT_METHOD!r}")
-        if eagle_head is not None and not entry.needs_eagle:
-            raise UserError(f"method {method} does not draft with an EAGLE head: drop eagle_head= or use "
-                            "method='eagle', 'sam+eagle' or 'adaptive+eagle'")
+        for name in sorted(set(self.files) - entry.requires):
+            raise UserError(f"method {method} does not use {name}=: drop it, or use a method that needs it")
         self.method = method
-        self.eagle_head = None if eagle_head is None else os.fspath(eagle_head)
         self.store_path = None if store is None else os.fspath(store)
         self.tokenizer = tokenizer
         self.settings = settings
         self.last_metrics = None  # decode.metrics.Metrics of the latest call: tokens/step, timings
 
     def __repr__(self) -> str:
-        head = f", eagle_head={self.eagle_head!r}" if self.eagle_head is not None else ""
-        return f"samctl.hf.make_generate(store={self.store_path!r}, method={self.method!r}{head}, **{self.settings!r})"
+        files = "".join(f", {name}={path!r}" for name, path in self.files.items())
+        return f"samctl.hf.make_generate(store={self.store_path!r}, method={self.method!r}{files}, **{self.settings!r})"
 
     def __call__(self, model, input_ids: torch.LongTensor, logits_processor=None, stopping_criteria=None,
                  generation_config=None, synced_gpus: bool = False, streamer=None, **model_kwargs: Any):
@@ -114,31 +113,27 @@ class SamctlGenerate:
         session = sessions.get(self)
         if session is None:
             engine = engine_for(model, self.tokenizer)
-            if engine.tokenizer is None and (self.store_path is not None or method_entry(self.method).needs_eagle):
-                # stores and EAGLE heads name the tokenizer they were made with
-                what = f"the store {self.store_path}" if self.store_path is not None else "the EAGLE head"
+            needs = method_entry(self.method).requires - {"sat_model"}
+            if engine.tokenizer is None and (self.store_path is not None or needs):
+                # stores, draft models and heads name the tokenizer they were made with
+                what = f"the store {self.store_path}" if self.store_path is not None else f"the {' and '.join(sorted(needs))}"
                 engine.tokenizer = _model_tokenizer(engine.name, what)
             config = SessionConfig(method=self.method, store=self.store_path, settings=self.settings, quiet=True,
-                                   occurrence=self.settings.get("occurrence", "first"), eagle_head=self.eagle_head)
-            session = sessions[self] = Session.over(engine, config, self._load_store(engine))
+                                   occurrence=self.settings.get("occurrence", "first"), **self.files)
+            store = load_store(self.store_path, engine, config.occurrence)
+            session = sessions[self] = Session.over(engine, config, store)
         return session
-
-    def _load_store(self, engine: Engine) -> Datastore | None:
-        if self.store_path is None:
-            return None
-        return load_store(self.store_path, engine, self.settings.get("occurrence", "first"))
 
 
 def make_generate(store: str | os.PathLike | None = None, method: str = DEFAULT_METHOD, *,
-                  tokenizer: Any = None, eagle_head: str | os.PathLike | None = None,
-                  **settings: Any) -> SamctlGenerate:
+                  tokenizer: Any = None, **settings: Any) -> SamctlGenerate:
     """A `custom_generate` callable that drafts with `method` from `store` (a `.sam` file built
     with the model's tokenizer; `tokenizer` checks it, loaded from the model's folder when not
-    given). `eagle_head`: the EAGLE head folder of the eagle methods (`samctl train eagle` writes
-    one; default: the one installed beside the model, X.eagle). `settings` are the drafters'
-    options as on the command line, with underscores (`max_nodes=32`, `sam_threshold=3`; see
-    `setting_names()`)."""
-    return SamctlGenerate(store, method, tokenizer, eagle_head, **settings)
+    given). `settings` are the drafters' options as on the command line, with underscores
+    (`max_nodes=32`, `sam_threshold=3`; see `setting_names()`), and the files a method requires:
+    `eagle_head` (default: the one installed beside the model, X.eagle; `samctl train eagle` writes
+    one), `draft_model` (sd, specdec++, sam+draft, ouroboros), `acc_head` (specdec++)."""
+    return SamctlGenerate(store, method, tokenizer, **settings)
 
 
 custom_generate = SamctlGenerate()

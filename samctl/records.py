@@ -12,15 +12,16 @@ written (`finished_ids`).
 from __future__ import annotations
 
 import json
+import logging
 from collections import deque
 from dataclasses import asdict
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
-import click
-
 from samctl.index.errors import UserError
 from samctl.progress import progress_bar
 from samctl.textio import check_utf8
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # parsing records (distill's resume, --resume) needs no model
     from samctl.decode.loop import BatchResult
@@ -55,10 +56,10 @@ class RecordRunner:
                 write(line)
                 progress.update(1, tokens=tokens)
 
-            self._run(records, emit, quiet)
+            self._run(records, emit)
         return failed
 
-    def _run(self, records: Iterable[tuple[int, str]], emit: Callable[[str, bool, int], None], quiet: bool) -> None:
+    def _run(self, records: Iterable[tuple[int, str]], emit: Callable[[str, bool, int], None]) -> None:
         if self.batch_size == 1 or self.compare:
             for number, line in records:
                 out, bad = self.process(number, line)
@@ -70,12 +71,12 @@ class RecordRunner:
         for item in records:
             chunk.append(item)
             if len(chunk) == window:
-                self._window(chunk, emit, quiet)
+                self._window(chunk, emit)
                 chunk = []
         if chunk:
-            self._window(chunk, emit, quiet)
+            self._window(chunk, emit)
 
-    def _window(self, chunk: list[tuple[int, str]], emit: Callable[[str, bool, int], None], quiet: bool) -> None:
+    def _window(self, chunk: list[tuple[int, str]], emit: Callable[[str, bool, int], None]) -> None:
         # 1) batchable records (one turn, a text prediction or none) wait for the batch; the rest,
         # bad ones included, go one by one now
         outputs: list[tuple[str, bool] | None] = [None] * len(chunk)
@@ -118,9 +119,9 @@ class RecordRunner:
             self.session.generate_batch([b[2] for b in batched], batch_size=self.batch_size, on_result=done,
                                         stats=stats, predictions=[b[3] for b in batched])
             for note in stats.notes:  # an out-of-memory that halved the batch, said once
-                if note not in self._noted and not quiet:
+                if note not in self._noted:
                     self._noted.add(note)
-                    click.echo(f"samctl: note: {note}", err=True)
+                    log.info(f"note: {note}")
         flush()
 
     def process(self, number: int, line: str) -> tuple[str, bool]:
@@ -315,7 +316,7 @@ class OpenAIBatchRunner(RecordRunner):
         super().__init__(session, batch_size=batch_size)
         self.sessions = Sessions({session.config.store: session}, model_name=model_name)
 
-    def _run(self, records: Iterable[tuple[int, str]], emit: Callable[[str, bool, int], None], quiet: bool) -> None:
+    def _run(self, records: Iterable[tuple[int, str]], emit: Callable[[str, bool, int], None]) -> None:
         from samctl.scheduler import BatchScheduler
 
         scheduler = BatchScheduler(self.sessions, self.batch_size)

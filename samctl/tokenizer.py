@@ -39,17 +39,19 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import os
 import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
-import click
 import numpy as np
 
 from samctl.index.datastore import StoreMeta
 from samctl.index.errors import UserError
 from samctl.gguf_cache import cached_folder, first_line, is_gguf, model_folder
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "models" / "default" / "target"
 BYTES = "bytes"
@@ -228,20 +230,17 @@ def _same_backend_as_transformers(backend: Any, config: dict) -> bool:
     return True
 
 
-def load_tokenizer(spec: str | None, quiet: bool = False, light: bool = False) -> Tokenizer | None:
+def load_tokenizer(spec: str | None, light: bool = False) -> Tokenizer | None:
     """The tokenizer `spec` names (see the module docstring); UserError when it cannot be found.
-    Without a spec, one line on stderr says which tokenizer is used (not with `quiet`). With
+    Without a spec, a note (the `samctl` logger) says which tokenizer is used. With
     `light`, None where loading it would take transformers (and torch: seconds and hundreds of MB)
     or dequantizing a .gguf file not yet in the cache."""
     if spec is None:
         if DEFAULT_MODEL_DIR.is_dir():
-            if not quiet:
-                click.echo(f"samctl: using the embedded default tokenizer ({DEFAULT_MODEL_DIR}); "
-                           "pass --tokenizer to choose another", err=True)
+            log.info(f"using the embedded default tokenizer ({DEFAULT_MODEL_DIR}); pass --tokenizer to choose another")
             return _load_hf(str(DEFAULT_MODEL_DIR), DEFAULT, light)
-        if not quiet:
-            click.echo("samctl: using the byte-level tokenizer (no embedded default model is "
-                       "installed); pass --tokenizer to choose another", err=True)
+        log.info("using the byte-level tokenizer (no embedded default model is installed); pass --tokenizer to "
+                 "choose another")
         return ByteTokenizer()
     if spec == BYTES:
         return ByteTokenizer()

@@ -150,14 +150,14 @@ FP_T = {"config": "t" * 16, "tokenizer": "k" * 16, "weights": "w" * 16}
 FP_D = {"config": "d" * 16, "tokenizer": "k" * 16, "weights": "v" * 16}
 
 
-def test_head_file_roundtrip_and_refusals(tmp_path, capsys):
+def test_head_file_roundtrip_and_refusals(tmp_path, caplog):
     head = AcceptanceHead(HeadConfig(8, 2, shared_blocks=False))
     save_head(tmp_path / "h", head, FP_T, FP_D, {"note": "test"})
     loaded = load_head(tmp_path / "h", FP_T, FP_D, torch.device("cpu"))
     x = torch.randn(3, 8)
     torch.testing.assert_close(loaded(x), head(x))
     load_head(tmp_path / "h", FP_T, {**FP_D, "weights": "x" * 16}, torch.device("cpu"))
-    assert "other weights of this draft" in capsys.readouterr().err
+    assert "other weights of this draft" in caplog.text  # a warning: the command line prints it even --quiet
     with pytest.raises(UserError, match="another draft"):
         load_head(tmp_path / "h", FP_T, FP_T, torch.device("cpu"))
     with pytest.raises(UserError, match="another target"):
@@ -176,7 +176,8 @@ def test_head_file_roundtrip_and_refusals(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_training_tool_end_to_end(model_dir, tmp_path):
-    from samctl.session import load_acc_head, load_draft, load_engine
+    from samctl.heads import load_acc_head
+    from samctl.models import load_draft, load_engine
 
     draft_dir = tmp_path / "draft"
     save_model_with_tokenizer_of(model_dir, draft_dir)
@@ -192,12 +193,12 @@ def test_training_tool_end_to_end(model_dir, tmp_path):
     report = json.loads(proc.stdout)
     assert report["examples"]["train"] > 100 and report["examples"]["heldout"] > 20
     assert report["heldout_loss"]["trained"] < report["heldout_loss"]["untrained"], report["heldout_loss"]
-    engine = load_engine(str(model_dir), "cpu", "float32", quiet=True)
+    engine = load_engine(str(model_dir), "cpu", "float32")
     draft = load_draft(str(draft_dir), engine)
     head = load_acc_head(str(out), engine, draft)
     assert head.config == HeadConfig(draft.hidden_size, 3, True)
     # The same files with the roles swapped are another pair: refused.
-    swapped = load_engine(str(draft_dir), "cpu", "float32", quiet=True)
+    swapped = load_engine(str(draft_dir), "cpu", "float32")
     with pytest.raises(UserError, match="another target"):
         load_acc_head(str(out), swapped, load_draft(str(model_dir), swapped))
     cli = subprocess.run([sys.executable, "-m", "samctl", "generate", "--model", str(model_dir), "--draft-model",

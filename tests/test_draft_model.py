@@ -285,9 +285,9 @@ def other_tokenizer_dir(tmp_path_factory):
 
 
 def test_load_draft_checks_the_tokenizer(model_dir, draft_dir, other_tokenizer_dir):
-    from samctl.session import load_draft, load_engine
+    from samctl.models import load_draft, load_engine
 
-    engine = load_engine(str(model_dir), "cpu", "float32", quiet=True)
+    engine = load_engine(str(model_dir), "cpu", "float32")
     draft = load_draft(str(draft_dir), engine)
     assert draft.vocab == engine.vocab_size and draft.dtype == torch.float32
     with pytest.raises(UserError, match="another tokenizer"):

@@ -4,6 +4,7 @@ and the command line. Lossless decoding itself is checked in test_decode_greedy/
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -181,9 +182,9 @@ def test_training_loss_learns_a_copy_target(tiny_llama):
 def test_head_file_roundtrip_and_refusal(tmp_path, model_dir):
     from samctl.heads import load_eagle_head, save_eagle_head
     from samctl.heads import model_fingerprint
-    from samctl.session import load_engine
+    from samctl.models import load_engine
 
-    engine = load_engine(str(model_dir), "cpu", "float32", quiet=True)
+    engine = load_engine(str(model_dir), "cpu", "float32")
     head = _head(engine.model, vocab=torch.arange(0, engine.vocab_size, 3))
     fp = model_fingerprint(engine.model, engine.tokenizer)
     save_eagle_head(tmp_path / "h", head, fp, {"note": "test"}, dtype=torch.float32)
@@ -203,9 +204,10 @@ def test_head_file_roundtrip_and_refusal(tmp_path, model_dir):
 def test_cli_generate_eagle_is_lossless(tmp_path, model_dir):
     from samctl.heads import save_eagle_head
     from samctl.heads import model_fingerprint
-    from samctl.session import load_engine, resolve_eagle_path
+    from samctl.models import load_engine
+    from samctl.plan import resolve_eagle_path
 
-    engine = load_engine(str(model_dir), "cpu", "float32", quiet=True)
+    engine = load_engine(str(model_dir), "cpu", "float32")
     save_eagle_head(tmp_path / "h", _head(engine.model), model_fingerprint(engine.model, engine.tokenizer), {})
     out = subprocess.run(
         [sys.executable, "-m", "samctl", "generate", "--model", str(model_dir), "--method", "sam+eagle",
@@ -216,20 +218,22 @@ def test_cli_generate_eagle_is_lossless(tmp_path, model_dir):
     result = json.loads(out.stdout)
     assert result["compare"]["identical"] is True and result["eagle_head"] == str(tmp_path / "h")
     with pytest.raises(UserError, match="eagle_head="):
-        resolve_eagle_path("eagle", str(model_dir), None)
+        resolve_eagle_path("eagle", str(model_dir), None, [])
 
 
 def test_embedded_head_loads_for_the_embedded_target_only(model_dir):
-    from samctl.session import DEFAULT_EAGLE_DIR, load_eagle, load_engine, resolve_eagle_path
+    from samctl.heads import load_eagle
+    from samctl.models import load_engine
+    from samctl.plan import DEFAULT_EAGLE_DIR, resolve_eagle_path
 
     if not DEFAULT_EAGLE_DIR.is_dir():
         pytest.skip("no embedded EAGLE head in this checkout")
-    path = resolve_eagle_path("sam+eagle", None, None, quiet=True)
-    assert path == str(DEFAULT_EAGLE_DIR) and resolve_eagle_path("pld", None, None, quiet=True) is None
-    head = load_eagle(path, load_engine(None, "cpu", "float32", quiet=True))
+    path = resolve_eagle_path("sam+eagle", None, None, [])
+    assert path == str(DEFAULT_EAGLE_DIR) and resolve_eagle_path("pld", None, None, []) is None
+    head = load_eagle(path, load_engine(None, "cpu", "float32"))
     assert head.vocab is None and head.hidden_size == 256
     with pytest.raises(UserError, match="trained for another model"):
-        load_eagle(path, load_engine(str(model_dir), "cpu", "float32", quiet=True))
+        load_eagle(path, load_engine(str(model_dir), "cpu", "float32"))
 
 
 def test_hf_takes_the_eagle_head_its_message_names(tmp_path, model_dir):
@@ -239,9 +243,9 @@ def test_hf_takes_the_eagle_head_its_message_names(tmp_path, model_dir):
 
     import samctl.hf
     from samctl.heads import model_fingerprint, save_eagle_head
-    from samctl.session import load_engine
+    from samctl.models import load_engine
 
-    engine = load_engine(str(model_dir), "cpu", "float32", quiet=True)
+    engine = load_engine(str(model_dir), "cpu", "float32")
     save_eagle_head(tmp_path / "h", _head(engine.model), model_fingerprint(engine.model, engine.tokenizer), {})
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.tensor([engine.tokenizer.encode("def add(a, b):\n    return a + b\n")])
@@ -250,17 +254,18 @@ def test_hf_takes_the_eagle_head_its_message_names(tmp_path, model_dir):
         model.generate(ids, custom_generate=samctl.hf.make_generate(method="eagle"), **kw)
     fast = samctl.hf.make_generate(method="eagle", eagle_head=tmp_path / "h")
     assert torch.equal(model.generate(ids, custom_generate=fast, **kw), model.generate(ids, **kw))
-    with pytest.raises(UserError, match="does not draft with an EAGLE head: drop eagle_head="):
+    with pytest.raises(UserError, match="does not use eagle_head=: drop it"):
         samctl.hf.make_generate(method="pld", eagle_head=tmp_path / "h")
 
 
-def test_the_installed_head_is_announced_once(tmp_path, model_dir, capsys):
+def test_the_installed_head_is_announced_once(tmp_path, model_dir, caplog):
     from samctl.heads import model_fingerprint, save_eagle_head
-    from samctl.session import Session, SessionConfig, load_engine
+    from samctl.models import load_engine
+    from samctl.session import Session, SessionConfig
 
-    engine = load_engine(str(model_dir), "cpu", "float32", quiet=True)
+    engine = load_engine(str(model_dir), "cpu", "float32")
     (tmp_path / "m").symlink_to(model_dir, target_is_directory=True)
     save_eagle_head(tmp_path / "m.eagle", _head(engine.model), model_fingerprint(engine.model, engine.tokenizer), {})
-    capsys.readouterr()
-    Session(SessionConfig(model=str(tmp_path / "m"), method="eagle", max_new_tokens=4))
-    assert capsys.readouterr().err.count("using the EAGLE head installed beside the model") == 1
+    with caplog.at_level(logging.INFO, logger="samctl"):
+        Session(SessionConfig(model=str(tmp_path / "m"), method="eagle", max_new_tokens=4))
+    assert caplog.text.count("using the EAGLE head installed beside the model") == 1

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from samctl.session import load_engine
+from samctl.models import load_engine
 
 TARGET = Path(__file__).resolve().parent.parent / "samctl" / "models" / "default" / "target"
 pytestmark = pytest.mark.skipif(not TARGET.is_dir(), reason="no embedded target in this checkout")
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not TARGET.is_dir(), reason="no embedded target 
 
 @pytest.fixture(scope="module")
 def engine():
-    return load_engine(str(TARGET), "cpu", "float32", quiet=True)
+    return load_engine(str(TARGET), "cpu", "float32")
 
 
 def naive_greedy(engine, prompt: list[int], max_new_tokens: int) -> list[int]:

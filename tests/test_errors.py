@@ -93,12 +93,18 @@ def error_texts(path: Path):
                 yield node.lineno, said
 
 
+# The session layer of samctl/: what the Python API runs through, below the command line.
+SESSION_LAYER = ("session", "config", "plan", "models", "stores", "heads", "costs", "hf")
+
+
 def test_errors_below_the_command_line_name_no_flags():
-    # decode/ and index/ serve the Python API too: a setting is a ConfigError field ("{quantize}"),
-    # worded as --quantize or quantize= at the boundary; only a quoted command line names flags
+    # decode/, index/ and the session layer serve the Python API too: a setting is a ConfigError
+    # field ("{quantize}"), worded as --quantize or quantize= at the boundary; only a quoted command
+    # line names flags
     root = Path(__file__).resolve().parent.parent
+    paths = [p for folder in ("decode", "index") for p in sorted((root / folder).rglob("*.py"))]
     named = [f"{path.relative_to(root)}:{line}: {FLAG.findall(COMMAND.sub('', text))}"
-             for folder in ("decode", "index") for path in sorted((root / folder).rglob("*.py"))
+             for path in paths + [root / "samctl" / f"{name}.py" for name in SESSION_LAYER]
              for line, text in error_texts(path) if FLAG.search(COMMAND.sub("", text))]
     assert not named, "\n".join(named)
     assert FLAG.search(COMMAND.sub("", "run without --quantize")) and not FLAG.search(COMMAND.sub("", "`samctl build --kind sam`"))

@@ -1,6 +1,7 @@
 """The quick start says what the embedded model is for and where a real one is (issue 24, item 8)."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -11,11 +12,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(not DEFAULT_MODEL_DIR.is_dir(), reason="embedded default model not installed")
-def test_using_the_embedded_model_says_it_is_not_for_correct_edits(capsys):
-    from samctl.session import load_engine
+def test_using_the_embedded_model_says_it_is_not_for_correct_edits(caplog):
+    from samctl.models import load_engine
 
-    load_engine(None, "cpu")
-    err = capsys.readouterr().err
+    with caplog.at_level(logging.INFO, logger="samctl"):
+        load_engine(None, "cpu")
+    err = caplog.text
     assert "tiny, to show speed and exactness, not correct answers or edits" in err
     assert "samctl fetch smollm2" in err and "--model models/SmolLM2-135M-Instruct.Q4_1.gguf" in err
 

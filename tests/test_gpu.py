@@ -241,14 +241,14 @@ def test_t9_capture_failure_falls_back_to_eager():
 
 def test_t10_graph_cost_curve_is_step_shaped_and_cached_apart(tmp_path, monkeypatch):
     from samctl.costs import cost_curve, curve_key
-    from samctl.session import engine_for
+    from samctl.models import engine_for
 
     monkeypatch.setenv("SAMCTL_CACHE", str(tmp_path))
     engine = engine_for(tiny().to(CUDA), None, name="tiny")
-    eager = cost_curve(engine, quiet=True)
+    eager = cost_curve(engine)
     eager_key = curve_key(engine)
     enable_cuda_graphs(engine.target, reserve=512)
-    graphs = cost_curve(engine, quiet=True)
+    graphs = cost_curve(engine)
     assert curve_key(engine) != eager_key and len(eager) == 64 and len(graphs) == WIDTHS[-1]
     for lo, hi in [(3, 4), (5, 8), (33, 64), (65, 128)]:
         assert len(set(graphs[lo - 1 : hi])) == 1, (lo, hi)

@@ -270,10 +270,10 @@ def test_cost_curve_measured_again_when_the_engine_code_changes(monkeypatch):
     engine = SimpleNamespace(name="tiny-code-key", model=model, device=torch.device("cpu"), target=TargetModel(model))
     measured = []
     monkeypatch.setattr(costs, "measure_verify_cost", lambda target, width: measured.append(width) or [1.0] * width)
-    first = costs.cost_curve(engine, quiet=True)
-    assert costs.cost_curve(engine, quiet=True) == first and len(measured) == 1  # cached
+    first = costs.cost_curve(engine)
+    assert costs.cost_curve(engine) == first and len(measured) == 1  # cached
     monkeypatch.setattr(costs, "engine_code", lambda: "other-kernels")
-    costs.cost_curve(engine, quiet=True)
+    costs.cost_curve(engine)
     assert len(measured) == 2
 
 

@@ -1,5 +1,5 @@
-"""lookahead and ouroboros: the pool against a naive LRU, the window's mask against METHODS.md
-section 8, context rows never accepted, cross-request memory, and lossless decoding on the copy
+"""lookahead and ouroboros: the pool against a naive LRU, the window's mask against the lookahead
+paper's (Fu et al. 2024), context rows never accepted, cross-request memory, and lossless decoding on the copy
 mock (which fails loudly on a wrong mask, position or KV rollback)."""
 from __future__ import annotations
 

@@ -180,7 +180,7 @@ def test_train_reads_any_input_with_the_models_own_answers(tmp_path):
     # Plain documents and Spec-Bench questions carry no answers: the model writes its own (the one
     # answer writer, kept under --cache), and a rerun reuses them instead of answering again.
     import samctl.train.sdsat as train
-    from samctl.session import load_engine
+    from samctl.models import load_engine
     from samctl.train.answers import read_answers
     from tests.test_eagle_training import naive_greedy
 
@@ -201,7 +201,7 @@ def test_train_reads_any_input_with_the_models_own_answers(tmp_path):
     [path] = cache.glob("sdsat-answers-*.jsonl")
     answers = read_answers(path)
     assert sorted(answers) == [(i, 0) for i in range(10)]  # first turns only
-    engine = load_engine("samctl/models/default/target", "cpu", "float32", quiet=True)
+    engine = load_engine("samctl/models/default/target", "cpu", "float32")
     for answer in answers.values():  # the model's own greedy answers
         assert answer.output_ids == naive_greedy(engine, answer.prompt_ids, 8)
     lines = path.read_text()

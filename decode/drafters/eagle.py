@@ -1,4 +1,4 @@
-"""`eagle`: EAGLE-2 dynamic draft trees from a trained head (Li et al. 2024; METHODS.md section 3).
+"""`eagle`: EAGLE-2 dynamic draft trees from a trained head (Li et al. 2024).
 
 The head (decode/eagle_head.py) reads pairs (f_i, x_{i+1}) of the target's feature at position i
 and the token after it. Each step (t0 = the pending token, N = committed tokens):

@@ -7,7 +7,7 @@ Each step, with lst = the pending token t0 at position p:
                [lst, w_1..w_{M-1}] at positions p..p+M-1, row l holds M tokens at p+l..p+l+M-1,
                and token (l, i) sees lst, row-0 tokens 1..i and rows 1..l of column i: row 1 of
                column i hangs below row-0 column i, row l below row l-1, so the window is a tree
-               and the engine's ancestor mask is exactly the mask of METHODS.md section 8
+               and the engine's ancestor mask is exactly the paper's lookahead-branch mask
     3) verify  one target forward: the engine walks the guess trie (greedy or one draw per node;
                a full match keeps its bonus), never the window
     4) update  new[i] = argmax at the top row's column i (argmax even when sampling). Full window:

@@ -115,7 +115,7 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
         config = replace(old.meta.build, include=include, exclude=exclude, fields=fields)
     # 1) documents, read lazily while tokenizing
     reader = CorpusReader(inputs, include, exclude, fields, stdin=click.get_text_stream("stdin"))
-    tok = (load_tokenizer(tokenizer, quiet=quiet) if old is None
+    tok = (load_tokenizer(tokenizer) if old is None
            else load_store_tokenizer(old.meta, append_to, tokenizer))
     # 2) tokens, streamed in bounded batches (timed apart from loading the tokenizer)
     tokenize_start = time.perf_counter()

@@ -35,7 +35,7 @@ def calibrate(**opts: Any) -> None:
 
     # The curve is measured on the engine every command runs (CUDA graphs included), under ar.
     engine = Session(config).engine
-    t_ms = cost_curve(engine, quiet=opts["quiet"], refresh=opts["refresh"])
+    t_ms = cost_curve(engine, refresh=opts["refresh"])
     if opts["as_json"]:
         click.echo(json.dumps({"key": curve_key(engine), "t_ms": [round(t, 4) for t in t_ms]}))
         return

@@ -176,7 +176,7 @@ def refuse_foreign_store(store_path: str | None, model: str | None) -> None:
         folder = cached_folder(model) if is_gguf(model) else None
         if folder is None:
             return
-    tokenizer = load_tokenizer(folder or "default", quiet=True)
+    tokenizer = load_tokenizer(folder or "default")
     check_store_tokenizer(meta, store_path, tokenizer.fingerprint, model or "default")
 
 

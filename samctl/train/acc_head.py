@@ -46,7 +46,7 @@ from samctl.decode.acceptance_head import (AcceptanceHead, Examples, HeadConfig,
 from samctl.decode.configs import SamplingConfig
 from samctl.index.errors import UserError
 from samctl.heads import model_fingerprint, save_head
-from samctl.session import Engine, load_draft
+from samctl.models import Engine, load_draft
 from samctl.train.answers import own_answers, trainer_engine
 from samctl.train.prompts import Prompt, read_prompts
 

@@ -36,7 +36,7 @@ import torch
 
 from samctl.decode.configs import SamplingConfig
 from samctl.heads import model_fingerprint
-from samctl.session import Engine, load_engine
+from samctl.models import Engine, load_engine
 
 if TYPE_CHECKING:
     from samctl.session import Session
@@ -98,7 +98,7 @@ def trainer_engine(args, model: str) -> Engine:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    return load_engine(model, args.device, "float32", quiet=True, prepack=False, backend="hf")
+    return load_engine(model, args.device, "float32", prepack=False, backend="hf")
 
 
 def read_answers(path: Path) -> dict[tuple[int, int], Answer]:

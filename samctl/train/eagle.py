@@ -1,4 +1,4 @@
-"""Train an EAGLE head for a target model (METHODS.md section 3), then measure it.
+"""Train an EAGLE head for a target model (EAGLE-2, Li et al. 2024), then measure it.
 
     samctl train eagle --model models/SmolLM2-135M-Instruct.Q4_1.gguf --mixture ../shared/data \\
         --exclude ../shared/data/specbench_question.jsonl --out head/ --max-tokens 1000000 \\
@@ -63,7 +63,7 @@ from samctl.decode.simulate import Tally, make_trace, replay
 from samctl.index.errors import UserError
 from samctl.heads import model_fingerprint, save_eagle_head
 from samctl.gguf_cache import cache_dir
-from samctl.session import Engine
+from samctl.models import Engine
 from samctl.train.answers import Answer, answers_key, trainer_engine, write_answers
 from samctl.train.prompts import Prompt, drop_excluded, mixture, read_prompts
 

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 
 from samctl.decode.sdsat import IGNORE, SatSettings, make_batch, sample_anchors, write_settings
 from samctl.index.errors import UserError
-from samctl.session import Engine
+from samctl.models import Engine
 from samctl.train.answers import own_answers, trainer_engine
 from samctl.train.prompts import Prompt, read_prompts
 

@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from samctl.config import SessionConfig  # noqa: E402
 from samctl.decode.engine.native import backend_name  # noqa: E402
 from samctl.decode.tree import DraftTree  # noqa: E402
-from samctl.session import Session, engine_for, load_engine  # noqa: E402
+from samctl.models import engine_for, load_engine  # noqa: E402
+from samctl.session import Session  # noqa: E402
 
 EDIT = "Rename the function `{name}` to `{name}_v2` everywhere in this code and return the whole code:\n\n{code}"
 
@@ -82,7 +83,7 @@ def main() -> None:
           "outputs = own ar | = other backend |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for quantize in args.quantize.split(","):
-        base = load_engine(args.model, "cpu", quiet=True, quantize=quantize)
+        base = load_engine(args.model, "cpu", quantize=quantize)
         sessions = {}
         for backend in ("hf", "native"):
             engine = engine_for(base.model, base.tokenizer, name=base.name, backend=backend)

@@ -36,7 +36,8 @@ from samctl.decode.loop import BatchStats, generate_batch  # noqa: E402
 from samctl.decode.engine.cost import measure_batch_cost  # noqa: E402
 from samctl.decode.loop import GenerationConfig, generate  # noqa: E402
 from samctl.decode.methods import method_config  # noqa: E402
-from samctl.session import build_drafter, load_engine  # noqa: E402
+from samctl.models import load_engine  # noqa: E402
+from samctl.session import build_drafter  # noqa: E402
 
 DATA = Path("/work/shared/data")
 EDITS = ("Add a comment above every function explaining what it does.",
@@ -94,17 +95,16 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    engine = load_engine(args.model, device="cpu", dtype="float32", quiet=True, quantize=args.quantize)
+    engine = load_engine(args.model, device="cpu", dtype="float32", quantize=args.quantize)
     model, tok = engine.model, engine.tokenizer
-    hf_model = model if args.quantize == "none" else load_engine(args.model, device="cpu", dtype="float32",
-                                                                 quiet=True).model
+    hf_model = model if args.quantize == "none" else load_engine(args.model, device="cpu", dtype="float32").model
     prompts = [engine.encode(t, True)[-args.max_prompt:] for t in mission_texts(args.records)]
     eos = engine.eos_token_ids
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=eos)
     methods = method_config({}, engine.device)
 
     def drafter(name):
-        return build_drafter(name, engine, None, methods, quiet=True)
+        return build_drafter(name, engine, None, methods)
 
     tic = time.perf_counter()
     cost = measure_batch_cost(model, args.batch_size, args.max_width, clock=time.process_time)

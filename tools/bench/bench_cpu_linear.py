@@ -37,7 +37,7 @@ from samctl.commands.bench import EngineRunner, HfRunner, read_questions  # noqa
 from samctl.decode.engine.cost import measure_verify_cost  # noqa: E402
 from samctl.decode.methods import method_config  # noqa: E402
 from samctl.config import SessionConfig  # noqa: E402
-from samctl.session import load_engine  # noqa: E402
+from samctl.models import load_engine  # noqa: E402
 from samctl.session import Session  # noqa: E402
 
 BACKENDS = {"plain": ("none", False), "packed": ("none", True), "int8": ("int8", True)}
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     chosen = [b for b in args.backends.split(",") if b]
     if not chosen or set(chosen) - set(BACKENDS):
         p.error(f"--backends: choose among {', '.join(BACKENDS)}")
-    engines = {name: load_engine(args.model, "cpu", "float32", quiet=True, quantize=BACKENDS[name][0],
+    engines = {name: load_engine(args.model, "cpu", "float32", quantize=BACKENDS[name][0],
                                  prepack=BACKENDS[name][1]) for name in chosen}
     questions = read_questions(Path(args.questions), None, args.limit)
     sets = {q.group: Path(args.questions).stem for q in questions}

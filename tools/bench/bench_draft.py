@@ -38,7 +38,7 @@ from samctl.decode.tree import DraftTree
 from samctl.index.automaton import SuffixAutomaton
 from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, save_datastore
 from samctl.index.load import load_datastore
-from samctl.session import load_engine
+from samctl.models import load_engine
 from samctl.tokenizer import DEFAULT_MODEL_DIR, load_tokenizer, tokenize_documents
 
 OUT = Path("out/bench_draft")
@@ -125,7 +125,7 @@ def drafting_cost(store, questions: Path, tokenizer, limit: int) -> dict[str, di
 
 
 def forward_times(model_dir: str, reps: int) -> dict[int, float]:
-    engine = load_engine(model_dir, device="cpu", quiet=True)
+    engine = load_engine(model_dir, device="cpu")
     target = engine.target
     context = torch.randint(0, engine.vocab_size, (1000,))
     target.prefill(context)

@@ -7,7 +7,7 @@
 Greedy decoding through samctl's loop, one target/draft pair loaded once. For every prompt each
 method runs in turn (interleaved, so slow drifts of a shared machine hit all methods alike) after
 one warm-up generation per method; each prompt runs --repeats times per method and its time is the
-median. Counting follows METHODS.md section 12:
+median. Counting follows Spec-Bench's (as samctl/bench_report.py):
 - mean accepted tokens (MAT): tokens committed per target forward, bonus included (ar = 1.00),
   over all prompts;
 - acceptance rate: accepted drafted tokens / drafted tokens, over all prompts;
@@ -43,7 +43,9 @@ from samctl.decode.configs import DraftConfig, SpecDecConfig  # noqa: E402
 from samctl.decode.loop import GenerationConfig, generate  # noqa: E402
 from samctl.decode.methods import MethodConfig  # noqa: E402
 from samctl.index.errors import UserError  # noqa: E402
-from samctl.session import build_drafter, load_acc_head, load_draft, load_engine  # noqa: E402
+from samctl.heads import load_acc_head  # noqa: E402
+from samctl.models import load_draft, load_engine  # noqa: E402
+from samctl.session import build_drafter  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = load_engine(args.target, args.device, args.dtype, quiet=True)
+    engine = load_engine(args.target, args.device, args.dtype)
     draft = load_draft(args.draft, engine)
     heads = {Path(path).name: load_acc_head(path, engine, draft) for path in args.acc_head}
     chat = not args.no_chat and bool(getattr(engine.tokenizer, "chat_template", None))

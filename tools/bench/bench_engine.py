@@ -27,7 +27,7 @@ from samctl.decode.drafters.base import NoDraft  # noqa: E402
 from samctl.decode.engine.kv_cache import with_cache  # noqa: E402
 from samctl.decode.drafters.oracle import OracleDrafter  # noqa: E402
 from samctl.decode.loop import GenerationConfig, generate  # noqa: E402
-from samctl.session import load_engine  # noqa: E402
+from samctl.models import load_engine  # noqa: E402
 
 PROMPT = (
     "Summarize the following passage in two sentences.\n\n"
@@ -107,7 +107,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    engine = load_engine(args.model, "cpu", "float32", quiet=True)
+    engine = load_engine(args.model, "cpu", "float32")
     target, n = engine.target, args.new_tokens
     prompt = engine.encode(PROMPT, chat=False)
 

@@ -27,7 +27,8 @@ import torch  # noqa: E402
 import samctl.hf  # noqa: E402
 from samctl.decode.loop import GenerationConfig, generate as decode_generate  # noqa: E402
 from samctl.decode.methods import method_config  # noqa: E402
-from samctl.session import build_drafter, load_engine  # noqa: E402
+from samctl.models import load_engine  # noqa: E402
+from samctl.session import build_drafter  # noqa: E402
 
 
 def main() -> None:
@@ -43,12 +44,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    engine = load_engine(args.model, quiet=True)
+    engine = load_engine(args.model)
     model, tok = engine.model, engine.tokenizer
     texts = [Path(p).read_text() for p in args.prompts]
     prompts = [engine.encode(t, args.chat) for t in texts]
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=engine.eos_token_ids)
-    drafter = build_drafter(args.method, engine, None, method_config({}, engine.device), quiet=True)
+    drafter = build_drafter(args.method, engine, None, method_config({}, engine.device))
     custom = samctl.hf.make_generate(method=args.method, tokenizer=tok)
 
     def samctl_side(ids):

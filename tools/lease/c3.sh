@@ -1,6 +1,6 @@
 # Call 3: a real model in bf16 (SmolLM2-135M-Instruct when its GGUF parts travel in .smol/, else
 # the embedded model): calibrate, bench on code edits with and without graphs, batch with predictions.
-source benchmarks/env.sh || exit 1
+source tools/lease/env.sh || exit 1
 exec > >(tee -a "$OUT/c3.log") 2>&1
 R=/tmp/r; C=$SAMCTL_CACHE/costs; mkdir -p $R
 S=/tmp/gpu/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -8,7 +8,7 @@ if [ ! -f $S ] && ls /tmp/smol/p? >/dev/null 2>&1; then cat /tmp/smol/p? > $S; f
 echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $S" | sha256sum -c 2>/dev/null || S=samctl/models/default/target
 echo "model: $S"
 python3 tools/make_code_edit_set.py --out $R/code_edit.jsonl --n 40
-python3 benchmarks/with_predictions.py $R/code_edit.jsonl $R/code_edit_pred.jsonl
+python3 tools/lease/with_predictions.py $R/code_edit.jsonl $R/code_edit_pred.jsonl
 keep() { mkdir -p $R/$1; cp -r $C/. $R/$1/ 2>/dev/null; rm -rf $C; tar czf "$OUT/c3.tgz" -C $R .; }  # each curve apart (B4)
 timeout 100 python3 -m samctl calibrate --model $S --device cuda --json > $R/calibrate_graphs.json; keep curve_calibrate_graphs
 timeout 60 python3 -m samctl calibrate --model $S --device cuda --no-compile --json > $R/calibrate_eager.json; keep curve_calibrate_eager

@@ -1,6 +1,6 @@
 """GPU.md section 3, call 2: random bf16 weights shaped like SmolLM2-135M and Llama-3-8B.
 
-    python3 benchmarks/big.py OUT.json
+    python3 tools/lease/big.py OUT.json
 
 Per shape: verify-cost curves t(n), eager and CUDA graphs, at contexts 256 and 2048, with grouped
 heads folded (the CUDA default) and not (B3: `repeat_kv`), and at context 256 in a cache of 8192

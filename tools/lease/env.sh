@@ -1,5 +1,6 @@
-# Sourced first by every lease script: offline settings, optional carried wheels, a zstandard stub,
-# samctl importable from this checkout without installing it, and what the machine is.
+# Sourced first by every lease script, from the repository root: offline settings, optional carried
+# wheels, a zstandard stub, samctl importable from this checkout without installing it (the call
+# then runs in a copy: write results under $OUT), and what the machine is.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 SAMCTL_CACHE=/tmp/samctl-cache
 mkdir -p /tmp/site /tmp/stub /tmp/gpu "${OUT:-/tmp/gpu/out}"
 export OUT=${OUT:-/tmp/gpu/out}
@@ -11,11 +12,13 @@ if [ ! -d /tmp/site/transformers ] && ls .whl/*.whl >/dev/null 2>&1; then
 fi
 # index/store.py imports zstandard at the top; only store files need it, and the GPU image lacks it.
 python3 -c 'import zstandard' 2>/dev/null || printf 'class ZstdError(Exception): pass\nclass ZstdCompressor:\n    def __init__(self, *a, **k): raise ZstdError("no zstandard here")\nZstdDecompressor = ZstdCompressor\n' > /tmp/stub/zstandard.py
-export PYTHONPATH=/tmp/site:/tmp/stub:$PWD
-# index/ and decode/ install as samctl.index and samctl.decode; without an install, links make
-# the checkout itself importable (also for pytest, which puts the repo root first on sys.path).
-if ! python3 -c 'import samctl.decode.engine.target' 2>/dev/null; then
-  ln -sfn ../decode samctl/decode; ln -sfn ../index samctl/index
+# index/ and decode/ install as samctl.index and samctl.decode. Without an install, the calls run
+# in a copy of the checkout (outside it: no links in the checkout) with them inside samctl/, so
+# that the checkout's own samctl/ cannot shadow them (pytest puts the repo root first on sys.path).
+if ! PYTHONPATH=/tmp/site:/tmp/stub python3 -c 'import samctl.decode.engine.target' 2>/dev/null; then
+  rm -rf /tmp/tree && mkdir -p /tmp/tree && tar --exclude=./.git -cf - . | tar -xf - -C /tmp/tree || return 1
+  cp -r decode index /tmp/tree/samctl/ && cd /tmp/tree || return 1
 fi
+export PYTHONPATH=/tmp/site:/tmp/stub:$PWD
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, transformers as t; print("torch", torch.__version__, "transformers", t.__version__, "cuda", torch.cuda.is_available())'

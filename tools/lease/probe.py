@@ -1,6 +1,6 @@
 """GPU.md section 3, call 1: probes of the CUDA paths, one JSON line per case.
 
-    python3 benchmarks/probe.py [widths logits syncs eagle sdpa rope ...]   (all when none named)
+    python3 tools/lease/probe.py [widths logits syncs eagle sdpa rope ...]   (all when none named)
 
 widths: graph steps / steps and captured (width, key bucket) pairs per method (B2); logits: graphs
 against eager on random trees with compaction, fp32 and bf16 (T1); syncs: host syncs against steps,
