@@ -350,51 +350,50 @@ class OpenAIBatchRunner(RecordRunner):
             request = _BatchRequest(custom_id, body, self.sessions.model_name)
             scheduler.submit(Job(job_request(body, self.sessions), self.sessions, request.sink))
         except UserError as err:
-            return _BatchRequest.failed(custom_id, RequestError(str(err)))
+            return _BatchRequest(custom_id, error=RequestError(str(err)))
         except RequestError as err:
-            return _BatchRequest.failed(custom_id, err)
+            return _BatchRequest(custom_id, error=err)
         return request
 
 
 class _BatchRequest:
-    """One OpenAI Batch line in flight: its job's events (appended by the worker thread) until the last."""
+    """One OpenAI Batch line in flight: its job's events, taken in by the worker thread as the
+    server's responses take them (samctl.openai_api.Reply), until the last; or an error before any."""
 
-    def __init__(self, custom_id: str | None, body: Any, model_name: str) -> None:
+    def __init__(self, custom_id: str | None, body: Any = None, model_name: str = "", error: Any = None) -> None:
         import threading
 
-        self.custom_id, self.body, self.model_name = custom_id, body, model_name
-        self.events: list[tuple] = []
-        self.error: Any = None
-        self.ended = threading.Event()
+        from samctl.openai_api import Reply
 
-    def sink(self, event: tuple) -> None:
-        self.events.append(event)
-        if event[0] in ("done", "error", "cancelled"):
+        self.custom_id, self.error = custom_id, error
+        self.reply = Reply(body, model_name) if body is not None else None
+        self.ended = threading.Event()
+        if error is not None:
             self.ended.set()
 
-    @classmethod
-    def failed(cls, custom_id: str | None, error: Any) -> "_BatchRequest":
-        request = cls(custom_id, None, "")
-        request.error = error
-        request.ended.set()
-        return request
+    def sink(self, event: Any) -> None:
+        from samctl.scheduler import ENDS
+
+        self.reply.add(event)
+        if isinstance(event, ENDS):
+            self.ended.set()
 
     def result(self) -> tuple[str, bool, int]:
         """(output line, whether it failed, new tokens), waiting for the job's end."""
-        from samctl.openai_api import BatchOutputLine, BatchResponse, completion, new_id
+        from samctl.openai_api import BatchOutputLine, BatchResponse, new_id
+        from samctl.scheduler import RequestError
 
         self.ended.wait()
         request_id = new_id("req")
-        if self.error is None and self.events[-1][0] == "error":
-            self.error = self.events[-1][1]
-        if self.error is not None:
+        try:
+            if self.error is not None:
+                raise self.error
+            body = self.reply.completion()
+        except RequestError as err:
             out = BatchOutputLine(id=new_id("batch_req"), custom_id=self.custom_id,
-                                  response=BatchResponse(status_code=self.error.status, request_id=request_id),
-                                  error=self.error.body()["error"])
+                                  response=BatchResponse(status_code=err.status, request_id=request_id),
+                                  error=err.body()["error"])
             return out.model_dump_json(), True, 0
-        _, result, reason = self.events[-1]
-        text = "".join(e[1] for e in self.events if e[0] == "text")
-        body = completion(self.body, self.model_name, text, self.events[0][1], result, reason)
         out = BatchOutputLine(id=new_id("batch_req"), custom_id=self.custom_id,
                               response=BatchResponse(status_code=200, request_id=request_id, body=body))
-        return out.model_dump_json(), False, result.metrics.new_tokens
+        return out.model_dump_json(), False, body.usage.completion_tokens
