@@ -334,7 +334,7 @@ class OpenAIBatchRunner(RecordRunner):
         from pydantic import ValidationError
 
         from samctl.openai_api import BatchLine, invalid, job_request
-        from samctl.scheduler import Job, RequestError
+        from samctl.scheduler import Failed, Job, RequestError
 
         # kept for a line refused before its schema is read (a byte that is not UTF-8, a bad body)
         custom_id = salvaged_field(line, lambda record: record.get("custom_id"))
@@ -349,27 +349,22 @@ class OpenAIBatchRunner(RecordRunner):
                 raise invalid(err.errors()) from err
             request = _BatchRequest(custom_id, body, self.sessions.model_name)
             scheduler.submit(Job(job_request(body, self.sessions), self.sessions, request.sink))
-        except UserError as err:
-            return _BatchRequest(custom_id, error=RequestError(str(err)))
-        except RequestError as err:
-            return _BatchRequest(custom_id, error=err)
+        except (UserError, RequestError) as err:
+            request = _BatchRequest(custom_id, None, "")
+            request.sink(Failed(err if isinstance(err, RequestError) else RequestError(str(err))))
         return request
 
 
 class _BatchRequest:
-    """One OpenAI Batch line in flight: its job's events, taken in by the worker thread as the
-    server's responses take them (samctl.openai_api.Reply), until the last; or an error before any."""
+    """One OpenAI Batch line in flight: its job's events, taken in (by the worker thread) as the
+    server's responses take them (samctl.openai_api.Reply), until the last."""
 
-    def __init__(self, custom_id: str | None, body: Any = None, model_name: str = "", error: Any = None) -> None:
+    def __init__(self, custom_id: str | None, body: Any, model_name: str) -> None:
         import threading
 
         from samctl.openai_api import Reply
 
-        self.custom_id, self.error = custom_id, error
-        self.reply = Reply(body, model_name) if body is not None else None
-        self.ended = threading.Event()
-        if error is not None:
-            self.ended.set()
+        self.custom_id, self.reply, self.ended = custom_id, Reply(body, model_name), threading.Event()
 
     def sink(self, event: Any) -> None:
         from samctl.scheduler import ENDS
@@ -386,8 +381,6 @@ class _BatchRequest:
         self.ended.wait()
         request_id = new_id("req")
         try:
-            if self.error is not None:
-                raise self.error
             body = self.reply.completion()
         except RequestError as err:
             out = BatchOutputLine(id=new_id("batch_req"), custom_id=self.custom_id,

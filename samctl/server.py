@@ -104,7 +104,7 @@ def create_app(sessions: Any, *, scheduler: BatchScheduler | None = None, batch_
     app.state.stopping = threading.Event()  # set by stop_starting (SIGTERM)
     app.include_router(routes)
     app.add_exception_handler(RequestValidationError, _invalid)
-    app.add_exception_handler(RequestError, _refused)
+    app.add_exception_handler(RequestError, _error)
     app.add_exception_handler(_Gone, _gone)
     app.middleware("http")(_authorize)
     return app
@@ -136,23 +136,23 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 # -- errors -----------------------------------------------------------------------------------
 
 
+def _error(request: Request | None, err: RequestError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
 async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
-    return _error(invalid(list(err.errors())))
+    return _error(request, invalid(list(err.errors())))
 
 
 async def _gone(request: Request, err: _Gone) -> JSONResponse:  # nobody reads it: the client left
-    return _error(RequestError("the client closed the request", status=499, code="client_closed"))
-
-
-async def _refused(request: Request, err: RequestError) -> JSONResponse:
-    return _error(err)
+    return _error(request, RequestError("the client closed the request", status=499, code="client_closed"))
 
 
 async def _authorize(request: Request, call_next):
     api_key = request.app.state.api_key
     if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
-        return _error(RequestError("missing or wrong API key: send 'Authorization: Bearer KEY'", status=401,
-                                   code="invalid_api_key"))
+        return _error(request, RequestError("missing or wrong API key: send 'Authorization: Bearer KEY'",
+                                            status=401, code="invalid_api_key"))
     return await call_next(request)
 
 
@@ -172,14 +172,13 @@ async def health(request: Request) -> PlainTextResponse:
 
 @routes.get("/metrics")
 async def metrics(request: Request) -> PlainTextResponse:
-    state = request.app.state
-    return PlainTextResponse(state.counters.prometheus(state.scheduler), media_type="text/plain; version=0.0.4")
+    counters, scheduler = request.app.state.counters, request.app.state.scheduler
+    return PlainTextResponse(counters.prometheus(scheduler), media_type="text/plain; version=0.0.4")
 
 
 @routes.get("/v1/models")
 async def models(request: Request) -> ModelList:
-    state = request.app.state
-    return ModelList(data=[ModelCard(id=state.sessions.model_name, created=state.created)])
+    return ModelList(data=[ModelCard(id=request.app.state.sessions.model_name, created=request.app.state.created)])
 
 
 @routes.post("/v1/chat/completions")
@@ -211,12 +210,12 @@ async def _respond(body: ChatRequest | CompletionRequest, request: Request):
     job, reply = Job(wanted, state.sessions, sink), Reply(body, state.sessions.model_name)
     state.scheduler.submit(job)
     event = await _next(job, events, request)
-    reply.add(event)
+    opening = reply.add(event)
     if isinstance(event, Failed):
         state.counters.finished(event)
         raise event.error
     if body.stream:
-        return _sse(_stream(reply, job, events, state.counters))
+        return _sse(_stream(reply, opening, job, events, state.counters))
     while not isinstance(event, ENDS):
         event = await _next(job, events, request)
         reply.add(event)
@@ -238,13 +237,14 @@ async def _next(job: Job, events: asyncio.Queue, request: Request) -> Event:
                 raise _Gone() from None
 
 
-async def _stream(reply: Reply, job: Job, events: asyncio.Queue, counters: Counters) -> AsyncIterator[str]:
-    """SSE: a chat request's deltas (after one that opens the assistant's turn) or a completion's
-    text pieces, then the finish reason, the usage when asked for (or the error), and [DONE].
-    The client leaving (the response task is cancelled) cancels the job."""
+async def _stream(reply: Reply, opening: list, job: Job, events: asyncio.Queue, counters: Counters
+                  ) -> AsyncIterator[str]:
+    """SSE: `opening` (a chat's first delta), the text pieces, then the finish reason and the usage
+    when asked for (or the error), and [DONE]. The client leaving (the response task is cancelled)
+    cancels the job."""
     end = None
     try:
-        for chunk in reply.opening():
+        for chunk in opening:
             yield _data(chunk)
         while end is None:
             event = await events.get()
@@ -260,10 +260,6 @@ async def _stream(reply: Reply, job: Job, events: asyncio.Queue, counters: Count
         if end is None:
             job.cancel()
             counters.finished(Cancelled())
-
-
-def _error(err: RequestError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
 
 
 def _data(chunk: Any) -> str:
