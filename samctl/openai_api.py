@@ -353,14 +353,13 @@ def usage_of(prompt_tokens: int, result: "GenerationResult | BatchResult") -> Us
 class Reply:
     """One request's events (samctl.scheduler) as OpenAI's bodies, the same for a streamed
     response, a plain one and an OpenAI Batch line: `add` takes each event in and returns the
-    stream chunks it makes (a chat stream opens with `opening`); once ended, `completion` is the
-    plain body (or raises the request's error)."""
+    stream chunks it makes (a chat stream's first opens the assistant's turn); once the request
+    has ended, `completion` is the plain body, or raises the request's error."""
 
     def __init__(self, body: ChatRequest | CompletionRequest, model: str) -> None:
         self.body, self.model, self.chat = body, model, isinstance(body, ChatRequest)
         self.id, self.created = new_id("chatcmpl" if self.chat else "cmpl"), now()
-        self.prompt_tokens = 0
-        self.parts: list[str] = []
+        self.prompt_tokens, self.parts = 0, []
         self.end: Done | Failed | Cancelled | None = None
 
     def add(self, event: "Event") -> list[BaseModel | dict[str, Any]]:
@@ -371,40 +370,35 @@ class Reply:
         match event:
             case Started(prompt_tokens):
                 self.prompt_tokens = prompt_tokens
+                return [self._chunk(None, role="assistant")] if self.chat else []
             case Text(text):
                 self.parts.append(text)
                 return [self._chunk(text)]
-            case Done(_, reason):
-                return [self._chunk(None, reason)] + ([self._chunk(None, usage=self.usage())]
-                                                      if self.body.include_usage() else [])
+            case Done(result, reason):
+                usage = usage_of(self.prompt_tokens, result) if self.body.include_usage() else None
+                return [self._chunk(None, reason)] + ([self._chunk(None, usage=usage)] if usage else [])
             case Failed(error):
                 return [error.body()]
         return []
 
-    def opening(self) -> list[ChatChunk]:
-        return [ChatChunk(id=self.id, created=self.created, model=self.model,
-                          choices=[ChunkChoice(delta=Delta(role="assistant", content=""))])] if self.chat else []
-
-    def usage(self) -> Usage:
-        return usage_of(self.prompt_tokens, self.end.result)
-
     def completion(self) -> ChatCompletion | Completion:
-        """The response body of the ended request; its RequestError if it failed."""
         from samctl.scheduler import Failed
 
         if isinstance(self.end, Failed):
             raise self.end.error
         text, reason = "".join(self.parts), self.end.reason
         if self.chat:
-            return ChatCompletion(id=self.id, created=self.created, model=self.model, usage=self.usage(),
-                                  choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=reason)])
-        return Completion(id=self.id, created=self.created, model=self.model, usage=self.usage(),
-                          choices=[TextChoice(text=text, finish_reason=reason)])
-
-    def _chunk(self, text: str | None, reason: str | None = None, usage: Usage | None = None) -> ChatChunk | Completion:
-        if self.chat:
-            choice, shape = ChunkChoice(delta=Delta(content=text), finish_reason=reason), ChatChunk
+            choice, shape = ChatChoice(message=AssistantMessage(content=text), finish_reason=reason), ChatCompletion
         else:
-            choice, shape = TextChoice(text=text or "", finish_reason=reason), Completion
-        return shape(id=self.id, created=self.created, model=self.model, choices=[] if usage else [choice],
-                     usage=usage)
+            choice, shape = TextChoice(text=text, finish_reason=reason), Completion
+        return shape(id=self.id, created=self.created, model=self.model, choices=[choice],
+                     usage=usage_of(self.prompt_tokens, self.end.result))
+
+    def _chunk(self, text: str | None, reason: str | None = None, usage: Usage | None = None,
+               role: str | None = None) -> ChatChunk | Completion:
+        if self.chat:
+            choice = ChunkChoice(delta=Delta(role=role, content="" if role else text), finish_reason=reason)
+        else:
+            choice = TextChoice(text=text or "", finish_reason=reason)
+        return (ChatChunk if self.chat else Completion)(id=self.id, created=self.created, model=self.model,
+                                                        choices=[] if usage else [choice], usage=usage)

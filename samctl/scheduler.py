@@ -12,7 +12,7 @@ hands its events, small frozen dataclasses, to a thread-safe `sink` (the server 
     Cancelled()              the client went away; the job stopped after its current step
 
 The contract a scheduler keeps (`submit`, `close`, `stop_starting`, `starting`, `running`,
-`waiting`): every submitted job gets exactly one of done / error / cancelled, last; a cancelled
+`waiting`): every submitted job gets exactly one of Done / Failed / Cancelled, last; a cancelled
 job stops at its next step and frees its slot; `close` finishes what was submitted, then returns.
 `BatchScheduler` runs up to --batch-size jobs at once as rows of the batched engine
 (decode.batch.BatchRun), refilling free slots between steps; with --batch-size 1 it runs one job
@@ -194,7 +194,7 @@ class Job:
         self.cancelled.set()
 
     def prepare(self) -> tuple[Any, list[int], int] | None:
-        """(session, prompt ids, max new tokens), with "started" sent; None when the job ended here
+        """(session, prompt ids, max new tokens), with Started sent; None when the job ended here
         (cancelled, or refused: its error is sent)."""
         if self.cancelled.is_set():
             self.sink(Cancelled())
@@ -281,51 +281,29 @@ class Job:
 
 
 class _SessionDrafters(DrafterPool):
-    """A session's drafters for the batched engine (a decode.batch.DrafterPool), and its share
-    of the cross-request memory: every response is remembered by the session's kept drafter (the
-    batch-1 path's, and the seed of every new row drafter) and by every row drafter of the
-    session. A row drafter takes in the other rows' outputs when it starts its next request,
-    never during one (a memory automaton must not grow under a match in flight); its own output
-    it remembers itself, as at batch 1."""
+    """A session's drafters for the batched engine (a decode.batch.DrafterPool) and its one
+    cross-request memory: every row drafter shares the memory of the session's kept drafter (the
+    batch-1 path's), which every response grows once, at its end, and every row reads through its
+    own cursor (decode/drafters/adaptive.py). A drafter that cannot share its memory (an n-gram
+    pool: lookahead, ouroboros) starts from a copy of the kept one's, and the kept one takes in
+    each of its responses."""
 
     def __init__(self, session) -> None:
         super().__init__(self._fresh)
         self.session = session
-        self._log: list[tuple[int, np.ndarray]] = []  # (drafter id, output), from self._base on
-        self._base = 0
-        self._seen: dict[int, int] = {}  # drafter id -> log position it has taken in
+        self.copies = False  # row drafters keep memories of their own
 
     def _fresh(self):
-        drafter = self.session.fresh_drafter()
-        kept = self.session.drafter
-        if drafter.keeps_memory and kept.keeps_memory:
+        drafter, kept = self.session.fresh_drafter(), self.session.drafter
+        if drafter.keeps_memory and kept.keeps_memory and not drafter.share_memory(kept):
             drafter.load_memory(kept.memory_documents())  # --memory-file and every response so far
-        self._seen[id(drafter)] = self._base + len(self._log)
-        return drafter
-
-    def take(self):
-        drafter = super().take()
-        end = self._base + len(self._log)
-        new = [out for who, out in self._log[self._seen[id(drafter)] - self._base:] if who != id(drafter)]
-        if new and drafter.keeps_memory:
-            drafter.load_memory(new)
-        self._seen[id(drafter)] = end
+            self.copies = True
         return drafter
 
     def give(self, drafter, output: np.ndarray) -> None:
         super().give(drafter, output)
-        if not len(output):
-            return
-        kept = self.session.drafter
-        if kept.keeps_memory:
-            kept.load_memory([output])
-        if drafter.keeps_memory:
-            self._log.append((id(drafter), output))
-        # the log keeps what some drafter has not taken in yet
-        drop = min(self._seen.values()) - self._base
-        if drop > 0:
-            del self._log[:drop]
-            self._base += drop
+        if self.copies and len(output):
+            self.session.drafter.load_memory([output])
 
 
 class BatchScheduler:
@@ -463,9 +441,7 @@ class BatchScheduler:
             return
         for result in results:
             job = self._jobs.pop(result.index)
-            if result.finish_reason == "cancelled":
-                job.sink(Cancelled())
-            elif result.finish_reason == "error":
+            if result.finish_reason == "error":
                 job.fail(RequestError(result.error, status=500, kind="server_error"))
-            else:
+            else:  # a cancelled job's row leaves as "cancelled": `finish` sends Cancelled
                 job.finish(result)

@@ -221,7 +221,7 @@ def test_the_events_make_one_answer_streamed_plain_and_in_a_batch_file():
     usage = {"stream": True, "stream_options": {"include_usage": True}}
     for body in (ChatRequest(model="m", messages=QUESTION, **usage), CompletionRequest(model="m", prompt="x", **usage)):
         streamed, plain, batch = Reply(body, "m"), Reply(body, "m"), _BatchRequest("c1", body, "m")
-        chunks = [c.model_dump() for c in streamed.opening()] + [c.model_dump() for e in events for c in streamed.add(e)]
+        chunks = [c.model_dump() for e in events for c in streamed.add(e)]
         for event in events:
             plain.add(event)
             batch.sink(event)
@@ -317,20 +317,22 @@ def test_stop_strings_end_the_answer_and_its_tokens(served, batch_size):
     assert events[-2]["usage"]["completion_tokens"] == at
 
 
-def test_every_response_teaches_the_cross_request_memory(model_dir):
+def test_every_response_teaches_the_one_cross_request_memory(model_dir):
+    """Four rows at once: every response joins the session's memory, which the rows' drafters and
+    the kept one (batch 1's) hold as one object, not one copy each."""
     session = Session(SessionConfig(model=str(model_dir), max_new_tokens=8, threads=1, quiet=True))
-    scheduler = BatchScheduler(Sessions({None: session}), batch_size=2)
+    scheduler = BatchScheduler(Sessions({None: session}), batch_size=4)
     events: list[list] = [[] for _ in range(4)]
-    for i, text in enumerate(("def add(a, b):", "The quick brown fox", "The dog sleeps.", "def f(x):")):
-        scheduler.submit(Job(JobRequest(prompt=text, store=None, method="adaptive"), scheduler.sessions,
-                             events[i].append))
+    with scheduler._cond:  # the worker takes them all before its first step: one batch
+        for i, text in enumerate(("def add(a, b):", "The quick brown fox", "The dog sleeps.", "def f(x):")):
+            scheduler.submit(Job(JobRequest(prompt=text, store=None, method="adaptive"), scheduler.sessions,
+                                 events[i].append))
     scheduler.close()
+    assert scheduler._run.stats.rows_per_step[0] == 4
     outputs = [e[-1].result.tokens for e in events]
-    remembered = [d.tolist() for d in session.drafter.memory_documents()]
-    assert sorted(remembered) == sorted(outputs)
-    pool = next(iter(scheduler._drafters.values()))
-    row_drafter = pool.take()  # a row drafter takes in the other rows' outputs when it starts
-    assert sorted(d.tolist() for d in row_drafter.memory_documents()) == sorted(outputs)
+    assert sorted(d.tolist() for d in session.drafter.memory_documents()) == sorted(outputs)
+    rows = next(iter(scheduler._drafters.values())).idle
+    assert len(rows) == 4 and {id(d.memory) for d in rows + [session.drafter]} == {id(session.drafter.memory)}
 
 
 def test_the_batch_gets_each_requests_sampling(model_dir, monkeypatch):
