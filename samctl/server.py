@@ -15,12 +15,11 @@ request's events cross to asyncio through `loop.call_soon_threadsafe` into its o
 asyncio.Queue. A client that goes away cancels its job, which leaves at its next step.
 samctl.openai_api turns a body into the scheduler's request and the job's events into chunks or a
 completion (`Reply`), for this app and for `samctl generate --input` with OpenAI Batch API lines
-alike. The routes are module-level functions over `request.app.state` (sessions, scheduler,
-counters, api_key, stopping), which `create_app` fills. At shutdown
-(SIGTERM: uvicorn stops accepting and waits for the open requests) the scheduler finishes what it
-was given, then stops; `stop_starting(app)`, called by `samctl serve`'s signal handler, first ends
-a start-up still in progress, so that the requests waiting for it are refused (503) instead of
-holding the shutdown.
+alike. The routes are module-level functions of `request.app.state` (sessions, scheduler,
+counters, api_key, stopping), which `create_app` fills. At shutdown (SIGTERM: uvicorn stops
+accepting and waits for the open requests) the scheduler finishes what it was given, then stops;
+`stop_starting(app)`, called by `samctl serve`'s signal handler, first ends a start-up still in
+progress, so that the requests waiting for it are refused (503) instead of holding the shutdown.
 
 Usage reports prompt, completion and total tokens, Predicted Outputs' accepted and rejected
 prediction tokens (decode.metrics.PredictionUsage defines them) and the speculative metrics
