@@ -223,7 +223,7 @@ class Job:
         self.finish(result)
 
     def finish(self, result: GenerationResult | BatchResult) -> None:
-        """The end: the rest of the text, then the result (or "cancelled")."""
+        """The end: the rest of the text, then Done (or Cancelled)."""
         if self.cancelled.is_set():
             self.sink(Cancelled())
             return
