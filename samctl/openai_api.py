@@ -8,8 +8,8 @@ OpenAI's (`method`, `store`, `top_k`), as the openai client's `extra_body` sends
 
 The server and `samctl generate --input` with OpenAI Batch API lines (`BatchLine`, as `vllm
 run-batch` reads them) share everything between a body and the scheduler: `job_request` (body ->
-the scheduler's Request, model, store and method checked), `completion` and `usage_of`
-(result -> the response body), `invalid` (a validation error -> OpenAI's error).
+the scheduler's Request, model, store and method checked), `Reply` (the job's events -> a
+streamed response's chunks, or the completion), `invalid` (a validation error -> OpenAI's error).
 """
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 if TYPE_CHECKING:  # the scheduler loads torch; the schemas alone do not
+    from samctl.decode.loop import BatchResult
     from samctl.decode.loop import GenerationResult
-    from samctl.scheduler import Request, RequestError, Sessions
+    from samctl.scheduler import Cancelled, Done, Event, Failed, Request, RequestError, Sessions
 
 
 class StreamOptions(BaseModel):
@@ -338,7 +339,7 @@ def job_request(body: ChatRequest | CompletionRequest, sessions: "Sessions") -> 
                    prediction=body.prediction_text(), stop=body.stops())
 
 
-def usage_of(prompt_tokens: int, result: "GenerationResult") -> Usage:
+def usage_of(prompt_tokens: int, result: "GenerationResult | BatchResult") -> Usage:
     m, p = result.metrics, result.prediction
     return Usage(
         prompt_tokens=prompt_tokens, completion_tokens=m.new_tokens, total_tokens=prompt_tokens + m.new_tokens,
@@ -349,12 +350,55 @@ def usage_of(prompt_tokens: int, result: "GenerationResult") -> Usage:
         num_accepted_draft_tokens=m.accepted)
 
 
-def completion(body: ChatRequest | CompletionRequest, model: str, text: str, prompt_tokens: int,
-               result: "GenerationResult", reason: str) -> ChatCompletion | Completion:
-    """The response body of a finished, non-streamed request."""
-    usage = usage_of(prompt_tokens, result)
-    if isinstance(body, ChatRequest):
-        return ChatCompletion(id=new_id("chatcmpl"), created=now(), model=model, usage=usage,
-                              choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=reason)])
-    return Completion(id=new_id("cmpl"), created=now(), model=model, usage=usage,
-                      choices=[TextChoice(text=text, finish_reason=reason)])
+class Reply:
+    """One request's events (samctl.scheduler) as OpenAI's bodies, the same for a streamed
+    response, a plain one and an OpenAI Batch line: `add` takes each event in and returns the
+    stream chunks it makes (a chat stream's first opens the assistant's turn); once the request
+    has ended, `completion` is the plain body, or raises the request's error."""
+
+    def __init__(self, body: ChatRequest | CompletionRequest, model: str) -> None:
+        self.body, self.model, self.chat = body, model, isinstance(body, ChatRequest)
+        self.id, self.created = new_id("chatcmpl" if self.chat else "cmpl"), now()
+        self.prompt_tokens, self.parts = 0, []
+        self.end: Done | Failed | Cancelled | None = None
+
+    def add(self, event: "Event") -> list[BaseModel | dict[str, Any]]:
+        from samctl.scheduler import ENDS, Done, Failed, Started, Text
+
+        if isinstance(event, ENDS):
+            self.end = event
+        match event:
+            case Started(prompt_tokens):
+                self.prompt_tokens = prompt_tokens
+                return [self._chunk(None, role="assistant")] if self.chat else []
+            case Text(text):
+                self.parts.append(text)
+                return [self._chunk(text)]
+            case Done(result, reason):
+                usage = usage_of(self.prompt_tokens, result) if self.body.include_usage() else None
+                return [self._chunk(None, reason)] + ([self._chunk(None, usage=usage)] if usage else [])
+            case Failed(error):
+                return [error.body()]
+        return []
+
+    def completion(self) -> ChatCompletion | Completion:
+        from samctl.scheduler import Failed
+
+        if isinstance(self.end, Failed):
+            raise self.end.error
+        text, reason = "".join(self.parts), self.end.reason
+        if self.chat:
+            choice, shape = ChatChoice(message=AssistantMessage(content=text), finish_reason=reason), ChatCompletion
+        else:
+            choice, shape = TextChoice(text=text, finish_reason=reason), Completion
+        return shape(id=self.id, created=self.created, model=self.model, choices=[choice],
+                     usage=usage_of(self.prompt_tokens, self.end.result))
+
+    def _chunk(self, text: str | None, reason: str | None = None, usage: Usage | None = None,
+               role: str | None = None) -> ChatChunk | Completion:
+        if self.chat:
+            choice = ChunkChoice(delta=Delta(role=role, content="" if role else text), finish_reason=reason)
+        else:
+            choice = TextChoice(text=text or "", finish_reason=reason)
+        return (ChatChunk if self.chat else Completion)(id=self.id, created=self.created, model=self.model,
+                                                        choices=[] if usage else [choice], usage=usage)

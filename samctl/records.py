@@ -335,7 +335,7 @@ class OpenAIBatchRunner(RecordRunner):
         from pydantic import ValidationError
 
         from samctl.openai_api import BatchLine, invalid, job_request
-        from samctl.scheduler import Job, RequestError
+        from samctl.scheduler import Failed, Job, RequestError
 
         # kept for a line refused before its schema is read (a byte that is not UTF-8, a bad body)
         custom_id = salvaged_field(line, lambda record: record.get("custom_id"))
@@ -350,52 +350,44 @@ class OpenAIBatchRunner(RecordRunner):
                 raise invalid(err.errors()) from err
             request = _BatchRequest(custom_id, body, self.sessions.model_name)
             scheduler.submit(Job(job_request(body, self.sessions), self.sessions, request.sink))
-        except UserError as err:
-            return _BatchRequest.failed(custom_id, RequestError(str(err)))
-        except RequestError as err:
-            return _BatchRequest.failed(custom_id, err)
+        except (UserError, RequestError) as err:
+            request = _BatchRequest(custom_id, None, "")
+            request.sink(Failed(err if isinstance(err, RequestError) else RequestError(str(err))))
         return request
 
 
 class _BatchRequest:
-    """One OpenAI Batch line in flight: its job's events (appended by the worker thread) until the last."""
+    """One OpenAI Batch line in flight: its job's events, taken in (by the worker thread) as the
+    server's responses take them (samctl.openai_api.Reply), until the last."""
 
     def __init__(self, custom_id: str | None, body: Any, model_name: str) -> None:
         import threading
 
-        self.custom_id, self.body, self.model_name = custom_id, body, model_name
-        self.events: list[tuple] = []
-        self.error: Any = None
-        self.ended = threading.Event()
+        from samctl.openai_api import Reply
 
-    def sink(self, event: tuple) -> None:
-        self.events.append(event)
-        if event[0] in ("done", "error", "cancelled"):
+        self.custom_id, self.reply, self.ended = custom_id, Reply(body, model_name), threading.Event()
+
+    def sink(self, event: Any) -> None:
+        from samctl.scheduler import ENDS
+
+        self.reply.add(event)
+        if isinstance(event, ENDS):
             self.ended.set()
-
-    @classmethod
-    def failed(cls, custom_id: str | None, error: Any) -> "_BatchRequest":
-        request = cls(custom_id, None, "")
-        request.error = error
-        request.ended.set()
-        return request
 
     def result(self) -> tuple[str, bool, int]:
         """(output line, whether it failed, new tokens), waiting for the job's end."""
-        from samctl.openai_api import BatchOutputLine, BatchResponse, completion, new_id
+        from samctl.openai_api import BatchOutputLine, BatchResponse, new_id
+        from samctl.scheduler import RequestError
 
         self.ended.wait()
         request_id = new_id("req")
-        if self.error is None and self.events[-1][0] == "error":
-            self.error = self.events[-1][1]
-        if self.error is not None:
+        try:
+            body = self.reply.completion()
+        except RequestError as err:
             out = BatchOutputLine(id=new_id("batch_req"), custom_id=self.custom_id,
-                                  response=BatchResponse(status_code=self.error.status, request_id=request_id),
-                                  error=self.error.body()["error"])
+                                  response=BatchResponse(status_code=err.status, request_id=request_id),
+                                  error=err.body()["error"])
             return out.model_dump_json(), True, 0
-        _, result, reason = self.events[-1]
-        text = "".join(e[1] for e in self.events if e[0] == "text")
-        body = completion(self.body, self.model_name, text, self.events[0][1], result, reason)
         out = BatchOutputLine(id=new_id("batch_req"), custom_id=self.custom_id,
                               response=BatchResponse(status_code=200, request_id=request_id, body=body))
-        return out.model_dump_json(), False, result.metrics.new_tokens
+        return out.model_dump_json(), False, body.usage.completion_tokens

@@ -2,17 +2,17 @@
 
 torch generations must not run concurrently on one KV cache, so one worker thread owns every
 Session and runs `Job`s; the HTTP side (asyncio) only submits jobs and reads their events. A job
-hands its events to a thread-safe `sink` (the server wraps `loop.call_soon_threadsafe` into an
-asyncio.Queue):
+hands its events, small frozen dataclasses, to a thread-safe `sink` (the server wraps
+`loop.call_soon_threadsafe` into an asyncio.Queue):
 
-    ("started", prompt_tokens)   the session and prompt are resolved; generation begins
-    ("text", delta)              new text, stop strings cut (OpenAI: the stop string is not sent)
-    ("done", result, reason)     the GenerationResult and the OpenAI finish reason
-    ("error", RequestError)      refused before generation (bad store, method, prompt) or failed
-    ("cancelled",)               the client went away; the job stopped after its current step
+    Started(prompt_tokens)   the session and prompt are resolved; generation begins
+    Text(text)               new text, stop strings cut (OpenAI: the stop string is not sent)
+    Done(result, reason)     the result (batch 1's or a batched row's) and the OpenAI finish reason
+    Failed(error)            a RequestError: refused before generation (bad store, method, prompt) or failed
+    Cancelled()              the client went away; the job stopped after its current step
 
 The contract a scheduler keeps (`submit`, `close`, `stop_starting`, `starting`, `running`,
-`waiting`): every submitted job gets exactly one of done / error / cancelled, last; a cancelled
+`waiting`): every submitted job gets exactly one of Done / Failed / Cancelled, last; a cancelled
 job stops at its next step and frees its slot; `close` finishes what was submitted, then returns.
 `BatchScheduler` runs up to --batch-size jobs at once as rows of the batched engine
 (decode.loop.BatchRun), refilling free slots between steps; with --batch-size 1 it runs one job
@@ -32,14 +32,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from samctl.decode.loop import DrafterPool
 from samctl.decode.engine.cost import Stopped
-from samctl.decode.loop import GenerationResult
+from samctl.decode.loop import BatchResult, DrafterPool, GenerationResult
 from samctl.decode.sampling import SamplingConfig
 from samctl.detok import IncrementalDetokenizer
 from samctl.index.errors import UserError
 
-Sink = Callable[[tuple], None]
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # samctl's -> OpenAI's
 
 
@@ -53,6 +51,37 @@ class RequestError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Started:
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Text:
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    result: GenerationResult | BatchResult  # the fields they share: tokens, finish_reason, metrics, prediction
+    reason: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: RequestError
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    pass
+
+
+Event = Started | Text | Done | Failed | Cancelled
+Sink = Callable[[Event], None]
+ENDS = (Done, Failed, Cancelled)  # every job's last event is one of these, and its only one
 
 
 def _shutting_down() -> RequestError:
@@ -164,10 +193,10 @@ class Job:
         self.cancelled.set()
 
     def prepare(self) -> tuple[Any, list[int], int] | None:
-        """(session, prompt ids, max new tokens), with "started" sent; None when the job ended here
+        """(session, prompt ids, max new tokens), with Started sent; None when the job ended here
         (cancelled, or refused: its error is sent)."""
         if self.cancelled.is_set():
-            self.sink(("cancelled",))
+            self.sink(Cancelled())
             return None
         r = self.request
         try:
@@ -179,7 +208,7 @@ class Job:
         self._detok = IncrementalDetokenizer(session.decode)
         # no answer outgrows the context, so a larger max_tokens would only size the KV cache
         room = session.engine.target.max_positions - len(ids)
-        self.sink(("started", len(ids)))
+        self.sink(Started(len(ids)))
         return session, ids, min(r.max_new_tokens or session.config.max_new_tokens, room)
 
     def generate(self, session, ids: list[int], max_new_tokens: int) -> None:
@@ -192,27 +221,25 @@ class Job:
             return
         self.finish(result)
 
-    def finish(self, result: GenerationResult) -> None:
-        """The end: the rest of the text, then the result (or "cancelled")."""
+    def finish(self, result: GenerationResult | BatchResult) -> None:
+        """The end: the rest of the text, then Done (or Cancelled)."""
         if self.cancelled.is_set():
-            self.sink(("cancelled",))
+            self.sink(Cancelled())
             return
         tail = self._stop.finish(self._detok.finish())
         if tail:
-            self.sink(("text", tail))
+            self.sink(Text(tail))
         reason = "stop" if self._stop.stopped else FINISH_REASONS[result.finish_reason]
-        self.sink(("done", result, reason))
+        self.sink(Done(result, reason))
 
     def fail(self, err: Exception) -> None:
-        if isinstance(err, RequestError):
-            self.sink(("error", err))
-        elif isinstance(err, Stopped):  # a measurement this job waited for, stopped by a shutdown
-            self.sink(("error", _shutting_down()))
+        if isinstance(err, Stopped):  # a measurement this job waited for, stopped by a shutdown
+            err = _shutting_down()
         elif isinstance(err, UserError):
-            self.sink(("error", RequestError(str(err))))
-        else:  # the server keeps serving; the client learns what failed
-            self.sink(("error", RequestError(f"generation failed: {type(err).__name__}: {err}", status=500,
-                                             kind="server_error")))
+            err = RequestError(str(err))
+        elif not isinstance(err, RequestError):  # the server keeps serving; the client learns what failed
+            err = RequestError(f"generation failed: {type(err).__name__}: {err}", status=500, kind="server_error")
+        self.sink(Failed(err))
 
     def _encode(self, session) -> list[int]:
         prompt, engine = self.request.prompt, session.engine
@@ -249,55 +276,33 @@ class Job:
 
     def _send(self, text: str) -> None:
         if text:
-            self.sink(("text", text))
+            self.sink(Text(text))
 
 
 class _SessionDrafters(DrafterPool):
-    """A session's drafters for the batched engine (a decode.loop.DrafterPool), and its share
-    of the cross-request memory: every response is remembered by the session's kept drafter (the
-    batch-1 path's, and the seed of every new row drafter) and by every row drafter of the
-    session. A row drafter takes in the other rows' outputs when it starts its next request,
-    never during one (a memory automaton must not grow under a match in flight); its own output
-    it remembers itself, as at batch 1."""
+    """A session's drafters for the batched engine (a decode.loop.DrafterPool) and its one
+    cross-request memory: every row drafter shares the memory of the session's kept drafter (the
+    batch-1 path's), which every response grows once, at its end, and every row reads through its
+    own cursor (decode/drafters/adaptive.py). A drafter that cannot share its memory (an n-gram
+    pool: lookahead, ouroboros) starts from a copy of the kept one's, and the kept one takes in
+    each of its responses."""
 
     def __init__(self, session) -> None:
         super().__init__(self._fresh)
         self.session = session
-        self._log: list[tuple[int, np.ndarray]] = []  # (drafter id, output), from self._base on
-        self._base = 0
-        self._seen: dict[int, int] = {}  # drafter id -> log position it has taken in
+        self.copies = False  # row drafters keep memories of their own
 
     def _fresh(self):
-        drafter = self.session.fresh_drafter()
-        kept = self.session.drafter
-        if drafter.keeps_memory and kept.keeps_memory:
+        drafter, kept = self.session.fresh_drafter(), self.session.drafter
+        if drafter.keeps_memory and kept.keeps_memory and not drafter.share_memory(kept):
             drafter.load_memory(kept.memory_documents())  # --memory-file and every response so far
-        self._seen[id(drafter)] = self._base + len(self._log)
-        return drafter
-
-    def take(self):
-        drafter = super().take()
-        end = self._base + len(self._log)
-        new = [out for who, out in self._log[self._seen[id(drafter)] - self._base:] if who != id(drafter)]
-        if new and drafter.keeps_memory:
-            drafter.load_memory(new)
-        self._seen[id(drafter)] = end
+            self.copies = True
         return drafter
 
     def give(self, drafter, output: np.ndarray) -> None:
         super().give(drafter, output)
-        if not len(output):
-            return
-        kept = self.session.drafter
-        if kept.keeps_memory:
-            kept.load_memory([output])
-        if drafter.keeps_memory:
-            self._log.append((id(drafter), output))
-        # the log keeps what some drafter has not taken in yet
-        drop = min(self._seen.values()) - self._base
-        if drop > 0:
-            del self._log[:drop]
-            self._base += drop
+        if self.copies and len(output):
+            self.session.drafter.load_memory([output])
 
 
 class BatchScheduler:
@@ -336,7 +341,7 @@ class BatchScheduler:
     def submit(self, job: Job) -> None:
         with self._cond:
             if self._closed:
-                job.sink(("error", _shutting_down()))
+                job.sink(Failed(_shutting_down()))
                 return
             self._inbox.append(job)
             self._cond.notify()
@@ -368,7 +373,7 @@ class BatchScheduler:
                 with self._cond:
                     job = self._inbox.popleft()
                 if self._refusing():
-                    job.sink(("error", _shutting_down()))
+                    job.sink(Failed(_shutting_down()))
                 else:
                     self._take(job)
             if self._jobs:
@@ -435,9 +440,7 @@ class BatchScheduler:
             return
         for result in results:
             job = self._jobs.pop(result.index)
-            if result.finish_reason == "cancelled":
-                job.sink(("cancelled",))
-            elif result.finish_reason == "error":
+            if result.finish_reason == "error":
                 job.fail(RequestError(result.error, status=500, kind="server_error"))
-            else:
-                job.finish(GenerationResult(result.tokens, result.finish_reason, result.metrics, result.prediction))
+            else:  # a cancelled job's row leaves as "cancelled": `finish` sends Cancelled
+                job.finish(result)

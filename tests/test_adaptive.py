@@ -12,6 +12,7 @@ import pytest
 from samctl.decode.engine.cost import linear_cost
 from samctl.decode.drafters.adaptive import AdaptiveConfig, AdaptiveDrafter, Calibration
 from samctl.decode.drafters.candidates import N_CELLS, select
+from samctl.decode.drafters.base import NoDraft
 from samctl.decode.simulate import make_trace, replay
 from samctl.index.automaton import SuffixAutomaton
 from samctl.index.ngram import NgramConfig, NgramTable
@@ -86,6 +87,56 @@ def test_memory_raises_acceptance_on_a_repeated_request_and_survives_eviction():
     for p, out in requests:
         replay(off, make_trace(p, out))
     assert replay(off, make_trace(*requests[-1])).mean_accepted < 2.0
+
+
+def _longest_suffix_in(text: list[int], docs: list[list[int]]) -> int:
+    # naive reference: the longest suffix of text that occurs inside one document
+    for n in range(len(text), 0, -1):
+        tail = text[len(text) - n:]
+        if any(doc[i:i + n] == tail for doc in docs for i in range(len(doc) - n + 1)):
+            return n
+    return 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_row_drafts_from_what_other_rows_add_to_the_shared_memory_during_its_request(seed):
+    """Rows share one memory: while one row's request runs, others end and add their outputs.
+    The row's memory match must be the longest suffix of its text found in the memory as it is
+    now (a naive search over the documents), and its drafts those of a drafter that had held
+    that memory from the start."""
+    rng = np.random.default_rng(seed)
+    kept, row = drafter(), drafter()
+    assert row.share_memory(kept) and row.memory is kept.memory
+    docs = [rng.integers(3, 7, 30).tolist() for _ in range(2)]
+    kept.load_memory([np.array(d) for d in docs])
+    text = rng.integers(3, 7, 12).tolist()
+    row.start(np.array(text), None)
+    for step in range(30):
+        committed = rng.integers(3, 7, int(rng.integers(1, 4))).tolist()
+        if rng.random() < 0.3:  # another row ended, its output sometimes the text this row is writing
+            docs.append((text[-8:] + committed) * int(rng.random() < 0.5) + rng.integers(3, 7, 20).tolist())
+            kept.memory.add(np.array(docs[-1]))
+        row.observe(np.array(committed), None, None)
+        text += committed
+        if step % 3 == 2:
+            t0 = int(rng.integers(3, 7))
+            alone = drafter()
+            alone.load_memory([np.array(d) for d in docs])
+            alone.calibration = row.calibration  # what the row learned from its own drafts so far
+            alone.start(np.array(text), None)
+            ours, theirs = row.propose(t0), alone.propose(t0)
+            assert row.memory_pointer.length == _longest_suffix_in(text, docs), step
+            assert ours.tokens.tolist() == theirs.tokens.tolist() and ours.parents.tolist() == theirs.parents.tolist()
+
+
+def test_drafters_that_share_a_memory_hold_it_once_and_learn_from_each_other():
+    kept, row = drafter(), drafter()
+    assert row.share_memory(kept) and row.memory is kept.memory
+    prompt, answer = random_doc(30, 30), random_doc(300, 120)
+    replay(row, make_trace(prompt, answer))  # a row's response: the kept drafter (batch 1) drafts from it
+    assert [d.tolist() for d in kept.memory_documents()] == [answer.tolist()]
+    assert replay(kept, make_trace(prompt, answer)).mean_accepted > 6
+    assert not row.share_memory(NoDraft())
 
 
 def test_memory_round_trips_through_documents():

@@ -76,8 +76,8 @@ def test_chat_session():
         term.send("Thanks.")
         term.expect(r"\[adaptive: \d+ tokens[^|\]]*\]")
         term.send("/sources")
-        # the adaptive drafter was kept: it remembers the session's earlier adaptive answer
-        term.expect(r"memory: 1 earlier answer\(s\) this session")
+        # the adaptive drafter was kept: it remembers both of the session's adaptive answers
+        term.expect(r"memory: 2 earlier answer\(s\) this session")
         term.expect(r"dynamic +\d+ drafted")
         term.send("/reset")
         term.expect(r"new conversation")

@@ -23,8 +23,8 @@ from samctl.decode.drafters.base import NoDraft  # noqa: E402
 from samctl.decode.loop import GenerationResult  # noqa: E402
 from samctl.decode.metrics import Metrics  # noqa: E402
 from samctl.decode.sampling import SamplingConfig  # noqa: E402
-from samctl.scheduler import (BatchScheduler, Job, Request as JobRequest, Sessions,  # noqa: E402
-                              StopCut)
+from samctl.scheduler import (BatchScheduler, Cancelled, Done, Failed, Job, Request as JobRequest,  # noqa: E402
+                              Sessions, Started, StopCut, Text)
 from samctl.server import create_app  # noqa: E402
 from samctl.session import Session, SessionConfig  # noqa: E402
 
@@ -202,8 +202,52 @@ def test_usage_maps_prediction_counts_to_accepted_and_rejected():
     assert usage.completion_tokens_details.model_dump() == {"accepted_prediction_tokens": 2,
                                                             "rejected_prediction_tokens": 1}
     counters = Counters()
-    counters.finished("length", 5, result)
+    counters.finished(Done(result, "length"), 5)
     assert (counters.prediction_accepted, counters.prediction_rejected) == (2, 1)
+
+
+def test_the_events_make_one_answer_streamed_plain_and_in_a_batch_file():
+    """One event sequence through the three consumers: the streamed chunks, the plain completion
+    and the OpenAI Batch line carry the same text, finish reason and usage; a failure is the same
+    error in all three."""
+    from samctl.decode.metrics import PredictionUsage
+    from samctl.openai_api import ChatRequest, CompletionRequest, Reply
+    from samctl.records import _BatchRequest
+    from samctl.scheduler import RequestError
+
+    result = GenerationResult([1, 2, 3], "eos", Metrics(new_tokens=3, steps=2, accepted=1, drafted=4),
+                              PredictionUsage(tokens=5, accepted=1, rejected=2))
+    events = [Started(7), Text("He"), Text("llo"), Done(result, "stop")]
+    usage = {"stream": True, "stream_options": {"include_usage": True}}
+    for body in (ChatRequest(model="m", messages=QUESTION, **usage), CompletionRequest(model="m", prompt="x", **usage)):
+        streamed, plain, batch = Reply(body, "m"), Reply(body, "m"), _BatchRequest("c1", body, "m")
+        chunks = [c.model_dump() for e in events for c in streamed.add(e)]
+        for event in events:
+            plain.add(event)
+            batch.sink(event)
+        answer = plain.completion().model_dump()
+        line, failed, tokens = batch.result()
+        line = json.loads(line)
+        assert not failed and tokens == 3 and line["custom_id"] == "c1" and line["response"]["status_code"] == 200
+        assert {k: v for k, v in line["response"]["body"].items() if k not in ("id", "created")} == \
+            {k: v for k, v in answer.items() if k not in ("id", "created")}
+        choices = [c["choices"][0] for c in chunks if c["choices"]]
+        text = "".join((c["delta"].get("content") or "") if "delta" in c else c["text"] for c in choices)
+        choice = answer["choices"][0]
+        assert text == choice.get("text", choice.get("message", {}).get("content")) == "Hello"
+        assert choices[-1]["finish_reason"] == choice["finish_reason"] == "stop"
+        assert chunks[-1]["usage"] == answer["usage"] and answer["usage"]["prompt_tokens"] == 7
+        assert answer["usage"]["completion_tokens_details"] == {"accepted_prediction_tokens": 1,
+                                                                "rejected_prediction_tokens": 2}
+    refused = RequestError("the prompt is empty", param="prompt")
+    streamed, plain, batch = Reply(body, "m"), Reply(body, "m"), _BatchRequest("c2", body, "m")
+    assert streamed.add(Failed(refused)) == [refused.body()]
+    plain.add(Failed(refused))
+    batch.sink(Failed(refused))
+    with pytest.raises(RequestError):
+        plain.completion()
+    line, failed, _ = batch.result()
+    assert failed and json.loads(line)["error"] == refused.body()["error"]
 
 
 def test_prediction_counts_at_batch_one_and_batched(served):
@@ -273,20 +317,22 @@ def test_stop_strings_end_the_answer_and_its_tokens(served, batch_size):
     assert events[-2]["usage"]["completion_tokens"] == at
 
 
-def test_every_response_teaches_the_cross_request_memory(model_dir):
+def test_every_response_teaches_the_one_cross_request_memory(model_dir):
+    """Four rows at once: every response joins the session's memory, which the rows' drafters and
+    the kept one (batch 1's) hold as one object, not one copy each."""
     session = Session(SessionConfig(model=str(model_dir), max_new_tokens=8, threads=1, quiet=True))
-    scheduler = BatchScheduler(Sessions({None: session}), batch_size=2)
+    scheduler = BatchScheduler(Sessions({None: session}), batch_size=4)
     events: list[list] = [[] for _ in range(4)]
-    for i, text in enumerate(("def add(a, b):", "The quick brown fox", "The dog sleeps.", "def f(x):")):
-        scheduler.submit(Job(JobRequest(prompt=text, store=None, method="adaptive"), scheduler.sessions,
-                             events[i].append))
+    with scheduler._cond:  # the worker takes them all before its first step: one batch
+        for i, text in enumerate(("def add(a, b):", "The quick brown fox", "The dog sleeps.", "def f(x):")):
+            scheduler.submit(Job(JobRequest(prompt=text, store=None, method="adaptive"), scheduler.sessions,
+                                 events[i].append))
     scheduler.close()
-    outputs = [e[-1][1].tokens for e in events]
-    remembered = [d.tolist() for d in session.drafter.memory_documents()]
-    assert sorted(remembered) == sorted(outputs)
-    pool = next(iter(scheduler._drafters.values()))
-    row_drafter = pool.take()  # a row drafter takes in the other rows' outputs when it starts
-    assert sorted(d.tolist() for d in row_drafter.memory_documents()) == sorted(outputs)
+    assert scheduler._run.stats.rows_per_step[0] == 4
+    outputs = [e[-1].result.tokens for e in events]
+    assert sorted(d.tolist() for d in session.drafter.memory_documents()) == sorted(outputs)
+    rows = next(iter(scheduler._drafters.values())).idle
+    assert len(rows) == 4 and {id(d.memory) for d in rows + [session.drafter]} == {id(session.drafter.memory)}
 
 
 def test_the_batch_gets_each_requests_sampling(model_dir, monkeypatch):
@@ -325,7 +371,7 @@ def test_batched_rows_follow_their_own_seeds_beside_a_greedy_row(model_dir):
                                  scheduler.sessions, sink.append))
     scheduler.close()
     assert scheduler._run.stats.rows_per_step[0] == len(samplings)
-    greedy, *sampled = [e[-1][1].tokens for e in events]
+    greedy, *sampled = [e[-1].result.tokens for e in events]
     assert greedy == plain(session, ids=ids)
     assert len({tuple(t) for t in [greedy] + sampled[:3]}) == 4 and sampled[3] == sampled[0], sampled
 
@@ -417,13 +463,13 @@ def test_the_scheduler_finishes_what_it_was_given_and_skips_cancelled_jobs(batch
     jobs[1].cancel()  # still queued behind the first
     session.gate.set()
     scheduler.close()  # returns once every submitted job has ended
-    assert [e[0] for e in first] == ["started", "text", "text", "text", "text", "text", "done"]
-    assert "".join(e[1] for e in first if e[0] == "text") == "bcdef" and first[-1][2] == "length"
-    assert second == [("cancelled",)] and session.ran == [[0], [15]]
-    assert "".join(e[1] for e in third if e[0] == "text") == "q" and third[-1][2] == "stop"
+    assert [type(e) for e in first] == [Started, Text, Text, Text, Text, Text, Done]
+    assert "".join(e.text for e in first if isinstance(e, Text)) == "bcdef" and first[-1].reason == "length"
+    assert second == [Cancelled()] and session.ran == [[0], [15]]
+    assert "".join(e.text for e in third if isinstance(e, Text)) == "q" and third[-1].reason == "stop"
     late = []
     scheduler.submit(_job(sessions, "a", late))
-    assert late[0][0] == "error" and late[0][1].status == 503
+    assert isinstance(late[0], Failed) and late[0].error.status == 503
 
 
 def test_shutdown_finishes_the_request_in_flight():

@@ -18,7 +18,8 @@ Each step (t0 = the pending token):
     4) learn   (observe) every tried node updates its calibration cell; the cursors advance
                (index/cursor.py); the dynamic automaton grows; Token Recycle's table takes the
                verified logits.
-Between requests (`start`), the previous output joins the memory (FIFO over requests).
+At a request's end (`finish`) its output joins the memory (FIFO over requests); drafters that
+share one memory (`share_memory`: a server's rows) read it each through its own cursor.
 
 It knows token ids and a relative cost curve, not models or files; the memory's persistence is
 `memory_documents` / `load_memory`, written to disk by the caller.
@@ -84,6 +85,7 @@ class Memory:
         self.tokens = 0
         self.automaton = SuffixAutomaton.empty(1024)
         self.held = 0  # documents in the automaton, evicted ones included
+        self.version = 0  # changes so far: a cursor made before the last one must match again
 
     def add(self, document: np.ndarray) -> None:
         if self.max_requests == 0 or len(document) == 0:
@@ -94,6 +96,7 @@ class Memory:
         self.automaton.extend(document)
         self.automaton.end_document()
         self.held += 1
+        self.version += 1
         while len(self.documents) > self.max_requests or self.tokens > self.max_tokens:
             self.tokens -= len(self.documents.popleft())
         if self.held > 1.25 * self.max_requests or self.automaton.num_tokens > 1.25 * self.max_tokens + 1024:
@@ -188,7 +191,7 @@ class AdaptiveDrafter(Drafter):
         self._static_ngram = isinstance(self.static, NgramCursor)  # its candidates come from their own kernel
         self._static_automaton = self.static is not None and not self._static_ngram
         self.memory = Memory(config.memory, config.memory_tokens)
-        self.memory_pointer = AutomatonCursor(self.memory.automaton)
+        self.memory_pointer, self._memory_seen = AutomatonCursor(self.memory.automaton), -1  # Memory.version
         self.recycle = _Recycle(vocab_size, config.recycle_k, device) if config.recycle and vocab_size > 0 else None
         self.dynamic = SuffixAutomaton.empty(1024)
         self.dyn_state, self.dyn_length = 0, 0
@@ -220,9 +223,6 @@ class AdaptiveDrafter(Drafter):
         self.prediction = None if prediction is None else np.asarray(prediction, dtype=np.int32)
 
     def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor | None) -> None:
-        if self.output:
-            self.memory.add(np.concatenate(self.output))
-            self.memory_pointer = AutomatonCursor(self.memory.automaton)
         self.output = []
         prompt = np.asarray(prompt, dtype=np.int32)
         size = len(prompt) + (0 if self.prediction is None else len(self.prediction))
@@ -237,17 +237,18 @@ class AdaptiveDrafter(Drafter):
         self.dyn_state, self.dyn_length = self.dynamic.extend_tracking(prompt, 0, 0)
         if self.static is not None:
             self.static.reset(prompt[-256:])
-        if len(self.memory):
-            self.memory_pointer.reset(prompt[-256:])
+        self._memory_seen = -1  # the first proposal matches the prompt
         self.last = (np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32))
 
     def finish(self, output: np.ndarray) -> None:
         """The whole output of the request (the loop's last step has no `observe`); it joins the
-        memory at the next `start` unless `remember` is off (benchmark repeats turn it off)."""
-        self.output = [np.asarray(output, dtype=np.int32)] if self.remember else []
+        memory unless `remember` is off (benchmark repeats turn it off)."""
         output = np.asarray(output, dtype=np.int32)
         if self._uncounted and self._observed < len(output):  # the last step, which had no `observe`
             self._count_prediction(int(output[self._observed]), output[self._observed + 1:])
+        if self.remember:
+            self.memory.add(output)
+        self.output = []
 
     def prediction_usage(self) -> PredictionUsage | None:
         """The last request's prediction counts, or None when it had no prediction."""
@@ -292,7 +293,7 @@ class AdaptiveDrafter(Drafter):
         n = self._first_candidates(t0)
         dyn = self.dynamic.kernel_arrays
         static = self.static.before(t0) if self._static_automaton else (dyn.states, dyn.edges, dyn.slots, 0, 0)
-        memory = self.memory_pointer.before(t0) if len(self.memory) else (dyn.states, dyn.edges, dyn.slots, 0, 0)
+        memory = self._memory_before(t0) if len(self.memory) else (dyn.states, dyn.edges, dyn.slots, 0, 0)
         table = self.recycle.table if self.recycle is not None else self._no_table
         tokens, parents, cells, is_chain = propose_tree(
             dyn.states, dyn.edges, dyn.slots, self.dyn_state, self.dyn_length,
@@ -331,12 +332,26 @@ class AdaptiveDrafter(Drafter):
     def load_memory(self, documents: list[np.ndarray]) -> None:
         for doc in documents:
             self.memory.add(np.asarray(doc, dtype=np.int32))
-        self.memory_pointer = AutomatonCursor(self.memory.automaton)
+
+    def share_memory(self, other: Drafter) -> bool:
+        if not isinstance(other, AdaptiveDrafter):
+            return False
+        self.memory, self._memory_seen = other.memory, -1
+        return True
 
     def report(self) -> dict:
         return {"calibration": self.calibration.table(), "memory_requests": len(self.memory)}
 
     # -- helpers -----------------------------------------------------------------------------
+
+    def _memory_before(self, t0: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+        # A shared memory may have grown since the pointer matched (another row ended), moving the match
+        # to another state (a split clones it): match the text again (the dynamic automaton's tail).
+        if self._memory_seen != self.memory.version:
+            self.memory_pointer = AutomatonCursor(self.memory.automaton)
+            self.memory_pointer.reset(self.dynamic.tokens[-256:])
+            self._memory_seen = self.memory.version
+        return self.memory_pointer.before(t0)
 
     def _count_prediction(self, t0: int, accepted: np.ndarray) -> None:
         # Before the dynamic automaton grows over this step: its match is still the one the
@@ -369,5 +384,4 @@ class AdaptiveDrafter(Drafter):
         self.start(np.array([1], dtype=np.int64), None)
         self.output = []
         self.memory = Memory(self.config.memory, self.config.memory_tokens)
-        self.memory_pointer = AutomatonCursor(self.memory.automaton)
         self.calibration = Calibration(self.config)

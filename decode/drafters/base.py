@@ -95,6 +95,11 @@ class Drafter:
     def load_memory(self, documents: list[np.ndarray]) -> None:
         """Preload the cross-request memory (with `keeps_memory`)."""
 
+    def share_memory(self, other: "Drafter") -> bool:
+        """Read and grow `other`'s cross-request memory from now on, instead of a memory of its own
+        (one memory for a session's drafters); False: this drafter cannot, its memory stays its own."""
+        return False
+
     def report(self) -> dict:
         """What the drafter learned so far, for `chat`'s /sources (empty: nothing to say)."""
         return {}
