@@ -6,12 +6,11 @@ record (`to_record`).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from samctl.decode.configs import BACKENDS, DraftConfig, SamplingConfig, SpecDecConfig
-from samctl.decode.methods import (ALL_METHODS, DEFAULT_METHOD, DRAFT_MODEL_SETTINGS, MethodConfig, method_config,
-                                   setting_names)
+from samctl.decode.configs import BACKENDS, SamplingConfig
+from samctl.decode.methods import ALL_METHODS, DEFAULT_METHOD, NOT_LOSSLESS, MethodConfig, method_config, setting_names
 from samctl.index.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
@@ -19,8 +18,12 @@ if TYPE_CHECKING:
 
 MAX_NEW_TOKENS = 1 << 20  # bounds what is preallocated per generation
 MAX_THREADS = 4096
-# Draft-model settings that are not drafter-section fields with a `cli` flag of their own.
-DRAFT_SETTINGS = tuple(DRAFT_MODEL_SETTINGS)
+
+
+def _opt(default: Any, cli: str, help: str, **meta: Any) -> Any:
+    """A field with its command-line option (samctl/options.py builds the options from `cli`, `help`
+    and the rest of the metadata; a command may change the default and the help)."""
+    return field(default=default, metadata={"cli": cli, "help": help, **meta})
 
 
 @dataclass(frozen=True)
@@ -29,26 +32,60 @@ class SessionConfig:
     Python names (`max_nodes`, `sam_threshold`, ..., `gamma`, `stop_threshold`, `bounds`; see
     `setting_names()`); options left out take the device's defaults."""
 
-    model: str | None = None  # a model folder, a .gguf file, or None for the embedded default
-    device: str = "auto"
-    dtype: str = "auto"
-    threads: int | None = None
-    quantize: str = "none"  # CPU: "int8" runs int8 weights x per-token int8 activations (decode/engine/cpu_linear.py)
-    prepack: bool = True  # CPU, float32: oneDNN-reordered weights
-    backend: str = "auto"  # the target's forward: native (decode/engine/native.py) where supported, else hf
-    graphs: bool = True  # CUDA only: the verify forward as CUDA graphs at fixed widths
-    store: str | None = None
-    occurrence: str = "first"
-    method: str = DEFAULT_METHOD
+    # a model folder, a .gguf file, or None for the embedded default
+    model: str | None = _opt(None, "--model", "Local model folder or .gguf file (default: the embedded model).",
+                             metavar="PATH")
+    device: str = _opt("auto", "--device", "auto, cpu, cuda or cuda:N.")
+    dtype: str = _opt("auto", "--dtype", "auto: float32 on CPU; on GPU the model's saved dtype (float32 models run "
+                      "in bfloat16). Greedy output equals plain greedy decoding token for token in float32; in half "
+                      "precision the distribution is the model's and greedy can differ at near-ties.",
+                      choices=("auto", "float32", "float16", "bfloat16"))
+    threads: int | None = _opt(None, "--threads", "torch CPU threads (default: torch's choice); 1 is steadier on a "
+                               "busy machine.", type=int)
+    # CPU: "int8" runs int8 weights x per-token int8 activations (decode/engine/cpu_linear.py)
+    quantize: str = _opt("none", "--quantize", "CPU only. int8: int8 weights (a scale per output channel) times int8 "
+                         "activations (a scale per token) with integer sums, in every linear layer and the output head, "
+                         "and attention one token at a time, so each token's result is exact and independent of the "
+                         "others verified with it: every method's greedy output equals the int8 model's own plain greedy "
+                         "decoding, bit for bit, at batch size 1 and batched. A different model from float32 (how close: "
+                         "BENCHMARKS.md). Weights take half of float32's memory (held twice in int8: one copy for "
+                         "one-token steps, one for verifies). On x86 CPUs without VNNI, whose int8 instructions "
+                         "saturate, each token's activations run as two 7-bit halves: the same model, exact there too.",
+                         choices=("none", "int8"))
+    # CPU, float32: oneDNN-reordered weights
+    prepack: bool = _opt(True, "--prepack/--no-prepack", "CPU, float32: reorder the weights once at load for oneDNN, "
+                         "so verifying a few tokens costs little more than one (results differ from unpacked weights "
+                         "in the last bits).")
+    # the target's forward: native (decode/engine/native.py) where supported, else hf
+    backend: str = _opt("auto", "--backend", "How the model's forward runs. native: samctl's own forward for Llama, "
+                        "Mistral, Qwen2 and Qwen3 models (fused projections, one RoPE table, few ops per layer: much "
+                        "less Python per step); hf: transformers' modules (any causal LM). auto: native where the "
+                        "architecture is supported. The backend that ran is recorded in every output.", choices=BACKENDS)
+    # CUDA only: the verify forward as CUDA graphs at fixed widths
+    graphs: bool = _opt(True, "--no-compile", "CUDA: run the verify forward eagerly instead of as CUDA graphs at fixed "
+                        "widths (the CPU never compiles).", negate=True)
+    store: str | None = _opt(None, "--sam", "Static datastore built by `samctl build` with the model's tokenizer: a "
+                             ".sam file or a sharded store directory (--shards).", metavar="STORE", path={})
+    occurrence: str = "first"  # the store's, set by the drafter setting `occurrence` (--occurrence)
+    method: str = _opt(DEFAULT_METHOD, "--method", "Drafting method (README's method table; adaptive needs no "
+                       f"tuning). {', '.join(NOT_LOSSLESS)}: NOT lossless when sampling, reference reproductions only.",
+                       choices=ALL_METHODS)
     settings: dict[str, Any] = field(default_factory=dict)
-    draft_model: str | None = None
-    acc_head: str | None = None
-    eagle_head: str | None = None
-    max_new_tokens: int = 256
+    draft_model: str | None = _opt(None, "--draft-model", "sd, specdec++, sam+draft, ouroboros: a small model sharing "
+                                   "the target's tokenizer (default: the embedded draft, with the embedded target only).",
+                                   metavar="PATH")
+    acc_head: str | None = _opt(None, "--acc-head", "specdec++: acceptance head folder for this target and draft "
+                                "(default: the embedded one, with the embedded pair only).", metavar="PATH")
+    eagle_head: str | None = _opt(None, "--eagle-head", "eagle, sam+eagle, adaptive+eagle: EAGLE head folder for this "
+                                  "model (default: the embedded one, with the embedded target only).", metavar="PATH")
+    max_new_tokens: int = _opt(256, "--max-new-tokens", "Longest answer, in tokens.")
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    chat: bool = False  # render prompts with the tokenizer's chat template
-    memory_file: str | None = None
-    quiet: bool = False
+    # render prompts with the tokenizer's chat template
+    chat: bool = _opt(False, "--chat", "Apply the tokenizer's chat template to the prompt.")
+    memory_file: str | None = _opt(None, "--memory-file", "adaptive, lookahead, ouroboros: preload the memory of "
+                                   "earlier outputs from this store.", metavar="STORE",
+                                   path={"exists": True, "dir_okay": False})
+    quiet: bool = _opt(False, "-q --quiet", "No progress, notes or summary on stderr (warnings and errors only).")
 
     def __post_init__(self) -> None:
         if self.method not in ALL_METHODS:
@@ -65,24 +102,14 @@ class SessionConfig:
         if self.threads is not None and self.threads > MAX_THREADS:
             raise ConfigError(f"{{threads}} must be at most {MAX_THREADS}, got {{value}}: pass the cores to use",
                               value=self.threads)
-        unknown = sorted(set(self.settings) - set(setting_names()) - set(DRAFT_SETTINGS))
+        unknown = sorted(set(self.settings) - set(setting_names()))
         if unknown:
-            raise UserError(f"unknown setting {unknown[0]!r}: choose from "
-                            f"{', '.join(setting_names() + list(DRAFT_SETTINGS))}")
-        # Drafter settings are checked before any file is looked for or loaded.
-        self._draft_sections()
-        method_config(self.settings)
-
-    def _draft_sections(self) -> tuple[DraftConfig, SpecDecConfig]:
-        s = self.settings
-        bounds = s.get("bounds") or (SpecDecConfig.min_draft, SpecDecConfig.max_draft)
-        return (DraftConfig(gamma=s.get("gamma", DraftConfig.gamma)),
-                SpecDecConfig(s.get("stop_threshold", SpecDecConfig.stop_threshold), *bounds))
+            raise UserError(f"unknown setting {unknown[0]!r}: choose from {', '.join(setting_names())}")
+        method_config(self.settings)  # drafter settings are checked before any file is looked for or loaded
 
     def method_config(self, device: torch.device) -> MethodConfig:
         """The drafters' settings on `device` (a setting left unset takes that device's default)."""
-        draft, specdec = self._draft_sections()
-        return replace(method_config(self.settings, device), draft=draft, specdec=specdec)
+        return method_config(self.settings, device)
 
     def to_record(self) -> dict[str, Any]:
         """The configuration as JSON-ready values, as every output record carries it."""
