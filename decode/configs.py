@@ -157,10 +157,8 @@ class DraftConfig:
 @dataclass(frozen=True)
 class SpecDecConfig:
     stop_threshold: float = field(default=0.3, metadata={
-        "cli": "--stop-threshold",
-        "help": "specdec++: stop drafting once the predicted P(some draft token is rejected) exceeds this."})
-    # inclusive bounds on the draft length, one option for the pair
-    min_draft: int = field(default=2, metadata={
+        "cli": "--stop-threshold", "help": "specdec++: stop drafting once the predicted P(some draft token is rejected) exceeds this."})
+    min_draft: int = field(default=2, metadata={  # one option for the pair
         "cli": "--bounds", "pair": "max_draft", "metavar": "MIN MAX", "help": "specdec++: inclusive bounds on the draft length."})
     max_draft: int = 20
 

@@ -6,7 +6,7 @@ record (`to_record`).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from samctl.decode.configs import BACKENDS, SamplingConfig
@@ -20,10 +20,10 @@ MAX_NEW_TOKENS = 1 << 20  # bounds what is preallocated per generation
 MAX_THREADS = 4096
 
 
-def _opt(default: Any, cli: str, help: str, **meta: Any) -> Any:
-    """A field with its command-line option (samctl/options.py builds the options from `cli`, `help`
-    and the rest of the metadata; a command may change the default and the help)."""
-    return field(default=default, metadata={"cli": cli, "help": help, **meta})
+def arg(default: Any = MISSING, help: str = "", **meta: Any) -> Any:
+    """A configuration field with its command-line option's metadata (`help`, `cli` (default
+    `--field-name`), `choices`, `metavar`, ...: samctl/options.py `field_option`)."""
+    return field(default=default, metadata={"help": help, **meta})
 
 
 @dataclass(frozen=True)
@@ -32,60 +32,52 @@ class SessionConfig:
     Python names (`max_nodes`, `sam_threshold`, ..., `gamma`, `stop_threshold`, `bounds`; see
     `setting_names()`); options left out take the device's defaults."""
 
-    # a model folder, a .gguf file, or None for the embedded default
-    model: str | None = _opt(None, "--model", "Local model folder or .gguf file (default: the embedded model).",
-                             metavar="PATH")
-    device: str = _opt("auto", "--device", "auto, cpu, cuda or cuda:N.")
-    dtype: str = _opt("auto", "--dtype", "auto: float32 on CPU; on GPU the model's saved dtype (float32 models run "
-                      "in bfloat16). Greedy output equals plain greedy decoding token for token in float32; in half "
-                      "precision the distribution is the model's and greedy can differ at near-ties.",
-                      choices=("auto", "float32", "float16", "bfloat16"))
-    threads: int | None = _opt(None, "--threads", "torch CPU threads (default: torch's choice); 1 is steadier on a "
-                               "busy machine.", type=int)
+    # A field with `help` is an option (`--field-name` unless `cli` says otherwise; samctl/options.py).
+    model: str | None = arg(None, "Local model folder or .gguf file (default: the embedded model).", metavar="PATH")
+    device: str = arg("auto", "auto, cpu, cuda or cuda:N.")
+    dtype: str = arg("auto", "auto: float32 on CPU; on GPU the model's saved dtype (float32 models run in bfloat16). "
+                     "Greedy output equals plain greedy decoding token for token in float32; in half precision the "
+                     "distribution is the model's and greedy can differ at near-ties.",
+                     choices=("auto", "float32", "float16", "bfloat16"))
+    threads: int | None = arg(None, "torch CPU threads (default: torch's choice); 1 is steadier on a busy machine.",
+                              type=int)
     # CPU: "int8" runs int8 weights x per-token int8 activations (decode/engine/cpu_linear.py)
-    quantize: str = _opt("none", "--quantize", "CPU only. int8: int8 weights (a scale per output channel) times int8 "
-                         "activations (a scale per token) with integer sums, in every linear layer and the output head, "
-                         "and attention one token at a time, so each token's result is exact and independent of the "
-                         "others verified with it: every method's greedy output equals the int8 model's own plain greedy "
-                         "decoding, bit for bit, at batch size 1 and batched. A different model from float32 (how close: "
-                         "BENCHMARKS.md). Weights take half of float32's memory (held twice in int8: one copy for "
-                         "one-token steps, one for verifies). On x86 CPUs without VNNI, whose int8 instructions "
-                         "saturate, each token's activations run as two 7-bit halves: the same model, exact there too.",
-                         choices=("none", "int8"))
-    # CPU, float32: oneDNN-reordered weights
-    prepack: bool = _opt(True, "--prepack/--no-prepack", "CPU, float32: reorder the weights once at load for oneDNN, "
-                         "so verifying a few tokens costs little more than one (results differ from unpacked weights "
-                         "in the last bits).")
-    # the target's forward: native (decode/engine/native.py) where supported, else hf
-    backend: str = _opt("auto", "--backend", "How the model's forward runs. native: samctl's own forward for Llama, "
-                        "Mistral, Qwen2 and Qwen3 models (fused projections, one RoPE table, few ops per layer: much "
-                        "less Python per step); hf: transformers' modules (any causal LM). auto: native where the "
-                        "architecture is supported. The backend that ran is recorded in every output.", choices=BACKENDS)
-    # CUDA only: the verify forward as CUDA graphs at fixed widths
-    graphs: bool = _opt(True, "--no-compile", "CUDA: run the verify forward eagerly instead of as CUDA graphs at fixed "
-                        "widths (the CPU never compiles).", negate=True)
-    store: str | None = _opt(None, "--sam", "Static datastore built by `samctl build` with the model's tokenizer: a "
-                             ".sam file or a sharded store directory (--shards).", metavar="STORE", path={})
+    quantize: str = arg("none", "CPU only. int8: int8 weights (a scale per output channel) times int8 activations (a "
+                        "scale per token) with integer sums, in every linear layer and the output head, and attention "
+                        "one token at a time: every method's greedy output equals the int8 model's own plain greedy "
+                        "decoding, bit for bit, batched too. A different model from float32 (how close: BENCHMARKS.md, "
+                        "\"CPU int8 and prepacked weights\"), in half of its memory. On x86 CPUs without VNNI, whose "
+                        "int8 instructions saturate, activations run as two 7-bit halves: exact there too.",
+                        choices=("none", "int8"))
+    prepack: bool = arg(True, "CPU, float32: reorder the weights once at load for oneDNN, so verifying a few tokens "
+                        "costs little more than one (results differ from unpacked weights in the last bits).",
+                        cli="--prepack/--no-prepack")
+    backend: str = arg("auto", "How the model's forward runs. native: samctl's own forward for Llama, Mistral, Qwen2 "
+                       "and Qwen3 models (decode/engine/native.py: much less Python per step); hf: transformers' "
+                       "modules (any causal LM). auto: native where supported. Recorded in every output.",
+                       choices=BACKENDS)
+    graphs: bool = arg(True, "CUDA: run the verify forward eagerly instead of as CUDA graphs at fixed widths (the CPU "
+                       "never compiles).", cli="--no-compile", negate=True)
+    store: str | None = arg(None, "Static datastore built by `samctl build` with the model's tokenizer: a .sam file "
+                            "or a sharded store directory (--shards).", cli="--sam", metavar="STORE", path={})
     occurrence: str = "first"  # the store's, set by the drafter setting `occurrence` (--occurrence)
-    method: str = _opt(DEFAULT_METHOD, "--method", "Drafting method (README's method table; adaptive needs no "
-                       f"tuning). {', '.join(NOT_LOSSLESS)}: NOT lossless when sampling, reference reproductions only.",
-                       choices=ALL_METHODS)
+    method: str = arg(DEFAULT_METHOD, "Drafting method (README's method table; adaptive needs no tuning). "
+                      f"{', '.join(NOT_LOSSLESS)}: NOT lossless when sampling, reference reproductions only.",
+                      choices=ALL_METHODS)
     settings: dict[str, Any] = field(default_factory=dict)
-    draft_model: str | None = _opt(None, "--draft-model", "sd, specdec++, sam+draft, ouroboros: a small model sharing "
-                                   "the target's tokenizer (default: the embedded draft, with the embedded target only).",
-                                   metavar="PATH")
-    acc_head: str | None = _opt(None, "--acc-head", "specdec++: acceptance head folder for this target and draft "
-                                "(default: the embedded one, with the embedded pair only).", metavar="PATH")
-    eagle_head: str | None = _opt(None, "--eagle-head", "eagle, sam+eagle, adaptive+eagle: EAGLE head folder for this "
-                                  "model (default: the embedded one, with the embedded target only).", metavar="PATH")
-    max_new_tokens: int = _opt(256, "--max-new-tokens", "Longest answer, in tokens.")
+    draft_model: str | None = arg(None, "sd, specdec++, sam+draft, ouroboros: a small model sharing the target's "
+                                  "tokenizer (default: the embedded draft, with the embedded target only).",
+                                  metavar="PATH")
+    acc_head: str | None = arg(None, "specdec++: acceptance head folder for this target and draft (default: the "
+                               "embedded one, with the embedded pair only).", metavar="PATH")
+    eagle_head: str | None = arg(None, "eagle, sam+eagle, adaptive+eagle: EAGLE head folder for this model (default: "
+                                 "the embedded one, with the embedded target only).", metavar="PATH")
+    max_new_tokens: int = arg(256, "Longest answer, in tokens.")
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    # render prompts with the tokenizer's chat template
-    chat: bool = _opt(False, "--chat", "Apply the tokenizer's chat template to the prompt.")
-    memory_file: str | None = _opt(None, "--memory-file", "adaptive, lookahead, ouroboros: preload the memory of "
-                                   "earlier outputs from this store.", metavar="STORE",
-                                   path={"exists": True, "dir_okay": False})
-    quiet: bool = _opt(False, "-q --quiet", "No progress, notes or summary on stderr (warnings and errors only).")
+    chat: bool = arg(False, "Apply the tokenizer's chat template to the prompt.")
+    memory_file: str | None = arg(None, "adaptive, lookahead, ouroboros: preload the memory of earlier outputs from "
+                                  "this store.", metavar="STORE", path={"exists": True, "dir_okay": False})
+    quiet: bool = arg(False, "No progress, notes or summary on stderr (warnings and errors only).", cli="-q --quiet")
 
     def __post_init__(self) -> None:
         if self.method not in ALL_METHODS:

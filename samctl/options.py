@@ -1,10 +1,11 @@
 """Command-line options made from the configuration dataclasses, each declared once.
 
-A field with a `cli` flag in its metadata (SessionConfig's in samctl/config.py, SamplingConfig's
-and the drafters' settings in decode/configs.py) is an option: `field_option` turns one field into
-a click option, `session_options` adds those a command takes, with the command's own defaults,
-and hands the command the `SessionConfig` they make (`session_config`). `flag` words a field as
-its flag at the CLI's error boundary; `parse_methods` reads a comma-separated method list.
+A field with option metadata (`help`; `cli` where the flag is not `--field-name`) is an option:
+SessionConfig's (samctl/config.py), SamplingConfig's and the drafters' settings (decode/configs.py),
+and the trainers' settings. `field_option` turns one field into a click option; `session_options`
+adds those a command takes, with the command's own defaults, and hands the command the
+SessionConfig they make (`session_config`); `run_config_command` runs a trainer's. `flag` words a
+field as its flag at the CLI's error boundary; `parse_methods` reads a comma-separated method list.
 """
 from __future__ import annotations
 
@@ -55,24 +56,56 @@ def _click_type(meta: dict[str, Any], default: Any) -> Any:
     return meta.get("type", str if default is None else type(default))
 
 
+def cli(f: dataclasses.Field) -> str:
+    """A field's flags: its metadata's `cli`, else `--field-name`."""
+    return f.metadata.get("cli", "--" + f.name.replace("_", "-"))
+
+
 def field_option(f: dataclasses.Field, key: str, owner: str, **changes: Any) -> Callable:
     """The option of a configuration field: flag, help, type and default from its metadata (`cli`,
-    `help`, `choices`, `path`, `metavar`, `type`, `negate`, `cpu_default`); `changes` are a
-    command's own click arguments (`default=128`, `help=...`, `multiple=True`) or flags (`cli`)."""
-    meta, decls = f.metadata, changes.pop("cli", f.metadata["cli"]).split()
-    kw: dict[str, Any] = {"help": meta["help"], "metavar": meta.get("metavar"), "default": f.default}
+    default `--field-name`; `help`, `choices`, `path`, `metavar`, `type`, `multiple`, `negate`,
+    `cpu_default`); a field without a default is required. `changes` are a command's own click
+    arguments (`default=128`, `help=...`, `multiple=True`) or flags (`cli`)."""
+    meta = f.metadata
+    decls = changes.pop("cli", cli(f)).split()
+    default = None if f.default is dataclasses.MISSING else f.default
+    kw: dict[str, Any] = {"help": meta.get("help"), "metavar": meta.get("metavar"), "default": default,
+                          "required": f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
     if meta.get("negate"):  # --no-compile: the flag sets the field False
         kw.update(is_flag=True, default=False)
-    elif isinstance(f.default, bool) and "/" not in meta["cli"]:
+    elif isinstance(default, bool) and "/" not in decls[0]:
         kw.update(is_flag=True)
     elif "cpu_default" in meta:  # unset: the device decides (samctl.decode.methods.method_config)
-        kw.update(type=type(f.default), default=None)
-    elif not isinstance(f.default, bool):
-        kw.update(type=_click_type(meta, changes.get("default", f.default)), show_default=f.default is not None)
+        kw.update(type=type(default), default=None)
+    elif meta.get("multiple") or meta.get("nargs"):  # a tuple field, its option repeatable
+        kw.update(multiple=True, type=meta.get("type", str))
+    elif not isinstance(default, bool):
+        kw.update(type=_click_type(meta, changes.get("default", default)), show_default=default is not None)
     else:
         kw.update(show_default=True)
     kw.update(changes)
     return click.option(*decls, key, cls=FieldOption, field=f"{owner}.{f.name}", **kw)
+
+
+def run_config_command(argv: list[str] | None, name: str, config_type: type, run: Callable[[Any], Any],
+                       help: str) -> Any:
+    """Run `argv` through a command with an option per field of the frozen `config_type`
+    (`field_option`): `run` gets the configuration they make, and its result is returned (--help:
+    0). A field with `nargs: "+"` also takes the values after its flag (`--data A B`, as argparse did)."""
+    fields = dataclasses.fields(config_type)
+    rest = [f.name for f in fields if f.metadata.get("nargs") == "+"]
+
+    def callback(rest_values: tuple[str, ...] = (), **values: Any) -> Any:
+        if rest:
+            values[rest[0]] = tuple(values[rest[0]]) + rest_values
+        return run(config_type(**values))
+
+    for f in reversed(fields):
+        callback = field_option(f, f.name, config_type.__name__)(callback)
+    if rest:
+        callback = click.argument("rest_values", nargs=-1, metavar="")(callback)
+    command = click.command(name, help=help, context_settings={"max_content_width": 100})(callback)
+    return command.main(argv, f"samctl train {name}", standalone_mode=False)
 
 
 def config_fields() -> list[tuple[str, dataclasses.Field, str]]:
@@ -87,7 +120,7 @@ def config_fields() -> list[tuple[str, dataclasses.Field, str]]:
             out += [(setting_name(g), g, section) for section, g in cli_fields()]
         elif f.name == "sampling":
             out += [(g.name, g, "sampling") for g in dataclasses.fields(SamplingConfig) if "cli" in g.metadata]
-        elif "cli" in f.metadata:
+        elif "help" in f.metadata:
             out.append((f.name, f, "session"))
     return out
 
@@ -100,7 +133,6 @@ def config_option(key: str, **changes: Any) -> Callable:
 
 SAMPLING = ("temperature", "top_k", "top_p", "seed")
 ENGINE = ("device", "dtype", "threads", "quantize", "prepack", "backend", "graphs")
-DRAFTING = ("draft_model", "acc_head", "eagle_head")
 
 
 def session_options(*, only: tuple[str, ...] | None = None, exclude: tuple[str, ...] = (), raw: tuple[str, ...] = (),
@@ -203,7 +235,7 @@ def flag(field: str) -> str:
     `--eagle-head`, `store` -> `--sam`); a field without an option, its name as a flag."""
     for key, f, _ in config_fields():
         if key == field:
-            return f.metadata["cli"].split()[-1].split("/")[0]
+            return cli(f).split()[-1].split("/")[0]
     return {"fields": "--field"}.get(field, "--" + field.replace("_", "-"))
 
 

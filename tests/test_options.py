@@ -11,10 +11,10 @@ import pytest
 from samctl.commands import COMMANDS, load_command
 from samctl.config import SessionConfig
 from samctl.decode.methods import cli_fields, setting_default
-from samctl.options import FieldOption, config_fields, flag, session_config
+from samctl.options import FieldOption, cli, config_fields, flag, session_config
 
 FIELDS = {key: (f, owner) for key, f, owner in config_fields()}
-FLAGS = {name: key for key, (f, _) in FIELDS.items() for name in re.findall(r"-{1,2}[\w-]+", f.metadata["cli"])}
+FLAGS = {name: key for key, (f, _) in FIELDS.items() for name in re.findall(r"-{1,2}[\w-]+", cli(f))}
 # A command's own defaults, each on purpose (any other field option takes the field's default).
 COMMAND_DEFAULTS = {
     ("bench", "max_new_tokens"): 128, ("chat", "max_new_tokens"): 512, ("serve", "max_new_tokens"): 1024,
@@ -55,7 +55,7 @@ def test_field_options_come_from_their_fields_with_their_defaults(name):
 
 
 def test_every_session_field_has_an_option_and_every_option_builds_the_config():
-    without = {f.name for f in dataclasses.fields(SessionConfig) if "cli" not in f.metadata}
+    without = {f.name for f in dataclasses.fields(SessionConfig) if "help" not in f.metadata}
     assert without == {"settings", "sampling", "occurrence"}  # options of their own fields, or a setting's
     assert {owner for _, (_, owner) in FIELDS.items()} >= {"session", "sampling", "sam", "draft", "specdec"}
     assert len(FIELDS) == len(config_fields())  # no key twice
@@ -75,3 +75,21 @@ def test_errors_name_fields_by_their_flags():
     assert [flag(k) for k in ("store", "graphs", "quiet", "bounds", "top_k", "eagle_top_k", "mixing_ratio")] == \
         ["--sam", "--no-compile", "--quiet", "--bounds", "--top-k", "--eagle-top-k", "--mixing-ratio"]
     assert {section for section, _ in cli_fields()} >= {"draft", "specdec"}
+
+
+@pytest.mark.parametrize("module,config", [("eagle", "EagleTrainConfig"), ("sdsat", "SdsatTrainConfig"),
+                                           ("acc_head", "AccHeadTrainConfig")])
+def test_trainers_take_frozen_settings_as_options_and_leave_the_environment_alone(module, config, monkeypatch, capsys):
+    import importlib
+    import os
+
+    trainer = importlib.import_module(f"samctl.train.{module}")  # torch and the rest, which set their own
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    before = dict(os.environ)
+    trainer = importlib.reload(trainer)
+    assert dict(os.environ) == before  # nothing set at import
+    settings = getattr(trainer, config)
+    assert settings.__dataclass_params__.frozen
+    assert trainer.main(["--help"]) == 0
+    text = capsys.readouterr().out
+    assert all("--" + f.name.replace("_", "-") in text for f in dataclasses.fields(settings))

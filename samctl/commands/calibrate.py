@@ -11,7 +11,7 @@ from samctl.options import ENGINE, session_options
 
 
 @click.command("calibrate")
-@session_options(only=("model", "quiet") + ENGINE, quiet={"help": "No notes on stderr."})
+@session_options(only=("model", "quiet") + ENGINE)
 @click.option("--refresh", is_flag=True, help="Measure again even when a cached curve exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the curve as JSON (input for simulate --cost-curve).")
 def calibrate(config: SessionConfig, refresh: bool, as_json: bool) -> None:

@@ -39,8 +39,7 @@ _PROMPT_FIELDS_HELP = "the record field holding the prompt (default: prompt, tur
                         "the output): a .sam file or a sharded store directory."},
                  chat={"cli": "--chat/--no-chat", "default": None,
                        "help": "Apply the tokenizer's chat template to the prompts (the way the model will be asked) "
-                               "[default: --chat when the model has a chat template, else --no-chat]."},
-                 quiet={"help": "No progress, notes or summary."})
+                               "[default: --chat when the model has a chat template, else --no-chat]."})
 @click.option("--prompts", "prompts_path", required=True, type=click.Path(exists=True, dir_okay=False),
               help="JSONL prompts, one record per line (as `generate --input`).")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Store file to write (.sam).")

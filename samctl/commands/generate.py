@@ -33,7 +33,7 @@ from samctl.options import (MAX_BATCH_SIZE, MAX_WORKERS, batch_size, batch_size_
 from samctl.textio import TEXT_FILE, check_utf8
 
 @click.command("generate")
-@session_options(quiet={"help": "No notes on stderr."})
+@session_options()
 @click.option("--prompt", help="Prompt text.")
 @click.option("--prompt-file", type=TEXT_FILE, help="File holding the prompt.")
 @click.option("--input", "input_file", type=TEXT_FILE, help="JSONL batch, '-' for stdin (field prompt, turns, or --field; "

@@ -39,8 +39,7 @@ def _stores(specs: tuple[str, ...]) -> dict[str, str]:
                         "help": "A datastore the requests may name (`store` in the body); repeat for several. The "
                                 "first is the default."},
                  method={"help": "Default drafting method (a request may name another in `method`)."},
-                 max_new_tokens={"default": 1024, "help": "Longest answer when a request sets no max_tokens."},
-                 quiet={"help": "No loading notes on stderr."})
+                 max_new_tokens={"default": 1024, "help": "Longest answer when a request sets no max_tokens."})
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0: every interface).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="TCP port (0: any free one).")
 @click.option("--api-key", metavar="KEY", envvar="SAMCTL_API_KEY",

@@ -51,9 +51,7 @@ _OUTPUT_FIELDS = ("output", "completion", "response", "reference")
                  exclude=("gamma", "stop_threshold", "bounds"),  # the draft-model methods replay nothing
                  store={"help": "Static datastore (for sam and rest): a .sam file or a sharded store directory."},
                  max_new_tokens={"default": None, "type": int, "show_default": False,
-                                 "help": "Cut references to this many tokens (default: whole references)."},
-                 chat={"help": "Render text prompts with the tokenizer's chat template."},
-                 quiet={"help": "No progress bar or notes on stderr."})
+                                 "help": "Cut references to this many tokens (default: whole references)."})
 @click.option("--traces", "traces_path", required=True, type=click.Path(exists=True, dir_okay=False),
               help="JSONL (or .json list) of prompts with reference outputs.")
 @click.option("--tokenizer", "tokenizer_spec", metavar="T", help="Tokenizer for text traces (default: the store's, else the embedded model's).")
