@@ -126,8 +126,7 @@ def config_fields() -> list[tuple[str, dataclasses.Field, str]]:
 
 
 def config_option(key: str, **changes: Any) -> Callable:
-    """The option of one configuration field (keyed as `config_fields()`) for a command that
-    builds no SessionConfig (`build --quiet`)."""
+    """One field's option (keyed as `config_fields()`), for a command without a SessionConfig."""
     return next(field_option(f, key, owner, **changes) for k, f, owner in config_fields() if k == key)
 
 

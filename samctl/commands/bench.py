@@ -96,18 +96,19 @@ class Runner(Protocol):
 @click.option("--repeats", type=int, default=1, show_default=True, help="Runs per method and question; the median-time run is reported.")
 @click.option("--categories", default=None, help="Comma-separated categories to keep (reported or original names, e.g. mt_bench,summarization).")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder for records.jsonl, summary.md/json, speedup.png.")
-def bench(config: SessionConfig, **opts: Any) -> None:
+def bench(config: SessionConfig, questions_path: str, methods_spec: str, limit: int | None, repeats: int,
+          categories: str | None, out_dir: str) -> None:
     """Benchmark methods end to end on a question file: speedup per category against ar.
 
     \b
     samctl bench --questions samctl/data/questions/specbench_sample.jsonl --limit 1 --out runs/cpu
     samctl bench --model M --sam store.sam --questions q.jsonl --methods ar,pld,sam,rest --out runs/x
     """
-    if opts["repeats"] < 1:
-        raise UserError(f"--repeats must be >= 1, got {opts['repeats']}")
-    methods = parse_methods(opts["methods_spec"], ALL_BENCH_METHODS)
+    if repeats < 1:
+        raise UserError(f"--repeats must be >= 1, got {repeats}")
+    methods = parse_methods(methods_spec, ALL_BENCH_METHODS)
     methods = [BASELINE] + [m for m in methods if m != BASELINE]
-    questions = read_questions(Path(opts["questions_path"]), opts["categories"], opts["limit"])
+    questions = read_questions(Path(questions_path), categories, limit)
     import torch
 
     from samctl.session import Session
@@ -118,7 +119,7 @@ def bench(config: SessionConfig, **opts: Any) -> None:
     session = Session(replace(config, **dict.fromkeys(models)))  # ar's: the draft and heads are the methods'
     engine = session.engine
     runners = {m: _runner(m, session, models) for m in methods}
-    out_dir = Path(opts["out_dir"])
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     fits, skipped = fitting_questions(questions, engine, config.max_new_tokens, config.chat)
     if not fits:
@@ -134,8 +135,8 @@ def bench(config: SessionConfig, **opts: Any) -> None:
 
     enable_cuda_graphs(engine.target, config.graphs, reserve=longest)
     _warm_up(runners, engine, fits[0], config.chat)
-    records = _run_all(runners, engine, fits, config, opts["repeats"], out_dir / "records.jsonl")
-    run = _run_info(session, config, opts["repeats"], methods, len(fits), skipped)
+    records = _run_all(runners, engine, fits, config, repeats, out_dir / "records.jsonl")
+    run = _run_info(session, config, repeats, methods, len(fits), skipped)
     summary = write_summary(out_dir, records, methods, run)
     mismatches = sum(summary["mismatches"].values())
     # float32: greedy output must equal ar's token for token, so a mismatch is a bug. Half

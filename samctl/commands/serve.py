@@ -49,7 +49,8 @@ def _stores(specs: tuple[str, ...]) -> dict[str, str]:
               help="Requests generating at once on the batched engine (default: 8 on a CPU, 32 on a GPU); 1: one "
                    "at a time. Methods without a batched form (sd, specdec++, sam+draft, ouroboros, EAGLE, sdsat) "
                    "run one request at a time between batch steps.")
-def serve(config: SessionConfig, store: tuple[str, ...], **opts: Any) -> None:
+def serve(config: SessionConfig, store: tuple[str, ...], host: str, port: int, api_key: str | None,
+          served_model_name: str | None, batch_size: int | None) -> None:
     """Serve the model over an OpenAI-compatible HTTP API, with Predicted Outputs.
 
     POST /v1/chat/completions and /v1/completions (streaming too), GET /v1/models, /health (503
@@ -67,7 +68,7 @@ def serve(config: SessionConfig, store: tuple[str, ...], **opts: Any) -> None:
       -d '{"model": "./SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
     """
     # usage errors first: they load neither torch nor the server
-    check_count("--batch-size", opts["batch_size"], MAX_BATCH_SIZE)
+    check_count("--batch-size", batch_size, MAX_BATCH_SIZE)
     stores = _stores(store)
     names = list(stores) or [None]
     config = replace(config, store=stores.get(names[0]))
@@ -86,15 +87,15 @@ def serve(config: SessionConfig, store: tuple[str, ...], **opts: Any) -> None:
     for name in names[1:]:
         config = replace(config, store=stores[name], quiet=True)
         by_store[name] = Session.over(first.engine, config, load_store(stores[name], first.engine, config.occurrence))
-    sessions = Sessions(by_store, model_name=opts["served_model_name"] or config.model)
-    batch_size = opts["batch_size"] or (8 if first.engine.device.type == "cpu" else 32)
-    app = create_app(sessions, batch_size=batch_size, api_key=opts["api_key"])
+    sessions = Sessions(by_store, model_name=served_model_name or config.model)
+    batch_size = batch_size or (8 if first.engine.device.type == "cpu" else 32)
+    app = create_app(sessions, batch_size=batch_size, api_key=api_key)
     if not first.config.quiet:
         at_once = "one request at a time" if batch_size == 1 else f"up to {batch_size} requests at once"
         click.echo(f"samctl: serving {sessions.model_name} (method {config.method}, stores: "
-                   f"{', '.join(sessions.store_names) or 'none'}) on http://{opts['host']}:{opts['port']}/v1, "
+                   f"{', '.join(sessions.store_names) or 'none'}) on http://{host}:{port}/v1, "
                    f"{at_once}", err=True)
-    _server(app, uvicorn.Config(app, host=opts["host"], port=opts["port"],
+    _server(app, uvicorn.Config(app, host=host, port=port,
                                 log_level="warning" if first.config.quiet else "info")).run()
 
 
