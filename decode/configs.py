@@ -1,7 +1,7 @@
 """The settings of every drafter, as frozen dataclasses validated on construction.
 
 They live apart from the drafters so that the command line can build its options from their
-field metadata (`cli`, `help`, `choices`, `device_default`, `cpu_default`; samctl/options.py)
+field metadata (`cli`, `help`, `choices`, `metavar`, `type`, `cpu_default`, `pair`; samctl/options.py)
 without importing torch or numba: `samctl generate --help` and usage errors stay fast. Each
 drafter module re-exports its own section.
 """
@@ -116,12 +116,11 @@ class PldConfig:
 @dataclass(frozen=True)
 class RecycleConfig:
     k: int = 8  # successors kept per token
-    # template size, root excluded (the official "2.2.2" tree has 80 + root); on a CPU, where a
-    # verify costs about linearly in its tokens, the CLI's default is smaller (samctl/options.py)
+    # template size, root excluded (the official "2.2.2" tree has 80 + root); on a CPU a verify
+    # costs about linearly in its tokens, so the GPU-sized tree costs more than it saves there
     nodes: int = field(default=80, metadata={
-        "max": TREE_MAX, "cli": "--recycle-nodes", "device_default": True,
-        "help": "recycle, sam+recycle: draft tree size (default: 80 on a GPU; 16 on a CPU, where a verify "
-                "costs about linearly in its tokens)."})
+        "max": TREE_MAX, "cli": "--recycle-nodes", "cpu_default": 16,
+        "help": "recycle, sam+recycle: draft tree size [default: 80; 16 on a CPU]."})
     max_depth: int = 6
 
     def __post_init__(self) -> None:
@@ -147,7 +146,8 @@ class RestConfig:
 
 @dataclass(frozen=True)
 class DraftConfig:
-    gamma: int = 4  # tokens per step for `sd` (and for `sam+draft`'s fallback)
+    gamma: int = field(default=4, metadata={  # tokens per step for `sd` (and for `sam+draft`'s fallback)
+        "cli": "--gamma", "help": "sd, sam+draft, ouroboros: draft tokens per step."})
 
     def __post_init__(self) -> None:
         if not 1 <= self.gamma <= LENGTH_MAX:
@@ -156,8 +156,10 @@ class DraftConfig:
 
 @dataclass(frozen=True)
 class SpecDecConfig:
-    stop_threshold: float = 0.3  # stop once P(some drafted token is rejected) exceeds this
-    min_draft: int = 2  # inclusive bounds on the draft length
+    stop_threshold: float = field(default=0.3, metadata={
+        "cli": "--stop-threshold", "help": "specdec++: stop drafting once the predicted P(some draft token is rejected) exceeds this."})
+    min_draft: int = field(default=2, metadata={  # one option for the pair
+        "cli": "--bounds", "pair": "max_draft", "metavar": "MIN MAX", "help": "specdec++: inclusive bounds on the draft length."})
     max_draft: int = 20
 
     def __post_init__(self) -> None:
@@ -257,10 +259,10 @@ class EagleConfig:
 class SamplingConfig:
     """temperature 0 means greedy (argmax); top_k 0 and top_p 1.0 mean off."""
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
+    temperature: float = field(default=0.0, metadata={"cli": "--temperature", "help": "0 = greedy."})
+    top_k: int = field(default=0, metadata={"cli": "--top-k", "help": "0 = off."})
+    top_p: float = field(default=1.0, metadata={"cli": "--top-p", "help": "1.0 = off."})
+    seed: int | None = field(default=None, metadata={"cli": "--seed", "type": int, "help": "Sampling seed (default: random)."})
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:

@@ -67,11 +67,6 @@ class Resources:
     eagle: EagleHead | None = None
 
 
-# Settings of the draft-model methods that are no MethodConfig field of their own (SessionConfig
-# gathers them into its `draft` and `specdec` sections): name -> the section that reads it.
-DRAFT_MODEL_SETTINGS = {"gamma": "draft", "stop_threshold": "specdec", "bounds": "specdec"}
-
-
 # What a method may require, by the configuration field that names it ("sat_model": a target
 # fine-tuned with semantic adaptive tokens), and what the error says when it is missing.
 REQUIREMENTS = {
@@ -109,9 +104,9 @@ class Method:
     needs_sat_model = property(lambda self: "sat_model" in self.requires)
 
     def reads(self, setting: str) -> bool:
-        """Whether its drafter reads `setting`: a MethodConfig "section.field" or a draft-model
-        setting (`gamma`, `stop_threshold`, `bounds`); the other settings' flags do nothing."""
-        section = DRAFT_MODEL_SETTINGS.get(setting, setting.split(".")[0])
+        """Whether its drafter reads `setting`, a MethodConfig "section.field" or a setting's name
+        (`gamma`); the other settings' flags do nothing."""
+        section = next((s for s, f in cli_fields() if setting_name(f) == setting), setting.split(".")[0])
         return section in self.settings or setting in self.settings
 
 
@@ -287,13 +282,6 @@ def make_drafter(
 
 # -- settings by name: the command line's options and the Python API's keyword arguments ---------
 
-# On a CPU a verify of q tokens costs about q times a small fixed cost once q passes a handful
-# (BENCHMARKS.md, "Decoding engine: drafting cost per step": 4.4 ms at 1 token, 10 ms at 16, 28 ms
-# at 81 for the embedded model), so the GPU-sized 80-node Token Recycle tree costs more than it
-# saves there.
-CPU_RECYCLE_NODES = 16
-
-
 def cli_fields() -> list[tuple[str, dataclasses.Field]]:
     """(config section, field) of every drafter setting that has a command-line option: the
     fields of MethodConfig's sections whose metadata names a `cli` flag."""
@@ -316,19 +304,24 @@ def setting_names() -> list[str]:
     return sorted(setting_name(f) for _, f in cli_fields())
 
 
+def setting_default(section: str, f: dataclasses.Field) -> Any:
+    """A setting's default as its option holds it: a `pair` field's is (its default, the pair's)."""
+    pair = f.metadata.get("pair")
+    return (f.default, getattr(getattr(MethodConfig(), section), pair)) if pair else f.default
+
+
 def method_config(settings: dict[str, Any], device: torch.device | None = None) -> MethodConfig:
     """The drafters' settings from their Python names (`setting_names()`); `device` sizes the defaults that depend on it
-    (a device default left unset: the CPU value on a CPU, the config's own default elsewhere)."""
+    (a `cpu_default` left unset: that value on a CPU, the config's own default elsewhere)."""
     sections: dict[str, dict[str, Any]] = {}
+    on_cpu = device is not None and device.type == "cpu"
     for section, f in cli_fields():
         value = settings.get(setting_name(f))
-        on_cpu = device is not None and device.type == "cpu"
-        if value is None and f.metadata.get("device_default"):
-            value = CPU_RECYCLE_NODES if on_cpu else f.default
-        if value is None and "cpu_default" in f.metadata:  # a field's own CPU value (lookahead widths)
-            value = f.metadata["cpu_default"] if on_cpu else f.default
-        if value is not None:
-            sections.setdefault(section, {})[f.name] = value
+        if value is None and on_cpu and "cpu_default" in f.metadata:
+            value = f.metadata["cpu_default"]
+        if value is not None:  # a `pair` field's option sets it and its pair (--bounds MIN MAX)
+            names = (f.name, f.metadata["pair"]) if "pair" in f.metadata else (f.name,)
+            sections.setdefault(section, {}).update(zip(names, value if "pair" in f.metadata else (value,)))
     base = MethodConfig()
     return dataclasses.replace(base, **{name: dataclasses.replace(getattr(base, name), **values)
                                         for name, values in sections.items()})

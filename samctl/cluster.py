@@ -350,32 +350,33 @@ def _worker_count(ray, requested: int | None, threads: int, gpus: float) -> int:
     return max(1, int(resources.get("CPU", 1) // threads))
 
 
-def generate_on_ray(opts: dict[str, Any], config: "SessionConfig", records: Iterable[tuple[int, str]],
-                    write: Callable[[str], None], batch_size: int = 1) -> int:
-    """`generate --input` on Ray, each worker a Session of `config`: write each output line in
-    input order; returns the failures."""
+def generate_on_ray(config: "SessionConfig", records: Iterable[tuple[int, str]], write: Callable[[str], None], *,
+                    address: str, workers: int | None = None, gpus_per_worker: float = 0.0, field: str | None = None,
+                    compare: bool = False, batch_size: int = 1) -> int:
+    """`generate --input` on Ray at `address`, each worker a quiet Session of `config`: write each
+    output line in input order; returns the failures."""
     from dataclasses import replace
 
     from samctl.progress import progress_bar
 
     threads = config.threads or 1
-    config = replace(config, threads=threads)
+    quiet, config = config.quiet, replace(config, threads=threads, quiet=True)
     items = [{"number": number, "line": line} for number, line in records]
     if not items:
         return 0
     local_cpus = None
-    if opts["ray_address"] == LOCAL and opts["workers"] is not None:
-        local_cpus = max(os.cpu_count() or 1, opts["workers"] * threads)  # room for every actor asked for
-    ray = start_ray(opts["ray_address"], num_cpus=local_cpus)
+    if address == LOCAL and workers is not None:
+        local_cpus = max(os.cpu_count() or 1, workers * threads)  # room for every actor asked for
+    ray = start_ray(address, num_cpus=local_cpus)
     _data_context(ray)
-    workers = min(len(items), _worker_count(ray, opts["workers"], threads, opts["gpus_per_worker"]))
+    workers = min(len(items), _worker_count(ray, workers, threads, gpus_per_worker))
     # Small blocks spread the records over the actors and let finished ones stream out in order.
     dataset = _map_actors(ray.data.from_items(items, override_num_blocks=min(len(items), 32 * workers)),
-                          _GenerateWorker, (config, opts["prompt_field"], opts["compare"], batch_size), workers,
-                          batch_size=batch_size, num_cpus=threads, num_gpus=opts["gpus_per_worker"] or None)
+                          _GenerateWorker, (config, field, compare, batch_size), workers,
+                          batch_size=batch_size, num_cpus=threads, num_gpus=gpus_per_worker or None)
     failed = 0
     try:
-        with progress_bar(f"generate on {workers} Ray worker(s)", "record", opts["quiet"], total=len(items)) as bar:
+        with progress_bar(f"generate on {workers} Ray worker(s)", "record", quiet, total=len(items)) as bar:
             for row in dataset.iter_rows():
                 if row["fatal"]:
                     raise UserError(row["fatal"])

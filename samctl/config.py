@@ -6,12 +6,11 @@ record (`to_record`).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from samctl.decode.configs import BACKENDS, DraftConfig, SamplingConfig, SpecDecConfig
-from samctl.decode.methods import (ALL_METHODS, DEFAULT_METHOD, DRAFT_MODEL_SETTINGS, MethodConfig, method_config,
-                                   setting_names)
+from samctl.decode.configs import BACKENDS, SamplingConfig
+from samctl.decode.methods import ALL_METHODS, DEFAULT_METHOD, NOT_LOSSLESS, MethodConfig, method_config, setting_names
 from samctl.index.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
@@ -19,8 +18,12 @@ if TYPE_CHECKING:
 
 MAX_NEW_TOKENS = 1 << 20  # bounds what is preallocated per generation
 MAX_THREADS = 4096
-# Draft-model settings that are not drafter-section fields with a `cli` flag of their own.
-DRAFT_SETTINGS = tuple(DRAFT_MODEL_SETTINGS)
+
+
+def arg(default: Any = MISSING, help: str = "", **meta: Any) -> Any:
+    """A configuration field with its command-line option's metadata (`help`, `cli` (default
+    `--field-name`), `choices`, `metavar`, ...: samctl/options.py `field_option`)."""
+    return field(default=default, metadata={"help": help, **meta})
 
 
 @dataclass(frozen=True)
@@ -29,26 +32,52 @@ class SessionConfig:
     Python names (`max_nodes`, `sam_threshold`, ..., `gamma`, `stop_threshold`, `bounds`; see
     `setting_names()`); options left out take the device's defaults."""
 
-    model: str | None = None  # a model folder, a .gguf file, or None for the embedded default
-    device: str = "auto"
-    dtype: str = "auto"
-    threads: int | None = None
-    quantize: str = "none"  # CPU: "int8" runs int8 weights x per-token int8 activations (decode/engine/cpu_linear.py)
-    prepack: bool = True  # CPU, float32: oneDNN-reordered weights
-    backend: str = "auto"  # the target's forward: native (decode/engine/native.py) where supported, else hf
-    graphs: bool = True  # CUDA only: the verify forward as CUDA graphs at fixed widths
-    store: str | None = None
-    occurrence: str = "first"
-    method: str = DEFAULT_METHOD
+    # A field with `help` is an option (`--field-name` unless `cli` says otherwise; samctl/options.py).
+    model: str | None = arg(None, "Local model folder or .gguf file (default: the embedded model).", metavar="PATH")
+    device: str = arg("auto", "auto, cpu, cuda or cuda:N.")
+    dtype: str = arg("auto", "auto: float32 on CPU; on GPU the model's saved dtype (float32 models run in bfloat16). "
+                     "Greedy output equals plain greedy decoding token for token in float32; in half precision the "
+                     "distribution is the model's and greedy can differ at near-ties.",
+                     choices=("auto", "float32", "float16", "bfloat16"))
+    threads: int | None = arg(None, "torch CPU threads (default: torch's choice); 1 is steadier on a busy machine.",
+                              type=int)
+    # CPU: "int8" runs int8 weights x per-token int8 activations (decode/engine/cpu_linear.py)
+    quantize: str = arg("none", "CPU only. int8: int8 weights (a scale per output channel) times int8 activations (a "
+                        "scale per token) with integer sums, in every linear layer and the output head, and attention "
+                        "one token at a time: every method's greedy output equals the int8 model's own plain greedy "
+                        "decoding, bit for bit, batched too. A different model from float32 (how close: BENCHMARKS.md, "
+                        "\"CPU int8 and prepacked weights\"), in half of its memory. On x86 CPUs without VNNI, whose "
+                        "int8 instructions saturate, activations run as two 7-bit halves: exact there too.",
+                        choices=("none", "int8"))
+    prepack: bool = arg(True, "CPU, float32: reorder the weights once at load for oneDNN, so verifying a few tokens "
+                        "costs little more than one (results differ from unpacked weights in the last bits).",
+                        cli="--prepack/--no-prepack")
+    backend: str = arg("auto", "How the model's forward runs. native: samctl's own forward for Llama, Mistral, Qwen2 "
+                       "and Qwen3 models (decode/engine/native.py: much less Python per step); hf: transformers' "
+                       "modules (any causal LM). auto: native where supported. Recorded in every output.",
+                       choices=BACKENDS)
+    graphs: bool = arg(True, "CUDA: run the verify forward eagerly instead of as CUDA graphs at fixed widths (the CPU "
+                       "never compiles).", cli="--no-compile", negate=True)
+    store: str | None = arg(None, "Static datastore built by `samctl build` with the model's tokenizer: a .sam file "
+                            "or a sharded store directory (--shards).", cli="--sam", metavar="STORE", path={})
+    occurrence: str = "first"  # the store's, set by the drafter setting `occurrence` (--occurrence)
+    method: str = arg(DEFAULT_METHOD, "Drafting method (README's method table; adaptive needs no tuning). "
+                      f"{', '.join(NOT_LOSSLESS)}: NOT lossless when sampling, reference reproductions only.",
+                      choices=ALL_METHODS)
     settings: dict[str, Any] = field(default_factory=dict)
-    draft_model: str | None = None
-    acc_head: str | None = None
-    eagle_head: str | None = None
-    max_new_tokens: int = 256
+    draft_model: str | None = arg(None, "sd, specdec++, sam+draft, ouroboros: a small model sharing the target's "
+                                  "tokenizer (default: the embedded draft, with the embedded target only).",
+                                  metavar="PATH")
+    acc_head: str | None = arg(None, "specdec++: acceptance head folder for this target and draft (default: the "
+                               "embedded one, with the embedded pair only).", metavar="PATH")
+    eagle_head: str | None = arg(None, "eagle, sam+eagle, adaptive+eagle: EAGLE head folder for this model (default: "
+                                 "the embedded one, with the embedded target only).", metavar="PATH")
+    max_new_tokens: int = arg(256, "Longest answer, in tokens.")
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    chat: bool = False  # render prompts with the tokenizer's chat template
-    memory_file: str | None = None
-    quiet: bool = False  # the session logs no notes of its own (its plan, a prompt near the context)
+    chat: bool = arg(False, "Apply the tokenizer's chat template to the prompt.")
+    memory_file: str | None = arg(None, "adaptive, lookahead, ouroboros: preload the memory of earlier outputs from "
+                                  "this store.", metavar="STORE", path={"exists": True, "dir_okay": False})
+    quiet: bool = arg(False, "No progress, notes or summary on stderr (warnings and errors only).", cli="-q --quiet")
 
     def __post_init__(self) -> None:
         if self.method not in ALL_METHODS:
@@ -65,24 +94,14 @@ class SessionConfig:
         if self.threads is not None and self.threads > MAX_THREADS:
             raise ConfigError(f"{{threads}} must be at most {MAX_THREADS}, got {{value}}: pass the cores to use",
                               value=self.threads)
-        unknown = sorted(set(self.settings) - set(setting_names()) - set(DRAFT_SETTINGS))
+        unknown = sorted(set(self.settings) - set(setting_names()))
         if unknown:
-            raise UserError(f"unknown setting {unknown[0]!r}: choose from "
-                            f"{', '.join(setting_names() + list(DRAFT_SETTINGS))}")
-        # Drafter settings are checked before any file is looked for or loaded.
-        self._draft_sections()
-        method_config(self.settings)
-
-    def _draft_sections(self) -> tuple[DraftConfig, SpecDecConfig]:
-        s = self.settings
-        bounds = s.get("bounds") or (SpecDecConfig.min_draft, SpecDecConfig.max_draft)
-        return (DraftConfig(gamma=s.get("gamma", DraftConfig.gamma)),
-                SpecDecConfig(s.get("stop_threshold", SpecDecConfig.stop_threshold), *bounds))
+            raise UserError(f"unknown setting {unknown[0]!r}: choose from {', '.join(setting_names())}")
+        method_config(self.settings)  # drafter settings are checked before any file is looked for or loaded
 
     def method_config(self, device: torch.device) -> MethodConfig:
         """The drafters' settings on `device` (a setting left unset takes that device's default)."""
-        draft, specdec = self._draft_sections()
-        return replace(method_config(self.settings, device), draft=draft, specdec=specdec)
+        return method_config(self.settings, device)
 
     def to_record(self) -> dict[str, Any]:
         """The configuration as JSON-ready values, as every output record carries it."""

@@ -1,20 +1,21 @@
-"""Command-line options shared by the commands that run or compare methods.
+"""Command-line options made from the configuration dataclasses, each declared once.
 
-`method_options` adds the drafters' settings as options (their Python names and `method_config`,
-which turns them into a `MethodConfig`, are decode/methods.py's), `sampling_options` adds the
-sampling and device flags of every command that generates, `engine_options` the device-side ones
-(`weight_options`: how a CPU model's linear layers run), `session_config` turns a command's
-parsed options into the `SessionConfig` every command runs on, and `parse_methods` reads a
-comma-separated method list.
+A field with option metadata (`help`; `cli` where the flag is not `--field-name`) is an option:
+SessionConfig's (samctl/config.py), SamplingConfig's and the drafters' settings (decode/configs.py),
+and the trainers' settings. `field_option` turns one field into a click option; `session_options`
+adds those a command takes, with the command's own defaults, and hands the command the
+SessionConfig they make (`session_config`); `run_config_command` runs a trainer's. `flag` words a
+field as its flag at the CLI's error boundary; `parse_methods` reads a comma-separated method list.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Any, Callable
 
 import click
 
-from samctl.decode.methods import DEFAULT_METHOD, cli_fields, setting_name, setting_names
+from samctl.decode.methods import cli_fields, setting_default, setting_name, setting_names
 from samctl.index.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
@@ -37,103 +38,126 @@ def check_count(flag: str, value: int | None, high: int, low: int | None = 1) ->
         raise UserError(f"{flag} must be at most {high}, got {value}: pass a value up to {high}")
 
 
-def _option(f: dataclasses.Field) -> Callable:
+class FieldOption(click.Option):
+    """An option made from a configuration field's metadata; `field` names it ("SessionConfig.model")."""
+
+    def __init__(self, *args: Any, field: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.field = field
+
+
+def _click_type(meta: dict[str, Any], default: Any) -> Any:
+    if "choices" in meta:
+        return click.Choice(meta["choices"])
+    if "path" in meta:
+        return click.Path(**meta["path"])
+    if isinstance(default, tuple):
+        return tuple(type(v) for v in default)
+    return meta.get("type", str if default is None else type(default))
+
+
+def cli(f: dataclasses.Field) -> str:
+    """A field's flags: its metadata's `cli`, else `--field-name`."""
+    return f.metadata.get("cli", "--" + f.name.replace("_", "-"))
+
+
+def field_option(f: dataclasses.Field, key: str, owner: str, **changes: Any) -> Callable:
+    """The option of a configuration field: flag, help, type and default from its metadata (`cli`,
+    default `--field-name`; `help`, `choices`, `path`, `metavar`, `type`, `multiple`, `negate`,
+    `cpu_default`); a field without a default is required. `changes` are a command's own click
+    arguments (`default=128`, `help=...`, `multiple=True`) or flags (`cli`)."""
     meta = f.metadata
-    if isinstance(f.default, bool):
-        return click.option(meta["cli"], setting_name(f), default=f.default, show_default=True, help=meta["help"])
-    if meta.get("device_default") or "cpu_default" in meta:
-        return click.option(meta["cli"], setting_name(f), type=type(f.default), default=None, help=meta["help"])
-    kind = click.Choice(meta["choices"]) if "choices" in meta else type(f.default)
-    return click.option(meta["cli"], setting_name(f), type=kind, default=f.default, show_default=True, help=meta["help"])
+    decls = changes.pop("cli", cli(f)).split()
+    default = None if f.default is dataclasses.MISSING else f.default
+    kw: dict[str, Any] = {"help": meta.get("help"), "metavar": meta.get("metavar"), "default": default,
+                          "required": f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    if meta.get("negate"):  # --no-compile: the flag sets the field False
+        kw.update(is_flag=True, default=False)
+    elif isinstance(default, bool) and "/" not in decls[0]:
+        kw.update(is_flag=True)
+    elif "cpu_default" in meta:  # unset: the device decides (samctl.decode.methods.method_config)
+        kw.update(type=type(default), default=None)
+    elif meta.get("multiple") or meta.get("nargs"):  # a tuple field, its option repeatable
+        kw.update(multiple=True, type=meta.get("type", str))
+    elif not isinstance(default, bool):
+        kw.update(type=_click_type(meta, changes.get("default", default)), show_default=default is not None)
+    else:
+        kw.update(show_default=True)
+    kw.update(changes)
+    return click.option(*decls, key, cls=FieldOption, field=f"{owner}.{f.name}", **kw)
 
 
-def method_options(command: Callable) -> Callable:
-    """Add every drafter setting that has a `cli` flag in its config's field metadata."""
-    for _, f in reversed(cli_fields()):
-        command = _option(f)(command)
-    return command
+def run_config_command(argv: list[str] | None, name: str, config_type: type, run: Callable[[Any], Any],
+                       help: str) -> Any:
+    """Run `argv` through a command with an option per field of the frozen `config_type`
+    (`field_option`): `run` gets the configuration they make, and its result is returned (--help:
+    0). A field with `nargs: "+"` also takes the values after its flag (`--data A B`, as argparse did)."""
+    fields = dataclasses.fields(config_type)
+    rest = [f.name for f in fields if f.metadata.get("nargs") == "+"]
+
+    def callback(rest_values: tuple[str, ...] = (), **values: Any) -> Any:
+        if rest:
+            values[rest[0]] = tuple(values[rest[0]]) + rest_values
+        return run(config_type(**values))
+
+    for f in reversed(fields):
+        callback = field_option(f, f.name, config_type.__name__)(callback)
+    if rest:
+        callback = click.argument("rest_values", nargs=-1, metavar="")(callback)
+    command = click.command(name, help=help, context_settings={"max_content_width": 100})(callback)
+    return command.main(argv, f"samctl train {name}", standalone_mode=False)
 
 
-def _options(*options: Callable[[Callable], Callable]) -> Callable[[Callable], Callable]:
-    """One decorator for several options (or groups of them), listed by --help in the order given."""
+def config_fields() -> list[tuple[str, dataclasses.Field, str]]:
+    """(option key, field, owner) of every configuration field with a command-line option, in
+    --help order: SessionConfig's, with the drafters' settings and the sampling fields in place."""
+    from samctl.config import SessionConfig
+    from samctl.decode.configs import SamplingConfig
+
+    out = []
+    for f in dataclasses.fields(SessionConfig):
+        if f.name == "settings":
+            out += [(setting_name(g), g, section) for section, g in cli_fields()]
+        elif f.name == "sampling":
+            out += [(g.name, g, "sampling") for g in dataclasses.fields(SamplingConfig) if "cli" in g.metadata]
+        elif "help" in f.metadata:
+            out.append((f.name, f, "session"))
+    return out
+
+
+def config_option(key: str, **changes: Any) -> Callable:
+    """One field's option (keyed as `config_fields()`), for a command without a SessionConfig."""
+    return next(field_option(f, key, owner, **changes) for k, f, owner in config_fields() if k == key)
+
+
+SAMPLING = ("temperature", "top_k", "top_p", "seed")
+ENGINE = ("device", "dtype", "threads", "quantize", "prepack", "backend", "graphs")
+
+
+def session_options(*, only: tuple[str, ...] | None = None, exclude: tuple[str, ...] = (), raw: tuple[str, ...] = (),
+                    **changes: Any) -> Callable[[Callable], Callable]:
+    """The options of the configuration fields a command takes (all, or `only` these keys; drafter
+    settings by `settings`), less `exclude`, each changed as `changes[key]` says (a value: the
+    command's default; a dict: click arguments). The command receives `config`, the SessionConfig
+    of the parsed options, before its own; a key in `raw` goes to it as parsed instead."""
+    chosen = [(key, f, owner) for key, f, owner in config_fields()
+              if (only is None or key in only or (owner not in ("session", "sampling") and "settings" in only))
+              and key not in exclude]
+
     def add(command: Callable) -> Callable:
-        for option in reversed(options):
-            command = option(command)
-        return command
+        @functools.wraps(command)
+        def run(**values: Any) -> Any:
+            parsed = {key: values.pop(key) for key, _, _ in chosen if key not in raw}
+            return command(session_config(parsed), **values)
+
+        for key, f, owner in reversed(chosen):
+            change = changes.get(key, {})
+            change = change if isinstance(change, dict) else {"default": change}
+            if "pair" in f.metadata:  # --bounds MIN MAX
+                change = {"default": setting_default(owner, f), **change}
+            run = field_option(f, key, owner, **change)(run)
+        return run
     return add
-
-
-# --temperature, --top-k, --top-p, --seed and --device, as `generate`, `chat` and `distill` take them
-sampling_options = _options(
-    click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
-    click.option("--top-k", type=int, default=0, show_default=True, help="0 = off."),
-    click.option("--top-p", type=float, default=1.0, show_default=True, help="1.0 = off."),
-    click.option("--seed", type=int, default=None, help="Sampling seed (default: random)."),
-    click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N."),
-)
-
-
-# Measured on SmolLM2-135M-Instruct (BENCHMARKS.md, "CPU int8 and prepacked weights").
-QUANTIZE_HELP = (
-    "CPU only. int8: int8 weights (a scale per output channel) times int8 activations (a scale per "
-    "token) with integer sums, in every linear layer and the output head, and attention one token at "
-    "a time, so each token's result is exact and independent of the others verified with it: every "
-    "method's greedy output equals the int8 model's own plain greedy decoding, bit for bit, at batch "
-    "size 1 and batched. A different "
-    "model from float32: on SmolLM2-135M (two runs, 9 and 3 prompts) it picks float32's greedy token at 92% "
-    "and 99% of the first 128 positions, next-token loss +0.07% and +0.7%. Weights take half of "
-    "float32's memory (held twice in int8: one copy for one-token steps, one for verifies). On x86 "
-    "CPUs without VNNI (AVX512-VNNI or AVX-VNNI), whose int8 instructions saturate, a probe at load "
-    "makes each token's activations run as two 7-bit halves whose sums are added: the same model, "
-    "exact there too."
-)
-
-
-# --quantize and --prepack/--no-prepack: how a CPU model's linear layers run (decode/engine/cpu_linear.py)
-weight_options = _options(
-    click.option("--quantize", type=click.Choice(["none", "int8"]), default="none", show_default=True,
-                 help=QUANTIZE_HELP),
-    click.option("--backend", type=click.Choice(["auto", "hf", "native"]), default="auto", show_default=True,
-                 help="How the model's forward runs. native: samctl's own forward for Llama, Mistral, Qwen2 and "
-                      "Qwen3 models (fused projections, one RoPE table, few ops per layer: much less Python per "
-                      "step); hf: transformers' modules (any causal LM). auto: native where the architecture "
-                      "is supported. The backend that ran is recorded in every output."),
-    click.option("--prepack/--no-prepack", default=True, show_default=True,
-                 help="CPU, float32: reorder the weights once at load for oneDNN, so verifying a few tokens "
-                      "costs little more than one (results differ from unpacked weights in the last bits)."),
-)
-
-
-# --dtype, --threads, --no-compile and the weight options, as every command that loads a model takes them
-engine_options = _options(
-    click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
-                 show_default=True, help="auto: float32 on CPU; on GPU the model's saved dtype (float32 models run "
-                 "in bfloat16). Greedy output equals plain greedy decoding token for token in float32; in half "
-                 "precision the distribution is the model's and greedy can differ at near-ties."),
-    click.option("--threads", type=int, default=None,
-                 help="torch CPU threads (default: torch's choice); 1 is steadier on a busy machine."),
-    click.option("--no-compile", is_flag=True, help="CUDA: run the verify forward eagerly instead of as CUDA "
-                 "graphs at fixed widths (the CPU never compiles)."),
-    weight_options,
-)
-
-
-# The settings of the methods that draft with a second model or a head, declared once
-draft_options = _options(
-    click.option("--draft-model", "draft_path", metavar="PATH", help="sd, specdec++, sam+draft, ouroboros: a "
-                 "small model sharing the target's tokenizer (default: the embedded draft, with the embedded target only)."),
-    click.option("--gamma", type=int, default=4, show_default=True, help="sd, sam+draft, ouroboros: draft tokens per step."),
-    click.option("--acc-head", "acc_head_path", metavar="PATH", help="specdec++: acceptance head folder for this "
-                 "target and draft (default: the embedded one, with the embedded pair only)."),
-    click.option("--stop-threshold", type=float, default=0.3, show_default=True, help="specdec++: stop drafting "
-                 "once the predicted P(some draft token is rejected) exceeds this."),
-    click.option("--bounds", type=(int, int), default=(2, 20), show_default=True, metavar="MIN MAX",
-                 help="specdec++: inclusive bounds on the draft length."),
-    click.option("--eagle-head", "eagle_path", metavar="PATH", help="eagle, sam+eagle, adaptive+eagle: EAGLE head "
-                 "folder for this model (default: the embedded one, with the embedded target only)."),
-)
-# Every option a SessionConfig reads, as the commands that run a session take them
-session_options = _options(sampling_options, engine_options, method_options, draft_options)
 
 
 batch_size_option = click.option(
@@ -143,57 +167,51 @@ batch_size_option = click.option(
          "(SDSAT's) and --compare; with --ray, per worker].")
 
 
-def batch_size(opts: dict[str, Any], method: str, on_gpu: bool) -> int:
+def batch_size(config: "SessionConfig", asked: int | None, on_gpu: bool, *, compare: bool = False,
+               memory_save: str | None = None, per_worker: bool = False) -> int:
     """--batch-size, or the default for the device; 1 (said once) where batching does not apply:
     the method has no batched form, or --compare / --memory-file / --memory-save is given."""
     from samctl.decode.loop import BATCH_ONE, batch_blocker
 
-    asked = opts.get("batch_size")
     check_count("--batch-size", asked, MAX_BATCH_SIZE)
-    why = batch_blocker(method)
-    blocked = (f"method {method} {BATCH_ONE} ({why})" if why else
-               "--compare times records one at a time" if opts.get("compare") else
-               "--memory-file/--memory-save keep one drafter's memory" if opts.get("memory_file") or opts.get("memory_save")
-               else "")
+    why = batch_blocker(config.method)
+    blocked = (f"method {config.method} {BATCH_ONE} ({why})" if why else
+               "--compare times records one at a time" if compare else
+               "--memory-file/--memory-save keep one drafter's memory" if config.memory_file or memory_save else "")
     if blocked:
-        if asked is not None and asked > 1 and not opts.get("quiet"):
+        if asked is not None and asked > 1 and not config.quiet:
             click.echo(f"samctl: note: {blocked}: batch size 1", err=True)
         return 1
     if asked is not None:
         return asked
     size = 32 if on_gpu else 8
-    if not opts.get("quiet"):
-        where = " per Ray worker" if opts.get("ray_address") is not None else ""
+    if not config.quiet:
+        where = " per Ray worker" if per_worker else ""
         click.echo(f"samctl: up to {size} records in flight{where} on the batched engine (--batch-size to change)",
                    err=True)
     return size
 
 
-def session_config(opts: dict[str, Any], **changes: Any) -> "SessionConfig":
-    """The SessionConfig of a command's parsed options (an option a command lacks keeps its default)."""
-    from samctl.config import DRAFT_SETTINGS, SessionConfig
+def session_config(values: dict[str, Any]) -> "SessionConfig":
+    """The SessionConfig of parsed field options, keyed as `config_fields()` (a field left out keeps
+    its default); checks every setting that needs no model, before torch loads."""
+    from samctl.config import SessionConfig
     from samctl.decode.configs import SamplingConfig
 
-    settings = {name: opts[name] for name in (*setting_names(), *DRAFT_SETTINGS) if opts.get(name) is not None}
-    sampling = SamplingConfig(opts.get("temperature", 0.0), opts.get("top_k", 0), opts.get("top_p", 1.0),
-                              opts.get("seed"))
-    config = SessionConfig(
-        model=opts.get("model_path"), device=opts.get("device", "auto"), dtype=opts.get("dtype", "auto"),
-        threads=opts.get("threads"), graphs=not opts.get("no_compile", False), store=opts.get("store_path"),
-        occurrence=opts.get("occurrence", "first"), method=opts.get("method", DEFAULT_METHOD), settings=settings,
-        draft_model=opts.get("draft_path"), acc_head=opts.get("acc_head_path"), eagle_head=opts.get("eagle_path"),
-        max_new_tokens=opts.get("max_new_tokens", 256), sampling=sampling, chat=opts.get("chat", False),
-        memory_file=opts.get("memory_file"), quiet=opts.get("quiet", False),
-        quantize=opts.get("quantize", "none"), prepack=opts.get("prepack", True),
-        backend=opts.get("backend", "auto"))
-    return dataclasses.replace(config, **changes) if changes else config
+    values = dict(values)
+    sampling = SamplingConfig(**{f.name: values.pop(f.name) for f in dataclasses.fields(SamplingConfig)
+                                 if f.name in values})
+    settings = {name: value for name in setting_names() if (value := values.pop(name, None)) is not None}
+    if "graphs" in values:
+        values["graphs"] = not values["graphs"]  # the flag is --no-compile
+    return SessionConfig(**values, sampling=sampling, settings=settings,
+                         occurrence=settings.get("occurrence", "first"))
 
 
-def ignored_settings(opts: dict[str, Any], method_name: str) -> list[str]:
+def ignored_settings(settings: dict[str, Any], method_name: str) -> list[str]:
     """The drafter flags given a value other than their default that `method_name` never reads
     (`--method sam --max-nodes 3`), as the user typed them; `--occurrence` shapes the store, which
     every method that drafts from one reads."""
-    from samctl.decode.configs import DraftConfig, SpecDecConfig
     from samctl.decode.methods import method
 
     entry = method(method_name)
@@ -201,33 +219,23 @@ def ignored_settings(opts: dict[str, Any], method_name: str) -> list[str]:
     for section, f in cli_fields():
         if entry.reads(f"{section}.{f.name}") or (f.name == "occurrence" and entry.uses_store):
             continue
-        value = opts.get(setting_name(f))
-        unset = None if f.metadata.get("device_default") or "cpu_default" in f.metadata else f.default
+        value = settings.get(setting_name(f))
+        value = tuple(value) if isinstance(value, list) else value
+        unset = None if "cpu_default" in f.metadata else setting_default(section, f)
         if value is None or value == unset:
             continue
         names = f.metadata["cli"].split("/")
         flags.append(names[1] if isinstance(value, bool) and not value and len(names) > 1 else names[0])
-    defaults = {"gamma": DraftConfig.gamma, "stop_threshold": SpecDecConfig.stop_threshold,
-                "bounds": (SpecDecConfig.min_draft, SpecDecConfig.max_draft)}
-    for name, default in defaults.items():
-        value = opts.get(name)
-        value = tuple(value) if isinstance(value, (list, tuple)) else value
-        if value is not None and value != default and not entry.reads(name):
-            flags.append(flag(name))
     return flags
 
 
-# Configuration fields whose flag is not "--" and the field's name with dashes.
-_FLAGS = {"store": "--sam", "graphs": "--no-compile", "fields": "--field"}
-
-
 def flag(field: str) -> str:
-    """The command-line flag of a configuration field: a drafter setting's own `cli` flag, else
-    the field's name as a flag (`eagle_head` -> `--eagle-head`)."""
-    for _, f in cli_fields():
-        if setting_name(f) == field:
-            return f.metadata["cli"].split("/")[0]
-    return _FLAGS.get(field, "--" + field.replace("_", "-"))
+    """The command-line flag of a configuration field or drafter setting (`eagle_head` ->
+    `--eagle-head`, `store` -> `--sam`); a field without an option, its name as a flag."""
+    for key, f, _ in config_fields():
+        if key == field:
+            return cli(f).split()[-1].split("/")[0]
+    return {"fields": "--field"}.get(field, "--" + field.replace("_", "-"))
 
 
 def cli_message(err: UserError) -> str:

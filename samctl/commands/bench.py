@@ -42,7 +42,8 @@ import click
 from samctl.decode.methods import DRAFT_METHODS, EAGLE_METHODS, METHODS, SELF_DRAFT_METHODS
 from samctl.index.errors import UserError
 from samctl.bench_report import BASELINE, report_category, write_summary
-from samctl.options import draft_options, engine_options, method_options, parse_methods, session_config
+from samctl.config import SessionConfig
+from samctl.options import SAMPLING, parse_methods, session_options
 from samctl.progress import progress_bar
 from samctl.decode.metrics import first_difference
 from samctl.textio import ERRORS, check_utf8
@@ -85,63 +86,57 @@ class Runner(Protocol):
 
 
 @click.command("bench")
-@click.option("--model", "model_path", metavar="PATH", help="Local model folder or .gguf file (default: the embedded model).")
-@click.option("--sam", "store_path", metavar="STORE", type=click.Path(), help="Static datastore (sam methods, rest): a .sam file or a sharded store directory.")
+@session_options(exclude=("method", "memory_file") + SAMPLING, max_new_tokens=128,
+                 store={"help": "Static datastore (sam methods, rest): a .sam file or a sharded store directory."})
 @click.option("--questions", "questions_path", required=True, type=click.Path(exists=True, dir_okay=False),
               help="Spec-Bench-format JSONL: question_id, category, turns.")
 @click.option("--methods", "methods_spec", default="ar,adaptive,pld,sam,sam+recycle,recycle,hf-greedy,hf-pld", show_default=True,
               help=f"Comma-separated, from {', '.join(ALL_BENCH_METHODS)}; ar is always run (the baseline).")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--limit", type=int, default=None, help="First N questions of each reported category.")
 @click.option("--repeats", type=int, default=1, show_default=True, help="Runs per method and question; the median-time run is reported.")
 @click.option("--categories", default=None, help="Comma-separated categories to keep (reported or original names, e.g. mt_bench,summarization).")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder for records.jsonl, summary.md/json, speedup.png.")
-@click.option("--chat", is_flag=True, help="Render prompts with the tokenizer's chat template.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-@engine_options
-@method_options
-@draft_options
-@click.option("--quiet", is_flag=True, help="No progress bar or notes on stderr.")
-def bench(**opts: Any) -> None:
+def bench(config: SessionConfig, questions_path: str, methods_spec: str, limit: int | None, repeats: int,
+          categories: str | None, out_dir: str) -> None:
     """Benchmark methods end to end on a question file: speedup per category against ar.
 
     \b
     samctl bench --questions samctl/data/questions/specbench_sample.jsonl --limit 1 --out runs/cpu
     samctl bench --model M --sam store.sam --questions q.jsonl --methods ar,pld,sam,rest --out runs/x
     """
-    if opts["max_new_tokens"] < 1 or opts["repeats"] < 1:
-        raise UserError(f"--max-new-tokens and --repeats must be >= 1, got {opts['max_new_tokens']} and {opts['repeats']}")
-    methods = parse_methods(opts["methods_spec"], ALL_BENCH_METHODS)
+    if repeats < 1:
+        raise UserError(f"--repeats must be >= 1, got {repeats}")
+    methods = parse_methods(methods_spec, ALL_BENCH_METHODS)
     methods = [BASELINE] + [m for m in methods if m != BASELINE]
-    questions = read_questions(Path(opts["questions_path"]), opts["categories"], opts["limit"])
+    questions = read_questions(Path(questions_path), categories, limit)
     import torch
 
     from samctl.session import Session
 
     # bench decodes greedily: a draft pair's embedded head is the one trained for that
-    config = session_config(opts, method=BASELINE)
+    config = replace(config, method=BASELINE)
     models = {"draft_model": config.draft_model, "acc_head": config.acc_head, "eagle_head": config.eagle_head}
     session = Session(replace(config, **dict.fromkeys(models)))  # ar's: the draft and heads are the methods'
     engine = session.engine
     runners = {m: _runner(m, session, models) for m in methods}
-    out_dir = Path(opts["out_dir"])
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    fits, skipped = fitting_questions(questions, engine, opts["max_new_tokens"], opts["chat"])
+    fits, skipped = fitting_questions(questions, engine, config.max_new_tokens, config.chat)
     if not fits:
         raise UserError(f"no question fits the model's context of {engine.target.max_positions} tokens with "
-                        f"--max-new-tokens {opts['max_new_tokens']}: lower --max-new-tokens")
-    if skipped and not opts["quiet"]:
+                        f"--max-new-tokens {config.max_new_tokens}: lower --max-new-tokens")
+    if skipped and not config.quiet:
         click.echo(f"samctl: note: skipped {skipped} question(s) whose prompt + max new tokens exceed the "
                    f"model's context ({engine.target.max_positions})", err=True)
     # Graphs are captured now, for the longest question, so that no capture lands in a timed run
     # (and before the cost curve is measured: it is measured in the mode it serves).
-    longest = max(context_needed(q, engine, opts["max_new_tokens"], opts["chat"]) for q in fits)
+    longest = max(context_needed(q, engine, config.max_new_tokens, config.chat) for q in fits)
     from samctl.decode.engine.graphs import enable_cuda_graphs
 
     enable_cuda_graphs(engine.target, config.graphs, reserve=longest)
-    _warm_up(runners, engine, fits[0], opts["chat"])
-    records = _run_all(runners, engine, fits, opts, out_dir / "records.jsonl")
-    run = _run_info(session, opts, methods, len(fits), skipped)
+    _warm_up(runners, engine, fits[0], config.chat)
+    records = _run_all(runners, engine, fits, config, repeats, out_dir / "records.jsonl")
+    run = _run_info(session, config, repeats, methods, len(fits), skipped)
     summary = write_summary(out_dir, records, methods, run)
     mismatches = sum(summary["mismatches"].values())
     # float32: greedy output must equal ar's token for token, so a mismatch is a bug. Half
@@ -149,7 +144,7 @@ def bench(**opts: Any) -> None:
     # divergence is reported (records hold each turn's first_difference), not failed.
     exact = engine.target.dtype == torch.float32
     turns = sum(len(r["turns"]) * max(1, len(r["repeat_times_s"])) for r in records if r["method"] != BASELINE)
-    if not opts["quiet"]:
+    if not config.quiet:
         overall = summary["table"]["overall"]
         best = max((m for m in methods if m != BASELINE), key=lambda m: overall[m]["speedup"] or 0.0, default=None)
         short = len(summary["short_answers"])
@@ -343,12 +338,11 @@ def _remember(runner: Runner, flag: bool) -> None:
         runner.drafter.remember = flag
 
 
-def _run_all(runners: dict[str, Runner], engine: Engine, questions: list[Question], opts: dict[str, Any],
-             records_path: Path) -> list[dict[str, Any]]:
+def _run_all(runners: dict[str, Runner], engine: Engine, questions: list[Question], config: SessionConfig,
+             repeats: int, records_path: Path) -> list[dict[str, Any]]:
     records = []
-    repeats = opts["repeats"]
     with records_path.open("w", encoding="utf-8") as sink, \
-            progress_bar("bench", "run", opts["quiet"], total=len(questions) * len(runners) * repeats) as bar:
+            progress_bar("bench", "run", config.quiet, total=len(questions) * len(runners) * repeats) as bar:
         for q in questions:
             runs: dict[str, list[list[Turn]]] = {name: [] for name in runners}
             states = {name: runner.snapshot() for name, runner in runners.items()
@@ -358,7 +352,7 @@ def _run_all(runners: dict[str, Runner], engine: Engine, questions: list[Questio
                     _remember(runner, True)
                     if name in states:  # every repeat from the state before the question's first
                         runner.restore(states[name], last=r == repeats - 1)
-                    runs[name].append(_run_question(runner, engine, q, opts["max_new_tokens"], opts["chat"]))
+                    runs[name].append(_run_question(runner, engine, q, config.max_new_tokens, config.chat))
                     bar.update(1, tokens=sum(len(t.tokens) for t in runs[name][-1]))
             baseline = _median_run(runs[BASELINE])
             for name in runners:  # ar first: the others compare with it
@@ -409,7 +403,7 @@ def _record(method: str, q: Question, turns: list[Turn], baseline: list[Turn], e
     }
 
 
-def _run_info(session: Session, opts: dict[str, Any], methods: list[str], questions: int, skipped: int) -> dict[str, Any]:
+def _run_info(session: Session, config: SessionConfig, repeats: int, methods: list[str], questions: int, skipped: int) -> dict[str, Any]:
     import torch
 
     from samctl.decode.engine.cpu_linear import linear_backend
@@ -419,18 +413,18 @@ def _run_info(session: Session, opts: dict[str, Any], methods: list[str], questi
         "command": "samctl bench " + shlex.join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "samctl bench",
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "model": engine.name,
-        "store": opts["store_path"],
-        "draft_model": opts["draft_path"],
+        "store": config.store,
+        "draft_model": config.draft_model,
         "device": str(engine.device),
         "dtype": str(next(engine.model.parameters()).dtype).replace("torch.", ""),
         "linear": linear_backend(engine.model),
         "torch_threads": torch.get_num_threads(),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "max_new_tokens": opts["max_new_tokens"],
-        "repeats": opts["repeats"],
+        "max_new_tokens": config.max_new_tokens,
+        "repeats": repeats,
         "questions": questions,
         "skipped_questions": skipped,
-        "chat": opts["chat"],
+        "chat": config.chat,
         "methods": ", ".join(methods),
         "method_config": json.dumps(asdict(session.method_config)),
     }

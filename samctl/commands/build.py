@@ -28,7 +28,7 @@ from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, save_dat
 from samctl.index.load import load_datastore
 from samctl.index.errors import UserError
 from samctl.index.store import is_store_file
-from samctl.options import MAX_WORKERS, check_count
+from samctl.options import MAX_WORKERS, check_count, config_option
 from samctl.progress import human_bytes, progress_bar, status
 from samctl.tokenizer import load_store_tokenizer, load_tokenizer, tokenize_documents
 
@@ -78,7 +78,7 @@ MAX_NGRAM_TOP_K = 4096  # next tokens kept per context
               help="With --shards, without --ray: shards built at once [default: the CPU count].")
 @click.option("--verify", is_flag=True, help="Re-read the written store and check every checksum.")
 @click.option("--force", is_flag=True, help="Replace OUTPUT even when it is not a samctl store.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress, notes or summary (warnings and errors only).")
+@config_option("quiet")
 def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_count, top_k,
           compress, append_eos, append_to, shards, ray_address, workers, verify, force, quiet) -> None:
     """Build a datastore from folders, .json/.jsonl/.parquet files, hf:NAME[:SPLIT] or - (stdin).

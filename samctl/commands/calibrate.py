@@ -2,21 +2,19 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from dataclasses import replace
 
 import click
 
-from samctl.options import engine_options, session_config
+from samctl.config import SessionConfig
+from samctl.options import ENGINE, session_options
 
 
 @click.command("calibrate")
-@click.option("--model", "model_path", metavar="PATH", help="Local model folder (default: the embedded model).")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-@engine_options
+@session_options(only=("model", "quiet") + ENGINE)
 @click.option("--refresh", is_flag=True, help="Measure again even when a cached curve exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the curve as JSON (input for simulate --cost-curve).")
-@click.option("--quiet", is_flag=True, help="No notes on stderr.")
-def calibrate(**opts: Any) -> None:
+def calibrate(config: SessionConfig, refresh: bool, as_json: bool) -> None:
     """Verify cost t(n) for n = 1..64 input tokens: what `adaptive` sizes its drafts by.
 
     Measured once per model, device, dtype, thread count and graph mode (a second or two), then
@@ -28,15 +26,14 @@ def calibrate(**opts: Any) -> None:
     samctl calibrate --model ./my-model
     samctl calibrate --model ./my-model --json > curve.json    # for simulate --cost-curve
     """
-    config = session_config(opts, method="ar")  # usage errors before torch loads
     from samctl.costs import cost_curve, curve_key
     from samctl.decode.engine.cost import relative_cost
     from samctl.session import Session
 
     # The curve is measured on the engine every command runs (CUDA graphs included), under ar.
-    engine = Session(config).engine
-    t_ms = cost_curve(engine, refresh=opts["refresh"])
-    if opts["as_json"]:
+    engine = Session(replace(config, method="ar")).engine
+    t_ms = cost_curve(engine, refresh=refresh)
+    if as_json:
         click.echo(json.dumps({"key": curve_key(engine), "t_ms": [round(t, 4) for t in t_ms]}))
         return
     rel = relative_cost(t_ms, len(t_ms))

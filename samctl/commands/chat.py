@@ -15,9 +15,10 @@ from typing import Any
 
 import click
 
-from samctl.decode.methods import ALL_METHODS, DEFAULT_METHOD
+from samctl.config import SessionConfig
+from samctl.decode.methods import ALL_METHODS
 from samctl.index.errors import UserError
-from samctl.options import cli_message, session_config, session_options
+from samctl.options import cli_message, session_options
 
 HELP = """commands:
   /method NAME   draft with another method ({methods}); each keeps its own memory
@@ -29,26 +30,22 @@ HELP = """commands:
 
 
 @click.command("chat")
-@click.option("--model", "model_path", metavar="PATH", help="Local model folder or .gguf file (default: the embedded model).")
-@click.option("--sam", "store_path", metavar="STORE", type=click.Path(exists=True),
-              help="Static datastore built with the model's tokenizer: a .sam file or a sharded store directory.")
-@click.option("--method", type=click.Choice(ALL_METHODS), default=DEFAULT_METHOD, show_default=True, help="Drafting method to start with.")
+@session_options(exclude=("chat", "memory_file"), method={"help": "Drafting method to start with."},
+                 store={"type": click.Path(exists=True), "help": "Static datastore built with the model's tokenizer: a "
+                        ".sam file or a sharded store directory."},
+                 max_new_tokens={"default": 512, "help": "Longest answer per turn."})
 @click.option("--system", metavar="TEXT", help="A system message at the start of the conversation.")
-@click.option("--max-new-tokens", type=int, default=512, show_default=True, help="Longest answer per turn.")
 @click.option("--compare", is_flag=True, help="Start with the side-by-side ar comparison on (/compare toggles it).")
-@session_options
-@click.option("--quiet", is_flag=True, help="No loading notes on stderr.")
-def chat(**opts: Any) -> None:
+def chat(config: SessionConfig, system: str | None, compare: bool) -> None:
     """Talk to the model, faster, with per-turn speed and acceptance.
 
     \b
     samctl chat
     samctl chat --model ./SmolLM2-135M-Instruct --sam store.sam --compare
     """
-    config = session_config(opts)  # usage errors before torch loads
     from samctl.session import Session
 
-    console = Console(Session(config), opts)
+    console = Console(Session(config), system, compare)
     console.loop()
 
 
@@ -56,13 +53,12 @@ class Console:
     """The conversation, the sessions (one per method, on one engine, each keeping its drafter)
     and the read-eval loop."""
 
-    def __init__(self, session, opts: dict[str, Any]) -> None:
+    def __init__(self, session, system: str | None, compare: bool) -> None:
         self.engine = session.engine
         self.sessions = {session.config.method: session}
         self.method = session.config.method
-        self.compare = opts["compare"]
-        self.system = opts["system"]
-        self.store_name = opts["store_path"]
+        self.compare, self.system = compare, system
+        self.store_name = session.config.store
         self.chat_template = bool(getattr(self.engine.tokenizer, "chat_template", None))
         self.messages: list[dict[str, str]] = []
         self.reset()

@@ -23,38 +23,35 @@ from typing import Any, Iterator
 
 import click
 
-from samctl.decode.methods import ALL_METHODS, DEFAULT_METHOD
+from samctl.config import SessionConfig
 from samctl.index.errors import UserError
-from samctl.options import batch_size, batch_size_option, session_config, session_options
+from samctl.options import batch_size, batch_size_option, session_options
 from samctl.textio import ERRORS
 
 _PROMPT_FIELDS_HELP = "the record field holding the prompt (default: prompt, turns, text, question, instruction)"
 
 
 @click.command("distill")
-@click.option("--model", "model_path", metavar="PATH", help="Local model folder or .gguf file (default: the embedded model).")
+@session_options(exclude=("memory_file",), raw=("chat",),
+                 method={"help": "How the answers are generated (any method gives the same greedy answers; adaptive "
+                                 "is fastest)."},
+                 store={"type": click.Path(exists=True), "help": "A store to draft from while generating (not part of "
+                        "the output): a .sam file or a sharded store directory."},
+                 chat={"cli": "--chat/--no-chat", "default": None,
+                       "help": "Apply the tokenizer's chat template to the prompts (the way the model will be asked) "
+                               "[default: --chat when the model has a chat template, else --no-chat]."})
 @click.option("--prompts", "prompts_path", required=True, type=click.Path(exists=True, dir_okay=False),
               help="JSONL prompts, one record per line (as `generate --input`).")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Store file to write (.sam).")
 @click.option("--answers", "answers_path", type=click.Path(dir_okay=False),
               help="JSONL file of the answers, appended to as they come; an existing one is resumed "
                    "[default: OUTPUT.answers.jsonl].")
-@click.option("--method", type=click.Choice(ALL_METHODS), default=DEFAULT_METHOD, show_default=True,
-              help="How the answers are generated (any method gives the same greedy answers; adaptive is fastest).")
-@click.option("--sam", "store_path", metavar="STORE", type=click.Path(exists=True),
-              help="A store to draft from while generating (not part of the output): a .sam file or a sharded store directory.")
 @click.option("--also", "also", multiple=True, metavar="INPUT",
               help="Also put this corpus in the store (as `samctl build` reads it; repeatable).")
 @click.option("--field", "prompt_field", metavar="NAME", help=_PROMPT_FIELDS_HELP)
 @batch_size_option
-@click.option("--max-new-tokens", type=int, default=256, show_default=True)
-@click.option("--chat/--no-chat", default=None,
-              help="Apply the tokenizer's chat template to the prompts (the way the model will be asked) "
-                   "[default: --chat when the model has a chat template, else --no-chat].")
-@session_options
 @click.option("--compress/--no-compress", default=True, show_default=True, help="zstd-compress the store's arrays.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress, notes or summary.")
-def distill(**opts: Any) -> None:
+def distill(config: SessionConfig, chat: bool | None, **opts: Any) -> None:
     """Generate the model's own answers to prompts and build a store from them.
 
     \b
@@ -62,24 +59,23 @@ def distill(**opts: Any) -> None:
     samctl generate --model M --sam self.sam --chat --prompt "..."     # drafts from its own answers
     """
     start = time.perf_counter()
-    config = session_config(opts, chat=False)  # settings checked before torch loads
     from samctl.records import RecordRunner
     from samctl.session import Session
 
     answers_path = Path(opts["answers_path"] or opts["output"] + ".answers.jsonl")
     session = Session(config)
     engine, sampling = session.engine, config.sampling
-    opts["chat"] = _chat_mode(opts["chat"], engine, opts["quiet"])
-    if opts["chat"]:
+    chat = _chat_mode(chat, engine, config.quiet)
+    if chat:
         session = session.for_method(config.method, chat=True)
-    producer = _producer(opts, engine, sampling)
-    done = _answered(answers_path, producer, opts["quiet"])
+    producer = _producer(config, chat, opts["prompt_field"], engine)
+    done = _answered(answers_path, producer, config.quiet)
 
     # 1) answers, appended as they finish, in input order, so that an interrupted run loses at most
     # the records in flight
     runner = RecordRunner(session, field=opts["prompt_field"],
-                          batch_size=batch_size(opts, config.method, on_gpu=engine.device.type != "cpu"))
-    if done and not opts["quiet"]:
+                          batch_size=batch_size(config, opts["batch_size"], on_gpu=engine.device.type != "cpu"))
+    if done and not config.quiet:
         click.echo(f"samctl: resuming: {len(done)} prompt(s) already answered in {answers_path}", err=True)
     with open(opts["prompts_path"], encoding="utf-8", errors=ERRORS) as prompts, \
             open(answers_path, "a", encoding="utf-8") as out:
@@ -89,8 +85,8 @@ def distill(**opts: Any) -> None:
             out.flush()
 
         records = _unanswered(prompts, done)
-        failed = runner.batch(records, write, opts["quiet"])
-    if failed and not opts["quiet"]:
+        failed = runner.batch(records, write, config.quiet)
+    if failed and not config.quiet:
         click.echo(f"samctl: {failed} prompt(s) failed (see their `error` in {answers_path}); "
                    "run again to retry them", err=True)
     generated = time.perf_counter()
@@ -99,13 +95,13 @@ def distill(**opts: Any) -> None:
     if not documents:
         raise UserError(f"no prompt was answered ({answers_path}): check the prompts file and the errors there")
     written_by = {
-        "model": engine.name, "method": opts["method"], "prompts": str(opts["prompts_path"]),
-        "answers": str(len(documents)), "max_new_tokens": str(opts["max_new_tokens"]),
+        "model": engine.name, "method": config.method, "prompts": str(opts["prompts_path"]),
+        "answers": str(len(documents)), "max_new_tokens": str(config.max_new_tokens),
         "decoding": "greedy" if sampling.greedy else json.dumps({k: v for k, v in asdict(sampling).items()}),
-        "chat_template": str(opts["chat"]).lower(),
+        "chat_template": str(chat).lower(),
     }
-    summary = _build_store(opts, documents, written_by)
-    if not opts["quiet"]:
+    summary = _build_store(opts, config.model, documents, written_by)
+    if not config.quiet:
         click.echo(f"{summary}; answers {generated - start:.1f} s, total {time.perf_counter() - start:.1f} s")
 
 
@@ -133,15 +129,15 @@ def _chat_mode(chat: bool | None, engine: Any, quiet: bool) -> bool:
     return has_template if chat is None else chat
 
 
-def _producer(opts: dict[str, Any], engine: Any, sampling: Any) -> dict[str, Any]:
+def _producer(config: SessionConfig, chat: bool, field: str | None, engine: Any) -> dict[str, Any]:
     """What decides the answers: the model (by fingerprint), its dtype, the prompt rendering and
     the decoding. The method is left out: every method gives the model's own answers."""
     from samctl.heads import model_fingerprint
 
     return {"model": engine.name, "model_fingerprint": model_fingerprint(engine.model, engine.tokenizer),
-            "dtype": str(engine.target.dtype).removeprefix("torch."), "chat": opts["chat"],
-            "field": opts["prompt_field"], "max_new_tokens": opts["max_new_tokens"],
-            "sampling": "greedy" if sampling.greedy else asdict(sampling)}
+            "dtype": str(engine.target.dtype).removeprefix("torch."), "chat": chat,
+            "field": field, "max_new_tokens": config.max_new_tokens,
+            "sampling": "greedy" if config.sampling.greedy else asdict(config.sampling)}
 
 
 def _same_producer(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -207,13 +203,13 @@ def _documents(prompts_path: str, answers_path: Path, field: str | None) -> Iter
             yield "\n\n".join(part for pair in zip(turns, texts) for part in pair)
 
 
-def _build_store(opts: dict[str, Any], documents: list[str], written_by: dict[str, str]) -> str:
+def _build_store(opts: dict[str, Any], model: str | None, documents: list[str], written_by: dict[str, str]) -> str:
     from samctl.index.automaton import SuffixAutomaton
     from samctl.index.corpus import CorpusReader
     from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, save_datastore
     from samctl.tokenizer import load_tokenizer, tokenize_documents
 
-    tok = load_tokenizer(opts["model_path"] or "default")
+    tok = load_tokenizer(model or "default")
     texts: Iterator[str] = iter(documents)
     reader = None
     if opts["also"]:

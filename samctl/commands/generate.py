@@ -20,21 +20,20 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from typing import IO, Any, Callable, Iterable, Iterator
 
 import click
 
-from samctl.decode.methods import ALL_METHODS, DEFAULT_METHOD, NOT_LOSSLESS, method as method_entry
+from samctl.config import SessionConfig
+from samctl.decode.methods import method as method_entry
 from samctl.index.errors import UserError
-from samctl.options import (MAX_BATCH_SIZE, MAX_WORKERS, batch_size, batch_size_option, check_count, ignored_settings, session_config,
+from samctl.options import (MAX_BATCH_SIZE, MAX_WORKERS, batch_size, batch_size_option, check_count, ignored_settings,
                             session_options)
 from samctl.textio import TEXT_FILE, check_utf8
 
 @click.command("generate")
-@click.option("--model", "model_path", metavar="PATH", help="Local model folder or .gguf file (default: the embedded model).")
-@click.option("--sam", "store_path", metavar="STORE", type=click.Path(), help="Static datastore built by `samctl build` with the model's tokenizer: a .sam file or a sharded store directory (--shards).")
-@click.option("--method", type=click.Choice(ALL_METHODS), default=DEFAULT_METHOD, show_default=True, help="Drafting method (README's method table; adaptive needs no tuning). "
-              f"{', '.join(NOT_LOSSLESS)}: NOT lossless when sampling, reference reproductions only.")
+@session_options()
 @click.option("--prompt", help="Prompt text.")
 @click.option("--prompt-file", type=TEXT_FILE, help="File holding the prompt.")
 @click.option("--input", "input_file", type=TEXT_FILE, help="JSONL batch, '-' for stdin (field prompt, turns, or --field; "
@@ -57,18 +56,12 @@ from samctl.textio import TEXT_FILE, check_utf8
 @click.option("--prediction", "prediction_file", type=TEXT_FILE,
               help="adaptive: the expected output (e.g. the file being edited), drafted from like the prompt; "
                    "in a batch, a record's `prediction` field.")
-@click.option("--memory-file", "memory_file", metavar="STORE", type=click.Path(exists=True, dir_okay=False),
-              help="adaptive, lookahead, ouroboros: preload the memory of earlier outputs from this store.")
 @click.option("--memory-save", "memory_save", metavar="STORE", type=click.Path(dir_okay=False),
               help="adaptive, lookahead, ouroboros: write the memory of outputs to this store at the end (atomically).")
-@click.option("--max-new-tokens", type=int, default=256, show_default=True)
-@click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template to the prompt.")
 @click.option("--json", "as_json", is_flag=True, help="Single prompt: print one JSON object instead of streaming text.")
 @click.option("--compare", is_flag=True, help="Also run plain decoding (ar) and report the speedup and whether outputs match.")
 @click.option("--compare-runs", type=int, default=3, show_default=True, help="--compare, single prompt: timed runs of each side, alternating; the speedup is their median, with its range.")
-@session_options
-@click.option("--quiet", is_flag=True, help="No notes on stderr.")
-def generate(**opts: Any) -> None:
+def generate(config: SessionConfig, **opts: Any) -> None:
     """Generate from a prompt or a JSONL batch, faster, with exactly the model's output.
 
     \b
@@ -82,12 +75,11 @@ def generate(**opts: Any) -> None:
         raise UserError("give exactly one of --prompt, --prompt-file or --input")
     check_count("--compare-runs", opts["compare_runs"], 1000)
     _check_batch_options(opts)
-    if opts["compare"] and opts["threads"] is None:
+    if opts["compare"] and config.threads is None:
         # Timing both sides on one thread keeps the ratio steady when other processes want the
         # cores (BENCHMARKS.md, "--compare under load"); --threads N still chooses.
-        opts["threads"] = 1
-    config = session_config(opts)  # every setting that needs no model is checked here, before torch loads
-    _note_ignored(opts)
+        config = replace(config, threads=1)
+    _note_ignored(config)
     # The single prompt's files are read (and refused if not UTF-8) before any model loads.
     single = opts["input_file"] is None
     prediction = _read_file(opts["prediction_file"], "--prediction") if single else None
@@ -95,14 +87,17 @@ def generate(**opts: Any) -> None:
     if prediction is not None and not method_entry(config.method).takes_prediction:
         raise UserError(f"method {config.method} does not draft from a prediction: drop --prediction "
                         "or use --method adaptive, lookahead or ouroboros")
-    refuse_foreign_store(opts["store_path"], opts["model_path"])
+    refuse_foreign_store(config.store, config.model)
     input_format = _input_format(opts)
     if opts["ray_address"] is not None:
         from samctl.cluster import generate_on_ray
 
-        size = batch_size(opts, config.method, on_gpu=opts["gpus_per_worker"] > 0)
-        failed = _batch_to_output(opts, lambda records, write: generate_on_ray(
-            opts, session_config(opts, quiet=True), records, write, batch_size=size))
+        size = batch_size(config, opts["batch_size"], on_gpu=opts["gpus_per_worker"] > 0, compare=opts["compare"],
+                          per_worker=True)
+        failed = _batch_to_output(opts, config, lambda records, write: generate_on_ray(
+            config, records, write, address=opts["ray_address"], workers=opts["workers"],
+            gpus_per_worker=opts["gpus_per_worker"], field=opts["prompt_field"], compare=opts["compare"],
+            batch_size=size))
         _exit_for(failed)
         return
     from samctl.records import RecordRunner, count_records
@@ -111,14 +106,15 @@ def generate(**opts: Any) -> None:
     session = Session(config)
     if opts["input_file"] is not None:
         total = count_records(opts["input_file"])
-        size = batch_size(opts, session.config.method, on_gpu=session.engine.device.type != "cpu")
+        size = batch_size(config, opts["batch_size"], on_gpu=session.engine.device.type != "cpu",
+                          compare=opts["compare"], memory_save=opts["memory_save"])
         if input_format == "openai":
             from samctl.records import OpenAIBatchRunner
 
-            runner = OpenAIBatchRunner(session, opts["model_path"] or session.engine.name, size)
+            runner = OpenAIBatchRunner(session, config.model or session.engine.name, size)
         else:
             runner = RecordRunner(session, field=opts["prompt_field"], compare=opts["compare"], batch_size=size)
-        failed = _batch_to_output(opts, lambda records, write: runner.batch(records, write, opts["quiet"], total))
+        failed = _batch_to_output(opts, config, lambda records, write: runner.batch(records, write, config.quiet, total))
         _save_memory(opts, session)
         _exit_for(failed)
         return
@@ -144,18 +140,18 @@ def _single(session, text: str, opts: dict[str, Any], prediction: str | None) ->
         out["compare"] = session.compare(text, result, opts["compare_runs"])
         # Only float32 promises token-for-token equality; half precision reports the drift.
         mismatch = out["compare"]["identical"] is False and out["compare"]["exact_dtype"]
-        if not opts["as_json"] or not opts["quiet"]:
+        if not opts["as_json"] or not session.config.quiet:
             click.echo(compare_line(session.config.method, out["compare"], result), err=True)
     if opts["as_json"]:
         click.echo(json.dumps({**session.record, **out}, ensure_ascii=False))
     return mismatch
 
 
-def _note_ignored(opts: dict[str, Any]) -> None:
+def _note_ignored(config: SessionConfig) -> None:
     """One line naming the drafter flags the chosen method does not read (`--method sam --max-nodes 3`)."""
-    flags = ignored_settings(opts, opts["method"])
-    if flags and not opts["quiet"]:
-        click.echo(f"samctl: note: method {opts['method']} does not use {', '.join(flags)}", err=True)
+    flags = ignored_settings(config.settings, config.method)
+    if flags and not config.quiet:
+        click.echo(f"samctl: note: method {config.method} does not use {', '.join(flags)}", err=True)
 
 
 def refuse_foreign_store(store_path: str | None, model: str | None) -> None:
@@ -224,7 +220,7 @@ def _check_batch_options(opts: dict[str, Any]) -> None:
             raise UserError("--gpus-per-worker must be >= 0")
 
 
-def _batch_to_output(opts: dict[str, Any], run: Callable[[Iterable[tuple[int, str]], Callable[[str], None]], int]) -> int:
+def _batch_to_output(opts: dict[str, Any], config: SessionConfig, run: Callable[[Iterable[tuple[int, str]], Callable[[str], None]], int]) -> int:
     """Run the batch's records (read lazily, so a pipe streams) through `run`, which calls
     `write` with each output line in input order and returns the number that failed; --resume
     drops the records already in the output and appends."""
@@ -272,7 +268,7 @@ def _batch_to_output(opts: dict[str, Any], run: Callable[[Iterable[tuple[int, st
             except OSError:  # flushing what the failed write left in the buffer fails again
                 if broken is None:
                     raise
-        if opts["resume"] and not opts["quiet"]:
+        if opts["resume"] and not config.quiet:
             click.echo(f"samctl: --resume: skipped {skipped} record(s) already in {path}", err=True)
 
 
@@ -294,7 +290,7 @@ def _exit_for(failed: int) -> None:
 def _save_memory(opts: dict[str, Any], session) -> None:
     if opts["memory_save"]:
         saved = session.save_memory(opts["memory_save"])
-        if not opts["quiet"]:
+        if not session.config.quiet:
             click.echo(f"samctl: memory of {saved} output(s) written to {opts['memory_save']}", err=True)
 
 

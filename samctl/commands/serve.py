@@ -5,14 +5,15 @@ under uvicorn; fastapi and uvicorn (the `serve` extra) are imported only here, w
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import click
 
-from samctl.decode.methods import ALL_METHODS, DEFAULT_METHOD
+from samctl.config import SessionConfig
 from samctl.index.errors import UserError
-from samctl.options import MAX_BATCH_SIZE, check_count, session_config, session_options
+from samctl.options import MAX_BATCH_SIZE, check_count, session_options
 
 
 def _stores(specs: tuple[str, ...]) -> dict[str, str]:
@@ -33,12 +34,12 @@ def _stores(specs: tuple[str, ...]) -> dict[str, str]:
 
 
 @click.command("serve")
-@click.option("--model", "model_path", metavar="PATH", help="Local model folder or .gguf file (default: the embedded model).")
-@click.option("--sam", "stores", metavar="NAME=STORE", multiple=True,
-              help="A datastore the requests may name (`store` in the body); repeat for several. The first is the "
-                   "default.")
-@click.option("--method", type=click.Choice(ALL_METHODS), default=DEFAULT_METHOD, show_default=True,
-              help="Default drafting method (a request may name another in `method`).")
+@session_options(exclude=("chat",), raw=("store",),
+                 store={"multiple": True, "metavar": "NAME=STORE", "type": str, "default": (), "show_default": False,
+                        "help": "A datastore the requests may name (`store` in the body); repeat for several. The "
+                                "first is the default."},
+                 method={"help": "Default drafting method (a request may name another in `method`)."},
+                 max_new_tokens={"default": 1024, "help": "Longest answer when a request sets no max_tokens."})
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0: every interface).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="TCP port (0: any free one).")
 @click.option("--api-key", metavar="KEY", envvar="SAMCTL_API_KEY",
@@ -48,13 +49,8 @@ def _stores(specs: tuple[str, ...]) -> dict[str, str]:
               help="Requests generating at once on the batched engine (default: 8 on a CPU, 32 on a GPU); 1: one "
                    "at a time. Methods without a batched form (sd, specdec++, sam+draft, ouroboros, EAGLE, sdsat) "
                    "run one request at a time between batch steps.")
-@click.option("--max-new-tokens", type=int, default=1024, show_default=True,
-              help="Longest answer when a request sets no max_tokens.")
-@click.option("--memory-file", "memory_file", metavar="STORE", type=click.Path(exists=True, dir_okay=False),
-              help="adaptive, lookahead, ouroboros: preload the memory of earlier outputs from this store.")
-@session_options
-@click.option("--quiet", is_flag=True, help="No loading notes on stderr.")
-def serve(**opts: Any) -> None:
+def serve(config: SessionConfig, store: tuple[str, ...], host: str, port: int, api_key: str | None,
+          served_model_name: str | None, batch_size: int | None) -> None:
     """Serve the model over an OpenAI-compatible HTTP API, with Predicted Outputs.
 
     POST /v1/chat/completions and /v1/completions (streaming too), GET /v1/models, /health (503
@@ -72,10 +68,10 @@ def serve(**opts: Any) -> None:
       -d '{"model": "./SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
     """
     # usage errors first: they load neither torch nor the server
-    check_count("--batch-size", opts["batch_size"], MAX_BATCH_SIZE)
-    stores = _stores(opts["stores"])
+    check_count("--batch-size", batch_size, MAX_BATCH_SIZE)
+    stores = _stores(store)
     names = list(stores) or [None]
-    config = session_config(opts, store=stores.get(names[0]))
+    config = replace(config, store=stores.get(names[0]))
     try:
         import uvicorn
 
@@ -89,18 +85,18 @@ def serve(**opts: Any) -> None:
     first = Session(config)
     by_store: dict[str | None, Session] = {names[0]: first}
     for name in names[1:]:
-        config = session_config(opts, store=stores[name], quiet=True)
+        config = replace(config, store=stores[name], quiet=True)
         by_store[name] = Session.over(first.engine, config, load_store(stores[name], first.engine, config.occurrence))
-    sessions = Sessions(by_store, model_name=opts["served_model_name"] or opts["model_path"])
-    batch_size = opts["batch_size"] or (8 if first.engine.device.type == "cpu" else 32)
-    app = create_app(sessions, batch_size=batch_size, api_key=opts["api_key"])
-    if not opts["quiet"]:
+    sessions = Sessions(by_store, model_name=served_model_name or config.model)
+    batch_size = batch_size or (8 if first.engine.device.type == "cpu" else 32)
+    app = create_app(sessions, batch_size=batch_size, api_key=api_key)
+    if not first.config.quiet:
         at_once = "one request at a time" if batch_size == 1 else f"up to {batch_size} requests at once"
-        click.echo(f"samctl: serving {sessions.model_name} (method {opts['method']}, stores: "
-                   f"{', '.join(sessions.store_names) or 'none'}) on http://{opts['host']}:{opts['port']}/v1, "
+        click.echo(f"samctl: serving {sessions.model_name} (method {config.method}, stores: "
+                   f"{', '.join(sessions.store_names) or 'none'}) on http://{host}:{port}/v1, "
                    f"{at_once}", err=True)
-    _server(app, uvicorn.Config(app, host=opts["host"], port=opts["port"],
-                                log_level="warning" if opts["quiet"] else "info")).run()
+    _server(app, uvicorn.Config(app, host=host, port=port,
+                                log_level="warning" if first.config.quiet else "info")).run()
 
 
 def _server(app: Any, config: Any) -> Any:

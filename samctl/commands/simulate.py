@@ -37,7 +37,8 @@ from samctl.index.load import load_datastore
 from samctl.index.errors import UserError
 from samctl.bench_report import report_category
 from samctl.decode.methods import method_config
-from samctl.options import method_options, parse_methods
+from samctl.config import SessionConfig
+from samctl.options import parse_methods, session_options
 from samctl.progress import progress_bar
 from samctl.textio import read_text
 from samctl.tokenizer import Tokenizer, load_store_tokenizer, load_tokenizer
@@ -46,14 +47,16 @@ _OUTPUT_FIELDS = ("output", "completion", "response", "reference")
 
 
 @click.command("simulate")
+@session_options(only=("store", "max_new_tokens", "chat", "quiet", "settings"), raw=("max_new_tokens",),
+                 exclude=("gamma", "stop_threshold", "bounds"),  # the draft-model methods replay nothing
+                 store={"help": "Static datastore (for sam and rest): a .sam file or a sharded store directory."},
+                 max_new_tokens={"default": None, "type": int, "show_default": False,
+                                 "help": "Cut references to this many tokens (default: whole references)."})
 @click.option("--traces", "traces_path", required=True, type=click.Path(exists=True, dir_okay=False),
               help="JSONL (or .json list) of prompts with reference outputs.")
-@click.option("--sam", "store_path", metavar="STORE", type=click.Path(), help="Static datastore (for sam and rest): a .sam file or a sharded store directory.")
 @click.option("--tokenizer", "tokenizer_spec", metavar="T", help="Tokenizer for text traces (default: the store's, else the embedded model's).")
 @click.option("--methods", "methods_spec", default=None, help=f"Comma-separated, from {', '.join(REPLAYABLE)} [default: adaptive,ar,pld,sam, and rest with --sam].")
-@click.option("--max-new-tokens", type=int, default=None, help="Cut references to this many tokens (default: whole references).")
 @click.option("--limit", type=int, default=None, help="Use only the first N traces.")
-@click.option("--chat", is_flag=True, help="Render text prompts with the tokenizer's chat template.")
 @click.option("--sweep", is_flag=True, help="Replay a grid of settings per method and print the best per category.")
 @click.option("--forward-ms", type=float, default=CostModel.forward_ms, show_default=True, help="Cost model: one target forward, ms.")
 @click.option("--token-cost", type=float, default=CostModel.token_cost, show_default=True, help="Cost model: extra forward cost per drafted token, as a fraction of a forward.")
@@ -61,16 +64,14 @@ _OUTPUT_FIELDS = ("output", "completion", "response", "reference")
               help="Verify-cost curve from `samctl calibrate --json` (sizes adaptive's drafts and projects speedups; "
                    "default: the linear model of --forward-ms and --token-cost).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-@method_options
-@click.option("--quiet", is_flag=True, help="No progress bar or notes on stderr.")
-def simulate(**opts: Any) -> None:
+def simulate(config: SessionConfig, max_new_tokens: int | None, **opts: Any) -> None:
     """Replay drafters against reference outputs: accepted tokens per step, without a model.
 
     \b
     samctl simulate --traces refs.jsonl --sam store.sam --methods pld,sam,rest
     samctl simulate --traces refs.jsonl --methods sam,pld --sweep
     """
-    store = load_datastore(opts["store_path"], occurrence=opts["occurrence"]) if opts["store_path"] else None
+    store = load_datastore(config.store, occurrence=config.occurrence) if config.store else None
     tokenizer = (load_store_tokenizer(store.meta, store.path, opts["tokenizer_spec"]) if store is not None
                  else load_tokenizer(opts["tokenizer_spec"]))
     default_methods = "adaptive,ar,pld,sam" + (",rest" if store is not None else "")
@@ -78,29 +79,29 @@ def simulate(**opts: Any) -> None:
     for method in methods:
         check_replayable(method)
     try:
-        traces = read_traces(Path(opts["traces_path"]), tokenizer, opts["chat"], opts["max_new_tokens"], opts["limit"])
+        traces = read_traces(Path(opts["traces_path"]), tokenizer, config.chat, max_new_tokens, opts["limit"])
     except ForeignTraceIds as err:
         if store is None:
             raise
         # --tokenizer cannot help here: the store fixes the tokenizer, and it is not the traces'.
         raise UserError(f"{err.where}: the ids come from tokenizer {err.name} (fingerprint {err.fingerprint}), but the "
-                        f"store {opts['store_path']} was built with {tokenizer.name} (fingerprint {tokenizer.fingerprint}): "
+                        f"store {config.store} was built with {tokenizer.name} (fingerprint {tokenizer.fingerprint}): "
                         f"rebuild the store with --tokenizer {err.name}, or write the traces with a model that has "
                         f"the store's tokenizer ({tokenizer.name})") from err
-    config = method_config(opts)
+    settings = method_config(config.settings)
     cost = CostModel(forward_ms=opts["forward_ms"], token_cost=opts["token_cost"])
     if opts["cost_curve"]:
         from samctl.costs import read_cost_curve
 
         cost = CostModel.from_curve(read_cost_curve(opts["cost_curve"]))
-    sim = _Simulation(traces, store, tokenizer, cost, opts["quiet"])
+    sim = _Simulation(traces, store, tokenizer, cost, config.quiet)
     if opts["sweep"]:
-        result = sim.sweep(methods, config)
+        result = sim.sweep(methods, settings)
         click.echo(json.dumps(result, indent=1) if opts["as_json"] else _sweep_table(result))
         return
-    results = {m: sim.run(m, config) for m in methods}
-    report = {"traces": len(traces), "store": opts["store_path"], "tokenizer": tokenizer.name,
-              "cost_model": asdict(cost), "config": asdict(config),
+    results = {m: sim.run(m, settings) for m in methods}
+    report = {"traces": len(traces), "store": config.store, "tokenizer": tokenizer.name,
+              "cost_model": asdict(cost), "config": asdict(settings),
               "methods": {m: {c: t.to_dict(cost) for c, t in r.items()} for m, r in results.items()}}
     click.echo(json.dumps(report, indent=1) if opts["as_json"] else _results_table(report))
 

@@ -4,8 +4,8 @@
     samctl train sdsat     an SDSAT fine-tune of a target model (sdsat)
     samctl train acc-head  a SpecDec++ acceptance head for a target and draft pair (specdec++)
 
-Each trainer keeps its own argparse command line (`samctl train eagle --help` lists it); this
-command only hands the arguments over, so the trainer modules stay importable and testable alone.
+Each trainer module has its own command, an option per field of its frozen settings (`samctl train
+eagle --help`); this command only hands the arguments over, so trainers stay importable alone.
 """
 from __future__ import annotations
 

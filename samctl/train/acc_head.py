@@ -28,16 +28,13 @@
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import os
 import random
 import shlex
 import sys
 import time
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from dataclasses import dataclass
 
 import torch
 
@@ -46,48 +43,50 @@ from samctl.decode.acceptance_head import (AcceptanceHead, Examples, HeadConfig,
 from samctl.decode.configs import SamplingConfig
 from samctl.index.errors import UserError
 from samctl.heads import model_fingerprint, save_head
+from samctl.config import arg
+from samctl.options import run_config_command
 from samctl.models import Engine, load_draft
 from samctl.train.answers import own_answers, trainer_engine
 from samctl.train.prompts import Prompt, read_prompts
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="samctl train acc-head", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", required=True, help="target model folder")
-    ap.add_argument("--draft", required=True, help="draft model folder (same tokenizer)")
-    ap.add_argument("--prompts", action="append", required=True, metavar="INPUT",
-                    help="training prompts: any input samctl build reads (folder, Alpaca / GSM8K / Spec-Bench "
-                         "JSON(L), Parquet, hf:NAME, -); each record's first user turn; repeatable")
-    ap.add_argument("--field", action="append", default=[], help="read prompts from this record field (repeatable)")
-    ap.add_argument("--out", required=True, help="folder for head.safetensors + head.json")
-    ap.add_argument("--num-prompts", type=int, default=300)
-    ap.add_argument("--heldout", type=float, default=0.1, help="share of prompts kept for the held-out loss")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts are skipped")
-    ap.add_argument("--response-temperature", type=float, default=1.0, help="target responses: 0 = greedy")
-    ap.add_argument("--response-batch", type=int, default=16, help="responses written at once by the batched engine")
-    ap.add_argument("--cache", default="", help="folder for the responses (reused when model, prompts and settings match)")
-    ap.add_argument("--no-chat", action="store_true", help="do not apply the tokenizer's chat template")
-    ap.add_argument("--label-mode", choices=["sample", "greedy"], default="sample",
-                    help="sample: z ~ q at T=1, label min(1, p/q) (paper); greedy: z = argmax q, label 1[argmax p = z]")
-    ap.add_argument("--mixing-ratio", type=float, default=0.15)
-    ap.add_argument("--weight-mismatch", type=float, default=6.0)
-    ap.add_argument("--blocks", type=int, default=3, help="residual blocks")
-    ap.add_argument("--independent-blocks", action="store_true", help="one weight set per block (default: shared)")
-    ap.add_argument("--steps", type=int, default=2000, help="optimizer steps")
-    ap.add_argument("--batch-size", type=int, default=256)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    return ap.parse_args(argv)
+@dataclass(frozen=True)
+class AccHeadTrainConfig:
+    """`samctl train acc-head`'s settings (the optimizer's defaults TrainConfig's), recorded in head.json."""
+
+    target: str = arg(help="target model folder")
+    draft: str = arg(help="draft model folder (same tokenizer)")
+    prompts: tuple[str, ...] = arg(help="training prompts: any input samctl build reads (folder, Alpaca / GSM8K / "
+                                   "Spec-Bench JSON(L), Parquet, hf:NAME, -); each record's first user turn; repeatable",
+                                   multiple=True, metavar="INPUT")
+    out: str = arg(help="folder for head.safetensors + head.json")
+    field: tuple[str, ...] = arg((), "read prompts from this record field (repeatable)", multiple=True)
+    num_prompts: int = arg(300, "prompts read (training, validation and held out)")
+    heldout: float = arg(0.1, "share of prompts kept for the held-out loss")
+    max_new_tokens: int = arg(128, "length of the target's responses")
+    max_prompt_tokens: int = arg(384, "longer prompts are skipped")
+    response_temperature: float = arg(1.0, "target responses: 0 = greedy")
+    response_batch: int = arg(16, "responses written at once by the batched engine")
+    cache: str = arg("", "folder for the responses (reused when model, prompts and settings match)")
+    no_chat: bool = arg(False, "do not apply the tokenizer's chat template")
+    label_mode: str = arg("sample", "sample: z ~ q at T=1, label min(1, p/q) (paper); greedy: z = argmax q, label "
+                          "1[argmax p = z]", choices=("sample", "greedy"))
+    mixing_ratio: float = arg(TrainConfig.mixing_ratio, "share of drafted positions replaced by target tokens")
+    weight_mismatch: float = arg(TrainConfig.weight_mismatch, "loss weight of the rejected class")
+    blocks: int = arg(3, "residual blocks")
+    independent_blocks: bool = arg(False, "one weight set per block (default: shared)")
+    steps: int = arg(TrainConfig.steps, "optimizer steps")
+    batch_size: int = arg(TrainConfig.batch_size, "examples per optimizer step")
+    lr: float = arg(TrainConfig.lr, "learning rate")
+    seed: int = arg(TrainConfig.seed, "seed of the prompt order, the responses and the training")
+    device: str = arg("cpu", "cpu, cuda or cuda:N")
+    threads: int = arg(0, "torch CPU threads (0: torch's default)")
 
 
 def examples_for(engine: Engine, draft, prompts: list[list[int]], responses: list[list[int]],
-                 args: argparse.Namespace, generator: torch.Generator) -> Examples:
-    parts = [collect_examples(engine.model, draft.model, p, r, args.mixing_ratio, generator,
-                              greedy=args.label_mode == "greedy")
+                 config: AccHeadTrainConfig, generator: torch.Generator) -> Examples:
+    parts = [collect_examples(engine.model, draft.model, p, r, config.mixing_ratio, generator,
+                              greedy=config.label_mode == "greedy")
              for p, r in zip(prompts, responses)]
     return Examples.concat([part for part in parts if len(part)])
 
@@ -111,67 +110,71 @@ def correlation(head: AcceptanceHead, examples: Examples) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    train_config = TrainConfig(mixing_ratio=args.mixing_ratio, weight_mismatch=args.weight_mismatch,
-                               steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
-    start = time.perf_counter()
-    engine = trainer_engine(args, args.target)
-    draft = load_draft(args.draft, engine)
-    chat = not args.no_chat and bool(getattr(engine.tokenizer, "chat_template", None))
+    """`samctl train acc-head ARGS...`: the summary, also written into the head's head.json."""
+    return run_config_command(argv, "acc-head", AccHeadTrainConfig, run, __doc__.split("\n\n")[0])
 
-    texts = [p.turns[0] for p in read_prompts(args.prompts, args.field) if p.turns and p.turns[0].strip()]
+
+def run(config: AccHeadTrainConfig) -> dict:
+    train_config = TrainConfig(mixing_ratio=config.mixing_ratio, weight_mismatch=config.weight_mismatch,
+                               steps=config.steps, batch_size=config.batch_size, lr=config.lr, seed=config.seed)
+    start = time.perf_counter()
+    engine = trainer_engine(config, config.target)
+    draft = load_draft(config.draft, engine)
+    chat = not config.no_chat and bool(getattr(engine.tokenizer, "chat_template", None))
+
+    texts = [p.turns[0] for p in read_prompts(config.prompts, config.field) if p.turns and p.turns[0].strip()]
     if not texts:
-        raise UserError(f"no prompts in {', '.join(args.prompts)}: pass records with a user turn (--field to pick one)")
-    random.Random(args.seed).shuffle(texts)
-    room = min(engine.target.max_positions, draft.max_positions) - args.max_new_tokens
-    texts = [t for t in texts[: args.num_prompts] if 0 < len(engine.encode(t, chat)) < room]
+        raise UserError(f"no prompts in {', '.join(config.prompts)}: pass records with a user turn (--field to pick one)")
+    random.Random(config.seed).shuffle(texts)
+    room = min(engine.target.max_positions, draft.max_positions) - config.max_new_tokens
+    texts = [t for t in texts[: config.num_prompts] if 0 < len(engine.encode(t, chat)) < room]
 
     tic = time.perf_counter()
     # the target's samples at --response-temperature; prompts longer than --max-prompt-tokens are left out
-    answers = own_answers(engine, [Prompt("corpus", (text,)) for text in texts], chat, cache=args.cache,
-                          name="acc-head", max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                          batch_size=args.response_batch, settings=(args.response_temperature, args.seed),
-                          sampling=SamplingConfig(temperature=args.response_temperature, seed=args.seed))
+    answers = own_answers(engine, [Prompt("corpus", (text,)) for text in texts], chat, cache=config.cache,
+                          name="acc-head", max_new_tokens=config.max_new_tokens, max_prompt_tokens=config.max_prompt_tokens,
+                          batch_size=config.response_batch, settings=(config.response_temperature, config.seed),
+                          sampling=SamplingConfig(temperature=config.response_temperature, seed=config.seed))
     encoded, responses = [a.prompt_ids for a in answers], [a.output_ids for a in answers]
     respond_s = time.perf_counter() - tic
-    n_heldout = max(1, round(args.heldout * len(encoded)))
+    n_heldout = max(1, round(config.heldout * len(encoded)))
     n_valid = max(1, round(0.1 * (len(encoded) - n_heldout)))
     if len(encoded) - n_heldout - n_valid < 1:
         raise UserError(f"only {len(encoded)} usable prompts: give more with --num-prompts or raise --max-prompt-tokens")
-    generator = torch.Generator().manual_seed(args.seed)
+    generator = torch.Generator().manual_seed(config.seed)
     tic = time.perf_counter()
     parts = {}
     for name, lo, hi in (("heldout", 0, n_heldout), ("valid", n_heldout, n_heldout + n_valid),
                          ("train", n_heldout + n_valid, len(encoded))):
-        parts[name] = examples_for(engine, draft, encoded[lo:hi], responses[lo:hi], args, generator)
+        parts[name] = examples_for(engine, draft, encoded[lo:hi], responses[lo:hi], config, generator)
     heldout, valid, train = parts["heldout"], parts["valid"], parts["train"]
     collect_s = time.perf_counter() - tic
 
-    head = AcceptanceHead(HeadConfig(draft.hidden_size, args.blocks, not args.independent_blocks))
-    before = evaluate_head(head, heldout, args.weight_mismatch)
+    head = AcceptanceHead(HeadConfig(draft.hidden_size, config.blocks, not config.independent_blocks))
+    before = evaluate_head(head, heldout, config.weight_mismatch)
     tic = time.perf_counter()
     history = train_head(head, train, train_config, valid if len(valid) else None)
     train_s = time.perf_counter() - tic
-    after = evaluate_head(head, heldout, args.weight_mismatch)
+    after = evaluate_head(head, heldout, config.weight_mismatch)
 
     summary = {
-        "command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-        "target": args.target, "draft": args.draft, "prompts": args.prompts,
+        "command": "samctl train acc-head " + shlex.join(sys.argv[3:] if sys.argv[1:3] == ["train", "acc-head"] else []),
+        "target": config.target, "draft": config.draft, "prompts": config.prompts,
         "prompts_used": {"train": len(encoded) - n_heldout - n_valid, "valid": n_valid, "heldout": n_heldout},
         "response_tokens": sum(len(r) for r in responses),
         "examples": {"train": len(train), "valid": len(valid), "heldout": len(heldout)},
         "mean_label": {"train": round(float(train.labels.mean()), 4),
                        "heldout": round(float(heldout.labels.mean()), 4) if len(heldout) else None},
-        "heldout_loss": {"untrained": round(before, 5), "constant": round(constant_loss(train, heldout, args.weight_mismatch), 5),
+        "heldout_loss": {"untrained": round(before, 5), "constant": round(constant_loss(train, heldout, config.weight_mismatch), 5),
                          "trained": round(after, 5)},
         "heldout_correlation": round(correlation(head, heldout), 4),
         "train_loss": {"first_pass": round(history[0], 5), "last_pass": round(history[-1], 5)},
-        "config": {"args": vars(args), "train": dataclasses.asdict(train_config)},
+        "config": {"args": dataclasses.asdict(config), "train": dataclasses.asdict(train_config)},
         "seconds": {"responses": round(respond_s, 1), "examples": round(collect_s, 1), "training": round(train_s, 1),
                     "total": round(time.perf_counter() - start, 1)},
         "torch": torch.__version__,
     }
-    save_head(args.out, head, model_fingerprint(engine.model, engine.tokenizer),
+    save_head(config.out, head, model_fingerprint(engine.model, engine.tokenizer),
               model_fingerprint(draft.model, engine.tokenizer), summary)
     print(json.dumps(summary, indent=2))
     return summary

@@ -17,7 +17,7 @@ the datasets' human answers are another distribution.
 - `answering_session(engine, ...)`: a session over a trainer's already loaded engine to answer with;
   `own_answers(engine, ...)`: write_answers on one, in a file named by the model, prompts and
   settings (under --cache, else a scratch folder).
-- `trainer_engine(args, model)`: how every trainer starts (threads, seed, the model to train).
+- `trainer_engine(config, model)`: how every trainer starts (threads, seed, the model to train).
 
 Knows a session (model, tokenizer, EOS ids) and token ids; never the training objectives.
 """
@@ -91,14 +91,14 @@ def own_answers(engine: Engine, prompts: Sequence["Prompt"], chat: bool, *, cach
                              sampling=sampling)
 
 
-def trainer_engine(args, model: str) -> Engine:
+def trainer_engine(config, model: str) -> Engine:
     """A trainer's start: torch threads (--threads) and seed (--seed) set, then the model loaded in
     float32 on unpacked weights (prepacked ones do not train) and transformers' forward (the native one
     reads the weights once, and a trainer changes them), never printing the embedded-model note."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    return load_engine(model, args.device, "float32", prepack=False, backend="hf")
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    torch.manual_seed(config.seed)
+    return load_engine(model, config.device, "float32", prepack=False, backend="hf")
 
 
 def read_answers(path: Path) -> dict[tuple[int, int], Answer]:

@@ -39,7 +39,6 @@ only changes where the forwards run and allows larger --max-tokens / --batch-tok
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -48,9 +47,8 @@ import random
 import shlex
 import sys
 import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
 import torch
@@ -63,23 +61,72 @@ from samctl.decode.simulate import Tally, make_trace, replay
 from samctl.index.errors import UserError
 from samctl.heads import model_fingerprint, save_eagle_head
 from samctl.gguf_cache import cache_dir
+from samctl.config import arg
+from samctl.options import run_config_command
 from samctl.models import Engine
 from samctl.train.answers import Answer, answers_key, trainer_engine, write_answers
 from samctl.train.prompts import Prompt, drop_excluded, mixture, read_prompts
 
 
-def read_training_prompts(args) -> tuple[list[Prompt], dict]:
+@dataclass(frozen=True)
+class EagleTrainConfig:
+    """`samctl train eagle`'s settings, recorded in the head's eagle.json."""
+
+    model: str = arg(help="target model folder or .gguf")
+    out: str = arg(help="head folder to write")
+    prompts: tuple[str, ...] = arg((), "training prompts: any input samctl build reads (folder, JSON/JSONL/Parquet "
+                                   "records, hf:NAME, -); a record's user turns are answered one after the other; "
+                                   "repeatable", multiple=True, metavar="INPUT")
+    field: tuple[str, ...] = arg((), "read prompts from this record field (repeatable)", multiple=True)
+    mixture: str | None = arg(None, "the built-in mixture (samctl/train/prompts.py): math, code, role-play, two-turn "
+                              "chat from the instruction sets in DIR (gsm8k_train.jsonl, codealpaca.json, "
+                              "gpteacher_roleplay.json; any may be absent), translation and summarization from local "
+                              "text", metavar="DIR")
+    cache: str | None = arg(None, "folder for the self-written answers and target features, reused by later runs "
+                            "[default: samctl's cache, $SAMCTL_CACHE or ~/.cache/samctl]")
+    max_tokens: int = arg(150_000, "training + held-out tokens (prompts and answers)")
+    max_new_tokens: int = arg(256, "longest self-written answer")
+    answer_method: str = arg(DEFAULT_METHOD, "lossless method of the batched engine that writes the answers "
+                             "(greedy: any gives the same)")
+    batch_size: int = arg(32, "answers written at once by the batched engine")
+    answer_minutes: float | None = arg(None, "stop writing answers after this long (a rerun goes on where this one "
+                                       "stopped)", type=float)
+    exclude: tuple[str, ...] = arg((), "prompts with a turn of these inputs never enter training (Spec-Bench's "
+                                   "question.jsonl); repeatable", multiple=True, metavar="INPUT")
+    baseline_head: str | None = arg(None, "an earlier head of the same target: its held-out top-1 on this run's "
+                                    "held-out set")
+    max_len: int = arg(768, "longest sequence (tokens)")
+    heldout: int = arg(60, "sequences kept apart for the held-out accuracy")
+    max_steps: int = arg(2000, "optimizer steps")
+    minutes: float | None = arg(None, "stop training after this long (the report records the steps)", type=float)
+    batch_tokens: int = arg(2048, "tokens per training batch")
+    lr: float = arg(1e-3, "peak learning rate")
+    warmup: int = arg(50, "warm-up steps")
+    draft_vocab: int = arg(0, "draft only the N most frequent target tokens (cheaper head forwards on a large "
+                           "vocabulary); 0 = all")
+    noise: float = arg(0.2, "uniform feature noise width (EAGLE: 0.2)")
+    replay: str | None = arg(None, "reference traces (prompt_ids, output_ids) to replay")
+    replay_max_new_tokens: int = arg(256, "reference tokens replayed per trace")
+    replay_only: bool = arg(False, "no training: replay the head already in --out")
+    cost: str | None = arg(None, "verify-cost curve JSON ({t_ms: [...]}, samctl calibrate --json) to size replayed "
+                           "trees (default: the linear GPU-like curve, 0.5% per node)")
+    device: str = arg("auto", "auto, cpu, cuda or cuda:N")
+    threads: int | None = arg(None, "torch CPU threads (default: torch's choice)", type=int)
+    seed: int = arg(0, "seed of the prompt mixture, the batches and the head's initialization")
+
+
+def read_training_prompts(config: EagleTrainConfig) -> tuple[list[Prompt], dict]:
     """--prompts inputs, then the built-in --mixture, less every prompt with a turn of --exclude."""
-    prompts = read_prompts(args.prompts, args.field) if args.prompts else []
-    if args.mixture is not None:
-        prompts += mixture(args.mixture, args.seed)
+    prompts = read_prompts(config.prompts, config.field) if config.prompts else []
+    if config.mixture is not None:
+        prompts += mixture(Path(config.mixture), config.seed)
     if not prompts:
         raise UserError("no training prompts: pass --prompts INPUT (any input samctl build reads) or --mixture DIR")
-    prompts, dropped = drop_excluded(prompts, args.exclude)
+    prompts, dropped = drop_excluded(prompts, config.exclude)
     return prompts, {"prompts": len(prompts), "excluded_prompts": dropped}
 
 
-def write_training_answers(args, prompts: list[Prompt], fingerprint: dict, log) -> tuple[list[Answer], dict]:
+def write_training_answers(config: EagleTrainConfig, prompts: list[Prompt], fingerprint: dict, log) -> tuple[list[Answer], dict]:
     """The target's own greedy answers to `prompts`, through the batched engine (--answer-method,
     --batch-size), appended to cache/answers-<key>.jsonl as they finish, until --max-tokens or
     --answer-minutes; a rerun reuses the file. Its own session: prepacked weights answer faster,
@@ -87,21 +134,21 @@ def write_training_answers(args, prompts: list[Prompt], fingerprint: dict, log) 
     from samctl.config import SessionConfig
     from samctl.session import Session
 
-    max_prompt = args.max_len // 2
-    key = answers_key(fingerprint, prompts, args.max_new_tokens, max_prompt)
-    path = Path(args.cache) / f"answers-{key}.jsonl"
-    session = Session(SessionConfig(model=args.model, device=args.device, dtype="float32", threads=args.threads,
-                                    method=args.answer_method, max_new_tokens=args.max_new_tokens, quiet=True))
-    session = session.for_method(args.answer_method, chat=bool(getattr(session.engine.tokenizer, "chat_template", None)))
-    deadline = time.time() + 60 * args.answer_minutes if args.answer_minutes else None
+    max_prompt = config.max_len // 2
+    key = answers_key(fingerprint, prompts, config.max_new_tokens, max_prompt)
+    path = Path(config.cache) / f"answers-{key}.jsonl"
+    session = Session(SessionConfig(model=config.model, device=config.device, dtype="float32", threads=config.threads,
+                                    method=config.answer_method, max_new_tokens=config.max_new_tokens, quiet=True))
+    session = session.for_method(config.answer_method, chat=bool(getattr(session.engine.tokenizer, "chat_template", None)))
+    deadline = time.time() + 60 * config.answer_minutes if config.answer_minutes else None
     tic = time.time()
-    answers = write_answers(session, prompts, path, batch_size=args.batch_size, max_prompt_tokens=max_prompt,
-                            max_tokens=args.max_tokens, deadline=deadline, log=log)
+    answers = write_answers(session, prompts, path, batch_size=config.batch_size, max_prompt_tokens=max_prompt,
+                            max_tokens=config.max_tokens, deadline=deadline, log=log)
     kinds: dict[str, int] = {}
     for answer in answers:
         kinds[answer.kind] = kinds.get(answer.kind, 0) + answer.tokens
-    record = {"answers": str(path), "answers_key": key, "answer_method": args.answer_method,
-              "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "turns": len(answers),
+    record = {"answers": str(path), "answers_key": key, "answer_method": config.answer_method,
+              "batch_size": config.batch_size, "max_new_tokens": config.max_new_tokens, "turns": len(answers),
               "tokens_by_kind": kinds, "answer_seconds_this_run": round(time.time() - tic, 1),
               "answers_ending_in_eos": sum(bool(a.output_ids) and a.output_ids[-1] in session.engine.eos_token_ids
                                           for a in answers)}
@@ -221,21 +268,21 @@ def evaluate(head: EagleHead, batches: Batches, pool: list[int], device) -> dict
             "positions": int(count)}
 
 
-def train(head: EagleHead, batches: Batches, train_pool: list[int], args, log) -> dict:
+def train(head: EagleHead, batches: Batches, train_pool: list[int], config: EagleTrainConfig, log) -> dict:
     params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    deadline = time.time() + 60 * args.minutes if args.minutes else math.inf
-    steps = args.max_steps
+    opt = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    deadline = time.time() + 60 * config.minutes if config.minutes else math.inf
+    steps = config.max_steps
     tic, step, seen, last_log = time.time(), 0, 0, time.time()
     head.train()
     while step < steps and time.time() < deadline:
         # the schedule follows whichever budget ends first: steps or the clock
-        progress = min(1.0, max(step / steps, (time.time() - tic) / (60 * args.minutes) if args.minutes else 0.0))
-        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        progress = min(1.0, max(step / steps, (time.time() - tic) / (60 * config.minutes) if config.minutes else 0.0))
+        lr = config.lr * min(1.0, (step + 1) / config.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
         for group in opt.param_groups:
             group["lr"] = lr
-        f, t, c, w = batches.batch(batches.sample(train_pool), args.device)
-        loss, stats = eagle_loss(head, f, t, c, w, noise=args.noise)
+        f, t, c, w = batches.batch(batches.sample(train_pool), head.fc.weight.device)
+        loss, stats = eagle_loss(head, f, t, c, w, noise=config.noise)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_value_(params, 0.5)
@@ -282,116 +329,76 @@ def replay_traces(engine: Engine, head: EagleHead, path: Path, cost: np.ndarray 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="samctl train eagle", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="target model folder or .gguf")
-    p.add_argument("--out", required=True, help="head folder to write")
-    p.add_argument("--prompts", action="append", default=[], metavar="INPUT",
-                   help="training prompts: any input samctl build reads (folder, JSON/JSONL/Parquet records, "
-                        "hf:NAME, -); a record's user turns are answered one after the other; repeatable")
-    p.add_argument("--field", action="append", default=[], help="read prompts from this record field (repeatable)")
-    p.add_argument("--mixture", type=Path, default=None, metavar="DIR",
-                   help="the built-in mixture (samctl/train/prompts.py): math, code, role-play, two-turn chat "
-                        "from the instruction sets in DIR (gsm8k_train.jsonl, codealpaca.json, "
-                        "gpteacher_roleplay.json; any may be absent), translation and summarization from local text")
-    p.add_argument("--cache", default=str(cache_dir() / "train-eagle"),
-                   help="folder for the self-written answers and target features, reused by later runs "
-                        "[default: samctl's cache, $SAMCTL_CACHE or ~/.cache/samctl]")
-    p.add_argument("--max-tokens", type=int, default=150_000, help="training + held-out tokens (prompts and answers)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="longest self-written answer")
-    p.add_argument("--answer-method", default="adaptive",
-                   help="lossless method of the batched engine that writes the answers (greedy: any gives the same)")
-    p.add_argument("--batch-size", type=int, default=32, help="answers written at once by the batched engine")
-    p.add_argument("--answer-minutes", type=float, default=None,
-                   help="stop writing answers after this long (a rerun goes on where this one stopped)")
-    p.add_argument("--exclude", action="append", default=[], metavar="INPUT",
-                   help="prompts with a turn of these inputs never enter training (Spec-Bench's question.jsonl); repeatable")
-    p.add_argument("--baseline-head", type=Path, default=None,
-                   help="an earlier head of the same target: its held-out top-1 on this run's held-out set")
-    p.add_argument("--max-len", type=int, default=768, help="longest sequence (tokens)")
-    p.add_argument("--heldout", type=int, default=60, help="sequences kept apart for the held-out accuracy")
-    p.add_argument("--max-steps", type=int, default=2000)
-    p.add_argument("--minutes", type=float, default=None, help="stop training after this long (the report records the steps)")
-    p.add_argument("--batch-tokens", type=int, default=2048)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--draft-vocab", type=int, default=0,
-                   help="draft only the N most frequent target tokens (cheaper head forwards on a large vocabulary); 0 = all")
-    p.add_argument("--noise", type=float, default=0.2, help="uniform feature noise width (EAGLE: 0.2)")
-    p.add_argument("--replay", type=Path, default=None, help="reference traces (prompt_ids, output_ids) to replay")
-    p.add_argument("--replay-max-new-tokens", type=int, default=256)
-    p.add_argument("--replay-only", action="store_true", help="no training: replay the head already in --out")
-    p.add_argument("--cost", type=Path, default=None,
-                   help="verify-cost curve JSON ({t_ms: [...]}, samctl calibrate --json) to size replayed trees "
-                        "(default: the linear GPU-like curve, 0.5%% per node)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    """`samctl train eagle ARGS...`: the report, also written into the head's eagle.json."""
+    return run_config_command(argv, "eagle", EagleTrainConfig, run, __doc__.split("\n\n")[0])
 
+
+def run(config: EagleTrainConfig) -> dict:
     def log(text: str) -> None:
         print(f"[train_eagle {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
-    engine = trainer_engine(args, args.model)
-    args.device = engine.device
+    config = replace(config, cache=config.cache or str(cache_dir() / "train-eagle"))
+    engine = trainer_engine(config, config.model)
+    traces = Path(config.replay) if config.replay is not None else None
     cost = None
-    if args.cost is not None:
-        cost = relative_cost(json.loads(args.cost.read_text(encoding="utf-8"))["t_ms"])
-    if args.replay_only:  # measure an existing head (--out) on --replay, e.g. under another cost curve
+    if config.cost is not None:
+        cost = relative_cost(json.loads(Path(config.cost).read_text(encoding="utf-8"))["t_ms"])
+    if config.replay_only:  # measure an existing head (--out) on --replay, e.g. under another cost curve
         from samctl.heads import load_eagle_head
 
-        head = load_eagle_head(args.out, engine.model, model_fingerprint(engine.model, engine.tokenizer))
-        result = {"head": args.out, "file": str(args.replay), "cost": str(args.cost),
-                  **replay_traces(engine, head, args.replay, cost, args.replay_max_new_tokens, EagleConfig())}
+        head = load_eagle_head(config.out, engine.model, model_fingerprint(engine.model, engine.tokenizer))
+        result = {"head": config.out, "file": str(config.replay), "cost": str(config.cost),
+                  **replay_traces(engine, head, traces, cost, config.replay_max_new_tokens, EagleConfig())}
         print(json.dumps(result, indent=2))
         return result
     for param in engine.model.parameters():
         param.requires_grad_(False)
     fingerprint = model_fingerprint(engine.model, engine.tokenizer)
-    prompts, selection = read_training_prompts(args)
-    answers, written = write_training_answers(args, prompts, fingerprint, log)
+    prompts, selection = read_training_prompts(config)
+    answers, written = write_training_answers(config, prompts, fingerprint, log)
     selection.update(written)
-    seqs, prompt_lens = _take(((np.asarray((a.prompt_ids + a.output_ids)[: args.max_len], dtype=np.int64),
-                                len(a.prompt_ids)) for a in answers), args.max_tokens)
-    features, choices = cached_features(engine, seqs, Path(args.cache), json.dumps(fingerprint, sort_keys=True), log)
+    seqs, prompt_lens = _take(((np.asarray((a.prompt_ids + a.output_ids)[: config.max_len], dtype=np.int64),
+                                len(a.prompt_ids)) for a in answers), config.max_tokens)
+    features, choices = cached_features(engine, seqs, Path(config.cache), json.dumps(fingerprint, sort_keys=True), log)
     offsets = np.concatenate(([0], np.cumsum([len(s) for s in seqs])[:-1]))
-    heldout = list(range(min(args.heldout, len(seqs) // 5)))
+    heldout = list(range(min(config.heldout, len(seqs) // 5)))
     train_pool = list(range(len(heldout), len(seqs)))
-    batches = Batches(seqs, prompt_lens, offsets, features, choices, args.batch_tokens, args.seed)
+    batches = Batches(seqs, prompt_lens, offsets, features, choices, config.batch_tokens, config.seed)
     vocab = None
-    if 0 < args.draft_vocab < engine.vocab_size:  # the most frequent target choices of the training part
+    if 0 < config.draft_vocab < engine.vocab_size:  # the most frequent target choices of the training part
         chosen = np.concatenate([seqs[i][prompt_lens[i]:] for i in train_pool or heldout])
         counts = torch.bincount(torch.from_numpy(chosen), minlength=engine.vocab_size)
-        vocab = counts.topk(args.draft_vocab).indices.sort().values
-        log(f"draft vocabulary: {args.draft_vocab} tokens cover {float(counts[vocab].sum() / counts.sum()):.3f} "
+        vocab = counts.topk(config.draft_vocab).indices.sort().values
+        log(f"draft vocabulary: {config.draft_vocab} tokens cover {float(counts[vocab].sum() / counts.sum()):.3f} "
             "of the target's choices")
     baseline = None
-    if args.baseline_head is not None:  # an earlier head on the same held-out positions
+    if config.baseline_head is not None:  # an earlier head on the same held-out positions
         from samctl.heads import load_eagle_head
 
-        baseline = evaluate(load_eagle_head(args.baseline_head, engine.model, fingerprint), batches, heldout,
+        baseline = evaluate(load_eagle_head(config.baseline_head, engine.model, fingerprint), batches, heldout,
                             engine.device)
-        log(f"baseline head {args.baseline_head}: held-out top1 {baseline['top1']}")
+        log(f"baseline head {config.baseline_head}: held-out top1 {baseline['top1']}")
     head = EagleHead(engine.model, vocab=vocab).to(engine.device)
     before = evaluate(head, batches, heldout, engine.device)
     log(f"{len(seqs)} sequences ({int(sum(map(len, seqs)))} tokens), {len(heldout)} held out; untrained top1 {before['top1']}")
-    run = train(head, batches, train_pool, args, log)
+    run = train(head, batches, train_pool, config, log)
     after = evaluate(head, batches, heldout, engine.device)
     log(f"trained {run['steps']} steps in {run['seconds']} s: held-out top1 {after['top1']}")
     report = {
-        "command": "python " + shlex.join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
-        "model": str(args.model), "data": {"prompts_from": args.prompts, "mixture": str(args.mixture),
-                                           "exclude": args.exclude, "sequences": len(seqs),
+        "command": "samctl train eagle " + shlex.join(sys.argv[3:] if sys.argv[1:3] == ["train", "eagle"] else []),
+        "model": str(config.model), "data": {"prompts_from": config.prompts, "mixture": config.mixture,
+                                           "exclude": config.exclude, "sequences": len(seqs),
                                            "tokens": int(sum(map(len, seqs))), "heldout_sequences": len(heldout),
                                            **selection},
-        "config": {k: (str(v) if isinstance(v, (Path, torch.device)) else v) for k, v in vars(args).items()},
+        "config": asdict(config),
         "run": run, "heldout_before": before, "heldout": after, "torch": torch.__version__,
-        **({"heldout_baseline": {"head": str(args.baseline_head), **baseline}} if baseline is not None else {}),
+        **({"heldout_baseline": {"head": str(config.baseline_head), **baseline}} if baseline is not None else {}),
     }
-    save_eagle_head(args.out, head, fingerprint, report)
-    if args.replay is not None:
+    save_eagle_head(config.out, head, fingerprint, report)
+    if traces is not None:
         head.eval()
-        report["replay"] = {"file": str(args.replay), "cost": str(args.cost),
-                            **replay_traces(engine, head, args.replay, cost, args.replay_max_new_tokens, EagleConfig())}
-        save_eagle_head(args.out, head, fingerprint, report)
+        report["replay"] = {"file": str(config.replay), "cost": str(config.cost),
+                            **replay_traces(engine, head, traces, cost, config.replay_max_new_tokens, EagleConfig())}
+        save_eagle_head(config.out, head, fingerprint, report)
     print(json.dumps(report, indent=2))
     return report

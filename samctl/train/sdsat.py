@@ -37,18 +37,15 @@
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import math
-import os
 import random
 import shlex
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
 import torch
@@ -56,6 +53,8 @@ import torch.nn.functional as F
 
 from samctl.decode.sdsat import IGNORE, SatSettings, make_batch, sample_anchors, write_settings
 from samctl.index.errors import UserError
+from samctl.config import arg
+from samctl.options import run_config_command
 from samctl.models import Engine
 from samctl.train.answers import own_answers, trainer_engine
 from samctl.train.prompts import Prompt, read_prompts
@@ -63,60 +62,60 @@ from samctl.train.prompts import Prompt, read_prompts
 NEW_SAT_TOKEN = "<|sat|>"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="samctl train sdsat", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="model folder or .gguf file to fine-tune")
-    ap.add_argument("--out", required=True, help="folder for the fine-tuned model")
-    ap.add_argument("--data", nargs="+", required=True, metavar="INPUT",
-                    help="training prompts: any input samctl build reads (folder, Alpaca / GSM8K / Spec-Bench "
-                         "JSON(L), Parquet, hf:NAME, -); each record's first user turn")
-    ap.add_argument("--field", action="append", default=[], help="read prompts from this record field (repeatable)")
-    ap.add_argument("--num-prompts", type=int, default=1200)
-    ap.add_argument("--heldout", type=int, default=48, help="prompts kept apart for the report")
-    ap.add_argument("--responses", choices=("self", "data"), default="self",
-                    help="self: the model's own greedy answers (default); data: the records' answers")
-    ap.add_argument("--max-new-tokens", type=int, default=128, help="length of self-written answers")
-    ap.add_argument("--response-batch", type=int, default=16, help="answers written at once by the batched engine")
-    ap.add_argument("--seq-len", type=int, default=320, help="prompt + answer tokens kept per sequence")
-    ap.add_argument("--sat-count", type=int, default=5, help="k: SAT slots per block")
-    ap.add_argument("--sat-token", default="", help="token used as the SAT (default: chosen, see above)")
-    ap.add_argument("--blocks", type=int, default=16, help="SAT blocks per sequence")
-    ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--sat-weight", type=float, default=1.0)
-    ap.add_argument("--keep-standard", choices=("kl", "ce"), default="kl",
-                    help="standard-token term: KL to the original model (default) or CE on the answers")
-    ap.add_argument("--standard-weight", type=float, default=1.0)
-    ap.add_argument("--cache", default="", help="folder for the self-written answers (reused when model, prompts and settings match)")
-    ap.add_argument("--train-layers", type=int, default=0, help="train the top N layers only (0 = all)")
-    ap.add_argument("--freeze-sat-embedding", action="store_true")
-    ap.add_argument("--max-steps", type=int, default=1000)
-    ap.add_argument("--max-minutes", type=float, default=55.0, help="stop training after this long")
-    ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-chat", action="store_true", help="do not apply the tokenizer's chat template")
-    return ap.parse_args(argv)
+@dataclass(frozen=True)
+class SdsatTrainConfig:
+    """`samctl train sdsat`'s settings, recorded in the fine-tuned model's config and report."""
+
+    model: str = arg(help="model folder or .gguf file to fine-tune")
+    out: str = arg(help="folder for the fine-tuned model")
+    data: tuple[str, ...] = arg(help="training prompts: any input samctl build reads (folder, Alpaca / GSM8K / "
+                                "Spec-Bench JSON(L), Parquet, hf:NAME, -); each record's first user turn; one or more",
+                                nargs="+", metavar="INPUT")
+    field: tuple[str, ...] = arg((), "read prompts from this record field (repeatable)", multiple=True)
+    num_prompts: int = arg(1200, "prompts read (training and held out)")
+    heldout: int = arg(48, "prompts kept apart for the report")
+    responses: str = arg("self", "self: the model's own greedy answers; data: the records' answers",
+                         choices=("self", "data"))
+    max_new_tokens: int = arg(128, "length of self-written answers")
+    response_batch: int = arg(16, "answers written at once by the batched engine")
+    seq_len: int = arg(320, "prompt + answer tokens kept per sequence")
+    sat_count: int = arg(5, "k: SAT slots per block")
+    sat_token: str = arg("", "token used as the SAT (default: chosen, see above)")
+    blocks: int = arg(16, "SAT blocks per sequence")
+    batch_size: int = arg(4, "sequences per optimizer step")
+    lr: float = arg(1e-4, "peak learning rate")
+    warmup: int = arg(20, "warm-up steps")
+    sat_weight: float = arg(1.0, "weight of the SAT slots' cross-entropy")
+    keep_standard: str = arg("kl", "standard-token term: KL to the original model or CE on the answers",
+                             choices=("kl", "ce"))
+    standard_weight: float = arg(1.0, "weight of the standard-token term")
+    cache: str = arg("", "folder for the self-written answers (reused when model, prompts and settings match)")
+    train_layers: int = arg(0, "train the top N layers only (0 = all)")
+    freeze_sat_embedding: bool = arg(False, "keep the SAT token's embedding row as it is")
+    max_steps: int = arg(1000, "optimizer steps")
+    max_minutes: float = arg(55.0, "stop training after this long")
+    device: str = arg("auto", "auto, cpu or cuda")
+    threads: int = arg(0, "torch CPU threads (0 = torch's default)")
+    seed: int = arg(0, "seed of the prompt order, the anchors and the initialization")
+    no_chat: bool = arg(False, "do not apply the tokenizer's chat template")
 
 
 # 1) data ---------------------------------------------------------------------------------------
 
-def read_examples(args: argparse.Namespace) -> list[Prompt]:
+def read_examples(config: SdsatTrainConfig) -> list[Prompt]:
     """The first user turn (and the record's answer) of every record of --data, shuffled with
     --seed and cut to --num-prompts + --heldout; with --responses data, only records with an answer."""
-    prompts = [Prompt(p.kind, p.turns[:1], p.answer) for p in read_prompts(args.data, args.field)
+    prompts = [Prompt(p.kind, p.turns[:1], p.answer) for p in read_prompts(config.data, config.field)
                if p.turns and p.turns[0].strip()]
-    if args.responses == "data":
+    if config.responses == "data":
         prompts = [p for p in prompts if p.answer.strip()]
     if not prompts:
         needs = "records with an answer (Alpaca output, GSM8K answer, prompt/completion)" \
-            if args.responses == "data" else "records with a user turn (--field to pick one)"
-        more = ", or --responses self to have the model answer" if args.responses == "data" else ""
-        raise UserError(f"no training prompts in {' '.join(args.data)}: pass {needs}{more}")
-    random.Random(args.seed).shuffle(prompts)
-    return prompts[: args.num_prompts + args.heldout]
+            if config.responses == "data" else "records with a user turn (--field to pick one)"
+        more = ", or --responses self to have the model answer" if config.responses == "data" else ""
+        raise UserError(f"no training prompts in {' '.join(config.data)}: pass {needs}{more}")
+    random.Random(config.seed).shuffle(prompts)
+    return prompts[: config.num_prompts + config.heldout]
 
 
 def choose_sat_token(engine: Engine, requested: str, texts: list[str]) -> tuple[int, str, bool]:
@@ -185,21 +184,21 @@ def forward(model: torch.nn.Module, batch, device: torch.device) -> torch.Tensor
 
 # 3) training -----------------------------------------------------------------------------------
 
-def trainable(model: torch.nn.Module, args: argparse.Namespace, sat_id: int) -> list[torch.nn.Parameter]:
+def trainable(model: torch.nn.Module, config: SdsatTrainConfig, sat_id: int) -> list[torch.nn.Parameter]:
     """Freeze all but the top --train-layers layers (+ final norm) and the SAT embedding row."""
     layers = model.model.layers
-    top = len(layers) if args.train_layers <= 0 else min(args.train_layers, len(layers))
+    top = len(layers) if config.train_layers <= 0 else min(config.train_layers, len(layers))
     for p in model.parameters():
         p.requires_grad_(False)
     params: list[torch.nn.Parameter] = []
     for layer in layers[len(layers) - top :]:
         params += list(layer.parameters())
     params += list(model.model.norm.parameters())
-    if not args.freeze_sat_embedding:
+    if not config.freeze_sat_embedding:
         params.append(model.get_input_embeddings().weight)
     for p in params:
         p.requires_grad_(True)
-    if not args.freeze_sat_embedding:
+    if not config.freeze_sat_embedding:
         emb = params[-1]
         row = torch.zeros_like(emb)
         row[sat_id] = 1.0
@@ -242,25 +241,25 @@ def split_forward(model: torch.nn.Module, batch, top: int, device: torch.device)
     return model.lm_head(core.norm(hidden)).float(), base
 
 
-def train(model, train_rows, args, sat_id: int, pad: int, device: torch.device) -> dict:
-    params = trainable(model, args, sat_id)
+def train(model, train_rows, config, sat_id: int, pad: int, device: torch.device) -> dict:
+    params = trainable(model, config, sat_id)
     layers = len(model.model.layers)
-    top = layers if args.train_layers <= 0 else min(args.train_layers, layers)
-    teacher = FrozenTop(model, top) if args.keep_standard == "kl" else None
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    total = args.max_steps
+    top = layers if config.train_layers <= 0 else min(config.train_layers, layers)
+    teacher = FrozenTop(model, top) if config.keep_standard == "kl" else None
+    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
+    total = config.max_steps
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / max(args.warmup, 1)) * max(0.05, 1 - s / max(total, 1)))
-    rng = np.random.default_rng(args.seed + 1)
+        opt, lambda s: min(1.0, (s + 1) / max(config.warmup, 1)) * max(0.05, 1 - s / max(total, 1)))
+    rng = np.random.default_rng(config.seed + 1)
     model.train()
     began = time.perf_counter()
     step, tokens, log = 0, 0, []
-    while step < total and time.perf_counter() - began < args.max_minutes * 60:
-        pick = rng.choice(len(train_rows), size=min(args.batch_size, len(train_rows)), replace=False)
+    while step < total and time.perf_counter() - began < config.max_minutes * 60:
+        pick = rng.choice(len(train_rows), size=min(config.batch_size, len(train_rows)), replace=False)
         seqs = [train_rows[i][0] for i in pick]
         starts = [train_rows[i][1] for i in pick]
-        anchors = [sample_anchors(s, len(q), args.blocks, rng) for q, s in zip(seqs, starts)]
-        batch = make_batch(seqs, starts, anchors, args.sat_count, sat_id, pad)
+        anchors = [sample_anchors(s, len(q), config.blocks, rng) for q, s in zip(seqs, starts)]
+        batch = make_batch(seqs, starts, anchors, config.sat_count, sat_id, pad)
         logits, base = split_forward(model, batch, top, device)
         labels = batch.labels.to(device)
         sat = batch.is_sat.to(device)
@@ -275,7 +274,7 @@ def train(model, train_rows, args, sat_id: int, pad: int, device: torch.device) 
                                          model.model.rotary_emb)[std]
             std_loss = F.kl_div(F.log_softmax(logits[:, :width][std], -1), original, log_target=True,
                                 reduction="batchmean")
-        loss = args.standard_weight * std_loss + args.sat_weight * sat_loss
+        loss = config.standard_weight * std_loss + config.sat_weight * sat_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -287,7 +286,7 @@ def train(model, train_rows, args, sat_id: int, pad: int, device: torch.device) 
             elapsed = time.perf_counter() - began
             log.append({"step": step, "std_loss": round(std_loss.item(), 4), "sat_loss": round(sat_loss.item(), 4),
                         "seconds": round(elapsed, 1)})
-            print(f"step {step}: standard {args.keep_standard} {std_loss.item():.4f}, sat {sat_loss.item():.3f}, "
+            print(f"step {step}: standard {config.keep_standard} {std_loss.item():.4f}, sat {sat_loss.item():.3f}, "
                   f"{tokens / elapsed:.0f} tok/s", file=sys.stderr, flush=True)
     return {"steps": step, "tokens": tokens, "seconds": round(time.perf_counter() - began, 1), "log": log}
 
@@ -295,24 +294,28 @@ def train(model, train_rows, args, sat_id: int, pad: int, device: torch.device) 
 # 4) main ---------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    began = time.perf_counter()
-    engine = trainer_engine(args, args.model)
-    model, device = engine.model, engine.device
-    chat = not args.no_chat and bool(getattr(engine.tokenizer, "chat_template", None))
+    """`samctl train sdsat ARGS...`: the report, also written to sdsat_report.json in --out."""
+    return run_config_command(argv, "sdsat", SdsatTrainConfig, run, __doc__.split("\n\n")[0])
 
-    prompts = read_examples(args)
+
+def run(config: SdsatTrainConfig) -> dict:
+    began = time.perf_counter()
+    engine = trainer_engine(config, config.model)
+    model, device = engine.model, engine.device
+    chat = not config.no_chat and bool(getattr(engine.tokenizer, "chat_template", None))
+
+    prompts = read_examples(config)
     eos = list(engine.eos_token_ids)
     # [prompt ids, answer ids] by prompt index: the records' answers and, with --responses self, the model's
-    data_answers = {i: [engine.encode(p.turns[0], chat)[: args.seq_len // 2],
+    data_answers = {i: [engine.encode(p.turns[0], chat)[: config.seq_len // 2],
                         engine.tokenizer(p.answer, add_special_tokens=False)["input_ids"] + eos[:1]]
                     for i, p in enumerate(prompts) if p.answer.strip()}
     answers = data_answers
-    if args.responses == "self":  # prompts longer than --seq-len / 2 tokens are left out
+    if config.responses == "self":  # prompts longer than --seq-len / 2 tokens are left out
         answers = {a.prompt: [a.prompt_ids, a.output_ids] for a in own_answers(
-            engine, prompts, chat, cache=args.cache, name="sdsat", max_new_tokens=args.max_new_tokens,
-            max_prompt_tokens=args.seq_len // 2, batch_size=args.response_batch)}
-    sat_id, sat_text, added = choose_sat_token(engine, args.sat_token, [p.turns[0] + p.answer for p in prompts])
+            engine, prompts, chat, cache=config.cache, name="sdsat", max_new_tokens=config.max_new_tokens,
+            max_prompt_tokens=config.seq_len // 2, batch_size=config.response_batch)}
+    sat_id, sat_text, added = choose_sat_token(engine, config.sat_token, [p.turns[0] + p.answer for p in prompts])
 
     def rows(indices, kind):
         out = []
@@ -320,45 +323,45 @@ def main(argv: list[str] | None = None) -> dict:
             if i not in kind:
                 continue
             prompt, answer = kind[i]
-            seq = np.asarray((prompt + answer)[: args.seq_len], dtype=np.int64)
+            seq = np.asarray((prompt + answer)[: config.seq_len], dtype=np.int64)
             if len(seq) - len(prompt) >= 2:
                 out.append((seq, len(prompt)))
         return out
 
-    held = range(args.heldout)
-    train_rows = rows(range(args.heldout, len(prompts)), answers)
+    held = range(config.heldout)
+    train_rows = rows(range(config.heldout, len(prompts)), answers)
     held_rows = rows(held, answers)
     if not train_rows:
-        raise UserError(f"no training sequences: {len(prompts)} prompts, {args.heldout} held out, none left with an "
+        raise UserError(f"no training sequences: {len(prompts)} prompts, {config.heldout} held out, none left with an "
                         "answer of 2+ tokens: give more --data or --num-prompts, or a larger --seq-len")
     pad = eos[0] if eos else 0
-    k = args.sat_count
-    report = {"model": args.model, "out": args.out, "command": "samctl train sdsat " + shlex.join(
-        sys.argv[1:] if argv is None else argv), "sat_token": sat_text, "sat_token_id": sat_id,
+    k = config.sat_count
+    report = {"model": config.model, "out": config.out, "command": "samctl train sdsat " + shlex.join(
+        sys.argv[3:] if sys.argv[1:3] == ["train", "sdsat"] else []), "config": asdict(config), "sat_token": sat_text, "sat_token_id": sat_id,
         "added_to_vocab": added, "train_sequences": len(train_rows), "heldout_sequences": len(held_rows),
-        "responses": args.responses, "device": str(device), "threads": torch.get_num_threads()}
-    report["before"] = evaluate(model, held_rows, k, sat_id, pad, device, args.seed, args.blocks)
-    if args.responses == "self" and data_answers:
+        "responses": config.responses, "device": str(device), "threads": torch.get_num_threads()}
+    report["before"] = evaluate(model, held_rows, k, sat_id, pad, device, config.seed, config.blocks)
+    if config.responses == "self" and data_answers:
         report["before_data_answers"] = evaluate(model, rows(held, data_answers), k, sat_id, pad, device,
-                                                 args.seed, args.blocks)
-    report["training"] = train(model, train_rows, args, sat_id, pad, device)
+                                                 config.seed, config.blocks)
+    report["training"] = train(model, train_rows, config, sat_id, pad, device)
     for p in model.parameters():
         p.requires_grad_(False)
-    report["after"] = evaluate(model, held_rows, k, sat_id, pad, device, args.seed, args.blocks)
-    if args.responses == "self" and data_answers:
+    report["after"] = evaluate(model, held_rows, k, sat_id, pad, device, config.seed, config.blocks)
+    if config.responses == "self" and data_answers:
         report["after_data_answers"] = evaluate(model, rows(held, data_answers), k, sat_id, pad, device,
-                                                args.seed, args.blocks)
+                                                config.seed, config.blocks)
     before, after = report["before"]["standard_loss"], report["after"]["standard_loss"]
     report["standard_loss_change"] = round(after / before - 1.0, 4) if before else math.nan
     report["total_seconds"] = round(time.perf_counter() - began, 1)
 
     settings = SatSettings(sat_id, k, sat_text, added)
     record = {key: report[key] for key in ("command", "responses", "train_sequences", "device")}
-    record.update(steps=report["training"]["steps"], sat_weight=args.sat_weight, keep_standard=args.keep_standard,
-                  standard_weight=args.standard_weight, train_layers=args.train_layers,
-                  blocks=args.blocks, lr=args.lr)
+    record.update(steps=report["training"]["steps"], sat_weight=config.sat_weight, keep_standard=config.keep_standard,
+                  standard_weight=config.standard_weight, train_layers=config.train_layers,
+                  blocks=config.blocks, lr=config.lr)
     write_settings(model.config, settings, record)
-    out = Path(args.out)
+    out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     engine.tokenizer.save_pretrained(out)
