@@ -48,6 +48,10 @@ class TargetModel:
     def graphs(self):
         return self.rows.graphs
 
+    @graphs.setter
+    def graphs(self, graphs) -> None:
+        self.rows.graphs = graphs
+
     @property
     def cached(self) -> int:
         """Tokens whose K/V are in the cache and committed."""
