@@ -1,6 +1,6 @@
 """The documents' links resolve: every relative link in the READMEs and the benchmark pages names a
 file of the checkout (and a heading of it, after `#`), and every section a text cites as
-`BENCHMARKS.md, "Title"` is listed on the summary page."""
+BENCHMARKS.md and a title in quotes after it is listed on the summary page."""
 from __future__ import annotations
 
 import re
