@@ -653,10 +653,14 @@ def generate(
 
 
 def _propose(row: _Row, calibration: TreeCalibration | None, room: int) -> None:
-    # Sets row.tree, row.probs (path probabilities, prefix-closed order; without a calibration,
-    # no budget reads them), row.proposed and row.leading: a cut of the tree to k <= leading nodes
-    # is the proposal's first k nodes, so `keep_first(k)` may tell the drafter what was verified.
-    tree, probs = row.drafter.propose_scored(row.t0)
+    # Sets row.tree, row.probs (path probabilities, prefix-closed order), row.proposed and
+    # row.leading: a cut of the tree to k <= leading nodes is the proposal's first k nodes, so
+    # `keep_first(k)` may tell the drafter what was verified. Without a calibration (no step
+    # budget: one record alone) the drafter sizes its own tree (`propose`) and no budget reads probs.
+    if calibration is None:
+        tree, probs = row.drafter.propose(row.t0), None
+    else:
+        tree, probs = row.drafter.propose_scored(row.t0)
     row.scored = probs is not None
     row.proposed = row.leading = len(tree)
     if probs is None:

@@ -144,9 +144,10 @@ class BatchCopyLM(CopyLM):
         logits = torch.zeros(rows, q, self.vocab)
         for b in range(rows):
             tokens, positions = keys[b, 0, :, 0].long().numpy(), values[b, 0, :, 0].long().numpy()
-            mask = attention_mask[min(b, attention_mask.shape[0] - 1), 0]
-            for i in range(q):
-                visible = (mask[i] == 0).numpy()
+            kv = len(tokens)
+            for i in range(q):  # no mask: one chain, causal after the cached entries
+                visible = (np.arange(kv) <= kv - q + i) if attention_mask is None else \
+                    (attention_mask[min(b, attention_mask.shape[0] - 1), 0, i] == 0).numpy()
                 order = np.argsort(positions[visible], kind="stable")
                 assert np.array_equal(positions[visible][order], np.arange(visible.sum())), positions[visible]
                 logits[b, i, copy_rule(tokens[visible][order].tolist(), self.vocab)] = self.peak

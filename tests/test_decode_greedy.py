@@ -134,8 +134,8 @@ def test_tree_paths_and_kv_compaction_on_mock():
     target = TargetModel(model)
     drafter = make_drafter("recycle", vocab_size=16, device=target.device)
     kept_paths = []
-    original_keep = target.keep
-    target.keep = lambda path: (kept_paths.append(path.copy()), original_keep(path))[1]
+    original_keep = target.rows.keep
+    target.rows.keep = lambda paths: (kept_paths.extend(p.copy() for p in paths), original_keep(paths))[1]
     result = generate(target, drafter, prompt, GenerationConfig(max_new_tokens=150))
     assert result.tokens == expected
     assert any(not np.array_equal(p, np.arange(len(p))) for p in kept_paths), "no off-chain path was accepted"

@@ -218,10 +218,10 @@ class Widest:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def propose_scored(self, t0: int):
-        tree, probs = self.inner.propose_scored(t0)
+    def propose(self, t0: int) -> DraftTree:
+        tree = self.inner.propose(t0)
         self.widest = max(self.widest, len(tree) + 1)
-        return tree, probs
+        return tree
 
 
 def test_every_methods_default_gpu_draft_fits_a_captured_width():
