@@ -170,3 +170,83 @@ def test_adaptive_drafts_long_matches_from_a_suffix_array(tmp_path):
     drafter = AdaptiveDrafter(AdaptiveConfig(recycle=False), static=sa.structure)
     m = replay(drafter, make_trace(prompt, corpus_ids[110:300]))
     assert m.mean_accepted > 6, m.to_dict()
+
+
+# ---------------------------------------------------------------------------------------------
+# commands: build, info, query, simulate take an `sa` store; build and query stay light
+
+
+CODE = "def add(a, b):\n    return a + b\n"
+
+
+def _samctl(*args: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "samctl", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def test_build_info_query_answer_like_an_automaton_store(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.py").write_text(CODE * 3)
+    (tmp_path / "docs" / "b.md").write_text("The quick brown fox.\n" + CODE)
+    answers = {}
+    for kind, out in (("sa", "s.sa"), ("sam", "s.sam")):
+        proc = _samctl("build", str(tmp_path / "docs"), "-o", str(tmp_path / out), "--kind", kind, "--tokenizer", "bytes")
+        assert proc.returncode == 0, proc.stderr
+        query = _samctl("query", str(tmp_path / out), "--text", "def add(a, b", "--json")
+        assert query.returncode == 0, query.stderr
+        answers[kind] = {k: v for k, v in json.loads(query.stdout).items() if k != "kind"}
+    assert answers["sa"] == answers["sam"] and answers["sa"]["match_length"] == 12
+    info = json.loads(_samctl("info", str(tmp_path / "s.sa"), "--json", "--verify").stdout)
+    assert info["kind"] == "sa" and info["tokens"] == len(CODE * 4) + len("The quick brown fox.\n") + 2
+    assert info["verified"] and info["bytes_per_token"] < 12
+    text = _samctl("info", str(tmp_path / "s.sa")).stdout
+    assert "sa (suffix array)" in text and "suffixes" in text
+    # a store directory is replaced only by a store; a file at -o is refused in one line
+    (tmp_path / "file").write_text("x")
+    proc = _samctl("build", str(tmp_path / "docs"), "-o", str(tmp_path / "file"), "--kind", "sa", "--tokenizer", "bytes")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "is a file" in proc.stderr
+    proc = _samctl("build", str(tmp_path / "docs"), "-o", str(tmp_path / "x.sa"), "--kind", "sa", "--tokenizer", "bytes",
+                   "--memory-limit", "1M")
+    assert proc.returncode == 2 and "--memory-limit" in proc.stderr and proc.stderr.count("\n") == 1
+    proc = _samctl("build", "--append-to", str(tmp_path / "s.sam"), str(tmp_path / "docs"), "-o",
+                   str(tmp_path / "s2.sam"), "--kind", "sa")
+    assert proc.returncode == 2 and "drop --kind sa" in proc.stderr
+
+
+def test_build_and_query_with_a_tokenizer_json_load_neither_torch_nor_transformers(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import save_hub_style_tokenizer
+
+    save_hub_style_tokenizer(tmp_path / "hub")
+    (tmp_path / "a.txt").write_text("The quick brown fox jumps over the lazy dog.\n" + CODE)
+    probe = ("import sys\nfrom samctl.cli import main\n"
+             "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+             "sys.stderr.write('MODULES ' + ' '.join(sorted({m.split('.')[0] for m in sys.modules})) + '\\n')\n")
+    store = str(tmp_path / "s.sa")
+    for args in (["build", str(tmp_path / "a.txt"), "-o", store, "--kind", "sa", "--tokenizer", str(tmp_path / "hub")],
+                 ["query", store, "--text", "quick brown"], ["info", store]):
+        proc = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        line = next(line for line in proc.stderr.splitlines() if line.startswith("MODULES "))
+        assert not set(line.split()[1:]) & {"torch", "transformers"}, (args, proc.stderr)
+    assert os.path.isdir(store)
+
+
+@pytest.mark.slow
+def test_simulate_drafts_from_an_sa_store(tmp_path):
+    traces = tmp_path / "traces.jsonl"
+    traces.write_text(json.dumps({"prompt": "Repeat: " + CODE, "output": CODE * 2, "category": "copy"}) + "\n")
+    (tmp_path / "corpus.jsonl").write_text(json.dumps({"text": CODE * 3}) + "\n")
+    assert _samctl("build", str(tmp_path / "corpus.jsonl"), "-o", str(tmp_path / "s.sa"), "--kind", "sa",
+                   "--tokenizer", "bytes").returncode == 0
+    proc = _samctl("simulate", "--traces", str(traces), "--sam", str(tmp_path / "s.sa"), "--methods",
+                   "ar,sam,rest,adaptive", "--json")
+    assert proc.returncode == 0, proc.stderr
+    methods = json.loads(proc.stdout)["methods"]
+    for name in ("sam", "rest", "adaptive"):
+        assert methods[name]["overall"]["mean_accepted"] > 1.5, (name, methods[name])

@@ -86,7 +86,7 @@ class Runner(Protocol):
 
 @click.command("bench")
 @click.option("--model", "model_path", metavar="PATH", help="Local model folder or .gguf file (default: the embedded model).")
-@click.option("--sam", "store_path", metavar="STORE", type=click.Path(), help="Static datastore (sam methods, rest): a .sam file or a sharded store directory.")
+@click.option("--sam", "store_path", metavar="STORE", type=click.Path(), help="Static datastore (sam methods, rest): a .sam file or a store directory (sharded, or a suffix array).")
 @click.option("--questions", "questions_path", required=True, type=click.Path(exists=True, dir_okay=False),
               help="Spec-Bench-format JSONL: question_id, category, turns.")
 @click.option("--methods", "methods_spec", default="ar,adaptive,pld,sam,sam+recycle,recycle,hf-greedy,hf-pld", show_default=True,

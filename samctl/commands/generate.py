@@ -32,7 +32,7 @@ from samctl.textio import TEXT_FILE, check_utf8
 
 @click.command("generate")
 @click.option("--model", "model_path", metavar="PATH", help="Local model folder or .gguf file (default: the embedded model).")
-@click.option("--sam", "store_path", metavar="STORE", type=click.Path(), help="Static datastore built by `samctl build` with the model's tokenizer: a .sam file or a sharded store directory (--shards).")
+@click.option("--sam", "store_path", metavar="STORE", type=click.Path(), help="Static datastore built by `samctl build` with the model's tokenizer: a .sam file or a store directory (sharded, or a suffix array) (--shards).")
 @click.option("--method", type=click.Choice(ALL_METHODS), default=DEFAULT_METHOD, show_default=True, help="Drafting method (README's method table; adaptive needs no tuning). "
               f"{', '.join(NOT_LOSSLESS)}: NOT lossless when sampling, reference reproductions only.")
 @click.option("--prompt", help="Prompt text.")

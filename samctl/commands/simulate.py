@@ -48,7 +48,7 @@ _OUTPUT_FIELDS = ("output", "completion", "response", "reference")
 @click.command("simulate")
 @click.option("--traces", "traces_path", required=True, type=click.Path(exists=True, dir_okay=False),
               help="JSONL (or .json list) of prompts with reference outputs.")
-@click.option("--sam", "store_path", metavar="STORE", type=click.Path(), help="Static datastore (for sam and rest): a .sam file or a sharded store directory.")
+@click.option("--sam", "store_path", metavar="STORE", type=click.Path(), help="Static datastore (for sam and rest): a .sam file or a store directory (sharded, or a suffix array).")
 @click.option("--tokenizer", "tokenizer_spec", metavar="T", help="Tokenizer for text traces (default: the store's, else the embedded model's).")
 @click.option("--methods", "methods_spec", default=None, help=f"Comma-separated, from {', '.join(REPLAYABLE)} [default: adaptive,ar,pld,sam, and rest with --sam].")
 @click.option("--max-new-tokens", type=int, default=None, help="Cut references to this many tokens (default: whole references).")
