@@ -157,15 +157,23 @@ class SuffixArrayCursor:
         self.lo, self.hi, self.length = 0, 0, 0
         self.keys = np.zeros(0, dtype=np.int64)
         self._buffer = np.zeros(MAX_MATCH + 1, dtype=np.int64)  # peek's text: the last keys, then t0
+        self._peeked: tuple[int, tuple[int, int, int]] | None = None  # (t0, its match) of the last peek
 
     def reset(self, context: np.ndarray) -> None:
         self.lo, self.hi, self.length, self.keys = 0, 0, 0, np.zeros(0, dtype=np.int64)
+        self._peeked = None
         self.advance(context)
 
     def advance(self, tokens: np.ndarray) -> None:
         keys = np.concatenate((self.keys, self.sa.keys(tokens)))
-        self.lo, self.hi, self.length = sa_walk(*self.arrays[:4], keys, len(self.keys), self.lo, self.hi, self.length)
+        start = len(self.keys)
+        if self._peeked is not None and len(tokens) and self._peeked[0] == tokens[0]:
+            # the step over the pending token was the last peek's: not searched twice
+            self.lo, self.hi, self.length = self._peeked[1]
+            start += 1
+        self.lo, self.hi, self.length = sa_walk(*self.arrays[:4], keys, start, self.lo, self.hi, self.length)
         self.keys = keys[-MAX_MATCH:]
+        self._peeked = None
 
     def before(self, t0: int) -> tuple[int, int, int, np.ndarray]:
         n = len(self.keys)
@@ -177,6 +185,7 @@ class SuffixArrayCursor:
     def peek(self, t0: int) -> tuple[int, tuple[int, int, int, np.ndarray]]:
         lo, hi, length, text = self.before(t0)
         lo, hi, length = sa_step(*self.arrays[:4], text, len(text) - 1, lo, hi, length)
+        self._peeked = (t0, (lo, hi, length))
         return length, (lo, hi, length, text)
 
     def draft(self, handle: tuple[int, int, int, np.ndarray], n: int) -> np.ndarray:

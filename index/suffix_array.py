@@ -25,9 +25,10 @@ Invariants the queries keep, for a text T and its match (lo, hi, L):
     [lo, hi) = the suffixes starting with T[-L:];  count = hi - lo
     continuation = the tokens after the earliest occurrence (min pointer), up to the document end
 These equal the suffix automaton's match length, count, first-occurrence continuation and
-next-token counts (tests/test_suffix_array.py), with two caps that only bite at scale: a match
-that breaks is re-searched over at most MAX_MATCH tokens, and the earliest occurrence and the
-next tokens are taken among the first FIRST_SCAN pointers and MAX_RUNS distinct tokens of a range.
+next-token counts (tests/test_suffix_array.py), with caps that only bite at scale: a match that
+breaks is re-searched over at most MAX_MATCH tokens; the earliest occurrence is taken among the
+first FIRST_SCAN pointers of a range; next tokens are found at SAMPLES suffixes of a larger range,
+so a next token rarer than 1 in SAMPLES may be missed (the counts of those found are exact).
 
 This module knows files, numpy and numba; not tokenizers, text or the command line.
 """
@@ -53,9 +54,9 @@ FORMAT = "samctl-sa-store"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 FILES = ("tokenized.0", "table.0", "offset.0")
-MAX_MATCH = 256  # tokens a broken match is re-searched over (the automaton has no cap)
+MAX_MATCH = 64  # tokens a broken match is re-searched over (the automaton has no cap; drafters use <= 16+)
 FIRST_SCAN = 4096  # pointers scanned for the earliest occurrence
-MAX_RUNS = 512  # distinct next tokens ranked per node
+SAMPLES = 64  # suffixes sampled per node for its next tokens (all of them in a smaller range)
 _REBUILD = "rebuild it with `samctl build --kind sa`"
 _SA_KEYS = {"token_width": int, "pointer_width": int, "documents": int, "tokens": int, "files": dict}
 
@@ -149,7 +150,19 @@ def sa_step(data, table, w, p, keys, i, lo, hi, length):
     if a < b:
         return a, b, length + 1
     best_lo, best_hi, best = 0, n, 0
-    short, long_ = 1, min(length, MAX_MATCH, i + 1)  # the answer lies in [0, long_]
+    # A search of l tokens costs O(l log n), and after a break the match is usually short:
+    # gallop up (1, 2, 4, ...) to the first length that does not occur, then bisect below it.
+    cap = min(length, MAX_MATCH, i + 1)  # the answer lies in [0, cap]
+    short, long_ = 1, cap
+    probe = 1
+    while probe <= cap:
+        a, b = sa_find(data, table, w, p, keys, i + 1 - probe, i + 1)
+        if a == b:
+            long_ = probe - 1
+            break
+        best_lo, best_hi, best = a, b, probe
+        short = probe + 1
+        probe *= 2
     while short <= long_:
         mid = (short + long_) // 2
         a, b = sa_find(data, table, w, p, keys, i + 1 - mid, i + 1)
@@ -202,36 +215,46 @@ def sa_continuation(data, table, w, p, vocab, lo, hi, length, n):
 @njit(cache=True)
 def sa_children(data, table, w, p, vocab, lo, hi, offset, k, out_tok, out_lo, out_hi):
     """The (up to) k most frequent next tokens after the first `offset` tokens of [lo, hi), by
-    count descending then token ascending, with their ranges, into out_*; returns how many.
-    Walks the runs of keys at `offset`, at most MAX_RUNS of them."""
+    count descending then token ascending, with their exact ranges, into out_*; returns how many.
+
+    The next tokens are runs of keys at `offset`. The runs are found at SAMPLES evenly spaced
+    suffixes (every suffix of a range that small: then all runs), and each found run's exact
+    range by a binary search between the samples around it; a run missed holds fewer than
+    (hi - lo) / SAMPLES suffixes."""
+    n = hi - lo
+    step = max(1.0, n / SAMPLES)
+    count = min(n, SAMPLES)
     m = 0
-    i = lo
-    runs = 0
-    while i < hi and runs < MAX_RUNS:
+    j = 0
+    while j < count:
+        i = lo + int(j * step)
         key = _key(data, _pointer(table, i, p) + offset * w, w)
         if key < 0:  # the suffix ends with the pattern (the end of the data)
-            i += 1
+            j += 1
             continue
-        a, b = sa_narrow(data, table, w, p, i, hi, offset, key)
-        runs += 1
+        left = lo + int((j - 1) * step) + 1 if j > 0 else lo
+        while j + 1 < count and _key(data, _pointer(table, lo + int((j + 1) * step), p) + offset * w, w) == key:
+            j += 1
+        right = lo + int((j + 1) * step) if j + 1 < count else hi
+        a, b = sa_narrow(data, table, w, p, left, right, offset, key)
         token = _token(data, _pointer(table, i, p) + offset * w, w)
-        i = b
+        j += 1
         if token >= vocab:  # the separator: the pattern ends a document
             continue
         cnt = b - a
-        j = m
-        while j > 0:  # insertion into the sorted top-k
-            pc = out_hi[j - 1] - out_lo[j - 1]
-            if pc > cnt or (pc == cnt and out_tok[j - 1] < token):
+        r = m
+        while r > 0:  # insertion into the sorted top-k
+            pc = out_hi[r - 1] - out_lo[r - 1]
+            if pc > cnt or (pc == cnt and out_tok[r - 1] < token):
                 break
-            j -= 1
-        if j >= k:
+            r -= 1
+        if r >= k:
             continue
         q = min(m, k - 1)
-        while q > j:
+        while q > r:
             out_tok[q], out_lo[q], out_hi[q] = out_tok[q - 1], out_lo[q - 1], out_hi[q - 1]
             q -= 1
-        out_tok[j], out_lo[j], out_hi[j] = token, a, b
+        out_tok[r], out_lo[r], out_hi[r] = token, a, b
         if m < k:
             m += 1
     return m

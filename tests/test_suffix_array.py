@@ -250,3 +250,33 @@ def test_simulate_drafts_from_an_sa_store(tmp_path):
     methods = json.loads(proc.stdout)["methods"]
     for name in ("sam", "rest", "adaptive"):
         assert methods[name]["overall"]["mean_accepted"] > 1.5, (name, methods[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["sam", "adaptive", "rest"])
+def test_batched_engine_drafts_from_an_sa_store_and_stays_greedy(tiny_model_dir, tmp_path, method):
+    """The batched engine, rows refilled, drafting from a suffix array: plain greedy output, token for token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from samctl.decode.batch import generate_batch
+    from samctl.decode.loop import GenerationConfig
+    from samctl.decode.methods import make_drafter
+    from tests.test_batched import CHEAP, EAGER, NEW, _references, mixed_prompts
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    prompts = mixed_prompts(vocab)
+    plain, eos, expected = _references(f"{tiny_model_dir}-hf", model, prompts)
+    tokens = np.concatenate([np.asarray(r, dtype=np.int32) for r in plain])
+    offsets = np.concatenate(([0], np.cumsum([len(r) for r in plain]))).astype(np.int64)
+    sa = build_suffix_array(tmp_path / "s.sa", tokens, offsets, meta(tokens, offsets, vocab), memory_limit=64 << 20)
+
+    def make():
+        return make_drafter(method, vocab_size=vocab, device=torch.device("cpu"), eos_token_ids=(eos,),
+                            static=sa.structure, config=EAGER)
+
+    results = generate_batch(model, make, prompts, GenerationConfig(max_new_tokens=NEW, eos_token_ids=(eos,)), 3,
+                             cost_ms=CHEAP)
+    assert [r.tokens for r in results] == expected
+    assert max(r.metrics.accepted for r in results) > 0
