@@ -171,7 +171,7 @@ class SuffixArrayCursor:
             # the step over the pending token was the last peek's: not searched twice
             self.lo, self.hi, self.length = self._peeked[1]
             start += 1
-        self.lo, self.hi, self.length = sa_walk(*self.arrays[:4], keys, start, self.lo, self.hi, self.length)
+        self.lo, self.hi, self.length = sa_walk(*self.arrays[:5], keys, start, self.lo, self.hi, self.length)
         self.keys = keys[-MAX_MATCH:]
         self._peeked = None
 
@@ -184,7 +184,7 @@ class SuffixArrayCursor:
 
     def peek(self, t0: int) -> tuple[int, tuple[int, int, int, np.ndarray]]:
         lo, hi, length, text = self.before(t0)
-        lo, hi, length = sa_step(*self.arrays[:4], text, len(text) - 1, lo, hi, length)
+        lo, hi, length = sa_step(*self.arrays[:5], text, len(text) - 1, lo, hi, length)
         self._peeked = (t0, (lo, hi, length))
         return length, (lo, hi, length, text)
 
@@ -195,7 +195,7 @@ class SuffixArrayCursor:
              max_depth: int) -> tuple[np.ndarray, np.ndarray]:
         lo, hi, length, text = handle
         if length > span:  # the range of the last `span` tokens holds the longer match's
-            lo, hi = sa_find(*self.arrays[:4], text, len(text) - span, len(text))
+            lo, hi = sa_find(*self.arrays[:5], text, len(text) - span, len(text))
             length = span
         return sa_tree(*self.arrays, lo, hi, length, num_nodes, max_depth)
 

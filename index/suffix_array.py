@@ -54,7 +54,7 @@ FORMAT = "samctl-sa-store"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 FILES = ("tokenized.0", "table.0", "offset.0")
-MAX_MATCH = 64  # tokens a broken match is re-searched over (the automaton has no cap; drafters use <= 16+)
+MAX_MATCH = 32  # tokens a broken match is re-searched over (the automaton has no cap; drafters read <= 16)
 FIRST_SCAN = 4096  # pointers scanned for the earliest occurrence
 SAMPLES = 64  # suffixes sampled per node for its next tokens (all of them in a smaller range)
 _REBUILD = "rebuild it with `samctl build --kind sa`"
@@ -125,18 +125,24 @@ def sa_narrow(data, table, w, p, lo, hi, offset, key):
 
 
 @njit(cache=True)
-def sa_find(data, table, w, p, keys, start, stop):
-    """Range of the suffixes that start with keys[start:stop]; (x, x) when none."""
-    lo, hi = 0, len(table) // p
-    for i in range(start, stop):
-        lo, hi = sa_narrow(data, table, w, p, lo, hi, i - start, keys[i])
+def sa_find(data, table, w, p, first, keys, start, stop):
+    """Range of the suffixes that start with keys[start:stop]; (x, x) when none.
+
+    first: [2^(8w), 2] int64, each first token's range once searched (-1: not yet), filled here:
+    the search over the whole array is the costliest narrowing of every search."""
+    k0 = keys[start]
+    if first[k0, 0] < 0:
+        first[k0, 0], first[k0, 1] = sa_narrow(data, table, w, p, 0, len(table) // p, 0, k0)
+    lo, hi = first[k0, 0], first[k0, 1]
+    for i in range(start + 1, stop):
         if lo == hi:
             break
+        lo, hi = sa_narrow(data, table, w, p, lo, hi, i - start, keys[i])
     return lo, hi
 
 
 @njit(cache=True)
-def sa_step(data, table, w, p, keys, i, lo, hi, length):
+def sa_step(data, table, w, p, first, keys, i, lo, hi, length):
     """Match (lo, hi, length) of keys[:i] -> the match of keys[:i + 1].
 
     The match grows by one token inside its range when it can (the common case while a text
@@ -145,7 +151,8 @@ def sa_step(data, table, w, p, keys, i, lo, hi, length):
     that occurs occurs)."""
     n = len(table) // p
     if length == 0:
-        lo, hi = 0, n
+        a, b = sa_find(data, table, w, p, first, keys, i, i + 1)
+        return (a, b, 1) if a < b else (0, n, 0)
     a, b = sa_narrow(data, table, w, p, lo, hi, length, keys[i])
     if a < b:
         return a, b, length + 1
@@ -156,7 +163,7 @@ def sa_step(data, table, w, p, keys, i, lo, hi, length):
     short, long_ = 1, cap
     probe = 1
     while probe <= cap:
-        a, b = sa_find(data, table, w, p, keys, i + 1 - probe, i + 1)
+        a, b = sa_find(data, table, w, p, first, keys, i + 1 - probe, i + 1)
         if a == b:
             long_ = probe - 1
             break
@@ -165,7 +172,7 @@ def sa_step(data, table, w, p, keys, i, lo, hi, length):
         probe *= 2
     while short <= long_:
         mid = (short + long_) // 2
-        a, b = sa_find(data, table, w, p, keys, i + 1 - mid, i + 1)
+        a, b = sa_find(data, table, w, p, first, keys, i + 1 - mid, i + 1)
         if a < b:
             best_lo, best_hi, best = a, b, mid
             short = mid + 1
@@ -175,10 +182,10 @@ def sa_step(data, table, w, p, keys, i, lo, hi, length):
 
 
 @njit(cache=True)
-def sa_walk(data, table, w, p, keys, start, lo, hi, length):
+def sa_walk(data, table, w, p, first, keys, start, lo, hi, length):
     """`sa_step` over keys[start:], from the match of keys[:start]."""
     for i in range(start, len(keys)):
-        lo, hi, length = sa_step(data, table, w, p, keys, i, lo, hi, length)
+        lo, hi, length = sa_step(data, table, w, p, first, keys, i, lo, hi, length)
     return lo, hi, length
 
 
@@ -194,7 +201,7 @@ def sa_first(table, p, lo, hi):
 
 
 @njit(cache=True)
-def sa_continuation(data, table, w, p, vocab, lo, hi, length, n):
+def sa_continuation(data, table, w, p, first, vocab, lo, hi, length, n):
     """Up to n token ids ([m] int32) after the earliest occurrence; stops at the document end
     (the separator, like any id >= vocab, is never drafted)."""
     out = np.empty(max(n, 0), dtype=np.int32)
@@ -213,7 +220,7 @@ def sa_continuation(data, table, w, p, vocab, lo, hi, length, n):
 
 
 @njit(cache=True)
-def sa_children(data, table, w, p, vocab, lo, hi, offset, k, out_tok, out_lo, out_hi):
+def sa_children(data, table, w, p, first, vocab, lo, hi, offset, k, out_tok, out_lo, out_hi):
     """The (up to) k most frequent next tokens after the first `offset` tokens of [lo, hi), by
     count descending then token ascending, with their exact ranges, into out_*; returns how many.
 
@@ -261,16 +268,16 @@ def sa_children(data, table, w, p, vocab, lo, hi, offset, k, out_tok, out_lo, ou
 
 
 @njit(cache=True)
-def sa_topk_next(data, table, w, p, vocab, lo, hi, offset, k):
+def sa_topk_next(data, table, w, p, first, vocab, lo, hi, offset, k):
     out_tok = np.empty(max(k, 0), dtype=np.int32)
     out_lo = np.empty(max(k, 0), dtype=np.int64)
     out_hi = np.empty(max(k, 0), dtype=np.int64)
-    m = sa_children(data, table, w, p, vocab, lo, hi, offset, k, out_tok, out_lo, out_hi) if k > 0 else 0
+    m = sa_children(data, table, w, p, first, vocab, lo, hi, offset, k, out_tok, out_lo, out_hi) if k > 0 else 0
     return out_tok[:m].copy(), (out_hi[:m] - out_lo[:m]).astype(np.int32)
 
 
 @njit(cache=True)
-def sa_tree(data, table, w, p, vocab, lo, hi, length, num_nodes, max_depth):
+def sa_tree(data, table, w, p, first, vocab, lo, hi, length, num_nodes, max_depth):
     """Top continuation prefixes after the match (lo, hi, length) by count, best first: the same
     tree as the automaton's `frequent_tree` (a child never outnumbers its parent, so taking the
     most frequent candidate and pushing its children yields the top prefixes). Returns
@@ -291,7 +298,7 @@ def sa_tree(data, table, w, p, vocab, lo, hi, length, num_nodes, max_depth):
     node, node_lo, node_hi, depth, m = -1, lo, hi, 0, 0
     while m < num_nodes:
         if depth < max_depth:
-            kids = sa_children(data, table, w, p, vocab, node_lo, node_hi, length + depth, num_nodes - m,
+            kids = sa_children(data, table, w, p, first, vocab, node_lo, node_hi, length + depth, num_nodes - m,
                                kid_tok, kid_lo, kid_hi)
             for j in range(kids):
                 c_tok[n_cand], c_lo[n_cand], c_hi[n_cand] = kid_tok[j], kid_lo[j], kid_hi[j]
@@ -323,11 +330,13 @@ class SuffixArray:
         self.data, self.table = data, table
         self.token_width, self.pointer_width = token_width, pointer_width
         self.vocab_size, self.num_documents = vocab_size, documents
+        self.first = np.full((1 << (8 * token_width), 2), -1, dtype=np.int64)  # sa_find's cache
 
     @property
-    def kernel_arrays(self) -> tuple[np.ndarray, np.ndarray, int, int, int]:
-        """(data, table, token width, pointer width, vocabulary size): what every kernel takes first."""
-        return self.data, self.table, self.token_width, self.pointer_width, self.vocab_size
+    def kernel_arrays(self) -> tuple[np.ndarray, np.ndarray, int, int, np.ndarray, int]:
+        """(data, table, token width, pointer width, first-token ranges, vocabulary size): what
+        every kernel takes first (the searches the first five)."""
+        return self.data, self.table, self.token_width, self.pointer_width, self.first, self.vocab_size
 
     @property
     def num_tokens(self) -> int:
@@ -344,7 +353,7 @@ class SuffixArray:
 
     def match(self, tokens: np.ndarray) -> tuple[int, int, int]:
         """(lo, hi, length) of the longest suffix of tokens ([k] int) found in one document."""
-        return sa_walk(*self.kernel_arrays[:4], self.keys(tokens), 0, 0, 0, 0)
+        return sa_walk(*self.kernel_arrays[:5], self.keys(tokens), 0, 0, 0, 0)
 
     def continuation(self, lo: int, hi: int, length: int, n: int) -> np.ndarray:
         return sa_continuation(*self.kernel_arrays, lo, hi, length, n)

@@ -232,13 +232,13 @@ def ngram_candidates(table, context, means, min_length, budget, k, min_prob, tok
 
 
 @njit(cache=True)
-def sa_candidates(data, table, w, p, vocab, lo, hi, length, text, means, min_length, budget, k, min_prob, tok, par,
+def sa_candidates(data, table, w, p, first, vocab, lo, hi, length, text, means, min_length, budget, k, min_prob, tok, par,
                   prob, cell, n):
-    # (data, table, w, p, vocab): a suffix array's kernel arrays; (lo, hi, length): the match of
+    # (data, table, w, p, first, vocab): a suffix array's kernel arrays; (lo, hi, length): the match of
     # the text before t0; text: that text's last keys, t0's last ([c] int64). Like
     # `automaton_candidates` from one root (a suffix array has no links to shorter matches): a
     # node's range is its pattern's suffixes, its children the runs of its next tokens there.
-    lo, hi, length = sa_step(data, table, w, p, text, len(text) - 1, lo, hi, length)
+    lo, hi, length = sa_step(data, table, w, p, first, text, len(text) - 1, lo, hi, length)
     cap = len(tok)
     budget = min(budget, cap - n)
     if budget <= 0 or length < min_length:
@@ -258,7 +258,7 @@ def sa_candidates(data, table, w, p, vocab, lo, hi, length, text, means, min_len
         # 1) push the node's top-k next tokens, each priced by its share of the node's occurrences
         if n_c + k <= pending:
             support = node_hi - node_lo
-            m = sa_children(data, table, w, p, vocab, node_lo, node_hi, ell, k, kid_tok, kid_lo, kid_hi)
+            m = sa_children(data, table, w, p, first, vocab, node_lo, node_hi, ell, k, kid_tok, kid_lo, kid_hi)
             for j in range(m):
                 ci = cell_index(SRC_STATIC, ell, min((kid_hi[j] - kid_lo[j]) / support, 1.0), support)
                 if node_prob * means[ci] < min_prob:
