@@ -9,6 +9,7 @@ continues it, without moving it. Every cursor answers the same calls:
     advance(tokens)           follow the committed tokens ([k] int)
     peek(t0) -> (length, handle)   the match once t0 follows; the cursor stays where it is
     draft(handle, n)          up to n tokens ([m] int32) that follow a peeked match
+    max_match                 the longest match the structure can report (None: unbounded)
     tree(handle, length, span, num_nodes, max_depth) -> (tokens, parents)
                               the num_nodes continuation prefixes (at most max_depth tokens) that
                               most often follow the peeked match's suffix of at most span tokens,
@@ -45,6 +46,8 @@ from samctl.index.suffix_array import MAX_MATCH, SuffixArray, sa_find, sa_step, 
 class AutomatonCursor:
     """A match pointer into one suffix automaton: (state, length) of the longest suffix found."""
 
+    max_match = None
+
     def __init__(self, automaton: SuffixAutomaton) -> None:
         self.automaton = automaton
         self.arrays = automaton.kernel_arrays  # valid while the automaton does not grow
@@ -78,6 +81,8 @@ class AutomatonCursor:
 class ShardedCursor:
     """One match pointer per shard; a peek answers from the shard with the longest match (the
     lowest on ties: the first occurrence, as one store over all shards would give)."""
+
+    max_match = None
 
     def __init__(self, sharded: ShardedAutomaton) -> None:
         self.sharded = sharded
@@ -124,7 +129,7 @@ class NgramCursor:
     def __init__(self, table: NgramTable) -> None:
         self.table = table
         self.arrays: NgramArrays = table.kernel_arrays
-        self.max_n = table.config.max_n
+        self.max_n = self.max_match = table.config.max_n
         self.tail = np.zeros(0, dtype=np.int32)
 
     def reset(self, context: np.ndarray) -> None:
@@ -150,6 +155,8 @@ class NgramCursor:
 class SuffixArrayCursor:
     """The match (lo, hi, length) of the text in a suffix array, and the text's last MAX_MATCH
     tokens' keys: a broken match is searched again over them (a suffix array has no links)."""
+
+    max_match = None  # a match grows without bound; only its re-search after a break is capped
 
     def __init__(self, sa: SuffixArray) -> None:
         self.sa = sa

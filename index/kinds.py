@@ -18,7 +18,8 @@ and an entry says how a store of the kind is built, written and read:
     token_columns(arrays) -> [columns]   the arrays holding ids a draft can contain (checked < vocab)
     file_counts(arrays) -> {name: int}   `counts` from a file's array shapes, without loading it
     load(path, verify, occurrence) -> store                      directory kinds
-    grows: `--append-to` works; shards: `--shards` works
+    grows: `--append-to` works (an automaton grows in place; a directory kind is rebuilt over
+           `structure.documents()` and the new documents); shards: `--shards` works
 
 The structures' modules (and numba with them) are imported inside the entries' functions, so
 that reading this table (`build --help`, `info`) stays light. Sharded stores (index/sharded.py)
@@ -152,22 +153,22 @@ def _sa_load(path, verify=False, occurrence="first"):
 
 
 KINDS: dict[str, StoreKind] = {kind.name: kind for kind in (
-    StoreKind("sam", "suffix automaton", "exact matches of any length, 70-80 bytes a token",
+    StoreKind("sam", "suffix automaton", "exact matches of any length, the largest on disk",
               build=_sam_build, lookup=_sam_lookup,
               counts=lambda sam: {"states": sam.num_states, "edges": sam.num_edges}, count_names=("states", "edges"),
               from_arrays=_sam_from_arrays, token_columns=_sam_columns, file_counts=_sam_file_counts,
               grows=True, shards=True),
-    StoreKind("ngram", "n-gram table", "contexts of up to --max-n tokens, fewer bytes a token",
+    StoreKind("ngram", "n-gram table", "contexts of up to --max-n tokens, the smallest",
               build=_ngram_build, lookup=_ngram_lookup,
               counts=lambda t: {"contexts": t.num_contexts, "entries": t.num_entries},
               count_names=("contexts", "entries"),
               from_arrays=_ngram_from_arrays, token_columns=lambda a: [a["next"], a["ctx"]],
               file_counts=lambda a: {"contexts": len(a["keys"]), "entries": len(a["next"])}),
-    StoreKind("sa", "suffix array", "exact matches of any length, about 7 bytes a token; a directory, "
+    StoreKind("sa", "suffix array", "exact matches of any length, a tenth of the automaton's size; a directory, "
                                     "built by infini-gram's indexer (pip install 'samctl[sa]')",
               build=_sa_build, lookup=lambda sa, context, n, k: sa.lookup(context, n, k),
               counts=lambda sa: {"suffixes": sa.num_tokens + sa.num_documents}, count_names=("suffixes",),
-              load=_sa_load),
+              load=_sa_load, grows=True),
 )}
 
 

@@ -365,6 +365,16 @@ class SuffixArray:
     def tree(self, lo: int, hi: int, length: int, num_nodes: int, max_depth: int) -> tuple[np.ndarray, np.ndarray]:
         return sa_tree(*self.kernel_arrays, lo, hi, length, num_nodes, max_depth)
 
+    def documents(self) -> tuple[np.ndarray, np.ndarray]:
+        """The stored documents as `build_suffix_array` takes them: tokens [n] int32, doc_offsets [d+1] int64."""
+        ids = np.frombuffer(self.data, dtype="<u2")
+        starts = np.flatnonzero(ids == 0xFFFF)  # each document's separator
+        if len(starts) != self.num_documents:
+            raise StoreError(f"the token array holds {len(starts)} documents, its manifest {self.num_documents}: "
+                             f"{_REBUILD}")
+        lengths = np.diff(np.append(starts, len(ids))) - 1
+        return ids[ids != 0xFFFF].astype(np.int32), np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+
     def lookup(self, context: np.ndarray, n: int, k: int = 8) -> Lookup:
         lo, hi, length = self.match(context)
         next_tokens, next_counts = self.topk_next(lo, hi, length, k) if length else (np.zeros(0, np.int32),) * 2

@@ -280,3 +280,22 @@ def test_batched_engine_drafts_from_an_sa_store_and_stays_greedy(tiny_model_dir,
                              cost_ms=CHEAP)
     assert [r.tokens for r in results] == expected
     assert max(r.metrics.accepted for r in results) > 0
+
+
+def test_append_to_rebuilds_over_the_stored_documents_and_the_new(tmp_path):
+    """`--append-to` on an sa store answers as one build over the old inputs followed by the new."""
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "a.py").write_text(CODE * 2)
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "b.md").write_text("The quick brown fox.\n" + CODE)
+    def build(*args):
+        proc = _samctl("build", *args, "--tokenizer", "bytes", "-q")
+        assert proc.returncode == 0, proc.stderr
+
+    build(str(tmp_path / "old"), "-o", str(tmp_path / "s.sa"), "--kind", "sa")
+    build("--append-to", str(tmp_path / "s.sa"), str(tmp_path / "new"), "-o", str(tmp_path / "s.sa"))
+    build(str(tmp_path / "old"), str(tmp_path / "new"), "-o", str(tmp_path / "full.sa"), "--kind", "sa")
+    grown, full = load_datastore(tmp_path / "s.sa"), load_datastore(tmp_path / "full.sa")
+    assert grown.meta.corpus.documents == full.meta.corpus.documents == 2
+    for name in ("tokenized.0", "table.0", "offset.0"):
+        assert (tmp_path / "s.sa" / name).read_bytes() == (tmp_path / "full.sa" / name).read_bytes(), name

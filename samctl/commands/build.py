@@ -9,7 +9,8 @@ stderr. Modules that load numba are imported in phase 3, so `build --help` stays
 `--append-to OLD.sam` grows an automaton store instead: the inputs are tokenized with the store's
 own tokenizer and build settings and inserted after its documents, without re-reading the old
 corpus (time in the new tokens, plus one copy of the old arrays); the result equals a full build
-over the old inputs followed by the new ones.
+over the old inputs followed by the new ones. A suffix-array store is rebuilt over its own stored
+documents followed by the new ones (the old corpus is not re-read or re-tokenized either).
 
 `--kind sa` writes a suffix-array store directory (index/suffix_array.py): the suffixes are sorted
 by infini-gram's indexer in parts of at most --memory-limit bytes, --workers at once.
@@ -25,6 +26,7 @@ import time
 from dataclasses import replace
 
 import click
+import numpy as np
 
 from samctl.index.corpus import CorpusReader
 from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, save_datastore
@@ -44,8 +46,8 @@ MAX_NGRAM_TOP_K = 4096  # next tokens kept per context
 
 @click.command("build")
 @click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
-              help="Store file to write (.sam).")
+@click.option("-o", "--output", required=True, type=click.Path(),
+              help="Store to write: a .sam file, or a directory with --kind sa or --shards.")
 @click.option("--kind", type=click.Choice(list(KINDS)), default="sam", show_default=True,
               help="; ".join(f"{k.name}: {k.label}, {k.help}" for k in KINDS.values()) + ".")
 @click.option("--tokenizer", default=None, metavar="PATH_OR_NAME",
@@ -67,8 +69,8 @@ MAX_NGRAM_TOP_K = 4096  # next tokens kept per context
                    "the bytes but are memory-mapped on load.")
 @click.option("--eos/--no-eos", "append_eos", default=True, show_default=True,
               help="Append the tokenizer's EOS token after each document.")
-@click.option("--append-to", "append_to", type=click.Path(exists=True, dir_okay=False), metavar="STORE",
-              help="Grow this automaton store with the inputs (its tokenizer and settings; the old "
+@click.option("--append-to", "append_to", type=click.Path(exists=True), metavar="STORE",
+              help="Grow this automaton or suffix-array store with the inputs (its tokenizer and settings; the old "
                    "corpus is not re-read); -o may name the same file.")
 @click.option("--shards", type=int, default=None, metavar="N",
               help="Write a store directory of N suffix-automaton shards (whole documents each), built "
@@ -96,34 +98,45 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
     \b
     samctl build docs/ -o store.sam
     samctl build --append-to store.sam new_docs/ -o store.sam    # grow it
+    samctl build big/ -o store.sa --kind sa --memory-limit 4G     # suffix array (pip install 'samctl[sa]')
     """
     start = time.perf_counter()
+    old = None
+    if append_to is not None:
+        if shards is not None:
+            raise UserError("--append-to grows one store: drop --shards, or rebuild the sharded store")
+        old = load_datastore(append_to)
+        if hasattr(old, "shards"):
+            raise UserError(f"{append_to} is a sharded store: --append-to grows one store; rebuild it with --shards")
+        if not KINDS[old.kind].grows:
+            raise UserError(f"{append_to} is an {old.kind} store ({KINDS[old.kind].label}): --append-to grows "
+                            f"automaton and suffix-array stores; rebuild the {KINDS[old.kind].label} over all inputs")
+        given = click.get_current_context().get_parameter_source("kind") != click.core.ParameterSource.DEFAULT
+        if given and kind != old.kind:
+            raise UserError(f"--append-to grows a {KINDS[old.kind].label} store: drop --kind {kind}")
+        kind = old.kind
     if kind == "ngram":
         check_count("--max-n", max_n, MAX_NGRAM, low=None)  # BuildConfig checks the lower bounds
         check_count("--top-k", top_k, MAX_NGRAM_TOP_K, low=None)
     config = BuildConfig(kind=kind, max_n=max_n, min_count=min_count, top_k=top_k,
                          compress=compress, append_eos=append_eos, include=include,
                          exclude=exclude, fields=fields)
+    if old is not None:
+        config = replace(old.meta.build, include=include, exclude=exclude, fields=fields)
     entry = KINDS[kind]
     memory_bytes = _size(memory_limit) if memory_limit is not None else None
     if memory_limit is not None and kind != "sa":
         raise UserError("--memory-limit bounds the suffix sort: drop it, or add --kind sa")
     _check_sharding(kind, shards, ray_address, None if entry.directory and shards is None else workers)
     check_count("--workers", workers, MAX_WORKERS)
-    if shards is not None and append_to is not None:
-        raise UserError("--append-to grows one store file: drop --shards, or rebuild the sharded store")
+    if shards is None and os.path.isdir(output) and not entry.directory:
+        raise click.BadParameter(f"{output} is a directory: pass a file path, or --kind sa or --shards N to write a "
+                                 "store directory", param_hint="'-o' / '--output'")
+    if os.path.isfile(output) and entry.directory:
+        raise UserError(f"{output} is a file: a {entry.label} store is a directory, pass another -o path")
     if shards is None and not entry.directory and os.path.lexists(output) and not force and not is_store_file(output):
         raise UserError(f"{output} exists and is not a samctl store: pass --force to replace it, "
                         "or choose another -o")
-    old = None
-    if append_to is not None:
-        old = load_datastore(append_to)
-        if not KINDS[old.kind].grows:
-            raise UserError(f"{append_to} is an {old.kind} store ({KINDS[old.kind].label}): --append-to grows "
-                            f"automaton stores; rebuild the {KINDS[old.kind].label} over all inputs")
-        if kind != old.kind:
-            raise UserError(f"--append-to grows a {KINDS[old.kind].label} store: drop --kind {kind}")
-        config = replace(old.meta.build, include=include, exclude=exclude, fields=fields)
     # 1) documents, read lazily while tokenizing
     reader = CorpusReader(inputs, include, exclude, fields, stdin=click.get_text_stream("stdin"))
     tok = (load_tokenizer(tokenizer, quiet=quiet) if old is None
@@ -162,16 +175,17 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
         _build_and_write_sharded(output, tokens, doc_offsets, meta, tok.name, shards, ray_address,
                                  workers, verify, quiet, (start, tokenize_start, tokenized))
         return
-    if os.path.isdir(output) and not entry.directory:
-        raise UserError(f"{output} is a directory: pass a file path, or --shards N to write a store directory")
-    if os.path.isfile(output) and entry.directory:
-        raise UserError(f"{output} is a file: a {entry.label} store is a directory, pass another -o path")
     # 3) structure; numba loads here, not for --help (a directory kind writes itself meanwhile)
     options = BuildOptions(path=output, memory_limit=memory_bytes, threads=workers or 1)
     with progress_bar(f"building the {entry.label}", "token", quiet, total=len(tokens)) as bar:
-        if old is not None:
+        if old is not None and not entry.directory:
             with bar.heartbeat():
                 structure = old.structure.appended(tokens, doc_offsets)
+        elif old is not None:  # rebuilt over the stored documents, then the new ones
+            old_tokens, old_offsets = old.structure.documents()
+            doc_offsets = np.concatenate((old_offsets, old_offsets[-1] + doc_offsets[1:]))
+            tokens = np.concatenate((old_tokens, tokens))
+            structure = entry.build(tokens, doc_offsets, meta, replace(options, heartbeat=bar.heartbeat))
         else:
             structure = entry.build(tokens, doc_offsets, meta, replace(options, heartbeat=bar.heartbeat))
     built = time.perf_counter()
