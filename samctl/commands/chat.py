@@ -31,7 +31,7 @@ HELP = """commands:
 @click.command("chat")
 @click.option("--model", "model_path", metavar="PATH", help="Local model folder or .gguf file (default: the embedded model).")
 @click.option("--sam", "store_path", metavar="STORE", type=click.Path(exists=True),
-              help="Static datastore built with the model's tokenizer: a .sam file or a sharded store directory.")
+              help="Static datastore built with the model's tokenizer: a .sam file or a store directory (sharded, or a suffix array).")
 @click.option("--method", type=click.Choice(ALL_METHODS), default=DEFAULT_METHOD, show_default=True, help="Drafting method to start with.")
 @click.option("--system", metavar="TEXT", help="A system message at the start of the conversation.")
 @click.option("--max-new-tokens", type=int, default=512, show_default=True, help="Longest answer per turn.")

@@ -42,7 +42,7 @@ _PROMPT_FIELDS_HELP = "the record field holding the prompt (default: prompt, tur
 @click.option("--method", type=click.Choice(ALL_METHODS), default=DEFAULT_METHOD, show_default=True,
               help="How the answers are generated (any method gives the same greedy answers; adaptive is fastest).")
 @click.option("--sam", "store_path", metavar="STORE", type=click.Path(exists=True),
-              help="A store to draft from while generating (not part of the output): a .sam file or a sharded store directory.")
+              help="A store to draft from while generating (not part of the output): a .sam file or a store directory (sharded, or a suffix array).")
 @click.option("--also", "also", multiple=True, metavar="INPUT",
               help="Also put this corpus in the store (as `samctl build` reads it; repeatable).")
 @click.option("--field", "prompt_field", metavar="NAME", help=_PROMPT_FIELDS_HELP)
