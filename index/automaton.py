@@ -459,6 +459,71 @@ def sam_topk_next(states, edges, state, k):
     return out_tok[:m].copy(), counts
 
 
+@njit(cache=True)
+def sam_span_state(states, state, length, span):
+    # -> the state holding the suffix of length min(length, span) of the matched text: climb
+    # suffix links while the parent's longest string still has >= span tokens.
+    if length <= span:
+        return state
+    for _ in range(states.shape[0]):
+        parent = states[state, LINK]
+        if parent < 0 or states[parent, LEN] < span:
+            return state
+        state = parent
+    return state
+
+
+@njit(cache=True)
+def sam_frequent_tree(states, edges, slots, state, num_nodes, max_depth):
+    """Top continuation prefixes below `state` by occurrence count, best first (REST's tree).
+
+    The count of prefix p is the occurrence count of the state reached from `state` by p (every
+    path spells s + p, whose end positions are that state's), and a child never outnumbers its
+    parent: taking candidates best first, a node's children pushed when it is taken, yields
+    exactly the top prefixes by count.
+
+    states/edges/slots: a suffix automaton's kernel arrays. Candidates are (state, token, parent node,
+    depth) keyed by count; ties go to the earlier-pushed one. Returns (tokens [m] int32,
+    parents [m] int32) with m <= num_nodes, parents[i] < i, -1 = child of the root.
+    """
+    out_tok = np.empty(num_nodes, dtype=np.int32)
+    out_par = np.empty(num_nodes, dtype=np.int32)
+    cap = num_nodes * (num_nodes + 1)  # each taken node (and the root) pushes <= num_nodes children
+    c_count = np.empty(cap, dtype=np.int64)
+    c_state = np.empty(cap, dtype=np.int32)
+    c_tok = np.empty(cap, dtype=np.int32)
+    c_par = np.empty(cap, dtype=np.int32)
+    c_depth = np.empty(cap, dtype=np.int32)
+    taken = np.zeros(cap, dtype=np.bool_)
+    n_cand = 0
+    node, node_state, depth, m = -1, state, 0, 0
+    while m < num_nodes:
+        # 1) push the children of the node just taken (first: of the root), unless at max depth
+        if depth < max_depth:
+            kid_tok, kid_cnt = sam_topk_next(states, edges, node_state, num_nodes - m)
+            for j in range(len(kid_tok)):
+                c_count[n_cand] = kid_cnt[j]
+                c_tok[n_cand] = kid_tok[j]
+                # the out-edge exists, so the step takes it without following a suffix link
+                c_state[n_cand] = sam_step(states, edges, slots, node_state, states[node_state, LEN], kid_tok[j])[0]
+                c_par[n_cand] = node
+                c_depth[n_cand] = depth + 1
+                n_cand += 1
+        # 2) take the most frequent candidate (a linear scan: <= 64 * 65 candidates, tiny)
+        best = -1
+        for c in range(n_cand):
+            if not taken[c] and (best < 0 or c_count[c] > c_count[best]):
+                best = c
+        if best < 0:
+            break
+        taken[best] = True
+        out_tok[m] = c_tok[best]
+        out_par[m] = c_par[best]
+        node, node_state, depth = m, c_state[best], c_depth[best]
+        m += 1
+    return out_tok[:m], out_par[:m]
+
+
 # ---------------------------------------------------------------------------------------------
 # Validation of untrusted arrays
 # ---------------------------------------------------------------------------------------------

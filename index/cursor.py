@@ -9,6 +9,12 @@ continues it, without moving it. Every cursor answers the same calls:
     advance(tokens)           follow the committed tokens ([k] int)
     peek(t0) -> (length, handle)   the match once t0 follows; the cursor stays where it is
     draft(handle, n)          up to n tokens ([m] int32) that follow a peeked match
+    max_match                 the longest match the structure can report (None: unbounded)
+    tree(handle, length, span, num_nodes, max_depth) -> (tokens, parents)
+                              the num_nodes continuation prefixes (at most max_depth tokens) that
+                              most often follow the peeked match's suffix of at most span tokens,
+                              best first ([m] int32 each; parents[i] < i, -1 = the root); an
+                              n-gram table has none (`tree` is None)
 
 and, for the compiled drafting kernels, the flat arrays and state to start from:
 
@@ -18,6 +24,10 @@ and, for the compiled drafting kernels, the flat arrays and state to start from:
         at(handle) -> (states, edges, slots, state)           a peeked match
     n-gram table (NgramCursor):
         arrays, context(t0)   the table's NgramArrays and the text ending at t0 ([<= max_n] int32)
+    suffix array (SuffixArrayCursor):
+        arrays, before(t0)    the SuffixArray's kernel arrays, and its match of the text before t0
+                              (lo, hi, length) with the text's last keys ([<= MAX_MATCH + 1] int64,
+                              t0's last)
 
 The moves are one compiled call each (the same kernels as before cursors existed); each cursor is
 a few attributes, so a step costs no Python per token. Structures that grow while a cursor reads
@@ -27,13 +37,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from samctl.index.automaton import SuffixAutomaton
+from samctl.index.automaton import SuffixAutomaton, sam_frequent_tree, sam_span_state
 from samctl.index.ngram import NgramArrays, NgramTable
 from samctl.index.sharded import ShardedAutomaton
+from samctl.index.suffix_array import MAX_MATCH, SuffixArray, sa_find, sa_step, sa_tree, sa_walk, token_key
 
 
 class AutomatonCursor:
     """A match pointer into one suffix automaton: (state, length) of the longest suffix found."""
+
+    max_match = None
 
     def __init__(self, automaton: SuffixAutomaton) -> None:
         self.automaton = automaton
@@ -61,10 +74,15 @@ class AutomatonCursor:
         a = self.arrays
         return a.states, a.edges, a.slots, handle
 
+    def tree(self, handle: int, length: int, span: int, num_nodes: int, max_depth: int) -> tuple[np.ndarray, np.ndarray]:
+        return _automaton_tree(self.at(handle), length, span, num_nodes, max_depth)
+
 
 class ShardedCursor:
     """One match pointer per shard; a peek answers from the shard with the longest match (the
     lowest on ties: the first occurrence, as one store over all shards would give)."""
+
+    max_match = None
 
     def __init__(self, sharded: ShardedAutomaton) -> None:
         self.sharded = sharded
@@ -93,6 +111,17 @@ class ShardedCursor:
         s = self.sharded
         return s.states[shard], s.edges[shard], s.slots[shard], state
 
+    def tree(self, handle: tuple[int, int], length: int, span: int, num_nodes: int,
+             max_depth: int) -> tuple[np.ndarray, np.ndarray]:
+        return _automaton_tree(self.at(handle), length, span, num_nodes, max_depth)
+
+
+def _automaton_tree(at: tuple, length: int, span: int, num_nodes: int, max_depth: int) -> tuple[np.ndarray, np.ndarray]:
+    # the suffix of length `span` is the match's state, or the ancestor whose length range holds span
+    states, edges, slots, state = at
+    state = sam_span_state(states, state, length, span)
+    return sam_frequent_tree(states, edges, slots, state, num_nodes, max_depth)
+
 
 class NgramCursor:
     """The last max_n tokens of the text: an n-gram table matches no further back."""
@@ -100,7 +129,7 @@ class NgramCursor:
     def __init__(self, table: NgramTable) -> None:
         self.table = table
         self.arrays: NgramArrays = table.kernel_arrays
-        self.max_n = table.config.max_n
+        self.max_n = self.max_match = table.config.max_n
         self.tail = np.zeros(0, dtype=np.int32)
 
     def reset(self, context: np.ndarray) -> None:
@@ -120,11 +149,70 @@ class NgramCursor:
     def draft(self, handle: np.ndarray, n: int) -> np.ndarray:
         return self.table.continuation(handle, n)
 
+    tree = None  # a table keeps next tokens per context, not counts of longer continuations
 
-def cursor(structure: SuffixAutomaton | ShardedAutomaton | NgramTable) -> AutomatonCursor | ShardedCursor | NgramCursor:
+
+class SuffixArrayCursor:
+    """The match (lo, hi, length) of the text in a suffix array, and the text's last MAX_MATCH
+    tokens' keys: a broken match is searched again over them (a suffix array has no links)."""
+
+    max_match = None  # a match grows without bound; only its re-search after a break is capped
+
+    def __init__(self, sa: SuffixArray) -> None:
+        self.sa = sa
+        self.arrays = sa.kernel_arrays
+        self.lo, self.hi, self.length = 0, 0, 0
+        self.keys = np.zeros(0, dtype=np.int64)
+        self._buffer = np.zeros(MAX_MATCH + 1, dtype=np.int64)  # peek's text: the last keys, then t0
+        self._peeked: tuple[int, tuple[int, int, int]] | None = None  # (t0, its match) of the last peek
+
+    def reset(self, context: np.ndarray) -> None:
+        self.lo, self.hi, self.length, self.keys = 0, 0, 0, np.zeros(0, dtype=np.int64)
+        self._peeked = None
+        self.advance(context)
+
+    def advance(self, tokens: np.ndarray) -> None:
+        keys = np.concatenate((self.keys, self.sa.keys(tokens)))
+        start = len(self.keys)
+        if self._peeked is not None and len(tokens) and self._peeked[0] == tokens[0]:
+            # the step over the pending token was the last peek's: not searched twice
+            self.lo, self.hi, self.length = self._peeked[1]
+            start += 1
+        self.lo, self.hi, self.length = sa_walk(*self.arrays[:5], keys, start, self.lo, self.hi, self.length)
+        self.keys = keys[-MAX_MATCH:]
+        self._peeked = None
+
+    def before(self, t0: int) -> tuple[int, int, int, np.ndarray]:
+        n = len(self.keys)
+        text = self._buffer[:n + 1]
+        text[:n] = self.keys
+        text[n] = token_key(t0, self.sa.token_width)
+        return self.lo, self.hi, self.length, text
+
+    def peek(self, t0: int) -> tuple[int, tuple[int, int, int, np.ndarray]]:
+        lo, hi, length, text = self.before(t0)
+        lo, hi, length = sa_step(*self.arrays[:5], text, len(text) - 1, lo, hi, length)
+        self._peeked = (t0, (lo, hi, length))
+        return length, (lo, hi, length, text)
+
+    def draft(self, handle: tuple[int, int, int, np.ndarray], n: int) -> np.ndarray:
+        return self.sa.continuation(*handle[:3], n)
+
+    def tree(self, handle: tuple[int, int, int, np.ndarray], length: int, span: int, num_nodes: int,
+             max_depth: int) -> tuple[np.ndarray, np.ndarray]:
+        lo, hi, length, text = handle
+        if length > span:  # the range of the last `span` tokens holds the longer match's
+            lo, hi = sa_find(*self.arrays[:5], text, len(text) - span, len(text))
+            length = span
+        return sa_tree(*self.arrays, lo, hi, length, num_nodes, max_depth)
+
+
+Structure = SuffixAutomaton | ShardedAutomaton | NgramTable | SuffixArray
+Cursor = AutomatonCursor | ShardedCursor | NgramCursor | SuffixArrayCursor
+_CURSORS = {SuffixAutomaton: AutomatonCursor, ShardedAutomaton: ShardedCursor, NgramTable: NgramCursor,
+            SuffixArray: SuffixArrayCursor}
+
+
+def cursor(structure: Structure) -> Cursor:
     """The cursor of a store's structure, at the start of an empty text."""
-    if isinstance(structure, SuffixAutomaton):
-        return AutomatonCursor(structure)
-    if isinstance(structure, ShardedAutomaton):
-        return ShardedCursor(structure)
-    return NgramCursor(structure)
+    return _CURSORS[type(structure)](structure)

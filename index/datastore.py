@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
-from samctl.index.automaton_layout import E_TOK, EDGE_TOK, edge_count
 from samctl.index.errors import UserError
+from samctl.index.kinds import KINDS
 from samctl.index.ngram_config import NgramConfig
 from samctl.index.store import StoreError, StoreFile, read_store, write_store
 
@@ -36,8 +36,7 @@ if TYPE_CHECKING:
     from samctl.index.ngram import NgramTable
 
 # The structures' modules (and numba with them) are imported where a structure is built or
-# loaded, not here: reading a store's header (`read_meta`, `samctl info`) stays light.
-KINDS = ("sam", "ngram")
+# loaded (index/kinds.py), not here: reading a store's header (`read_meta`, `samctl info`) stays light.
 Structure = Union["SuffixAutomaton", "NgramTable"]
 _REBUILD = "rebuild it with samctl build"
 
@@ -53,7 +52,7 @@ def _created_by() -> str:
 class BuildConfig:
     """How a store was built; recorded in its header so `samctl info` can say."""
 
-    kind: str = "sam"  # "sam" (suffix automaton) or "ngram" (pruned n-gram table)
+    kind: str = "sam"  # an entry of index/kinds.py's KINDS: "sam", "ngram" or "sa"
     max_n: int = 4  # n-gram only: longest context
     min_count: int = 2  # n-gram only: prune entries seen fewer times
     top_k: int = 8  # n-gram only: next tokens kept per context
@@ -183,47 +182,28 @@ class Datastore:
 
     def lookup(self, context: np.ndarray, n: int, k: int = 8) -> Lookup:
         """Longest suffix of context ([m] int32) in the store, then up to n tokens after it."""
-        context = np.asarray(context, dtype=np.int32)
-        if self.kind == "sam":
-            sam = self.structure
-            state, length = sam.match(context)
-            next_tokens, next_counts = sam.topk_next(state, k)
-            return Lookup(int(length), sam.count(state) if length else 0,
-                          np.array(sam.continuation(state, n)), next_tokens, next_counts)
-        table = self.structure
-        length, next_tokens, next_counts = table.lookup(context)
-        return Lookup(int(length), int(next_counts.sum()), np.array(table.continuation(context, n)),
-                      np.array(next_tokens[:k]), np.array(next_counts[:k]))
+        return KINDS[self.kind].lookup(self.structure, np.asarray(context, dtype=np.int32), n, k)
 
 
 def save_datastore(
     path: str | os.PathLike, structure: Structure, meta: StoreMeta, compress: bool | None = None
 ) -> None:
     """Write structure + meta atomically; `compress` defaults to meta.build.compress."""
-    from samctl.index.automaton import SuffixAutomaton
-
-    kind = "sam" if isinstance(structure, SuffixAutomaton) else "ngram"
-    if kind != meta.build.kind:
-        raise ValueError(f"structure is a {kind} but the build config says {meta.build.kind}")
+    if KINDS[meta.build.kind].directory:
+        raise ValueError(f"a {meta.build.kind} store is a directory its builder writes, not a store file")
     compress = meta.build.compress if compress is None else compress
     write_store(path, meta.to_header(), structure.to_arrays(), compress=compress)
 
 
 def load_single(path: str | os.PathLike, verify: bool = False, occurrence: str = "first") -> Datastore:
     """Read and validate one `.sam` file (samctl.index.load.load_datastore also opens directories)."""
-    from samctl.index.automaton import SuffixAutomaton  # numba loads here, not for `samctl info`
-    from samctl.index.ngram import NgramTable
-
     store, meta = read_meta(path, verify=verify)
     arrays = store.arrays
+    kind = KINDS[meta.build.kind]
+    if kind.directory:
+        raise StoreError(f"{store.path} declares kind {kind.name!r}, whose stores are directories: {_REBUILD}")
     try:
-        if meta.build.kind == "sam":
-            # The link-length check is a random read over every state (most of an 8M-token
-            # store's load time); without it a corrupt link can still only misdirect a match,
-            # since link walks are capped, and the model verifies every draft anyway.
-            structure: Structure = SuffixAutomaton.from_arrays(arrays, occurrence=occurrence, check_links=verify)
-        else:
-            structure = NgramTable.from_arrays(arrays, meta.build.ngram_config())
+        structure: Structure = kind.from_arrays(arrays, meta, occurrence, verify)  # numba loads here
     except UserError as err:
         raise StoreError(f"{store.path}: {err}") from err
     _check_token_range(store.path, meta, arrays)
@@ -240,10 +220,7 @@ def read_meta(path: str | os.PathLike, verify: bool = False) -> tuple[StoreFile,
 def structure_counts(store: StoreFile, kind: str) -> dict[str, int]:
     """The size of a store's structure from its arrays' shapes and counters, without loading (or
     validating) it: an automaton's states and edges, an n-gram table's contexts and entries."""
-    arrays = store.arrays
-    if kind == "sam":
-        return {"states": len(arrays["states"]), "edges": edge_count(arrays["states"], arrays["meta"])}
-    return {"contexts": len(arrays["keys"]), "entries": len(arrays["next"])}
+    return KINDS[kind].file_counts(store.arrays)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,7 +234,7 @@ def parse_meta(header: dict[str, Any], name: str) -> StoreMeta:
         return StoreError(f"{name} has a malformed header ({what}): {_REBUILD}")
 
     kind = header.get("kind")
-    if kind not in KINDS:
+    if not isinstance(kind, str) or kind not in KINDS:
         raise bad(f"unknown kind {kind!r}")
     tokenizer = _typed_map(header.get("tokenizer"), "tokenizer", {
         "name": str, "fingerprint": str, "vocab_size": int, "eos_token_id": (int, type(None))}, bad)
@@ -324,10 +301,7 @@ def _typed_map(data: Any, what: str, types: dict[str, Any], bad) -> dict[str, An
 
 def _check_token_range(name: str, meta: StoreMeta, arrays: dict[str, np.ndarray]) -> None:
     """Every id a draft can contain must be a valid id for the recorded vocabulary."""
-    if meta.build.kind == "sam":
-        columns = [arrays["tokens"], arrays["states"][:, EDGE_TOK], arrays["edges"][:, E_TOK]]
-    else:
-        columns = [arrays["next"], arrays["ctx"]]
+    columns = KINDS[meta.build.kind].token_columns(arrays)
     highest = max((int(c.max()) for c in columns if len(c)), default=-1)
     if highest >= meta.vocab_size:
         raise StoreError(f"{name} holds token id {highest}, outside its tokenizer's vocabulary of "

@@ -1,12 +1,15 @@
-"""Open any store: a `.sam` file (index/datastore.py) or a sharded store directory (index/sharded.py).
+"""Open any store: a `.sam` file (index/datastore.py), a sharded store directory (index/sharded.py)
+or a directory kind's store (index/kinds.py: `sa`, index/suffix_array.py).
 
 Its own module because sharded stores build on single ones: datastore.py knows nothing of shards.
 """
 from __future__ import annotations
 
+import json
 import os
 
 from samctl.index.datastore import Datastore, load_single
+from samctl.index.kinds import KINDS
 
 
 def load_datastore(path: str | os.PathLike, verify: bool = False, occurrence: str = "first") -> Datastore:
@@ -16,7 +19,21 @@ def load_datastore(path: str | os.PathLike, verify: bool = False, occurrence: st
     is a sharded store (index/sharded.py), returned as a ShardedDatastore with the same queries.
     """
     if os.path.isdir(path):
+        kind = KINDS.get(_declared_kind(path))
+        if kind is not None and kind.directory:
+            return kind.load(path, verify=verify, occurrence=occurrence)
         from samctl.index.sharded import load_sharded  # numba loads with a store, not for `build --help`
 
         return load_sharded(path, verify=verify, occurrence=occurrence)
     return load_single(path, verify=verify, occurrence=occurrence)
+
+
+def _declared_kind(path: str | os.PathLike) -> object:
+    # The manifest's `kind`, untrusted: the kind's own loader checks the rest (None: unreadable;
+    # the sharded loader then says what is wrong).
+    try:
+        with open(os.path.join(path, "manifest.json"), "rb") as handle:
+            manifest = json.loads(handle.read(1 << 20).decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return manifest.get("kind") if isinstance(manifest, dict) else None

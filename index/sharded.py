@@ -418,7 +418,7 @@ class StoreDirectoryWriter:
         # Only a store (directory with a manifest, or a file) is ever replaced: never a folder
         # that merely sits at the path, which the final swap would delete.
         if self.path.is_dir() and not (self.path / MANIFEST).is_file():
-            raise UserError(f"{self.path} is a directory but not a sharded store (no {MANIFEST}): "
+            raise UserError(f"{self.path} is a directory but not a samctl store (no {MANIFEST}): "
                             "choose another output path")
         parent = self.path.parent if str(self.path.parent) else Path(".")
         try:
@@ -439,13 +439,18 @@ class StoreDirectoryWriter:
 
     def commit(self, meta: StoreMeta, entries: list[dict[str, Any]]) -> None:
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **meta.to_header(), "shards": entries}
+        self.commit_manifest(manifest, [e["file"] for e in entries])
+
+    def commit_manifest(self, manifest: dict[str, Any], files: list[str] | tuple[str, ...]) -> None:
+        """Write `manifest`, drop every file but `files`, and swap the directory into place."""
         manifest_path = self.tmp / MANIFEST
         with open(manifest_path, "w", encoding="utf-8") as out:
             json.dump(manifest, out, indent=1)
             out.flush()
             os.fsync(out.fileno())
-        for leftover in set(os.listdir(self.tmp)) - {MANIFEST} - {e["file"] for e in entries}:
-            os.unlink(self.tmp / leftover)
+        for leftover in set(os.listdir(self.tmp)) - {MANIFEST} - set(files):
+            path = self.tmp / leftover
+            shutil.rmtree(path) if path.is_dir() else os.unlink(path)
         _fsync_directory(self.tmp)
         os.chmod(self.tmp, 0o755 & ~_umask())
         self._swap()

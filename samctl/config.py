@@ -59,7 +59,7 @@ class SessionConfig:
     graphs: bool = arg(True, "CUDA: run the verify forward eagerly instead of as CUDA graphs at fixed widths (the CPU "
                        "never compiles).", cli="--no-compile", negate=True)
     store: str | None = arg(None, "Static datastore built by `samctl build` with the model's tokenizer: a .sam file "
-                            "or a sharded store directory (--shards).", cli="--sam", metavar="STORE", path={})
+                            "or a store directory (sharded, or a suffix array).", cli="--sam", metavar="STORE", path={})
     occurrence: str = "first"  # the store's, set by the drafter setting `occurrence` (--occurrence)
     method: str = arg(DEFAULT_METHOD, "Drafting method (README's method table; adaptive needs no tuning). "
                       f"{', '.join(NOT_LOSSLESS)}: NOT lossless when sampling, reference reproductions only.",

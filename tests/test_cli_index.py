@@ -356,4 +356,4 @@ def test_build_append_to_equals_full_build(corpus, tmp_path, capsys):
     ngram = str(tmp_path / "n.sam")
     _invoke(["build", inputs[0], "-o", ngram, "--kind", "ngram", "--tokenizer", "bytes", "-q"])
     status, _, err = _main(["build", "--append-to", ngram, inputs[1], "-o", grown], capsys)
-    assert status == 2 and "n-gram store" in err and err.count("\n") == 1
+    assert status == 2 and "an ngram store" in err and err.count("\n") == 1

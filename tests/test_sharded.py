@@ -171,7 +171,7 @@ def test_a_directory_that_is_not_a_store_is_never_replaced(tmp_path):
     folder = tmp_path / "precious"
     folder.mkdir()
     (folder / "notes.txt").write_text("keep me")
-    with pytest.raises(UserError, match="not a sharded store"):
+    with pytest.raises(UserError, match="not a samctl store"):
         StoreDirectoryWriter(folder)
     assert (folder / "notes.txt").read_text() == "keep me"
 

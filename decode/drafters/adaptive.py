@@ -36,12 +36,12 @@ from samctl.decode.budget import path_probs
 from samctl.decode.engine.cost import linear_cost
 from samctl.decode.engine.transfer import record_event, wait_for
 from samctl.decode.drafters.candidates import (N_CELLS, SOURCES, learn, ngram_candidates, prediction_positions,
-                                               prior_means, propose_tree)
+                                               prior_means, propose_tree, sa_candidates)
 from samctl.decode.metrics import PredictionUsage
 from samctl.decode.drafters.base import Drafter
 from samctl.decode.tree import DraftTree, tree_depths
 from samctl.index.automaton import SuffixAutomaton
-from samctl.index.cursor import AutomatonCursor, NgramCursor, cursor
+from samctl.index.cursor import AutomatonCursor, NgramCursor, SuffixArrayCursor, cursor
 from samctl.index.errors import UserError
 from samctl.decode.configs import AdaptiveConfig
 
@@ -188,8 +188,10 @@ class AdaptiveDrafter(Drafter):
                             "re-measure it with samctl calibrate")
         self.calibration = Calibration(config)
         self.static = cursor(static) if static is not None else None
-        self._static_ngram = isinstance(self.static, NgramCursor)  # its candidates come from their own kernel
-        self._static_automaton = self.static is not None and not self._static_ngram
+        # An automaton's candidates come from the one compiled step (propose_tree); an n-gram
+        # table's and a suffix array's from their own kernel, into the buffer first.
+        self._static_buffered = _BUFFERED.get(type(self.static))
+        self._static_automaton = self.static is not None and self._static_buffered is None
         self.memory = Memory(config.memory, config.memory_tokens)
         self.memory_pointer, self._memory_seen = AutomatonCursor(self.memory.automaton), -1  # Memory.version
         self.recycle = _Recycle(vocab_size, config.recycle_k, device) if config.recycle and vocab_size > 0 else None
@@ -367,12 +369,17 @@ class AdaptiveDrafter(Drafter):
     def _first_candidates(self, t0: int) -> int:
         # Rows the buffer holds before the automata's: an n-gram store's (a subclass may add its
         # own, e.g. adaptive+eagle's head tree). -> the row count.
-        return self._ngram_candidates(t0) if self._static_ngram else 0
+        return self._static_buffered(self, t0) if self._static_buffered is not None else 0
 
     def _ngram_candidates(self, t0: int) -> int:
         cfg = self.config
         return ngram_candidates(self.static.arrays, self.static.context(t0), self.calibration.means, 1, self._budget,
                                 cfg.width, cfg.min_prob, *self._buffer, 0)
+
+    def _sa_candidates(self, t0: int) -> int:
+        cfg = self.config
+        return sa_candidates(*self.static.arrays, *self.static.before(t0), self.calibration.means, cfg.static_min_length,
+                             self._budget, cfg.width, cfg.min_prob, *self._buffer, 0)
 
     def _warm_up(self) -> None:
         # Compile (or load the numba cache) now, not inside the first timed step.
@@ -385,3 +392,7 @@ class AdaptiveDrafter(Drafter):
         self.output = []
         self.memory = Memory(self.config.memory, self.config.memory_tokens)
         self.calibration = Calibration(self.config)
+
+
+# stores whose candidates enter the buffer through their own kernel, by cursor type
+_BUFFERED = {NgramCursor: AdaptiveDrafter._ngram_candidates, SuffixArrayCursor: AdaptiveDrafter._sa_candidates}

@@ -25,6 +25,7 @@ from numba import njit
 
 from samctl.index.automaton import COUNT, FIRST_END, LEN, LINK, sam_step, sam_topk_children
 from samctl.index.ngram import ngram_find
+from samctl.index.suffix_array import sa_children, sa_step
 
 SRC_DYNAMIC, SRC_STATIC, SRC_MEMORY, SRC_RECYCLE = range(4)
 SOURCES = ("dynamic", "static", "memory", "recycle")
@@ -227,6 +228,50 @@ def ngram_candidates(table, context, means, min_length, budget, k, min_prob, tok
         node_depth = depth[c_par[c] - start] + 1 if c_par[c] >= 0 else 1
         depth[n - start] = node_depth
         node, node_prob = n, c_prob[c]
+        n = _keep(c, c_tok, c_par, c_prob, c_cell, tok, par, prob, cell, n)
+
+
+@njit(cache=True)
+def sa_candidates(data, table, w, p, first, vocab, lo, hi, length, text, means, min_length, budget, k, min_prob, tok, par,
+                  prob, cell, n):
+    # (data, table, w, p, first, vocab): a suffix array's kernel arrays; (lo, hi, length): the match of
+    # the text before t0; text: that text's last keys, t0's last ([c] int64). Like
+    # `automaton_candidates` from one root (a suffix array has no links to shorter matches): a
+    # node's range is its pattern's suffixes, its children the runs of its next tokens there.
+    lo, hi, length = sa_step(data, table, w, p, first, text, len(text) - 1, lo, hi, length)
+    cap = len(tok)
+    budget = min(budget, cap - n)
+    if budget <= 0 or length < min_length:
+        return n
+    pending = (budget + 1) * k
+    c_prob, c_tok, c_par, c_cell, heap = _pending(pending)
+    c_lo = np.empty(pending, dtype=np.int64)
+    c_hi = np.empty(pending, dtype=np.int64)
+    c_len = np.empty(pending, dtype=np.int32)
+    kid_tok = np.empty(k, dtype=np.int32)
+    kid_lo = np.empty(k, dtype=np.int64)
+    kid_hi = np.empty(k, dtype=np.int64)
+    n_c, size = 0, 0
+    node, node_prob, node_lo, node_hi, ell = -1, 1.0, lo, hi, length
+    start = n
+    while True:
+        # 1) push the node's top-k next tokens, each priced by its share of the node's occurrences
+        if n_c + k <= pending:
+            support = node_hi - node_lo
+            m = sa_children(data, table, w, p, first, vocab, node_lo, node_hi, ell, k, kid_tok, kid_lo, kid_hi)
+            for j in range(m):
+                ci = cell_index(SRC_STATIC, ell, min((kid_hi[j] - kid_lo[j]) / support, 1.0), support)
+                if node_prob * means[ci] < min_prob:
+                    continue
+                c_prob[n_c], c_tok[n_c], c_par[n_c], c_cell[n_c] = node_prob * means[ci], kid_tok[j], node, ci
+                c_lo[n_c], c_hi[n_c], c_len[n_c] = kid_lo[j], kid_hi[j], ell + 1
+                size = _push(heap, size, c_prob, n_c)
+                n_c += 1
+        if size == 0 or n - start >= budget:
+            return n
+        # 2) keep the best pending candidate
+        c, size = _pop(heap, size, c_prob)
+        node, node_prob, node_lo, node_hi, ell = n, c_prob[c], c_lo[c], c_hi[c], c_len[c]
         n = _keep(c, c_tok, c_par, c_prob, c_cell, tok, par, prob, cell, n)
 
 

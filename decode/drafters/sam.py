@@ -3,7 +3,7 @@
 Two match pointers, each the longest suffix of the committed text found in a structure:
 - dynamic: an automaton grown over prompt + output. Its pointer moves on a token *before* the
   token is inserted, so the match is always an earlier occurrence, which has a continuation.
-- static: a prebuilt datastore (suffix automaton, sharded store or n-gram table) through its
+- static: a prebuilt datastore (suffix automaton, sharded store, suffix array or n-gram table) through its
   cursor (index/cursor.py); only the cursor moves.
 
 Each step (t0 = the pending token):
@@ -18,36 +18,30 @@ feature cache stays current: the target's hidden states pass through to it).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from samctl.decode.drafters.base import Drafter
 from samctl.decode.tree import DraftTree
 from samctl.index.automaton import SuffixAutomaton
-from samctl.index.cursor import NgramCursor, cursor
+from samctl.index.cursor import Structure, cursor
 from samctl.decode.configs import SamConfig
-
-if TYPE_CHECKING:
-    from samctl.index.ngram import NgramTable
-    from samctl.index.sharded import ShardedAutomaton
 
 
 class SamDrafter(Drafter):
     def __init__(
         self,
         config: SamConfig = SamConfig(),
-        static: SuffixAutomaton | ShardedAutomaton | NgramTable | None = None,
+        static: Structure | None = None,
         fallback: Drafter | None = None,
     ) -> None:
         self.config = config
         self.static = cursor(static) if static is not None else None
         # An n-gram table matches at most max_n tokens: a static threshold above that would never
-        # trigger, so it is capped at max_n (the bias may turn negative).
+        # trigger, so it is capped at the cursor's max_match (the bias may turn negative).
         self._static_bias = config.static_bias
-        if isinstance(self.static, NgramCursor):
-            self._static_bias = min(config.dyn_threshold + config.static_bias, static.config.max_n) - config.dyn_threshold
+        if self.static is not None and self.static.max_match is not None:
+            self._static_bias = min(config.dyn_threshold + config.static_bias, self.static.max_match) - config.dyn_threshold
         self.fallback = fallback
         self.name = "sam" if fallback is None else f"sam+{fallback.name}"
         self.dynamic = SuffixAutomaton.empty(1024, occurrence=config.occurrence)

@@ -87,7 +87,7 @@ class Runner(Protocol):
 
 @click.command("bench")
 @session_options(exclude=("method", "memory_file") + SAMPLING, max_new_tokens=128,
-                 store={"help": "Static datastore (sam methods, rest): a .sam file or a sharded store directory."})
+                 store={"help": "Static datastore (sam methods, rest): a .sam file or a store directory (sharded, or a suffix array)."})
 @click.option("--questions", "questions_path", required=True, type=click.Path(exists=True, dir_okay=False),
               help="Spec-Bench-format JSONL: question_id, category, turns.")
 @click.option("--methods", "methods_spec", default="ar,adaptive,pld,sam,sam+recycle,recycle,hf-greedy,hf-pld", show_default=True,

@@ -1,4 +1,4 @@
-"""`samctl build`: read corpora, tokenize them, build a suffix automaton or n-gram table, save it.
+"""`samctl build`: read corpora, tokenize them, build a store of one kind (index/kinds.py), save it.
 
 Phases: 1) read documents (index.corpus) 2) tokenize them, streamed in bounded batches, with an
 EOS after each document 3) build the structure 4) write the store atomically. The summary line
@@ -9,7 +9,11 @@ stderr. Modules that load numba are imported in phase 3, so `build --help` stays
 `--append-to OLD.sam` grows an automaton store instead: the inputs are tokenized with the store's
 own tokenizer and build settings and inserted after its documents, without re-reading the old
 corpus (time in the new tokens, plus one copy of the old arrays); the result equals a full build
-over the old inputs followed by the new ones.
+over the old inputs followed by the new ones. A suffix-array store is rebuilt over its own stored
+documents followed by the new ones (the old corpus is not re-read or re-tokenized either).
+
+`--kind sa` writes a suffix-array store directory (index/suffix_array.py): the suffixes are sorted
+by infini-gram's indexer in parts of at most --memory-limit bytes, --workers at once.
 
 With --shards N the output is a store directory (index/sharded.py): the documents are split into
 N contiguous runs and each shard is built in its own process, one per core at a time, or with
@@ -22,11 +26,13 @@ import time
 from dataclasses import replace
 
 import click
+import numpy as np
 
 from samctl.index.corpus import CorpusReader
 from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, save_datastore
 from samctl.index.load import load_datastore
 from samctl.index.errors import UserError
+from samctl.index.kinds import KINDS, BuildOptions
 from samctl.index.store import is_store_file
 from samctl.options import MAX_WORKERS, check_count, config_option
 from samctl.progress import human_bytes, progress_bar, status
@@ -40,11 +46,10 @@ MAX_NGRAM_TOP_K = 4096  # next tokens kept per context
 
 @click.command("build")
 @click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
-              help="Store file to write (.sam).")
-@click.option("--kind", type=click.Choice(["sam", "ngram"]), default="sam", show_default=True,
-              help="Suffix automaton (exact matches of any length) or pruned n-gram table "
-                   "(fewer bytes per token).")
+@click.option("-o", "--output", required=True, type=click.Path(),
+              help="Store to write: a .sam file, or a directory with --kind sa or --shards.")
+@click.option("--kind", type=click.Choice(list(KINDS)), default="sam", show_default=True,
+              help="; ".join(f"{k.name}: {k.label}, {k.help}" for k in KINDS.values()) + ".")
 @click.option("--tokenizer", default=None, metavar="PATH_OR_NAME",
               help="Tokenizer folder, .gguf model file, cached model name, 'bytes', or 'default' "
                    "[default: the embedded model's, else bytes].")
@@ -64,8 +69,8 @@ MAX_NGRAM_TOP_K = 4096  # next tokens kept per context
                    "the bytes but are memory-mapped on load.")
 @click.option("--eos/--no-eos", "append_eos", default=True, show_default=True,
               help="Append the tokenizer's EOS token after each document.")
-@click.option("--append-to", "append_to", type=click.Path(exists=True, dir_okay=False), metavar="STORE",
-              help="Grow this automaton store with the inputs (its tokenizer and settings; the old "
+@click.option("--append-to", "append_to", type=click.Path(exists=True), metavar="STORE",
+              help="Grow this automaton or suffix-array store with the inputs (its tokenizer and settings; the old "
                    "corpus is not re-read); -o may name the same file.")
 @click.option("--shards", type=int, default=None, metavar="N",
               help="Write a store directory of N suffix-automaton shards (whole documents each), built "
@@ -75,12 +80,15 @@ MAX_NGRAM_TOP_K = 4096  # next tokens kept per context
                    "ADDRESS (a local Ray instance when omitted; write -o to a path every node sees). Put it "
                    "after the inputs or write --ray=ADDRESS.")
 @click.option("--workers", type=int, default=None,
-              help="With --shards, without --ray: shards built at once [default: the CPU count].")
+              help="With --shards, without --ray: shards built at once [default: the CPU count]. With --kind sa: "
+                   "suffix-sorting processes at once [default: 1].")
+@click.option("--memory-limit", "memory_limit", default=None, metavar="SIZE",
+              help="--kind sa: memory the suffix sort may hold, e.g. 4G or 512M [default: half the free memory].")
 @click.option("--verify", is_flag=True, help="Re-read the written store and check every checksum.")
 @click.option("--force", is_flag=True, help="Replace OUTPUT even when it is not a samctl store.")
 @config_option("quiet")
 def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_count, top_k,
-          compress, append_eos, append_to, shards, ray_address, workers, verify, force, quiet) -> None:
+          compress, append_eos, append_to, shards, ray_address, workers, memory_limit, verify, force, quiet) -> None:
     """Build a datastore from folders, .json/.jsonl/.parquet files, hf:NAME[:SPLIT] or - (stdin).
 
     Records are read in known shapes (Alpaca instruction/input/output, GSM8K question/answer,
@@ -90,29 +98,45 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
     \b
     samctl build docs/ -o store.sam
     samctl build --append-to store.sam new_docs/ -o store.sam    # grow it
+    samctl build big/ -o store.sa --kind sa --memory-limit 4G     # suffix array (pip install 'samctl[sa]')
     """
     start = time.perf_counter()
+    old = None
+    if append_to is not None:
+        if shards is not None:
+            raise UserError("--append-to grows one store: drop --shards, or rebuild the sharded store")
+        old = load_datastore(append_to)
+        if hasattr(old, "shards"):
+            raise UserError(f"{append_to} is a sharded store: --append-to grows one store; rebuild it with --shards")
+        if not KINDS[old.kind].grows:
+            raise UserError(f"{append_to} is an {old.kind} store ({KINDS[old.kind].label}): --append-to grows "
+                            f"automaton and suffix-array stores; rebuild the {KINDS[old.kind].label} over all inputs")
+        given = click.get_current_context().get_parameter_source("kind") != click.core.ParameterSource.DEFAULT
+        if given and kind != old.kind:
+            raise UserError(f"--append-to grows a {KINDS[old.kind].label} store: drop --kind {kind}")
+        kind = old.kind
     if kind == "ngram":
         check_count("--max-n", max_n, MAX_NGRAM, low=None)  # BuildConfig checks the lower bounds
         check_count("--top-k", top_k, MAX_NGRAM_TOP_K, low=None)
     config = BuildConfig(kind=kind, max_n=max_n, min_count=min_count, top_k=top_k,
                          compress=compress, append_eos=append_eos, include=include,
                          exclude=exclude, fields=fields)
-    _check_sharding(kind, shards, ray_address, workers)
-    if shards is not None and append_to is not None:
-        raise UserError("--append-to grows one store file: drop --shards, or rebuild the sharded store")
-    if shards is None and os.path.lexists(output) and not force and not is_store_file(output):
+    if old is not None:
+        config = replace(old.meta.build, include=include, exclude=exclude, fields=fields)
+    entry = KINDS[kind]
+    memory_bytes = _size(memory_limit) if memory_limit is not None else None
+    if memory_limit is not None and kind != "sa":
+        raise UserError("--memory-limit bounds the suffix sort: drop it, or add --kind sa")
+    _check_sharding(kind, shards, ray_address, None if entry.directory and shards is None else workers)
+    check_count("--workers", workers, MAX_WORKERS)
+    if shards is None and os.path.isdir(output) and not entry.directory:
+        raise click.BadParameter(f"{output} is a directory: pass a file path, or --kind sa or --shards N to write a "
+                                 "store directory", param_hint="'-o' / '--output'")
+    if os.path.isfile(output) and entry.directory:
+        raise UserError(f"{output} is a file: a {entry.label} store is a directory, pass another -o path")
+    if shards is None and not entry.directory and os.path.lexists(output) and not force and not is_store_file(output):
         raise UserError(f"{output} exists and is not a samctl store: pass --force to replace it, "
                         "or choose another -o")
-    old = None
-    if append_to is not None:
-        old = load_datastore(append_to)
-        if old.kind != "sam":
-            raise UserError(f"{append_to} is an n-gram store: --append-to grows automaton stores; "
-                            "rebuild the n-gram table over all inputs")
-        if kind != "sam":
-            raise UserError("--append-to grows an automaton store: drop --kind ngram")
-        config = replace(old.meta.build, include=include, exclude=exclude, fields=fields)
     # 1) documents, read lazily while tokenizing
     reader = CorpusReader(inputs, include, exclude, fields, stdin=click.get_text_stream("stdin"))
     tok = (load_tokenizer(tokenizer) if old is None
@@ -151,28 +175,24 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
         _build_and_write_sharded(output, tokens, doc_offsets, meta, tok.name, shards, ray_address,
                                  workers, verify, quiet, (start, tokenize_start, tokenized))
         return
-    if os.path.isdir(output):
-        raise UserError(f"{output} is a directory: pass a file path, or --shards N to write a store directory")
-    # 3) structure; numba loads here, not for --help
-    with progress_bar(f"building the {'suffix automaton' if kind == 'sam' else 'n-gram table'}",
-                      "token", quiet, total=len(tokens)) as bar:
-        if old is not None:
+    # 3) structure; numba loads here, not for --help (a directory kind writes itself meanwhile)
+    options = BuildOptions(path=output, memory_limit=memory_bytes, threads=workers or 1)
+    with progress_bar(f"building the {entry.label}", "token", quiet, total=len(tokens)) as bar:
+        if old is not None and not entry.directory:
             with bar.heartbeat():
                 structure = old.structure.appended(tokens, doc_offsets)
-        elif kind == "sam":
-            from samctl.index.automaton import SuffixAutomaton
-
-            structure = SuffixAutomaton.build(tokens, doc_offsets,
-                                              watch=lambda sam: bar.heartbeat(lambda: sam.num_tokens))
+        elif old is not None:  # rebuilt over the stored documents, then the new ones
+            old_tokens, old_offsets = old.structure.documents()
+            doc_offsets = np.concatenate((old_offsets, old_offsets[-1] + doc_offsets[1:]))
+            tokens = np.concatenate((old_tokens, tokens))
+            structure = entry.build(tokens, doc_offsets, meta, replace(options, heartbeat=bar.heartbeat))
         else:
-            from samctl.index.ngram import NgramTable
-
-            with bar.heartbeat():
-                structure = NgramTable.build(tokens, doc_offsets, config.ngram_config())
+            structure = entry.build(tokens, doc_offsets, meta, replace(options, heartbeat=bar.heartbeat))
     built = time.perf_counter()
     del tokens, doc_offsets  # the structure holds what it needs; free the input before writing
     # 4) store
-    save_datastore(output, structure, meta)
+    if not entry.directory:
+        save_datastore(output, structure, meta)
     written = time.perf_counter()
     phases = [("load tokenizer", tokenize_start - start), ("read and tokenize", tokenized - tokenize_start),
               ("build", built - tokenized), ("write", written - built)]
@@ -180,7 +200,8 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
         load_datastore(output, verify=True)
         phases.append(("verify", time.perf_counter() - written))
     if not quiet:
-        click.echo(_summary(output, os.path.getsize(output), structure, corpus, tok.name, phases,
+        size = load_datastore(output).file_size if entry.directory else os.path.getsize(output)
+        click.echo(_summary(output, size, entry.counts(structure), corpus, tok.name, phases,
                             time.perf_counter() - start, verified=verify))
 
 
@@ -205,9 +226,8 @@ def _check_sharding(kind: str, shards: int | None, ray_address: str | None, work
         if ray_address is not None or workers is not None:
             raise UserError("--ray and --workers build shards: add --shards N")
         return
-    if kind != "sam":
-        raise UserError("--shards splits suffix automata; an n-gram table is small enough for one file: "
-                        "drop --shards or use --kind sam")
+    if not KINDS[kind].shards:
+        raise UserError(f"--shards splits suffix automata, not a {KINDS[kind].label}: drop --shards or use --kind sam")
     check_count("--shards", shards, MAX_SHARDS)
     check_count("--workers", workers, MAX_WORKERS)
     if workers is not None and ray_address is not None:
@@ -258,11 +278,18 @@ def _combined(old: CorpusStats, new: CorpusStats) -> CorpusStats:
                        skipped_files=old.skipped_files + new.skipped_files, inputs=old.inputs + new.inputs)
 
 
-def _summary(output, size, structure, corpus, tokenizer_name, phases, total, verified) -> str:
-    if hasattr(structure, "num_states"):
-        shape = f"{structure.num_states:,} states, {structure.num_edges:,} edges"
-    else:
-        shape = f"{structure.num_contexts:,} contexts, {structure.num_entries:,} entries"
+def _size(text: str) -> int:
+    """Bytes from 4G, 512M, 64K or a plain number."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    body = text.strip().upper().removesuffix("B").removesuffix("I")
+    try:
+        return int(float(body[:-1]) * units[body[-1]]) if body and body[-1] in units else int(body)
+    except (ValueError, IndexError) as err:
+        raise UserError(f"--memory-limit {text!r} is not a size: write e.g. 4G or 512M") from err
+
+
+def _summary(output, size, counts, corpus, tokenizer_name, phases, total, verified) -> str:
+    shape = ", ".join(f"{value:,} {name}" for name, value in counts.items())
     check = ", checksums verified" if verified else ""
     breakdown = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in phases)
     return (f"wrote {output}: {corpus.documents:,} documents, {corpus.tokens:,} tokens "

@@ -32,7 +32,7 @@ HELP = """commands:
 @click.command("chat")
 @session_options(exclude=("chat", "memory_file"), method={"help": "Drafting method to start with."},
                  store={"type": click.Path(exists=True), "help": "Static datastore built with the model's tokenizer: a "
-                        ".sam file or a sharded store directory."},
+                        ".sam file or a store directory (sharded, or a suffix array)."},
                  max_new_tokens={"default": 512, "help": "Longest answer per turn."})
 @click.option("--system", metavar="TEXT", help="A system message at the start of the conversation.")
 @click.option("--compare", is_flag=True, help="Start with the side-by-side ar comparison on (/compare toggles it).")

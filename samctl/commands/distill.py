@@ -36,7 +36,7 @@ _PROMPT_FIELDS_HELP = "the record field holding the prompt (default: prompt, tur
                  method={"help": "How the answers are generated (any method gives the same greedy answers; adaptive "
                                  "is fastest)."},
                  store={"type": click.Path(exists=True), "help": "A store to draft from while generating (not part of "
-                        "the output): a .sam file or a sharded store directory."},
+                        "the output): a .sam file or a store directory (sharded, or a suffix array)."},
                  chat={"cli": "--chat/--no-chat", "default": None,
                        "help": "Apply the tokenizer's chat template to the prompts (the way the model will be asked) "
                                "[default: --chat when the model has a chat template, else --no-chat]."})

@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from samctl.index.datastore import StoreMeta, read_meta, structure_counts
+from samctl.index.kinds import KINDS
 from samctl.index.load import load_datastore
 from samctl.index.store import StoreFile
 from samctl.progress import human_bytes
@@ -65,8 +66,26 @@ def describe_sharded(store, verified: bool) -> dict[str, Any]:
     return report
 
 
+def describe_directory(store, verified: bool) -> dict[str, Any]:
+    """`describe` for a directory kind's store (index/kinds.py, e.g. `sa`): its manifest's files."""
+    meta = store.meta
+    tokens = meta.corpus.tokens
+    return {
+        "path": store.path, "kind": store.kind, "format_version": store.format_version,
+        "file_size": store.file_size,
+        "bytes_per_token": round(store.file_size / tokens, 3) if tokens else None,
+        "documents": meta.corpus.documents, "tokens": tokens,
+        **KINDS[store.kind].counts(store.structure),
+        "tokenizer": {"name": meta.tokenizer_name, "fingerprint": meta.tokenizer_fingerprint,
+                      "vocab_size": meta.vocab_size, "eos_token_id": meta.eos_token_id},
+        "build": meta.build.settings(), "corpus": meta.corpus.to_dict(), "created_by": meta.created_by,
+        "written_by": meta.written_by or None, "verified": verified,
+        "files": [{"file": name, **entry} for name, entry in store.manifest["sa"]["files"].items()],
+    }
+
+
 def _text(report: dict[str, Any]) -> str:
-    kind = {"sam": "sam (suffix automaton)", "ngram": "ngram (n-gram table)"}[report["kind"]]
+    kind = f"{report['kind']} ({KINDS[report['kind']].label})"
     tok = report["tokenizer"]
     per_token = f" ({report['bytes_per_token']:.1f} bytes/token)" if report["bytes_per_token"] else ""
     rows = [
@@ -77,10 +96,7 @@ def _text(report: dict[str, Any]) -> str:
         ("documents", f"{report['documents']:,}"),
         ("tokens", f"{report['tokens']:,}"),
     ]
-    if report["kind"] == "sam":
-        rows += [("states", f"{report['states']:,}"), ("edges", f"{report['edges']:,}")]
-    else:
-        rows += [("contexts", f"{report['contexts']:,}"), ("entries", f"{report['entries']:,}")]
+    rows += [(name, f"{report[name]:,}") for name in KINDS[report["kind"]].count_names]
     rows += [
         ("tokenizer", f"{tok['name']} (fingerprint {tok['fingerprint']}, vocabulary "
                       f"{tok['vocab_size']:,}, eos {tok['eos_token_id']})"),
@@ -93,6 +109,7 @@ def _text(report: dict[str, Any]) -> str:
         rows.append(("written by", _pairs(report["written_by"])))
     rows += [(f"array {a['name']}", f"{a['dtype']} {tuple(a['shape'])} {a['codec']} "
                                     f"{human_bytes(a['stored_bytes'])}") for a in report.get("arrays", [])]
+    rows += [(f"file {f['file']}", human_bytes(f["bytes"])) for f in report.get("files", [])]
     rows += [(f"shard {s['file']}", f"{s['documents']:,} documents, {s['tokens']:,} tokens, {s['states']:,} states, "
                                     f"{human_bytes(s['bytes'])}") for s in report.get("shards", [])]
     if report["verified"]:
@@ -117,8 +134,9 @@ def _pairs(values: dict[str, Any]) -> str:
               help="Check every array's checksum (raw arrays are not checked on load).")
 def info(store: str, as_json: bool, verify: bool) -> None:
     """Describe a store: kind, size, tokenizer, build config and corpus statistics."""
-    if os.path.isdir(store):  # a sharded store directory: its shards are loaded to count states
-        report = describe_sharded(load_datastore(store, verify=verify), verify)
+    if os.path.isdir(store):  # a store directory: loaded (a sharded one's shards, to count states)
+        loaded = load_datastore(store, verify=verify)
+        report = describe_sharded(loaded, verify) if hasattr(loaded, "shards") else describe_directory(loaded, verify)
         click.echo(json.dumps(report) if as_json else _text(report))
         return
     if verify:

@@ -1,0 +1,634 @@
+"""Suffix-array stores: a token array plus a suffix array, memory-mapped, built by infini-gram's indexer.
+
+A store directory (conventionally `*.sa`) in infini-gram's v4 layout, under samctl's manifest:
+
+    manifest.json  {"format": "samctl-sa-store", "format_version": 1, "kind": "sa",
+                    "created_by", "tokenizer", "build", "corpus"  (as in a .sam header),
+                    "sa": {"token_width", "pointer_width", "documents", "tokens",
+                           "files": {name: {"bytes", "crc32"}}}}
+    tokenized.0    each document preceded by a separator (0xFFFF), token ids little-endian,
+                   token_width (2) bytes each
+    table.0        the suffix array: one pointer_width-byte little-endian byte offset into
+                   tokenized.0 per token, sorted by the suffixes' bytes
+    offset.0       each document's separator's byte offset (uint64), infini-gram's
+
+The sort is infini-gram's Rust indexer (`pip install samctl[sa]`): parts sorted in memory within
+`memory_limit`, merged on disk. Everything after it (queries, drafting) is numba over the
+memory-mapped files, so a step costs no Python per token and no process boundary.
+
+Byte order. The indexer sorts suffixes by their bytes, so a token compares by its *key*, the
+big-endian reading of its little-endian bytes (`_key`). Within a range [lo, hi) of suffixes that
+share a pattern of L tokens, the keys at token L are non-decreasing: a next token is a run.
+
+Invariants the queries keep, for a text T and its match (lo, hi, L):
+    L = max{l : T[-l:] occurs in one document}   (the separator is no token id: matches stay inside)
+    [lo, hi) = the suffixes starting with T[-L:];  count = hi - lo
+    continuation = the tokens after the earliest occurrence (min pointer), up to the document end
+These equal the suffix automaton's match length, count, first-occurrence continuation and
+next-token counts (tests/test_suffix_array.py), with caps that only bite at scale: a match that
+breaks is re-searched over at most MAX_MATCH tokens; the earliest occurrence is taken among the
+first FIRST_SCAN pointers of a range; next tokens are found at SAMPLES suffixes of a larger range,
+so a next token rarer than 1 in SAMPLES may be missed (the counts of those found are exact).
+
+This module knows files, numpy and numba; not tokenizers, text or the command line.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+from numba import njit
+
+from samctl.index.datastore import Lookup, StoreMeta, parse_meta
+from samctl.index.errors import ConfigError, UserError
+from samctl.index.store import StoreError
+
+FORMAT = "samctl-sa-store"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+FILES = ("tokenized.0", "table.0", "offset.0")
+MAX_MATCH = 32  # tokens a broken match is re-searched over (the automaton has no cap; drafters read <= 16)
+FIRST_SCAN = 4096  # pointers scanned for the earliest occurrence
+SAMPLES = 64  # suffixes sampled per node for its next tokens (all of them in a smaller range)
+_REBUILD = "rebuild it with `samctl build --kind sa`"
+_SA_KEYS = {"token_width": int, "pointer_width": int, "documents": int, "tokens": int, "files": dict}
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels: data [bytes] uint8 (tokenized.0), table [bytes] uint8 (table.0); w = token width,
+# p = pointer width, both in bytes. Positions are byte offsets into data.
+
+
+@njit(cache=True)
+def _pointer(table, i, p):
+    v = np.int64(0)
+    for j in range(p - 1, -1, -1):
+        v = (v << 8) | table[i * p + j]
+    return v
+
+
+@njit(cache=True)
+def _key(data, pos, w):
+    # -> the byte-order key of the token at pos; -1 past the end (a shorter suffix sorts first)
+    if pos + w > len(data):
+        return np.int64(-1)
+    v = np.int64(0)
+    for j in range(w):
+        v = (v << 8) | data[pos + j]
+    return v
+
+
+@njit(cache=True)
+def _token(data, pos, w):
+    v = np.int64(0)
+    for j in range(w - 1, -1, -1):
+        v = (v << 8) | data[pos + j]
+    return v
+
+
+@njit(cache=True)
+def token_key(token, w):
+    """The byte-order key of token id `token` at width w."""
+    v = np.int64(0)
+    for j in range(w):
+        v = (v << 8) | ((token >> (8 * j)) & 0xFF)
+    return v
+
+
+@njit(cache=True)
+def sa_narrow(data, table, w, p, lo, hi, offset, key):
+    """[lo', hi'): the suffixes of [lo, hi) (which share their first `offset` tokens) whose token
+    at `offset` has byte-order key `key`. Two binary searches."""
+    a, b = lo, hi
+    while a < b:  # first with key >= `key`
+        mid = (a + b) // 2
+        if _key(data, _pointer(table, mid, p) + offset * w, w) < key:
+            a = mid + 1
+        else:
+            b = mid
+    start = a
+    b = hi
+    while a < b:  # first with key > `key`
+        mid = (a + b) // 2
+        if _key(data, _pointer(table, mid, p) + offset * w, w) <= key:
+            a = mid + 1
+        else:
+            b = mid
+    return start, a
+
+
+@njit(cache=True)
+def sa_find(data, table, w, p, first, keys, start, stop):
+    """Range of the suffixes that start with keys[start:stop]; (x, x) when none.
+
+    first: [2^(8w), 2] int64, each first token's range once searched (-1: not yet), filled here:
+    the search over the whole array is the costliest narrowing of every search."""
+    k0 = keys[start]
+    if first[k0, 0] < 0:
+        first[k0, 0], first[k0, 1] = sa_narrow(data, table, w, p, 0, len(table) // p, 0, k0)
+    lo, hi = first[k0, 0], first[k0, 1]
+    for i in range(start + 1, stop):
+        if lo == hi:
+            break
+        lo, hi = sa_narrow(data, table, w, p, lo, hi, i - start, keys[i])
+    return lo, hi
+
+
+@njit(cache=True)
+def sa_step(data, table, w, p, first, keys, i, lo, hi, length):
+    """Match (lo, hi, length) of keys[:i] -> the match of keys[:i + 1].
+
+    The match grows by one token inside its range when it can (the common case while a text
+    copies the corpus); else the longest suffix is found by a binary search over its length,
+    re-searched over at most MAX_MATCH tokens (occurrence is monotone: a suffix of a suffix
+    that occurs occurs)."""
+    n = len(table) // p
+    if length == 0:
+        a, b = sa_find(data, table, w, p, first, keys, i, i + 1)
+        return (a, b, 1) if a < b else (0, n, 0)
+    a, b = sa_narrow(data, table, w, p, lo, hi, length, keys[i])
+    if a < b:
+        return a, b, length + 1
+    best_lo, best_hi, best = 0, n, 0
+    # A search of l tokens costs O(l log n), and after a break the match is usually short:
+    # gallop up (1, 2, 4, ...) to the first length that does not occur, then bisect below it.
+    cap = min(length, MAX_MATCH, i + 1)  # the answer lies in [0, cap]
+    short, long_ = 1, cap
+    probe = 1
+    while probe <= cap:
+        a, b = sa_find(data, table, w, p, first, keys, i + 1 - probe, i + 1)
+        if a == b:
+            long_ = probe - 1
+            break
+        best_lo, best_hi, best = a, b, probe
+        short = probe + 1
+        probe *= 2
+    while short <= long_:
+        mid = (short + long_) // 2
+        a, b = sa_find(data, table, w, p, first, keys, i + 1 - mid, i + 1)
+        if a < b:
+            best_lo, best_hi, best = a, b, mid
+            short = mid + 1
+        else:
+            long_ = mid - 1
+    return best_lo, best_hi, best
+
+
+@njit(cache=True)
+def sa_walk(data, table, w, p, first, keys, start, lo, hi, length):
+    """`sa_step` over keys[start:], from the match of keys[:start]."""
+    for i in range(start, len(keys)):
+        lo, hi, length = sa_step(data, table, w, p, first, keys, i, lo, hi, length)
+    return lo, hi, length
+
+
+@njit(cache=True)
+def sa_first(table, p, lo, hi):
+    """The earliest occurrence's byte offset among the first FIRST_SCAN of [lo, hi); -1 if empty."""
+    best = np.int64(-1)
+    for i in range(lo, min(hi, lo + FIRST_SCAN)):
+        v = _pointer(table, i, p)
+        if best < 0 or v < best:
+            best = v
+    return best
+
+
+@njit(cache=True)
+def sa_continuation(data, table, w, p, first, vocab, lo, hi, length, n):
+    """Up to n token ids ([m] int32) after the earliest occurrence; stops at the document end
+    (the separator, like any id >= vocab, is never drafted)."""
+    out = np.empty(max(n, 0), dtype=np.int32)
+    if length <= 0 or lo >= hi:
+        return out[:0]
+    pos = sa_first(table, p, lo, hi) + length * w
+    m = 0
+    while m < n and pos + w <= len(data):
+        t = _token(data, pos, w)
+        if t >= vocab:
+            break
+        out[m] = t
+        m += 1
+        pos += w
+    return out[:m]
+
+
+@njit(cache=True)
+def sa_children(data, table, w, p, first, vocab, lo, hi, offset, k, out_tok, out_lo, out_hi):
+    """The (up to) k most frequent next tokens after the first `offset` tokens of [lo, hi), by
+    count descending then token ascending, with their exact ranges, into out_*; returns how many.
+
+    The next tokens are runs of keys at `offset`. The runs are found at SAMPLES evenly spaced
+    suffixes (every suffix of a range that small: then all runs), and each found run's exact
+    range by a binary search between the samples around it; a run missed holds fewer than
+    (hi - lo) / SAMPLES suffixes."""
+    n = hi - lo
+    step = max(1.0, n / SAMPLES)
+    count = min(n, SAMPLES)
+    m = 0
+    j = 0
+    while j < count:
+        i = lo + int(j * step)
+        key = _key(data, _pointer(table, i, p) + offset * w, w)
+        if key < 0:  # the suffix ends with the pattern (the end of the data)
+            j += 1
+            continue
+        left = lo + int((j - 1) * step) + 1 if j > 0 else lo
+        while j + 1 < count and _key(data, _pointer(table, lo + int((j + 1) * step), p) + offset * w, w) == key:
+            j += 1
+        right = lo + int((j + 1) * step) if j + 1 < count else hi
+        a, b = sa_narrow(data, table, w, p, left, right, offset, key)
+        token = _token(data, _pointer(table, i, p) + offset * w, w)
+        j += 1
+        if token >= vocab:  # the separator: the pattern ends a document
+            continue
+        cnt = b - a
+        r = m
+        while r > 0:  # insertion into the sorted top-k
+            pc = out_hi[r - 1] - out_lo[r - 1]
+            if pc > cnt or (pc == cnt and out_tok[r - 1] < token):
+                break
+            r -= 1
+        if r >= k:
+            continue
+        q = min(m, k - 1)
+        while q > r:
+            out_tok[q], out_lo[q], out_hi[q] = out_tok[q - 1], out_lo[q - 1], out_hi[q - 1]
+            q -= 1
+        out_tok[r], out_lo[r], out_hi[r] = token, a, b
+        if m < k:
+            m += 1
+    return m
+
+
+@njit(cache=True)
+def sa_topk_next(data, table, w, p, first, vocab, lo, hi, offset, k):
+    out_tok = np.empty(max(k, 0), dtype=np.int32)
+    out_lo = np.empty(max(k, 0), dtype=np.int64)
+    out_hi = np.empty(max(k, 0), dtype=np.int64)
+    m = sa_children(data, table, w, p, first, vocab, lo, hi, offset, k, out_tok, out_lo, out_hi) if k > 0 else 0
+    return out_tok[:m].copy(), (out_hi[:m] - out_lo[:m]).astype(np.int32)
+
+
+@njit(cache=True)
+def sa_tree(data, table, w, p, first, vocab, lo, hi, length, num_nodes, max_depth):
+    """Top continuation prefixes after the match (lo, hi, length) by count, best first: the same
+    tree as the automaton's `frequent_tree` (a child never outnumbers its parent, so taking the
+    most frequent candidate and pushing its children yields the top prefixes). Returns
+    (tokens [m] int32, parents [m] int32), parents[i] < i, -1 = child of the root."""
+    out_tok = np.empty(num_nodes, dtype=np.int32)
+    out_par = np.empty(num_nodes, dtype=np.int32)
+    cap = num_nodes * (num_nodes + 1)
+    c_lo = np.empty(cap, dtype=np.int64)
+    c_hi = np.empty(cap, dtype=np.int64)
+    c_tok = np.empty(cap, dtype=np.int32)
+    c_par = np.empty(cap, dtype=np.int32)
+    c_depth = np.empty(cap, dtype=np.int32)
+    taken = np.zeros(cap, dtype=np.bool_)
+    kid_tok = np.empty(num_nodes, dtype=np.int32)
+    kid_lo = np.empty(num_nodes, dtype=np.int64)
+    kid_hi = np.empty(num_nodes, dtype=np.int64)
+    n_cand = 0
+    node, node_lo, node_hi, depth, m = -1, lo, hi, 0, 0
+    while m < num_nodes:
+        if depth < max_depth:
+            kids = sa_children(data, table, w, p, first, vocab, node_lo, node_hi, length + depth, num_nodes - m,
+                               kid_tok, kid_lo, kid_hi)
+            for j in range(kids):
+                c_tok[n_cand], c_lo[n_cand], c_hi[n_cand] = kid_tok[j], kid_lo[j], kid_hi[j]
+                c_par[n_cand], c_depth[n_cand] = node, depth + 1
+                n_cand += 1
+        best = -1
+        for c in range(n_cand):
+            if not taken[c] and (best < 0 or c_hi[c] - c_lo[c] > c_hi[best] - c_lo[best]):
+                best = c
+        if best < 0:
+            break
+        taken[best] = True
+        out_tok[m], out_par[m] = c_tok[best], c_par[best]
+        node, node_lo, node_hi, depth = m, c_lo[best], c_hi[best], c_depth[best]
+        m += 1
+    return out_tok[:m], out_par[:m]
+
+
+# ---------------------------------------------------------------------------------------------
+# The structure
+
+
+class SuffixArray:
+    """A memory-mapped token array and suffix array; the kernels' arguments in one place."""
+
+    def __init__(self, data: np.ndarray, table: np.ndarray, token_width: int, pointer_width: int,
+                 vocab_size: int, documents: int) -> None:
+        # data: [bytes] uint8; table: [tokens * pointer_width] uint8
+        self.data, self.table = data, table
+        self.token_width, self.pointer_width = token_width, pointer_width
+        self.vocab_size, self.num_documents = vocab_size, documents
+        self.first = np.full((1 << (8 * token_width), 2), -1, dtype=np.int64)  # sa_find's cache
+
+    @property
+    def kernel_arrays(self) -> tuple[np.ndarray, np.ndarray, int, int, np.ndarray, int]:
+        """(data, table, token width, pointer width, first-token ranges, vocabulary size): what
+        every kernel takes first (the searches the first five)."""
+        return self.data, self.table, self.token_width, self.pointer_width, self.first, self.vocab_size
+
+    @property
+    def num_tokens(self) -> int:
+        """Stored token ids, separators left out."""
+        return len(self.data) // self.token_width - self.num_documents
+
+    def keys(self, tokens: np.ndarray) -> np.ndarray:
+        """[k] int64 byte-order keys of token ids ([k] int)."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        keys = np.zeros(len(tokens), dtype=np.int64)
+        for j in range(self.token_width):
+            keys = (keys << 8) | ((tokens >> (8 * j)) & 0xFF)
+        return keys
+
+    def match(self, tokens: np.ndarray) -> tuple[int, int, int]:
+        """(lo, hi, length) of the longest suffix of tokens ([k] int) found in one document."""
+        return sa_walk(*self.kernel_arrays[:5], self.keys(tokens), 0, 0, 0, 0)
+
+    def continuation(self, lo: int, hi: int, length: int, n: int) -> np.ndarray:
+        return sa_continuation(*self.kernel_arrays, lo, hi, length, n)
+
+    def topk_next(self, lo: int, hi: int, length: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The k most frequent next tokens after the match and their counts ([m] int32 each)."""
+        return sa_topk_next(*self.kernel_arrays, lo, hi, length, k)
+
+    def tree(self, lo: int, hi: int, length: int, num_nodes: int, max_depth: int) -> tuple[np.ndarray, np.ndarray]:
+        return sa_tree(*self.kernel_arrays, lo, hi, length, num_nodes, max_depth)
+
+    def documents(self) -> tuple[np.ndarray, np.ndarray]:
+        """The stored documents as `build_suffix_array` takes them: tokens [n] int32, doc_offsets [d+1] int64."""
+        ids = np.frombuffer(self.data, dtype="<u2")
+        starts = np.flatnonzero(ids == 0xFFFF)  # each document's separator
+        if len(starts) != self.num_documents:
+            raise StoreError(f"the token array holds {len(starts)} documents, its manifest {self.num_documents}: "
+                             f"{_REBUILD}")
+        lengths = np.diff(np.append(starts, len(ids))) - 1
+        return ids[ids != 0xFFFF].astype(np.int32), np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+
+    def lookup(self, context: np.ndarray, n: int, k: int = 8) -> Lookup:
+        lo, hi, length = self.match(context)
+        next_tokens, next_counts = self.topk_next(lo, hi, length, k) if length else (np.zeros(0, np.int32),) * 2
+        return Lookup(int(length), int(hi - lo) if length else 0, self.continuation(lo, hi, length, n),
+                      next_tokens, next_counts)
+
+
+@dataclass(frozen=True)
+class SuffixArrayDatastore:
+    """A loaded store directory; the same surface as `Datastore` for the commands and drafters."""
+
+    path: str
+    kind: str
+    structure: SuffixArray
+    meta: StoreMeta
+    manifest: dict[str, Any]
+
+    @property
+    def format_version(self) -> int:
+        return int(self.manifest["format_version"])
+
+    @property
+    def file_size(self) -> int:
+        return sum(f["bytes"] for f in self.manifest["sa"]["files"].values()) + os.path.getsize(
+            os.path.join(self.path, MANIFEST))
+
+    def verify(self) -> None:
+        """Every file's crc32 against the manifest, and every stored id below the vocabulary."""
+        for name, entry in self.manifest["sa"]["files"].items():
+            if _file_crc32(os.path.join(self.path, name)) != entry["crc32"]:
+                raise StoreError(f"{self.path}/{name} does not match its checksum in {MANIFEST}: the store is "
+                                 f"damaged, {_REBUILD}")
+
+    def lookup(self, context: np.ndarray, n: int, k: int = 8) -> Lookup:
+        return self.structure.lookup(context, n, k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building
+
+
+def token_width(vocab_size: int) -> int:
+    """2 bytes a token: every id and the separator (0xFFFF) fit in 16 bits. (The format and the
+    kernels take 4, but infini-gram 2.6's indexer allocates 32 GiB for 4-byte tokens.)"""
+    if vocab_size >= 0xFFFF:
+        raise UserError(f"a suffix-array store holds 16-bit token ids, and this tokenizer has {vocab_size:,}: "
+                        "build a sam or ngram store")
+    return 2
+
+
+def default_memory_limit() -> int:
+    """Half of the memory available now, at least 256 MiB."""
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        free = 2 << 30
+    return max(256 << 20, free // 2)
+
+
+def build_suffix_array(path: str | os.PathLike, tokens: np.ndarray, doc_offsets: np.ndarray, meta: StoreMeta,
+                       memory_limit: int | None = None, threads: int = 1,
+                       on_phase: Callable[[str], None] | None = None) -> SuffixArrayDatastore:
+    """Write a store directory over documents tokens[doc_offsets[i]:doc_offsets[i+1]] and return it loaded.
+
+    tokens: [n] int32 in [0, meta.vocab_size); doc_offsets: [d+1] int64 rising from 0 to n.
+    The indexer sorts parts of at most memory_limit bytes (`threads` at once) and merges them on disk.
+    """
+    from samctl.index.sharded import StoreDirectoryWriter  # the atomic directory swap
+
+    indexer = _indexer()
+    memory_limit = default_memory_limit() if memory_limit is None else memory_limit
+    if memory_limit < 64 << 20:
+        raise ConfigError("{memory_limit} is {value} bytes: give the indexer at least 64 MiB", value=memory_limit)
+    width = token_width(meta.vocab_size)
+    doc_offsets = np.asarray(doc_offsets, dtype=np.int64)
+    if len(tokens) and int(tokens.max()) >= meta.vocab_size:
+        raise UserError(f"token id {int(tokens.max())} is outside the vocabulary of {meta.vocab_size}")
+    with StoreDirectoryWriter(path) as writer:
+        # 1) the token array, infini-gram's layout: a separator before each document
+        (on_phase or _quiet)("writing the token array")
+        documents = len(doc_offsets) - 1
+        data_path = writer.tmp / FILES[0]
+        _write_tokens(data_path, tokens, doc_offsets, width)
+        starts = (doc_offsets[:-1] + np.arange(documents)) * width
+        starts.astype("<u8").tofile(writer.tmp / FILES[2])
+        size = os.path.getsize(data_path)
+        pointer = max(1, int(np.ceil(np.log2(max(size, 2)) / 8)))
+        # 2) the suffix array: parts sorted in memory, merged on disk, concatenated
+        (on_phase or _quiet)("sorting suffixes")
+        _run_indexer(indexer, writer.tmp, data_path, writer.tmp / FILES[1], size, pointer, width, memory_limit,
+                     threads)
+        # 3) the manifest, then the directory into place
+        files = {name: {"bytes": os.path.getsize(writer.tmp / name), "crc32": _file_crc32(writer.tmp / name)}
+                 for name in FILES}
+        sa = {"token_width": width, "pointer_width": pointer, "documents": documents, "tokens": int(len(tokens)),
+              "files": files}
+        writer.commit_manifest({"format": FORMAT, "format_version": FORMAT_VERSION, **meta.to_header(), "sa": sa},
+                               FILES)
+    return load_suffix_array(path)
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def _write_tokens(path: Path, tokens: np.ndarray, doc_offsets: np.ndarray, width: int) -> None:
+    dtype = np.dtype("<u2" if width == 2 else "<u4")
+    separator = np.array([np.iinfo(dtype).max], dtype=dtype)
+    with open(path, "wb") as out:
+        for d in range(len(doc_offsets) - 1):
+            out.write(separator.tobytes())
+            out.write(tokens[doc_offsets[d]:doc_offsets[d + 1]].astype(dtype).tobytes())
+
+
+def _indexer() -> Path:
+    try:
+        import infini_gram
+    except ImportError as err:
+        raise UserError("suffix-array stores are built by infini-gram's indexer: pip install 'samctl[sa]'") from err
+    binary = Path(infini_gram.__file__).parent / "rust_indexing"
+    if not os.access(binary, os.X_OK):
+        raise UserError(f"infini-gram's indexer {binary} is missing or not executable: reinstall infini-gram")
+    return binary
+
+
+# infini-gram's make-part reads up to HACK bytes past its part, so that suffixes near a part's end
+# sort by their full (well, first 100,000 bytes') content; merge takes the same size.
+_HACK = 100_000
+
+
+def _run_indexer(binary: Path, tmp: Path, data: Path, out: Path, size: int, pointer: int, width: int,
+                 memory_limit: int, threads: int) -> None:
+    # Parts small enough that `threads` of them sort within memory_limit (infini-gram's own sizing:
+    # about 8 bytes of working memory a byte of text, 12 at one-byte tokens).
+    per_byte = 12 if width == 1 else 8
+    batches = 1
+    while batches * (memory_limit // per_byte) < size:
+        batches *= 2
+    jobs = batches * threads
+    part = -(-size // jobs)
+    part += (width - part % width) % width
+    parts, merged = tmp / "parts", tmp / "merged"
+    parts.mkdir()
+    merged.mkdir()
+    common = ["--ratio", str(pointer), "--token-width", str(width)]
+    for first in range(0, jobs, threads):
+        running = [subprocess.Popen([str(binary), "make-part", "--data-file", str(data), "--parts-dir", str(parts),
+                                     "--start-byte", str(i * part), "--end-byte", str(min((i + 1) * part + _HACK, size)),
+                                     *common], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                   for i in range(first, min(first + threads, jobs)) if i * part < size]
+        for proc in running:
+            _check_indexer(proc.communicate()[1], proc.returncode, "make-part")
+    for step, args in (("merge", ["--parts-dir", str(parts), "--merged-dir", str(merged), "--hacksize", str(_HACK)]),
+                       ("concat", ["--merged-dir", str(merged), "--merged-file", str(out)])):
+        proc = subprocess.run([str(binary), step, "--data-file", str(data), *args, "--num-threads", str(threads),
+                               *common], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        _check_indexer(proc.stderr, proc.returncode, step)
+    shutil.rmtree(parts)
+    shutil.rmtree(merged)
+
+
+def _check_indexer(stderr: bytes, code: int, step: str) -> None:
+    if code != 0:
+        last = (stderr.decode("utf-8", "replace").strip().splitlines() or ["no message"])[-1]
+        raise UserError(f"infini-gram's indexer failed in {step} (exit status {code}): {last}")
+
+
+def _file_crc32(path: str | os.PathLike) -> int:
+    crc = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(16 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading: the manifest and the files' sizes are untrusted
+
+
+def is_suffix_array_store(path: str | os.PathLike) -> bool:
+    """Whether `path` is a directory whose manifest declares this format (damaged or not)."""
+    try:
+        with open(os.path.join(path, MANIFEST), "rb") as handle:
+            return f'"{FORMAT}"'.encode() in handle.read(4096)
+    except OSError:
+        return False
+
+
+def load_suffix_array(path: str | os.PathLike, verify: bool = False) -> SuffixArrayDatastore:
+    """Open a store directory; a damaged, truncated or foreign one raises a one-line StoreError."""
+    name = str(path)
+    manifest = _read_manifest(name)
+    meta = parse_meta(manifest, os.path.join(name, MANIFEST))
+    sa = manifest["sa"]
+    width, pointer, documents, tokens = sa["token_width"], sa["pointer_width"], sa["documents"], sa["tokens"]
+    if meta.build.kind != "sa" or meta.vocab_size >= 0xFFFF or width != 2 or not 1 <= pointer <= 8:
+        raise StoreError(f"{name}/{MANIFEST} has kind {meta.build.kind!r}, token width {width}, pointer width "
+                         f"{pointer}: not a suffix-array store of its vocabulary, {_REBUILD}")
+    for file in FILES:
+        entry = sa["files"].get(file)
+        actual = _size(os.path.join(name, file))
+        if not isinstance(entry, dict) or type(entry.get("bytes")) is not int or type(entry.get("crc32")) is not int:
+            raise StoreError(f"{name}/{MANIFEST} has no valid entry for {file}: {_REBUILD}")
+        if actual != entry["bytes"]:
+            raise StoreError(f"{name}/{file} has {actual} bytes, {MANIFEST} says {entry['bytes']}: the store is "
+                             f"damaged or truncated, {_REBUILD}")
+    units = tokens + documents
+    if sa["files"][FILES[0]]["bytes"] != units * width or sa["files"][FILES[1]]["bytes"] != units * pointer \
+            or sa["files"][FILES[2]]["bytes"] != documents * 8 or tokens != meta.corpus.tokens or units == 0:
+        raise StoreError(f"{name}/{MANIFEST}: file sizes disagree with {tokens} tokens in {documents} documents: "
+                         f"{_REBUILD}")
+    data = np.memmap(os.path.join(name, FILES[0]), dtype=np.uint8, mode="r")
+    table = np.memmap(os.path.join(name, FILES[1]), dtype=np.uint8, mode="r")
+    store = SuffixArrayDatastore(path=name, kind="sa", meta=meta, manifest=manifest,
+                                 structure=SuffixArray(data, table, width, pointer, meta.vocab_size, documents))
+    if verify:
+        store.verify()
+    return store
+
+
+def _size(file: str) -> int:
+    try:
+        return os.path.getsize(file)
+    except OSError:
+        return -1
+
+
+def _read_manifest(name: str) -> dict[str, Any]:
+    file = os.path.join(name, MANIFEST)
+
+    def bad(what: str) -> StoreError:
+        return StoreError(f"{file} is damaged ({what}): {_REBUILD}")
+
+    try:
+        with open(file, "rb") as handle:
+            raw = handle.read(1 << 20)
+    except OSError as err:
+        raise StoreError(f"cannot read {file}: {err.strerror or err}") from err
+    try:
+        manifest = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise bad(f"not JSON: {getattr(err, 'msg', type(err).__name__)}") from err
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise bad(f"format is not {FORMAT!r}")
+    version = manifest.get("format_version")
+    if type(version) is not int or version < 1:
+        raise bad(f"format version {version!r}")
+    if version > FORMAT_VERSION:
+        raise StoreError(f"{file} has suffix-array format version {version}, this samctl reads up to "
+                         f"{FORMAT_VERSION}: upgrade samctl or {_REBUILD}")
+    sa = manifest.get("sa")
+    if not isinstance(sa, dict):
+        raise bad("no sa section")
+    for key, kind in _SA_KEYS.items():
+        if type(sa.get(key)) is not kind or (kind is int and sa[key] < 0):
+            raise bad(f"sa.{key} is {sa.get(key)!r}")
+    return manifest
