@@ -309,8 +309,8 @@ class BatchScheduler:
     """Jobs share the batched engine (decode.loop.BatchRun): up to `batch_size` generate at once,
     each a row with its own length, sampling, stop strings and prediction; a job arriving while
     the batch runs joins a free slot between two steps; a cancelled job leaves at the next step.
-    A job whose method has no batched form (draft models, EAGLE, SDSAT), and every job when
-    `batch_size` is 1, runs alone on its session (batch 1) between two steps, the batch waiting,
+    A job whose method drafts with the target's own forward (SDSAT's), and every job when
+    `batch_size` is 1, runs alone on its session (a one-row run) between two steps, the batch waiting,
     in arrival order. One worker thread owns the model; with nothing to do it sleeps on a
     condition."""
 

@@ -47,8 +47,8 @@ def _stores(specs: tuple[str, ...]) -> dict[str, str]:
 @click.option("--served-model-name", metavar="NAME", help="The model id clients send (default: --model as given).")
 @click.option("--batch-size", type=int, default=None,
               help="Requests generating at once on the batched engine (default: 8 on a CPU, 32 on a GPU); 1: one "
-                   "at a time. Methods without a batched form (sd, specdec++, sam+draft, ouroboros, EAGLE, sdsat) "
-                   "run one request at a time between batch steps.")
+                   "at a time. SDSAT's methods (they draft with the target's own forward) run one request at a time "
+                   "between batch steps.")
 def serve(config: SessionConfig, store: tuple[str, ...], host: str, port: int, api_key: str | None,
           served_model_name: str | None, batch_size: int | None) -> None:
     """Serve the model over an OpenAI-compatible HTTP API, with Predicted Outputs.
