@@ -99,7 +99,8 @@ class Server:
 def ask(url: str, bodies: list[dict], clients: int) -> list[dict]:
     def one(body: dict) -> dict:
         response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=3600)
-        response.raise_for_status()
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}: {response.status_code} {response.text[:300]}")
         return response.json()
 
     with ThreadPoolExecutor(clients) as pool:
@@ -143,7 +144,7 @@ def main() -> None:
         try:
             first = next(iter(sets.values()))[0]
             for extra in variants.values():  # one untimed request per variant: loading, caches, JIT
-                ask(server.url, [{"messages": [{"role": "user", "content": first}], "max_tokens": 16,
+                ask(server.url, [{"model": "m", "messages": [{"role": "user", "content": first}], "max_tokens": 16,
                                   "temperature": 0, **extra}], 1)
             for set_name, prompts in sets.items():
                 for name, extra in variants.items():
