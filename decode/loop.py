@@ -163,8 +163,9 @@ def _check_drafter(drafter: Drafter, target: BatchedTarget) -> None:
     if name in REGISTRY and target.rows > 1:
         require_batchable(name)
     if drafter.needs_hidden and not target.gives_hidden:
-        raise UserError(f"method {name} reads the target's hidden states, which this model's batched forward "
-                        f"does not give ({getattr(target.model.config, 'model_type', 'its family')}): use batch size 1")
+        raise UserError(f"method {name} reads the target's hidden states, which this model does not give "
+                        f"({getattr(target.model.config, 'model_type', 'its family')}: no final norm found): "
+                        "use another method")
 
 
 @dataclass

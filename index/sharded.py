@@ -48,7 +48,7 @@ from numba import njit
 from samctl.index.automaton import COUNT, E_DST, E_NEXT, E_TOK, EDGE_DST, EDGE_TOK, HEAD, SuffixAutomaton, sam_step
 from samctl.index.datastore import CorpusStats, Datastore, Lookup, StoreMeta, load_single, parse_meta, save_datastore
 from samctl.index.errors import ConfigError, UserError
-from samctl.index.store import StoreError, _fsync_directory, _umask
+from samctl.index.store import StoreError, _fsync_directory, _umask, read_manifest
 
 MANIFEST = "manifest.json"
 FORMAT = "samctl-sharded-store"
@@ -354,26 +354,9 @@ def _read_manifest(name: str) -> dict[str, Any]:
     def bad(what: str) -> StoreError:
         return StoreError(f"{file} is damaged ({what}): {_REBUILD}")
 
-    try:
-        with open(file, "rb") as handle:
-            raw = handle.read(16 << 20)
-    except FileNotFoundError as err:
-        raise StoreError(f"{name} is a directory without {MANIFEST}: pass a .sam file or a store directory "
-                         "written by `samctl build --shards N`") from err
-    except OSError as err:
-        raise StoreError(f"cannot read {file}: {err.strerror or err}") from err
-    try:
-        manifest = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise bad(f"not JSON: {getattr(err, 'msg', type(err).__name__)}") from err
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise bad(f"format is not {FORMAT!r}")
-    version = manifest.get("format_version")
-    if type(version) is not int or version < 1:
-        raise bad(f"format version {version!r}")
-    if version > FORMAT_VERSION:
-        raise StoreError(f"{file} has sharded-store format version {version}, this samctl reads up to "
-                         f"{FORMAT_VERSION}: upgrade samctl or {_REBUILD}")
+    manifest = read_manifest(file, FORMAT, FORMAT_VERSION, "sharded-store", _REBUILD, 16 << 20,
+                             missing=f"{name} is a directory without {MANIFEST}: pass a .sam file or a store "
+                                     "directory written by `samctl build --shards N`")
     shards = manifest.get("shards")
     if not isinstance(shards, list) or not 1 <= len(shards) <= MAX_SHARDS:
         raise bad("no shard list")

@@ -36,6 +36,7 @@ This module does not know what the arrays mean, which kinds of datastore exist, 
 """
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import re
@@ -328,6 +329,33 @@ def _align(offset: int) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # reading
+
+
+def read_manifest(file: str, format: str, max_version: int, kind: str, rebuild: str, limit: int = 1 << 20,
+                  missing: str | None = None) -> dict[str, Any]:
+    """A store directory's manifest: a JSON object of `format` at a version this samctl reads, else a
+    one-line StoreError ending in what to do (`rebuild`; `missing`: the whole message when the file
+    is absent)."""
+    try:
+        with open(file, "rb") as handle:
+            raw = handle.read(limit)
+    except OSError as err:
+        if missing and isinstance(err, FileNotFoundError):
+            raise StoreError(missing) from err
+        raise StoreError(f"cannot read {file}: {err.strerror or err}") from err
+    try:
+        manifest = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise StoreError(f"{file} is damaged (not JSON: {getattr(err, 'msg', type(err).__name__)}): {rebuild}") from err
+    if not isinstance(manifest, dict) or manifest.get("format") != format:
+        raise StoreError(f"{file} is damaged (format is not {format!r}): {rebuild}")
+    version = manifest.get("format_version")
+    if type(version) is not int or version < 1:
+        raise StoreError(f"{file} is damaged (format version {version!r}): {rebuild}")
+    if version > max_version:
+        raise StoreError(f"{file} has {kind} format version {version}, this samctl reads up to {max_version}: "
+                         f"upgrade samctl or {rebuild}")
+    return manifest
 
 
 def read_store(path: str | os.PathLike, verify: bool = False) -> StoreFile:

@@ -34,7 +34,6 @@ This module knows files, numpy and numba; not tokenizers, text or the command li
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -48,7 +47,7 @@ from numba import njit
 
 from samctl.index.datastore import Lookup, StoreMeta, parse_meta
 from samctl.index.errors import ConfigError, UserError
-from samctl.index.store import StoreError
+from samctl.index.store import StoreError, read_manifest
 
 FORMAT = "samctl-sa-store"
 FORMAT_VERSION = 1
@@ -608,23 +607,7 @@ def _read_manifest(name: str) -> dict[str, Any]:
     def bad(what: str) -> StoreError:
         return StoreError(f"{file} is damaged ({what}): {_REBUILD}")
 
-    try:
-        with open(file, "rb") as handle:
-            raw = handle.read(1 << 20)
-    except OSError as err:
-        raise StoreError(f"cannot read {file}: {err.strerror or err}") from err
-    try:
-        manifest = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise bad(f"not JSON: {getattr(err, 'msg', type(err).__name__)}") from err
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise bad(f"format is not {FORMAT!r}")
-    version = manifest.get("format_version")
-    if type(version) is not int or version < 1:
-        raise bad(f"format version {version!r}")
-    if version > FORMAT_VERSION:
-        raise StoreError(f"{file} has suffix-array format version {version}, this samctl reads up to "
-                         f"{FORMAT_VERSION}: upgrade samctl or {_REBUILD}")
+    manifest = read_manifest(file, FORMAT, FORMAT_VERSION, "suffix-array", _REBUILD)
     sa = manifest.get("sa")
     if not isinstance(sa, dict):
         raise bad("no sa section")

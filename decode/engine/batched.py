@@ -151,9 +151,10 @@ class BatchedTarget:
         # batch 1's, so each prompt is prefilled alone, as batch 1 prefills it
         self._prefill_alone = exact_rows(model)
         self.graphs = None  # decode.engine.graphs.BatchVerifyGraphs, on CUDA only
-        # hidden states (EAGLE heads): the final norm's output, from the same forwards. Only where
-        # the forward is the decoder then the head (native, or hf's PLAIN_HEAD families)
-        self.gives_hidden = self.native is not None or self._decoder is not None
+        # hidden states (EAGLE heads): the final norm's output, from the same forwards: returned by
+        # the native forward and the decoder of hf's PLAIN_HEAD families, else hooked on the norm
+        self._norm = None if self.native is not None or self._decoder is not None else _final_norm_or_none(model)
+        self.gives_hidden = self.native is not None or self._decoder is not None or self._norm is not None
         self.wants_hidden = False
         self.forward_hidden: torch.Tensor | None = None  # [A * q, H] of the last forward
         self.hidden: torch.Tensor | None = None  # [N, H] at the last verify's real inputs, as its logits
@@ -178,10 +179,22 @@ class BatchedTarget:
             hidden = hidden.reshape(-1, hidden.shape[-1])
             self.forward_hidden = hidden if self.wants_hidden else None
             return self.model.lm_head(hidden if keep is None else hidden.index_select(0, keep))
-        logits = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                            **with_cache(self.model, self.cache), use_cache=True).logits
+        # other families: the whole model; hidden states, when wanted, from a hook on the final norm
+        hook = self._norm.register_forward_hook(self._keep_hidden) if self.wants_hidden and self._norm else None
+        try:
+            logits = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                                **with_cache(self.model, self.cache), use_cache=True).logits
+        finally:
+            if hook is not None:
+                hook.remove()
+        if hook is None:
+            self.forward_hidden = None
         logits = logits.reshape(-1, logits.shape[-1])
         return logits if keep is None else logits.index_select(0, keep)
+
+    def _keep_hidden(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+        # output: [A, q, H] the final norm's output = the lm_head input at every input
+        self.forward_hidden = output.reshape(-1, output.shape[-1])
 
     @torch.inference_mode()
     def prefill(self, slots: Sequence[int], prompts: Sequence[np.ndarray], all_logits: Sequence[bool]) -> list[torch.Tensor]:
@@ -357,6 +370,13 @@ def verify_input(t0: int, tree: DraftTree, device: torch.device) -> torch.Tensor
     ids[0] = t0  # a fill kernel: writing a host scalar needs no sync
     ids[1:] = tokens
     return ids
+
+
+def _final_norm_or_none(model: torch.nn.Module) -> torch.nn.Module | None:
+    try:
+        return final_norm(model)
+    except UserError:
+        return None
 
 
 def final_norm(model: torch.nn.Module) -> torch.nn.Module:
