@@ -305,7 +305,7 @@ def test_only_methods_drafting_with_the_target_itself_are_refused():
         name, needs_hidden = "custom", True
 
     no_hidden = SimpleNamespace(gives_hidden=False, model=SimpleNamespace(config=SimpleNamespace(model_type="gpt2")))
-    with pytest.raises(UserError, match="hidden states.*gpt2.*batch size 1"):
+    with pytest.raises(UserError, match="hidden states.*gpt2.*another method"):
         _check_drafter(Hidden(), no_hidden)
 
 
