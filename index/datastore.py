@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Union
 import numpy as np
 
 from samctl.index.errors import UserError
-from samctl.index.kinds import KINDS
+from samctl.index.kinds import KINDS, Lookup
 from samctl.index.ngram_config import NgramConfig
 from samctl.index.store import StoreError, StoreFile, read_store, write_store
 
@@ -131,17 +131,6 @@ class StoreMeta:
             "build": self.build.to_dict(),
             "corpus": self.corpus.to_dict(),
         }
-
-
-@dataclass(frozen=True)
-class Lookup:
-    """A query's answer: the longest suffix of the context that the store holds, and after it."""
-
-    match_length: int  # tokens of the context's suffix found in the store (0: none)
-    count: int  # sam: occurrences of that suffix; ngram: those followed by a kept next token
-    continuation: np.ndarray  # [m] int32, sam: after the first occurrence; ngram: greedy chain
-    next_tokens: np.ndarray  # [k] int32, most frequent next tokens, by count descending
-    next_counts: np.ndarray  # [k] int32
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,17 @@ import numpy as np
 
 
 @dataclass(frozen=True)
+class Lookup:
+    """A query's answer: the longest suffix of the context that the store holds, and after it."""
+
+    match_length: int  # tokens of the context's suffix found in the store (0: none)
+    count: int  # sam: occurrences of that suffix; ngram: those followed by a kept next token
+    continuation: np.ndarray  # [m] int32, sam: after the first occurrence; ngram: greedy chain
+    next_tokens: np.ndarray  # [k] int32, most frequent next tokens, by count descending
+    next_counts: np.ndarray  # [k] int32
+
+
+@dataclass(frozen=True)
 class BuildOptions:
     """What building needs beyond the corpus and its StoreMeta (not recorded in the store)."""
 
@@ -82,8 +93,6 @@ def _sam_build(tokens, doc_offsets, meta, options):
 
 
 def _sam_lookup(sam, context, n, k):
-    from samctl.index.datastore import Lookup
-
     state, length = sam.match(context)
     next_tokens, next_counts = sam.topk_next(state, k)
     return Lookup(int(length), sam.count(state) if length else 0, np.array(sam.continuation(state, n)),
@@ -122,8 +131,6 @@ def _ngram_build(tokens, doc_offsets, meta, options):
 
 
 def _ngram_lookup(table, context, n, k):
-    from samctl.index.datastore import Lookup
-
     length, next_tokens, next_counts = table.lookup(context)
     return Lookup(int(length), int(next_counts.sum()), np.array(table.continuation(context, n)),
                   np.array(next_tokens[:k]), np.array(next_counts[:k]))

@@ -45,7 +45,8 @@ from typing import Any, Callable
 import numpy as np
 from numba import njit
 
-from samctl.index.datastore import Lookup, StoreMeta, parse_meta
+from samctl.index.datastore import StoreMeta, parse_meta
+from samctl.index.kinds import Lookup
 from samctl.index.errors import ConfigError, UserError
 from samctl.index.store import StoreError, read_manifest
 
