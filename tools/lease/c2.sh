@@ -1,4 +1,5 @@
-# Call 2: random bf16 models shaped like SmolLM2-135M and Llama-3-8B: cost curves, ar, oracle (3-4 min).
+# Call 2 (carry .lease/p1): a random-weight Llama-3-8B-shaped model in bf16 (about 2 minutes).
+set -o pipefail
 source tools/lease/env.sh || exit 1
 exec > >(tee -a "$OUT/c2.log") 2>&1
-timeout 530 python3 tools/lease/big.py "$OUT/curves.json"
+timeout 230 python3 tools/lease/big.py "$OUT/big.json" ${LEASE_DRY:+--dry-run}
