@@ -103,7 +103,9 @@ def test_prefill_returns_only_the_logits_asked_for():
 
 
 class SyncCounter:
-    """Counts the calls that move a device value to the host (each one a sync on CUDA)."""
+    """Counts the calls that move a device value to the host (each one a sync on CUDA), and the
+    indexed writes of a host number (`t[0] = x` copies a host scalar: a sync on CUDA too, seen on
+    an H100; `t[:1].fill_(x)` is a kernel)."""
 
     NAMES = ("cpu", "item", "tolist", "__int__", "__float__", "__bool__", "__index__")
 
@@ -112,6 +114,14 @@ class SyncCounter:
         for name in self.NAMES:
             original = getattr(torch.Tensor, name)
             monkeypatch.setattr(torch.Tensor, name, self._counting(original))
+        setitem = torch.Tensor.__setitem__
+
+        def counting_setitem(tensor, index, value):
+            if isinstance(value, (int, float, bool, np.number)):
+                self.count += 1
+            return setitem(tensor, index, value)
+
+        monkeypatch.setattr(torch.Tensor, "__setitem__", counting_setitem)
 
     def _counting(self, original):
         def wrapper(tensor, *args, **kwargs):

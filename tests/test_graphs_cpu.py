@@ -4,6 +4,7 @@ the fixed-mode cache, row, width and key-length buckets, capture order, fallback
 handling run here as they do on a GPU."""
 from __future__ import annotations
 
+import gc
 import warnings
 from types import SimpleNamespace
 
@@ -28,12 +29,14 @@ class StandIn:
         self.captured: list[int] = []
         self.pools = 0
         self.fail_at = fail_at
+        self.collector_on = False  # whether Python's cyclic collector was on during any capture
 
     def new_pool(self) -> object:
         self.pools += 1
         return object()
 
     def capture(self, forward, pool):
+        self.collector_on = self.collector_on or gc.isenabled()
         if self.fail_at is not None and len(self.captured) == self.fail_at:
             raise RuntimeError("operation not permitted when stream is capturing")
         forward()
@@ -369,3 +372,15 @@ def bucket_steps(eager, graphed, rng: np.random.Generator, check, steps: int = 6
         paths = [np.array([0] + ([1] if len(t) and t.parents[0] == -1 else []), dtype=np.int64) for t in trees]
         for target in (eager, graphed):
             target.keep(paths)
+
+
+def test_the_cyclic_collector_is_held_during_captures_and_restored_after():
+    # On a GPU, a collection in mid-capture that frees an old graph breaks the capture (seen on
+    # an H100: the first capture of a test session failed while earlier targets' graphs were freed).
+    backend = StandIn()
+    target = TargetModel(tiny())
+    target.prefill(torch.tensor(prompts(96)[0]), reserve=400)
+    graphs_on(target, backend)
+    generate(target, make_drafter("pld", vocab_size=96, device="cpu"), prompts(96)[0], GenerationConfig(max_new_tokens=8))
+    assert backend.captured and not backend.collector_on
+    assert gc.isenabled()

@@ -232,7 +232,7 @@ class JacobiWindow:
         # base: node index of the window's first row.
         # -> (tokens [size] int64 on device, parents [size] int32 node indices)
         m, f = self.columns, self.fill
-        self.grid[0, 0] = lst
+        self.grid[0, :1].fill_(lst)  # a fill kernel (an indexed write of a host int copies, a sync on a GPU)
         tokens = torch.cat((self.grid[0, 1:m], self.grid[1 : f + 1, :m].reshape(-1)))
         rel = self._parents.get(f)
         if rel is None:

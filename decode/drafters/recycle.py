@@ -130,7 +130,7 @@ class TokenRecycleDrafter(Drafter):
 
     def _expand_on_device(self, t0: int) -> torch.Tensor:
         tokens = torch.empty(len(self.parents) + 1, dtype=torch.int64, device=self.device)
-        tokens[0] = t0
+        tokens[:1].fill_(t0)  # a fill kernel: `tokens[0] = t0` copies a host scalar, a sync on a GPU
         for level, parent_idx, rank in self._levels:
             parent_tok = tokens[parent_idx]
             child = self.table[parent_tok.clamp_min(0), rank]

@@ -44,7 +44,7 @@ class SatPeek:
 
     def __call__(self, t0: int) -> torch.Tensor:
         # -> logits [1 + k, V] at t0 and the k SATs
-        self._input[0] = t0  # a fill kernel: no host sync
+        self._input[:1].fill_(t0)  # a fill kernel; `[0] = t0` would copy a host scalar, a sync on a GPU
         return self.target.peek(self._input)
 
 

@@ -367,7 +367,7 @@ def verify_input(t0: int, tree: DraftTree, device: torch.device) -> torch.Tensor
     if not isinstance(tokens, torch.Tensor):
         return to_device(np.concatenate(([t0], np.asarray(tokens, dtype=np.int64))), device)
     ids = torch.empty(len(tree) + 1, dtype=torch.int64, device=device)
-    ids[0] = t0  # a fill kernel: writing a host scalar needs no sync
+    ids[:1].fill_(t0)  # a fill kernel; `ids[0] = t0` would copy a host scalar, a sync on a GPU
     ids[1:] = tokens
     return ids
 

@@ -24,6 +24,7 @@ replay), so a CPU test can drive it with a stand-in that replays eagerly.
 """
 from __future__ import annotations
 
+import gc
 import warnings
 from typing import Callable, Protocol
 
@@ -94,6 +95,12 @@ def capture_each(owner, order: list[tuple], capture: Callable[..., _Graph], what
     largest first so that the later ones fit in the pool it grew. Any failure drops them all,
     warns once and leaves `owner.failed` set: `what` then runs eagerly."""
     pool = owner.backend.new_pool()
+    # Python's cyclic collector must not run mid-capture: freeing an unreachable old graph there
+    # (a dropped target's, a cycle with it) is an operation a capturing stream refuses, and the
+    # capture fails. Collect once now, then hold the collector until every graph is captured.
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         for key in order:
             owner.graphs[key] = capture(*key, pool)
@@ -104,6 +111,9 @@ def capture_each(owner, order: list[tuple], capture: Callable[..., _Graph], what
         warnings.warn(f"samctl: CUDA graph capture failed ({owner.failed}); {what} runs eagerly",
                       RuntimeWarning, stacklevel=4)
         owner.generation = None
+    finally:
+        if collecting:
+            gc.enable()
     owner.prepares += 1
 
 

@@ -94,8 +94,10 @@ def _fused(module: nn.Module, names: tuple[str, ...]) -> nn.Module:
         raise UserError(f"{type(module).__name__}: projections {', '.join(names)} are "
                         f"{', '.join(sorted({type(l).__name__ for l in linears}))}, which the native forward does not stack")
     weight = torch.cat([l.weight.detach() for l in linears])
-    stacked = nn.Linear(weight.shape[1], weight.shape[0], bias=linears[0].bias is not None, device=weight.device,
-                        dtype=weight.dtype)
+    # skip_init: no random initialisation (the weights are copied in next; on a GPU it would also
+    # draw from the device's generator, which must not move during a graph capture)
+    stacked = nn.utils.skip_init(nn.Linear, weight.shape[1], weight.shape[0], bias=linears[0].bias is not None,
+                                 device=weight.device, dtype=weight.dtype)
     stacked.requires_grad_(False)
     with torch.no_grad():
         stacked.weight.copy_(weight)
