@@ -3,8 +3,11 @@
 
     python3 tools/lease/batch.py MODEL RECORDS.jsonl DEVICE DTYPE NEW_TOKENS OUT.json [SIZES...]
 
-Per (method, batch size): new tokens over the wall time of the whole batch, steps, forward and
-host time of the run (BatchStats), and how many records' tokens equal the batch-1 run's.
+Per (method, batch size): new tokens over the wall time of the whole batch (each call builds its
+BatchRun: the cache and, on a GPU, every graph bucket's capture fall inside it; the batch's cost
+curve is measured by the warm-up call at the same size, once per session), and over the steps'
+and prefills' own time (BatchStats: `step_tok_s`, the steady state); how many records' tokens
+equal the batch-1 run's.
 """
 import json
 import sys
@@ -25,7 +28,7 @@ for method in ("adaptive", "ar"):
                                     max_new_tokens=int(new), quiet=True))
     first = None
     for size in map(int, sizes or (1, 8, 32)):
-        session.generate_batch(prompts[:2], batch_size=min(size, 2), predictions=predictions[:2])  # warm
+        session.generate_batch(prompts[:2], batch_size=size, predictions=predictions[:2])  # warm: cost curve, JIT
         stats = BatchStats()
         if device.startswith("cuda"):
             torch.cuda.synchronize()
@@ -41,6 +44,7 @@ for method in ("adaptive", "ar"):
             records=len(results), new_tokens=sum(map(len, tokens)), wall_s=round(wall, 3),
             tok_s=round(sum(map(len, tokens)) / wall, 1), equal_batch1=sum(a == b for a, b in zip(tokens, first)),
             errors=sum(r.finish_reason == "error" for r in results),
+            step_tok_s=round(sum(map(len, tokens)) / (stats.forward_s + stats.host_s + stats.prefill_s), 1),
             **{k: s[k] for k in s if not isinstance(s[k], list) and k not in ("records", "new_tokens")})
         print(method, size, row, flush=True)
         json.dump(out, open(path, "w"), indent=1)
