@@ -603,6 +603,33 @@ def stream_batch(
     stats.time_s = time.perf_counter() - start
 
 
+def feed(run: BatchRun, items: Iterable[tuple[Any, Sequence[int], Sequence[int] | None]], config: GenerationConfig,
+         pool: DrafterPool, ahead: int | None = None) -> Iterator[BatchResult]:
+    """Submit `items` (key, prompt ids, prediction ids or None), read lazily, to `run` while fewer
+    than `ahead` records (default: the run's batch size) wait for a slot, and yield each result
+    as it finishes, until the items are spent and the run is idle: the batch stays full across
+    the whole input, and a long input is never held in memory. A prompt the model cannot take
+    gets an "error" result; the others go on. Records draw from one random stream (sampling)."""
+    items = iter(items)
+    ahead = ahead or run.target.rows
+    generator = _make_generator(config.sampling, run.target.device)
+    spent = False
+    while True:
+        while not spent and run.waiting < ahead:
+            item = next(items, None)
+            if item is None:
+                spent = True
+                break
+            key, ids, prediction = item
+            try:
+                run.submit(key, ids, config, pool, generator=generator, prediction=prediction)
+            except UserError as err:
+                yield BatchResult(key, [], "error", Metrics(), str(err))
+        if spent and run.idle:
+            return
+        yield from run.step()
+
+
 def generate_batch(
     model: torch.nn.Module,
     make_drafter: Callable[[], Drafter],

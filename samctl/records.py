@@ -65,59 +65,47 @@ class RecordRunner:
                 out, bad = self.process(number, line)
                 emit(out, bad, output_tokens(out))
             return
-        # lines are read in windows of a few batches
-        window = 4 * self.batch_size
-        chunk: list[tuple[int, str]] = []
-        for item in records:
-            chunk.append(item)
-            if len(chunk) == window:
-                self._window(chunk, emit)
-                chunk = []
-        if chunk:
-            self._window(chunk, emit)
-
-    def _window(self, chunk: list[tuple[int, str]], emit: Callable[[str, bool, int], None]) -> None:
-        # 1) batchable records (one turn, a text prediction or none) wait for the batch; the rest,
-        # bad ones included, go one by one now
-        outputs: list[tuple[str, bool] | None] = [None] * len(chunk)
-        batched: list[tuple[int, Any, str, str | None]] = []  # (position in chunk, record id, prompt, prediction)
-        for pos, (number, line) in enumerate(chunk):
-            try:
-                record = parse_record(line, number)
-                turns = prompt_turns(record, self.field)
-            except UserError:
-                record, turns = {}, []
-            prediction = record.get("prediction")
-            if len(turns) == 1 and (prediction is None or isinstance(prediction, str)):
-                batched.append((pos, record_key(record, number), turns[0], prediction))
-            else:
-                outputs[pos] = self.process(number, line)
+        # Batchable records (one turn, a text prediction or none) stream through the session's
+        # batch, read as rows free up; the rest, bad ones included, run one by one when read
+        # (between two batch steps). Output lines keep the input's order: each goes out as soon as
+        # every earlier one has.
+        finished: dict[int, tuple[str, bool]] = {}  # by input position, until written
+        ids: dict[int, Any] = {}  # input position -> record id, of the records in the batch
         written = 0
 
-        def flush() -> None:  # 3) every line whose predecessors are written goes out now
+        def flush() -> None:
             nonlocal written
-            while written < len(chunk) and outputs[written] is not None:
-                line, bad = outputs[written]
+            while written in finished:
+                line, bad = finished.pop(written)
                 emit(line, bad, output_tokens(line))
                 written += 1
 
-        def done(result) -> None:
-            pos, record_id, _, _ = batched[result.index]
+        def batchable() -> Iterator[tuple[int, str, str | None]]:
+            for pos, (number, line) in enumerate(records):
+                try:
+                    record = parse_record(line, number)
+                    turns = prompt_turns(record, self.field)
+                except UserError:
+                    record, turns = {}, []
+                prediction = record.get("prediction")
+                if len(turns) == 1 and (prediction is None or isinstance(prediction, str)):
+                    ids[pos] = record_key(record, number)
+                    yield pos, turns[0], prediction
+                else:
+                    finished[pos] = self.process(number, line)
+                    flush()
+
+        from samctl.decode.loop import BatchStats
+
+        stats = BatchStats()
+        for result in self.session.stream_batch(batchable(), batch_size=self.batch_size, stats=stats):
+            record_id = ids.pop(result.index)
             if result.error:
-                outputs[pos] = json.dumps({"id": record_id, "error": result.error}, ensure_ascii=False), True
+                finished[result.index] = json.dumps({"id": record_id, "error": result.error}, ensure_ascii=False), True
             else:
                 fields = result_fields(self.session, result)
-                outputs[pos] = json.dumps({"id": record_id, **fields}, ensure_ascii=False), False
+                finished[result.index] = json.dumps({"id": record_id, **fields}, ensure_ascii=False), False
             flush()
-
-        # 2) the batchable ones together
-        flush()
-        if batched:
-            from samctl.decode.loop import BatchStats
-
-            stats = BatchStats()
-            self.session.generate_batch([b[2] for b in batched], batch_size=self.batch_size, on_result=done,
-                                        stats=stats, predictions=[b[3] for b in batched])
             for note in stats.notes:  # an out-of-memory that halved the batch, said once
                 if note not in self._noted:
                     self._noted.add(note)

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import logging
 import statistics
+import time
 from dataclasses import asdict, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -118,6 +119,8 @@ class Session:
         self.warm = False  # warm_up has run (batch 1)
         self.batch_warm = False  # and the batched engine's warm-up (_warm_up_batched)
         self._room_noted = False
+        self._run = None  # the BatchRun generate_batch / stream_batch keep (_kept_run)
+        self._run_size = 0
 
     @classmethod
     def over(cls, engine: Engine, config: SessionConfig, store: Datastore | None = None) -> "Session":
@@ -194,18 +197,44 @@ class Session:
         Every slot drafts with its own fresh drafter. `predictions[i]` is prompt i's expected
         output (or None), drafted from by its own row only; its usage comes back in the result's
         `prediction`. SDSAT's methods, which draft with the target's own forward, are refused:
-        run them one prompt at a time."""
-        from samctl.decode.loop import generate_batch, require_batchable
+        run them one prompt at a time. (`stream_batch` reads its records lazily.)"""
+        items = ((i, p, None if predictions is None else predictions[i]) for i, p in enumerate(prompts))
+        results = {}
+        for result in self.stream_batch(items, batch_size=batch_size, stats=stats):
+            results[result.index] = result
+            if on_result is not None:
+                on_result(result)
+        return [results[i] for i in range(len(prompts))]
+
+    def stream_batch(self, items: Iterable[tuple[Any, Any, str | None]], *, batch_size: int = 8,
+                     stats: Any = None) -> Iterator:
+        """generate_batch over `items` (key, prompt, prediction text or None), read lazily as rows
+        free up, yielding each decode.loop.BatchResult (`index`: its key) as it finishes. One
+        BatchRun per session and batch size serves every call: its cache, and on a GPU every
+        graph, are built once, and the batch stays full from the first record to the last."""
+        from samctl.decode.loop import BatchStats, DrafterPool, feed, require_batchable
 
         require_batchable(self.config.method)
-        ids = [self.encode(p) for p in prompts]
-        expected = None if predictions is None else [self.prediction_ids(p) for p in predictions]
-        cost_ms = self._batch_cost(batch_size)
-        if not self.batch_warm:  # else the first records' metrics carry the JIT loads (or compiles)
-            self._warm_up_batched(ids, cost_ms)
-        return generate_batch(self.engine.model, self.fresh_drafter, ids, self.generation, batch_size, on_result,
-                              cost_ms=cost_ms, max_width=BATCH_MAX_WIDTH, stats=stats, predictions=expected,
-                              graphs=self.config.graphs)
+        run = self._kept_run(batch_size)
+        run.stats = stats if stats is not None else BatchStats()
+        run.stats.batch_size = run.target.rows
+        start = time.perf_counter()
+
+        def encoded():
+            for key, prompt, prediction in items:
+                ids = self.encode(prompt)
+                if not self.batch_warm:  # else the first records' metrics carry the JIT loads (or compiles)
+                    self._warm_up_batched([ids], run.cost_ms)
+                yield key, ids, self.prediction_ids(prediction)
+
+        yield from feed(run, encoded(), self.generation, DrafterPool(self.fresh_drafter))
+        run.stats.time_s = time.perf_counter() - start
+
+    def _kept_run(self, batch_size: int):
+        # The session's BatchRun of this batch size (one at a time: a run holds its rows' cache).
+        if self._run is None or self._run_size != batch_size or not self._run.idle:
+            self._run, self._run_size = self.batch_run(batch_size), batch_size
+        return self._run
 
     def batch_run(self, batch_size: int, stop: Callable[[], bool] | None = None):
         """An empty decode.loop.BatchRun on this session's engine, for records submitted one by

@@ -163,22 +163,25 @@ def test_row_drafters_get_the_sessions_settings(model_dir, monkeypatch):
 
 
 # Run in a fresh process, so that no earlier test has loaded the kernels: every numba dispatcher's
-# first call (compile, or load from the on-disk cache) is logged, and so is the start of each
-# batched run; the session's own warm-up runs come before the last one, the records' run.
+# first call (compile, or load from the on-disk cache) is logged, and so is each record as the
+# batch reads it (RECORD); the session's warm-up runs (batch 1, then batched) come before the first.
 _JIT_PROBE = """
 import json, sys
 from numba.core.dispatcher import Dispatcher
 import samctl.decode.loop as batch
 from samctl.session import Session, SessionConfig
 events = []
-original, run = Dispatcher._compile_for_args, batch.generate_batch
+original, feed = Dispatcher._compile_for_args, batch.feed
 def compiling(self, *args, **kwargs):
     events.append(self.py_func.__name__)
     return original(self, *args, **kwargs)
-def batched(*args, **kwargs):
-    events.append("BATCH")
-    return run(*args, **kwargs)
-Dispatcher._compile_for_args, batch.generate_batch = compiling, batched
+def fed(run, items, *args, **kwargs):
+    def marked():
+        for item in items:
+            events.append("RECORD")
+            yield item
+    return feed(run, marked(), *args, **kwargs)
+Dispatcher._compile_for_args, batch.feed = compiling, fed
 session = Session(SessionConfig(model=sys.argv[1], method="adaptive", max_new_tokens=10, quiet=True))
 results = session.generate_batch(["", "def f(x):\\n    return x + 1\\n", "hello"], batch_size=2)
 print(json.dumps({"events": events, "errors": [bool(r.error) for r in results],
@@ -200,7 +203,46 @@ def test_a_batch_pays_no_jit_inside_its_records(model_dir):
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.splitlines()[-1])
     events = out["events"]
-    records = len(events) - events[::-1].index("BATCH")
-    assert events[:records - 1].count("path_probs") == 1  # a kernel of adaptive's scored (batched) proposals
-    assert events[records:] == [], "kernels loaded while the records ran"
+    # the first record is empty (an error, nothing to warm up on): the warm-up runs on the second
+    second = [i for i, e in enumerate(events) if e == "RECORD"][1]
+    assert events[:second].count("path_probs") == 1  # a kernel of adaptive's scored (batched) proposals
+    assert [e for e in events[second:] if e != "RECORD"] == [], "kernels loaded while the records ran"
     assert out["errors"] == [True, False, False] and all(t > 0 for t in out["cpu_s"][1:])
+
+
+def test_one_batch_run_serves_every_call_and_a_whole_input_stays_in_order(model_dir, monkeypatch):
+    """generate_batch keeps one BatchRun per batch size (its cache and, on a GPU, its graphs are
+    built once), and `generate --input` streams every record through it: no run per window of
+    records, the batch refilled from the next records as rows finish, output lines in input order."""
+    import io
+    import json
+
+    from samctl.decode.loop import BatchRun, BatchStats
+    from samctl.records import RecordRunner
+
+    session = Session(SessionConfig(model=str(model_dir), method="pld", max_new_tokens=8, quiet=True))
+    prompts = ["def f(x):\n    return x", "hello world", "a b c a b c", "x = 1\ny = 2", "print('hi')",
+               "for i in range(3):", "import os", "class A:"]
+    alone = [session.generate(p).tokens for p in prompts]
+    built, init = [], BatchRun.__init__
+    monkeypatch.setattr(BatchRun, "__init__", lambda self, *a, **k: built.append(self) or init(self, *a, **k))
+    first = session.generate_batch(prompts[:3], batch_size=2)
+    second = session.generate_batch(prompts[3:], batch_size=2)
+    assert [r.tokens for r in first + second] == alone  # float32: each record as it runs alone
+    kept = [run for run in built if run.target.rows == 2]
+    assert len(kept) == 1 and session._run is kept[0]
+
+    lines = [json.dumps({"id": f"r{i}", "prompt": p}) for i, p in enumerate(prompts)]
+    lines.insert(2, "not json")  # a bad record: its error, in its place
+    lines.insert(5, json.dumps({"id": "multi", "turns": ["hello", "again"]}))  # one by one, in its place
+    out = io.StringIO()
+    stats = []
+    stream = session.stream_batch
+    monkeypatch.setattr(session, "stream_batch", lambda items, **k: stats.append(k["stats"]) or stream(items, **k))
+    failed = RecordRunner(session, batch_size=2).batch(enumerate(lines, 1), lambda s: out.write(s + "\n"), quiet=True)
+    rows = [json.loads(s) for s in out.getvalue().splitlines()]
+    assert failed == 1 and [r["id"] for r in rows] == ["r0", "r1", 3, "r2", "r3", "multi", "r4", "r5", "r6", "r7"]
+    assert "error" in rows[2] and len(rows[5]["metrics"]) == 2  # one per turn
+    assert [rows[j]["text"] for j in (0, 1, 3, 4, 6, 7, 8, 9)] == [session.decode(t) for t in alone]
+    assert len([run for run in built if run.target.rows == 2]) == 1  # the same run again
+    assert isinstance(stats[0], BatchStats) and stats[0].rows_per_step.count(1) <= 2  # full until the tail
