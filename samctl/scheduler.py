@@ -38,6 +38,10 @@ from samctl.decode.sampling import SamplingConfig
 from samctl.detok import IncrementalDetokenizer
 from samctl.index.errors import UserError
 
+# What the worker warms up on before the server says ready: text with repeats, so that drafters
+# take the paths real requests take.
+WARM_UP_PROMPT = "def add(a, b):\n    return a + b\n\n\ndef add_three(a, b, c):\n    return add(add(a, b), c)\n"
+
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # samctl's -> OpenAI's
 
 
@@ -322,7 +326,7 @@ class BatchScheduler:
         self._inbox: deque[Job] = deque()
         self._closed = False
         self._stopping = threading.Event()  # start-up and any later measurement end at the next forward
-        self.starting = "preparing the batched engine (its verify cost: read from the cache or measured)"
+        self.starting = "preparing the engine (the batch's verify cost, read from the cache or measured, and a warm-up run)"
         self._run = None  # decode.loop.BatchRun, built by the worker on the first batched job
         self._jobs: dict[int, Job] = {}  # in the run, by key
         self._drafters: dict[int, _SessionDrafters] = {}  # by id(session)
@@ -385,12 +389,20 @@ class BatchScheduler:
 
     def _open_run(self) -> None:
         # At start, so that no request waits for the batch's verify cost to be measured (or read
-        # from the cache) while /health says ready. Should it fail, the first batched job tries
-        # again and its client learns why.
+        # from the cache), nor for the drafters' and engine's kernels to load (a warm-up run),
+        # while /health says ready. Should it fail, the first batched job tries again and its
+        # client learns why.
         session = self.sessions.by_store[self.sessions.default_store]
         try:
             if self.batch_size > 1 and not session.batch_refusal():
                 self._run = session.batch_run(self.batch_size, stop=self._stopping.is_set)
+            if not self._stopping.is_set():
+                ids = session.encode(WARM_UP_PROMPT)
+                if self._run is not None:
+                    if not session.batch_warm:
+                        session.warm_up_batched([ids], self._run.cost_ms)
+                elif not session.warm:
+                    session.warm_up(ids)
         except Stopped:
             return  # still starting: the waiting jobs are refused
         except Exception:

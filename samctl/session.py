@@ -117,7 +117,7 @@ class Session:
                        "config": {"session": config.to_record(), "generation": asdict(self.generation),
                                   "method": asdict(self.method_config)}}
         self.warm = False  # warm_up has run (batch 1)
-        self.batch_warm = False  # and the batched engine's warm-up (_warm_up_batched)
+        self.batch_warm = False  # and the batched engine's warm-up (warm_up_batched)
         self._room_noted = False
         self._run = None  # the BatchRun generate_batch / stream_batch keep (_kept_run)
         self._run_size = 0
@@ -211,7 +211,8 @@ class Session:
         """generate_batch over `items` (key, prompt, prediction text or None), read lazily as rows
         free up, yielding each decode.loop.BatchResult (`index`: its key) as it finishes. One
         BatchRun per session and batch size serves every call: its cache, and on a GPU every
-        graph, are built once, and the batch stays full from the first record to the last."""
+        graph, are built once and kept between calls (the session holds that memory), and the
+        batch stays full from the first record to the last."""
         from samctl.decode.loop import BatchStats, DrafterPool, feed, require_batchable
 
         require_batchable(self.config.method)
@@ -224,7 +225,7 @@ class Session:
             for key, prompt, prediction in items:
                 ids = self.encode(prompt)
                 if not self.batch_warm:  # else the first records' metrics carry the JIT loads (or compiles)
-                    self._warm_up_batched([ids], run.cost_ms)
+                    self.warm_up_batched([ids], run.cost_ms)
                 yield key, ids, self.prediction_ids(prediction)
 
         yield from feed(run, encoded(), self.generation, DrafterPool(self.fresh_drafter))
@@ -277,7 +278,7 @@ class Session:
             decode_generate(self.engine.target, drafter, ids, warm)
         decode_generate(self.engine.target, NoDraft(), ids, warm)
 
-    def _warm_up_batched(self, prompts: list[list[int]], cost_ms: np.ndarray) -> None:
+    def warm_up_batched(self, prompts: list[list[int]], cost_ms: np.ndarray) -> None:
         """warm_up, then the same throwaway run through the batched engine, whose drafters take
         paths of their own (scored proposals), on the first prompt the model can continue (the
         others get their errors in the batch)."""

@@ -345,6 +345,7 @@ def test_the_batch_gets_each_requests_sampling(model_dir, monkeypatch):
 
     session = Session(SessionConfig(model=str(model_dir), max_new_tokens=24, threads=1, quiet=True,
                                     sampling=SamplingConfig(top_k=7)))
+    session.warm = session.batch_warm = True  # no warm-up runs at start: the spy sees the requests alone
     seen, submit = [], BatchRun.submit
     monkeypatch.setattr(BatchRun, "submit", lambda self, key, prompt, config, pool, **kw:
                         seen.append(config) or submit(self, key, prompt, config, pool, **kw))

@@ -246,3 +246,21 @@ def test_one_batch_run_serves_every_call_and_a_whole_input_stays_in_order(model_
     assert [rows[j]["text"] for j in (0, 1, 3, 4, 6, 7, 8, 9)] == [session.decode(t) for t in alone]
     assert len([run for run in built if run.target.rows == 2]) == 1  # the same run again
     assert isinstance(stats[0], BatchStats) and stats[0].rows_per_step.count(1) <= 2  # full until the tail
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_a_server_warms_up_before_it_says_ready(model_dir, batch_size):
+    """The scheduler's worker runs the warm-up (kernels, JIT caches) before `starting` clears, so
+    that the first client's request pays none of it."""
+    import time
+
+    from samctl.scheduler import BatchScheduler, Sessions
+
+    session = Session(SessionConfig(model=str(model_dir), method="adaptive", max_new_tokens=6, quiet=True))
+    scheduler = BatchScheduler(Sessions({None: session}), batch_size=batch_size)
+    deadline = time.monotonic() + 300
+    while scheduler.starting and time.monotonic() < deadline:
+        time.sleep(0.05)
+    scheduler.close()
+    assert not scheduler.starting
+    assert session.batch_warm if batch_size > 1 else session.warm
