@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, Union
 import numpy as np
 
 from samctl.index.errors import UserError
-from samctl.index.kinds import KINDS, Lookup
+from samctl.index.kinds import KINDS
+from samctl.index.lookup import Lookup
 from samctl.index.ngram_config import NgramConfig
 from samctl.index.store import StoreError, StoreFile, read_store, write_store
 

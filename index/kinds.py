@@ -32,16 +32,7 @@ from typing import Any, Callable, ContextManager
 
 import numpy as np
 
-
-@dataclass(frozen=True)
-class Lookup:
-    """A query's answer: the longest suffix of the context that the store holds, and after it."""
-
-    match_length: int  # tokens of the context's suffix found in the store (0: none)
-    count: int  # sam: occurrences of that suffix; ngram: those followed by a kept next token
-    continuation: np.ndarray  # [m] int32, sam: after the first occurrence; ngram: greedy chain
-    next_tokens: np.ndarray  # [k] int32, most frequent next tokens, by count descending
-    next_counts: np.ndarray  # [k] int32
+from samctl.index.lookup import Lookup
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ import numpy as np
 from numba import njit
 
 from samctl.index.datastore import StoreMeta, parse_meta
-from samctl.index.kinds import Lookup
+from samctl.index.lookup import Lookup
 from samctl.index.errors import ConfigError, UserError
 from samctl.index.store import StoreError, read_manifest
 
