@@ -169,6 +169,27 @@ def test_recycle_device_path_equals_cpu_path():
         assert torch.equal(cpu.table[:96], device.table[:96])  # row 96 is the device path's sink
 
 
+def test_learn_rows_writes_what_torch_topk_gives_and_the_last_duplicate_wins():
+    from samctl.decode.drafters.recycle import learn_rows
+
+    gen = torch.Generator().manual_seed(0)
+    for vocab, k, q in ((96, 8, 1), (1000, 8, 40), (5, 8, 3), (300, 1, 7)):
+        logits = torch.randn(q, vocab + 3, generator=gen)  # a padded head: columns past the vocabulary are not ids
+        logits[0, :] = 0.0  # all tied: the lowest ids, as torch gives them on CPU
+        ids = torch.randint(-1, vocab, (q,), generator=gen)
+        ids[-1] = ids[0] if q > 1 else ids[-1]  # a duplicate: the later row is the one kept
+        table = np.full((vocab, min(k, vocab)), -7, dtype=np.int32)
+        learn_rows(table, ids.numpy(), logits.numpy())
+        expected = np.full_like(table, -7)
+        top = torch.topk(logits[:, :vocab], min(k, vocab), dim=-1, sorted=True)
+        for i, token in enumerate(ids.tolist()):
+            if token >= 0:
+                row = sorted(range(vocab), key=lambda j: (-float(logits[i, j]), j))[: table.shape[1]]
+                expected[token] = row
+                assert set(row) == set(top.indices[i].tolist()) or i == 0
+        assert np.array_equal(table, expected), (vocab, k, q)
+
+
 def test_sliding_window_caps_the_context():
     model = tiny("qwen2", 2, use_sliding_window=True, sliding_window=24, max_window_layers=0)
     target = TargetModel(model)

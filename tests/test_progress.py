@@ -42,7 +42,7 @@ def test_heartbeat_prints_while_a_long_step_runs_without_updates(monkeypatch, ca
     import time
 
     monkeypatch.setattr(progress, "LINE_PERIOD_S", 0.05)
-    reached = iter(range(0, 10_000, 100))
+    reached = iter(range(100, 10_000, 100))
     with progress.progress_bar("building", "token", quiet=False, total=10_000) as bar:
         with bar.heartbeat(lambda: next(reached)):
             time.sleep(0.5)  # a kernel that releases the GIL, as the automaton build does
@@ -53,3 +53,17 @@ def test_heartbeat_prints_while_a_long_step_runs_without_updates(monkeypatch, ca
     with progress.progress_bar("building", "token", quiet=True) as bar, bar.heartbeat(lambda: 1):
         time.sleep(0.2)
     assert capsys.readouterr().err == ""
+
+
+def test_a_step_that_cannot_count_says_it_is_working_not_zero(monkeypatch, capsys):
+    import time
+
+    monkeypatch.setattr(progress, "LINE_PERIOD_S", 0.05)
+    with progress.progress_bar("building the suffix array", "token", quiet=False, total=10_000) as bar:
+        with bar.heartbeat():
+            time.sleep(0.3)  # a subprocess sorting: nothing to count
+        bar.update(10_000 - bar.done)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) >= 2 and all(": 0/" not in line and "0.00" not in line for line in lines), lines
+    assert lines[0].startswith("samctl: building the suffix array: working, ") and lines[0].endswith("so far")
+    assert lines[-1].startswith("samctl: building the suffix array: 10000/10000 tokens, ") and "done in" in lines[-1]

@@ -39,6 +39,7 @@ from samctl.decode.drafters.candidates import (N_CELLS, SOURCES, learn, ngram_ca
                                                prior_means, propose_tree, sa_candidates)
 from samctl.decode.metrics import PredictionUsage
 from samctl.decode.drafters.base import Drafter
+from samctl.decode.drafters.recycle import learn_rows
 from samctl.decode.tree import DraftTree, tree_depths
 from samctl.index.automaton import SuffixAutomaton
 from samctl.index.cursor import AutomatonCursor, NgramCursor, SuffixArrayCursor, cursor
@@ -130,10 +131,10 @@ class _Recycle:
 
     def learn(self, ids: torch.Tensor, logits: torch.Tensor) -> None:
         # ids: [q] int64 (placeholders < 0), logits: [q, V] on the model's device
-        successors = torch.topk(logits[:, : self.vocab_size], self.k, dim=-1).indices
         if self.device.type == "cpu":
-            self._write(ids.numpy(), successors.numpy())
+            learn_rows(self.table, ids.numpy(), logits.float().numpy())
             return
+        successors = torch.topk(logits[:, : self.vocab_size], self.k, dim=-1).indices
         if self._pending is not None:
             wait_for(self._copied)
             self._write(*(t.numpy() for t in self._pending))

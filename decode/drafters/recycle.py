@@ -55,13 +55,54 @@ def expand_template(table: np.ndarray, t0: int, parents: np.ndarray, ranks: np.n
     return out
 
 
+BLOCK = 32  # logits a block maximum covers in `learn_rows`
+
+
+@numba.njit(cache=True, fastmath=True)
+def _block_max(row: np.ndarray, start: int, stop: int) -> float:
+    m = row[start]
+    for j in range(start + 1, stop):
+        m = max(m, row[j])
+    return m
+
+
 @numba.njit(cache=True)
-def write_rows(table: np.ndarray, ids: np.ndarray, successors: np.ndarray) -> None:
-    # table: [V+1, k]; ids: [q] int64 (placeholders -1); successors: [q, k]. The last write of a
-    # duplicated token wins, as in SAM-Decoding's Token Recycle.
-    for i in range(len(ids)):
-        if ids[i] >= 0:
-            table[ids[i], :] = successors[i, :]
+def learn_rows(table: np.ndarray, ids: np.ndarray, logits: np.ndarray) -> None:
+    """table[ids[i]] = the k = table.shape[1] ids of logits[i]'s largest values, largest first
+    (torch.topk's answer; on ties the lower id first), for each i with 0 <= ids[i] < len(table).
+    The last row of a duplicated id wins, as in SAM-Decoding's Token Recycle, and only that row's
+    top-k is computed. One pass a row: a block of BLOCK logits is read in full only when its
+    maximum beats the k-th best so far (a few dozen blocks a row for a trained model's logits).
+
+    table: [V', k] int; ids: [q] int (placeholders < 0); logits: [q, >= V'] float32."""
+    q, k = len(ids), table.shape[1]
+    vocab = min(len(table), logits.shape[1])
+    last = {}
+    for i in range(q):
+        if 0 <= ids[i] < len(table):
+            last[ids[i]] = i
+    vals = np.empty(k, dtype=np.float32)
+    idx = np.empty(k, dtype=np.int64)
+    for token, i in last.items():
+        row = logits[i]
+        m = 0
+        for start in range(0, vocab, BLOCK):
+            stop = min(vocab, start + BLOCK)
+            if m == k and _block_max(row, start, stop) <= vals[k - 1]:
+                continue
+            for j in range(start, stop):
+                v = row[j]
+                if m == k and v <= vals[k - 1]:
+                    continue
+                p = m if m < k else k - 1  # insertion: the new value's place among the best
+                while p > 0 and vals[p - 1] < v:
+                    vals[p], idx[p] = vals[p - 1], idx[p - 1]
+                    p -= 1
+                vals[p], idx[p] = v, j
+                if m < k:
+                    m += 1
+        for r in range(k):
+            table[token, r] = idx[r] if r < m else -1
 
 
 class TokenRecycleDrafter(Drafter):
@@ -96,10 +137,10 @@ class TokenRecycleDrafter(Drafter):
 
     def _learn(self, ids: torch.Tensor, logits: torch.Tensor) -> None:
         # ids: [q] int64 device; logits: [q, V]
-        successors = torch.topk(logits[:, : self.vocab_size], self.config.k, dim=-1).indices
         if self.on_cpu:
-            write_rows(self.table.numpy(), ids.numpy(), successors.numpy())
+            learn_rows(self.table.numpy()[: self.vocab_size], ids.numpy(), logits.float().numpy())
             return
+        successors = torch.topk(logits[:, : self.vocab_size], self.config.k, dim=-1).indices
         # On the device without a sync: send every write but the last of each token to the sink
         # row, so the outcome is deterministic (index_put with duplicates is not). The last
         # write of a row is found with a scatter-max over a [V+1] buffer, O(q + V) memory

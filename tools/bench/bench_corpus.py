@@ -82,7 +82,7 @@ def tokenize(out: Path, tokenizer: str) -> tuple[np.ndarray, np.ndarray]:
     if cache.exists():
         data = np.load(cache)
         return data["tokens"], data["offsets"]
-    tok = load_tokenizer(tokenizer, quiet=True)
+    tok = load_tokenizer(tokenizer)
     start = time.perf_counter()
     with open(out / "corpus.jsonl", encoding="utf-8") as f:
         tokens, offsets = tokenize_documents((json.loads(line)["text"] for line in f), tok)
@@ -149,7 +149,7 @@ def draft(out: Path, tokenizer: str, kinds: list[str], n_traces: int) -> None:
     from samctl.index.load import load_datastore
     from samctl.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(tokenizer, quiet=True)
+    tok = load_tokenizer(tokenizer)
     traces = []
     for path in sorted(HELD_OUT.rglob("*.py")):
         text = path.read_text(encoding="utf-8", errors="replace")
