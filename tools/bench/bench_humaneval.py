@@ -99,7 +99,9 @@ def main() -> None:
                     t["differ"].append(task["task_id"])
                 out.write(json.dumps({"task": task["task_id"], "config": name, "tokens": len(result.tokens),
                                       "steps": result.metrics.steps, "cpu_s": cpu, "wall_s": wall,
-                                      "draft_us_median": result.metrics.draft_us_quantile(0.5)}) + "\n")
+                                      "draft_us_median": result.metrics.draft_us_quantile(0.5),
+                                      "prompt_ids": session.encode(task["prompt"]) if name == "ar" else None,
+                                      "output_ids": result.tokens if name == "ar" else None}) + "\n")
     print(f"{len(tasks)} HumanEval prompts, {args.max_new_tokens} new tokens at most, greedy, "
           f"{args.threads} thread(s); {platform.processor() or platform.machine()}, load {os.getloadavg()[0]:.1f}")
     print("| store | method | tokens/step | tokens/CPU-s | tokens/s (wall) | draft µs/step median | p90 | differ from ar |")
