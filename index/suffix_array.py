@@ -105,39 +105,75 @@ def token_key(token, w):
 @njit(cache=True)
 def sa_narrow(data, table, w, p, lo, hi, offset, key):
     """[lo', hi'): the suffixes of [lo, hi) (which share their first `offset` tokens) whose token
-    at `offset` has byte-order key `key`. Two binary searches."""
+    at `offset` has byte-order key `key`. One binary search until a probe hits the key, then one
+    for each end, below and above that probe."""
     a, b = lo, hi
-    while a < b:  # first with key >= `key`
+    mid = lo
+    while a < b:
         mid = (a + b) // 2
-        if _key(data, _pointer(table, mid, p) + offset * w, w) < key:
+        k = _key(data, _pointer(table, mid, p) + offset * w, w)
+        if k < key:
             a = mid + 1
-        else:
+        elif k > key:
             b = mid
+        else:
+            break
+    if a >= b:
+        return a, a
+    top = b
+    b = mid  # the first with key >= `key` is in [a, mid]
+    while a < b:
+        m = (a + b) // 2
+        if _key(data, _pointer(table, m, p) + offset * w, w) < key:
+            a = m + 1
+        else:
+            b = m
     start = a
-    b = hi
-    while a < b:  # first with key > `key`
-        mid = (a + b) // 2
-        if _key(data, _pointer(table, mid, p) + offset * w, w) <= key:
-            a = mid + 1
+    a, b = mid + 1, top  # the first with key > `key` is in [mid + 1, top]
+    while a < b:
+        m = (a + b) // 2
+        if _key(data, _pointer(table, m, p) + offset * w, w) <= key:
+            a = m + 1
         else:
-            b = mid
+            b = m
     return start, a
+
+
+PAIR_SLOTS = 1 << 16  # sa_find's cache of two-token ranges (direct-mapped)
+
+
+def range_cache(token_width: int) -> np.ndarray:
+    """sa_find's cache, empty: [2^(8w) + PAIR_SLOTS, 3] int64. Row t < 2^(8w): token key t's range
+    (lo, hi; -1 = not searched yet). Row 2^(8w) + slot: a two-token pattern's range and its key
+    (k0 << 32 | k1; -1 = empty)."""
+    return np.full(((1 << (8 * token_width)) + PAIR_SLOTS, 3), -1, dtype=np.int64)
 
 
 @njit(cache=True)
 def sa_find(data, table, w, p, first, keys, start, stop):
     """Range of the suffixes that start with keys[start:stop]; (x, x) when none.
 
-    first: [2^(8w), 2] int64, each first token's range once searched (-1: not yet), filled here:
-    the search over the whole array is the costliest narrowing of every search."""
+    first: the range cache (`range_cache`), filled here: the narrowings by a pattern's first token
+    and its first two are the costliest of every search, and a text asks for the same few thousand
+    again and again."""
     k0 = keys[start]
     if first[k0, 0] < 0:
         first[k0, 0], first[k0, 1] = sa_narrow(data, table, w, p, 0, len(table) // p, 0, k0)
     lo, hi = first[k0, 0], first[k0, 1]
-    for i in range(start + 1, stop):
+    i = start + 1
+    if i < stop and lo < hi:
+        pair = (k0 << 32) | keys[i]
+        h = k0 * 0x9E3779B1 + keys[i]
+        slot = (1 << (8 * w)) + ((h ^ (h >> 16)) & (PAIR_SLOTS - 1))
+        if first[slot, 2] != pair:
+            first[slot, 0], first[slot, 1] = sa_narrow(data, table, w, p, lo, hi, 1, keys[i])
+            first[slot, 2] = pair
+        lo, hi = first[slot, 0], first[slot, 1]
+        i += 1
+    for j in range(i, stop):
         if lo == hi:
             break
-        lo, hi = sa_narrow(data, table, w, p, lo, hi, i - start, keys[i])
+        lo, hi = sa_narrow(data, table, w, p, lo, hi, j - start, keys[j])
     return lo, hi
 
 
@@ -330,11 +366,11 @@ class SuffixArray:
         self.data, self.table = data, table
         self.token_width, self.pointer_width = token_width, pointer_width
         self.vocab_size, self.num_documents = vocab_size, documents
-        self.first = np.full((1 << (8 * token_width), 2), -1, dtype=np.int64)  # sa_find's cache
+        self.first = range_cache(token_width)  # sa_find's cache
 
     @property
     def kernel_arrays(self) -> tuple[np.ndarray, np.ndarray, int, int, np.ndarray, int]:
-        """(data, table, token width, pointer width, first-token ranges, vocabulary size): what
+        """(data, table, token width, pointer width, range cache, vocabulary size): what
         every kernel takes first (the searches the first five)."""
         return self.data, self.table, self.token_width, self.pointer_width, self.first, self.vocab_size
 

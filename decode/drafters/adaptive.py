@@ -379,7 +379,8 @@ class AdaptiveDrafter(Drafter):
 
     def _sa_candidates(self, t0: int) -> int:
         cfg = self.config
-        return sa_candidates(*self.static.arrays, *self.static.before(t0), self.calibration.means, cfg.static_min_length,
+        lo, hi, length, _ = self.static.peek(t0)[1]  # the step over t0 is not searched again by observe
+        return sa_candidates(*self.static.arrays, lo, hi, length, self.calibration.means, cfg.static_min_length,
                              self._budget, cfg.width, cfg.min_prob, *self._buffer, 0)
 
     def _warm_up(self) -> None:

@@ -25,7 +25,7 @@ from numba import njit
 
 from samctl.index.automaton import COUNT, FIRST_END, LEN, LINK, sam_step, sam_topk_children
 from samctl.index.ngram import ngram_find
-from samctl.index.suffix_array import sa_children, sa_step
+from samctl.index.suffix_array import sa_children
 
 SRC_DYNAMIC, SRC_STATIC, SRC_MEMORY, SRC_RECYCLE = range(4)
 SOURCES = ("dynamic", "static", "memory", "recycle")
@@ -232,13 +232,12 @@ def ngram_candidates(table, context, means, min_length, budget, k, min_prob, tok
 
 
 @njit(cache=True)
-def sa_candidates(data, table, w, p, first, vocab, lo, hi, length, text, means, min_length, budget, k, min_prob, tok, par,
+def sa_candidates(data, table, w, p, first, vocab, lo, hi, length, means, min_length, budget, k, min_prob, tok, par,
                   prob, cell, n):
-    # (data, table, w, p, first, vocab): a suffix array's kernel arrays; (lo, hi, length): the match of
-    # the text before t0; text: that text's last keys, t0's last ([c] int64). Like
+    # (data, table, w, p, first, vocab): a suffix array's kernel arrays; (lo, hi, length): the match
+    # once t0 follows (the cursor's peek, which its next advance reuses). Like
     # `automaton_candidates` from one root (a suffix array has no links to shorter matches): a
     # node's range is its pattern's suffixes, its children the runs of its next tokens there.
-    lo, hi, length = sa_step(data, table, w, p, first, text, len(text) - 1, lo, hi, length)
     cap = len(tok)
     budget = min(budget, cap - n)
     if budget <= 0 or length < min_length:
