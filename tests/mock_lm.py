@@ -60,15 +60,20 @@ class CopyLM(torch.nn.Module):
         )
         tokens = keys[0, 0, :, 0].long().numpy()
         positions = values[0, 0, :, 0].long().numpy()
+        if attention_mask is None:
+            visible = np.arange(past + q)[None, :] <= past + np.arange(q)[:, None]
+        else:
+            visible = (attention_mask[0, 0] == 0).numpy()  # [q, cached]
+        # each row must see exactly the positions 0..k-1 (k = what it sees), each once
+        rows, cols = np.nonzero(visible)
+        seen, at = visible.sum(1), positions[cols]
+        ok = (at < seen[rows]).all() and len(np.unique(rows * len(positions) + at)) == len(rows)
+        assert ok, [positions[v].tolist() for v in visible]
+        text = np.empty(visible.shape, dtype=np.int64)
+        text[rows, at] = tokens[cols]  # each row's visible tokens in position order
         logits = torch.zeros(1, q, self.vocab)
         for i in range(q):
-            if attention_mask is None:
-                visible = np.arange(past + q) <= past + i
-            else:
-                visible = (attention_mask[0, 0, i] == 0).numpy()
-            order = np.argsort(positions[visible], kind="stable")
-            assert np.array_equal(positions[visible][order], np.arange(visible.sum())), positions[visible]
-            logits[0, i, copy_rule(tokens[visible][order].tolist(), self.vocab)] = self.peak
+            logits[0, i, copy_rule(text[i, : seen[i]].tolist(), self.vocab)] = self.peak
         decoder = self.parts.model
         decoder.norm(decoder.embed_tokens(logits.argmax(-1)))  # the "last hidden state": [1, q, 8]
         return SimpleNamespace(logits=logits)

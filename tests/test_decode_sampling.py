@@ -46,7 +46,7 @@ from tests.mock_lm import CopyLM, copy_rule
 from tests.planted import BUGS, acceptance
 
 VOCAB, NEW, SAMPLES, ALPHA, POWER = 4, 6, 1000, 1e-3, 1e-6
-LOOKS = (250, 500, 1000, 2000)  # a planted bug stops sampling at the first look that rejects it
+LOOKS = (50, 100, 160, 250, 400, 630, 1000, 1600, 2000)  # a planted bug stops sampling at the first look that rejects it
 PROMPT = (0, 1, 2, 3, 0, 1, 2, 3, 0, 1)
 PEAK = 1.5  # the copy model's logit for its prediction: p = 0.6 at temperature 1, so drafts often fail
 T1 = SamplingConfig(temperature=1.0)

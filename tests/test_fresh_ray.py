@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.xdist_group("ray")  # pytest -n: one worker runs every Ray test
 
 
 def test_tokenizing_reports_documents_as_well_as_tokens():

@@ -12,7 +12,8 @@ from samctl.cli import main
 from tests.test_cli_generate import PROMPT
 
 ray = pytest.importorskip("ray")
-pytestmark = pytest.mark.slow  # a Ray instance, actors and spawned build processes: ~2 minutes in all
+pytestmark = [pytest.mark.slow,  # a Ray instance, actors and spawned build processes: ~2 minutes in all
+              pytest.mark.xdist_group("ray")]  # pytest -n: one worker runs every Ray test
 
 
 @pytest.fixture(scope="module", autouse=True)
