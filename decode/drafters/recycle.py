@@ -55,16 +55,16 @@ def expand_template(table: np.ndarray, t0: int, parents: np.ndarray, ranks: np.n
     return out
 
 
-BLOCK = 64  # logits per block in `learn_rows`: a row's ids j, j + n, j + 2n, ... (n = vocab // BLOCK)
+BLOCK = 64  # logits per block in `learn_rows`
 
 
 def learn_rows(table: np.ndarray, ids: np.ndarray, logits: np.ndarray) -> None:
     """table[ids[i]] = the k = table.shape[1] ids of logits[i]'s largest values, largest first
     (torch.topk's answer; on ties the lower id first), for each i with 0 <= ids[i] < len(table).
     The last row of a duplicated id wins, as in SAM-Decoding's Token Recycle, and only that row's
-    top-k is computed: numpy's vectorized maxima of BLOCK strided blocks, then one compiled pass
-    that reads a block only when its maximum reaches the k-th best so far (a few dozen of a row's
-    blocks: about a tenth of torch.topk's time).
+    top-k is computed: the vectorized maxima of blocks of BLOCK logits, then one compiled pass that
+    reads a block only when its maximum reaches the k-th best so far (a few dozen of a row's
+    blocks: a fifth of torch.topk's time at 49k ids).
 
     table: [V', k] int; ids: [q] int (placeholders < 0); logits: [q, >= V'] float32."""
     vocab = min(len(table), logits.shape[1])
@@ -77,14 +77,14 @@ def learn_rows(table: np.ndarray, ids: np.ndarray, logits: np.ndarray) -> None:
     if 2 * len(rows) < len(ids):  # a prompt: many repeated ids, fewer rows to reduce
         logits, rows = logits[rows], np.arange(len(rows))
     n = vocab // BLOCK
-    maxima = logits[:, : n * BLOCK].reshape(len(logits), BLOCK, n).max(axis=1) if n else logits[:, :0]
-    _top_rows(table, tokens, rows, logits, maxima, vocab)
+    blocks = torch.from_numpy(np.ascontiguousarray(logits[:, : n * BLOCK])).view(len(logits), n, BLOCK)
+    _top_rows(table, tokens, rows, logits, blocks.amax(-1).numpy(), vocab)
 
 
 @numba.njit(cache=True)
 def _top_rows(table: np.ndarray, tokens: np.ndarray, rows: np.ndarray, logits: np.ndarray, maxima: np.ndarray,
               vocab: int) -> None:
-    # maxima: [q, n] the largest of logits[r, b], logits[r, b + n], ..., BLOCK of them; the last
+    # maxima: [q, n] the largest of each block logits[r, b * BLOCK: (b + 1) * BLOCK]; the last
     # vocab - n * BLOCK ids are read in full
     k, n = table.shape[1], maxima.shape[1]
     vals = np.empty(k, dtype=np.float32)
@@ -95,13 +95,12 @@ def _top_rows(table: np.ndarray, tokens: np.ndarray, rows: np.ndarray, logits: n
         for b in range(n + 1):
             if b < n and m == k and maxima[r, b] < vals[k - 1]:
                 continue
-            start, stop, stride = (b, n * BLOCK, n) if b < n else (n * BLOCK, vocab, 1)
-            for j in range(start, stop, stride):
+            for j in range(b * BLOCK, min(vocab, b * BLOCK + BLOCK) if b < n else vocab):
                 v = logits[r, j]
-                if m == k and (v < vals[k - 1] or (v == vals[k - 1] and j > idx[k - 1])):
+                if m == k and v <= vals[k - 1]:  # blocks go by rising id: a tie keeps the lower id
                     continue
                 p = m if m < k else k - 1  # insertion: larger first, then the lower id
-                while p > 0 and (vals[p - 1] < v or (vals[p - 1] == v and idx[p - 1] > j)):
+                while p > 0 and vals[p - 1] < v:
                     vals[p], idx[p] = vals[p - 1], idx[p - 1]
                     p -= 1
                 vals[p], idx[p] = v, j
