@@ -168,12 +168,3 @@ KINDS: dict[str, StoreKind] = {kind.name: kind for kind in (
               counts=lambda sa: {"suffixes": sa.num_tokens + sa.num_documents}, count_names=("suffixes",),
               load=_sa_load, grows=True),
 )}
-
-
-def store_kind(name: str) -> StoreKind:
-    """The entry of kind `name`; a UserError naming the known kinds otherwise."""
-    from samctl.index.errors import UserError
-
-    if name not in KINDS:
-        raise UserError(f"unknown datastore kind {name!r}: use one of {', '.join(KINDS)}")
-    return KINDS[name]

@@ -590,15 +590,6 @@ def _file_crc32(path: str | os.PathLike) -> int:
 # Loading: the manifest and the files' sizes are untrusted
 
 
-def is_suffix_array_store(path: str | os.PathLike) -> bool:
-    """Whether `path` is a directory whose manifest declares this format (damaged or not)."""
-    try:
-        with open(os.path.join(path, MANIFEST), "rb") as handle:
-            return f'"{FORMAT}"'.encode() in handle.read(4096)
-    except OSError:
-        return False
-
-
 def load_suffix_array(path: str | os.PathLike, verify: bool = False) -> SuffixArrayDatastore:
     """Open a store directory; a damaged, truncated or foreign one raises a one-line StoreError."""
     name = str(path)
