@@ -188,7 +188,7 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
             structure = entry.build(tokens, doc_offsets, meta, replace(options, heartbeat=bar.heartbeat))
         else:
             structure = entry.build(tokens, doc_offsets, meta, replace(options, heartbeat=bar.heartbeat))
-        bar.update(len(tokens) - bar.done)  # a kind that cannot count its progress (ngram, sa) is done too
+        bar.update(bar.total - bar.done)  # a kind that cannot count its progress (ngram, sa) is done too
     built = time.perf_counter()
     del tokens, doc_offsets  # the structure holds what it needs; free the input before writing
     # 4) store
