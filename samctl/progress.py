@@ -85,14 +85,11 @@ class Progress:
 
     def _line(self, final: bool = False, stopped: bool = False) -> None:
         elapsed = self._elapsed()
-        if not final and not self.done and not self.tokens:  # a step that cannot count (a sort in a subprocess)
-            print(f"samctl: {self.description}: working, {_duration(elapsed)} so far", file=sys.stderr, flush=True)
-            self.last_line = time.perf_counter()
-            self.lines += 1
-            return
         count = f"{self.done}/{self.total}" if self.total is not None else f"{self.done}"
         parts = [f"{count} {self.unit}s"]
-        if self.tokens:
+        if not final and not self.done and not self.tokens:  # a step that cannot count (a sort in a subprocess)
+            parts = [f"working, {_duration(elapsed)} so far"]
+        elif self.tokens:
             parts.append(f"{self.tokens:,} tokens, {self.tokens / elapsed:.1f} tok/s")
         elif not final:
             parts.append(f"{self.done / elapsed:.2f} {self.unit}s/s")

@@ -9,15 +9,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # Verify-cost curves measured by tests go to a throwaway cache, not the user's.
 os.environ.setdefault("SAMCTL_CACHE", tempfile.mkdtemp(prefix="samctl-test-cache-"))
-# pytest -n (xdist): the workers share the cores, so each (and every command it starts) takes one
-# thread; more would fight over them.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
 
+# pytest -n (xdist): the workers share the cores, so each (and every command it starts) takes one
+# thread; more would fight over them.
 if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
 
 

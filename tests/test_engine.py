@@ -179,7 +179,7 @@ def test_learn_rows_writes_what_torch_topk_gives_and_the_last_duplicate_wins():
         ids = torch.randint(-1, vocab, (q,), generator=gen)
         ids[-1] = ids[0] if q > 1 else ids[-1]  # a duplicate: the later row is the one kept
         table = np.full((vocab, min(k, vocab)), -7, dtype=np.int32)
-        learn_rows(table, ids.numpy(), logits.numpy())
+        learn_rows(table, ids.numpy(), logits)
         expected = np.full_like(table, -7)
         top = torch.topk(logits[:, :vocab], min(k, vocab), dim=-1, sorted=True)
         for i, token in enumerate(ids.tolist()):

@@ -132,7 +132,7 @@ class _Recycle:
     def learn(self, ids: torch.Tensor, logits: torch.Tensor) -> None:
         # ids: [q] int64 (placeholders < 0), logits: [q, V] on the model's device
         if self.device.type == "cpu":
-            learn_rows(self.table, ids.numpy(), logits.float().numpy())
+            learn_rows(self.table, ids.numpy(), logits)
             return
         successors = torch.topk(logits[:, : self.vocab_size], self.k, dim=-1).indices
         if self._pending is not None:

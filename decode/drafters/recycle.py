@@ -66,19 +66,19 @@ def learn_rows(table: np.ndarray, ids: np.ndarray, logits: np.ndarray) -> None:
     reads a block only when its maximum reaches the k-th best so far (a few dozen of a row's
     blocks: a fifth of torch.topk's time at 49k ids).
 
-    table: [V', k] int; ids: [q] int (placeholders < 0); logits: [q, >= V'] float32."""
+    table: [V', k] int; ids: [q] int (placeholders < 0); logits: [q, >= V'] on the CPU."""
     vocab = min(len(table), logits.shape[1])
-    ids = np.asarray(ids)
     keep = np.flatnonzero((ids >= 0) & (ids < len(table)))
     if not len(keep) or not vocab:
         return
     tokens, last = np.unique(ids[keep][::-1], return_index=True)  # each id's last row
     rows = keep[::-1][last]
+    logits = logits.float()
     if 2 * len(rows) < len(ids):  # a prompt: many repeated ids, fewer rows to reduce
-        logits, rows = logits[rows], np.arange(len(rows))
+        logits, rows = logits[torch.from_numpy(rows)], np.arange(len(rows))
     n = vocab // BLOCK
-    blocks = torch.from_numpy(np.ascontiguousarray(logits[:, : n * BLOCK])).view(len(logits), n, BLOCK)
-    _top_rows(table, tokens, rows, logits, blocks.amax(-1).numpy(), vocab)
+    maxima = logits[:, : n * BLOCK].contiguous().view(len(logits), n, BLOCK).amax(-1)
+    _top_rows(table, tokens, rows, logits.numpy(), maxima.numpy(), vocab)
 
 
 @numba.njit(cache=True)
@@ -143,7 +143,7 @@ class TokenRecycleDrafter(Drafter):
     def _learn(self, ids: torch.Tensor, logits: torch.Tensor) -> None:
         # ids: [q] int64 device; logits: [q, V]
         if self.on_cpu:
-            learn_rows(self.table.numpy()[: self.vocab_size], ids.numpy(), logits.float().numpy())
+            learn_rows(self.table.numpy()[: self.vocab_size], ids.numpy(), logits)
             return
         successors = torch.topk(logits[:, : self.vocab_size], self.config.k, dim=-1).indices
         # On the device without a sync: send every write but the last of each token to the sink
