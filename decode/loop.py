@@ -190,6 +190,7 @@ class BatchStats:
     host_s: float = 0.0  # everything else in the steps: drafting, budget, accept, commit, observe
     prefill_s: float = 0.0
     prefills: int = 0
+    captures: int = 0  # graphs captured inside the steps (a cache growth recaptures every bucket)
     new_tokens: int = 0
     records: int = 0
     time_s: float = 0.0
@@ -204,7 +205,7 @@ class BatchStats:
             "records_per_hour": round(3600 * self.records / self.time_s, 1) if self.time_s else 0.0,
             "forward_ms_per_step": round(1e3 * self.forward_s / steps, 3),
             "host_ms_per_step": round(1e3 * self.host_s / steps, 3),
-            "prefill_s": round(self.prefill_s, 4), "prefills": self.prefills,
+            "prefill_s": round(self.prefill_s, 4), "prefills": self.prefills, "captures": self.captures,
             "mean_rows": round(float(np.mean(self.rows_per_step)), 2) if self.rows_per_step else 0.0,
             "mean_width": round(float(np.mean(self.width_per_step)), 3) if self.width_per_step else 0.0,
             "notes": list(self.notes),
@@ -409,6 +410,7 @@ class BatchRun:
 
         # 3) verify
         t_forward = time.perf_counter()
+        captured = target.graphs.captures if target.graphs is not None else 0
         try:
             logits, offsets = target.verify(inputs, trees)
         except (RuntimeError, torch.OutOfMemoryError) as err:
@@ -416,6 +418,8 @@ class BatchRun:
                 raise _OutOfMemory() from err
             raise
         forward_s = time.perf_counter() - t_forward
+        if target.graphs is not None:
+            stats.captures += target.graphs.captures - captured
 
         # 4) accept: one draw (or argmax) per real input, each row by its own sampling, one host sync
         flat = torch.cat(inputs)

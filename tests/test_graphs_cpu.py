@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from samctl.decode.engine.graphs import WIDTHS, BatchVerifyGraphs, enable_cuda_graphs, key_buckets
-from samctl.decode.engine.kv_cache import ALIGN
+from samctl.decode.engine.kv_cache import ALIGN, aligned
 from samctl.decode.engine.target import TargetModel
 from samctl.decode.loop import GenerationConfig, generate
 from samctl.decode.methods import make_drafter
@@ -187,8 +187,14 @@ def test_generation_counts_allocations_not_addresses():
     g = rows.cache.generation
     rows.reserve(rows.capacity)  # fits: no allocation
     assert rows.cache.generation == g
-    rows.reserve(rows.capacity + 1)
+    before = rows.capacity
+    rows.reserve(before + 1)
     assert rows.cache.generation == g + 1 and rows.capacity % ALIGN == 0
+    # growth doubles, so requests of growing length recapture a GPU's graphs log2 times, not
+    # at every few dozen tokens (a recapture at a batch's many buckets takes seconds)
+    assert rows.capacity == aligned(min(2 * before, rows.max_positions)) > before + 1
+    rows.reserve(rows.max_positions + 10)  # past the model's context: what is asked, no more
+    assert rows.capacity == aligned(rows.max_positions + 10)
 
 
 def test_graph_cost_curve_is_a_step_function_and_cached_apart():
@@ -321,17 +327,19 @@ def test_batched_graph_verify_equals_eager_with_ragged_rows_refills_and_growth(b
     def outputs(graphed: bool):
         run = BatchRun(model, 3, cost_ms=1.0 + 0.02 * np.arange(1, 513), max_width=8, capacity=64)
         graphs = batch_graphs_on(run, StandIn(), 8) if graphed else None
+        prepared = graphs.captures if graphed else 0
         pool = DrafterPool(lambda: make_drafter("adaptive", vocab_size=96, device=torch.device("cpu"), config=EAGER))
         for i, p in enumerate(prompts):
             run.submit(i, p, config, pool)
         results = sorted(run.drain(), key=lambda r: r.index)
-        return [r.tokens for r in results], graphs, run
+        return [r.tokens for r in results], graphs, run, prepared
 
-    eager, _, _ = outputs(False)
-    graphed, graphs, run = outputs(True)
+    eager, _, _, _ = outputs(False)
+    graphed, graphs, run, prepared = outputs(True)
     assert graphed == eager
     assert graphs.replays == run.stats.steps and run.target.eager_fallbacks == 0
     assert graphs.prepares >= 2  # the cache grew past 64 entries: every graph captured again
+    assert 0 < run.stats.captures == graphs.captures - prepared  # the recaptures, counted in the steps
     assert max(run.stats.width_per_step) > 1  # trees were verified, not only single tokens
 
 

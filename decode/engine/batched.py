@@ -332,10 +332,12 @@ class BatchedTarget:
 
     @torch.inference_mode()
     def reserve(self, n: int) -> None:
-        """Room for n entries per row, keeping the valid ones (grows by half, so growth is rare)."""
+        """Room for n entries per row, keeping the valid ones. Growth doubles (up to the model's
+        context), so it is rare: on a GPU it recaptures every graph of the cache's storage, which
+        takes seconds at a batch's many buckets."""
         if n <= self.capacity:
             return
-        self.capacity = self.cache.capacity = aligned(max(n, self.capacity + self.capacity // 2))
+        self.capacity = self.cache.capacity = aligned(max(n, min(2 * self.capacity, self.max_positions)))
         old = self.cache.storage
         if old is not None:
             shape = list(old.shape)

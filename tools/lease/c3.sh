@@ -19,7 +19,7 @@ bench() {  # dtype, seconds, methods
     --questions $R/questions.jsonl --max-new-tokens $NEW --methods $3 --out $R/bench_$1
   sed -n '/^## /,$p' $R/bench_$1/summary.md; keep
 }
-bench bfloat16 210 ar,adaptive,pld,hf-pld,hf-greedy
-bench float32 120 ar,adaptive,pld,hf-greedy
+bench bfloat16 150 ar,adaptive,pld,hf-pld
+bench float32 80 ar,adaptive,pld
 timeout 100 python3 tools/lease/batch.py /tmp/gpu/smol-bfloat16 $R/batch.jsonl $DEV bfloat16 $((NEW / 2)) "$OUT/batch.json" $B
 keep
