@@ -132,3 +132,29 @@ def test_aggregate_is_spec_bench_speedup():
     summary = {"run": {"model": "m"}, "methods": ["ar", "x"], "table": aggregate(records, ["ar", "x"]),
                "mismatches": {"ar": 0, "x": 0}}
     assert "| x | 1.09x | 1.83x | — | 3.00 |" in markdown(summary)
+
+
+def numba_overloads() -> int:
+    """Compiled (or cache-loaded) signatures of every numba kernel samctl has imported."""
+    from numba.core.registry import CPUDispatcher
+
+    seen = {id(d): d for name, module in list(sys.modules.items()) if name.startswith("samctl")
+            for d in vars(module).values() if isinstance(d, CPUDispatcher)}
+    return sum(len(d.overloads) for d in seen.values())
+
+
+def test_bench_warm_up_compiles_what_the_timed_questions_run(bench_files, tmp_path):
+    # A kernel first compiled inside a question costs about a second in one timed step (the GPU
+    # lease saw `adaptive`'s memory of earlier requests compile so at the second question).
+    from samctl.commands.bench import _run_all, _runner, _warm_up
+    from samctl.config import SessionConfig
+    from samctl.session import Session
+
+    path, questions, _ = bench_files
+    session = Session(SessionConfig(model=str(path / "model"), method="ar", max_new_tokens=12, quiet=True))
+    runners = {name: _runner(name, session, {}) for name in ("ar", "adaptive", "pld")}
+    asked = read_questions(questions, None, None)
+    _warm_up(runners, session.engine, asked[0], chat=False)
+    before = numba_overloads()
+    _run_all(runners, session.engine, asked, session.config, 1, tmp_path / "records.jsonl")
+    assert numba_overloads() == before

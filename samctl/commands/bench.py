@@ -326,10 +326,15 @@ def _runner(method: str, session: Session, models: dict[str, str | None]) -> Run
 
 def _warm_up(runners: dict[str, Runner], engine: Engine, question: Question, chat: bool) -> None:
     # First calls pay for JIT loading, allocator growth and lazy imports; keep them out of the numbers.
+    # samctl's methods warm as their sessions do (a throwaway drafter, twice: the second run takes
+    # the paths of a drafter that remembers, which the first question after it would otherwise
+    # compile: about a second inside a timed step), so the drafters measured start untaught.
     prompt = engine.encode_conversation([{"role": "user", "content": question.turns[0]}], chat)
     for runner in runners.values():
-        _remember(runner, False)
-        runner.run(prompt, WARMUP_TOKENS)
+        if isinstance(runner, EngineRunner):
+            runner.session.warm_up(prompt)
+        else:
+            runner.run(prompt, WARMUP_TOKENS)
 
 
 def _remember(runner: Runner, flag: bool) -> None:
