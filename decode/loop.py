@@ -583,27 +583,17 @@ def stream_batch(
     records = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
     if batch_size < 1 or max_width < 0:
         raise UserError(f"batch size must be >= 1 (got {batch_size}) and the draft width >= 0 (got {max_width})")
-    max_positions = BatchedTarget(model, 1, 2).max_positions  # cheap: the cache allocates lazily
-    valid = []
-    for i, prompt in enumerate(records):
-        error = prompt_error(prompt, max_positions)
-        if error:
-            stats.records += 1
-            yield BatchResult(i, [], "error", Metrics(), error)
-        else:
-            valid.append(i)
-    if valid:
+    if records:
+        max_positions = BatchedTarget(model, 1, 2).max_positions  # cheap: the cache allocates lazily
+        longest = min(max(len(r) for r in records) + config.max_new_tokens, max_positions)
+        run = BatchRun(model, min(batch_size, len(records)), cost_ms=cost_ms, max_width=max_width,
+                       max_prefill_tokens=max_prefill_tokens, capacity=longest + max_width + 2, stats=stats,
+                       graphs=graphs)
         pool = DrafterPool(make_drafter)
         pool.idle.append(make_drafter())
-        capacity = max(len(records[i]) for i in valid) + config.max_new_tokens + max_width + 2
-        run = BatchRun(model, min(batch_size, len(valid)), cost_ms=cost_ms, max_width=max_width,
-                       max_prefill_tokens=max_prefill_tokens, capacity=capacity, stats=stats, graphs=graphs)
         _check_drafter(pool.idle[0], run.target)
-        generator = _make_generator(config.sampling, run.target.device)  # one stream of draws for the batch
-        for i in valid:
-            run.submit(i, records[i], config, pool, generator=generator,
-                       prediction=None if predictions is None else predictions[i])
-        yield from run.drain()
+        items = ((i, r, None if predictions is None else predictions[i]) for i, r in enumerate(records))
+        yield from feed(run, items, config, pool, ahead=len(records))
     stats.time_s = time.perf_counter() - start
 
 
@@ -628,6 +618,7 @@ def feed(run: BatchRun, items: Iterable[tuple[Any, Sequence[int], Sequence[int] 
             try:
                 run.submit(key, ids, config, pool, generator=generator, prediction=prediction)
             except UserError as err:
+                run.stats.records += 1
                 yield BatchResult(key, [], "error", Metrics(), str(err))
         if spent and run.idle:
             return

@@ -170,18 +170,25 @@ import json, sys
 from numba.core.dispatcher import Dispatcher
 import samctl.decode.loop as batch
 from samctl.session import Session, SessionConfig
-events = []
-original, feed = Dispatcher._compile_for_args, batch.feed
+events, warming = [], []
+original, feed, warm_up = Dispatcher._compile_for_args, batch.feed, Session.warm_up_batched
 def compiling(self, *args, **kwargs):
     events.append(self.py_func.__name__)
     return original(self, *args, **kwargs)
 def fed(run, items, *args, **kwargs):
     def marked():
         for item in items:
-            events.append("RECORD")
+            if not warming:  # the warm-up's own batch goes through feed too
+                events.append("RECORD")
             yield item
     return feed(run, marked(), *args, **kwargs)
-Dispatcher._compile_for_args, batch.feed = compiling, fed
+def warm(self, *args, **kwargs):
+    warming.append(True)
+    try:
+        return warm_up(self, *args, **kwargs)
+    finally:
+        warming.pop()
+Dispatcher._compile_for_args, batch.feed, Session.warm_up_batched = compiling, fed, warm
 session = Session(SessionConfig(model=sys.argv[1], method="adaptive", max_new_tokens=10, quiet=True))
 results = session.generate_batch(["", "def f(x):\\n    return x + 1\\n", "hello"], batch_size=2)
 print(json.dumps({"events": events, "errors": [bool(r.error) for r in results],
