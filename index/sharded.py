@@ -49,7 +49,7 @@ import numpy as np
 from numba import njit
 
 from samctl.index.automaton import COUNT, E_DST, E_NEXT, E_TOK, EDGE_DST, EDGE_TOK, HEAD, SuffixAutomaton, sam_step
-from samctl.index.datastore import CorpusStats, Datastore, StoreMeta, load_single, parse_meta, save_datastore
+from samctl.index.datastore import CorpusStats, StoreMeta, load_single, parse_meta, save_datastore
 from samctl.index.kinds import KINDS, BuildOptions
 from samctl.index.lookup import Lookup
 from samctl.index.errors import ConfigError, UserError
