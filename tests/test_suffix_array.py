@@ -398,3 +398,52 @@ def test_build_info_query_and_a_damaged_shard_on_the_command_line(tmp_path):
         proc = _samctl(*args)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert "shard-00001.sa" in proc.stderr and "damaged" in proc.stderr, proc.stderr
+
+
+def test_damaged_missing_or_foreign_sa_shards_are_refused_in_one_line(tmp_path):
+    from samctl.index.sharded import MANIFEST
+
+    tokens, offsets = corpus(4, n_docs=6)
+    path = tmp_path / "s.samd"
+    build_sharded(path, tokens, offsets, 2)
+    other = tmp_path / "other.sa"
+    build_suffix_array(other, tokens[:offsets[3]], offsets[:4], meta(tokens[:offsets[3]], offsets[:4], 5),
+                       memory_limit=64 << 20)
+
+    def damaged(name: str):
+        target = tmp_path / name
+        shutil.copytree(path, target)
+        return target
+
+    truncated = damaged("truncated.samd")
+    with open(truncated / "shard-00001.sa" / "table.0", "r+b") as f:
+        f.truncate(os.path.getsize(truncated / "shard-00001.sa" / "table.0") - 1)
+    missing = damaged("missing.samd")
+    shutil.rmtree(missing / "shard-00000.sa")
+    foreign = damaged("foreign.samd")
+    shutil.rmtree(foreign / "shard-00000.sa")
+    shutil.copytree(other, foreign / "shard-00000.sa")
+    renamed = damaged("renamed.samd")
+    manifest = json.loads((renamed / MANIFEST).read_text())
+    manifest["shards"][0]["file"] = "shard-00000.sam"
+    (renamed / MANIFEST).write_text(json.dumps(manifest))
+    for store, message in ((truncated, "shard-00001.sa has"), (missing, "lacks shard shard-00000.sa"),
+                           (foreign, "shard-00000.sa (has|holds)"), (renamed, "shard file name")):
+        with pytest.raises(StoreError, match=message) as err:
+            load_datastore(store)
+        assert "\n" not in str(err.value)
+    flipped = damaged("flipped.samd")
+    data = flipped / "shard-00001.sa" / "tokenized.0"
+    data.write_bytes(bytes([data.read_bytes()[0] ^ 1]) + data.read_bytes()[1:])
+    load_datastore(flipped)  # sizes agree: only the checksum tells
+    with pytest.raises(StoreError, match="shard-00001.sa/tokenized.0 does not match its checksum"):
+        load_datastore(flipped, verify=True)
+
+
+def test_shards_sorted_at_once_share_the_memory_limit():
+    from samctl.commands.build import _shared_memory
+
+    assert _shared_memory(1 << 30, 4) == (4, 256 << 20)
+    assert _shared_memory(256 << 20, 8) == (4, 64 << 20)  # each sort keeps the indexer's minimum
+    with pytest.raises(Exception, match="at least 64 MiB"):
+        _shared_memory(1 << 20, 2)
