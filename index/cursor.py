@@ -2,9 +2,8 @@
 
 A cursor follows a growing text (the prompt, then each step's committed tokens) over a structure
 that does not change meanwhile: a suffix automaton, a suffix array, a sharded store of either, an
-n-gram table. The drafters
-(sam, adaptive, rest) ask it, for the pending token t0, how long the match would be and what
-continues it, without moving it. Every cursor answers the same calls:
+n-gram table. The drafters (sam, adaptive, rest) ask it, for the pending token t0, how long the
+match would be and what continues it, without moving it. Every cursor answers the same calls:
 
     reset(context)            start: match the longest suffix of context ([k] int tokens)
     advance(tokens)           follow the committed tokens ([k] int)
