@@ -516,17 +516,12 @@ class StoreDirectoryWriter:
                 old.unlink()
 
 
-def save_shard(path: str | os.PathLike, automaton: SuffixAutomaton, meta: StoreMeta) -> dict[str, Any]:
-    """Write one shard's automaton to path; returns its manifest entry. `meta` is the whole
-    store's: the shard's header keeps its tokenizer and build config, with its own corpus counts."""
-    save_datastore(path, automaton, _shard_meta(path, meta, automaton.num_documents, automaton.num_tokens))
-    return shard_entry(path, automaton.num_documents, automaton.num_tokens)
-
-
 def build_shard(path: str | os.PathLike, tokens: np.ndarray, doc_offsets: np.ndarray, meta: StoreMeta,
                 memory_limit: int | None = None) -> tuple[dict[str, Any], dict[str, int]]:
     """Build one shard of meta's kind over documents tokens[doc_offsets[i]:doc_offsets[i+1]] and
     write it to path (a file, or a directory kind's directory): its manifest entry and counts.
+    `meta` is the whole store's: the shard keeps its tokenizer and build config, with its own
+    corpus counts.
 
     tokens: [n] int32; doc_offsets: [d+1] int64 from 0; memory_limit: bytes a suffix sort may hold."""
     kind = KINDS[meta.build.kind]
