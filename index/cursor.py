@@ -1,9 +1,9 @@
 """One pointer per index structure: where the text so far matches a store, and what follows.
 
 A cursor follows a growing text (the prompt, then each step's committed tokens) over a structure
-that does not change meanwhile: a suffix automaton, a sharded store, an n-gram table. The drafters
-(sam, adaptive, rest) ask it, for the pending token t0, how long the match would be and what
-continues it, without moving it. Every cursor answers the same calls:
+that does not change meanwhile: a suffix automaton, a suffix array, a sharded store of either, an
+n-gram table. The drafters (sam, adaptive, rest) ask it, for the pending token t0, how long the
+match would be and what continues it, without moving it. Every cursor answers the same calls:
 
     reset(context)            start: match the longest suffix of context ([k] int tokens)
     advance(tokens)           follow the committed tokens ([k] int)
@@ -24,10 +24,9 @@ and, for the compiled drafting kernels, the flat arrays and state to start from:
         at(handle) -> (states, edges, slots, state)           a peeked match
     n-gram table (NgramCursor):
         arrays, context(t0)   the table's NgramArrays and the text ending at t0 ([<= max_n] int32)
-    suffix array (SuffixArrayCursor):
-        arrays, before(t0)    the SuffixArray's kernel arrays, and its match of the text before t0
-                              (lo, hi, length) with the text's last keys ([<= MAX_MATCH + 1] int64,
-                              t0's last)
+    suffix arrays (SuffixArrayCursor, ShardedSuffixArrayCursor):
+        at(handle) -> (data, table, w, p, first, vocab, lo, hi, length)
+                              a peeked match: its suffix array's kernel arrays and range
 
 The moves are one compiled call each (the same kernels as before cursors existed); each cursor is
 a few attributes, so a step costs no Python per token. Structures that grow while a cursor reads
@@ -39,7 +38,7 @@ import numpy as np
 
 from samctl.index.automaton import SuffixAutomaton, sam_frequent_tree, sam_span_state
 from samctl.index.ngram import NgramArrays, NgramTable
-from samctl.index.sharded import ShardedAutomaton
+from samctl.index.sharded import ShardedAutomaton, ShardedSuffixArray
 from samctl.index.suffix_array import MAX_MATCH, SuffixArray, sa_find, sa_step, sa_tree, sa_walk, token_key
 
 
@@ -183,6 +182,7 @@ class SuffixArrayCursor:
         self._peeked = None
 
     def before(self, t0: int) -> tuple[int, int, int, np.ndarray]:
+        # the match of the text before t0, and the text's last keys ([<= MAX_MATCH + 1] int64, t0's last)
         n = len(self.keys)
         text = self._buffer[:n + 1]
         text[:n] = self.keys
@@ -198,6 +198,9 @@ class SuffixArrayCursor:
     def draft(self, handle: tuple[int, int, int, np.ndarray], n: int) -> np.ndarray:
         return self.sa.continuation(*handle[:3], n)
 
+    def at(self, handle: tuple[int, int, int, np.ndarray]) -> tuple:
+        return (*self.arrays, *handle[:3])
+
     def tree(self, handle: tuple[int, int, int, np.ndarray], length: int, span: int, num_nodes: int,
              max_depth: int) -> tuple[np.ndarray, np.ndarray]:
         lo, hi, length, text = handle
@@ -207,10 +210,48 @@ class SuffixArrayCursor:
         return sa_tree(*self.arrays, lo, hi, length, num_nodes, max_depth)
 
 
-Structure = SuffixAutomaton | ShardedAutomaton | NgramTable | SuffixArray
-Cursor = AutomatonCursor | ShardedCursor | NgramCursor | SuffixArrayCursor
+class ShardedSuffixArrayCursor:
+    """One suffix-array cursor per shard; a peek answers from the shard with the longest match, the
+    lowest on ties (the earliest occurrence, as one suffix array over all shards gives). A handle
+    is (shard, that shard's handle). One kernel call per shard and move: suffix arrays have no
+    tuple-of-shards kernel as automata do (ShardedCursor)."""
+
+    max_match = None
+
+    def __init__(self, sharded: ShardedSuffixArray) -> None:
+        self.cursors = [SuffixArrayCursor(shard) for shard in sharded.shards]
+
+    def reset(self, context: np.ndarray) -> None:
+        for c in self.cursors:
+            c.reset(context)
+
+    def advance(self, tokens: np.ndarray) -> None:
+        for c in self.cursors:
+            c.advance(tokens)  # each reuses its own last peek's step over tokens[0]
+
+    def peek(self, t0: int) -> tuple[int, tuple[int, tuple]]:
+        best_length, best = -1, (0, None)
+        for i, c in enumerate(self.cursors):
+            length, handle = c.peek(t0)
+            if length > best_length:
+                best_length, best = length, (i, handle)
+        return best_length, best
+
+    def draft(self, handle: tuple[int, tuple], n: int) -> np.ndarray:
+        return self.cursors[handle[0]].draft(handle[1], n)
+
+    def at(self, handle: tuple[int, tuple]) -> tuple:
+        return self.cursors[handle[0]].at(handle[1])
+
+    def tree(self, handle: tuple[int, tuple], length: int, span: int, num_nodes: int,
+             max_depth: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.cursors[handle[0]].tree(handle[1], length, span, num_nodes, max_depth)
+
+
+Structure = SuffixAutomaton | ShardedAutomaton | NgramTable | SuffixArray | ShardedSuffixArray
+Cursor = AutomatonCursor | ShardedCursor | NgramCursor | SuffixArrayCursor | ShardedSuffixArrayCursor
 _CURSORS = {SuffixAutomaton: AutomatonCursor, ShardedAutomaton: ShardedCursor, NgramTable: NgramCursor,
-            SuffixArray: SuffixArrayCursor}
+            SuffixArray: SuffixArrayCursor, ShardedSuffixArray: ShardedSuffixArrayCursor}
 
 
 def cursor(structure: Structure) -> Cursor:

@@ -19,11 +19,13 @@ and an entry says how a store of the kind is built, written and read:
     file_counts(arrays) -> {name: int}   `counts` from a file's array shapes, without loading it
     load(path, verify, occurrence) -> store                      directory kinds
     grows: `--append-to` works (an automaton grows in place; a directory kind is rebuilt over
-           `structure.documents()` and the new documents); shards: `--shards` works
+           `structure.documents()` and the new documents)
+    sharded(structures, occurrence) -> structure   `--shards` works: the shards' structures
+           (whole-document runs in corpus order) queried as one (index/sharded.py)
 
 The structures' modules (and numba with them) are imported inside the entries' functions, so
 that reading this table (`build --help`, `info`) stays light. Sharded stores (index/sharded.py)
-are a layout of kind `sam`, not a kind.
+are a layout of a kind with `sharded`, not a kind.
 """
 from __future__ import annotations
 
@@ -60,11 +62,15 @@ class StoreKind:
     file_counts: Callable[[dict[str, np.ndarray]], dict[str, int]] | None = None
     load: Callable[..., Any] | None = None  # directory kinds
     grows: bool = False
-    shards: bool = False
+    sharded: Callable[[list[Any], str], Any] | None = None
 
     @property
     def directory(self) -> bool:
         return self.load is not None
+
+    @property
+    def shards(self) -> bool:
+        return self.sharded is not None
 
 
 def _heartbeat(options: BuildOptions, read: Callable[[], int] | None = None):
@@ -97,6 +103,12 @@ def _sam_from_arrays(arrays, meta, occurrence, check):
     # time); without it a corrupt link can still only misdirect a match, since link walks are
     # capped, and the model verifies every draft anyway.
     return SuffixAutomaton.from_arrays(arrays, occurrence=occurrence, check_links=check)
+
+
+def _sam_sharded(automata, occurrence):
+    from samctl.index.sharded import ShardedAutomaton
+
+    return ShardedAutomaton(automata, occurrence=occurrence)
 
 
 def _sam_columns(arrays):
@@ -150,12 +162,18 @@ def _sa_load(path, verify=False, occurrence="first"):
     return load_suffix_array(path, verify=verify)
 
 
+def _sa_sharded(arrays, occurrence):
+    from samctl.index.sharded import ShardedSuffixArray
+
+    return ShardedSuffixArray(arrays)  # continuations come from the earliest occurrence only
+
+
 KINDS: dict[str, StoreKind] = {kind.name: kind for kind in (
     StoreKind("sam", "suffix automaton", "exact matches of any length, the largest on disk",
               build=_sam_build, lookup=_sam_lookup,
               counts=lambda sam: {"states": sam.num_states, "edges": sam.num_edges}, count_names=("states", "edges"),
               from_arrays=_sam_from_arrays, token_columns=_sam_columns, file_counts=_sam_file_counts,
-              grows=True, shards=True),
+              grows=True, sharded=_sam_sharded),
     StoreKind("ngram", "n-gram table", "contexts of up to --max-n tokens, the smallest",
               build=_ngram_build, lookup=_ngram_lookup,
               counts=lambda t: {"contexts": t.num_contexts, "entries": t.num_entries},
@@ -166,5 +184,5 @@ KINDS: dict[str, StoreKind] = {kind.name: kind for kind in (
                                     "built by infini-gram's indexer (pip install 'samctl[sa]')",
               build=_sa_build, lookup=lambda sa, context, n, k: sa.lookup(context, n, k),
               counts=lambda sa: {"suffixes": sa.num_tokens + sa.num_documents}, count_names=("suffixes",),
-              load=_sa_load, grows=True),
+              load=_sa_load, grows=True, sharded=_sa_sharded),
 )}

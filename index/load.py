@@ -16,11 +16,13 @@ def load_datastore(path: str | os.PathLike, verify: bool = False, occurrence: st
     """Read and validate a store; raises UserError (StoreError for the file) on any problem.
 
     `occurrence` picks which occurrence a suffix automaton's continuations come from. A directory
-    is a sharded store (index/sharded.py), returned as a ShardedDatastore with the same queries.
+    with a shard list is a sharded store (index/sharded.py), returned as a ShardedDatastore with the
+    same queries.
     """
     if os.path.isdir(path):
-        kind = KINDS.get(_declared_kind(path))
-        if kind is not None and kind.directory:
+        manifest = _manifest(path)
+        kind = KINDS.get(str(manifest.get("kind")))
+        if kind is not None and kind.directory and "shards" not in manifest:
             return kind.load(path, verify=verify, occurrence=occurrence)
         from samctl.index.sharded import load_sharded  # numba loads with a store, not for `build --help`
 
@@ -28,12 +30,12 @@ def load_datastore(path: str | os.PathLike, verify: bool = False, occurrence: st
     return load_single(path, verify=verify, occurrence=occurrence)
 
 
-def _declared_kind(path: str | os.PathLike) -> object:
-    # The manifest's `kind`, untrusted: the kind's own loader checks the rest (None: unreadable;
-    # the sharded loader then says what is wrong).
+def _manifest(path: str | os.PathLike) -> dict:
+    # The manifest, untrusted: the kind's own loader checks it (empty when unreadable; the sharded
+    # loader then says what is wrong).
     try:
         with open(os.path.join(path, "manifest.json"), "rb") as handle:
             manifest = json.loads(handle.read(1 << 20).decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return manifest.get("kind") if isinstance(manifest, dict) else None
+        return {}
+    return manifest if isinstance(manifest, dict) else {}

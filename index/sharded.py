@@ -1,11 +1,14 @@
-"""Sharded stores: a directory of suffix-automaton shards plus a manifest, queried as one store.
+"""Sharded stores: a directory of shards of one kind plus a manifest, queried as one store.
 
 Layout of a store directory (conventionally named `*.samd`):
 
-    manifest.json     {"format": "samctl-sharded-store", "format_version": 1, "kind": "sam",
+    manifest.json     {"format": "samctl-sharded-store", "format_version": 1, "kind": "sam" | "sa",
                        "created_by", "tokenizer", "build", "corpus"  (as in a .sam header),
                        "shards": [{"file", "documents", "tokens", "bytes", "crc32"}, ...]}
-    shard-00000.sam   one `.sam` store per shard (index/store.py), same tokenizer and build config
+    shard-00000.sam   one `.sam` store file per shard (index/store.py), same tokenizer and build
+                      config; or shard-00000.sa, one suffix-array store directory per shard
+                      (index/suffix_array.py). A directory shard's bytes are its files' sum, its
+                      crc32 its manifest's (which holds its files' crc32s).
 
 Shards hold contiguous runs of whole documents in corpus order (`plan_shards`: a document is
 never split). Since no match crosses a document, for any text:
@@ -14,11 +17,11 @@ never split). Since no match crosses a document, for any text:
     its first occurrence lies in the lowest such shard, its latest in the highest;
     the counts of its next tokens add up over those shards in the same way.
 So `ShardedDatastore.lookup` answers exactly what one store over the same corpus answers. The
-drafters follow one pointer per shard (`ShardedAutomaton.walk`, one kernel call for all shards,
-reusing the steps of the last `peek` over the same token) and draft from the shard holding the
-longest match (`peek`): for `sam` and its continuation this
-is again exactly the single store's draft; tree drafters (`rest`, `adaptive`) rank next tokens by
-that shard's counts only.
+drafters follow one pointer per shard (automata: `ShardedAutomaton.walk`, one kernel call for all
+shards, reusing the steps of the last `peek` over the same token; suffix arrays: one cursor per
+shard, index/cursor.py) and draft from the shard holding the longest match (`peek`): for `sam`
+and its continuation this is again exactly the single store's draft; tree drafters (`rest`,
+`adaptive`) rank next tokens by that shard's counts only.
 
 The manifest is untrusted input, like a store header: a missing or malformed manifest, a shard
 file missing, resized, from another tokenizer or holding other counts than the manifest says,
@@ -27,7 +30,7 @@ as blob checksums are in index/store.py. Writing (`StoreDirectoryWriter`) fills 
 directory beside the target, fsyncs it and renames it into place: the directory appears
 complete or not at all.
 
-This module knows store files and automata, not tokenizers, text, processes or Ray.
+This module knows store files, automata and suffix arrays, not tokenizers, text, processes or Ray.
 """
 from __future__ import annotations
 
@@ -46,10 +49,12 @@ import numpy as np
 from numba import njit
 
 from samctl.index.automaton import COUNT, E_DST, E_NEXT, E_TOK, EDGE_DST, EDGE_TOK, HEAD, SuffixAutomaton, sam_step
-from samctl.index.datastore import CorpusStats, Datastore, StoreMeta, load_single, parse_meta, save_datastore
+from samctl.index.datastore import CorpusStats, StoreMeta, load_single, parse_meta, save_datastore
+from samctl.index.kinds import KINDS, BuildOptions
 from samctl.index.lookup import Lookup
 from samctl.index.errors import ConfigError, UserError
 from samctl.index.store import StoreError, _fsync_directory, _umask, read_manifest
+from samctl.index.suffix_array import SAMPLES, SuffixArray
 
 MANIFEST = "manifest.json"
 FORMAT = "samctl-sharded-store"
@@ -59,8 +64,8 @@ _REBUILD = "rebuild it with `samctl build --shards N`"
 _SHARD_KEYS = {"file": str, "documents": int, "tokens": int, "bytes": int, "crc32": int}
 
 
-def shard_name(index: int) -> str:
-    return f"shard-{index:05d}.sam"
+def shard_name(index: int, kind: str = "sam") -> str:
+    return f"shard-{index:05d}.{kind}"
 
 
 def plan_shards(doc_offsets: np.ndarray, n: int) -> np.ndarray:
@@ -223,19 +228,9 @@ class ShardedAutomaton:
         """What `Datastore.lookup` answers for one store over all the shards' documents."""
         states, lengths = self.match(np.asarray(context, dtype=np.int32))
         shard, state, length = self.best(states, lengths)
-        holders = np.flatnonzero(lengths == length)
-        count = sum(self.shards[i].count(int(states[i])) for i in holders) if length else 0
-        tokens, counts = [], []
-        for i in holders:
-            tok, cnt = children(self.states[i], self.edges[i], int(states[i]))
-            tokens.append(tok)
-            counts.append(cnt)
-        ids, inverse = np.unique(np.concatenate(tokens), return_inverse=True)
-        totals = np.zeros(len(ids), dtype=np.int64)
-        np.add.at(totals, inverse, np.concatenate(counts))
-        order = np.lexsort((ids, -totals))[:k]  # count descending, then token ascending
-        return Lookup(int(length), int(count), np.array(self.continuation(shard, state, n)),
-                      ids[order].astype(np.int32), totals[order].astype(np.int32))
+        holders = [(self.shards[i].count(int(states[i])), *children(self.states[i], self.edges[i], int(states[i])))
+                   for i in np.flatnonzero(lengths == length)]
+        return merged_lookup(length, holders, self.continuation(shard, state, n), k)
 
     @property
     def num_tokens(self) -> int:
@@ -254,6 +249,49 @@ class ShardedAutomaton:
         return sum(s.num_documents for s in self.shards)
 
 
+class ShardedSuffixArray:
+    """Suffix arrays over disjoint document runs; drafters follow one cursor per shard
+    (index/cursor.py's ShardedSuffixArrayCursor)."""
+
+    def __init__(self, shards: list[SuffixArray]) -> None:
+        if not shards:
+            raise UserError("a sharded store needs at least one shard")
+        self.shards = list(shards)
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def lookup(self, context: np.ndarray, n: int, k: int) -> Lookup:
+        """What one suffix array over all the shards' documents answers (the continuation from the
+        earliest occurrence: the lowest shard holding the longest match)."""
+        found = [shard.lookup(context, n, SAMPLES) for shard in self.shards]  # every next token it samples
+        length = max(f.match_length for f in found)
+        holders = [f for f in found if f.match_length == length]
+        return merged_lookup(length, [(f.count, f.next_tokens, f.next_counts) for f in holders],
+                             holders[0].continuation, k)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.shards)
+
+    @property
+    def num_documents(self) -> int:
+        return sum(s.num_documents for s in self.shards)
+
+
+def merged_lookup(length: int, holders: list[tuple[int, np.ndarray, np.ndarray]], continuation: np.ndarray,
+                  k: int) -> Lookup:
+    """One store's answer from its shards': `length` is the longest match of any shard; holders
+    are (count, next tokens [m] int32, their counts [m] int) of each shard whose match is that long."""
+    count = sum(c for c, _, _ in holders) if length else 0
+    ids, inverse = np.unique(np.concatenate([t for _, t, _ in holders]), return_inverse=True)
+    totals = np.zeros(len(ids), dtype=np.int64)
+    np.add.at(totals, inverse, np.concatenate([c for _, _, c in holders]).astype(np.int64))
+    order = np.lexsort((ids, -totals))[:k]  # count descending, then token ascending
+    return Lookup(int(length), int(count), np.array(continuation), ids[order].astype(np.int32),
+                  totals[order].astype(np.int32))
+
+
 # ---------------------------------------------------------------------------------------------
 # the store directory
 
@@ -264,9 +302,9 @@ class ShardedDatastore:
 
     path: str
     kind: str
-    structure: ShardedAutomaton
+    structure: ShardedAutomaton | ShardedSuffixArray
     meta: StoreMeta
-    shards: tuple[Datastore, ...]
+    shards: tuple[Any, ...]  # each shard's loaded store: a Datastore, or a directory kind's
     manifest: dict[str, Any]
 
     @property
@@ -279,13 +317,13 @@ class ShardedDatastore:
             os.path.join(self.path, MANIFEST))
 
     @property
-    def sam(self) -> ShardedAutomaton:
+    def sam(self) -> ShardedAutomaton | ShardedSuffixArray:
         return self.structure
 
     def verify(self) -> None:
-        """Check every shard file's crc32 against the manifest and every blob's checksum."""
+        """Check every shard's crc32 against the manifest and every blob's or file's checksum."""
         for entry, shard in zip(self.manifest["shards"], self.shards):
-            if _file_crc32(shard.path) != entry["crc32"]:
+            if _shard_crc32(shard.path) != entry["crc32"]:
                 raise StoreError(f"{shard.path} does not match its checksum in {MANIFEST}: the shard is damaged, "
                                  f"{_REBUILD}")
             shard.verify()
@@ -299,35 +337,43 @@ def load_sharded(path: str | os.PathLike, verify: bool = False, occurrence: str 
     name = str(path)
     manifest = _read_manifest(name)
     meta = parse_meta(manifest, os.path.join(name, MANIFEST))
-    if meta.build.kind != "sam":
-        raise StoreError(f"{name}/{MANIFEST} declares kind {meta.build.kind!r}: sharded stores hold suffix "
-                         f"automata, {_REBUILD}")
+    kind = meta.build.kind
+    if not KINDS[kind].shards:
+        raise StoreError(f"{name}/{MANIFEST} declares kind {kind!r}: sharded stores hold suffix automata or "
+                         f"suffix arrays, {_REBUILD}")
     shards = []
-    for i, entry in enumerate(manifest["shards"]):
+    for entry in manifest["shards"]:
         file = os.path.join(name, entry["file"])
-        try:
-            size = os.path.getsize(file)
-        except OSError as err:
-            raise StoreError(f"{name} lacks shard {entry['file']} listed in {MANIFEST}: {_REBUILD}") from err
+        size = _shard_bytes(file)
+        if size < 0:
+            raise StoreError(f"{name} lacks shard {entry['file']} listed in {MANIFEST}: {_REBUILD}")
         if size != entry["bytes"]:
             raise StoreError(f"{file} has {size} bytes, {MANIFEST} says {entry['bytes']}: the shard is damaged "
                              f"or replaced, {_REBUILD}")
-        shard = load_single(file, verify=verify, occurrence=occurrence)
-        if shard.kind != "sam" or shard.meta.tokenizer_fingerprint != meta.tokenizer_fingerprint:
-            raise StoreError(f"{file} is not a suffix automaton of the tokenizer {MANIFEST} names "
-                             f"({meta.tokenizer_fingerprint}): {_REBUILD}")
-        if shard.sam.num_tokens != entry["tokens"] or shard.meta.corpus.tokens != entry["tokens"]:
-            raise StoreError(f"{file} holds {shard.sam.num_tokens} tokens, {MANIFEST} says {entry['tokens']}: "
-                             f"{_REBUILD}")
-        shards.append(shard)
+        shards.append(_load_shard(file, entry, meta, verify, occurrence))
     if sum(e["tokens"] for e in manifest["shards"]) != meta.corpus.tokens:
         raise StoreError(f"{name}/{MANIFEST}: the shards' token counts do not add up to the corpus's "
                          f"{meta.corpus.tokens}: {_REBUILD}")
-    store = ShardedDatastore(path=name, kind="sam", meta=meta, manifest=manifest, shards=tuple(shards),
-                             structure=ShardedAutomaton([s.sam for s in shards], occurrence=occurrence))
+    store = ShardedDatastore(path=name, kind=kind, meta=meta, manifest=manifest, shards=tuple(shards),
+                             structure=KINDS[kind].sharded([s.structure for s in shards], occurrence))
     if verify:
         store.verify()
     return store
+
+
+def _load_shard(file: str, entry: dict[str, Any], meta: StoreMeta, verify: bool, occurrence: str = "first"):
+    """One shard as the manifest lists it, of the store's kind and tokenizer; a StoreError names the file."""
+    kind = KINDS[meta.build.kind]
+    if os.path.isdir(file) != kind.directory:
+        raise StoreError(f"{file} is not a {kind.label} store: {_REBUILD}")
+    shard = kind.load(file, verify=verify) if kind.directory else load_single(file, verify=verify, occurrence=occurrence)
+    if shard.kind != kind.name or shard.meta.tokenizer_fingerprint != meta.tokenizer_fingerprint:
+        raise StoreError(f"{file} is not a {kind.label} of the tokenizer {MANIFEST} names "
+                         f"({meta.tokenizer_fingerprint}): {_REBUILD}")
+    tokens = shard.structure.num_tokens
+    if tokens != entry["tokens"] or shard.meta.corpus.tokens != entry["tokens"]:
+        raise StoreError(f"{file} holds {tokens} tokens, {MANIFEST} says {entry['tokens']}: {_REBUILD}")
+    return shard
 
 
 def verify_sharded(path: str | os.PathLike) -> dict[str, Any]:
@@ -336,16 +382,12 @@ def verify_sharded(path: str | os.PathLike) -> dict[str, Any]:
     checks, plus every file's crc32 and every blob's checksum. Returns the manifest."""
     name = str(path)
     manifest = _read_manifest(name)
-    parse_meta(manifest, os.path.join(name, MANIFEST))
+    meta = parse_meta(manifest, os.path.join(name, MANIFEST))
     for entry in manifest["shards"]:
         file = os.path.join(name, entry["file"])
-        if not os.path.isfile(file) or os.path.getsize(file) != entry["bytes"] or _file_crc32(file) != entry["crc32"]:
+        if _shard_bytes(file) != entry["bytes"] or _shard_crc32(file) != entry["crc32"]:
             raise StoreError(f"{file} is missing or does not match {MANIFEST}: {_REBUILD}")
-        shard = load_single(file, verify=True)
-        if shard.sam.num_tokens != entry["tokens"]:
-            raise StoreError(f"{file} holds {shard.sam.num_tokens} tokens, {MANIFEST} says {entry['tokens']}: "
-                             f"{_REBUILD}")
-        del shard
+        _load_shard(file, entry, meta, verify=True)  # released before the next is read
     return manifest
 
 
@@ -372,7 +414,7 @@ def _read_manifest(name: str) -> dict[str, Any]:
         file_name = entry["file"]
         # the file name is untrusted: a plain name inside the directory, never a path
         if file_name in seen or os.path.basename(file_name) != file_name or file_name in ("", ".", "..") \
-                or not file_name.endswith(".sam"):
+                or not file_name.endswith(f".{manifest.get('kind')}"):
             raise bad(f"shard file name {file_name!r}")
         seen.add(file_name)
     return manifest
@@ -386,10 +428,25 @@ def _file_crc32(path: str) -> int:
     return crc
 
 
+def _shard_bytes(path: str) -> int:
+    """A shard file's size, or a shard directory's files' sum; -1 when it is missing."""
+    try:
+        if os.path.isdir(path):
+            return sum(e.stat().st_size for e in os.scandir(path) if e.is_file(follow_symlinks=False))
+        return os.path.getsize(path)
+    except OSError:
+        return -1
+
+
+def _shard_crc32(path: str) -> int:
+    # a directory shard's manifest holds the crc32 of each of its files
+    return _file_crc32(os.path.join(path, MANIFEST) if os.path.isdir(path) else path)
+
+
 def shard_entry(path: str | os.PathLike, documents: int, tokens: int) -> dict[str, Any]:
-    """The manifest entry of a written shard file."""
+    """The manifest entry of a written shard."""
     return {"file": os.path.basename(path), "documents": int(documents), "tokens": int(tokens),
-            "bytes": os.path.getsize(path), "crc32": _file_crc32(str(path))}
+            "bytes": _shard_bytes(str(path)), "crc32": _shard_crc32(str(path))}
 
 
 class StoreDirectoryWriter:
@@ -418,8 +475,8 @@ class StoreDirectoryWriter:
         if not self.committed:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def shard_path(self, index: int) -> Path:
-        return self.tmp / shard_name(index)
+    def shard_path(self, index: int, kind: str = "sam") -> Path:
+        return self.tmp / shard_name(index, kind)
 
     def commit(self, meta: StoreMeta, entries: list[dict[str, Any]]) -> None:
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **meta.to_header(), "shards": entries}
@@ -459,10 +516,24 @@ class StoreDirectoryWriter:
                 old.unlink()
 
 
-def save_shard(path: str | os.PathLike, automaton: SuffixAutomaton, meta: StoreMeta) -> dict[str, Any]:
-    """Write one shard's automaton to path; returns its manifest entry. `meta` is the whole
-    store's: the shard's header keeps its tokenizer and build config, with its own corpus counts."""
-    corpus = CorpusStats(documents=automaton.num_documents, tokens=automaton.num_tokens,
+def build_shard(path: str | os.PathLike, tokens: np.ndarray, doc_offsets: np.ndarray, meta: StoreMeta,
+                memory_limit: int | None = None) -> tuple[dict[str, Any], dict[str, int]]:
+    """Build one shard of meta's kind over documents tokens[doc_offsets[i]:doc_offsets[i+1]] and
+    write it to path (a file, or a directory kind's directory): its manifest entry and counts.
+    `meta` is the whole store's: the shard keeps its tokenizer and build config, with its own
+    corpus counts.
+
+    tokens: [n] int32; doc_offsets: [d+1] int64 from 0; memory_limit: bytes a suffix sort may hold."""
+    kind = KINDS[meta.build.kind]
+    documents = len(doc_offsets) - 1
+    shard = _shard_meta(path, meta, documents, len(tokens))
+    structure = kind.build(tokens, doc_offsets, shard, BuildOptions(path=str(path), memory_limit=memory_limit))
+    if not kind.directory:
+        save_datastore(path, structure, shard)
+    return shard_entry(path, documents, len(tokens)), kind.counts(structure)
+
+
+def _shard_meta(path: str | os.PathLike, meta: StoreMeta, documents: int, tokens: int) -> StoreMeta:
+    corpus = CorpusStats(documents=documents, tokens=tokens,
                          inputs=(f"shard {os.path.basename(path)} of {', '.join(meta.corpus.inputs)}",))
-    save_datastore(path, automaton, dataclasses.replace(meta, corpus=corpus))
-    return shard_entry(path, automaton.num_documents, automaton.num_tokens)
+    return dataclasses.replace(meta, corpus=corpus)

@@ -461,6 +461,15 @@ def token_width(vocab_size: int) -> int:
     return 2
 
 
+MIN_SORT_MEMORY = 64 << 20  # the least memory_limit the indexer is given
+
+
+def check_memory_limit(memory_limit: int) -> int:
+    if memory_limit < MIN_SORT_MEMORY:
+        raise ConfigError("{memory_limit} is {value} bytes: give the indexer at least 64 MiB", value=memory_limit)
+    return memory_limit
+
+
 def default_memory_limit() -> int:
     """Half of the memory available now, at least 256 MiB."""
     try:
@@ -481,9 +490,7 @@ def build_suffix_array(path: str | os.PathLike, tokens: np.ndarray, doc_offsets:
     from samctl.index.sharded import StoreDirectoryWriter  # the atomic directory swap
 
     indexer = _indexer()
-    memory_limit = default_memory_limit() if memory_limit is None else memory_limit
-    if memory_limit < 64 << 20:
-        raise ConfigError("{memory_limit} is {value} bytes: give the indexer at least 64 MiB", value=memory_limit)
+    memory_limit = check_memory_limit(default_memory_limit() if memory_limit is None else memory_limit)
     width = token_width(meta.vocab_size)
     doc_offsets = np.asarray(doc_offsets, dtype=np.int64)
     if len(tokens) and int(tokens.max()) >= meta.vocab_size:

@@ -5,7 +5,8 @@ Building (`build_shards`): the driver has tokenized the corpus; it writes the to
 the store's temporary directory (beside the output, so on a shared filesystem on a cluster),
 and each shard is built by `build_shard_job` in a fresh process (a Ray task with max_calls=1,
 or a spawned local process with max_tasks_per_child=1) that memory-maps only its own slice:
-its peak memory is its shard's automaton plus the interpreter, and it reports that peak.
+its peak memory is its shard's automaton (or a suffix sort within its share of the memory
+limit) plus the interpreter, and it reports that peak.
 Tokenizing on Ray (`tokenize_on_ray`): documents, read by samctl's corpus reader on the driver,
 are grouped into chunks and tokenized by Ray Data `map_batches` on the cluster, in order.
 
@@ -34,8 +35,7 @@ import numpy as np
 
 from samctl.index.datastore import StoreMeta
 from samctl.index.errors import UserError
-from samctl.index.automaton import SuffixAutomaton
-from samctl.index.sharded import save_shard
+from samctl.index.sharded import build_shard
 
 if TYPE_CHECKING:
     from samctl.session import SessionConfig
@@ -171,62 +171,60 @@ class ShardJob:
     path: str
     tokens_file: str  # a .npy of all the corpus's int32 tokens
     offsets: np.ndarray  # [d+1] int64, the shard's document offsets into the tokens file
-    meta: StoreMeta
+    meta: StoreMeta  # the whole store's (its kind is the shard's)
+    memory_limit: int | None = None  # bytes this shard's suffix sort may hold (sa)
 
 
-def build_shard_job(job: ShardJob) -> tuple[int, dict[str, Any], int, int]:
+def build_shard_job(job: ShardJob) -> tuple[int, dict[str, Any], int, dict[str, int]]:
     """Build and write one shard from its slice of the tokens file: (index, entry, peak bytes,
-    states).
-
-    Only the slice is read, and it is freed before writing (the automaton holds its own copy),
-    so the peak is the automaton plus its compressed blobs."""
+    counts). Only the slice is read."""
     lo, hi = int(job.offsets[0]), int(job.offsets[-1])
     mapped = np.load(job.tokens_file, mmap_mode="r")
     tokens = np.array(mapped[lo:hi])
     del mapped  # unmapped: its pages leave this process's resident set
-    automaton = SuffixAutomaton.build(tokens, job.offsets - lo)
-    del tokens
-    entry = save_shard(job.path, automaton, job.meta)
-    return job.index, entry, peak_rss_bytes(), automaton.num_states
+    entry, counts = build_shard(job.path, tokens, job.offsets - lo, job.meta, job.memory_limit)
+    return job.index, entry, peak_rss_bytes(), counts
 
 
 def shard_jobs(tmp: Path, tokens: np.ndarray, doc_offsets: np.ndarray, bounds: np.ndarray, meta: StoreMeta,
-               shard_path: Callable[[int], Path]) -> list[ShardJob]:
+               shard_path: Callable[[int], Path], memory_limit: int | None = None) -> list[ShardJob]:
     """Write tokens ([n] int32) into tmp once; one job per shard (bounds: [N+1] document indices)."""
     tokens_file = tmp / "tokens.npy"
     np.save(tokens_file, np.ascontiguousarray(tokens, dtype=np.int32))
-    return [ShardJob(i, str(shard_path(i)), str(tokens_file), doc_offsets[bounds[i]:bounds[i + 1] + 1].copy(), meta)
-            for i in range(len(bounds) - 1)]
+    return [ShardJob(i, str(shard_path(i)), str(tokens_file), doc_offsets[bounds[i]:bounds[i + 1] + 1].copy(), meta,
+                     memory_limit) for i in range(len(bounds) - 1)]
 
 
-def run_local(jobs: list[ShardJob], workers: int, on_done: Callable[[int, int], None]) -> list[tuple[dict, int, int]]:
-    """Each job in a fresh spawned process, `workers` at a time; (entry, peak bytes, states) in
-    shard order."""
-    results: dict[int, tuple[dict, int, int]] = {}
+ShardResult = tuple[dict[str, Any], int, dict[str, int]]  # (manifest entry, worker peak bytes, counts)
+
+
+def run_local(jobs: list[ShardJob], workers: int, on_done: Callable[[int, int], None]) -> list[ShardResult]:
+    """Each job in a fresh spawned process, `workers` at a time; results in shard order."""
+    results: dict[int, ShardResult] = {}
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context,
                                                 max_tasks_per_child=1) as pool:
         for future in concurrent.futures.as_completed([pool.submit(build_shard_job, job) for job in jobs]):
-            index, entry, peak, states = future.result()
-            results[index] = (entry, peak, states)
+            index, entry, peak, counts = future.result()
+            results[index] = (entry, peak, counts)
             on_done(index, peak)
     return [results[i] for i in range(len(jobs))]
 
 
-def run_on_ray(address: str, jobs: list[ShardJob], on_done: Callable[[int, int], None]) -> list[tuple[dict, int, int]]:
+def run_on_ray(address: str, jobs: list[ShardJob], on_done: Callable[[int, int], None]) -> list[ShardResult]:
     """Each job as a Ray task (one CPU, a fresh worker process each); results as run_local's."""
     ray = start_ray(address)
     task = ray.remote(num_cpus=1, max_calls=1)(build_shard_job)
     pending = {task.remote(job): job.index for job in jobs}
-    results: dict[int, tuple[dict, int, int]] = {}
+    results: dict[int, ShardResult] = {}
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1)
         try:
-            index, entry, peak, states = ray.get(done[0])
+            index, entry, peak, counts = ray.get(done[0])
         except ray.exceptions.RayError as err:
             raise _unwrap(err) from err
         del pending[done[0]]
-        results[index] = (entry, peak, states)
+        results[index] = (entry, peak, counts)
         on_done(index, peak)
     return [results[i] for i in range(len(jobs))]
 

@@ -65,6 +65,18 @@ def test_ray_build_equals_local_build_and_answers_as_one_store(corpus, capsys):
             == (b.match_length, b.count, b.continuation.tolist(), b.next_tokens.tolist(), b.next_counts.tolist())
 
 
+def test_ray_builds_suffix_array_shards_as_the_local_build_does(corpus, capsys):
+    pytest.importorskip("infini_gram", reason="suffix-array stores need infini-gram: pip install 'samctl[sa]'")
+    tmp, path = corpus
+    common = [str(path), "--tokenizer", "bytes", "-q", "--kind", "sa", "--shards", "2"]
+    assert run(["build", *common, "-o", str(tmp / "local-sa.samd"), "--workers", "2"], capsys)[0] == 0
+    assert run(["build", *common, "-o", str(tmp / "ray-sa.samd"), "--ray"], capsys)[0] == 0
+    for shard in ("shard-00000.sa", "shard-00001.sa"):
+        for name in ("tokenized.0", "table.0", "offset.0"):
+            assert (tmp / "ray-sa.samd" / shard / name).read_bytes() == (tmp / "local-sa.samd" / shard / name).read_bytes()
+    assert load_datastore(tmp / "ray-sa.samd", verify=True).kind == "sa"
+
+
 def _records() -> list[str]:
     return [
         json.dumps({"id": "a", "prompt": PROMPT}),

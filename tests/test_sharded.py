@@ -11,7 +11,7 @@ from samctl.index.automaton import SuffixAutomaton
 from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, save_datastore
 from samctl.index.load import load_datastore
 from samctl.index.sharded import (MANIFEST, ShardedAutomaton, StoreDirectoryWriter, children, load_sharded,
-                           plan_shards, save_shard)
+                                  plan_shards, build_shard as write_shard)
 from samctl.index.errors import UserError
 from samctl.index.store import StoreError
 
@@ -32,7 +32,7 @@ def meta(tokens: np.ndarray, offsets: np.ndarray, vocab: int = 6) -> StoreMeta:
 
 def build_shard(path, tokens, doc_offsets, meta):
     """One shard's automaton, written to path: its manifest entry."""
-    return save_shard(path, SuffixAutomaton.build(np.ascontiguousarray(tokens, dtype=np.int32), doc_offsets), meta)
+    return write_shard(path, np.ascontiguousarray(tokens, dtype=np.int32), doc_offsets, meta)[0]
 
 
 def write_sharded(path, tokens, offsets, n: int) -> None:

@@ -1,5 +1,6 @@
 """Suffix-array stores (index/suffix_array.py): the automaton's answers from a suffix array, untrusted
-manifests and files, the drafters and commands over an `sa` store. Skipped without infini-gram."""
+manifests and files, the drafters and commands over an `sa` store, sharded or not. Skipped without
+infini-gram."""
 from __future__ import annotations
 
 import json
@@ -15,6 +16,7 @@ from samctl.index.automaton import SuffixAutomaton  # noqa: E402
 from samctl.index.cursor import cursor  # noqa: E402
 from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta  # noqa: E402
 from samctl.index.load import load_datastore  # noqa: E402
+from samctl.index.lookup import Lookup  # noqa: E402
 from samctl.index.store import StoreError  # noqa: E402
 from samctl.index.suffix_array import build_suffix_array, load_suffix_array  # noqa: E402
 
@@ -299,3 +301,149 @@ def test_append_to_rebuilds_over_the_stored_documents_and_the_new(tmp_path):
     assert grown.meta.corpus.documents == full.meta.corpus.documents == 2
     for name in ("tokenized.0", "table.0", "offset.0"):
         assert (tmp_path / "s.sa" / name).read_bytes() == (tmp_path / "full.sa" / name).read_bytes(), name
+
+
+# ---------------------------------------------------------------------------------------------
+# sharded suffix-array stores (index/sharded.py): one sa store's answers from whole-document shards
+
+
+def build_sharded(path, tokens: np.ndarray, offsets: np.ndarray, n: int, vocab: int = 5):
+    from samctl.index.sharded import StoreDirectoryWriter, build_shard, plan_shards
+
+    whole = meta(tokens, offsets, vocab)
+    bounds = plan_shards(offsets, n)
+    with StoreDirectoryWriter(path) as writer:
+        entries = []
+        for i in range(n):
+            lo, hi = offsets[bounds[i]], offsets[bounds[i + 1]]
+            entries.append(build_shard(writer.shard_path(i, "sa"), tokens[lo:hi],
+                                       offsets[bounds[i]:bounds[i + 1] + 1] - lo, whole, 64 << 20)[0])
+        writer.commit(whole, entries)
+    return load_datastore(path)
+
+
+@pytest.mark.parametrize("seed, n", [(0, 2), (1, 3), (2, 2), (3, 4)])
+def test_sharded_store_answers_as_one_suffix_array_and_the_automaton(tmp_path, seed, n):
+    """Random documents (shorter than MAX_MATCH, so no re-search cap bites), random contexts:
+    lookups and a streaming cursor over the shards give one sa store's (and the automaton's)
+    match length, count, next tokens and continuation; ties go to the earliest occurrence."""
+    tokens, offsets = corpus(seed, n_docs=10)
+    one = build_suffix_array(tmp_path / "one.sa", tokens, offsets, meta(tokens, offsets, 5), memory_limit=64 << 20)
+    sharded = build_sharded(tmp_path / "s.samd", tokens, offsets, n)
+    assert sharded.kind == "sa" and len(sharded.shards) == n
+    sam = SuffixAutomaton.build(tokens, offsets)
+    rng = np.random.default_rng(200 + seed)
+    for _ in range(150):
+        start = rng.integers(0, len(tokens))
+        context = np.concatenate((tokens[start:start + rng.integers(0, 12)], tokens[rng.integers(0, len(tokens), 3)]))
+        answers = [store.lookup(context, 9, 4) for store in (one, sharded)]
+        state, length = sam.match(context.astype(np.int32))
+        tok, cnt = sam.topk_next(state, 4) if length else (np.zeros(0, np.int32),) * 2
+        answers.append(Lookup(length, sam.count(state) if length else 0, sam.continuation(state, 9), tok, cnt))
+        got = [(a.match_length, a.count, a.continuation.tolist(), a.next_tokens.tolist(), a.next_counts.tolist())
+               for a in answers]
+        assert got[0] == got[1] == got[2], context
+    one_cursor, shards_cursor = cursor(one.structure), cursor(sharded.structure)
+    text = tokens[: rng.integers(1, 6)]
+    one_cursor.reset(text)
+    shards_cursor.reset(text)
+    for _ in range(80):
+        t0 = int(rng.integers(0, 5))
+        (a_len, a), (b_len, b) = one_cursor.peek(t0), shards_cursor.peek(t0)
+        assert a_len == b_len
+        np.testing.assert_array_equal(one_cursor.draft(a, 7), shards_cursor.draft(b, 7))
+        step = np.concatenate(([t0], rng.integers(0, 5, rng.integers(0, 3)))).astype(np.int32)
+        one_cursor.advance(step)
+        shards_cursor.advance(step)
+
+
+@pytest.mark.parametrize("method", ["sam", "adaptive", "rest"])
+def test_greedy_output_is_unchanged_drafting_from_a_sharded_suffix_array(tiny_llama, tmp_path, method):
+    """A tiny model drafting from two sa shards of its own output: plain greedy, token for token."""
+    from tests.test_decode_greedy import hf_greedy, prompts, run
+
+    vocab = tiny_llama.config.vocab_size
+    for i, prompt in enumerate(prompts(vocab)[:2]):
+        expected = hf_greedy(tiny_llama, prompt, 60, eos=None)
+        tokens = np.asarray(expected[:40], dtype=np.int32)
+        offsets = np.array([0, 25, 40])
+        sharded = build_sharded(tmp_path / f"s{i}.samd", tokens, offsets, 2, vocab=vocab)
+        result = run(tiny_llama, method, prompt, 60, static=sharded.structure)
+        assert result.tokens == expected, (method, prompt)
+        assert result.metrics.accepted > 0, method
+
+
+def test_build_info_query_and_a_damaged_shard_on_the_command_line(tmp_path):
+    (tmp_path / "docs").mkdir()
+    for i in range(4):
+        (tmp_path / "docs" / f"{i}.py").write_text(f"# file {i}\n" + CODE * (i + 1))
+    answers = {}
+    for out, extra in (("one.sa", []), ("s.samd", ["--shards", "2", "--workers", "2", "--memory-limit", "256M"])):
+        proc = _samctl("build", str(tmp_path / "docs"), "-o", str(tmp_path / out), "--kind", "sa", "--tokenizer",
+                       "bytes", *extra)
+        assert proc.returncode == 0, proc.stderr
+        query = _samctl("query", str(tmp_path / out), "--text", "# file 2\ndef add(a, b", "--json")
+        assert query.returncode == 0, query.stderr
+        answers[out] = json.loads(query.stdout)
+    assert "2 shards" in proc.stdout and "suffixes" in proc.stdout, proc.stdout
+    assert answers["one.sa"] == answers["s.samd"] and answers["one.sa"]["match_length"] == len("# file 2\ndef add(a, b")
+    info = json.loads(_samctl("info", str(tmp_path / "s.samd"), "--json", "--verify").stdout)
+    assert info["kind"] == "sa" and info["verified"] and [s["file"] for s in info["shards"]] == ["shard-00000.sa",
+                                                                                              "shard-00001.sa"]
+    assert info["suffixes"] == sum(s["suffixes"] for s in info["shards"]) == info["tokens"] + 4
+    assert "sa (suffix array)" in _samctl("info", str(tmp_path / "s.samd")).stdout
+    table = tmp_path / "s.samd" / "shard-00001.sa" / "table.0"
+    table.write_bytes(table.read_bytes()[:-1])
+    for args in (["info", str(tmp_path / "s.samd")], ["query", str(tmp_path / "s.samd"), "--text", "def"]):
+        proc = _samctl(*args)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert "shard-00001.sa" in proc.stderr and "damaged" in proc.stderr, proc.stderr
+
+
+def test_damaged_missing_or_foreign_sa_shards_are_refused_in_one_line(tmp_path):
+    from samctl.index.sharded import MANIFEST
+
+    tokens, offsets = corpus(4, n_docs=6)
+    path = tmp_path / "s.samd"
+    build_sharded(path, tokens, offsets, 2)
+    other = tmp_path / "other.sa"
+    build_suffix_array(other, tokens[:offsets[3]], offsets[:4], meta(tokens[:offsets[3]], offsets[:4], 5),
+                       memory_limit=64 << 20)
+
+    def damaged(name: str):
+        target = tmp_path / name
+        shutil.copytree(path, target)
+        return target
+
+    truncated = damaged("truncated.samd")
+    with open(truncated / "shard-00001.sa" / "table.0", "r+b") as f:
+        f.truncate(os.path.getsize(truncated / "shard-00001.sa" / "table.0") - 1)
+    missing = damaged("missing.samd")
+    shutil.rmtree(missing / "shard-00000.sa")
+    foreign = damaged("foreign.samd")
+    shutil.rmtree(foreign / "shard-00000.sa")
+    shutil.copytree(other, foreign / "shard-00000.sa")
+    renamed = damaged("renamed.samd")
+    manifest = json.loads((renamed / MANIFEST).read_text())
+    manifest["shards"][0]["file"] = "shard-00000.sam"
+    (renamed / MANIFEST).write_text(json.dumps(manifest))
+    for store, message in ((truncated, "shard-00001.sa has"), (missing, "lacks shard shard-00000.sa"),
+                           (foreign, "shard-00000.sa (has|holds)"), (renamed, "shard file name")):
+        with pytest.raises(StoreError, match=message) as err:
+            load_datastore(store)
+        assert "\n" not in str(err.value)
+    flipped = damaged("flipped.samd")
+    data = flipped / "shard-00001.sa" / "tokenized.0"
+    data.write_bytes(bytes([data.read_bytes()[0] ^ 1]) + data.read_bytes()[1:])
+    load_datastore(flipped)  # sizes agree: only the checksum tells
+    with pytest.raises(StoreError, match="shard-00001.sa/tokenized.0 does not match its checksum"):
+        load_datastore(flipped, verify=True)
+
+
+def test_shards_sorted_at_once_share_the_memory_limit():
+    from samctl.commands.build import _shared_memory
+
+    assert _shared_memory(1 << 30, 4) == (4, 256 << 20)
+    assert _shared_memory(256 << 20, 8) == (4, 64 << 20)  # each sort keeps the indexer's minimum
+    with pytest.raises(Exception, match="at least 64 MiB"):
+        _shared_memory(1 << 20, 2)

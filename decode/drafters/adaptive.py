@@ -3,8 +3,8 @@
 Each step (t0 = the pending token):
     1) match   t0 moves the match pointers of every source (no mutation):
                dynamic  the automaton over this request's prediction (if any), prompt and output
-               static   the datastore (--sam): a suffix automaton, a sharded store (the shard
-                        with the longest match proposes) or an n-gram table
+               static   the datastore (--sam): a suffix automaton or array, a sharded store (the
+                        shard with the longest match proposes) or an n-gram table
                memory   an automaton over the outputs of earlier requests in this process
                recycle  Token Recycle's table of each token's likely successors (engine only: it
                         learns from the target's logits)
@@ -42,13 +42,12 @@ from samctl.decode.drafters.base import Drafter
 from samctl.decode.drafters.recycle import learn_rows
 from samctl.decode.tree import DraftTree, tree_depths
 from samctl.index.automaton import SuffixAutomaton
-from samctl.index.cursor import AutomatonCursor, NgramCursor, SuffixArrayCursor, cursor
+from samctl.index.cursor import AutomatonCursor, NgramCursor, ShardedSuffixArrayCursor, SuffixArrayCursor, cursor
 from samctl.index.errors import UserError
 from samctl.decode.configs import AdaptiveConfig
 
 if TYPE_CHECKING:
-    from samctl.index.ngram import NgramTable
-    from samctl.index.sharded import ShardedAutomaton
+    from samctl.index.cursor import Structure
 
 
 class Calibration:
@@ -180,7 +179,7 @@ class AdaptiveDrafter(Drafter):
     prefill_logits = "last"  # Token Recycle learns from decode steps only, never the prompt
     keeps_memory = True
 
-    def __init__(self, config: AdaptiveConfig = AdaptiveConfig(), static: "SuffixAutomaton | ShardedAutomaton | NgramTable | None" = None,
+    def __init__(self, config: AdaptiveConfig = AdaptiveConfig(), static: "Structure | None" = None,
                  cost: np.ndarray | None = None, vocab_size: int = 0, device: torch.device | str = "cpu") -> None:
         self.config = config
         self.cost = np.asarray(cost if cost is not None else linear_cost(0.005), dtype=np.float64)
@@ -379,8 +378,8 @@ class AdaptiveDrafter(Drafter):
 
     def _sa_candidates(self, t0: int) -> int:
         cfg = self.config
-        lo, hi, length, _ = self.static.peek(t0)[1]  # the step over t0 is not searched again by observe
-        return sa_candidates(*self.static.arrays, lo, hi, length, self.calibration.means, cfg.static_min_length,
+        handle = self.static.peek(t0)[1]  # the step over t0 is not searched again by observe
+        return sa_candidates(*self.static.at(handle), self.calibration.means, cfg.static_min_length,
                              self._budget, cfg.width, cfg.min_prob, *self._buffer, 0)
 
     def _warm_up(self) -> None:
@@ -397,4 +396,5 @@ class AdaptiveDrafter(Drafter):
 
 
 # stores whose candidates enter the buffer through their own kernel, by cursor type
-_BUFFERED = {NgramCursor: AdaptiveDrafter._ngram_candidates, SuffixArrayCursor: AdaptiveDrafter._sa_candidates}
+_BUFFERED = {NgramCursor: AdaptiveDrafter._ngram_candidates, SuffixArrayCursor: AdaptiveDrafter._sa_candidates,
+             ShardedSuffixArrayCursor: AdaptiveDrafter._sa_candidates}

@@ -15,9 +15,10 @@ documents followed by the new ones (the old corpus is not re-read or re-tokenize
 `--kind sa` writes a suffix-array store directory (index/suffix_array.py): the suffixes are sorted
 by infini-gram's indexer in parts of at most --memory-limit bytes, --workers at once.
 
-With --shards N the output is a store directory (index/sharded.py): the documents are split into
-N contiguous runs and each shard is built in its own process, one per core at a time, or with
---ray as Ray tasks after tokenizing with Ray Data (samctl/cluster.py).
+With --shards N the output is a store directory (index/sharded.py) of N automata or suffix
+arrays: the documents are split into N contiguous runs and each shard is built in its own
+process, one per core at a time (suffix sorts share --memory-limit), or with --ray as Ray tasks
+after tokenizing with Ray Data (samctl/cluster.py).
 """
 from __future__ import annotations
 
@@ -73,8 +74,8 @@ MAX_NGRAM_TOP_K = 4096  # next tokens kept per context
               help="Grow this automaton or suffix-array store with the inputs (its tokenizer and settings; the old "
                    "corpus is not re-read); -o may name the same file.")
 @click.option("--shards", type=int, default=None, metavar="N",
-              help="Write a store directory of N suffix-automaton shards (whole documents each), built "
-                   "in parallel: one process per core, or Ray tasks with --ray.")
+              help="Write a store directory of N shards of --kind sam or sa (whole documents each), built "
+                   "in parallel: one process per core (sa: sharing --memory-limit), or Ray tasks with --ray.")
 @click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
               help="With --shards: tokenize with Ray Data and build each shard as a Ray task on the cluster at "
                    "ADDRESS (a local Ray instance when omitted; write -o to a path every node sees). Put it "
@@ -83,7 +84,8 @@ MAX_NGRAM_TOP_K = 4096  # next tokens kept per context
               help="With --shards, without --ray: shards built at once [default: the CPU count]. With --kind sa: "
                    "suffix-sorting processes at once [default: 1].")
 @click.option("--memory-limit", "memory_limit", default=None, metavar="SIZE",
-              help="--kind sa: memory the suffix sort may hold, e.g. 4G or 512M [default: half the free memory].")
+              help="--kind sa: memory the suffix sort may hold, e.g. 4G or 512M, divided between the shards "
+                   "sorted at once [default: half the free memory].")
 @click.option("--verify", is_flag=True, help="Re-read the written store and check every checksum.")
 @click.option("--force", is_flag=True, help="Replace OUTPUT even when it is not a samctl store.")
 @config_option("quiet")
@@ -173,7 +175,7 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
                      written_by=old.meta.written_by if old is not None else {})
     if shards is not None:
         _build_and_write_sharded(output, tokens, doc_offsets, meta, tok.name, shards, ray_address,
-                                 workers, verify, quiet, (start, tokenize_start, tokenized))
+                                 workers, memory_bytes, verify, quiet, (start, tokenize_start, tokenized))
         return
     # 3) structure; numba loads here, not for --help (a directory kind writes itself meanwhile)
     options = BuildOptions(path=output, memory_limit=memory_bytes, threads=workers or 1)
@@ -207,12 +209,12 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
 
 
 def _build_and_write_sharded(output, tokens, doc_offsets, meta, tokenizer_name, shards, ray_address,
-                             workers, verify, quiet, times) -> None:
+                             workers, memory_limit, verify, quiet, times) -> None:
     """Phases 3-4 with --shards: each shard built and written by its own worker, then the manifest."""
     from samctl.index.sharded import verify_sharded  # numba loads here, not for --help
 
     start, tokenize_start, tokenized = times
-    results = _build_sharded(output, tokens, doc_offsets, meta, shards, ray_address, workers, quiet)
+    results = _build_sharded(output, tokens, doc_offsets, meta, shards, ray_address, workers, memory_limit, quiet)
     written = time.perf_counter()
     if verify:
         verify_sharded(output)  # shard by shard: the driver never holds the whole store
@@ -228,7 +230,8 @@ def _check_sharding(kind: str, shards: int | None, ray_address: str | None, work
             raise UserError("--ray and --workers build shards: add --shards N")
         return
     if not KINDS[kind].shards:
-        raise UserError(f"--shards splits suffix automata, not a {KINDS[kind].label}: drop --shards or use --kind sam")
+        raise UserError(f"--shards splits suffix automata and suffix arrays, not an {KINDS[kind].label}: drop --shards "
+                        "or use --kind sam or sa")
     check_count("--shards", shards, MAX_SHARDS)
     check_count("--workers", workers, MAX_WORKERS)
     if workers is not None and ray_address is not None:
@@ -236,18 +239,23 @@ def _check_sharding(kind: str, shards: int | None, ray_address: str | None, work
 
 
 def _build_sharded(output: str, tokens, doc_offsets, meta: StoreMeta, shards: int, ray_address: str | None,
-                   workers: int | None, quiet: bool) -> list[tuple[dict, int, int]]:
-    """Write the store directory; returns each shard's (manifest entry, worker peak bytes, states)."""
+                   workers: int | None, memory_limit: int | None, quiet: bool) -> list:
+    """Write the store directory; returns each shard's (manifest entry, worker peak bytes, counts)."""
     from samctl.index.sharded import StoreDirectoryWriter, plan_shards
     from samctl.cluster import run_local, run_on_ray, shard_jobs
 
     if os.path.isfile(output):
         raise UserError(f"{output} is a store file: --shards writes a directory, pass another -o path")
+    kind = KINDS[meta.build.kind]
     bounds = plan_shards(doc_offsets, shards)
+    workers = min(shards, workers or os.cpu_count() or 1)
+    if kind.directory:  # suffix sorts at once share the memory limit (Ray: as many as this machine's cores)
+        workers, memory_limit = _shared_memory(memory_limit, workers)
     with StoreDirectoryWriter(output) as writer:
-        jobs = shard_jobs(writer.tmp, tokens, doc_offsets, bounds, meta, writer.shard_path)
-        where = f"as Ray tasks ({ray_address})" if ray_address else f"in {workers or os.cpu_count()} processes"
-        status(f"building {shards} suffix-automaton shards over {len(tokens):,} tokens {where}", quiet)
+        jobs = shard_jobs(writer.tmp, tokens, doc_offsets, bounds, meta, lambda i: writer.shard_path(i, kind.name),
+                          memory_limit)
+        where = f"as Ray tasks ({ray_address})" if ray_address else f"in {workers} processes"
+        status(f"building {shards} {kind.label} shards over {len(tokens):,} tokens {where}", quiet)
 
         def done(index: int, peak: int) -> None:
             status(f"shard {index} built (worker peak {human_bytes(peak)})", quiet)
@@ -255,17 +263,27 @@ def _build_sharded(output: str, tokens, doc_offsets, meta: StoreMeta, shards: in
         if ray_address is not None:
             results = run_on_ray(ray_address, jobs, done)
         else:
-            results = run_local(jobs, min(shards, workers or os.cpu_count() or 1), done)
+            results = run_local(jobs, workers, done)
         writer.commit(meta, [entry for entry, _, _ in results])
     return results
+
+
+def _shared_memory(memory_limit: int | None, workers: int) -> tuple[int, int]:
+    """(suffix sorts at once, bytes each): `workers` sorts share the limit, fewer if each would get
+    less than the indexer's minimum."""
+    from samctl.index.suffix_array import MIN_SORT_MEMORY, check_memory_limit, default_memory_limit
+
+    total = check_memory_limit(memory_limit if memory_limit is not None else default_memory_limit())
+    workers = max(1, min(workers, total // MIN_SORT_MEMORY))
+    return workers, total // workers
 
 
 def _sharded_summary(output, size, corpus, tokenizer_name, results, total, tokenize, build_s, ray_address,
                      verified) -> str:
     peaks = sorted(peak for _, peak, _ in results)
-    states = sum(n for _, _, n in results)
+    shape = ", ".join(f"{sum(counts[name] for _, _, counts in results):,} {name}" for name in results[0][2])
     return (f"wrote {output}: {len(results)} shards, {corpus.documents:,} documents, {corpus.tokens:,} tokens "
-            f"({tokenizer_name}), {states:,} states, {human_bytes(size)} ({size / corpus.tokens:.1f} bytes/token) "
+            f"({tokenizer_name}), {shape}, {human_bytes(size)} ({size / corpus.tokens:.1f} bytes/token) "
             f"in {total:.2f} s (tokenize {tokenize:.2f} s, build and write {build_s:.2f} s"
             f"{', on Ray' if ray_address else ''}); worker peak memory {peaks[len(peaks) // 2] / 1e6:,.1f} MB median, "
             f"{peaks[-1] / 1e6:,.1f} MB largest{', checksums verified' if verified else ''}")

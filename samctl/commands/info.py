@@ -46,42 +46,28 @@ def describe(store: StoreFile, meta: StoreMeta, verified: bool) -> dict[str, Any
     return report
 
 
-def describe_sharded(store, verified: bool) -> dict[str, Any]:
-    """`describe` for a sharded store directory (index/sharded.py): the manifest's shards instead of arrays."""
-    meta, sam = store.meta, store.structure
+def describe_directory(store, verified: bool) -> dict[str, Any]:
+    """`describe` for a store directory: a sharded store's shards (index/sharded.py) or a directory
+    kind's files (index/kinds.py, e.g. `sa`) instead of arrays."""
+    meta, kind = store.meta, KINDS[store.kind]
     tokens = meta.corpus.tokens
     report: dict[str, Any] = {
         "path": store.path, "kind": store.kind, "format_version": store.format_version,
         "file_size": store.file_size,
         "bytes_per_token": round(store.file_size / tokens, 3) if tokens else None,
         "documents": meta.corpus.documents, "tokens": tokens,
-        "states": sam.num_states, "edges": sam.num_edges,
+        **kind.counts(store.structure),
         "tokenizer": {"name": meta.tokenizer_name, "fingerprint": meta.tokenizer_fingerprint,
                       "vocab_size": meta.vocab_size, "eos_token_id": meta.eos_token_id},
         "build": meta.build.settings(), "corpus": meta.corpus.to_dict(), "created_by": meta.created_by,
         "written_by": meta.written_by or None, "verified": verified,
-        "shards": [{**entry, "states": shard.sam.num_states}
-                   for entry, shard in zip(store.manifest["shards"], store.shards)],
     }
+    if hasattr(store, "shards"):
+        report["shards"] = [{**entry, **kind.counts(shard.structure)}
+                            for entry, shard in zip(store.manifest["shards"], store.shards)]
+    else:
+        report["files"] = [{"file": name, **entry} for name, entry in store.manifest["sa"]["files"].items()]
     return report
-
-
-def describe_directory(store, verified: bool) -> dict[str, Any]:
-    """`describe` for a directory kind's store (index/kinds.py, e.g. `sa`): its manifest's files."""
-    meta = store.meta
-    tokens = meta.corpus.tokens
-    return {
-        "path": store.path, "kind": store.kind, "format_version": store.format_version,
-        "file_size": store.file_size,
-        "bytes_per_token": round(store.file_size / tokens, 3) if tokens else None,
-        "documents": meta.corpus.documents, "tokens": tokens,
-        **KINDS[store.kind].counts(store.structure),
-        "tokenizer": {"name": meta.tokenizer_name, "fingerprint": meta.tokenizer_fingerprint,
-                      "vocab_size": meta.vocab_size, "eos_token_id": meta.eos_token_id},
-        "build": meta.build.settings(), "corpus": meta.corpus.to_dict(), "created_by": meta.created_by,
-        "written_by": meta.written_by or None, "verified": verified,
-        "files": [{"file": name, **entry} for name, entry in store.manifest["sa"]["files"].items()],
-    }
 
 
 def _text(report: dict[str, Any]) -> str:
@@ -110,8 +96,10 @@ def _text(report: dict[str, Any]) -> str:
     rows += [(f"array {a['name']}", f"{a['dtype']} {tuple(a['shape'])} {a['codec']} "
                                     f"{human_bytes(a['stored_bytes'])}") for a in report.get("arrays", [])]
     rows += [(f"file {f['file']}", human_bytes(f["bytes"])) for f in report.get("files", [])]
-    rows += [(f"shard {s['file']}", f"{s['documents']:,} documents, {s['tokens']:,} tokens, {s['states']:,} states, "
-                                    f"{human_bytes(s['bytes'])}") for s in report.get("shards", [])]
+    counted = KINDS[report["kind"]].count_names
+    rows += [(f"shard {s['file']}", f"{s['documents']:,} documents, {s['tokens']:,} tokens, "
+                                    + "".join(f"{s[name]:,} {name}, " for name in counted) + human_bytes(s["bytes"]))
+             for s in report.get("shards", [])]
     if report["verified"]:
         rows.append(("checksums", "ok"))
     width = max(len(name) for name, _ in rows)
@@ -135,8 +123,7 @@ def _pairs(values: dict[str, Any]) -> str:
 def info(store: str, as_json: bool, verify: bool) -> None:
     """Describe a store: kind, size, tokenizer, build config and corpus statistics."""
     if os.path.isdir(store):  # a store directory: loaded (a sharded one's shards, to count states)
-        loaded = load_datastore(store, verify=verify)
-        report = describe_sharded(loaded, verify) if hasattr(loaded, "shards") else describe_directory(loaded, verify)
+        report = describe_directory(load_datastore(store, verify=verify), verify)
         click.echo(json.dumps(report) if as_json else _text(report))
         return
     if verify:
