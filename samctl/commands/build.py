@@ -81,8 +81,8 @@ MAX_NGRAM_TOP_K = 4096  # next tokens kept per context
                    "ADDRESS (a local Ray instance when omitted; write -o to a path every node sees). Put it "
                    "after the inputs or write --ray=ADDRESS.")
 @click.option("--workers", type=int, default=None,
-              help="With --shards, without --ray: shards built at once [default: the CPU count]. With --kind sa: "
-                   "suffix-sorting processes at once [default: 1].")
+              help="With --shards, without --ray: shards built at once [default: the CPU count]. With --kind sa "
+                   "and no --shards: suffix-sorting processes at once [default: 1].")
 @click.option("--memory-limit", "memory_limit", default=None, metavar="SIZE",
               help="--kind sa: memory the suffix sort may hold, e.g. 4G or 512M, divided between the shards "
                    "sorted at once [default: half the free memory].")
