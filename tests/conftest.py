@@ -18,6 +18,15 @@ import torch
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    # numba's disk cache is not safe for processes compiling different signatures of one kernel at
+    # once: each numbers its new entry by the index it read, so an entry can name another
+    # signature's code, which segfaults when loaded (seen in a clean CI run). Each worker (and the
+    # commands it starts) compiles into its own cache, one per checkout.
+    import hashlib
+
+    checkout = hashlib.sha1(os.path.dirname(os.path.dirname(os.path.abspath(__file__))).encode()).hexdigest()[:10]
+    os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(tempfile.gettempdir(), "samctl-test-numba", checkout,
+                                                          os.environ["PYTEST_XDIST_WORKER"]))
 
 
 def _tiny(arch: str, vocab: int, seed: int):
