@@ -188,6 +188,7 @@ class BatchStats:
     width_per_step: list[int] = field(default_factory=list)  # draft nodes per row allowed (w*)
     forward_s: float = 0.0  # verify forwards
     host_s: float = 0.0  # everything else in the steps: drafting, budget, accept, commit, observe
+    accept_s: float = 0.0  # the accept step, in host_s: on a GPU mostly the wait for the verify at the one sync
     prefill_s: float = 0.0
     prefills: int = 0
     captures: int = 0  # graphs captured inside the steps (a cache growth recaptures every bucket)
@@ -205,6 +206,7 @@ class BatchStats:
             "records_per_hour": round(3600 * self.records / self.time_s, 1) if self.time_s else 0.0,
             "forward_ms_per_step": round(1e3 * self.forward_s / steps, 3),
             "host_ms_per_step": round(1e3 * self.host_s / steps, 3),
+            "accept_ms_per_step": round(1e3 * self.accept_s / steps, 3),
             "prefill_s": round(self.prefill_s, 4), "prefills": self.prefills, "captures": self.captures,
             "mean_rows": round(float(np.mean(self.rows_per_step)), 2) if self.rows_per_step else 0.0,
             "mean_width": round(float(np.mean(self.width_per_step)), 3) if self.width_per_step else 0.0,
@@ -423,8 +425,11 @@ class BatchRun:
 
         # 4) accept: one draw (or argmax) per real input, each row by its own sampling, one host sync
         flat = torch.cat(inputs)
+        t_accept = time.perf_counter()
         paths, nexts, host = batch_accept(logits, offsets, flat, trees, [r.config.sampling for r in active],
                                           [r.generator for r in active], [_own_rule(r) for r in active])
+        accept_s = time.perf_counter() - t_accept
+        stats.accept_s += accept_s
 
         # 5) commit: tokens go out per row as they are committed (on_tokens)
         target.keep(paths)
@@ -435,6 +440,7 @@ class BatchRun:
             row.out.emit([int(t) for t in committed[1:]] + [bonus])
             row.metrics.record_step(drafted=tree.drafts, accepted=min(len(path) - 1, len(row.out.tokens) - before))
             row.metrics.verify_s += forward_s
+            row.metrics.accept_s += accept_s
             if not row.scored and self.budget:
                 self.calibration.learn(tree.parents, tree.drafts, path)
             row.t0 = bonus

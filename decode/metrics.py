@@ -36,6 +36,7 @@ class Metrics:
     step_drafted: list[int] = field(default_factory=list)  # draft nodes verified by each step
     draft_s: float = 0.0  # propose + observe, host side
     verify_s: float = 0.0  # the verify forwards (rows batched together share them)
+    accept_s: float = 0.0  # the accept step, in host_s: on a GPU mostly the wait for the verify at the step's one sync
     prefill_s: float = 0.0
     time_s: float = 0.0  # wall time of the whole generation, prefill included
     cpu_s: float = 0.0  # this process's CPU time over the same span (other processes do not count; rows batched together share it, as they share time_s)
@@ -99,6 +100,7 @@ class Metrics:
             "prefill_s": round(self.prefill_s, 6),
             "forward_ms_per_step": round(1e3 * self.verify_s / self.steps, 3) if self.steps else 0.0,
             "host_ms_per_step": round(1e3 * self.host_s / self.steps, 3) if self.steps else 0.0,
+            "accept_ms_per_step": round(1e3 * self.accept_s / self.steps, 3) if self.steps else 0.0,
             "draft_us_per_step": round(1e6 * self.draft_s / self.steps, 2) if self.steps else 0.0,
             "draft_us_median": round(self.draft_us_quantile(0.5), 2),
             "draft_us_p90": round(self.draft_us_quantile(0.9), 2),

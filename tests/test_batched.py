@@ -98,6 +98,7 @@ def test_batched_greedy_equals_batch1_greedy(tiny_model_dir, method, backend):
             accepted = [r.metrics.accepted for r in results]
             assert max(accepted) > 0 and len(set(accepted)) > 1, accepted  # ragged acceptance
             assert stats.prefills >= 2  # refills happened
+        assert 0 < stats.accept_s <= stats.host_s  # the accept step (a GPU's one sync) is host time
 
 
 @pytest.mark.parametrize("backend", ["hf", "native"])

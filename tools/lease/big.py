@@ -8,7 +8,8 @@ In order, each result written to OUT.json as it lands: the device-to-device copy
 bandwidth floor (weight + KV bytes read per token / bandwidth: a copy's rate counts bytes read and
 written, and reads alone run at about that rate); per backend (native, then hf): `ar` with CUDA
 graphs (tokens/s, forward and host ms per step: under graphs the forward is the replay's launch and
-the host part waits on the GPU) and the verify-cost curve t(n), n = 1..128, at a 2048-token context;
+the host part includes the accept step, which waits on the GPU at the step's one sync: the host's
+own work is host - accept) and the verify-cost curve t(n), n = 1..128, at a 2048-token context;
 `ar` eagerly and transformers' eager `generate`; t(n) for 8 rows (graphs, n = 8 x 1..16); the
 kernels of one replay at 1 and at 8 rows (torch.profiler, the 12 longest), to tell where a step's
 time goes against the floor. (An oracle drafter is no ceiling here: random bf16 weights give
@@ -81,7 +82,8 @@ def main(path: str, dry: bool) -> None:
         generate(t, NoDraft(), prompt, GC(max_new_tokens=16))
         m = generate(t, NoDraft(), prompt, GC(max_new_tokens=NEW)).metrics
         save(f"ar_graphs,{backend}", dict(tok_s=round(m.tokens_per_s, 1), **{
-            k: m.to_dict()[k] for k in ("forward_ms_per_step", "host_ms_per_step", "eager_verifies")}))
+            k: m.to_dict()[k] for k in ("forward_ms_per_step", "host_ms_per_step", "accept_ms_per_step",
+                                        "eager_verifies")}))
         enable_cuda_graphs(t, True, reserve=CONTEXT + 400)
         save(f"t_ms_1row@{CONTEXT},graphs,{backend}", [round(float(x), 3) for x in measure_cost(t.rows, 1, 128, context=CONTEXT)])
         if backend == "native":
