@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from samctl.decode.sampling import SamplingConfig, choose_tokens, draw, warp_probs
+from samctl.decode.sampling import SamplingConfig, argmax_rows, choose_tokens, draw, warp_probs
 from samctl.decode.tree import DraftTree, walk_tree
 
 
@@ -98,7 +98,7 @@ def choose_rows(
     # at every input by each row's own sampling (argmax for greedy rows). Neighbouring rows with
     # the same sampling and generator draw in one call.
     if all(s.greedy for s in samplings):
-        return logits.argmax(dim=-1)
+        return argmax_rows(logits)
     parts, b = [], 0
     while b < len(samplings):
         e = b + 1

@@ -402,3 +402,17 @@ def test_fixed_seed_is_reproducible():
     runs = [generate(target, make_drafter("sam+recycle", vocab_size=VOCAB, device=target.device, config=CONFIG),
                      list(PROMPT), config).tokens for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+def test_argmax_rows_is_torch_argmax():
+    # the CPU path goes through numpy: the first index on ties, NaN as the largest, any layout
+    from samctl.decode.sampling import argmax_rows
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 300, generator=gen)
+    x[1, 7] = x[1, 250] = x[1].max() + 1  # a tie: the first wins
+    x[2, 11] = x[2, 5] = float("nan")
+    x[3] = 0.0
+    for t in (x, x.half(), x.double(), x[:, ::3], x.bfloat16(), x[0]):
+        got = argmax_rows(t)
+        assert got.dtype == torch.int64 and torch.equal(got, t.argmax(dim=-1)), t.dtype
