@@ -63,15 +63,17 @@ def batch_accept(
     # Rows with a rule of their own draw nothing here and sync once more each.
     rules = rules if rules is not None else [None] * len(trees)
     shared = [b for b, rule in enumerate(rules) if rule is None]
-    choices = torch.zeros_like(input_ids)
-    if shared:
-        spans = [torch.arange(int(offsets[b]), int(offsets[b + 1]), device=logits.device) for b in shared]
-        picked = torch.cat(spans) if len(shared) < len(trees) else None
-        sizes = np.array([offsets[b + 1] - offsets[b] for b in shared])
-        part = choose_rows(logits if picked is None else logits.index_select(0, picked),
-                           np.concatenate(([0], np.cumsum(sizes))), [samplings[b] for b in shared],
-                           [generators[b] for b in shared])
-        choices = part if picked is None else choices.index_copy_(0, picked, part)
+    if len(shared) == len(trees):  # the common case: every row by this rule, no gather
+        choices = choose_rows(logits, np.asarray(offsets), samplings, generators)
+    else:
+        choices = torch.zeros_like(input_ids)
+        if shared:
+            picked = torch.cat([torch.arange(int(offsets[b]), int(offsets[b + 1]), device=logits.device)
+                                for b in shared])
+            sizes = np.array([offsets[b + 1] - offsets[b] for b in shared])
+            part = choose_rows(logits.index_select(0, picked), np.concatenate(([0], np.cumsum(sizes))),
+                               [samplings[b] for b in shared], [generators[b] for b in shared])
+            choices = choices.index_copy_(0, picked, part)
     host = torch.stack((input_ids, choices)).cpu().numpy()  # the step's one host sync
     paths, nexts = [], []
     for b, tree in enumerate(trees):
