@@ -38,7 +38,7 @@ import numpy as np
 
 from samctl.index.automaton import SuffixAutomaton, sam_frequent_tree, sam_span_state
 from samctl.index.ngram import NgramArrays, NgramTable
-from samctl.index.sharded import ShardedAutomaton, ShardedSuffixArray
+from samctl.index.shard_structures import ShardedAutomaton, ShardedSuffixArray
 from samctl.index.suffix_array import MAX_MATCH, SuffixArray, sa_find, sa_step, sa_tree, sa_walk, token_key
 
 

@@ -106,7 +106,7 @@ def _sam_from_arrays(arrays, meta, occurrence, check):
 
 
 def _sam_sharded(automata, occurrence):
-    from samctl.index.sharded import ShardedAutomaton
+    from samctl.index.shard_structures import ShardedAutomaton
 
     return ShardedAutomaton(automata, occurrence=occurrence)
 
@@ -163,7 +163,7 @@ def _sa_load(path, verify=False, occurrence="first"):
 
 
 def _sa_sharded(arrays, occurrence):
-    from samctl.index.sharded import ShardedSuffixArray
+    from samctl.index.shard_structures import ShardedSuffixArray
 
     return ShardedSuffixArray(arrays)  # continuations come from the earliest occurrence only
 

@@ -40,6 +40,7 @@ import json
 import mmap
 import os
 import re
+import shutil
 import stat
 import struct
 import tempfile
@@ -53,6 +54,8 @@ import numpy as np
 import zstandard
 
 from samctl.index.errors import UserError
+
+MANIFEST = "manifest.json"  # a store directory's header (index/sharded.py, index/suffix_array.py)
 
 MAGIC = b"\x89SAMCTL\n"
 FORMAT_VERSION = 1
@@ -551,3 +554,64 @@ def _decompress(name: str, entry: ArrayEntry, blob: memoryview) -> np.ndarray:
         raise corrupt(f"decodes to {'more than ' if extra else ''}{filled} bytes, "
                       f"expected {entry.raw_length}")
     return out
+
+
+class DirectoryWriter:
+    """Writes a store directory atomically: its files go into a temporary directory beside `path`;
+    `commit_manifest` writes the manifest, fsyncs, and renames the directory into place (replacing
+    an older store at `path`; any other directory there is refused). Leaving the `with` block
+    without a commit removes everything."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        # Only a store (directory with a manifest, or a file) is ever replaced: never a folder
+        # that merely sits at the path, which the final swap would delete.
+        if self.path.is_dir() and not (self.path / MANIFEST).is_file():
+            raise UserError(f"{self.path} is a directory but not a samctl store (no {MANIFEST}): "
+                            "choose another output path")
+        parent = self.path.parent if str(self.path.parent) else Path(".")
+        try:
+            self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.tmp", dir=parent))
+        except OSError as err:
+            raise UserError(f"cannot write {self.path}: {err.strerror}: choose another output path") from err
+        self.committed = False
+
+    def __enter__(self) -> "DirectoryWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.committed:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def commit_manifest(self, manifest: dict[str, Any], files: list[str] | tuple[str, ...]) -> None:
+        """Write `manifest`, drop every file but `files`, and swap the directory into place."""
+        manifest_path = self.tmp / MANIFEST
+        with open(manifest_path, "w", encoding="utf-8") as out:
+            json.dump(manifest, out, indent=1)
+            out.flush()
+            os.fsync(out.fileno())
+        for leftover in set(os.listdir(self.tmp)) - {MANIFEST} - set(files):
+            path = self.tmp / leftover
+            shutil.rmtree(path) if path.is_dir() else os.unlink(path)
+        _fsync_directory(self.tmp)
+        os.chmod(self.tmp, 0o755 & ~_umask())
+        self._swap()
+        self.committed = True
+
+    def _swap(self) -> None:
+        old = None
+        if self.path.exists() or self.path.is_symlink():
+            old = self.path.parent / f".{self.path.name}.old{os.getpid()}"
+            os.replace(self.path, old)
+        try:
+            os.replace(self.tmp, self.path)
+        except OSError as err:
+            if old is not None:
+                os.replace(old, self.path)
+            raise UserError(f"cannot write {self.path}: {err.strerror or err}") from err
+        _fsync_directory(self.path.parent if str(self.path.parent) else Path("."))
+        if old is not None:
+            if old.is_dir() and not old.is_symlink():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.unlink()

@@ -48,7 +48,7 @@ from numba import njit
 from samctl.index.datastore import StoreMeta, parse_meta
 from samctl.index.lookup import Lookup
 from samctl.index.errors import ConfigError, UserError
-from samctl.index.store import StoreError, read_manifest
+from samctl.index.store import DirectoryWriter, StoreError, read_manifest
 
 FORMAT = "samctl-sa-store"
 FORMAT_VERSION = 1
@@ -487,15 +487,13 @@ def build_suffix_array(path: str | os.PathLike, tokens: np.ndarray, doc_offsets:
     tokens: [n] int32 in [0, meta.vocab_size); doc_offsets: [d+1] int64 rising from 0 to n.
     The indexer sorts parts of at most memory_limit bytes (`threads` at once) and merges them on disk.
     """
-    from samctl.index.sharded import StoreDirectoryWriter  # the atomic directory swap
-
     indexer = _indexer()
     memory_limit = check_memory_limit(default_memory_limit() if memory_limit is None else memory_limit)
     width = token_width(meta.vocab_size)
     doc_offsets = np.asarray(doc_offsets, dtype=np.int64)
     if len(tokens) and int(tokens.max()) >= meta.vocab_size:
         raise UserError(f"token id {int(tokens.max())} is outside the vocabulary of {meta.vocab_size}")
-    with StoreDirectoryWriter(path) as writer:
+    with DirectoryWriter(path) as writer:
         # 1) the token array, infini-gram's layout: a separator before each document
         (on_phase or _quiet)("writing the token array")
         documents = len(doc_offsets) - 1
