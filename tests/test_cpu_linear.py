@@ -128,7 +128,7 @@ def test_int8_probed_kernels_are_exact_at_the_extremes():
 # What must hold on every CPU class, run again on an AVX2 CPU without VNNI, emulated here: ATen's
 # AVX2 kernels (sdpa, elementwise ops) and oneDNN's (int8 GEMM) in a fresh process.
 ON_ANY_CPU = ("row_alone or one_row_kernel or modes_are_exact or probed_kernels or batch_rows_are or "
-              "batched_rows_equal or integer_formula or single_steps or laid_out")
+              "batched_rows_equal or integer_formula or single_steps or exact_kernel")
 
 
 @pytest.mark.slow
@@ -414,52 +414,43 @@ def test_int8_batched_verify_equals_single_steps_bit_for_bit(int8_llama):
         assert torch.equal(logits[offsets[b] : offsets[b + 1]][path], one_token_steps(single, p, c[path])), b
 
 
-def sdpa_layouts(monkeypatch) -> list:
-    """A spy on sdpa: the layout of every one-query call, (query, key, value), where a layout is
-    what a kernel can see of a B = 1 tensor besides its values: the strides of the dims it indexes
-    and the alignment of each head's first element."""
-    calls = []
-    real = F.scaled_dot_product_attention
-
-    def layout(t: torch.Tensor, first: int) -> tuple:
-        return t.stride()[first:], t.data_ptr() % 64, t.stride(1) * t.element_size() % 64
-
-    def spy(query, key, value, *args, **kwargs):
-        if query.shape[2] == 1:
-            # the query's strides over every dim but B: a kernel reads them as leading dimensions
-            calls.append((layout(query, 1), query.storage_offset(), layout(key, 2), layout(value, 2)))
-        return real(query, key, value, *args, **kwargs)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    return calls
-
-
-def test_int8_verify_rows_reach_sdpa_laid_out_as_one_token_steps(int8_llama, monkeypatch):
-    # Exact per row on every CPU needs each row's sdpa call to be the one-token step's call: same
-    # values and the same layouts (an AVX2 EPYC rounded a strided query row differently from the
-    # step's own: 1.5e-8 in layer 0 at widths >= 16, where this VNNI Xeon gives the same bits).
+def test_int8_steps_and_verify_rows_attend_in_the_exact_kernel_not_sdpa(int8_llama, monkeypatch):
+    # Exact per row on every CPU: a row's attention must not depend on how a library kernel blocks
+    # a call (an AVX2 EPYC's sdpa rounded a strided query row differently from a step's own), so
+    # one-token steps and verified rows (chains, trees, batched, padded) attend through
+    # attend_rows alone; sdpa sees prefills only.
+    from samctl.decode.engine import attention
     from samctl.decode.engine.batched import BatchedTarget
     from samctl.decode.engine.target import TargetModel
     from samctl.decode.tree import DraftTree
 
-    calls = sdpa_layouts(monkeypatch)
+    sdpa_rows, kernel_calls = [], []
+    real_sdpa, real_kernel = F.scaled_dot_product_attention, attention.attend_rows
+
+    def sdpa(query, key, *args, **kwargs):
+        sdpa_rows.append(query.shape[2] < key.shape[2])  # a query with cached keys: not a prefill
+        return real_sdpa(query, key, *args, **kwargs)
+
+    def kernel(*args):
+        kernel_calls.append(args[0].shape)
+        return real_kernel(*args)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    monkeypatch.setattr(attention, "attend_rows", kernel)
     rng = np.random.default_rng(3)
     prompt, ids = rng.integers(3, 96, 20), rng.integers(3, 96, 24)
     single = TargetModel(int8_llama)
     one_token_steps(single, prompt, ids[:2])
-    steps = set(calls)
-    assert len(steps) == 1, steps  # every one-token step lays its tensors out alike
-    calls.clear()
     chain, tree = DraftTree.chain(ids[1:]), DraftTree(ids[1:], np.arange(-2, 21, dtype=np.int32).clip(-1))
     for draft in (chain, tree):
         single.prefill(torch.from_numpy(prompt))
         single.verify(torch.from_numpy(ids), draft)
     batched = BatchedTarget(int8_llama, 2, 100)
     for draft in (chain, tree):
-        # equal widths: a padded input of a shorter row (its output discarded) takes its own key alone
         batched.prefill([0, 1], [prompt, prompt[:9]], [False, False])
         batched.verify([torch.from_numpy(ids)] * 2, [draft] * 2)
-    assert len(calls) >= 4 * 24 * 2 and set(calls) == steps, set(calls) - steps
+    layers = int8_llama.config.num_hidden_layers
+    assert not any(sdpa_rows) and len(kernel_calls) == layers * (2 + 2 + 2), (sdpa_rows, len(kernel_calls))
 
 
 def test_int8_batched_rows_equal_batch1_bit_for_bit(tiny_llama):

@@ -101,6 +101,47 @@ def test_native_int8_verify_rows_equal_one_token_steps_bit_for_bit(batched):
         assert torch.equal(got, want[:width]), width
 
 
+def test_exact_attention_rows_are_one_token_steps_whatever_the_other_rows():
+    # a tree's rows over a shared prefix, in two batch rows of different lengths, grouped heads:
+    # each row equals the same query attending its prefix and ancestors alone, as a one-token
+    # step does, bit for bit; and sdpa within float tolerance
+    from samctl.decode.engine.attention import exact_attention
+
+    gen = torch.Generator().manual_seed(3)
+    batch, heads, kv_heads, dim, capacity = 2, 6, 2, 32, 96
+    keys, values = torch.randn(2, batch, kv_heads, capacity, dim, generator=gen)
+    parents = [-1, 0, 0, 1, 2, 4, -1]
+    lengths = [50, 37]  # committed keys per batch row; the tree's keys follow them
+    kv = max(lengths) + len(parents)
+    mask = torch.zeros(batch, 1, len(parents), kv, dtype=torch.bool)
+    paths = []
+    for i in range(len(parents)):
+        path, j = [], i
+        while j >= 0:
+            path.insert(0, j)
+            j = parents[j]
+        paths.append(path)
+    for b, n in enumerate(lengths):
+        keys[b, :, n : n + len(parents)], values[b, :, n : n + len(parents)] = keys[b, :, -len(parents):], \
+            values[b, :, -len(parents):]
+        mask[b, 0, :, :n] = True
+        for i, path in enumerate(paths):
+            mask[b, 0, i, [n + j for j in path]] = True
+    query = torch.randn(batch, heads, len(parents), dim, generator=gen)
+    got = exact_attention(query, keys.numpy(), values.numpy(), mask, kv)
+    reference = torch.nn.functional.scaled_dot_product_attention(query, keys[:, :, :kv], values[:, :, :kv],
+                                                                  attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-6)
+    for b, n in enumerate(lengths):
+        for i, path in enumerate(paths):
+            seen = list(range(n)) + [n + j for j in path]
+            alone_k, alone_v = torch.zeros(2, 1, kv_heads, capacity, dim)
+            alone_k[0, :, : len(seen)], alone_v[0, :, : len(seen)] = keys[b][:, seen], values[b][:, seen]
+            step = exact_attention(query[b : b + 1, :, i : i + 1].clone(), alone_k.numpy(), alone_v.numpy(), None,
+                                   len(seen))
+            assert torch.equal(step[0, 0], got[b, i]), (b, i)
+
+
 def test_native_hidden_states_are_the_final_norms_output():
     model = tiny("llama", seed=8)
     prompt = torch.from_numpy(np.random.default_rng(9).integers(0, 120, 10))

@@ -22,8 +22,10 @@ switches a model to it.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from numba import njit
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -79,68 +81,116 @@ def use_folded_gqa(model: torch.nn.Module) -> bool:
 # int8 linears are exact per row (decode/engine/cpu_linear.py), but sdpa over q query rows sums in
 # another order than over one, and a last-bit difference that crosses an int8 rounding boundary
 # moves an activation by a whole quantization step (SmolLM2: verify logits off by up to 4 from one-
-# token steps). So every query row attends in its own sdpa call over exactly the keys it sees, in
-# the order a one-token step sees them (the committed prefix, then its tree ancestors):
-#
-#     out[b, i] = sdpa(query[b, :, i], keys(b, i), values(b, i))      one call shape per row
-#
-# which is what a one-token step of the same model computes, bit for bit, whatever the other rows
-# (verified tokens or batch rows) are. Why not one call for all rows: the CPU kernels' arithmetic
-# for a row depends on the number of rows and keys in the call (gemm blocking, the vector/scalar
-# split of the softmax sum), so no shared call keeps a row exact. What is vectorized is everything
-# around the calls: which keys each row sees is read from the mask once per forward (not once per
-# layer), prefix rows read a view of the cache, and tree rows copy only their ancestors behind one
-# shared copy of the prefix. A prefill (no cached keys) runs batched, as the plain decoder's does.
+# token steps). So every query row attends through one compiled kernel (`attend_rows`) whose
+# arithmetic for a row depends on that row's query and the keys it sees alone, in the order a
+# one-token step sees them (the committed prefix, then its tree ancestors): each score a dot
+# product over the head dimension, the softmax's sum over the row's visible keys, the output a
+# sum of value rows in key order. A one-token step runs the same kernel, so every verified row
+# (tree node or batch row) equals it bit for bit, whatever the other rows are, in one call for
+# all rows and heads. A prefill (no cached keys) runs batched through sdpa, as the plain
+# decoder's does.
 ROWWISE = "samctl_rowwise"
 
 
-# The last forward's visible keys: (mask, (B, q, kv), rows, shared), replaced in one assignment so
-# that a thread never reads one mask's rows under another's key. Holding the mask keeps its id
+@njit(cache=True, fastmath={"reassoc", "contract"})
+def attend_rows(query, key, value, index, counts, scale, out):
+    """out[b, i, h] = softmax(scale * q . k_j) . v_j over the keys j = index[b', i, :counts[b', i]]
+    (ascending) of row i (b' = b, or 0 when index has one batch row); head h reads KV head
+    h // (Hq / Hkv). query [B, Hq, q, D], key and value [B, Hkv, >= kv, D], out [B, q, Hq, D],
+    all float32 and contiguous. The vectorized sums' order depends on D and the count of keys,
+    never on the other rows."""
+    batch, heads, rows, dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    scores = np.empty((group, index.shape[2]), dtype=np.float32)
+    acc = np.empty((group, dim), dtype=np.float32)
+    for b in range(batch):
+        bi = b if index.shape[0] > 1 else 0
+        for i in range(rows):
+            n = counts[bi, i]
+            for g in range(kv_heads):
+                for t in range(n):  # each key read once for the group's query heads
+                    j = index[bi, i, t]
+                    for r in range(group):
+                        dot = np.float32(0.0)
+                        for d in range(dim):
+                            dot += query[b, g * group + r, i, d] * key[b, g, j, d]
+                        scores[r, t] = dot * scale
+                for r in range(group):
+                    top = scores[r, 0]
+                    for t in range(1, n):
+                        top = max(top, scores[r, t])
+                    total = np.float32(0.0)
+                    for t in range(n):
+                        scores[r, t] = np.exp(scores[r, t] - top)
+                        total += scores[r, t]
+                    scores[r, 0] /= total  # the output divides by the sum once, through the weights
+                    for t in range(1, n):
+                        scores[r, t] /= total
+                acc[:, :] = 0.0
+                for t in range(n):
+                    j = index[bi, i, t]
+                    for r in range(group):
+                        p = scores[r, t]
+                        for d in range(dim):
+                            acc[r, d] += p * value[b, g, j, d]
+                for r in range(group):
+                    for d in range(dim):
+                        out[b, i, g * group + r, d] = acc[r, d]
+
+
+# The last forward's visible keys: (mask, (B, q, kv), index, counts), replaced in one assignment
+# so that a thread never reads one mask's rows under another's key. Holding the mask keeps its id
 # from being reused by another mask while it is cached.
 _last_visible: tuple | None = None
 
 
-def _visible_keys(mask: torch.Tensor, batch: int, q: int, kv: int) -> tuple[list, list]:
+def _visible_keys(mask: torch.Tensor | None, batch: int, q: int, kv: int) -> tuple[np.ndarray, np.ndarray]:
     """The keys each query row sees, read from one forward's mask once and reused by every layer.
-    mask: [B or 1, 1, q, kv] bool (True = attend) or additive float (0 = attend); a mask edited in
-    place between forwards must come as a new tensor object (the engines' views do).
+    mask: [B or 1, 1, q, kv] bool (True = attend) or additive float (0 = attend), or None (causal:
+    row i sees the first kv - q + i + 1 keys); a mask edited in place between forwards must come as
+    a new tensor object (the engines' views do).
 
-    -> (rows, shared): rows[b][i] is an int n (row i of batch row b sees keys [0, n)) or a tensor
-    of key indices >= shared[b][i] (it sees [0, shared[b][i]) and those); shared[b][i] is one
-    value per batch row, or 0."""
+    -> (index [B or 1, q, kv] int64: row i's visible keys ascending, then the others; counts
+    [B or 1, q] int64: how many it sees)"""
     global _last_visible
     last = _last_visible
     if last is not None and last[0] is mask and last[1] == (batch, q, kv):
         return last[2], last[3]
-    seen = mask[:, 0, :, :kv]
-    seen = seen if seen.dtype == torch.bool else seen == 0
-    seen = seen.expand(batch, q, kv)
-    counts = seen.sum(-1)  # [B, q]
-    lead = seen.cumprod(-1).sum(-1)  # the leading run of visible keys
-    prefix = (lead == counts).tolist()
-    counts, lead = counts.tolist(), lead.tolist()
-    rows, shared = [], []
-    for b in range(batch):
-        # rows that see no prefix at all (a batched verify's padding inputs see only themselves)
-        # take their keys alone, so that they do not shorten the prefix the others share
-        start = min((lead[b][i] for i in range(q) if not prefix[b][i] and lead[b][i]), default=0)
-        rows.append([counts[b][i] if prefix[b][i] else
-                     torch.nonzero(seen[b, i, start if lead[b][i] else 0 :])[:, 0] + (start if lead[b][i] else 0)
-                     for i in range(q)])
-        shared.append([0 if prefix[b][i] or not lead[b][i] else start for i in range(q)])
-    _last_visible = (mask, (batch, q, kv), rows, shared)
-    return rows, shared
+    if mask is None:
+        index = np.ascontiguousarray(np.broadcast_to(np.arange(kv, dtype=np.int64), (1, q, kv)))
+        counts = (kv - q + 1 + np.arange(q, dtype=np.int64))[None]
+    else:
+        seen = mask[:, 0, :, :kv]
+        seen = seen if seen.dtype == torch.bool else seen == 0
+        counts = seen.sum(-1).numpy()
+        index = torch.argsort(~seen, dim=-1, stable=True).numpy()  # visible first, each part ascending
+    _last_visible = (mask, (batch, q, kv), index, counts)
+    return index, counts
 
 
-def _row_query(query: torch.Tensor) -> torch.Tensor:
-    """query [1, Hq, 1, D] as a one-token step's own: a tensor of its own, strides (Hq * D, D, D, 1).
-    A row sliced from a verify's query is a view at an offset whose strides (q * Hq * D, D, Hq * D, 1)
-    say "contiguous" yet reach the kernel as other leading dimensions: on an AVX2 CPU (an AMD EPYC,
-    issue 42) sdpa rounded the two differently, 1.5e-8 in layer 0 at every verify width >= 16."""
-    _, heads, _, dim = query.shape
-    if query.storage_offset() == 0 and query.stride() == (heads * dim, dim, dim, 1):
-        return query
-    return query.clone(memory_format=torch.contiguous_format)
+def _whole(cache: torch.Tensor) -> torch.Tensor:
+    """A [B, H, kv, D] view of a KV cache as the contiguous [B, H, capacity, D] block it lies in
+    (no copy), or a contiguous copy when it lies otherwise."""
+    batch, heads, _, dim = cache.shape
+    head = cache.stride(1)
+    if (cache.stride(3) == 1 and cache.stride(2) == dim and head % dim == 0 and cache.stride(0) == heads * head
+            and cache.untyped_storage().nbytes() >= (cache.storage_offset() + batch * heads * head) * cache.element_size()):
+        return torch.as_strided(cache, (batch, heads, head // dim, dim), cache.stride())
+    return cache.contiguous()
+
+
+def exact_attention(query: torch.Tensor, keys: np.ndarray, values: np.ndarray, mask: torch.Tensor | None, kv: int,
+                    scaling: float | None = None) -> torch.Tensor:
+    """Attention exact per query row (`attend_rows`): query [B, Hq, q, D] float32 on the CPU; keys,
+    values [B, Hkv, >= kv, D] contiguous float32 arrays (a KV cache's whole block: its first kv
+    keys are attended); mask as `_visible_keys` reads it -> [B, q, Hq, D]."""
+    batch, heads, q, dim = query.shape
+    index, counts = _visible_keys(mask, batch, q, kv)
+    out = query.new_empty(batch, q, heads, dim)
+    attend_rows(query.contiguous().numpy(), keys, values, index, counts,
+                np.float32(dim ** -0.5 if scaling is None else scaling), out.numpy())
+    return out
 
 
 def rowwise_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -149,45 +199,11 @@ def rowwise_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     # query: [B, Hq, q, D]; key, value: [B, Hkv, kv, D]; attention_mask: [B or 1, 1, q, kv] bool or
     # additive float, or None (causal: row i sees the first kv - q + i + 1 keys)
     # -> ([B, q, Hq, D], None), as transformers' sdpa_attention_forward returns
-    batch, heads, q, dim = query.shape
-    kv = key.shape[2]
+    q, kv = query.shape[2], key.shape[2]
     if q == kv and q > 1:  # a prefill (no cached keys): run as a plain greedy decoder's prefill runs it
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    gqa = heads != key.shape[1]
-    if attention_mask is None and q == 1 and batch == 1:  # a one-token step: the loop's one call, without the loop
-        out = F.scaled_dot_product_attention(_row_query(query), key, value, dropout_p=dropout, scale=scaling,
-                                             enable_gqa=gqa)
-        return out.transpose(1, 2), None
-    if attention_mask is None:
-        rows, shared = [[kv - q + i + 1 for i in range(q)]] * batch, [[0] * q] * batch
-    else:
-        rows, shared = _visible_keys(attention_mask, batch, q, kv)
-    out = query.new_empty(batch, q, heads, dim)
-    for b in range(batch):
-        keys, values = key[b : b + 1], value[b : b + 1]
-        scratch = None
-        for i, seen in enumerate(rows[b]):
-            start = shared[b][i]
-            if isinstance(seen, int):  # a prefix: a view of the cache
-                k, v = keys.narrow(2, 0, seen), values.narrow(2, 0, seen)
-            elif not start:  # no prefix: its few keys alone
-                k, v = keys.index_select(2, seen), values.index_select(2, seen)
-            else:  # the shared prefix, then this row's own keys copied behind it
-                if scratch is None:
-                    width = start + max(int(s.numel()) for s in rows[b] if not isinstance(s, int))
-                    # the cache's own head stride (its capacity), so these keys lie as a step's do
-                    scratch = keys.new_empty(2, 1, keys.shape[1], max(width, keys.stride(1) // dim), dim)
-                    scratch[0, :, :, :start] = keys[:, :, :start]
-                    scratch[1, :, :, :start] = values[:, :, :start]
-                n = int(seen.numel())
-                scratch[0, :, :, start : start + n] = keys.index_select(2, seen)
-                scratch[1, :, :, start : start + n] = values.index_select(2, seen)
-                k, v = scratch[0, :, :, : start + n], scratch[1, :, :, : start + n]
-            row = F.scaled_dot_product_attention(_row_query(query[b : b + 1, :, i : i + 1]), k, v,
-                                                 dropout_p=dropout, scale=scaling, enable_gqa=gqa)  # [1, Hq, 1, D]
-            out[b, i] = row[0, :, 0]
-    return out, None
+    return exact_attention(query, _whole(key).numpy(), _whole(value).numpy(), attention_mask, kv, scaling), None
 
 
 def exact_rows(model: torch.nn.Module) -> bool:

@@ -21,8 +21,8 @@ Numerics: in float32 the fused matmuls and the fused RMSNorm sum in another orde
 transformers' separate ones, so logits differ from the hf backend's in the last bits (tested
 within 1e-4); greedy decoding is exact with respect to this backend's own plain decoding, as with
 hf. int8 linears (decode/engine/cpu_linear.py) are exact per row whatever the fusing, and int8
-models attend row by row (`rowwise_attention`), so every verified row equals a one-token step of
-this backend bit for bit.
+models attend through `exact_attention` wherever keys are cached, so every verified row equals a
+one-token step of this backend bit for bit.
 
 Knows nothing of drafts, trees or acceptance; the caller gives the mask and positions.
 """
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from samctl.decode.configs import BACKENDS
-from samctl.decode.engine.attention import exact_rows, rowwise_attention
+from samctl.decode.engine.attention import exact_attention, exact_rows
 from samctl.decode.engine.cpu_linear import FusedLinear, linear_backend
 from samctl.index.errors import UserError
 
@@ -130,10 +130,7 @@ class NativeForward:
         self.head = model.lm_head
         self.rotary = decoder.rotary_emb
         self.scaling = head_dim ** -0.5
-        self.exact_rows = exact_rows(model)  # int8: attention row by row (rowwise_attention)
-        # rowwise_attention reads these of the module it is handed (its prefill path calls transformers' sdpa)
-        self._attn_module = SimpleNamespace(num_key_value_groups=heads // self.shape.kv_heads, is_causal=True,
-                                            training=False)
+        self.exact_rows = exact_rows(model)  # int8: every row with cached keys attends exactly (exact_attention)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype if param.is_floating_point() else torch.float32
         self._cos = self._sin = torch.empty(0, head_dim, dtype=self.dtype, device=self.device)
@@ -167,9 +164,6 @@ class NativeForward:
         # q: [A, Hq, q, D]; k, v: [A, Hkv, kv, D]; mask: [A or 1, 1, q, kv] additive or bool, or None
         # (causal, the inputs being the last q of the kv keys) -> [A, q, Hq * D]
         rows, _, n, _ = q.shape
-        if self.exact_rows:
-            out, _ = rowwise_attention(self._attn_module, q, k, v, mask, scaling=self.scaling)
-            return out.reshape(rows, n, -1)
         gqa = q.shape[1] != k.shape[1]
         if mask is None and n > 1:  # a prefill (n == kv); chains after a cache come with a mask (__call__)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=gqa)
@@ -192,6 +186,7 @@ class NativeForward:
         rows, n = input_ids.shape
         cos, sin = self._table(position_ids, upto if upto is not None else int(position_ids.max()) + 1)
         x = self.embed(input_ids)  # [A, q, H]
+        whole = None  # exact rows: the cache's block [2, layers, B, Hkv, capacity, D] as one array
         for index, layer in enumerate(self.layers):
             h = self._norm(x, layer.norm_in)
             qkv = layer.qkv(h).view(rows, n, shape.heads + 2 * shape.kv_heads, shape.head_dim)
@@ -209,7 +204,14 @@ class NativeForward:
             if attention_mask is None and not self.exact_rows and 1 < n < kv:  # a chain after cached keys
                 # the causal mask, built once per forward: every layer attends the same keys
                 attention_mask = torch.ones(n, kv, dtype=torch.bool, device=keys.device).tril_(kv - n)
-            x = x + layer.o(self._attend(q, keys, values, attention_mask))
+            if self.exact_rows and n < kv:  # every layer's keys from one view of the cache, no copies
+                if whole is None:
+                    whole = cache.layers[index].owner.storage.numpy()
+                attended = exact_attention(q, whole[0, index, :rows], whole[1, index, :rows], attention_mask, kv,
+                                           self.scaling).reshape(rows, n, -1)
+            else:
+                attended = self._attend(q, keys, values, attention_mask)
+            x = x + layer.o(attended)
             h = self._norm(x, layer.norm_post)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)

@@ -157,14 +157,14 @@ def main() -> None:
         finally:
             server.stop()
 
-    for spec in args.spec_types.split(","):
+    for spec in filter(None, args.spec_types.split(",")):  # --spec-types '': samctl's servers only
         port = free_port()
         argv = [args.llama_server, "-m", args.model, "-t", "1", "-tb", "1", "-np", str(args.clients),
                 "-c", str(4096 * args.clients), "--port", str(port), "--host", "127.0.0.1", "--no-webui"]
         if spec != "none":
             argv += ["--spec-type", spec]
         run_server(f"llama-server {spec}", argv, port, {spec if spec != "none" else "greedy": {}})
-    for quantize in args.quantize.split(","):
+    for quantize in filter(None, args.quantize.split(",")):
         port = free_port()
         argv = [sys.executable, "-m", "samctl", "serve", "--model", args.model, "--threads", "1", "--port", str(port),
                 "--served-model-name", "m", "--quantize", quantize]
