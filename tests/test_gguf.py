@@ -225,9 +225,11 @@ def test_real_gguf_every_method_matches_transformers_greedy(tmp_path, private_ca
     cached = Path(gguf_cache.model_folder(str(REAL_GGUF)))
     assert cached.parent == private_cache / "models"
     assert json.loads((cached / gguf_cache.SOURCE_FILE).read_text())["sha256"] == cached.name
-    # The reference: transformers straight from the GGUF file, not from samctl's cached copy.
-    reference = AutoModelForCausalLM.from_pretrained(REAL_GGUF.parent, gguf_file=REAL_GGUF.name,
-                                                     dtype=torch.float32).eval()
+    # The reference: transformers straight from the GGUF file, not from samctl's cached copy (read
+    # as samctl reads it: gguf's reader over a plain array of the same mapped bytes, 3x faster).
+    with gguf_cache.gguf_reading():
+        reference = AutoModelForCausalLM.from_pretrained(REAL_GGUF.parent, gguf_file=REAL_GGUF.name,
+                                                         dtype=torch.float32).eval()
     prompts = ["Rename the variable x to count in: def f(x):\n    return x + x * x\n",
                "List three colors, then repeat the same list."]
     config = GenerationConfig(max_new_tokens=32, eos_token_ids=engine.eos_token_ids)
