@@ -98,7 +98,7 @@ def test_health_is_starting_until_the_engine_can_serve(model_dir, tmp_path, monk
 
     session = Session(SessionConfig(model=str(model_dir), max_new_tokens=4, threads=1, quiet=True))
     monkeypatch.setenv("SAMCTL_CACHE", str(tmp_path))  # the batched curve is measured, not read
-    calls = _slow_verifies(monkeypatch, 0.2)
+    calls = _slow_verifies(monkeypatch, 0.05)
     server, url = _serve(create_app(session, batch_size=3), ready=False)
     try:
         with httpx.Client(base_url=url, timeout=120) as client:
