@@ -47,7 +47,9 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import NamedTuple
 
+import numpy as np
 import torch
+from numba import njit
 from torch import nn
 
 from samctl.decode.engine.attention import use_rowwise_attention
@@ -104,6 +106,7 @@ class Int8Linear(nn.Module):
         self.kernels = int8_kernels()
         self.gemm = OneDnnGemm.pack(qweight) if self.kernels.onednn else None  # several rows (all, when split)
         self._dense: torch.Tensor | None = None
+        self._scales: tuple | None = None  # (the scale buffer, it and the bias as arrays), for `rescale`
 
     @property
     def weight(self) -> torch.Tensor:
@@ -121,23 +124,60 @@ class Int8Linear(nn.Module):
 
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [r, in] float -> [r, out] float32, the module docstring's formula. Each op counts:
-        a decode step runs this 121 times on one row (SmolLM2, fused), where a call costs more
-        than its arithmetic, so in-place ops and no no-op casts."""
-        if rows.dtype != torch.float32:
-            rows = rows.float()
-        # [r, 1]; vector_norm(inf) is 5x slower at 8 rows
-        row_scale = rows.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny).div_(127.0)
-        # |rows / row_scale| <= 127 up to rounding, so no clamp is needed before the cast
-        xq = torch.div(rows, row_scale).round_()
-        if self.kernels.split:  # no VNNI
-            y = split_sums(self.gemm, xq).mul_(row_scale)
-        elif self.gemm is None or (len(xq) == 1 and self.kernels.gemv):
-            # [out, in] x [in, r]: int32 [r, out] after the transpose
-            y = torch.mul(torch._int_mm(self.qweight, xq.to(torch.int8).t()).t(), row_scale)
+        a decode step runs this 121 times on one row (SmolLM2, fused), where a torch call costs
+        more than its arithmetic, so the rows are quantized in one compiled call
+        (`quantize_rows`) and the scales applied in another (`rescale`)."""
+        rows = (rows if rows.dtype == torch.float32 else rows.float()).contiguous()
+        row_scale = np.empty(len(rows), dtype=np.float32)
+        if self.kernels.split:  # no VNNI: 7-bit halves of the same rows
+            xq = torch.empty(rows.shape)
+            quantize_rows(rows.numpy(), xq.numpy(), row_scale, 0)
+            sums = split_sums(self.gemm, xq)
+        elif self.gemm is None or (len(rows) == 1 and self.kernels.gemv):
+            xq = torch.empty(rows.shape, dtype=torch.int8)
+            quantize_rows(rows.numpy(), xq.numpy(), row_scale, 0)
+            sums = torch._int_mm(self.qweight, xq.t()).t()  # [out, in] x [in, r]: int32, transposed
         else:  # the same integer sums, as float32
-            y = self.gemm(xq.add_(128).to(torch.uint8), 128).mul_(row_scale)
-        y.mul_(self.scale)  # [r, out] float32
-        return y if self.bias is None else y.add_(self.bias)
+            xu = torch.empty(rows.shape, dtype=torch.uint8)
+            quantize_rows(rows.numpy(), xu.numpy(), row_scale, 128)
+            sums = self.gemm(xu, 128)
+        y = torch.empty(len(rows), self.out_features)
+        if self._scales is None or self._scales[0] is not self.scale:  # the buffers as arrays, made once
+            self._scales = (self.scale, self.scale.numpy(),
+                            _NO_BIAS if self.bias is None else self.bias.detach().float().numpy())
+        rescale(sums.numpy(), row_scale, *self._scales[1:], y.numpy())
+        return y
+
+
+_NO_BIAS = np.zeros(0, dtype=np.float32)
+
+
+@njit(cache=True)
+def quantize_rows(rows, out, row_scale, zero):
+    """Per-row symmetric int8: row_scale[i] = max |rows[i]| / 127 (at least the smallest normal
+    float32 / 127) and out[i, k] = round(rows[i, k] / row_scale[i]) + zero, half to even; |the
+    quotient| <= 127 up to rounding, so no clamp. rows [r, in] float32; out [r, in] of any dtype
+    that holds the values. Each row alone, in one order: a row's codes never depend on the others."""
+    tiny = np.float32(np.finfo(np.float32).tiny)
+    for i in range(rows.shape[0]):
+        top = np.float32(0.0)
+        for k in range(rows.shape[1]):
+            top = max(top, abs(rows[i, k]))
+        scale = max(top, tiny) / np.float32(127.0)
+        row_scale[i] = scale
+        for k in range(rows.shape[1]):
+            out[i, k] = np.rint(rows[i, k] / scale) + zero
+
+
+@njit(cache=True)
+def rescale(sums, row_scale, scale, bias, out):
+    """out[i, n] = float32(sums[i, n]) * row_scale[i] * scale[n] (+ bias[n]), in that order, for
+    integer sums as int32 or exact float32; sums [r, out] (a transposed view reads as its own
+    strides); bias empty for none."""
+    for i in range(out.shape[0]):
+        for n in range(out.shape[1]):
+            y = np.float32(sums[i, n]) * row_scale[i] * scale[n]
+            out[i, n] = y + bias[n] if len(bias) else y
 
 
 class OneDnnGemm:

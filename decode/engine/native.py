@@ -30,8 +30,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from numba import njit
 from torch import nn
 
 from samctl.decode.configs import BACKENDS
@@ -151,7 +153,13 @@ class NativeForward:
         return self._cos[positions][:, :, None], self._sin[positions][:, :, None]
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, weight.shape, weight, self.shape.eps)
+        if x.device.type != "cpu" or x.dtype != torch.float32:
+            return F.rms_norm(x, weight.shape, weight, self.shape.eps)
+        # on a CPU one compiled call: torch's rms_norm is several ops, 25-80 µs at one row
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.empty(rows.shape)
+        rms_norm_rows(rows.numpy(), weight.detach().numpy(), np.float32(self.shape.eps), out.numpy())
+        return out.view(x.shape)
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -222,6 +230,20 @@ class NativeForward:
             kept = hidden.reshape(-1, hidden.shape[-1])
             kept = kept if keep is None or isinstance(keep, int) else kept.index_select(0, keep)
         return self.head(kept), hidden.reshape(-1, hidden.shape[-1])
+
+
+@njit(cache=True)
+def rms_norm_rows(rows, weight, eps, out):
+    """out[i] = rows[i] / sqrt(mean(rows[i]^2) + eps) * weight, in float32, each row alone and
+    summed in order: a row's result never depends on the other rows."""
+    width = rows.shape[1]
+    for i in range(rows.shape[0]):
+        total = np.float32(0.0)
+        for k in range(width):
+            total += rows[i, k] * rows[i, k]
+        inverse = np.float32(1.0) / np.sqrt(total / np.float32(width) + eps)
+        for k in range(width):
+            out[i, k] = rows[i, k] * inverse * weight[k]
 
 
 def use_backend(model: nn.Module, backend: str = "auto") -> str:
