@@ -44,7 +44,7 @@ class SessionConfig:
     # CPU: "int8" runs int8 weights x per-token int8 activations (decode/engine/cpu_linear.py)
     quantize: str = arg("none", "CPU only. int8: int8 weights (a scale per output channel) times int8 activations (a "
                         "scale per token) with integer sums, in every linear layer and the output head, and attention "
-                        "one token at a time: every method's greedy output equals the int8 model's own plain greedy "
+                        "computed for each token alone: every method's greedy output equals the int8 model's own plain greedy "
                         "decoding, bit for bit, batched too. A different model from float32, in half of its memory "
                         "(how close: BENCHMARKS.md, \"CPU int8 and prepacked weights\"). On x86 CPUs without VNNI, "
                         "whose int8 instructions saturate, activations run as two 7-bit halves: exact there too.",
