@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from numba import njit
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
