@@ -14,7 +14,8 @@ counts other processes' time), with tokens per wall second beside it.
 Rows: samctl `adaptive` (the default method) and plain decoding (`speculation: off` in the
 request) on one server per --quantize; llama-server plain greedy and each --spec-type on a server
 of its own. With --clients C > 1, C requests are in flight at once (llama-server -np C, samctl
---batch-size >= C). samctl's greedy outputs are checked against its own plain decoding (the
+--batch-size >= C; --mixed sends the two sets as one interleaved set of 20, so that 16 clients
+have 16 requests in flight). samctl's greedy outputs are checked against its own plain decoding (the
 count of differing answers is reported; float32 should show 0).
 
     python tools/bench/bench_llama_server.py --llama-server /path/to/llama-server \
@@ -125,6 +126,9 @@ def main() -> None:
     p.add_argument("--specbench", default=None, help="Spec-Bench question.jsonl (adds its 12-question set)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--clients", type=int, default=1, help="requests in flight at once")
+    p.add_argument("--mixed", action="store_true",
+                   help="one set of the code edits and the Spec-Bench questions interleaved (20 requests), "
+                        "so that --clients 16 keeps 16 in flight")
     p.add_argument("--spec-types", default="none,ngram-simple,ngram-map-k,ngram-mod",
                    help="llama-server --spec-type values to run, comma-separated (none: plain greedy)")
     p.add_argument("--quantize", default="none,int8", help="samctl servers to run, comma-separated")
@@ -135,6 +139,9 @@ def main() -> None:
     sets = {"code edits": [prompt for prompt, _ in edits(8)]}
     if args.specbench:
         sets["Spec-Bench"] = [q for _, q in specbench(args.specbench)]
+    if args.mixed:
+        edits_, questions = sets["code edits"], sets.get("Spec-Bench", [])
+        sets = {"mixed": [q for pair in zip(questions, edits_) for q in pair] + questions[len(edits_):]}
     logs = Path(args.out or "bench_llama_server.json").with_suffix(".logs")
     logs.mkdir(exist_ok=True)
     rows = []
