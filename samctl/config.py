@@ -44,10 +44,10 @@ class SessionConfig:
     # CPU: "int8" runs int8 weights x per-token int8 activations (decode/engine/cpu_linear.py)
     quantize: str = arg("none", "CPU only. int8: int8 weights (a scale per output channel) times int8 activations (a "
                         "scale per token) with integer sums, in every linear layer and the output head, and attention "
-                        "computed for each token alone: every method's greedy output equals the int8 model's own plain greedy "
-                        "decoding, bit for bit, batched too. A different model from float32, in half of its memory "
-                        "(how close: BENCHMARKS.md, \"CPU int8 and prepacked weights\"). On x86 CPUs without VNNI, "
-                        "whose int8 instructions saturate, activations run as two 7-bit halves: exact there too.",
+                        "computed for each token alone: every method's greedy output equals the int8 model's own "
+                        "plain greedy decoding, bit for bit, batched too. A different model from float32 (close, not "
+                        "equal), in half of its memory. On x86 CPUs without VNNI, whose int8 instructions saturate, "
+                        "activations run as two 7-bit halves: exact there too.",
                         choices=("none", "int8"))
     prepack: bool = arg(True, "CPU, float32: reorder the weights once at load for oneDNN, so verifying a few tokens "
                         "costs little more than one (results differ from unpacked weights in the last bits).",
