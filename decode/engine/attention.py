@@ -123,8 +123,7 @@ def attend_rows(query, key, value, index, counts, scale, out):
                     for t in range(n):
                         scores[r, t] = np.exp(scores[r, t] - top)
                         total += scores[r, t]
-                    scores[r, 0] /= total  # the output divides by the sum once, through the weights
-                    for t in range(1, n):
+                    for t in range(n):  # the weights, normalized once
                         scores[r, t] /= total
                 acc[:, :] = 0.0
                 for t in range(n):
