@@ -414,18 +414,26 @@ def test_int8_batched_verify_equals_single_steps_bit_for_bit(int8_llama):
         assert torch.equal(logits[offsets[b] : offsets[b + 1]][path], one_token_steps(single, p, c[path])), b
 
 
-def test_int8_steps_and_verify_rows_attend_in_the_exact_kernel_not_sdpa(int8_llama, monkeypatch):
+@pytest.mark.parametrize("backend", ["hf", "native"])
+def test_int8_steps_and_verify_rows_attend_in_the_exact_kernel_not_sdpa(int8_llama, tiny_llama, monkeypatch, backend):
     # Exact per row on every CPU: a row's attention must not depend on how a library kernel blocks
     # a call (an AVX2 EPYC's sdpa rounded a strided query row differently from a step's own), so
     # one-token steps and verified rows (chains, trees, batched, padded) attend through
-    # attend_rows alone; sdpa sees prefills only.
+    # attend_rows alone (hf: called per layer; native: inside Int8Forward's compiled layers, one
+    # call per forward); sdpa sees prefills only.
+    import copy
+
     from samctl.decode.engine import attention
     from samctl.decode.engine.batched import BatchedTarget
+    from samctl.decode.engine.int8_forward import Int8Forward
+    from samctl.decode.engine.native import use_backend
     from samctl.decode.engine.target import TargetModel
     from samctl.decode.tree import DraftTree
 
+    model = apply_cpu_linear(copy.deepcopy(tiny_llama), "int8") if backend == "native" else int8_llama
+    assert use_backend(model, backend) == backend
     sdpa_rows, kernel_calls = [], []
-    real_sdpa, real_kernel = F.scaled_dot_product_attention, attention.attend_rows
+    real_sdpa, real_kernel, real_int8 = F.scaled_dot_product_attention, attention.attend_rows, Int8Forward.__call__
 
     def sdpa(query, key, *args, **kwargs):
         sdpa_rows.append(query.shape[2] < key.shape[2])  # a query with cached keys: not a prefill
@@ -435,21 +443,26 @@ def test_int8_steps_and_verify_rows_attend_in_the_exact_kernel_not_sdpa(int8_lla
         kernel_calls.append(args[0].shape)
         return real_kernel(*args)
 
+    def int8_forward(self, *args):
+        kernel_calls.extend([None] * len(self.layers))
+        return real_int8(self, *args)
+
     monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
     monkeypatch.setattr(attention, "attend_rows", kernel)
+    monkeypatch.setattr(Int8Forward, "__call__", int8_forward)
     rng = np.random.default_rng(3)
     prompt, ids = rng.integers(3, 96, 20), rng.integers(3, 96, 24)
-    single = TargetModel(int8_llama)
+    single = TargetModel(model)
     one_token_steps(single, prompt, ids[:2])
     chain, tree = DraftTree.chain(ids[1:]), DraftTree(ids[1:], np.arange(-2, 21, dtype=np.int32).clip(-1))
     for draft in (chain, tree):
         single.prefill(torch.from_numpy(prompt))
         single.verify(torch.from_numpy(ids), draft)
-    batched = BatchedTarget(int8_llama, 2, 100)
+    batched = BatchedTarget(model, 2, 100)
     for draft in (chain, tree):
         batched.prefill([0, 1], [prompt, prompt[:9]], [False, False])
         batched.verify([torch.from_numpy(ids)] * 2, [draft] * 2)
-    layers = int8_llama.config.num_hidden_layers
+    layers = model.config.num_hidden_layers
     assert not any(sdpa_rows) and len(kernel_calls) == layers * (2 + 2 + 2), (sdpa_rows, len(kernel_calls))
 
 

@@ -72,14 +72,21 @@ def test_native_greedy_matches_transformers_greedy(family):
 
 
 @pytest.mark.parametrize("batched", [False, True])
-def test_native_int8_verify_rows_equal_one_token_steps_bit_for_bit(batched):
-    # int8 linears and row-by-row attention: a verified row is what a one-token step computes,
-    # whatever the block's width (1..40) and the other rows
-    model = apply_cpu_linear(tiny("llama", seed=6), "int8")
-    assert use_backend(model, "native") == "native" and native_of(model).exact_rows
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_native_int8_verify_rows_equal_one_token_steps_bit_for_bit(batched, family):
+    # int8 linears and row-by-row attention (decode/engine/int8_forward.py): a verified row is what
+    # a one-token step computes, whatever the block's width (1..40) and the other rows; and the
+    # compiled layers compute the op-by-op forward's model (hf's int8 logits, up to silu's exp)
+    model = apply_cpu_linear(tiny(family, seed=6), "int8")
     rng = np.random.default_rng(7)
     prompt = rng.integers(0, 120, 20)
     chain = rng.integers(0, 120, 40)
+    if not batched:
+        assert use_backend(model, "hf") == "hf"
+        ops = TargetModel(model)
+        ops.prefill(torch.from_numpy(prompt))
+        ops = ops.verify(torch.from_numpy(chain), DraftTree.chain(chain[1:]))
+    assert use_backend(model, "native") == "native" and native_of(model).int8 is not None
     steps = TargetModel(model)
     steps.prefill(torch.from_numpy(prompt))
     want = []
@@ -99,6 +106,8 @@ def test_native_int8_verify_rows_equal_one_token_steps_bit_for_bit(batched):
             target.prefill(torch.from_numpy(prompt))
             got = target.verify(torch.from_numpy(chain[:width]), DraftTree.chain(chain[1:width]))
         assert torch.equal(got, want[:width]), width
+    if not batched:
+        assert torch.allclose(want, ops, atol=1e-4, rtol=0)
 
 
 def test_exact_attention_rows_are_one_token_steps_whatever_the_other_rows():

@@ -143,7 +143,7 @@ def attend_rows(query, key, value, index, counts, scale, out):
 _last_visible: tuple | None = None
 
 
-def _visible_keys(mask: torch.Tensor | None, batch: int, q: int, kv: int) -> tuple[np.ndarray, np.ndarray]:
+def visible_keys(mask: torch.Tensor | None, batch: int, q: int, kv: int) -> tuple[np.ndarray, np.ndarray]:
     """The keys each query row sees, read from one forward's mask once and reused by every layer.
     mask: [B or 1, 1, q, kv] bool (True = attend) or additive float (0 = attend), or None (causal:
     row i sees the first kv - q + i + 1 keys); a mask edited in place between forwards must come as
@@ -182,9 +182,9 @@ def exact_attention(query: torch.Tensor, keys: np.ndarray, values: np.ndarray, m
                     scaling: float | None = None) -> torch.Tensor:
     """Attention exact per query row (`attend_rows`): query [B, Hq, q, D] float32 on the CPU; keys,
     values [B, Hkv, >= kv, D] contiguous float32 arrays (a KV cache's whole block: its first kv
-    keys are attended); mask as `_visible_keys` reads it -> [B, q, Hq, D]."""
+    keys are attended); mask as `visible_keys` reads it -> [B, q, Hq, D]."""
     batch, heads, q, dim = query.shape
-    index, counts = _visible_keys(mask, batch, q, kv)
+    index, counts = visible_keys(mask, batch, q, kv)
     out = query.new_empty(batch, q, heads, dim)
     attend_rows(query.contiguous().numpy(), keys, values, index, counts,
                 np.float32(dim ** -0.5 if scaling is None else scaling), out.numpy())

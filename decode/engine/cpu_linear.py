@@ -128,25 +128,39 @@ class Int8Linear(nn.Module):
         more than its arithmetic, so the rows are quantized in one compiled call
         (`quantize_rows`) and the scales applied in another (`rescale`)."""
         rows = (rows if rows.dtype == torch.float32 else rows.float()).contiguous()
+        dtype, zero = self.code_format(len(rows))
+        codes = np.empty(rows.shape, dtype=dtype)
         row_scale = np.empty(len(rows), dtype=np.float32)
-        if self.kernels.split:  # no VNNI: 7-bit halves of the same rows
-            xq = torch.empty(rows.shape)
-            quantize_rows(rows.numpy(), xq.numpy(), row_scale, 0)
-            sums = split_sums(self.gemm, xq)
-        elif self.gemm is None or (len(rows) == 1 and self.kernels.gemv):
-            xq = torch.empty(rows.shape, dtype=torch.int8)
-            quantize_rows(rows.numpy(), xq.numpy(), row_scale, 0)
-            sums = torch._int_mm(self.qweight, xq.t()).t()  # [out, in] x [in, r]: int32, transposed
-        else:  # the same integer sums, as float32
-            xu = torch.empty(rows.shape, dtype=torch.uint8)
-            quantize_rows(rows.numpy(), xu.numpy(), row_scale, 128)
-            sums = self.gemm(xu, 128)
+        quantize_rows(rows.numpy(), codes, row_scale, zero)
         y = torch.empty(len(rows), self.out_features)
-        if self._scales is None or self._scales[0] is not self.scale:  # the buffers as arrays, made once
+        rescale(self.integer_sums(codes).numpy(), row_scale, *self.scales(), y.numpy())
+        return y
+
+    def code_format(self, rows: int) -> tuple[type, int]:
+        """(dtype, zero point) of the codes `integer_sums` takes for `rows` rows, as `quantize_rows`
+        writes them: int8 for `_int_mm`'s one row, uint8 + 128 for oneDNN, float32 to be split."""
+        if self.kernels.split:
+            return np.float32, 0
+        if self.gemm is None or (rows == 1 and self.kernels.gemv):
+            return np.int8, 0
+        return np.uint8, 128
+
+    def integer_sums(self, codes: np.ndarray) -> torch.Tensor:
+        """codes [r, in] as `code_format(r)` says -> [r, out]: sum_k xq[r, k] * wq[n, k], exact
+        (int32, or float32 holding integers; possibly a transposed view)."""
+        rows = torch.from_numpy(codes)
+        if self.kernels.split:
+            return split_sums(self.gemm, rows)
+        if rows.dtype == torch.int8:
+            return torch._int_mm(self.qweight, rows.t()).t()  # [out, in] x [in, r]: int32, transposed
+        return self.gemm(rows, 128)
+
+    def scales(self) -> tuple[np.ndarray, np.ndarray]:
+        """(scale [out], bias [out] or empty) as float32 arrays, for `rescale`; made once."""
+        if self._scales is None or self._scales[0] is not self.scale:
             self._scales = (self.scale, self.scale.numpy(),
                             _NO_BIAS if self.bias is None else self.bias.detach().float().numpy())
-        rescale(sums.numpy(), row_scale, *self._scales[1:], y.numpy())
-        return y
+        return self._scales[1:]
 
 
 _NO_BIAS = np.zeros(0, dtype=np.float32)
@@ -154,19 +168,24 @@ _NO_BIAS = np.zeros(0, dtype=np.float32)
 
 @njit(cache=True)
 def quantize_rows(rows, out, row_scale, zero):
-    """Per-row symmetric int8: row_scale[i] = max |rows[i]| / 127 (at least the smallest normal
-    float32 / 127) and out[i, k] = round(rows[i, k] / row_scale[i]) + zero, half to even; |the
-    quotient| <= 127 up to rounding, so no clamp. rows [r, in] float32; out [r, in] of any dtype
-    that holds the values. Each row alone, in one order: a row's codes never depend on the others."""
-    tiny = np.float32(np.finfo(np.float32).tiny)
+    """Per-row symmetric int8 (`quantize_row`) of rows [r, in] float32 into out [r, in] of any
+    dtype that holds the values, row_scale [r]. Each row alone: its codes never depend on the others."""
     for i in range(rows.shape[0]):
-        top = np.float32(0.0)
-        for k in range(rows.shape[1]):
-            top = max(top, abs(rows[i, k]))
-        scale = max(top, tiny) / np.float32(127.0)
-        row_scale[i] = scale
-        for k in range(rows.shape[1]):
-            out[i, k] = np.rint(rows[i, k] / scale) + zero
+        row_scale[i] = quantize_row(rows[i], out[i], zero)
+
+
+@njit(cache=True)
+def quantize_row(row, out, zero):
+    """row_scale = max |row| / 127 (at least the smallest normal float32 / 127), returned, and
+    out[k] = round(row[k] / row_scale) + zero, half to even; |the quotient| <= 127 up to
+    rounding, so no clamp. In one order."""
+    top = np.float32(0.0)
+    for k in range(row.shape[0]):
+        top = max(top, abs(row[k]))
+    scale = max(top, np.float32(np.finfo(np.float32).tiny)) / np.float32(127.0)
+    for k in range(row.shape[0]):
+        out[k] = np.rint(row[k] / scale) + zero
+    return scale
 
 
 @njit(cache=True)

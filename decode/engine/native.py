@@ -37,8 +37,9 @@ from numba import njit
 from torch import nn
 
 from samctl.decode.configs import BACKENDS
-from samctl.decode.engine.attention import exact_attention, exact_rows
+from samctl.decode.engine.attention import exact_rows
 from samctl.decode.engine.cpu_linear import FusedLinear, linear_backend
+from samctl.decode.engine.int8_forward import Int8Forward, rms_norm_row
 from samctl.index.errors import UserError
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -132,7 +133,8 @@ class NativeForward:
         self.head = model.lm_head
         self.rotary = decoder.rotary_emb
         self.scaling = head_dim ** -0.5
-        self.exact_rows = exact_rows(model)  # int8: every row with cached keys attends exactly (exact_attention)
+        # int8 (exact rows): every forward over cached keys runs as decode/engine/int8_forward.py
+        self.int8 = Int8Forward(self) if exact_rows(model) and Int8Forward.supports(self) else None
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype if param.is_floating_point() else torch.float32
         self._cos = self._sin = torch.empty(0, head_dim, dtype=self.dtype, device=self.device)
@@ -181,20 +183,11 @@ class NativeForward:
 
     # -- the forward --------------------------------------------------------------------------
 
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 cache, keep: torch.Tensor | int | None = None, upto: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        # input_ids, position_ids: [A, q] int64; attention_mask: [A or 1, 1, q, kv] or None (causal);
-        # cache: a transformers Cache whose layers[i].update(k [A, Hkv, q, D], v) stores the new
-        # entries and returns every key/value the inputs attend; keep: [N] flat indices into
-        # A * q of the rows whose logits are wanted, an int n (the last n of each row: 0 = all)
-        # or None (all); upto: a bound on the positions, known on the host (None: read from
-        # position_ids, a host sync that a CUDA graph cannot hold)
-        # -> (logits [N, V], hidden [A * q, H] post-final-norm at every input)
+    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention_mask: torch.Tensor | None,
+                cache) -> torch.Tensor:
+        # x: [A, q, H] embedded inputs; the rest as __call__ takes them -> the last layer's output [A, q, H]
         shape = self.shape
-        rows, n = input_ids.shape
-        cos, sin = self._table(position_ids, upto if upto is not None else int(position_ids.max()) + 1)
-        x = self.embed(input_ids)  # [A, q, H]
-        whole = None  # exact rows: the cache's block [2, layers, B, Hkv, capacity, D] as one array
+        rows, n, _ = x.shape
         for index, layer in enumerate(self.layers):
             h = self._norm(x, layer.norm_in)
             qkv = layer.qkv(h).view(rows, n, shape.heads + 2 * shape.kv_heads, shape.head_dim)
@@ -209,21 +202,31 @@ class NativeForward:
             v = qkv[:, :, shape.heads + shape.kv_heads :].transpose(1, 2)
             keys, values = cache.layers[index].update(k, v)
             kv = keys.shape[2]
-            if attention_mask is None and not self.exact_rows and 1 < n < kv:  # a chain after cached keys
+            if attention_mask is None and 1 < n < kv:  # a chain after cached keys
                 # the causal mask, built once per forward: every layer attends the same keys
                 attention_mask = torch.ones(n, kv, dtype=torch.bool, device=keys.device).tril_(kv - n)
-            if self.exact_rows and n < kv:  # every layer's keys from one view of the cache, no copies
-                if whole is None:
-                    whole = cache.layers[index].owner.storage.numpy()
-                attended = exact_attention(q, whole[0, index, :rows], whole[1, index, :rows], attention_mask, kv,
-                                           self.scaling).reshape(rows, n, -1)
-            else:
-                attended = self._attend(q, keys, values, attention_mask)
-            x = x + layer.o(attended)
+            x = x + layer.o(self._attend(q, keys, values, attention_mask))
             h = self._norm(x, layer.norm_post)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
-        hidden = self._norm(x, self.norm)  # every input's: EAGLE heads read the prompt's too
+        return x
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 cache, keep: torch.Tensor | int | None = None, upto: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # input_ids, position_ids: [A, q] int64; attention_mask: [A or 1, 1, q, kv] or None (causal);
+        # cache: a transformers Cache whose layers[i].update(k [A, Hkv, q, D], v) stores the new
+        # entries and returns every key/value the inputs attend; keep: [N] flat indices into
+        # A * q of the rows whose logits are wanted, an int n (the last n of each row: 0 = all)
+        # or None (all); upto: a bound on the positions, known on the host (None: read from
+        # position_ids, a host sync that a CUDA graph cannot hold)
+        # -> (logits [N, V], hidden [A * q, H] post-final-norm at every input)
+        rows, n = input_ids.shape
+        cos, sin = self._table(position_ids, upto if upto is not None else int(position_ids.max()) + 1)
+        x = self.embed(input_ids)  # [A, q, H]
+        if self.int8 is not None and cache.prefill_rows is None:
+            hidden = self.int8(x, cos, sin, attention_mask, cache).view(rows, n, -1)
+        else:
+            hidden = self._norm(self._layers(x, cos, sin, attention_mask, cache), self.norm)
         if isinstance(keep, int) and keep:
             kept = hidden[:, -keep:].reshape(-1, hidden.shape[-1])
         else:
@@ -236,14 +239,8 @@ class NativeForward:
 def rms_norm_rows(rows, weight, eps, out):
     """out[i] = rows[i] / sqrt(mean(rows[i]^2) + eps) * weight, in float32, each row alone and
     summed in order: a row's result never depends on the other rows."""
-    width = rows.shape[1]
     for i in range(rows.shape[0]):
-        total = np.float32(0.0)
-        for k in range(width):
-            total += rows[i, k] * rows[i, k]
-        inverse = np.float32(1.0) / np.sqrt(total / np.float32(width) + eps)
-        for k in range(width):
-            out[i, k] = rows[i, k] * inverse * weight[k]
+        rms_norm_row(rows[i], weight, eps, out[i])
 
 
 def use_backend(model: nn.Module, backend: str = "auto") -> str:

@@ -1,0 +1,184 @@
+"""The native forward's int8 steps on a CPU: each decoder layer as four integer matmuls with one
+compiled call between each two, instead of some thirty torch ops and module calls.
+
+At one row a SmolLM2 step multiplies 135 MB of int8 weights in about 17 ms, and the ops around
+the matmuls (quantizing, rescaling, norms, RoPE, the cache writes, attention, the activation),
+each a torch or numba call of a few microseconds, used to cost as much again. Here a layer is
+
+    codes = quantize(rms_norm(x))                        `norm_codes`  (x += the last down's output first)
+    s = Wqkv codes                                       integer sums (Int8Linear.integer_sums)
+    q, k, v = rescale(s); rope; k, v -> the cache;       `attend_codes`
+    a = attention (attend_rows); codes = quantize(a)
+    s = Wo codes
+    x += rescale(s); codes = quantize(rms_norm(x))       `norm_codes`
+    s = Wgu codes
+    codes = quantize(silu(g) * u), [g, u] = rescale(s)   `gated_codes`
+    s = Wdown codes                                      (added to x by the next `norm_codes`)
+
+and the final norm's output goes to the output head. Every step is the formula the op-by-op
+forward computes, per row and in the same order, except silu's exp (libm's here, torch's own
+vectorized one there, which may differ in the last bit): a row's result depends on that row
+alone, so every verified row equals a one-token step bit for bit, as before. Prefills (no cached
+keys) stay on the op-by-op forward.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit
+
+from samctl.decode.engine.attention import attend_rows, visible_keys
+from samctl.decode.engine.cpu_linear import Int8Linear, quantize_row
+
+
+class Int8Forward:
+    """The layers of a NativeForward whose projections are all Int8Linear (see the module
+    docstring); called by it for every forward over cached keys."""
+
+    def __init__(self, native) -> None:
+        self.native = native
+        self.eps = np.float32(native.shape.eps)
+        self.layers = [_Layer(layer) for layer in native.layers]
+        self.norm = native.norm.detach().numpy()
+        self.scaling = np.float32(native.scaling)
+
+    @staticmethod
+    def supports(native) -> bool:
+        return all(isinstance(p, Int8Linear) for layer in native.layers
+                   for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                 cache) -> torch.Tensor:
+        # x: [A, q, H] the embedded inputs (overwritten); cos, sin: [A, q, 1, D] (native._table);
+        # mask: [A or 1, 1, q, kv] or None (causal); cache: a BatchedKVCache in write mode
+        # -> the final norm's output [A * q, H]
+        shape, eps = self.native.shape, self.eps
+        rows, n, width = x.shape
+        flat = x.reshape(-1, width).numpy()
+        storage = cache.storage.numpy()  # [2, layers, B, Hkv, capacity, D]
+        write = cache.write_positions.numpy()
+        index, counts = visible_keys(mask, rows, n, cache.kv_length)
+        cos, sin = cos.reshape(rows, n, -1).numpy(), sin.reshape(rows, n, -1).numpy()
+        dtype, zero = self.layers[0].qkv.code_format(len(flat))
+        queries = np.empty((rows, shape.heads, n, shape.head_dim), dtype=np.float32)
+        attended = np.empty((rows, n, shape.heads, shape.head_dim), dtype=np.float32)
+        codes_x = np.empty((len(flat), width), dtype=dtype)  # each matmul's input codes
+        codes_a = np.empty((len(flat), shape.heads * shape.head_dim), dtype=dtype)
+        codes_i = np.empty((len(flat), self.layers[0].inner), dtype=dtype)
+        # each row's scale: each kernel reads a row's scale before it writes that row's new one
+        row_scale = np.empty(len(flat), dtype=np.float32)
+        hidden = np.empty_like(flat)
+        sums, (scale, bias) = _NONE, (_EMPTY, _EMPTY)  # the last down projection's, added to x next
+        for i, layer in enumerate(self.layers):
+            norm_codes(flat, sums, row_scale, scale, bias, layer.norm_in, eps, hidden, codes_x, row_scale, zero)
+            attend_codes(layer.qkv.integer_sums(codes_x).numpy(), row_scale, *layer.qkv.scales(), cos, sin,
+                         layer.q_norm, layer.k_norm, eps, storage[0, i, :rows], storage[1, i, :rows], write, index,
+                         counts, self.scaling, queries, attended, codes_a, row_scale, zero)
+            norm_codes(flat, layer.o.integer_sums(codes_a).numpy(), row_scale, *layer.o.scales(), layer.norm_post, eps,
+                       hidden, codes_x, row_scale, zero)
+            gated_codes(layer.gate_up.integer_sums(codes_x).numpy(), row_scale, *layer.gate_up.scales(), codes_i,
+                        row_scale, zero)
+            sums, (scale, bias) = layer.down.integer_sums(codes_i).numpy(), layer.down.scales()
+        norm_codes(flat, sums, row_scale, scale, bias, self.norm, eps, hidden, codes_x[:0], row_scale, zero)
+        return torch.from_numpy(hidden)
+
+
+class _Layer:
+    """One NativeLayer's int8 projections, with its norm weights as arrays."""
+
+    def __init__(self, layer) -> None:
+        self.qkv, self.o, self.gate_up, self.down = layer.qkv, layer.o, layer.gate_up, layer.down
+        self.inner = layer.down.in_features
+        self.norm_in = layer.norm_in.detach().numpy()
+        self.norm_post = layer.norm_post.detach().numpy()
+        self.q_norm = _EMPTY if layer.q_norm is None else layer.q_norm.detach().numpy()
+        self.k_norm = _EMPTY if layer.k_norm is None else layer.k_norm.detach().numpy()
+
+
+_EMPTY = np.zeros(0, dtype=np.float32)
+_NONE = np.zeros((0, 0), dtype=np.int32)
+
+
+@njit(cache=True)
+def rescaled(sums, row_scale, scale, bias, out):
+    """out[n] = float32(sums[n]) * row_scale * scale[n] (+ bias[n]): Int8Linear's epilogue, one row."""
+    for n in range(out.shape[0]):
+        y = np.float32(sums[n]) * row_scale * scale[n]
+        out[n] = y + bias[n] if len(bias) else y
+
+
+@njit(cache=True)
+def rms_norm_row(row, weight, eps, out):
+    """out = row / sqrt(mean(row^2) + eps) * weight in float32, summed in order."""
+    total = np.float32(0.0)
+    for k in range(row.shape[0]):
+        total += row[k] * row[k]
+    inverse = np.float32(1.0) / np.sqrt(total / np.float32(row.shape[0]) + eps)
+    for k in range(row.shape[0]):
+        out[k] = row[k] * inverse * weight[k]
+
+
+@njit(cache=True)
+def norm_codes(x, sums, sums_scale, scale, bias, weight, eps, hidden, codes, row_scale, zero):
+    """Per row i: x[i] += rescaled(sums[i]) when sums has rows; hidden[i] = rms_norm(x[i]);
+    codes[i], row_scale[i] = its int8 codes when codes has rows."""
+    add = np.empty(x.shape[1], dtype=np.float32)
+    for i in range(x.shape[0]):
+        if sums.shape[0]:
+            rescaled(sums[i], sums_scale[i], scale, bias, add)
+            for k in range(x.shape[1]):
+                x[i, k] = x[i, k] + add[k]
+        rms_norm_row(x[i], weight, eps, hidden[i])
+        if codes.shape[0]:
+            row_scale[i] = quantize_row(hidden[i], codes[i], zero)
+
+
+@njit(cache=True)
+def attend_codes(sums, sums_scale, scale, bias, cos, sin, q_norm, k_norm, eps, keys, values, write, index, counts,
+                 softmax_scale, queries, attended, codes, row_scale, zero):
+    """The attention block of rows [A * q] of q, k, v integer sums: each rescaled, q and k
+    normalized per head when their norms are given (Qwen3) and rotated (x * cos + rotate_half(x)
+    * sin, sin's first half negated), k and v written to the cache at `write` [A, q], then every
+    row attends (`attend_rows`: keys [A, Hkv, capacity, D]) and its output [Hq * D] is quantized."""
+    rows, n, heads, dim = attended.shape
+    kv_heads = keys.shape[1]
+    half = dim // 2
+    qkv = np.empty(sums.shape[1], dtype=np.float32)
+    head = np.empty(dim, dtype=np.float32)
+    for b in range(rows):
+        for i in range(n):
+            r = b * n + i
+            rescaled(sums[r], sums_scale[r], scale, bias, qkv)
+            for h in range(heads + 2 * kv_heads):
+                part = qkv[h * dim : (h + 1) * dim]
+                if h >= heads + kv_heads:  # v
+                    values[b, h - heads - kv_heads, write[b, i]] = part
+                    continue
+                norm = q_norm if h < heads else k_norm
+                if len(norm):
+                    rms_norm_row(part, norm, eps, head)
+                    part = head
+                for d in range(dim):
+                    rotated = part[d] * cos[b, i, d] + part[(d + half) % dim] * sin[b, i, d]
+                    if h < heads:
+                        queries[b, h, i, d] = rotated
+                    else:
+                        keys[b, h - heads, write[b, i], d] = rotated
+    attend_rows(queries, keys, values, index, counts, softmax_scale, attended)
+    for b in range(rows):
+        for i in range(n):
+            row_scale[b * n + i] = quantize_row(attended[b, i].reshape(-1), codes[b * n + i], zero)
+
+
+@njit(cache=True)
+def gated_codes(sums, sums_scale, scale, bias, codes, row_scale, zero):
+    """Per row: [g, u] = rescaled(sums), codes = quantize(silu(g) * u), silu(g) = g / (1 + exp(-g))."""
+    inner = codes.shape[1]
+    gate_up = np.empty(sums.shape[1], dtype=np.float32)
+    act = np.empty(inner, dtype=np.float32)
+    for r in range(sums.shape[0]):
+        rescaled(sums[r], sums_scale[r], scale, bias, gate_up)
+        for k in range(inner):
+            g = gate_up[k]
+            act[k] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[inner + k]
+        row_scale[r] = quantize_row(act, codes[r], zero)
