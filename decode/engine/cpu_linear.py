@@ -179,13 +179,28 @@ def quantize_row(row, out, zero):
     """row_scale = max |row| / 127 (at least the smallest normal float32 / 127), returned, and
     out[k] = round(row[k] / row_scale) + zero, half to even; |the quotient| <= 127 up to
     rounding, so no clamp. In one order."""
-    top = np.float32(0.0)
+    scale = max(largest_magnitude(row), np.float32(np.finfo(np.float32).tiny)) / np.float32(127.0)
+    shift = np.int32(zero)
     for k in range(row.shape[0]):
-        top = max(top, abs(row[k]))
-    scale = max(top, np.float32(np.finfo(np.float32).tiny)) / np.float32(127.0)
-    for k in range(row.shape[0]):
-        out[k] = np.rint(row[k] / scale) + zero
+        out[k] = np.int32(np.rint(row[k] / scale)) + shift
     return scale
+
+
+@njit(cache=True)
+def largest_magnitude(row):
+    """max |row[k]|, exact in any order: kept in 16 lanes (elementwise maxima, which compile to
+    vector instructions where a running maximum does not), then folded."""
+    lanes = np.zeros(16, dtype=np.float32)
+    body = row.shape[0] - row.shape[0] % 16
+    for start in range(0, body, 16):
+        for j in range(16):
+            lanes[j] = max(lanes[j], abs(row[start + j]))
+    top = np.float32(0.0)
+    for k in range(body, row.shape[0]):
+        top = max(top, abs(row[k]))
+    for j in range(16):
+        top = max(top, lanes[j])
+    return top
 
 
 @njit(cache=True)
@@ -194,9 +209,12 @@ def rescale(sums, row_scale, scale, bias, out):
     integer sums as int32 or exact float32; sums [r, out] (a transposed view reads as its own
     strides); bias empty for none."""
     for i in range(out.shape[0]):
-        for n in range(out.shape[1]):
-            y = np.float32(sums[i, n]) * row_scale[i] * scale[n]
-            out[i, n] = y + bias[n] if len(bias) else y
+        if len(bias):
+            for n in range(out.shape[1]):
+                out[i, n] = np.float32(sums[i, n]) * row_scale[i] * scale[n] + bias[n]
+        else:
+            for n in range(out.shape[1]):
+                out[i, n] = np.float32(sums[i, n]) * row_scale[i] * scale[n]
 
 
 class OneDnnGemm:

@@ -102,9 +102,12 @@ _NONE = np.zeros((0, 0), dtype=np.int32)
 @njit(cache=True)
 def rescaled(sums, row_scale, scale, bias, out):
     """out[n] = float32(sums[n]) * row_scale * scale[n] (+ bias[n]): Int8Linear's epilogue, one row."""
-    for n in range(out.shape[0]):
-        y = np.float32(sums[n]) * row_scale * scale[n]
-        out[n] = y + bias[n] if len(bias) else y
+    if len(bias):
+        for n in range(out.shape[0]):
+            out[n] = np.float32(sums[n]) * row_scale * scale[n] + bias[n]
+    else:
+        for n in range(out.shape[0]):
+            out[n] = np.float32(sums[n]) * row_scale * scale[n]
 
 
 @njit(cache=True)
