@@ -53,6 +53,9 @@ def test_help_of_model_commands_loads_no_torch(command):
     ["serve", "--threads", "0"],
     ["serve", "--batch-size", "0"],
     ["serve", "--sam", "missing.sam"],
+    ["generate", "--prompt", "x", "--method", "specdec++"],  # no acceptance head: refused by the plan, not after loading
+    ["chat", "--method", "eagle", "--model", "README.md"],
+    ["serve", "--method", "sd", "--model", "README.md"],
 ])
 def test_usage_errors_come_before_torch(args):
     code, err, modules = _run(args)

@@ -19,6 +19,7 @@ from samctl.config import SessionConfig
 from samctl.decode.methods import ALL_METHODS
 from samctl.index.errors import UserError
 from samctl.options import cli_message, session_options
+from samctl.plan import plan
 
 HELP = """commands:
   /method NAME   draft with another method ({methods}); each keeps its own memory
@@ -43,6 +44,7 @@ def chat(config: SessionConfig, system: str | None, compare: bool) -> None:
     samctl chat
     samctl chat --model ./SmolLM2-135M-Instruct --sam store.sam --compare
     """
+    plan(config)  # a missing draft model or head is refused now, not after torch loads (seconds)
     from samctl.session import Session
 
     console = Console(Session(config), system, compare)

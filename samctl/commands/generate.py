@@ -30,6 +30,7 @@ from samctl.decode.methods import method as method_entry
 from samctl.index.errors import UserError
 from samctl.options import (MAX_BATCH_SIZE, MAX_WORKERS, batch_size, batch_size_option, check_count, ignored_settings,
                             session_options)
+from samctl.plan import plan
 from samctl.textio import TEXT_FILE, check_utf8
 
 @click.command("generate")
@@ -100,6 +101,7 @@ def generate(config: SessionConfig, **opts: Any) -> None:
             batch_size=size))
         _exit_for(failed)
         return
+    plan(config)  # a missing draft model or head is refused now, not after torch loads (seconds)
     from samctl.records import RecordRunner, count_records
     from samctl.session import Session
 

@@ -14,6 +14,7 @@ import click
 from samctl.config import SessionConfig
 from samctl.index.errors import UserError
 from samctl.options import MAX_BATCH_SIZE, check_count, session_options
+from samctl.plan import plan
 
 
 def _stores(specs: tuple[str, ...]) -> dict[str, str]:
@@ -72,6 +73,7 @@ def serve(config: SessionConfig, store: tuple[str, ...], host: str, port: int, a
     stores = _stores(store)
     names = list(stores) or [None]
     config = replace(config, store=stores.get(names[0]))
+    plan(config)  # a missing draft model or head is refused now, not after torch loads (seconds)
     try:
         import uvicorn
 
