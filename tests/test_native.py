@@ -110,6 +110,29 @@ def test_native_int8_verify_rows_equal_one_token_steps_bit_for_bit(batched, fami
         assert torch.allclose(want, ops, atol=1e-4, rtol=0)
 
 
+def test_native_int8_on_split_kernels_verifies_rows_equal_to_one_token_steps(monkeypatch):
+    # CPUs without VNNI run int8 rows as two 7-bit halves (cpu_linear.split_sums): the compiled
+    # layers then take float32 codes; a tree verify still equals one-token steps bit for bit
+    from samctl.decode.engine import cpu_linear
+
+    if cpu_linear.OneDnnGemm.pack(torch.zeros(2, 2, dtype=torch.int8)) is None:
+        pytest.skip("no oneDNN int8 kernels in this build")
+    monkeypatch.setattr(cpu_linear, "int8_kernels", lambda: cpu_linear.Int8Kernels(False, True, True))
+    model = apply_cpu_linear(tiny("qwen2", seed=2), "int8")
+    assert use_backend(model, "native") == "native" and native_of(model).int8 is not None
+    rng = np.random.default_rng(4)
+    prompt, chain = rng.integers(0, 120, 16), rng.integers(0, 120, 9)
+    steps = TargetModel(model)
+    steps.prefill(torch.from_numpy(prompt))
+    want = []
+    for token in chain:
+        want.append(steps.verify(torch.tensor([int(token)]), DraftTree.empty()))
+        steps.keep(np.array([0]))
+    target = TargetModel(model)
+    target.prefill(torch.from_numpy(prompt))
+    assert torch.equal(target.verify(torch.from_numpy(chain), DraftTree.chain(chain[1:])), torch.cat(want))
+
+
 def test_exact_attention_rows_are_one_token_steps_whatever_the_other_rows():
     # a tree's rows over a shared prefix, in two batch rows of different lengths, grouped heads:
     # each row equals the same query attending its prefix and ancestors alone, as a one-token
