@@ -17,6 +17,7 @@ from samctl.decode.engine.target import TargetModel
 from samctl.decode.loop import GenerationConfig, generate
 from samctl.decode.tree import DraftTree
 from samctl.index.errors import ConfigError, UserError
+from tests.test_cpu_linear import one_token_steps
 
 CONFIGS = {
     "llama": LlamaConfig, "qwen2": Qwen2Config,
@@ -87,13 +88,7 @@ def test_native_int8_verify_rows_equal_one_token_steps_bit_for_bit(batched, fami
         ops.prefill(torch.from_numpy(prompt))
         ops = ops.verify(torch.from_numpy(chain), DraftTree.chain(chain[1:]))
     assert use_backend(model, "native") == "native" and native_of(model).int8 is not None
-    steps = TargetModel(model)
-    steps.prefill(torch.from_numpy(prompt))
-    want = []
-    for token in chain:
-        want.append(steps.verify(torch.tensor([int(token)]), DraftTree.empty()))
-        steps.keep(np.array([0]))
-    want = torch.cat(want)
+    want = one_token_steps(TargetModel(model), prompt, chain)
     for width in (1, 16, 17, 40):
         if batched:
             target = BatchedTarget(model, 2, 128)
@@ -112,7 +107,7 @@ def test_native_int8_verify_rows_equal_one_token_steps_bit_for_bit(batched, fami
 
 def test_native_int8_on_split_kernels_verifies_rows_equal_to_one_token_steps(monkeypatch):
     # CPUs without VNNI run int8 rows as two 7-bit halves (cpu_linear.split_sums): the compiled
-    # layers then take float32 codes; a tree verify still equals one-token steps bit for bit
+    # layers then take float32 codes; a verify still equals one-token steps bit for bit
     from samctl.decode.engine import cpu_linear
 
     if cpu_linear.OneDnnGemm.pack(torch.zeros(2, 2, dtype=torch.int8)) is None:
@@ -122,15 +117,10 @@ def test_native_int8_on_split_kernels_verifies_rows_equal_to_one_token_steps(mon
     assert use_backend(model, "native") == "native" and native_of(model).int8 is not None
     rng = np.random.default_rng(4)
     prompt, chain = rng.integers(0, 120, 16), rng.integers(0, 120, 9)
-    steps = TargetModel(model)
-    steps.prefill(torch.from_numpy(prompt))
-    want = []
-    for token in chain:
-        want.append(steps.verify(torch.tensor([int(token)]), DraftTree.empty()))
-        steps.keep(np.array([0]))
+    want = one_token_steps(TargetModel(model), prompt, chain)
     target = TargetModel(model)
     target.prefill(torch.from_numpy(prompt))
-    assert torch.equal(target.verify(torch.from_numpy(chain), DraftTree.chain(chain[1:])), torch.cat(want))
+    assert torch.equal(target.verify(torch.from_numpy(chain), DraftTree.chain(chain[1:])), want)
 
 
 def test_exact_attention_rows_are_one_token_steps_whatever_the_other_rows():

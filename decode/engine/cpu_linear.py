@@ -205,16 +205,22 @@ def largest_magnitude(row):
 
 @njit(cache=True)
 def rescale(sums, row_scale, scale, bias, out):
-    """out[i, n] = float32(sums[i, n]) * row_scale[i] * scale[n] (+ bias[n]), in that order, for
-    integer sums as int32 or exact float32; sums [r, out] (a transposed view reads as its own
-    strides); bias empty for none."""
+    """`rescale_row` of every row: sums [r, out] as int32 or exact float32 (a transposed view reads
+    as its own strides), row_scale [r], out [r, out]."""
     for i in range(out.shape[0]):
-        if len(bias):
-            for n in range(out.shape[1]):
-                out[i, n] = np.float32(sums[i, n]) * row_scale[i] * scale[n] + bias[n]
-        else:
-            for n in range(out.shape[1]):
-                out[i, n] = np.float32(sums[i, n]) * row_scale[i] * scale[n]
+        rescale_row(sums[i], row_scale[i], scale, bias, out[i])
+
+
+@njit(cache=True)
+def rescale_row(sums, row_scale, scale, bias, out):
+    """out[n] = float32(sums[n]) * row_scale * scale[n] (+ bias[n]), in that order: the epilogue
+    of one row; bias empty for none (tested once, not per element)."""
+    if len(bias):
+        for n in range(out.shape[0]):
+            out[n] = np.float32(sums[n]) * row_scale * scale[n] + bias[n]
+    else:
+        for n in range(out.shape[0]):
+            out[n] = np.float32(sums[n]) * row_scale * scale[n]
 
 
 class OneDnnGemm:

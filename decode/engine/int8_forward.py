@@ -28,7 +28,7 @@ import torch
 from numba import njit
 
 from samctl.decode.engine.attention import attend_rows, visible_keys
-from samctl.decode.engine.cpu_linear import Int8Linear, quantize_row
+from samctl.decode.engine.cpu_linear import Int8Linear, quantize_row, rescale_row
 
 
 class Int8Forward:
@@ -100,17 +100,6 @@ _NONE = np.zeros((0, 0), dtype=np.int32)
 
 
 @njit(cache=True)
-def rescaled(sums, row_scale, scale, bias, out):
-    """out[n] = float32(sums[n]) * row_scale * scale[n] (+ bias[n]): Int8Linear's epilogue, one row."""
-    if len(bias):
-        for n in range(out.shape[0]):
-            out[n] = np.float32(sums[n]) * row_scale * scale[n] + bias[n]
-    else:
-        for n in range(out.shape[0]):
-            out[n] = np.float32(sums[n]) * row_scale * scale[n]
-
-
-@njit(cache=True)
 def rms_norm_row(row, weight, eps, out):
     """out = row / sqrt(mean(row^2) + eps) * weight in float32, summed in order."""
     total = np.float32(0.0)
@@ -123,12 +112,12 @@ def rms_norm_row(row, weight, eps, out):
 
 @njit(cache=True)
 def norm_codes(x, sums, sums_scale, scale, bias, weight, eps, hidden, codes, row_scale, zero):
-    """Per row i: x[i] += rescaled(sums[i]) when sums has rows; hidden[i] = rms_norm(x[i]);
+    """Per row i: x[i] += rescale_row(sums[i]) when sums has rows; hidden[i] = rms_norm(x[i]);
     codes[i], row_scale[i] = its int8 codes when codes has rows."""
     add = np.empty(x.shape[1], dtype=np.float32)
     for i in range(x.shape[0]):
         if sums.shape[0]:
-            rescaled(sums[i], sums_scale[i], scale, bias, add)
+            rescale_row(sums[i], sums_scale[i], scale, bias, add)
             for k in range(x.shape[1]):
                 x[i, k] = x[i, k] + add[k]
         rms_norm_row(x[i], weight, eps, hidden[i])
@@ -151,7 +140,7 @@ def attend_codes(sums, sums_scale, scale, bias, cos, sin, q_norm, k_norm, eps, k
     for b in range(rows):
         for i in range(n):
             r = b * n + i
-            rescaled(sums[r], sums_scale[r], scale, bias, qkv)
+            rescale_row(sums[r], sums_scale[r], scale, bias, qkv)
             for h in range(heads + 2 * kv_heads):
                 part = qkv[h * dim : (h + 1) * dim]
                 if h >= heads + kv_heads:  # v
@@ -175,12 +164,12 @@ def attend_codes(sums, sums_scale, scale, bias, cos, sin, q_norm, k_norm, eps, k
 
 @njit(cache=True)
 def gated_codes(sums, sums_scale, scale, bias, codes, row_scale, zero):
-    """Per row: [g, u] = rescaled(sums), codes = quantize(silu(g) * u), silu(g) = g / (1 + exp(-g))."""
+    """Per row: [g, u] = rescale_row(sums), codes = quantize(silu(g) * u), silu(g) = g / (1 + exp(-g))."""
     inner = codes.shape[1]
     gate_up = np.empty(sums.shape[1], dtype=np.float32)
     act = np.empty(inner, dtype=np.float32)
     for r in range(sums.shape[0]):
-        rescaled(sums[r], sums_scale[r], scale, bias, gate_up)
+        rescale_row(sums[r], sums_scale[r], scale, bias, gate_up)
         for k in range(inner):
             g = gate_up[k]
             act[k] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[inner + k]
