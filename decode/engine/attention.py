@@ -96,8 +96,10 @@ def attend_rows(query, key, value, index, counts, scale, out):
     """out[b, i, h] = softmax(scale * q . k_j) . v_j over the keys j = index[b', i, :counts[b', i]]
     (ascending) of row i (b' = b, or 0 when index has one batch row); head h reads KV head
     h // (Hq / Hkv). query [B, Hq, q, D], key and value [B, Hkv, >= kv, D], out [B, q, Hq, D],
-    all float32 and contiguous. The vectorized sums' order depends on D and the count of keys,
-    never on the other rows."""
+    all float32 and contiguous. Keys go four at a time (four dot products in one pass over D, four
+    value rows in one update of the output), and exp is `exp_nonpositive`, which vectorizes: the
+    order of every sum depends on D and the count of keys, never on the other rows. Each KV head
+    is read by all of its query rows in turn, while its keys are in cache."""
     batch, heads, rows, dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
@@ -105,36 +107,103 @@ def attend_rows(query, key, value, index, counts, scale, out):
     acc = np.empty((group, dim), dtype=np.float32)
     for b in range(batch):
         bi = b if index.shape[0] > 1 else 0
-        for i in range(rows):
-            n = counts[bi, i]
-            for g in range(kv_heads):
-                for t in range(n):  # each key read once for the group's query heads
-                    j = index[bi, i, t]
-                    for r in range(group):
-                        dot = np.float32(0.0)
-                        for d in range(dim):
-                            dot += query[b, g * group + r, i, d] * key[b, g, j, d]
-                        scores[r, t] = dot * scale
+        for g in range(kv_heads):
+            keys, values = key[b, g], value[b, g]
+            for i in range(rows):
+                n, seen = counts[bi, i], index[bi, i]
                 for r in range(group):
-                    top = scores[r, 0]
-                    for t in range(1, n):
-                        top = max(top, scores[r, t])
-                    total = np.float32(0.0)
-                    for t in range(n):
-                        scores[r, t] = np.exp(scores[r, t] - top)
-                        total += scores[r, t]
-                    for t in range(n):  # the weights, normalized once
-                        scores[r, t] /= total
+                    row_scores(query[b, g * group + r, i], keys, seen, n, scale, scores[r])
                 acc[:, :] = 0.0
-                for t in range(n):
-                    j = index[bi, i, t]
+                t = 0
+                while t + 4 <= n:
+                    v0, v1, v2, v3 = values[seen[t]], values[seen[t + 1]], values[seen[t + 2]], values[seen[t + 3]]
                     for r in range(group):
-                        p = scores[r, t]
+                        p0, p1, p2, p3 = scores[r, t], scores[r, t + 1], scores[r, t + 2], scores[r, t + 3]
+                        a = acc[r]
                         for d in range(dim):
-                            acc[r, d] += p * value[b, g, j, d]
+                            a[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d]
+                    t += 4
+                for t in range(t, n):
+                    v0 = values[seen[t]]
+                    for r in range(group):
+                        p0, a = scores[r, t], acc[r]
+                        for d in range(dim):
+                            a[d] += p0 * v0[d]
                 for r in range(group):
-                    for d in range(dim):
-                        out[b, i, g * group + r, d] = acc[r, d]
+                    out[b, i, g * group + r] = acc[r]
+
+
+@njit(cache=True, fastmath={"reassoc", "contract"})
+def row_scores(q, keys, seen, n, scale, weights):
+    """weights[:n] = softmax(scale * q . keys[seen[t]]) over t < n: the dot products four keys at
+    a time, then exp(s - max) and one division."""
+    dim = q.shape[0]
+    t = 0
+    while t + 4 <= n:
+        k0, k1, k2, k3 = keys[seen[t]], keys[seen[t + 1]], keys[seen[t + 2]], keys[seen[t + 3]]
+        s0 = s1 = s2 = s3 = np.float32(0.0)
+        for d in range(dim):
+            s0 += q[d] * k0[d]
+            s1 += q[d] * k1[d]
+            s2 += q[d] * k2[d]
+            s3 += q[d] * k3[d]
+        weights[t], weights[t + 1], weights[t + 2], weights[t + 3] = s0 * scale, s1 * scale, s2 * scale, s3 * scale
+        t += 4
+    for t in range(t, n):
+        k0 = keys[seen[t]]
+        s0 = np.float32(0.0)
+        for d in range(dim):
+            s0 += q[d] * k0[d]
+        weights[t] = s0 * scale
+    top = largest(weights[:n])
+    total = np.float32(0.0)
+    for t in range(n):
+        weights[t] = exp_nonpositive(weights[t] - top)
+        total += weights[t]
+    inverse = np.float32(1.0) / total
+    for t in range(n):
+        weights[t] *= inverse
+
+
+@njit(cache=True)
+def largest(row):
+    """max(row), exact in any order: kept in 16 lanes (elementwise maxima compile to vector
+    instructions, a running maximum does not), then folded."""
+    lanes = np.full(16, row[0], dtype=np.float32)
+    body = row.shape[0] - row.shape[0] % 16
+    for start in range(0, body, 16):
+        for j in range(16):
+            lanes[j] = max(lanes[j], row[start + j])
+    top = row[0]
+    for k in range(body, row.shape[0]):
+        top = max(top, row[k])
+    for j in range(16):
+        top = max(top, lanes[j])
+    return top
+
+
+@njit(cache=True, inline="always")
+def exp_nonpositive(x):
+    """exp(x) for x <= 0 in float32, within one unit in the last place of libm's (Cephes' expf:
+    x = n ln 2 + r, |r| <= ln 2 / 2, e^r by a degree-7 polynomial), times 2^n built from n's bits by
+    selects; below -87 it gives e^-87. Plain float operations, so a loop of it vectorizes where a
+    call to libm does not."""
+    v = max(x, np.float32(-87.0))
+    n = np.floor(v * np.float32(1.4426950408889634) + np.float32(0.5))
+    r = (v - n * np.float32(0.693359375)) + n * np.float32(2.12194440e-4)
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * (r * r) + r + np.float32(1.0)
+    m = -n
+    for bit in (64.0, 32.0, 16.0, 8.0, 4.0, 2.0, 1.0):
+        take = m >= np.float32(bit)
+        p = p * (np.float32(2.0 ** -bit) if take else np.float32(1.0))
+        m = m - (np.float32(bit) if take else np.float32(0.0))
+    return p
 
 
 # The last forward's visible keys: (mask, (B, q, kv), index, counts), replaced in one assignment
