@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from samctl.decode.acceptance_head import AcceptanceHead
     from samctl.decode.draft_model import DraftModel
     from samctl.decode.drafters.base import Drafter
+    from samctl.decode.engine.cost import VerifyCost
     from samctl.decode.eagle_head import EagleHead
     from samctl.decode.engine.target import TargetModel
     from samctl.index.automaton import SuffixAutomaton
@@ -62,7 +63,7 @@ class Resources:
     draft: DraftModel | None = None
     head: AcceptanceHead | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    cost: np.ndarray | None = None  # relative verify cost t(1 + n) / t(1), n = 0, 1, ...
+    cost: "VerifyCost | np.ndarray | None" = None  # relative verify cost t(1 + n) / t(1), n = 0, 1, ...
     target: TargetModel | None = None  # the engine's target, for methods that draft with its weights
     eagle: EagleHead | None = None
 
@@ -259,14 +260,14 @@ def make_drafter(
     draft: DraftModel | None = None,
     head: AcceptanceHead | None = None,
     sampling: SamplingConfig = SamplingConfig(),
-    cost: np.ndarray | None = None,
+    cost: "VerifyCost | np.ndarray | None" = None,
     target: TargetModel | None = None,
     eagle: EagleHead | None = None,
 ) -> Drafter:
     """The drafter of method `name`. Draft-model methods sample their drafts with `sampling` (the
     run's settings); any mismatch with the loop's settings only costs acceptance, never
-    correctness. `cost` is the target's relative verify-cost curve (adaptive and eagle size drafts
-    by it); `target` is the engine's model (sdsat drafts with its weights and cache); `eagle` an
+    correctness. `cost` is the target's verify cost (decode.engine.cost.VerifyCost, or one relative
+    curve; adaptive and eagle size drafts by it); `target` is the engine's model (sdsat drafts with its weights and cache); `eagle` an
     EAGLE head bound to the target."""
     import torch
 

@@ -19,7 +19,7 @@ from functools import lru_cache
 
 import torch
 
-from samctl.decode.engine.cost import graph_widths, measure_verify_cost
+from samctl.decode.engine.cost import VerifyCost, graph_widths, measurable_context, measure_verify_cost
 from samctl.decode.engine.native import backend_name
 from samctl.index.errors import UserError
 from samctl.gguf_cache import cache_dir, write_text_atomically
@@ -27,6 +27,8 @@ from samctl.gguf_cache import cache_dir, write_text_atomically
 log = logging.getLogger(__name__)
 
 CURVE_WIDTH = 64
+CONTEXT = 256  # committed entries before the measured verifies (measure_cost's default)
+LONG_CONTEXT = 1024  # ... and the second curve's, from which VerifyCost prices longer contexts
 
 
 @lru_cache(maxsize=1)
@@ -59,13 +61,22 @@ def curve_key(engine: Any) -> dict[str, Any]:
             "graphs": bool(graph_widths(engine.target)), "code": engine_code()}
 
 
-def cost_curve(engine: Any, refresh: bool = False) -> list[float]:
-    """t_ms [curve_width]: the engine's verify time for 1..64 tokens (1..128 under CUDA graphs),
-    from the cache or measured now."""
+def cost_curve(engine: Any, refresh: bool = False, context: int = CONTEXT) -> list[float]:
+    """t_ms [curve_width]: the engine's verify time for 1..64 tokens (1..128 under CUDA graphs)
+    after `context` committed entries, from the cache or measured now."""
     key, width = curve_key(engine), curve_width(engine)
     note = (f"measuring the verify cost of {Path(engine.name).name} on {key['device']} ({key['dtype']}, "
             f"{key['linear']} forward and linear layers{', CUDA graphs' if key['graphs'] else ''}), once per model and device")
-    return _cached(key, lambda: measure_verify_cost(engine.target, width), note, width, refresh)
+    if context != CONTEXT:
+        key, note = {**key, "context": context}, ""
+    return _cached(key, lambda: measure_verify_cost(engine.target, width, context=context), note, width, refresh)
+
+
+def verify_cost(engine: Any, refresh: bool = False) -> VerifyCost:
+    """What `adaptive` and EAGLE size drafts by: the curves after CONTEXT and LONG_CONTEXT
+    committed entries (cached apart), priced at each row's own context length."""
+    long = measurable_context(engine.target.rows, LONG_CONTEXT, curve_width(engine))
+    return VerifyCost.measured(cost_curve(engine, refresh), cost_curve(engine, refresh, long), (CONTEXT, long))
 
 
 def batch_cost_curve(engine: Any, rows: int, max_width: int, stop: Callable[[], bool] | None = None) -> list[float]:
@@ -92,7 +103,8 @@ def _cached(key: dict[str, Any], measure: Callable[[], Any], note: str, width: i
                 return [float(t) for t in record["t_ms"]]
         except (OSError, ValueError, KeyError, TypeError):
             pass
-    log.info(note)
+    if note:
+        log.info(note)
     t_ms = [float(t) for t in measure()]
     try:
         write_text_atomically(path, json.dumps({"key": key, "t_ms": t_ms}))

@@ -30,7 +30,6 @@ from samctl.decode.configs import SamplingConfig
 from samctl.decode.draft_model import DraftModel
 from samctl.decode.drafters.base import Drafter, NoDraft
 from samctl.decode.eagle_head import EagleHead
-from samctl.decode.engine.cost import relative_cost
 from samctl.decode.engine.graphs import enable_cuda_graphs
 from samctl.decode.engine.native import backend_name
 from samctl.decode.loop import GenerationConfig, GenerationResult, generate as decode_generate, prompt_error
@@ -50,9 +49,9 @@ def build_drafter(name: str, engine: Engine, store: Datastore | None, config: Me
                   sampling: SamplingConfig = SamplingConfig(), eagle: EagleHead | None = None) -> Drafter:
     """The drafter of method `name` for this engine; methods that size drafts by the verify cost
     get the engine's measured curve (cached per model and device; measured on first use)."""
-    from samctl.costs import cost_curve
+    from samctl.costs import verify_cost
 
-    cost = relative_cost(cost_curve(engine)) if method_entry(name).sized_by_cost else None
+    cost = verify_cost(engine) if method_entry(name).sized_by_cost else None
     return make_drafter(name, vocab_size=engine.vocab_size, device=engine.device, eos_token_ids=engine.eos_token_ids,
                         static=store.structure if store is not None and uses_store(name) else None, config=config,
                         draft=draft, head=head, sampling=sampling, cost=cost, target=engine.target, eagle=eagle)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from samctl.decode.engine.cost import linear_cost
+from samctl.decode.engine.cost import VerifyCost, linear_cost
 from samctl.decode.drafters.adaptive import AdaptiveConfig, AdaptiveDrafter, Calibration
 from samctl.decode.drafters.candidates import N_CELLS, select
 from samctl.decode.drafters.base import NoDraft
@@ -51,6 +51,27 @@ def test_steep_cost_drafts_narrow_flat_cost_drafts_wide():
     # kept nodes are the most probable, parents first
     assert mid[0].tolist() == [10, 11, 12, 20][: len(mid[0])]
     assert all(p < i for i, p in enumerate(mid[1]))
+
+
+def test_a_long_context_prices_drafts_dearer_and_gets_shorter_ones():
+    # VerifyCost: t(n) measured after 256 and after 1024 committed entries, linear in between and
+    # beyond, relative to t(1) at the same context. Here each input row's attention costs 6 ms more
+    # at 1024 than at 256, so a draft that pays after a short prompt does not after a long one.
+    n = np.arange(1, 65, dtype=np.float64)
+    cost = VerifyCost.measured(list(10.0 + 0.5 * n), list(10.0 + 6.5 * n), (256, 1024))
+    assert cost.at(100)[8] < cost.at(1024)[8] < cost.at(4000)[8]
+    assert cost.at(260) is cost.at(300)  # one bucket, computed once
+    fixed = VerifyCost.fixed(linear_cost(0.1))
+    assert fixed.at(10) is fixed.at(5000) is fixed.relative
+    with pytest.raises(Exception, match="non-decreasing"):
+        VerifyCost.fixed(np.array([1.0, 0.5]))
+    doc, tail = random_doc(0, 300), random_doc(1, 20)
+    sizes = []
+    for prefix in (np.zeros(0, dtype=np.int64), random_doc(2, 3000)):
+        d = drafter(cost=cost)
+        d.start(np.concatenate((prefix, doc, tail, doc[:4])), None)
+        sizes.append(len(d.propose(int(doc[4])).tokens))
+    assert sizes[0] > sizes[1], sizes
 
 
 def test_select_merges_same_path_from_two_sources():

@@ -161,7 +161,7 @@ def test_argument_errors_are_one_line(model_dir, args, message):
 
 def test_prediction_and_memory_files(model_dir, tmp_path, monkeypatch):
     # A flat verify-cost curve: how much adaptive drafts must not depend on this machine's load.
-    monkeypatch.setattr("samctl.costs.cost_curve", lambda engine, quiet=False, refresh=False: [1.0] * 64)
+    monkeypatch.setattr("samctl.costs.cost_curve", lambda engine, *_, **__: [1.0] * 64)
     # --prediction drafts from an expected output; --memory-save writes the outputs as a store
     # that --memory-file preloads (checked against the model's tokenizer like any store).
     prediction = tmp_path / "pred.txt"

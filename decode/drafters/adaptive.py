@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from samctl.decode.budget import path_probs
-from samctl.decode.engine.cost import linear_cost
+from samctl.decode.engine.cost import VerifyCost
 from samctl.decode.engine.transfer import record_event, wait_for
 from samctl.decode.drafters.candidates import (N_CELLS, SOURCES, learn, ngram_candidates, prediction_positions,
                                                prior_means, propose_tree, sa_candidates)
@@ -43,7 +43,6 @@ from samctl.decode.drafters.recycle import learn_rows
 from samctl.decode.tree import DraftTree, tree_depths
 from samctl.index.automaton import SuffixAutomaton
 from samctl.index.cursor import AutomatonCursor, NgramCursor, ShardedSuffixArrayCursor, SuffixArrayCursor, cursor
-from samctl.index.errors import UserError
 from samctl.decode.configs import AdaptiveConfig
 
 if TYPE_CHECKING:
@@ -180,12 +179,9 @@ class AdaptiveDrafter(Drafter):
     keeps_memory = True
 
     def __init__(self, config: AdaptiveConfig = AdaptiveConfig(), static: "Structure | None" = None,
-                 cost: np.ndarray | None = None, vocab_size: int = 0, device: torch.device | str = "cpu") -> None:
+                 cost: VerifyCost | np.ndarray | None = None, vocab_size: int = 0, device: torch.device | str = "cpu") -> None:
         self.config = config
-        self.cost = np.asarray(cost if cost is not None else linear_cost(0.005), dtype=np.float64)
-        if self.cost.ndim != 1 or len(self.cost) < 2 or self.cost[0] <= 0 or np.any(np.diff(self.cost) < 0):
-            raise UserError("the verify-cost curve must be positive and non-decreasing from n = 1: "
-                            "re-measure it with samctl calibrate")
+        self.cost = VerifyCost.fixed(cost)  # priced at the row's context: prompt + output so far
         self.calibration = Calibration(config)
         self.static = cursor(static) if static is not None else None
         # An automaton's candidates come from the one compiled step (propose_tree); an n-gram
@@ -202,6 +198,7 @@ class AdaptiveDrafter(Drafter):
         self.prediction: np.ndarray | None = None
         self.prediction_count: PredictionCount | None = None  # the current request's, when it has a prediction
         self._observed = 0  # output tokens the steps so far committed (the last step's are seen by `finish`)
+        self._prompt_length = 0
         self._uncounted = False  # the last proposed tree is not in prediction_count yet
         self.last = (np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32))
         # Each source proposes its best nodes up to this many; `select` keeps the best of all.
@@ -235,7 +232,7 @@ class AdaptiveDrafter(Drafter):
             self.dynamic.end_document()
             self.prediction_count = PredictionCount(len(self.prediction))
         self.prediction = None
-        self._observed, self._uncounted = 0, False
+        self._observed, self._uncounted, self._prompt_length = 0, False, len(prompt)
         self.dyn_state, self.dyn_length = self.dynamic.extend_tracking(prompt, 0, 0)
         if self.static is not None:
             self.static.reset(prompt[-256:])
@@ -259,7 +256,7 @@ class AdaptiveDrafter(Drafter):
     # -- steps -------------------------------------------------------------------------------
 
     def propose(self, t0: int) -> DraftTree:
-        return self._propose(t0, self.cost)
+        return self._propose(t0, self.cost.at(self._prompt_length + self._observed))
 
     def propose_scored(self, t0: int) -> tuple[DraftTree, np.ndarray]:
         """For the batched engine, which sizes drafts across rows itself: every node above min_prob

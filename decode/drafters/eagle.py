@@ -33,7 +33,7 @@ import numba
 import numpy as np
 import torch
 
-from samctl.decode.engine.cost import linear_cost
+from samctl.decode.engine.cost import VerifyCost
 from samctl.decode.drafters.adaptive import AdaptiveDrafter
 from samctl.decode.drafters.candidates import N_CELLS
 from samctl.decode.eagle_head import EagleHead
@@ -172,12 +172,10 @@ class EagleDrafter(Drafter):
     name = "eagle"
     needs_hidden = True  # the loop passes the target's features of every committed position
 
-    def __init__(self, head: EagleHead, config: EagleConfig = EagleConfig(), cost: np.ndarray | None = None) -> None:
+    def __init__(self, head: EagleHead, config: EagleConfig = EagleConfig(),
+                 cost: VerifyCost | np.ndarray | None = None) -> None:
         self.head, self.config = head.eval(), config
-        self.cost = np.asarray(cost if cost is not None else linear_cost(0.005), dtype=np.float64)
-        if self.cost.ndim != 1 or len(self.cost) < 2 or self.cost[0] <= 0 or np.any(np.diff(self.cost) < 0):
-            raise UserError("the verify-cost curve must be positive and non-decreasing from n = 1: "
-                            "re-measure it with samctl calibrate")
+        self.cost = VerifyCost.fixed(cost)  # priced at the context the head has seen
         param = next(head.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.cache = StaticKVCache(1, self.dtype, self.device)
@@ -190,7 +188,7 @@ class EagleDrafter(Drafter):
         self.scale = np.ones(MAX_DEPTH + 1)
         self.last: tuple[np.ndarray, ...] | None = None  # tokens, parents, depths, probs of the last tree
         rerank(np.zeros(1), np.full(1, -1, dtype=np.int64), np.ones(1, dtype=np.int64), self.scale,
-               self.cost, 1)  # compile (or load the numba cache) now, not in the first timed step
+               self.cost.relative, 1)  # compile (or load the numba cache) now, not in the first timed step
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -227,7 +225,7 @@ class EagleDrafter(Drafter):
         tokens, scores, parents = _to_host(tokens, scores, parents)  # the one host read
         scores = scores.astype(np.float64)
         depths = _candidate_depths(parents)
-        keep, tree_parents = rerank(scores, parents, depths, self.scale, self.cost, cfg.max_nodes)
+        keep, tree_parents = rerank(scores, parents, depths, self.scale, self.cost.at(self.processed), cfg.max_nodes)
         self.last = (tokens[keep], tree_parents, depths[keep], np.exp(scores[keep]))
         return DraftTree(tokens=tokens[keep].astype(np.int64), parents=tree_parents)
 

@@ -31,6 +31,7 @@ import torch
 from samctl.decode.engine.batched import BatchedTarget
 from samctl.decode.engine.target import TargetModel, room
 from samctl.decode.tree import DraftTree
+from samctl.index.errors import UserError
 
 MEASURED_WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # widths of the forwards measured (eager)
 BATCH_POINTS = (1, 4, 16, 64, 256)  # rows of the [N, 1] forwards measured below the batch size
@@ -60,6 +61,56 @@ def relative_cost(t_ms: np.ndarray | list[float], n: int = 256) -> np.ndarray:
     return np.where(k < len(rel), rel[np.minimum(k, len(rel) - 1)], rel[-1] + slope * (k - len(rel) + 1))
 
 
+class VerifyCost:
+    """What a drafter sizes its drafts by: cost[k] = t(1 + k) / t(1), the price of k draft nodes
+    relative to plain decoding, at the context length the row has reached.
+
+    Measured (`measured`): the curves t(n) after two context lengths, with t(n, L) taken linear in
+    L beyond the first (every input row attends each committed entry once; a shorter context is
+    priced as the first), so that a long prompt, where each extra row of a verify costs more, gets
+    shorter drafts than a short one.
+    `at(L)` recomputes the relative curve when L enters another bucket of `BUCKET` entries.
+    Fixed (`fixed`): one relative curve whatever the context (a curve file, a test's)."""
+
+    BUCKET = 64
+
+    def __init__(self, relative: np.ndarray, short_ms: np.ndarray | None = None, long_ms: np.ndarray | None = None,
+                 contexts: tuple[int, int] = (0, 1)) -> None:
+        self.relative = np.asarray(relative, dtype=np.float64)
+        if self.relative.ndim != 1 or len(self.relative) < 2 or self.relative[0] <= 0 or np.any(np.diff(self.relative) < 0):
+            raise UserError("the verify-cost curve must be positive and non-decreasing from n = 1: "
+                            "re-measure it with samctl calibrate")
+        self.short_ms, self.long_ms, self.contexts = short_ms, long_ms, contexts
+        self._bucket = None
+
+    @classmethod
+    def fixed(cls, cost: "VerifyCost | np.ndarray | list[float] | None") -> "VerifyCost":
+        """`cost` as a VerifyCost: itself, a fixed relative curve, or (None) 0.5% a draft node."""
+        if isinstance(cost, VerifyCost):
+            return cost
+        return cls(linear_cost(0.005) if cost is None else np.asarray(cost, dtype=np.float64))
+
+    @classmethod
+    def measured(cls, short_ms: list[float], long_ms: list[float], contexts: tuple[int, int]) -> "VerifyCost":
+        """From t_ms [n] after contexts[0] and after contexts[1] committed entries (`measure_cost`)."""
+        short, long = np.asarray(short_ms, dtype=np.float64), np.asarray(long_ms, dtype=np.float64)
+        if contexts[1] <= contexts[0] or short.shape != long.shape:
+            return cls(relative_cost(short))
+        return cls(relative_cost(short), short, long, contexts)
+
+    def at(self, context: int) -> np.ndarray:
+        """The relative curve [257] after `context` committed entries."""
+        if self.short_ms is None:
+            return self.relative
+        bucket = int(context) // self.BUCKET
+        if bucket != self._bucket:
+            low, high = self.contexts
+            share = max(0.0, ((bucket + 0.5) * self.BUCKET - low) / (high - low))  # shorter: priced as the first
+            t = np.maximum(self.short_ms + share * (self.long_ms - self.short_ms), self.short_ms[0])
+            self._bucket, self._at = bucket, relative_cost(t)
+        return self._at
+
+
 @torch.inference_mode()
 def measure_cost(target: BatchedTarget, rows: int = 1, max_width: int = 64, context: int = 256, rounds: int = 2,
                  widths: tuple[int, ...] = MEASURED_WIDTHS, clock: Callable[[], float] = time.perf_counter,
@@ -77,7 +128,7 @@ def measure_cost(target: BatchedTarget, rows: int = 1, max_width: int = 64, cont
     grid = [w for w in (graphs or widths) if w < max_width]
     grid.append(next((w for w in graphs if w >= max_width), max_width))
     shapes = sorted({(b, 1) for b in BATCH_POINTS if b < rows} | {(rows, w) for w in grid}, key=lambda s: s[0] * s[1])
-    context = max(1, min(context, target.max_positions - grid[-1] - 8))
+    context = measurable_context(target, context, grid[-1])
     # A verify's time depends on how many entries it attends to, not on what they hold: one token
     # per row is prefilled (which allocates the cache) and the rows are then taken to hold
     # `context` entries, instead of prefilling rows * context tokens.
@@ -120,6 +171,12 @@ def measure_batch_cost(model: torch.nn.Module, rows: int, max_width: int = 8, co
     drafting budget prices a step's padded block [A, q] at t(A * q)."""
     target = BatchedTarget(model, rows, room(context, max_width))
     return measure_cost(target, rows, max_width, context, rounds, clock=clock, stop=stop)
+
+
+def measurable_context(target: BatchedTarget, context: int, width: int) -> int:
+    """The context a measurement of verifies up to `width` wide takes for `context`: at most what
+    the model's positions leave room for."""
+    return max(1, min(context, target.max_positions - width - 8))
 
 
 def graph_widths(target: TargetModel) -> tuple[int, ...]:
