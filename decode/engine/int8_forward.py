@@ -68,31 +68,61 @@ class Int8Forward:
         # each row's scale: each kernel reads a row's scale before it writes that row's new one
         row_scale = np.empty(len(flat), dtype=np.float32)
         hidden = np.empty_like(flat)
+        sums_of = _Sums(self.layers[0], (codes_x, codes_a, codes_i), dtype)
         sums, (scale, bias) = _NONE, (_EMPTY, _EMPTY)  # the last down projection's, added to x next
         for i, layer in enumerate(self.layers):
             norm_codes(flat, sums, row_scale, scale, bias, layer.norm_in, eps, hidden, codes_x, row_scale, zero)
-            attend_codes(layer.qkv.integer_sums(codes_x).numpy(), row_scale, *layer.qkv.scales(), cos, sin,
+            attend_codes(sums_of(layer, 0), row_scale, *layer.scales[0], cos, sin,
                          layer.q_norm, layer.k_norm, eps, storage[0, i, :rows], storage[1, i, :rows], write, index,
                          counts, self.scaling, queries, attended, codes_a, row_scale, zero)
-            norm_codes(flat, layer.o.integer_sums(codes_a).numpy(), row_scale, *layer.o.scales(), layer.norm_post, eps,
+            norm_codes(flat, sums_of(layer, 1), row_scale, *layer.scales[1], layer.norm_post, eps,
                        hidden, codes_x, row_scale, zero)
-            gated_codes(layer.gate_up.integer_sums(codes_x).numpy(), row_scale, *layer.gate_up.scales(), codes_i,
-                        row_scale, zero)
-            sums, (scale, bias) = layer.down.integer_sums(codes_i).numpy(), layer.down.scales()
+            gated_codes(sums_of(layer, 2), row_scale, *layer.scales[2], codes_i, row_scale, zero)
+            sums, (scale, bias) = sums_of(layer, 3), layer.scales[3]
         norm_codes(flat, sums, row_scale, scale, bias, self.norm, eps, hidden, codes_x[:0], row_scale, zero)
         return torch.from_numpy(hidden)
 
 
 class _Layer:
-    """One NativeLayer's int8 projections, with its norm weights as arrays."""
+    """One NativeLayer's int8 projections (qkv, o, gate_up, down: `projections`, their weights and
+    `scales` in that order), with its norm weights as arrays."""
 
     def __init__(self, layer) -> None:
         self.qkv, self.o, self.gate_up, self.down = layer.qkv, layer.o, layer.gate_up, layer.down
+        self.projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
+        self.weights = tuple(p.qweight for p in self.projections)
+        self.scales = tuple(p.scales() for p in self.projections)
         self.inner = layer.down.in_features
         self.norm_in = layer.norm_in.detach().numpy()
         self.norm_post = layer.norm_post.detach().numpy()
         self.q_norm = _EMPTY if layer.q_norm is None else layer.q_norm.detach().numpy()
         self.k_norm = _EMPTY if layer.k_norm is None else layer.k_norm.detach().numpy()
+
+
+class _Sums:
+    """One forward's integer sums [rows, out] of a layer's projection j (0..3 as `_Layer` orders
+    them) over its input codes (codes_x for qkv and gate_up, codes_a for o, codes_i for down).
+    For int8 codes (`_int_mm`, the one-row step's path) the products go into int32 buffers made
+    once a forward, the inputs as transposed views made once: each call is then the matmul alone,
+    where converting tensors and arrays around it cost ~10 us a call (121 a step). Other codes go
+    through Int8Linear.integer_sums."""
+
+    INPUT = (0, 1, 0, 2)  # the codes each projection reads
+
+    def __init__(self, first: _Layer, codes: tuple[np.ndarray, ...], dtype: type) -> None:
+        self.codes = codes
+        self.direct = dtype == np.int8 and not first.qkv.kernels.split
+        if self.direct:
+            rows = len(codes[0])
+            self.inputs = [torch.from_numpy(c).t() for c in codes]  # [in, rows] views
+            self.out = [torch.empty(p.out_features, rows, dtype=torch.int32) for p in first.projections]
+            self.arrays = [o.numpy().T for o in self.out]  # [rows, out] views
+
+    def __call__(self, layer: _Layer, j: int) -> np.ndarray:
+        if self.direct:
+            torch._int_mm(layer.weights[j], self.inputs[self.INPUT[j]], out=self.out[j])
+            return self.arrays[j]
+        return layer.projections[j].integer_sums(self.codes[self.INPUT[j]]).numpy()
 
 
 _EMPTY = np.zeros(0, dtype=np.float32)
