@@ -193,7 +193,9 @@ def test_calibrate_prints_a_cost_curve(model_dir, tmp_path):
     proc = samctl("calibrate", "--model", str(model_dir), "--json", "--threads", "1")
     assert proc.returncode == 0, proc.stderr
     curve = json.loads(proc.stdout)
-    assert len(curve["t_ms"]) == 64 and all(t > 0 for t in curve["t_ms"])
+    assert len(curve["t_ms"]) == len(curve["t_ms_long"]) == 64
+    assert all(t > 0 for t in curve["t_ms"] + curve["t_ms_long"])
+    assert curve["contexts"][0] <= curve["contexts"][1]  # equal where the model has no room for the longer one
     assert curve["t_ms"] == sorted(curve["t_ms"])  # a monotone fit
     table = samctl("calibrate", "--model", str(model_dir), "--threads", "1")  # cached now
     assert table.returncode == 0 and "| 64 |" in table.stdout and "measuring" not in table.stderr

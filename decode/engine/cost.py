@@ -94,13 +94,13 @@ class VerifyCost:
     def measured(cls, short_ms: list[float], long_ms: list[float], contexts: tuple[int, int]) -> "VerifyCost":
         """From t_ms [n] after contexts[0] and after contexts[1] committed entries (`measure_cost`)."""
         short, long = np.asarray(short_ms, dtype=np.float64), np.asarray(long_ms, dtype=np.float64)
-        if contexts[1] <= contexts[0] or short.shape != long.shape:
-            return cls(relative_cost(short))
+        if contexts[1] <= contexts[0] or short.shape != long.shape:  # no second context: one curve
+            long, contexts = short, (contexts[0], contexts[0])
         return cls(relative_cost(short), short, long, contexts)
 
     def at(self, context: int) -> np.ndarray:
         """The relative curve [257] after `context` committed entries."""
-        if self.short_ms is None:
+        if self.short_ms is None or self.contexts[1] <= self.contexts[0]:
             return self.relative
         bucket = int(context) // self.BUCKET
         if bucket != self._bucket:

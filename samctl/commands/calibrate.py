@@ -17,27 +17,34 @@ from samctl.options import ENGINE, session_options
 def calibrate(config: SessionConfig, refresh: bool, as_json: bool) -> None:
     """Verify cost t(n) for n = 1..64 input tokens: what `adaptive` sizes its drafts by.
 
-    Measured once per model, device, dtype, thread count and graph mode (a second or two), then
-    cached ($SAMCTL_CACHE or ~/.cache/samctl). On a CPU t(n) grows with n, so drafts stay narrow;
-    on a GPU it is nearly flat, so drafts grow wide. On CUDA it is measured under CUDA graphs, as
-    generate and bench run (a step function of the graph widths), unless --no-compile.
+    Measured once per model, device, dtype, thread count and graph mode (seconds), after 256 and
+    after 1024 committed tokens, then cached ($SAMCTL_CACHE or ~/.cache/samctl); a draft is
+    priced at its request's own context length, between and beyond the two. On a CPU t(n) grows
+    with n, and faster after a long context, so drafts stay narrow; on a GPU it is nearly flat, so
+    drafts grow wide. On CUDA it is measured under CUDA graphs, as generate and bench run (a step
+    function of the graph widths), unless --no-compile.
 
     \b
     samctl calibrate --model ./my-model
     samctl calibrate --model ./my-model --json > curve.json    # for simulate --cost-curve
     """
-    from samctl.costs import cost_curve, curve_key
+    from samctl.costs import curve_key, verify_cost
     from samctl.decode.engine.cost import relative_cost
     from samctl.session import Session
 
     # The curve is measured on the engine every command runs (CUDA graphs included), under ar.
     engine = Session(replace(config, method="ar")).engine
-    t_ms = cost_curve(engine, refresh=refresh)
-    if as_json:
-        click.echo(json.dumps({"key": curve_key(engine), "t_ms": [round(t, 4) for t in t_ms]}))
+    cost = verify_cost(engine, refresh=refresh)
+    t_ms = [float(t) for t in cost.short_ms]
+    if as_json:  # t_ms after the first context: what simulate --cost-curve reads
+        click.echo(json.dumps({"key": curve_key(engine), "contexts": list(cost.contexts),
+                               "t_ms": [round(t, 4) for t in t_ms],
+                               "t_ms_long": [round(float(t), 4) for t in cost.long_ms]}))
         return
-    rel = relative_cost(t_ms, len(t_ms))
+    short, long = cost.contexts
+    rel, rel_long = relative_cost(t_ms, len(t_ms)), relative_cost(cost.long_ms, len(t_ms))
     click.echo(f"verify cost of {engine.name} ({curve_key(engine)['device']}, {curve_key(engine)['dtype']})")
-    click.echo("| tokens n | t(n) ms | t(n) / t(1) |\n|---:|---:|---:|")
+    click.echo(f"| tokens n | t(n) ms after {short} | t(n) / t(1) | t(n) ms after {long} | t(n) / t(1) |\n"
+               "|---:|---:|---:|---:|---:|")
     for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)[: 12 if len(t_ms) <= 64 else 14]:
-        click.echo(f"| {n} | {t_ms[n - 1]:.2f} | {rel[n - 1]:.2f} |")
+        click.echo(f"| {n} | {t_ms[n - 1]:.2f} | {rel[n - 1]:.2f} | {cost.long_ms[n - 1]:.2f} | {rel_long[n - 1]:.2f} |")
