@@ -278,7 +278,8 @@ def test_cost_curve_measured_again_when_the_engine_code_changes(monkeypatch):
     model = tiny()
     engine = SimpleNamespace(name="tiny-code-key", model=model, device=torch.device("cpu"), target=TargetModel(model))
     measured = []
-    monkeypatch.setattr(costs, "measure_verify_cost", lambda target, width, context=256: measured.append((width, context)) or [1.0] * width)
+    monkeypatch.setattr(costs, "measure_verify_cost",
+                        lambda target, width, context=256: measured.append((width, context)) or [1.0] * width)
     first = costs.cost_curve(engine)
     assert costs.cost_curve(engine) == first and len(measured) == 1  # cached
     monkeypatch.setattr(costs, "engine_code", lambda: "other-kernels")
@@ -287,7 +288,8 @@ def test_cost_curve_measured_again_when_the_engine_code_changes(monkeypatch):
     # what adaptive sizes drafts by: that curve and one after a long context, cached apart
     cost = costs.verify_cost(engine)
     long = costs.measurable_context(engine.target.rows, costs.LONG_CONTEXT, costs.CURVE_WIDTH)
-    assert measured[2:] == [(costs.CURVE_WIDTH, long)] and cost.contexts == (costs.CONTEXT, long) and long > costs.CONTEXT
+    assert measured[2:] == [(costs.CURVE_WIDTH, long)] and long > costs.CONTEXT
+    assert cost.contexts == (costs.CONTEXT, long)
     costs.verify_cost(engine)
     assert len(measured) == 3
 

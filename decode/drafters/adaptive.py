@@ -179,7 +179,8 @@ class AdaptiveDrafter(Drafter):
     keeps_memory = True
 
     def __init__(self, config: AdaptiveConfig = AdaptiveConfig(), static: "Structure | None" = None,
-                 cost: VerifyCost | np.ndarray | None = None, vocab_size: int = 0, device: torch.device | str = "cpu") -> None:
+                 cost: VerifyCost | np.ndarray | None = None, vocab_size: int = 0,
+                 device: torch.device | str = "cpu") -> None:
         self.config = config
         self.cost = VerifyCost.fixed(cost)  # priced at the row's context: prompt + output so far
         self.calibration = Calibration(config)

@@ -77,11 +77,12 @@ class VerifyCost:
     def __init__(self, relative: np.ndarray, short_ms: np.ndarray | None = None, long_ms: np.ndarray | None = None,
                  contexts: tuple[int, int] = (0, 1)) -> None:
         self.relative = np.asarray(relative, dtype=np.float64)
-        if self.relative.ndim != 1 or len(self.relative) < 2 or self.relative[0] <= 0 or np.any(np.diff(self.relative) < 0):
+        rel = self.relative
+        if rel.ndim != 1 or len(rel) < 2 or rel[0] <= 0 or np.any(np.diff(rel) < 0):
             raise UserError("the verify-cost curve must be positive and non-decreasing from n = 1: "
                             "re-measure it with samctl calibrate")
         self.short_ms, self.long_ms, self.contexts = short_ms, long_ms, contexts
-        self._bucket = None
+        self._bucket, self._at = None, self.relative  # at(): the last context's bucket and curve
 
     @classmethod
     def fixed(cls, cost: "VerifyCost | np.ndarray | list[float] | None") -> "VerifyCost":

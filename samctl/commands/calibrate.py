@@ -47,4 +47,5 @@ def calibrate(config: SessionConfig, refresh: bool, as_json: bool) -> None:
     click.echo(f"| tokens n | t(n) ms after {short} | t(n) / t(1) | t(n) ms after {long} | t(n) / t(1) |\n"
                "|---:|---:|---:|---:|---:|")
     for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)[: 12 if len(t_ms) <= 64 else 14]:
-        click.echo(f"| {n} | {t_ms[n - 1]:.2f} | {rel[n - 1]:.2f} | {cost.long_ms[n - 1]:.2f} | {rel_long[n - 1]:.2f} |")
+        click.echo(f"| {n} | {t_ms[n - 1]:.2f} | {rel[n - 1]:.2f} | "
+                   f"{cost.long_ms[n - 1]:.2f} | {rel_long[n - 1]:.2f} |")
