@@ -18,15 +18,44 @@ import torch
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    # numba's disk cache is not safe for processes compiling different signatures of one kernel at
-    # once: each numbers its new entry by the index it read, so an entry can name another
-    # signature's code, which segfaults when loaded (seen in a clean CI run). Each worker (and the
-    # commands it starts) compiles into its own cache, one per checkout.
-    import hashlib
 
-    checkout = hashlib.sha1(os.path.dirname(os.path.dirname(os.path.abspath(__file__))).encode()).hexdigest()[:10]
-    os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(tempfile.gettempdir(), "samctl-test-numba", checkout,
-                                                          os.environ["PYTEST_XDIST_WORKER"]))
+
+def _numba_cache() -> str:
+    """Where the suite's compiled kernels go: one cache per checkout, version of the kernels' code
+    and worker.
+
+    numba's disk cache is not safe for processes compiling different signatures of one kernel at
+    once: each numbers its new entry by the index it read, so an entry can name another
+    signature's code, which segfaults when loaded (seen in a clean CI run). So each xdist worker
+    (and the commands it starts) has its own. And numba keys a cached function on its own source
+    file only: a kernel that inlines another module's (int8_forward's layers call attention's)
+    would run the old code after that module changed. So the cache is per digest of decode/ and
+    index/, and a checkout's caches of other digests are removed."""
+    import glob
+    import hashlib
+    import shutil
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    checkout = hashlib.sha1(root.encode()).hexdigest()[:10]
+    code = hashlib.sha1()
+    for path in sorted(glob.glob(os.path.join(root, "decode", "**", "*.py"), recursive=True)
+                       + glob.glob(os.path.join(root, "index", "*.py"))):
+        with open(path, "rb") as f:
+            code.update(f.read())
+    base = os.path.join(tempfile.gettempdir(), "samctl-test-numba")
+    current = f"{checkout}-{code.hexdigest()[:10]}"
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    if worker in ("gw0", "main"):
+        for old in glob.glob(os.path.join(base, checkout + "*")):
+            if os.path.basename(old) != current:
+                shutil.rmtree(old, ignore_errors=True)
+    return os.path.join(base, current, worker)
+
+
+# A cache the user set stays; the one the xdist controller set, which its workers inherit, does not.
+_inherited = os.environ.get("NUMBA_CACHE_DIR")
+if not _inherited or _inherited.startswith(os.path.join(tempfile.gettempdir(), "samctl-test-numba")):
+    os.environ["NUMBA_CACHE_DIR"] = _numba_cache()
 
 
 def _tiny(arch: str, vocab: int, seed: int):
