@@ -2,9 +2,12 @@
 version of the engine's code (a curve measured by older kernels is measured again).
 
 `cost_curve(engine)` returns the cached curve t(1..64) in ms (t(1..128) under CUDA graphs, whose
-widths reach 128), measuring it (seconds: 3 x 7 widths) on first use, in the mode the engine runs
-(eager or CUDA graphs: a graph curve is a step function); `adaptive` sizes its drafts by it. Files live in `<cache>/costs/<key>.json`, where the
-cache is $SAMCTL_CACHE or the user's cache folder (~/.cache/samctl); written atomically.
+widths reach 128) after 256 committed tokens (or `context`), measuring it (seconds: 3 x 7 widths)
+on first use, in the mode the engine runs (eager or CUDA graphs: a graph curve is a step
+function). `verify_cost(engine)` is what `adaptive` and EAGLE size drafts by: the curves after 256
+and after 1024 tokens, priced at each request's context length (decode.engine.cost.VerifyCost).
+Files live in `<cache>/costs/<key>.json`, where the cache is $SAMCTL_CACHE or the user's cache
+folder (~/.cache/samctl); written atomically.
 """
 from __future__ import annotations
 
