@@ -30,6 +30,7 @@ from samctl.decode.configs import SamplingConfig
 from samctl.decode.draft_model import DraftModel
 from samctl.decode.drafters.base import Drafter, NoDraft
 from samctl.decode.eagle_head import EagleHead
+from samctl.decode.engine.cost import VerifyCost
 from samctl.decode.engine.graphs import enable_cuda_graphs
 from samctl.decode.engine.native import backend_name
 from samctl.decode.loop import GenerationConfig, GenerationResult, generate as decode_generate, prompt_error
@@ -46,12 +47,10 @@ log = logging.getLogger(__name__)
 
 def build_drafter(name: str, engine: Engine, store: Datastore | None, config: MethodConfig,
                   draft: DraftModel | None = None, head: AcceptanceHead | None = None,
-                  sampling: SamplingConfig = SamplingConfig(), eagle: EagleHead | None = None) -> Drafter:
-    """The drafter of method `name` for this engine; methods that size drafts by the verify cost
-    get the engine's measured curve (cached per model and device; measured on first use)."""
-    from samctl.costs import verify_cost
-
-    cost = verify_cost(engine) if method_entry(name).sized_by_cost else None
+                  sampling: SamplingConfig = SamplingConfig(), eagle: EagleHead | None = None,
+                  cost: VerifyCost | None = None) -> Drafter:
+    """The drafter of method `name` for this engine; `cost`: the engine's verify cost, for methods
+    that size drafts by it (`_Loaded.verify_cost`)."""
     return make_drafter(name, vocab_size=engine.vocab_size, device=engine.device, eos_token_ids=engine.eos_token_ids,
                         static=store.structure if store is not None and uses_store(name) else None, config=config,
                         draft=draft, head=head, sampling=sampling, cost=cost, target=engine.target, eagle=eagle)
@@ -68,6 +67,16 @@ class _Loaded:
     def __init__(self, engine: Engine, store: Datastore | None) -> None:
         self.engine, self.store = engine, store
         self._models: dict[tuple[Callable, str], Any] = {}
+        self._cost: VerifyCost | None = None
+
+    def verify_cost(self) -> VerifyCost:
+        """The engine's verify cost (samctl.costs.verify_cost: cached per model and device, measured
+        on first use), read once for every drafter of every session."""
+        if self._cost is None:
+            from samctl.costs import verify_cost
+
+            self._cost = verify_cost(self.engine)
+        return self._cost
 
     def load(self, loader: Callable[..., Any], path: str | None, *args: Any) -> Any:
         """loader(path, engine, *args) (load_draft, load_acc_head, load_eagle), once per loader and
@@ -262,8 +271,9 @@ class Session:
         a draft model's cache is its own too (the weights are shared), so that drafters can run
         side by side (the batched engine's rows). fork=False: the kept one, on the draft model itself."""
         draft = self._draft.fork() if fork and self._draft is not None else self._draft
+        cost = self._shared.verify_cost() if method_entry(self.config.method).sized_by_cost else None
         return build_drafter(self.config.method, self.engine, self.store, self.method_config, draft=draft,
-                             head=self._head, sampling=self.config.sampling, eagle=self._eagle)
+                             head=self._head, sampling=self.config.sampling, eagle=self._eagle, cost=cost)
 
     def warm_up(self, ids: list[int]) -> None:
         """Run a throwaway drafter and plain decoding once, so that JIT cache loads, lazy imports

@@ -59,7 +59,7 @@ class Int8Forward:
         write = cache.write_positions.numpy()
         index, counts = visible_keys(mask, rows, n, cache.kv_length)
         cos, sin = cos.reshape(rows, n, -1).numpy(), sin.reshape(rows, n, -1).numpy()
-        dtype, zero = self.layers[0].qkv.code_format(len(flat))
+        dtype, zero = self.layers[0].projections[0].code_format(len(flat))
         queries = np.empty((rows, shape.heads, n, shape.head_dim), dtype=np.float32)
         attended = np.empty((rows, n, shape.heads, shape.head_dim), dtype=np.float32)
         codes_x = np.empty((len(flat), width), dtype=dtype)  # each matmul's input codes
@@ -88,7 +88,6 @@ class _Layer:
     `scales` in that order), with its norm weights as arrays."""
 
     def __init__(self, layer) -> None:
-        self.qkv, self.o, self.gate_up, self.down = layer.qkv, layer.o, layer.gate_up, layer.down
         self.projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
         self.weights = tuple(p.qweight for p in self.projections)
         self.scales = tuple(p.scales() for p in self.projections)
@@ -111,7 +110,7 @@ class _Sums:
 
     def __init__(self, first: _Layer, codes: tuple[np.ndarray, ...], dtype: type) -> None:
         self.codes = codes
-        self.direct = dtype == np.int8 and not first.qkv.kernels.split
+        self.direct = dtype == np.int8  # code_format's `_int_mm` codes (never split kernels')
         if self.direct:
             rows = len(codes[0])
             self.inputs = [torch.from_numpy(c).t() for c in codes]  # [in, rows] views
