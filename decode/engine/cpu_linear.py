@@ -26,8 +26,11 @@ head included) with one of:
   bound: SmolLM2's output head, 28 MB, in 1.6 ms where `_int_mm(row, weight [in, out])` takes
   4.4), several rows oneDNN's int8 GEMM on its prepacked copy of the weight (`qlinear_pointwise`
   with unit scales returns the integer sums as float32, as `_int_mm`'s int32 converts; 8 rows of
-  every SmolLM2 layer cost 1.3x one row's, against 2.5-3.5x with `_int_mm`). The price is
-  memory: the int8 weight is held twice (still half of float32).
+  every SmolLM2 layer cost 1.3x one row's, against 2.5-3.5x with `_int_mm`). On one thread of a
+  CPU with AVX512-VNNI, up to 16 rows run samctl's own kernel instead (decode/engine/vnni.py):
+  one pass over the weight for 8 rows, with none of oneDNN's ~15 us of setup per call, which
+  cost a 2-row SmolLM2 verify ~2.5 ms (`Int8Linear.kernel` chooses). The price is memory: the
+  int8 weight is held twice, three times with VNNI (still less than float32's four bytes).
   Exact integer sums are the CPU's to give: without VNNI (AVX512-VNNI or AVX-VNNI) x86 multiplies
   int8 with `vpmaddubsw`, which saturates pairs of unsigned x signed products at 16 bits, and
   both `_int_mm` and oneDNN's 8-bit GEMM then return wrong sums (measured here with oneDNN held to
@@ -50,8 +53,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from numba import njit
+from numba.core.errors import NumbaError
 from torch import nn
 
+from samctl.decode.engine import vnni
 from samctl.decode.engine.attention import use_rowwise_attention
 from samctl.index.errors import ConfigError
 
@@ -105,6 +110,7 @@ class Int8Linear(nn.Module):
         self.bias = linear.bias
         self.kernels = int8_kernels()
         self.gemm = OneDnnGemm.pack(qweight) if self.kernels.onednn else None  # several rows (all, when split)
+        self.vnni = vnni.VnniGemm(qweight.numpy()) if self.kernels.vnni else None  # a few rows, one thread
         self._dense: torch.Tensor | None = None
         self._scales: tuple | None = None  # (the scale buffer, it and the bias as arrays), for `rescale`
 
@@ -136,22 +142,34 @@ class Int8Linear(nn.Module):
         rescale(self.integer_sums(codes).numpy(), row_scale, *self.scales(), y.numpy())
         return y
 
+    def kernel(self, rows: int) -> str:
+        """The kernel that sums `rows` rows (a key of CODE_FORMATS): the VNNI kernel for a few rows
+        on one thread, else `_int_mm` for one row, oneDNN for several, the split where no VNNI.
+        Decided by the probe, the row count and the thread count alone, so that every layer of a
+        forward takes codes in one format."""
+        if self.kernels.split:
+            return "split"
+        if self.vnni is not None and rows <= vnni.MAX_ROWS and torch.get_num_threads() == 1:
+            return "vnni"
+        if self.gemm is None or (rows == 1 and self.kernels.gemv):
+            return "int_mm"
+        return "onednn"
+
     def code_format(self, rows: int) -> tuple[type, int]:
         """(dtype, zero point) of the codes `integer_sums` takes for `rows` rows, as `quantize_rows`
-        writes them: int8 for `_int_mm`'s one row, uint8 + 128 for oneDNN, float32 to be split."""
-        if self.kernels.split:
-            return np.float32, 0
-        if self.gemm is None or (rows == 1 and self.kernels.gemv):
-            return np.int8, 0
-        return np.uint8, 128
+        writes them."""
+        return CODE_FORMATS[self.kernel(rows)]
 
     def integer_sums(self, codes: np.ndarray) -> torch.Tensor:
         """codes [r, in] as `code_format(r)` says -> [r, out]: sum_k xq[r, k] * wq[n, k], exact
         (int32, or float32 holding integers; possibly a transposed view)."""
+        kernel = self.kernel(len(codes))
+        if kernel == "vnni":
+            return torch.from_numpy(self.vnni(codes))
         rows = torch.from_numpy(codes)
-        if self.kernels.split:
+        if kernel == "split":
             return split_sums(self.gemm, rows)
-        if rows.dtype == torch.int8:
+        if kernel == "int_mm":
             return torch._int_mm(self.qweight, rows.t()).t()  # [out, in] x [in, r]: int32, transposed
         return self.gemm(rows, 128)
 
@@ -164,6 +182,9 @@ class Int8Linear(nn.Module):
 
 
 _NO_BIAS = np.zeros(0, dtype=np.float32)
+# (dtype, zero point) of each kernel's codes: int8 for `_int_mm`; uint8 + 128 for oneDNN's u8 x s8
+# GEMM and the VNNI kernel; float32 for the split halves
+CODE_FORMATS = {"int_mm": (np.int8, 0), "onednn": (np.uint8, 128), "vnni": (np.uint8, 128), "split": (np.float32, 0)}
 
 
 @njit(cache=True)
@@ -324,6 +345,7 @@ class Int8Kernels(NamedTuple):
     gemv: bool  # one row through torch._int_mm(weight, row^T)
     onednn: bool  # several rows (every row, when split) through oneDNN's prepacked GEMM
     split: bool  # no VNNI: every row as two 7-bit halves through oneDNN, their sums added
+    vnni: bool = False  # a few rows on one thread through decode/engine/vnni.py's kernel
 
 
 @lru_cache(maxsize=1)
@@ -343,14 +365,16 @@ def int8_kernels() -> Int8Kernels:
     def exact(kernel) -> bool:
         try:
             return all(torch.equal(kernel(x[:m]).double(), expected[:m]) for m in (1, 2, 4))
-        except (AttributeError, RuntimeError, NotImplementedError):  # a kernel this build lacks
+        except (AttributeError, RuntimeError, NotImplementedError, NumbaError):  # a kernel this build lacks
             return False
 
     gemm = OneDnnGemm.pack(weight)
     gemv = exact(lambda rows: torch._int_mm(weight, rows.t()).t())  # the call Int8Linear makes
     onednn = gemm is not None and exact(lambda rows: gemm((rows.int() + 128).to(torch.uint8), 128))
+    own = vnni.VnniGemm(weight.numpy()) if vnni.has_vnni() else None
+    fast = own is not None and exact(lambda rows: torch.from_numpy(own((rows.int() + 128).to(torch.uint8).numpy())))
     if gemv or onednn:
-        return Int8Kernels(gemv, onednn, False)
+        return Int8Kernels(gemv, onednn, False, fast)
     if gemm is not None and exact(lambda rows: split_sums(gemm, rows.int())):
         return Int8Kernels(False, True, True)
     raise ConfigError("{quantize} int8: this CPU's int8 kernels do not sum int8 products exactly (no VNNI, "

@@ -16,10 +16,10 @@ each a torch or numba call of a few microseconds, used to cost as much again. He
     s = Wdown codes                                      (added to x by the next `norm_codes`)
 
 and the final norm's output goes to the output head. Every step is the formula the op-by-op
-forward computes, per row and in the same order, except silu's exp (libm's here, torch's own
-vectorized one there, which may differ in the last bit): a row's result depends on that row
-alone, so every verified row equals a one-token step bit for bit, as before. Prefills (no cached
-keys) stay on the op-by-op forward.
+forward computes, per row and in the same order, except silu (from exp(-|g|) here, `silu_times`,
+so that it vectorizes; torch's own exp of -g there: the two may differ in the last bit): a row's
+result depends on that row alone, so every verified row equals a one-token step bit for bit, as
+before. Prefills (no cached keys) stay on the op-by-op forward.
 """
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ import numpy as np
 import torch
 from numba import njit
 
-from samctl.decode.engine.attention import attend_rows, visible_keys
-from samctl.decode.engine.cpu_linear import Int8Linear, quantize_row, rescale_row
+from samctl.decode.engine.attention import attend_rows, exp_nonpositive, visible_keys
+from samctl.decode.engine.cpu_linear import CODE_FORMATS, Int8Linear, quantize_row, rescale_row
+from samctl.decode.engine.vnni import vnni_sums
 
 
 class Int8Forward:
@@ -59,7 +60,8 @@ class Int8Forward:
         write = cache.write_positions.numpy()
         index, counts = visible_keys(mask, rows, n, cache.kv_length)
         cos, sin = cos.reshape(rows, n, -1).numpy(), sin.reshape(rows, n, -1).numpy()
-        dtype, zero = self.layers[0].projections[0].code_format(len(flat))
+        kernel = self.layers[0].projections[0].kernel(len(flat))  # every layer's: see Int8Linear.kernel
+        dtype, zero = CODE_FORMATS[kernel]
         queries = np.empty((rows, shape.heads, n, shape.head_dim), dtype=np.float32)
         attended = np.empty((rows, n, shape.heads, shape.head_dim), dtype=np.float32)
         codes_x = np.empty((len(flat), width), dtype=dtype)  # each matmul's input codes
@@ -68,7 +70,7 @@ class Int8Forward:
         # each row's scale: each kernel reads a row's scale before it writes that row's new one
         row_scale = np.empty(len(flat), dtype=np.float32)
         hidden = np.empty_like(flat)
-        sums_of = _Sums(self.layers[0], (codes_x, codes_a, codes_i), dtype)
+        sums_of = _Sums(self.layers[0], (codes_x, codes_a, codes_i), kernel)
         sums, (scale, bias) = _NONE, (_EMPTY, _EMPTY)  # the last down projection's, added to x next
         for i, layer in enumerate(self.layers):
             norm_codes(flat, sums, row_scale, scale, bias, layer.norm_in, eps, hidden, codes_x, row_scale, zero)
@@ -101,24 +103,33 @@ class _Layer:
 class _Sums:
     """One forward's integer sums [rows, out] of a layer's projection j (0..3 as `_Layer` orders
     them) over its input codes (codes_x for qkv and gate_up, codes_a for o, codes_i for down).
-    For int8 codes (`_int_mm`, the one-row step's path) the products go into int32 buffers made
-    once a forward, the inputs as transposed views made once: each call is then the matmul alone,
-    where converting tensors and arrays around it cost ~10 us a call (121 a step). Other codes go
-    through Int8Linear.integer_sums."""
+    Where the layers' kernel is `_int_mm` (one row) or the VNNI kernel (a few rows on one thread),
+    the products go into int32 buffers made once a forward and the inputs are views made once:
+    each call is then the matmul alone, where converting tensors and arrays around it cost ~10 us
+    a call (121 a step). Other kernels go through Int8Linear.integer_sums."""
 
     INPUT = (0, 1, 0, 2)  # the codes each projection reads
 
-    def __init__(self, first: _Layer, codes: tuple[np.ndarray, ...], dtype: type) -> None:
-        self.codes = codes
-        self.direct = dtype == np.int8  # code_format's `_int_mm` codes (never split kernels')
-        if self.direct:
-            rows = len(codes[0])
+    def __init__(self, first: _Layer, codes: tuple[np.ndarray, ...], kernel: str) -> None:
+        self.codes, self.kernel = codes, kernel
+        rows = len(codes[0])
+        if kernel == "vnni" and all(p.vnni.aligned for p in first.projections):
+            self.inputs = [c.view(np.int32) for c in codes]  # [rows, in / 4]: four codes a word
+            self.out = [np.empty((rows, len(p.vnni.base)), dtype=np.int32) for p in first.projections]
+            self.arrays = [o[:, : p.out_features] for o, p in zip(self.out, first.projections)]
+        elif kernel == "int_mm":
             self.inputs = [torch.from_numpy(c).t() for c in codes]  # [in, rows] views
             self.out = [torch.empty(p.out_features, rows, dtype=torch.int32) for p in first.projections]
             self.arrays = [o.numpy().T for o in self.out]  # [rows, out] views
+        else:
+            self.kernel = "general"
 
     def __call__(self, layer: _Layer, j: int) -> np.ndarray:
-        if self.direct:
+        if self.kernel == "vnni":
+            gemm = layer.projections[j].vnni
+            vnni_sums(self.inputs[self.INPUT[j]], gemm.packed, gemm.base, self.out[j])
+            return self.arrays[j]
+        if self.kernel == "int_mm":
             torch._int_mm(layer.weights[j], self.inputs[self.INPUT[j]], out=self.out[j])
             return self.arrays[j]
         return layer.projections[j].integer_sums(self.codes[self.INPUT[j]]).numpy()
@@ -193,13 +204,23 @@ def attend_codes(sums, sums_scale, scale, bias, cos, sin, q_norm, k_norm, eps, k
 
 @njit(cache=True)
 def gated_codes(sums, sums_scale, scale, bias, codes, row_scale, zero):
-    """Per row: [g, u] = rescale_row(sums), codes = quantize(silu(g) * u), silu(g) = g / (1 + exp(-g))."""
+    """Per row: [g, u] = rescale_row(sums), codes = quantize(silu(g) * u)."""
     inner = codes.shape[1]
     gate_up = np.empty(sums.shape[1], dtype=np.float32)
     act = np.empty(inner, dtype=np.float32)
     for r in range(sums.shape[0]):
         rescale_row(sums[r], sums_scale[r], scale, bias, gate_up)
-        for k in range(inner):
-            g = gate_up[k]
-            act[k] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[inner + k]
+        silu_times(gate_up[:inner], gate_up[inner:], act)
         row_scale[r] = quantize_row(act, codes[r], zero)
+
+
+@njit(cache=True)
+def silu_times(g, u, out):
+    """out = silu(g) * u, silu(g) = g / (1 + exp(-g)) computed from e = exp(-|g|): g / (1 + e) for
+    g >= 0, g e / (1 + e) below. e comes from `exp_nonpositive` in a loop of its own, which
+    vectorizes (in one loop with the selects it does not: 8x slower than libm's exp)."""
+    for k in range(g.shape[0]):
+        out[k] = exp_nonpositive(-abs(g[k]))
+    for k in range(g.shape[0]):
+        e = out[k]
+        out[k] = (g[k] if g[k] >= np.float32(0.0) else g[k] * e) / (np.float32(1.0) + e) * u[k]
