@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from samctl.decode.engine import cpu_linear
 from samctl.decode.engine.cpu_linear import Int8Linear, PackedLinear, apply_cpu_linear, linear_backend
-from samctl.decode.engine.vnni import VnniGemm, has_vnni
+from samctl.decode.engine.int8_gemm import KERNELS, MAX_ROWS, RowsGemm, cpu_kernel
 from samctl.decode.methods import EAGLE_METHODS, METHODS, uses_store
 from samctl.index.automaton import SuffixAutomaton
 from samctl.index.errors import ConfigError
@@ -61,19 +61,19 @@ def test_int8_one_row_kernel_equals_many_row_kernel():
         layer.qweight[:, ::7] = 126
         if layer.gemm is not None:
             layer.gemm = type(layer.gemm).pack(layer.qweight)
-        if layer.vnni is not None:
-            layer.vnni = VnniGemm(layer.qweight.numpy())
+        if layer.rows_gemm is not None:
+            layer.rows_gemm = RowsGemm(layer.qweight.numpy(), layer.kernels.own)
     x = torch.randn(6, 3072)
     x[0] = 1.0  # every quantized value at the top level: sums past 2**24
     full = layer(x)
     assert int((127 * layer.qweight.long()).sum(1).min()) > 2**24  # row 0's integer sums
     for row in range(6):
         assert torch.equal(layer(x[row : row + 1])[0], full[row]), row
-    if layer.vnni is not None:  # one thread: the VNNI kernel; two: _int_mm and oneDNN's GEMM
+    if layer.rows_gemm is not None:  # one thread: samctl's kernel; two: torch's
         with threads(2):
             assert torch.equal(layer(x), full) and torch.equal(layer(x[:1])[0], full[0])
     if layer.kernels.gemv:  # the _int_mm fallback for several rows gives the same numbers
-        layer.gemm, layer.vnni = None, None
+        layer.gemm, layer.rows_gemm = None, None
         assert torch.equal(layer(x), full)
 
 
@@ -86,8 +86,8 @@ def exact_int8(layer, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kernels", [(True, True, False), (False, True, False), (True, False, False),
-                                     (False, True, True), (True, True, False, True)],
-                         ids=["int_mm+onednn", "onednn-only", "int_mm-only", "split", "vnni-kernel"])
+                                     (False, True, True), (True, True, False, "vnni"), (False, True, True, "avx2")],
+                         ids=["int_mm+onednn", "onednn-only", "int_mm-only", "split", "vnni-kernel", "avx2-kernel"])
 def test_int8_modes_are_exact_and_row_independent(monkeypatch, kernels):
     # every mode the probe can choose, forced: rows alone equal rows together and the formula
 
@@ -100,8 +100,8 @@ def test_int8_modes_are_exact_and_row_independent(monkeypatch, kernels):
         pytest.skip(f"torch._int_mm does not sum int8 products exactly on this CPU (probe: {probed})")
     if chosen.onednn and not chosen.split and (probed.split or not probed.onednn):
         pytest.skip(f"oneDNN's 8-bit GEMM does not sum int8 products exactly on this CPU (probe: {probed})")
-    if chosen.vnni and not probed.vnni:
-        pytest.skip(f"no AVX512-VNNI on this CPU (probe: {probed})")
+    if chosen.own and chosen.own not in (probed.own, "avx2" if probed.own else None):
+        pytest.skip(f"no {chosen.own} kernel on this CPU (probe: {probed})")
     monkeypatch.setattr(cpu_linear, "int8_kernels", lambda: chosen)
     layer = int8_layer(512, 48, seed=7)
     x = torch.randn(9, 512) * torch.logspace(-3, 2, 9)[:, None]
@@ -145,47 +145,47 @@ def test_int8_probed_kernels_are_exact_at_the_extremes():
         assert kernels.split or not kernels.onednn, kernels
 
 
-needs_vnni = pytest.mark.skipif(not has_vnni(), reason="no AVX512-VNNI on this CPU")
-
-
-@needs_vnni
+@pytest.mark.skipif(not cpu_kernel(), reason="no AVX2 on this CPU")
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
 @pytest.mark.parametrize("shape", [(64, 32), (576, 960), (36, 48), (30, 7), (1, 16)], ids=str)
-def test_vnni_kernel_sums_equal_int64_sums(shape):
-    # decode/engine/vnni.py against a naive reference: every row count through its groups of 8,
-    # products at the extremes (+-127 codes against +-127 weights), shapes off the 16 x 4 blocks
+def test_own_kernel_sums_equal_int64_sums(kernel, shape):
+    # decode/engine/int8_gemm.py against a naive reference: every row count through its groups of
+    # 8, products at the extremes (+-127 codes against +-127 weights), shapes off the blocks
+    if kernel == "vnni" and cpu_kernel() != "vnni":
+        pytest.skip("no AVX512-VNNI on this CPU")
     rng = np.random.default_rng(sum(shape))
     depth, out = shape
     weight = rng.integers(-127, 128, (out, depth)).astype(np.int8)
     weight[0] = 127
-    gemm = VnniGemm(weight)
+    gemm = RowsGemm(weight, kernel)
     for rows in (1, 2, 3, 5, 8, 9, 16, 17):
         xq = rng.integers(-127, 128, (rows, depth)).astype(np.int64)
         xq[0] = 127
         xq[rows // 2, ::2] = -127
-        got = gemm((xq + 128).astype(np.uint8))
+        got = gemm((xq + gemm.kernel.zero).astype(gemm.kernel.codes))
         assert got.dtype == np.int32 and np.array_equal(got, xq @ weight.astype(np.int64).T), rows
 
 
-def test_vnni_kernel_serves_a_few_rows_on_one_thread_only():
-    # the VNNI kernel for up to MAX_ROWS rows on one thread; with more threads or rows torch's
+def test_own_kernel_serves_a_few_rows_on_one_thread_only():
+    # samctl's kernel for up to MAX_ROWS rows on one thread; with more threads or rows torch's
     # kernels, which split the work or block for cache; the same numbers either way
-    from samctl.decode.engine.vnni import MAX_ROWS
-
-    if not cpu_linear.int8_kernels().vnni:
-        pytest.skip(f"the probe chose no VNNI kernel here: {cpu_linear.int8_kernels()}")
+    kernels = cpu_linear.int8_kernels()
+    if not kernels.own:
+        pytest.skip(f"the probe chose no kernel of samctl's here: {kernels}")
+    torch_kernel = "split" if kernels.split else "onednn"
     layer = int8_layer(96, 48, seed=3)
     x = torch.randn(MAX_ROWS + 1, 96)
     with threads(1):
-        assert [layer.kernel(r) for r in (1, MAX_ROWS, MAX_ROWS + 1)] == ["vnni", "vnni", "onednn"]
+        assert [layer.kernel(r) for r in (1, MAX_ROWS, MAX_ROWS + 1)] == [kernels.own, kernels.own, torch_kernel]
         alone = layer(x[:MAX_ROWS])
     with threads(2):
-        assert layer.kernel(2) == "onednn" and torch.equal(layer(x[:MAX_ROWS]), alone)
+        assert layer.kernel(2) == torch_kernel and torch.equal(layer(x[:MAX_ROWS]), alone)
     assert torch.equal(layer(x)[:MAX_ROWS], alone)
 
 
 # What must hold on every CPU class, run again on an AVX2 CPU without VNNI, emulated here: ATen's
 # AVX2 kernels (sdpa, elementwise ops) and oneDNN's (int8 GEMM) in a fresh process.
-ON_ANY_CPU = ("row_alone or one_row_kernel or modes_are_exact or probed_kernels or vnni or batch_rows_are or "
+ON_ANY_CPU = ("row_alone or one_row_kernel or modes_are_exact or probed_kernels or own_kernel or batch_rows_are or "
               "batched_rows_equal or integer_formula or single_steps or exact_kernel")
 
 

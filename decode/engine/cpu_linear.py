@@ -26,11 +26,12 @@ head included) with one of:
   bound: SmolLM2's output head, 28 MB, in 1.6 ms where `_int_mm(row, weight [in, out])` takes
   4.4), several rows oneDNN's int8 GEMM on its prepacked copy of the weight (`qlinear_pointwise`
   with unit scales returns the integer sums as float32, as `_int_mm`'s int32 converts; 8 rows of
-  every SmolLM2 layer cost 1.3x one row's, against 2.5-3.5x with `_int_mm`). On one thread of a
-  CPU with AVX512-VNNI, up to 16 rows run samctl's own kernel instead (decode/engine/vnni.py):
-  one pass over the weight for 8 rows, with none of oneDNN's ~15 us of setup per call, which
-  cost a 2-row SmolLM2 verify ~2.5 ms (`Int8Linear.kernel` chooses). The price is memory: the
-  int8 weight is held twice, three times with VNNI (still less than float32's four bytes).
+  every SmolLM2 layer cost 1.3x one row's, against 2.5-3.5x with `_int_mm`). On one thread of an
+  x86 CPU with AVX2, up to 16 rows run samctl's own kernel instead (decode/engine/int8_gemm.py,
+  AVX512-VNNI's or AVX2's): one pass over the weight for 8 rows, with none of oneDNN's ~15 us of
+  setup per call, which cost a 2-row SmolLM2 verify ~2.5 ms (`Int8Linear.kernel` chooses). The
+  price is memory: the int8 weight is held twice, three times with samctl's kernel (still less
+  than float32's four bytes).
   Exact integer sums are the CPU's to give: without VNNI (AVX512-VNNI or AVX-VNNI) x86 multiplies
   int8 with `vpmaddubsw`, which saturates pairs of unsigned x signed products at 16 bits, and
   both `_int_mm` and oneDNN's 8-bit GEMM then return wrong sums (measured here with oneDNN held to
@@ -56,7 +57,7 @@ from numba import njit
 from numba.core.errors import NumbaError
 from torch import nn
 
-from samctl.decode.engine import vnni
+from samctl.decode.engine import int8_gemm
 from samctl.decode.engine.attention import use_rowwise_attention
 from samctl.index.errors import ConfigError
 
@@ -110,7 +111,8 @@ class Int8Linear(nn.Module):
         self.bias = linear.bias
         self.kernels = int8_kernels()
         self.gemm = OneDnnGemm.pack(qweight) if self.kernels.onednn else None  # several rows (all, when split)
-        self.vnni = vnni.VnniGemm(qweight.numpy()) if self.kernels.vnni else None  # a few rows, one thread
+        # a few rows on one thread
+        self.rows_gemm = int8_gemm.RowsGemm(qweight.numpy(), self.kernels.own) if self.kernels.own else None
         self._dense: torch.Tensor | None = None
         self._scales: tuple | None = None  # (the scale buffer, it and the bias as arrays), for `rescale`
 
@@ -143,14 +145,14 @@ class Int8Linear(nn.Module):
         return y
 
     def kernel(self, rows: int) -> str:
-        """The kernel that sums `rows` rows (a key of CODE_FORMATS): the VNNI kernel for a few rows
-        on one thread, else `_int_mm` for one row, oneDNN for several, the split where no VNNI.
-        Decided by the probe, the row count and the thread count alone, so that every layer of a
-        forward takes codes in one format."""
+        """The kernel that sums `rows` rows (a key of CODE_FORMATS): samctl's own ("vnni" or "avx2")
+        for a few rows on one thread, else `_int_mm` for one row, oneDNN for several, the split
+        where no VNNI. Decided by the probe, the row count and the thread count alone, so that
+        every layer of a forward takes codes in one format."""
+        if self.rows_gemm is not None and rows <= int8_gemm.MAX_ROWS and torch.get_num_threads() == 1:
+            return self.kernels.own
         if self.kernels.split:
             return "split"
-        if self.vnni is not None and rows <= vnni.MAX_ROWS and torch.get_num_threads() == 1:
-            return "vnni"
         if self.gemm is None or (rows == 1 and self.kernels.gemv):
             return "int_mm"
         return "onednn"
@@ -164,8 +166,8 @@ class Int8Linear(nn.Module):
         """codes [r, in] as `code_format(r)` says -> [r, out]: sum_k xq[r, k] * wq[n, k], exact
         (int32, or float32 holding integers; possibly a transposed view)."""
         kernel = self.kernel(len(codes))
-        if kernel == "vnni":
-            return torch.from_numpy(self.vnni(codes))
+        if kernel in int8_gemm.KERNELS:
+            return torch.from_numpy(self.rows_gemm(codes))
         rows = torch.from_numpy(codes)
         if kernel == "split":
             return split_sums(self.gemm, rows)
@@ -183,8 +185,9 @@ class Int8Linear(nn.Module):
 
 _NO_BIAS = np.zeros(0, dtype=np.float32)
 # (dtype, zero point) of each kernel's codes: int8 for `_int_mm`; uint8 + 128 for oneDNN's u8 x s8
-# GEMM and the VNNI kernel; float32 for the split halves
-CODE_FORMATS = {"int_mm": (np.int8, 0), "onednn": (np.uint8, 128), "vnni": (np.uint8, 128), "split": (np.float32, 0)}
+# GEMM and the VNNI kernel; int16 for the AVX2 kernel; float32 for the split halves
+CODE_FORMATS = {"int_mm": (np.int8, 0), "onednn": (np.uint8, 128), "split": (np.float32, 0),
+                **{k.name: (k.codes, k.zero) for k in int8_gemm.KERNELS.values()}}
 
 
 @njit(cache=True)
@@ -345,7 +348,7 @@ class Int8Kernels(NamedTuple):
     gemv: bool  # one row through torch._int_mm(weight, row^T)
     onednn: bool  # several rows (every row, when split) through oneDNN's prepacked GEMM
     split: bool  # no VNNI: every row as two 7-bit halves through oneDNN, their sums added
-    vnni: bool = False  # a few rows on one thread through decode/engine/vnni.py's kernel
+    own: str = ""  # samctl's kernel for a few rows on one thread (int8_gemm.KERNELS), "" if none
 
 
 @lru_cache(maxsize=1)
@@ -371,12 +374,14 @@ def int8_kernels() -> Int8Kernels:
     gemm = OneDnnGemm.pack(weight)
     gemv = exact(lambda rows: torch._int_mm(weight, rows.t()).t())  # the call Int8Linear makes
     onednn = gemm is not None and exact(lambda rows: gemm((rows.int() + 128).to(torch.uint8), 128))
-    own = vnni.VnniGemm(weight.numpy()) if vnni.has_vnni() else None
-    fast = own is not None and exact(lambda rows: torch.from_numpy(own((rows.int() + 128).to(torch.uint8).numpy())))
+    own = int8_gemm.cpu_kernel()
+    if own:
+        rows_gemm, (dtype, zero) = int8_gemm.RowsGemm(weight.numpy(), own), CODE_FORMATS[own]
+        own = own if exact(lambda rows: torch.from_numpy(rows_gemm((rows.int() + zero).numpy().astype(dtype)))) else ""
     if gemv or onednn:
-        return Int8Kernels(gemv, onednn, False, fast)
+        return Int8Kernels(gemv, onednn, False, own)
     if gemm is not None and exact(lambda rows: split_sums(gemm, rows.int())):
-        return Int8Kernels(False, True, True)
+        return Int8Kernels(False, True, True, own)
     raise ConfigError("{quantize} int8: this CPU's int8 kernels do not sum int8 products exactly (no VNNI, "
                       "and oneDNN's 7-bit path failed too), so int8 results would be wrong: use {quantize} none")
 

@@ -29,7 +29,7 @@ from numba import njit
 
 from samctl.decode.engine.attention import attend_rows, exp_nonpositive, visible_keys
 from samctl.decode.engine.cpu_linear import CODE_FORMATS, Int8Linear, quantize_row, rescale_row
-from samctl.decode.engine.vnni import vnni_sums
+from samctl.decode.engine.int8_gemm import KERNELS
 
 
 class Int8Forward:
@@ -103,19 +103,20 @@ class _Layer:
 class _Sums:
     """One forward's integer sums [rows, out] of a layer's projection j (0..3 as `_Layer` orders
     them) over its input codes (codes_x for qkv and gate_up, codes_a for o, codes_i for down).
-    Where the layers' kernel is `_int_mm` (one row) or the VNNI kernel (a few rows on one thread),
-    the products go into int32 buffers made once a forward and the inputs are views made once:
-    each call is then the matmul alone, where converting tensors and arrays around it cost ~10 us
-    a call (121 a step). Other kernels go through Int8Linear.integer_sums."""
+    Where the layers' kernel is `_int_mm` (one row) or samctl's own (int8_gemm: a few rows on one
+    thread), the products go into int32 buffers made once a forward and the inputs are views made
+    once: each call is then the matmul alone, where converting tensors and arrays around it cost
+    ~10 us a call (121 a step). Other kernels go through Int8Linear.integer_sums."""
 
     INPUT = (0, 1, 0, 2)  # the codes each projection reads
 
     def __init__(self, first: _Layer, codes: tuple[np.ndarray, ...], kernel: str) -> None:
         self.codes, self.kernel = codes, kernel
         rows = len(codes[0])
-        if kernel == "vnni" and all(p.vnni.aligned for p in first.projections):
-            self.inputs = [c.view(np.int32) for c in codes]  # [rows, in / 4]: four codes a word
-            self.out = [np.empty((rows, len(p.vnni.base)), dtype=np.int32) for p in first.projections]
+        if kernel in KERNELS and all(p.rows_gemm.aligned for p in first.projections):
+            self.sums = KERNELS[kernel].sums
+            self.inputs = [c.view(np.int32) for c in codes]  # [rows, in / depth]: a block's codes a word
+            self.out = [np.empty((rows, len(p.rows_gemm.base)), dtype=np.int32) for p in first.projections]
             self.arrays = [o[:, : p.out_features] for o, p in zip(self.out, first.projections)]
         elif kernel == "int_mm":
             self.inputs = [torch.from_numpy(c).t() for c in codes]  # [in, rows] views
@@ -125,9 +126,9 @@ class _Sums:
             self.kernel = "general"
 
     def __call__(self, layer: _Layer, j: int) -> np.ndarray:
-        if self.kernel == "vnni":
-            gemm = layer.projections[j].vnni
-            vnni_sums(self.inputs[self.INPUT[j]], gemm.packed, gemm.base, self.out[j])
+        if self.kernel in KERNELS:
+            gemm = layer.projections[j].rows_gemm
+            self.sums(self.inputs[self.INPUT[j]], gemm.packed, gemm.base, self.out[j])
             return self.arrays[j]
         if self.kernel == "int_mm":
             torch._int_mm(layer.weights[j], self.inputs[self.INPUT[j]], out=self.out[j])

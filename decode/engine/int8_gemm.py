@@ -1,0 +1,280 @@
+"""samctl's own exact int8 GEMM for a few rows at once: one pass over the weight for 8 rows.
+
+A verify step multiplies 2-16 rows by every weight of the model. oneDNN's int8 GEMM does that at
+the memory bound, but each call costs ~15 us of setup beside a ~5 us kernel (SmolLM2's 576 x 576
+projection at 2 rows), and a step makes 121 of them: ~2.5 ms over a ~6 ms one-row step. On CPUs
+without VNNI it is worse: 8-bit products saturate there, so every row runs as two 7-bit halves
+(cpu_linear.split_sums), and `_int_mm` is not exact either. These kernels are the loop such GEMMs
+run inside, compiled by numba with no setup. The weight is packed once into blocks of one vector
+(`COLUMNS` output columns x `DEPTH` inputs), and for each block and each row r < 8
+
+    acc[r] = base                                    (VNNI: -128 * sum_k w[n, k], the zero point)
+    acc[r] += block x (the row's DEPTH codes, broadcast)     for every DEPTH inputs
+
+so a block is loaded once for up to 8 rows. Two kernels, one per instruction set:
+
+- `vnni`: AVX512-VNNI's `vpdpbusd` on 16 x int32 lanes, blocks of 16 columns x 4 inputs; codes
+  are uint8 (xq + 128, as oneDNN takes them), sums of 4 products of at most 255 x 127 a lane.
+- `avx2`: AVX2's `vpmaddwd` on 8 x int32 lanes, blocks of 8 columns x 2 inputs held as int8 and
+  sign-extended to int16 in the register; codes are int16 (xq). Pairs of 127 x 127 products
+  never saturate 32 bits, so the sums are exact on CPUs where 8-bit products are not.
+
+Either way the int32 sums are exact, so a row's result does not depend on the kernel. The
+instructions come from LLVM's x86 intrinsics through numba `intrinsic`s on vector types. One
+thread: with more, torch's own kernels split the work across cores and are used instead
+(`Int8Linear.kernel`).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic, models, register_model
+
+GROUP = 8  # rows a block serves per pass over the weight
+MAX_ROWS = 16  # beyond this many rows torch's GEMMs, which block for cache, are used instead
+
+
+def _lanes(count: int) -> tuple[types.Type, ir.VectorType]:
+    """A numba type for `count` int32 lanes held in one vector register."""
+    vector = ir.VectorType(ir.IntType(32), count)
+
+    class Lanes(types.Type):
+        def __init__(self) -> None:
+            super().__init__(name=f"lanes{count}i32")
+
+    @register_model(Lanes)
+    class LanesModel(models.PrimitiveModel):
+        def __init__(self, dmm, fe_type) -> None:
+            super().__init__(dmm, fe_type, vector)
+
+    return Lanes(), vector
+
+
+lanes16, _V16 = _lanes(16)  # a zmm register: the VNNI kernel
+lanes8, _V8 = _lanes(8)  # a ymm register: the AVX2 kernel
+
+
+def _pointer(context, builder, array_type, array, offset, vector):
+    data = context.make_array(array_type)(context, builder, array).data
+    return builder.bitcast(builder.gep(data, [offset]), vector.as_pointer())
+
+
+def _spread(builder, word, vector):
+    # one int32 in every lane of `vector`
+    one = builder.insert_element(ir.Constant(vector, None), word, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(one, ir.Constant(vector, None), ir.Constant(vector, [0] * vector.count))
+
+
+@intrinsic
+def load16(typingctx, array, offset):
+    """64 bytes of a 1-d contiguous array from element `offset` on, as 16 int32 lanes."""
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_pointer(context, builder, sig.args[0], args[0], args[1], _V16), align=1)
+
+    return lanes16(array, types.intp), codegen
+
+
+@intrinsic
+def zero8(typingctx):
+    """8 int32 lanes of 0."""
+
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_V8, None)
+
+    return lanes8(), codegen
+
+
+@intrinsic
+def widen8(typingctx, array, offset):
+    """16 int8 of a 1-d contiguous int8 array from element `offset` on, sign-extended to 16 int16
+    (held as 8 int32 lanes: lane j is the pair 2j, 2j + 1)."""
+
+    def codegen(context, builder, sig, args):
+        bytes16 = ir.VectorType(ir.IntType(8), 16)
+        loaded = builder.load(_pointer(context, builder, sig.args[0], args[0], args[1], bytes16), align=1)
+        return builder.bitcast(builder.sext(loaded, ir.VectorType(ir.IntType(16), 16)), _V8)
+
+    return lanes8(array, types.intp), codegen
+
+
+@intrinsic
+def store(typingctx, array, offset, value):
+    """The lanes into a 1-d contiguous int32 array from element `offset` on."""
+
+    def codegen(context, builder, sig, args):
+        vector = _V16 if sig.args[2] == lanes16 else _V8
+        builder.store(args[2], _pointer(context, builder, sig.args[0], args[0], args[1], vector), align=4)
+        return context.get_dummy_value()
+
+    return types.void(array, types.intp, value), codegen
+
+
+@intrinsic
+def dot_bytes(typingctx, acc, codes, block):
+    """acc[j] += sum_i u8(codes byte i) * s8(block byte 4j + i), i < 4: `vpdpbusd` with the four
+    codes (one int32) in every lane."""
+
+    def codegen(context, builder, sig, args):
+        kind = ir.FunctionType(_V16, [_V16, _V16, _V16])
+        function = cgutils.get_or_insert_function(builder.module, kind, "llvm.x86.avx512.vpdpbusd.512")
+        return builder.call(function, [args[0], _spread(builder, args[1], _V16), args[2]])
+
+    return lanes16(lanes16, types.int32, lanes16), codegen
+
+
+@intrinsic
+def dot_pairs(typingctx, acc, codes, block):
+    """acc[j] += x0 * w[2j] + x1 * w[2j + 1] over int16, `codes` the pair (x0, x1) as one int32
+    in every lane: `vpmaddwd`, then an add."""
+
+    def codegen(context, builder, sig, args):
+        words = ir.VectorType(ir.IntType(16), 16)
+        kind = ir.FunctionType(_V8, [words, words])
+        function = cgutils.get_or_insert_function(builder.module, kind, "llvm.x86.avx2.pmadd.wd")
+        pairs = builder.call(function, [builder.bitcast(_spread(builder, args[1], _V8), words),
+                                        builder.bitcast(args[2], words)])
+        return builder.add(args[0], pairs)
+
+    return lanes8(lanes8, types.int32, lanes8), codegen
+
+
+@njit(cache=True)
+def vnni_sums(words, packed, base, out):
+    """words [r, in / 4] int32 (uint8 codes xq + 128, four to a word); packed: the weight as
+    `pack_weight(w, 16, 4)` lays it out; base [out] int32 = -128 * the weight's row sums
+    -> out [r, out] int32 = sum_k xq[r, k] * w[n, k]. Rows in groups of 8, a weight pass each."""
+    depth = words.shape[1]
+    for first in range(0, words.shape[0], GROUP):
+        count = min(GROUP, words.shape[0] - first)
+        for block in range(out.shape[1] // 16):
+            a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = load16(base, block * 16)
+            start = block * depth * 64
+            for k in range(depth):
+                w = load16(packed, start + k * 64)
+                a0 = dot_bytes(a0, words[first, k], w)
+                if count > 1:
+                    a1 = dot_bytes(a1, words[first + 1, k], w)
+                if count > 2:
+                    a2 = dot_bytes(a2, words[first + 2, k], w)
+                if count > 3:
+                    a3 = dot_bytes(a3, words[first + 3, k], w)
+                if count > 4:
+                    a4 = dot_bytes(a4, words[first + 4, k], w)
+                if count > 5:
+                    a5 = dot_bytes(a5, words[first + 5, k], w)
+                if count > 6:
+                    a6 = dot_bytes(a6, words[first + 6, k], w)
+                if count > 7:
+                    a7 = dot_bytes(a7, words[first + 7, k], w)
+            for r, acc in enumerate((a0, a1, a2, a3, a4, a5, a6, a7)):
+                if r < count:
+                    store(out[first + r], block * 16, acc)
+
+
+@njit(cache=True)
+def avx2_sums(words, packed, base, out):
+    """words [r, in / 2] int32 (int16 codes xq, two to a word); packed: the weight as
+    `pack_weight(w, 8, 2)` lays it out (int8); base: unused (no zero point) -> out [r, out] int32
+    = sum_k xq[r, k] * w[n, k]. Rows in groups of 8, a weight pass each."""
+    depth = words.shape[1]
+    for first in range(0, words.shape[0], GROUP):
+        count = min(GROUP, words.shape[0] - first)
+        for block in range(out.shape[1] // 8):
+            a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = zero8()
+            start = block * depth * 16
+            for k in range(depth):
+                w = widen8(packed, start + k * 16)
+                a0 = dot_pairs(a0, words[first, k], w)
+                if count > 1:
+                    a1 = dot_pairs(a1, words[first + 1, k], w)
+                if count > 2:
+                    a2 = dot_pairs(a2, words[first + 2, k], w)
+                if count > 3:
+                    a3 = dot_pairs(a3, words[first + 3, k], w)
+                if count > 4:
+                    a4 = dot_pairs(a4, words[first + 4, k], w)
+                if count > 5:
+                    a5 = dot_pairs(a5, words[first + 5, k], w)
+                if count > 6:
+                    a6 = dot_pairs(a6, words[first + 6, k], w)
+                if count > 7:
+                    a7 = dot_pairs(a7, words[first + 7, k], w)
+            for r, acc in enumerate((a0, a1, a2, a3, a4, a5, a6, a7)):
+                if r < count:
+                    store(out[first + r], block * 8, acc)
+
+
+class Kernel(NamedTuple):
+    """One of the two kernels: its block shape, code format and compiled function."""
+
+    name: str
+    columns: int  # output columns of a packed block
+    depth: int  # inputs of a packed block (codes to a word)
+    codes: type  # dtype of the codes it takes
+    zero: int  # their zero point
+    sums: object  # the njit function (words, packed, base, out)
+
+
+KERNELS = {"vnni": Kernel("vnni", 16, 4, np.uint8, 128, vnni_sums),
+           "avx2": Kernel("avx2", 8, 2, np.int16, 0, avx2_sums)}
+
+
+def pack_weight(qweight: np.ndarray, columns: int, depth: int) -> np.ndarray:
+    """qweight [out, in] int8, out a multiple of `columns` and in of `depth` -> [out * in] int8:
+    block (n / columns, k / depth) holds w[n..n+columns-1, k..k+depth-1] column by column, the
+    layout the kernels load one vector at a time."""
+    out, inputs = qweight.shape
+    blocks = qweight.reshape(out // columns, columns, inputs // depth, depth).transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(blocks).reshape(-1)
+
+
+def cpu_kernel() -> str:
+    """The kernel this CPU runs, by LLVM's reading of it: "vnni", "avx2" or "" (neither)."""
+    from llvmlite import binding
+
+    features = binding.get_host_cpu_features()
+    if all(features.get(name, False) for name in ("avx512vnni", "avx512f", "avx512bw")):
+        return "vnni"
+    return "avx2" if features.get("avx2", False) else ""
+
+
+class RowsGemm:
+    """One int8 weight [out, in] packed for a kernel, with its zero-point term. A shape off the
+    blocks is padded with zero weights, and codes whose width is off are copied into a row padded
+    with the zero point (a zero code)."""
+
+    def __init__(self, qweight: np.ndarray, kernel: str) -> None:
+        self.kernel = KERNELS[kernel]
+        columns, depth = self.kernel.columns, self.kernel.depth
+        out, inputs = qweight.shape
+        self.out_features, self.in_features = out, inputs
+        padded = np.zeros((-(-out // columns) * columns, -(-inputs // depth) * depth), dtype=np.int8)
+        padded[:out, :inputs] = qweight
+        self.packed = pack_weight(padded, columns, depth)
+        self.base = (-self.kernel.zero * padded.astype(np.int32).sum(axis=1)).astype(np.int32)
+
+    @property
+    def aligned(self) -> bool:
+        """Whether codes [r, in] are taken as they are (in a multiple of the block depth)."""
+        return self.in_features % self.kernel.depth == 0
+
+    def words(self, codes: np.ndarray) -> np.ndarray:
+        # codes [r, in] of the kernel's dtype, C-contiguous -> [r, padded in / depth] int32 view
+        if not self.aligned:
+            wide = np.full((len(codes), len(self.packed) // len(self.base)), self.kernel.zero, dtype=codes.dtype)
+            wide[:, : self.in_features] = codes
+            codes = wide
+        return codes.view(np.int32)
+
+    def __call__(self, codes: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        # codes [r, in] of the kernel's format; out [r, padded out] int32 or None
+        # -> [r, out] int32 (a view of out): the exact sums
+        if out is None:
+            out = np.empty((len(codes), len(self.base)), dtype=np.int32)
+        self.kernel.sums(self.words(codes), self.packed, self.base, out)
+        return out[:, : self.out_features]
