@@ -146,10 +146,13 @@ class Int8Linear(nn.Module):
 
     def kernel(self, rows: int) -> str:
         """The kernel that sums `rows` rows (a key of CODE_FORMATS): samctl's own ("vnni" or "avx2")
-        for a few rows on one thread, else `_int_mm` for one row, oneDNN for several, the split
-        where no VNNI. Decided by the probe, the row count and the thread count alone, so that
-        every layer of a forward takes codes in one format."""
-        if self.rows_gemm is not None and rows <= int8_gemm.MAX_ROWS and torch.get_num_threads() == 1:
+        for a few rows on one thread, and on any number of threads where torch's would be the split
+        (with every kernel held to AVX2, two threads of the split took 29 ms a SmolLM2 step, one of
+        samctl's 7); else `_int_mm` for one row, oneDNN for several, the split where no VNNI.
+        Decided by the probe, the row count and the thread count alone, so that every layer of a
+        forward takes codes in one format."""
+        if (self.rows_gemm is not None and rows <= int8_gemm.MAX_ROWS
+                and (self.kernels.split or torch.get_num_threads() == 1)):
             return self.kernels.own
         if self.kernels.split:
             return "split"
