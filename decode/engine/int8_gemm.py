@@ -6,12 +6,13 @@ projection at 2 rows), and a step makes 121 of them: ~2.5 ms over a ~6 ms one-ro
 without VNNI it is worse: 8-bit products saturate there, so every row runs as two 7-bit halves
 (cpu_linear.split_sums), and `_int_mm` is not exact either. These kernels are the loop such GEMMs
 run inside, compiled by numba with no setup. The weight is packed once into blocks of one vector
-(`COLUMNS` output columns x `DEPTH` inputs), and for each block and each row r < 8
+(columns x depth inputs, `LANES`), and for each block and each row r < 8
 
     acc[r] = base                                    (VNNI: -128 * sum_k w[n, k], the zero point)
-    acc[r] += block x (the row's DEPTH codes, broadcast)     for every DEPTH inputs
+    acc[r] += block x (the row's `depth` codes, broadcast)     for every `depth` inputs
 
-so a block is loaded once for up to 8 rows. Two kernels, one per instruction set:
+so a block is loaded once for up to 8 rows. Two kernels, one loop (`_group`), the lanes' type
+picking the instructions:
 
 - `vnni`: AVX512-VNNI's `vpdpbusd` on 16 x int32 lanes, blocks of 16 columns x 4 inputs; codes
   are uint8 (xq + 128, as oneDNN takes them), sums of 4 products of at most 255 x 127 a lane.
@@ -20,9 +21,9 @@ so a block is loaded once for up to 8 rows. Two kernels, one per instruction set
   never saturate 32 bits, so the sums are exact on CPUs where 8-bit products are not.
 
 Either way the int32 sums are exact, so a row's result does not depend on the kernel. The
-instructions come from LLVM's x86 intrinsics through numba `intrinsic`s on vector types. One
-thread: with more, torch's own kernels split the work across cores and are used instead
-(`Int8Linear.kernel`).
+instructions come from LLVM's x86 intrinsics through numba `intrinsic`s on vector types. They run
+on one thread; `Int8Linear.kernel` says when torch's kernels, which split the work across cores,
+are used instead.
 """
 from __future__ import annotations
 
@@ -38,24 +39,24 @@ GROUP = 8  # rows a block serves per pass over the weight
 MAX_ROWS = 16  # beyond this many rows torch's GEMMs, which block for cache, are used instead
 
 
-def _lanes(count: int) -> tuple[types.Type, ir.VectorType]:
-    """A numba type for `count` int32 lanes held in one vector register."""
-    vector = ir.VectorType(ir.IntType(32), count)
+class _Lanes(types.Type):
+    """`count` int32 lanes in one vector register; a kernel's block is `count` output columns x
+    `depth` inputs (the codes of one int32 word)."""
 
-    class Lanes(types.Type):
-        def __init__(self) -> None:
-            super().__init__(name=f"lanes{count}i32")
-
-    @register_model(Lanes)
-    class LanesModel(models.PrimitiveModel):
-        def __init__(self, dmm, fe_type) -> None:
-            super().__init__(dmm, fe_type, vector)
-
-    return Lanes(), vector
+    def __init__(self, count: int, depth: int) -> None:
+        self.count, self.depth = count, depth
+        self.vector = ir.VectorType(ir.IntType(32), count)
+        super().__init__(name=f"lanes{count}x{depth}")
 
 
-lanes16, _V16 = _lanes(16)  # a zmm register: the VNNI kernel
-lanes8, _V8 = _lanes(8)  # a ymm register: the AVX2 kernel
+@register_model(_Lanes)
+class _LanesModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type) -> None:
+        super().__init__(dmm, fe_type, fe_type.vector)
+
+
+LANES = {16: _Lanes(16, 4), 8: _Lanes(8, 2)}  # zmm: the VNNI kernel's; ymm: the AVX2 kernel's
+_WORDS = ir.VectorType(ir.IntType(16), 16)  # a ymm register as 16 int16
 
 
 def _pointer(context, builder, array_type, array, offset, vector):
@@ -70,36 +71,72 @@ def _spread(builder, word, vector):
 
 
 @intrinsic
-def load16(typingctx, array, offset):
-    """64 bytes of a 1-d contiguous array from element `offset` on, as 16 int32 lanes."""
+def lanes(typingctx, count):
+    """Zeros in the lanes of `count` (16 or 8, a constant): what picks the kernel in `_sums`."""
+    if not isinstance(count, types.IntegerLiteral):
+        return None  # numba types the call again with the constant as a literal
+    kind = LANES[count.literal_value]
 
     def codegen(context, builder, sig, args):
-        return builder.load(_pointer(context, builder, sig.args[0], args[0], args[1], _V16), align=1)
+        return ir.Constant(kind.vector, None)
 
-    return lanes16(array, types.intp), codegen
+    return kind(count), codegen
 
 
 @intrinsic
-def zero8(typingctx):
-    """8 int32 lanes of 0."""
+def shape_of(typingctx, like):
+    """(columns, depth) of a block of the kernel `like`'s lanes pick."""
 
     def codegen(context, builder, sig, args):
-        return ir.Constant(_V8, None)
+        return context.make_tuple(builder, sig.return_type, [context.get_constant(types.intp, like.count),
+                                                             context.get_constant(types.intp, like.depth)])
 
-    return lanes8(), codegen
+    return types.UniTuple(types.intp, 2)(like), codegen
 
 
 @intrinsic
-def widen8(typingctx, array, offset):
-    """16 int8 of a 1-d contiguous int8 array from element `offset` on, sign-extended to 16 int16
-    (held as 8 int32 lanes: lane j is the pair 2j, 2j + 1)."""
+def load(typingctx, array, offset, like):
+    """`like`'s count of int32 from a 1-d contiguous int32 array, from element `offset` on."""
 
     def codegen(context, builder, sig, args):
+        return builder.load(_pointer(context, builder, sig.args[0], args[0], args[1], like.vector), align=4)
+
+    return like(array, types.intp, like), codegen
+
+
+@intrinsic
+def load_block(typingctx, packed, offset, like):
+    """The packed weight block at byte `offset` of a 1-d contiguous int8 array: 64 bytes as they
+    are (16 lanes), or 16 bytes sign-extended to 16 int16 (8 lanes: lane j the pair 2j, 2j + 1)."""
+
+    def codegen(context, builder, sig, args):
+        if like.count == 16:
+            return builder.load(_pointer(context, builder, sig.args[0], args[0], args[1], like.vector), align=1)
         bytes16 = ir.VectorType(ir.IntType(8), 16)
         loaded = builder.load(_pointer(context, builder, sig.args[0], args[0], args[1], bytes16), align=1)
-        return builder.bitcast(builder.sext(loaded, ir.VectorType(ir.IntType(16), 16)), _V8)
+        return builder.bitcast(builder.sext(loaded, _WORDS), like.vector)
 
-    return lanes8(array, types.intp), codegen
+    return like(packed, types.intp, like), codegen
+
+
+@intrinsic
+def dot(typingctx, acc, codes, block):
+    """acc[j] += the products of one word of codes (in every lane) with lane j of the block:
+    16 lanes, `vpdpbusd` (4 uint8 codes x 4 int8 weights); 8 lanes, `vpmaddwd` then an add
+    (2 int16 codes x 2 int16 weights)."""
+
+    def codegen(context, builder, sig, args):
+        spread = _spread(builder, args[1], acc.vector)
+        if acc.count == 16:
+            kind = ir.FunctionType(acc.vector, [acc.vector] * 3)
+            function = cgutils.get_or_insert_function(builder.module, kind, "llvm.x86.avx512.vpdpbusd.512")
+            return builder.call(function, [args[0], spread, args[2]])
+        function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(acc.vector, [_WORDS, _WORDS]),
+                                                  "llvm.x86.avx2.pmadd.wd")
+        pairs = builder.call(function, [builder.bitcast(spread, _WORDS), builder.bitcast(args[2], _WORDS)])
+        return builder.add(args[0], pairs)
+
+    return acc(acc, types.int32, acc), codegen
 
 
 @intrinsic
@@ -107,106 +144,65 @@ def store(typingctx, array, offset, value):
     """The lanes into a 1-d contiguous int32 array from element `offset` on."""
 
     def codegen(context, builder, sig, args):
-        vector = _V16 if sig.args[2] == lanes16 else _V8
-        builder.store(args[2], _pointer(context, builder, sig.args[0], args[0], args[1], vector), align=4)
+        builder.store(args[2], _pointer(context, builder, sig.args[0], args[0], args[1], value.vector), align=4)
         return context.get_dummy_value()
 
     return types.void(array, types.intp, value), codegen
-
-
-@intrinsic
-def dot_bytes(typingctx, acc, codes, block):
-    """acc[j] += sum_i u8(codes byte i) * s8(block byte 4j + i), i < 4: `vpdpbusd` with the four
-    codes (one int32) in every lane."""
-
-    def codegen(context, builder, sig, args):
-        kind = ir.FunctionType(_V16, [_V16, _V16, _V16])
-        function = cgutils.get_or_insert_function(builder.module, kind, "llvm.x86.avx512.vpdpbusd.512")
-        return builder.call(function, [args[0], _spread(builder, args[1], _V16), args[2]])
-
-    return lanes16(lanes16, types.int32, lanes16), codegen
-
-
-@intrinsic
-def dot_pairs(typingctx, acc, codes, block):
-    """acc[j] += x0 * w[2j] + x1 * w[2j + 1] over int16, `codes` the pair (x0, x1) as one int32
-    in every lane: `vpmaddwd`, then an add."""
-
-    def codegen(context, builder, sig, args):
-        words = ir.VectorType(ir.IntType(16), 16)
-        kind = ir.FunctionType(_V8, [words, words])
-        function = cgutils.get_or_insert_function(builder.module, kind, "llvm.x86.avx2.pmadd.wd")
-        pairs = builder.call(function, [builder.bitcast(_spread(builder, args[1], _V8), words),
-                                        builder.bitcast(args[2], words)])
-        return builder.add(args[0], pairs)
-
-    return lanes8(lanes8, types.int32, lanes8), codegen
 
 
 @njit(cache=True)
 def vnni_sums(words, packed, base, out):
     """words [r, in / 4] int32 (uint8 codes xq + 128, four to a word); packed: the weight as
     `pack_weight(w, 16, 4)` lays it out; base [out] int32 = -128 * the weight's row sums
-    -> out [r, out] int32 = sum_k xq[r, k] * w[n, k]. Rows in groups of 8, a weight pass each."""
-    depth = words.shape[1]
-    for first in range(0, words.shape[0], GROUP):
-        count = min(GROUP, words.shape[0] - first)
-        for block in range(out.shape[1] // 16):
-            a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = load16(base, block * 16)
-            start = block * depth * 64
-            for k in range(depth):
-                w = load16(packed, start + k * 64)
-                a0 = dot_bytes(a0, words[first, k], w)
-                if count > 1:
-                    a1 = dot_bytes(a1, words[first + 1, k], w)
-                if count > 2:
-                    a2 = dot_bytes(a2, words[first + 2, k], w)
-                if count > 3:
-                    a3 = dot_bytes(a3, words[first + 3, k], w)
-                if count > 4:
-                    a4 = dot_bytes(a4, words[first + 4, k], w)
-                if count > 5:
-                    a5 = dot_bytes(a5, words[first + 5, k], w)
-                if count > 6:
-                    a6 = dot_bytes(a6, words[first + 6, k], w)
-                if count > 7:
-                    a7 = dot_bytes(a7, words[first + 7, k], w)
-            for r, acc in enumerate((a0, a1, a2, a3, a4, a5, a6, a7)):
-                if r < count:
-                    store(out[first + r], block * 16, acc)
+    -> out [r, out] int32 = sum_k xq[r, k] * w[n, k]."""
+    _sums(words, packed, base, out, lanes(16))
 
 
 @njit(cache=True)
 def avx2_sums(words, packed, base, out):
     """words [r, in / 2] int32 (int16 codes xq, two to a word); packed: the weight as
-    `pack_weight(w, 8, 2)` lays it out (int8); base: unused (no zero point) -> out [r, out] int32
-    = sum_k xq[r, k] * w[n, k]. Rows in groups of 8, a weight pass each."""
-    depth = words.shape[1]
+    `pack_weight(w, 8, 2)` lays it out; base [out] int32 zeros (no zero point) -> out [r, out]
+    int32 = sum_k xq[r, k] * w[n, k]."""
+    _sums(words, packed, base, out, lanes(8))
+
+
+@njit(cache=True)
+def _sums(words, packed, base, out, like):
+    # The loop of both kernels, `like`'s lanes picking the instructions: rows in groups of 8, one
+    # weight pass each.
     for first in range(0, words.shape[0], GROUP):
-        count = min(GROUP, words.shape[0] - first)
-        for block in range(out.shape[1] // 8):
-            a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = zero8()
-            start = block * depth * 16
-            for k in range(depth):
-                w = widen8(packed, start + k * 16)
-                a0 = dot_pairs(a0, words[first, k], w)
-                if count > 1:
-                    a1 = dot_pairs(a1, words[first + 1, k], w)
-                if count > 2:
-                    a2 = dot_pairs(a2, words[first + 2, k], w)
-                if count > 3:
-                    a3 = dot_pairs(a3, words[first + 3, k], w)
-                if count > 4:
-                    a4 = dot_pairs(a4, words[first + 4, k], w)
-                if count > 5:
-                    a5 = dot_pairs(a5, words[first + 5, k], w)
-                if count > 6:
-                    a6 = dot_pairs(a6, words[first + 6, k], w)
-                if count > 7:
-                    a7 = dot_pairs(a7, words[first + 7, k], w)
-            for r, acc in enumerate((a0, a1, a2, a3, a4, a5, a6, a7)):
-                if r < count:
-                    store(out[first + r], block * 8, acc)
+        _group(words, packed, base, out, like, first, min(GROUP, words.shape[0] - first))
+
+
+@njit(cache=True)
+def _group(words, packed, base, out, like, first, count):
+    # rows first .. first + count - 1 (count <= 8): eight accumulators, the unused ones idle
+    columns, depth = shape_of(like)
+    size = columns * depth  # bytes of a block
+    inputs = words.shape[1]
+    for block in range(out.shape[1] // columns):
+        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = load(base, block * columns, like)
+        start = block * inputs * size
+        for k in range(inputs):
+            w = load_block(packed, start + k * size, like)
+            a0 = dot(a0, words[first, k], w)
+            if count > 1:
+                a1 = dot(a1, words[first + 1, k], w)
+            if count > 2:
+                a2 = dot(a2, words[first + 2, k], w)
+            if count > 3:
+                a3 = dot(a3, words[first + 3, k], w)
+            if count > 4:
+                a4 = dot(a4, words[first + 4, k], w)
+            if count > 5:
+                a5 = dot(a5, words[first + 5, k], w)
+            if count > 6:
+                a6 = dot(a6, words[first + 6, k], w)
+            if count > 7:
+                a7 = dot(a7, words[first + 7, k], w)
+        for r, acc in enumerate((a0, a1, a2, a3, a4, a5, a6, a7)):
+            if r < count:
+                store(out[first + r], block * columns, acc)
 
 
 class Kernel(NamedTuple):
