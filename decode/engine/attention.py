@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -185,9 +187,9 @@ def largest(row):
 @njit(cache=True, inline="always")
 def exp_nonpositive(x):
     """exp(x) for x <= 0 in float32, within one unit in the last place of libm's (Cephes' expf:
-    x = n ln 2 + r, |r| <= ln 2 / 2, e^r by a degree-7 polynomial), times 2^n built from n's bits by
-    selects; below -87 it gives e^-87. Plain float operations, so a loop of it vectorizes where a
-    call to libm does not."""
+    x = n ln 2 + r, |r| <= ln 2 / 2, e^r by a degree-7 polynomial), times 2^n, whose float32 bits
+    are (n + 127) << 23 (n >= -126 here: exact); below -87 it gives e^-87. Plain float and integer
+    operations, so a loop of it vectorizes where a call to libm does not."""
     v = max(x, np.float32(-87.0))
     n = np.floor(v * np.float32(1.4426950408889634) + np.float32(0.5))
     r = (v - n * np.float32(0.693359375)) + n * np.float32(2.12194440e-4)
@@ -198,12 +200,17 @@ def exp_nonpositive(x):
     p = p * r + np.float32(1.6666665459e-1)
     p = p * r + np.float32(5.0000001201e-1)
     p = p * (r * r) + r + np.float32(1.0)
-    m = -n
-    for bit in (64.0, 32.0, 16.0, 8.0, 4.0, 2.0, 1.0):
-        take = m >= np.float32(bit)
-        p = p * (np.float32(2.0 ** -bit) if take else np.float32(1.0))
-        m = m - (np.float32(bit) if take else np.float32(0.0))
-    return p
+    return p * float_from_bits(np.int32((np.int32(n) + np.int32(127)) << np.int32(23)))
+
+
+@intrinsic
+def float_from_bits(typingctx, bits):
+    """The float32 whose bits are the int32 `bits`."""
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.int32), codegen
 
 
 # The last forward's visible keys: (mask, (B, q, kv), index, counts), replaced in one assignment
