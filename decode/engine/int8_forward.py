@@ -15,8 +15,10 @@ each a torch or numba call of a few microseconds, used to cost as much again. He
     codes = quantize(silu(g) * u), [g, u] = rescale(s)   `gated_codes`
     s = Wdown codes                                      (added to x by the next `norm_codes`)
 
-and the final norm's output goes to the output head. Every step is the formula the op-by-op
-forward computes, per row and in the same order, except silu (from exp(-|g|) here, `silu_times`,
+and the final norm's output goes to the output head. Where every projection runs samctl's own
+int8 kernel (decode/engine/int8_gemm.py: a few rows on one thread), the whole loop over the layers
+is one compiled call (`own_layers`), with no Python between its ~250 kernels. Every step is the
+formula the op-by-op forward computes, per row and in the same order, except silu (from exp(-|g|) here, `silu_times`,
 so that it vectorizes; torch's own exp of -g there: the two may differ in the last bit): a row's
 result depends on that row alone, so every verified row equals a one-token step bit for bit, as
 before. Prefills (no cached keys) stay on the op-by-op forward.
@@ -42,6 +44,7 @@ class Int8Forward:
         self.layers = [_Layer(layer) for layer in native.layers]
         self.norm = native.norm.detach().numpy()
         self.scaling = np.float32(native.scaling)
+        self.stack = _Stack.of(self.layers)
 
     @staticmethod
     def supports(native) -> bool:
@@ -70,6 +73,14 @@ class Int8Forward:
         # each row's scale: each kernel reads a row's scale before it writes that row's new one
         row_scale = np.empty(len(flat), dtype=np.float32)
         hidden = np.empty_like(flat)
+        if kernel in KERNELS and self.stack is not None:  # every layer in one compiled call
+            st = self.stack
+            words = tuple(c.view(np.int32) for c in (codes_x, codes_a, codes_i))
+            out = tuple(np.empty((len(flat), len(b[0])), dtype=np.int32) for b in st.base)
+            own_layers(KERNELS[kernel].sums, words, st.packed, st.base, st.scale, st.bias, out, st.norms, st.qk_norms,
+                       self.norm, eps, flat, hidden, (codes_x, codes_a, codes_i), row_scale, zero, storage, rows,
+                       write, index, counts, cos, sin, self.scaling, queries, attended)
+            return torch.from_numpy(hidden)
         sums_of = _Sums(self.layers[0], (codes_x, codes_a, codes_i), kernel)
         sums, (scale, bias) = _NONE, (_EMPTY, _EMPTY)  # the last down projection's, added to x next
         for i, layer in enumerate(self.layers):
@@ -98,6 +109,63 @@ class _Layer:
         self.norm_post = layer.norm_post.detach().numpy()
         self.q_norm = _EMPTY if layer.q_norm is None else layer.q_norm.detach().numpy()
         self.k_norm = _EMPTY if layer.k_norm is None else layer.k_norm.detach().numpy()
+
+
+class _Stack:
+    """The layers' arrays stacked [layers, ...] for `own_layers`, where every projection has
+    samctl's own kernel (int8_gemm.RowsGemm) with inputs a multiple of its block depth: per
+    projection (qkv, o, gate_up, down) the packed weights, zero-point terms, scales and biases;
+    the norm weights. Each RowsGemm's packed weight becomes a view of its row here (held once)."""
+
+    def __init__(self, layers: list[_Layer]) -> None:
+        gemms = [[p.rows_gemm for p in layer.projections] for layer in layers]
+        self.packed = tuple(np.stack([g[j].packed for g in gemms]) for j in range(4))
+        for i, g in enumerate(gemms):
+            for j in range(4):
+                g[j].packed = self.packed[j][i]
+        self.base = tuple(np.stack([g[j].base for g in gemms]) for j in range(4))
+        self.scale = tuple(np.stack([layer.scales[j][0] for layer in layers]) for j in range(4))
+        self.bias = tuple(np.stack([layer.scales[j][1] for layer in layers]) for j in range(4))
+        self.norms = (np.stack([layer.norm_in for layer in layers]), np.stack([layer.norm_post for layer in layers]))
+        self.qk_norms = (np.stack([layer.q_norm for layer in layers]), np.stack([layer.k_norm for layer in layers]))
+
+    @classmethod
+    def of(cls, layers: list[_Layer]) -> _Stack | None:
+        projections = [p for layer in layers for p in layer.projections]
+        if all(p.rows_gemm is not None and p.rows_gemm.aligned for p in projections):
+            return cls(layers)
+        return None
+
+
+@njit(cache=True)
+def own_layers(sums, words, packed, base, scale, bias, out, norms, qk_norms, final, eps, flat, hidden, codes,
+               row_scale, zero, storage, rows, write, index, counts, cos, sin, softmax_scale, queries, attended):
+    """`Int8Forward.__call__`'s layer loop in one compiled call, the integer sums by `sums`
+    (int8_gemm.vnni_sums or avx2_sums) into out [4][rows, padded out]: no Python between the
+    ~250 kernels of a step. Arrays as `_Stack` holds them; words: the codes as int32 words."""
+    codes_x, codes_a, codes_i = codes
+    width = (scale[0].shape[1], scale[1].shape[1], scale[2].shape[1], scale[3].shape[1])
+    down = out[3][:, : width[3]]
+    layers = packed[0].shape[0]
+    for i in range(layers):
+        if i == 0:
+            norm_codes(flat, down[:0], row_scale, scale[3][0], bias[3][0], norms[0][0], eps, hidden, codes_x,
+                       row_scale, zero)
+        else:
+            norm_codes(flat, down, row_scale, scale[3][i - 1], bias[3][i - 1], norms[0][i], eps, hidden, codes_x,
+                       row_scale, zero)
+        sums(words[0], packed[0][i], base[0][i], out[0])
+        attend_codes(out[0][:, : width[0]], row_scale, scale[0][i], bias[0][i], cos, sin, qk_norms[0][i],
+                     qk_norms[1][i], eps, storage[0, i, :rows], storage[1, i, :rows], write, index, counts,
+                     softmax_scale, queries, attended, codes_a, row_scale, zero)
+        sums(words[1], packed[1][i], base[1][i], out[1])
+        norm_codes(flat, out[1][:, : width[1]], row_scale, scale[1][i], bias[1][i], norms[1][i], eps, hidden,
+                   codes_x, row_scale, zero)
+        sums(words[0], packed[2][i], base[2][i], out[2])
+        gated_codes(out[2][:, : width[2]], row_scale, scale[2][i], bias[2][i], codes_i, row_scale, zero)
+        sums(words[2], packed[3][i], base[3][i], out[3])
+    norm_codes(flat, down, row_scale, scale[3][layers - 1], bias[3][layers - 1], final, eps, hidden, codes_x[:0],
+               row_scale, zero)
 
 
 class _Sums:
