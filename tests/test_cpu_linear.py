@@ -166,6 +166,19 @@ def test_own_kernel_sums_equal_int64_sums(kernel, shape):
         assert got.dtype == np.int32 and np.array_equal(got, xq @ weight.astype(np.int64).T), rows
 
 
+def test_own_kernel_follows_a_numba_target_set_by_the_user(monkeypatch):
+    # NUMBA_CPU_NAME=generic (a portable cache) must not get AVX-512 instructions numba would not
+    # compile for it: the kernel follows NUMBA_CPU_FEATURES there, not the CPU
+    from numba.core import config
+
+    monkeypatch.setattr(config, "CPU_NAME", "generic")
+    monkeypatch.setattr(config, "CPU_FEATURES", "")
+    assert cpu_kernel() == ""
+    monkeypatch.setattr(config, "CPU_NAME", "haswell")
+    monkeypatch.setattr(config, "CPU_FEATURES", "+avx2,+fma,-avx512f")
+    assert cpu_kernel() == "avx2"
+
+
 def test_own_kernel_serves_a_few_rows_on_one_thread_only():
     # samctl's kernel for up to MAX_ROWS rows on one thread; with more rows torch's kernels,
     # which block for cache, and with more threads too unless they are the split; the same

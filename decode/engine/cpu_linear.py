@@ -351,7 +351,7 @@ class Int8Kernels(NamedTuple):
     gemv: bool  # one row through torch._int_mm(weight, row^T)
     onednn: bool  # several rows (every row, when split) through oneDNN's prepacked GEMM
     split: bool  # no VNNI: every row as two 7-bit halves through oneDNN, their sums added
-    own: str = ""  # samctl's kernel for a few rows on one thread (int8_gemm.KERNELS), "" if none
+    own: str = ""  # samctl's kernel for a few rows (int8_gemm.KERNELS; Int8Linear.kernel), "" if none
 
 
 @lru_cache(maxsize=1)
