@@ -252,7 +252,10 @@ def test_one_batch_run_serves_every_call_and_a_whole_input_stays_in_order(model_
     assert "error" in rows[2] and len(rows[5]["metrics"]) == 2  # one per turn
     assert [rows[j]["text"] for j in (0, 1, 3, 4, 6, 7, 8, 9)] == [session.decode(t) for t in alone]
     assert len([run for run in built if run.target.rows == 2]) == 1  # the same run again
-    assert isinstance(stats[0], BatchStats) and stats[0].rows_per_step.count(1) <= 2  # full until the tail
+    # full until the tail: rows only leave once the input is spent (how many steps the tail takes
+    # depends on the widths the measured cost curve chose, so it is not counted)
+    steps = stats[0].rows_per_step
+    assert isinstance(stats[0], BatchStats) and steps == sorted(steps, reverse=True) and steps[0] == 2, steps
 
 
 @pytest.mark.parametrize("batch_size", [1, 2])
