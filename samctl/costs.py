@@ -1,5 +1,5 @@
-"""Verify-cost curves on disk: measured once per model, device, dtype, thread count, graph mode and
-version of the engine's code (a curve measured by older kernels is measured again).
+"""Verify-cost curves on disk: measured once per model, device (and which CPU), dtype, thread count,
+graph mode and version of the engine's code (a curve measured by older kernels is measured again).
 
 `cost_curve(engine)` returns the cached curve t(1..64) in ms (t(1..128) under CUDA graphs, whose
 widths reach 128) after 256 committed tokens (or `context`), measuring it (seconds: 3 x 7 widths)
@@ -45,20 +45,40 @@ def engine_code() -> str:
     return digest.hexdigest()[:12]
 
 
+@lru_cache(maxsize=1)
+def cpu_name() -> str:
+    """This CPU as /proc/cpuinfo names it (model name, family and model: "AMD EPYC" alone spans
+    generations), else as the platform module does."""
+    import platform
+
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+                      if ":" in line)
+    except OSError:
+        fields = {}
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    if "model name" in fields:
+        return f"{fields['model name']} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
+    return platform.processor() or platform.machine()
+
+
 def curve_width(engine: Any) -> int:
     """Tokens the curve covers: 64, or the widest CUDA graph (128) so that a 65-input draft is priced."""
     return max((CURVE_WIDTH, *graph_widths(engine.target)))
 
 
 def curve_key(engine: Any) -> dict[str, Any]:
-    """What a curve depends on: the model (its folder and config), device, dtype, how its linear
-    forward and its linear layers run (native or hf; plain, packed, int8), CPU threads, whether verifies run as CUDA graphs (a step
-    function of the width) or eagerly, and the engine's code."""
+    """What a curve depends on: the model (its folder and config), device (on a CPU, which CPU: a
+    cache folder shared by machines, or a disk moved, must not lend one CPU's curve to another),
+    dtype, how its forward and its linear layers run (native or hf; plain, packed, int8), CPU
+    threads, whether verifies run as CUDA graphs (a step function of the width) or eagerly, and
+    the engine's code."""
     device = engine.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"model": str(Path(engine.name).resolve()) if Path(engine.name).exists() else engine.name,
             "config": hashlib.sha256(engine.model.config.to_json_string().encode()).hexdigest()[:16],
-            "device": name, "dtype": str(engine.target.dtype).replace("torch.", ""),
+            "device": name, "cpu": cpu_name() if device.type == "cpu" else "",
+            "dtype": str(engine.target.dtype).replace("torch.", ""),
             "linear": backend_name(engine.model),
             "threads": torch.get_num_threads() if device.type == "cpu" else 0,
             "graphs": bool(graph_widths(engine.target)), "code": engine_code()}

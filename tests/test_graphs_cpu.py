@@ -215,6 +215,7 @@ def test_graph_cost_curve_is_a_step_function_and_cached_apart():
     engines = [SimpleNamespace(name="tiny", model=model, device=torch.device("cpu"), target=x) for x in (eager, graphed)]
     keys = [curve_key(e) for e in engines]
     assert keys[0]["graphs"] is False and keys[1]["graphs"] is True
+    assert keys[0]["cpu"] and keys[0]["cpu"] == keys[1]["cpu"]  # which CPU measured it
     assert [curve_width(e) for e in engines] == [64, 128]
 
 
