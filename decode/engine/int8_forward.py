@@ -171,22 +171,18 @@ def own_layers(sums, words, packed, base, scale, bias, out, norms, qk_norms, fin
 class _Sums:
     """One forward's integer sums [rows, out] of a layer's projection j (0..3 as `_Layer` orders
     them) over its input codes (codes_x for qkv and gate_up, codes_a for o, codes_i for down).
-    Where the layers' kernel is `_int_mm` (one row) or samctl's own (int8_gemm: a few rows on one
-    thread), the products go into int32 buffers made once a forward and the inputs are views made
-    once: each call is then the matmul alone, where converting tensors and arrays around it cost
-    ~10 us a call (121 a step). Other kernels go through Int8Linear.integer_sums."""
+    Where the layers' kernel is `_int_mm` (one row), the products go into int32 buffers made once a
+    forward and the inputs are views made once: each call is then the matmul alone, where
+    converting tensors and arrays around it cost ~10 us a call (121 a step). Other kernels go
+    through Int8Linear.integer_sums (samctl's own, where `_Stack` does not apply: a layer loop of
+    `own_layers` runs them otherwise)."""
 
     INPUT = (0, 1, 0, 2)  # the codes each projection reads
 
     def __init__(self, first: _Layer, codes: tuple[np.ndarray, ...], kernel: str) -> None:
         self.codes, self.kernel = codes, kernel
         rows = len(codes[0])
-        if kernel in KERNELS and all(p.rows_gemm.aligned for p in first.projections):
-            self.sums = KERNELS[kernel].sums
-            self.inputs = [c.view(np.int32) for c in codes]  # [rows, in / depth]: a block's codes a word
-            self.out = [np.empty((rows, len(p.rows_gemm.base)), dtype=np.int32) for p in first.projections]
-            self.arrays = [o[:, : p.out_features] for o, p in zip(self.out, first.projections)]
-        elif kernel == "int_mm":
+        if kernel == "int_mm":
             self.inputs = [torch.from_numpy(c).t() for c in codes]  # [in, rows] views
             self.out = [torch.empty(p.out_features, rows, dtype=torch.int32) for p in first.projections]
             self.arrays = [o.numpy().T for o in self.out]  # [rows, out] views
@@ -194,10 +190,6 @@ class _Sums:
             self.kernel = "general"
 
     def __call__(self, layer: _Layer, j: int) -> np.ndarray:
-        if self.kernel in KERNELS:
-            gemm = layer.projections[j].rows_gemm
-            self.sums(self.inputs[self.INPUT[j]], gemm.packed, gemm.base, self.out[j])
-            return self.arrays[j]
         if self.kernel == "int_mm":
             torch._int_mm(layer.weights[j], self.inputs[self.INPUT[j]], out=self.out[j])
             return self.arrays[j]
