@@ -18,10 +18,10 @@ each a torch or numba call of a few microseconds, used to cost as much again. He
 and the final norm's output goes to the output head. Where every projection runs samctl's own
 int8 kernel (decode/engine/int8_gemm.py: a few rows on one thread), the whole loop over the layers
 is one compiled call (`own_layers`), with no Python between its ~250 kernels. Every step is the
-formula the op-by-op forward computes, per row and in the same order, except silu (from exp(-|g|) here, `silu_times`,
-so that it vectorizes; torch's own exp of -g there: the two may differ in the last bit): a row's
-result depends on that row alone, so every verified row equals a one-token step bit for bit, as
-before. Prefills (no cached keys) stay on the op-by-op forward.
+formula the op-by-op forward computes, per row and in the same order, except silu (from exp(-|g|)
+here, `silu_times`, so that it vectorizes; torch's own exp of -g there: the two may differ in the
+last bit): a row's result depends on that row alone, so every verified row equals a one-token
+step bit for bit, as before. Prefills (no cached keys) stay on the op-by-op forward.
 """
 from __future__ import annotations
 
@@ -147,13 +147,9 @@ def own_layers(sums, words, packed, base, scale, bias, out, norms, qk_norms, fin
     width = (scale[0].shape[1], scale[1].shape[1], scale[2].shape[1], scale[3].shape[1])
     down = out[3][:, : width[3]]
     layers = packed[0].shape[0]
-    for i in range(layers):
-        if i == 0:
-            norm_codes(flat, down[:0], row_scale, scale[3][0], bias[3][0], norms[0][0], eps, hidden, codes_x,
-                       row_scale, zero)
-        else:
-            norm_codes(flat, down, row_scale, scale[3][i - 1], bias[3][i - 1], norms[0][i], eps, hidden, codes_x,
-                       row_scale, zero)
+    for i in range(layers):  # the last down projection's sums are added to x first (none before layer 0)
+        norm_codes(flat, down if i else down[:0], row_scale, scale[3][i - 1], bias[3][i - 1], norms[0][i], eps,
+                   hidden, codes_x, row_scale, zero)
         sums(words[0], packed[0][i], base[0][i], out[0])
         attend_codes(out[0][:, : width[0]], row_scale, scale[0][i], bias[0][i], cos, sin, qk_norms[0][i],
                      qk_norms[1][i], eps, storage[0, i, :rows], storage[1, i, :rows], write, index, counts,

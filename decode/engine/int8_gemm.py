@@ -206,18 +206,17 @@ def _group(words, packed, base, out, like, first, count):
 
 
 class Kernel(NamedTuple):
-    """One of the two kernels: its block shape, code format and compiled function."""
+    """One of the two kernels: its lanes (the block shape), code format and compiled function."""
 
     name: str
-    columns: int  # output columns of a packed block
-    depth: int  # inputs of a packed block (codes to a word)
+    lanes: _Lanes  # a block: lanes.count output columns x lanes.depth inputs (codes to a word)
     codes: type  # dtype of the codes it takes
     zero: int  # their zero point
     sums: object  # the njit function (words, packed, base, out)
 
 
-KERNELS = {"vnni": Kernel("vnni", 16, 4, np.uint8, 128, vnni_sums),
-           "avx2": Kernel("avx2", 8, 2, np.int16, 0, avx2_sums)}
+KERNELS = {"vnni": Kernel("vnni", LANES[16], np.uint8, 128, vnni_sums),
+           "avx2": Kernel("avx2", LANES[8], np.int16, 0, avx2_sums)}
 
 
 def pack_weight(qweight: np.ndarray, columns: int, depth: int) -> np.ndarray:
@@ -253,7 +252,7 @@ class RowsGemm:
 
     def __init__(self, qweight: np.ndarray, kernel: str) -> None:
         self.kernel = KERNELS[kernel]
-        columns, depth = self.kernel.columns, self.kernel.depth
+        columns, depth = self.kernel.lanes.count, self.kernel.lanes.depth
         out, inputs = qweight.shape
         self.out_features, self.in_features = out, inputs
         padded = np.zeros((-(-out // columns) * columns, -(-inputs // depth) * depth), dtype=np.int8)
@@ -264,7 +263,7 @@ class RowsGemm:
     @property
     def aligned(self) -> bool:
         """Whether codes [r, in] are taken as they are (in a multiple of the block depth)."""
-        return self.in_features % self.kernel.depth == 0
+        return self.in_features % self.kernel.lanes.depth == 0
 
     def words(self, codes: np.ndarray) -> np.ndarray:
         # codes [r, in] of the kernel's dtype, C-contiguous -> [r, padded in / depth] int32 view
