@@ -53,7 +53,7 @@ from samctl.decode.accept import batch_accept, choose_rows, speculative_accept
 from samctl.decode.budget import TreeCalibration, choose_width
 from samctl.decode.drafters.base import Drafter
 from samctl.decode.engine.batched import BatchedTarget, verify_input
-from samctl.decode.engine.cost import measure_batch_cost
+from samctl.decode.engine.cost import VerifyCost, measure_batch_verify_cost
 from samctl.decode.engine.graphs import enable_batch_graphs
 from samctl.decode.engine.target import VERIFY_SLACK, TargetModel, room
 from samctl.decode.engine.transfer import to_device
@@ -282,14 +282,15 @@ class BatchRun:
     submitted key gets exactly one result. `drain` steps until nothing is left. Not thread-safe:
     one thread owns a run (it runs the model).
 
-    `cost_ms`: [n] ms of a batched forward over 1..n total input tokens (`measure_batch_cost`;
-    measured here when None); `max_width`: most draft nodes a row verifies per step;
+    `cost`: what a batched forward over 1.. total input tokens costs, priced at the step's mean
+    context (a VerifyCost, `measure_batch_verify_cost`; measured here when None), or t_ms [n] of
+    one curve for every context; `max_width`: most draft nodes a row verifies per step;
     `max_prefill_tokens`: newcomers are prefilled together while their padded block stays within
     it; `capacity`: initial cache length per row (it grows when a longer record comes).
     `target`: run on this BatchedTarget (its rows, graphs and cache as they are) instead of a new
     one; `budget=False`: no step width, every row verifies its whole tree (for `generate`)."""
 
-    def __init__(self, model: torch.nn.Module, batch_size: int = 8, *, cost_ms: np.ndarray | None = None,
+    def __init__(self, model: torch.nn.Module, batch_size: int = 8, *, cost: VerifyCost | np.ndarray | None = None,
                  max_width: int = 16, max_prefill_tokens: int = 8192, capacity: int = 256,
                  stats: BatchStats | None = None, graphs: bool = False, target: BatchedTarget | None = None,
                  budget: bool = True) -> None:
@@ -300,9 +301,9 @@ class BatchRun:
             # CUDA: every verify forward as a graph, captured now (decode/engine/graphs.py); else eager
             enable_batch_graphs(target, max_width, graphs)
         self.target, self.budget = target, budget
-        if budget and cost_ms is None:
-            cost_ms = measure_batch_cost(model, batch_size, max(1, min(max_width, 8)))
-        self.cost_ms = cost_ms
+        if budget and cost is None:
+            cost = measure_batch_verify_cost(model, batch_size, max(1, min(max_width, 8)))
+        self.cost = None if cost is None else VerifyCost.one_curve(cost)
         self.max_width, self.max_prefill_tokens = max_width, max_prefill_tokens
         self.stats = stats if stats is not None else BatchStats()
         self.stats.batch_size = batch_size
@@ -401,7 +402,8 @@ class BatchRun:
         if not self.budget:
             width = max(len(r.tree) for r in active)
         else:
-            width = choose_width([r.probs for r in active], self.cost_ms, self.max_width, fixed)
+            context = float(np.mean(target.lengths[: len(active)]))  # each input row attends its own row's
+            width = choose_width([r.probs for r in active], self.cost.at(context), self.max_width, fixed)
         for row in active:
             if row.tree.accept_limit is None and len(row.tree) > width:
                 row.tree = _prefix(row.tree, width)
@@ -572,7 +574,7 @@ def stream_batch(
     config: GenerationConfig,
     batch_size: int = 8,
     *,
-    cost_ms: np.ndarray | None = None,
+    cost: VerifyCost | np.ndarray | None = None,
     max_width: int = 16,
     max_prefill_tokens: int = 8192,
     stats: BatchStats | None = None,
@@ -592,7 +594,7 @@ def stream_batch(
     if records:
         max_positions = BatchedTarget(model, 1, 2).max_positions  # cheap: the cache allocates lazily
         longest = min(max(len(r) for r in records) + config.max_new_tokens, max_positions)
-        run = BatchRun(model, min(batch_size, len(records)), cost_ms=cost_ms, max_width=max_width,
+        run = BatchRun(model, min(batch_size, len(records)), cost=cost, max_width=max_width,
                        max_prefill_tokens=max_prefill_tokens, capacity=longest + max_width + 2, stats=stats,
                        graphs=graphs)
         pool = DrafterPool(make_drafter)

@@ -22,7 +22,7 @@ from functools import lru_cache
 
 import torch
 
-from samctl.decode.engine.cost import VerifyCost, graph_widths, measurable_context, measure_verify_cost
+from samctl.decode.engine.cost import CONTEXTS, VerifyCost, graph_widths, measurable_context, measure_verify_cost
 from samctl.decode.engine.native import backend_name
 from samctl.index.errors import UserError
 from samctl.gguf_cache import cache_dir, write_text_atomically
@@ -30,8 +30,7 @@ from samctl.gguf_cache import cache_dir, write_text_atomically
 log = logging.getLogger(__name__)
 
 CURVE_WIDTH = 64
-CONTEXT = 256  # committed entries before the measured verifies (measure_cost's default)
-LONG_CONTEXT = 1024  # ... and the second curve's, from which VerifyCost prices longer contexts
+CONTEXT, LONG_CONTEXT = CONTEXTS  # committed entries before the measured verifies: a curve after each
 
 
 @lru_cache(maxsize=1)
@@ -102,16 +101,21 @@ def verify_cost(engine: Any, refresh: bool = False) -> VerifyCost:
     return VerifyCost.measured(cost_curve(engine, refresh), cost_curve(engine, refresh, long), (CONTEXT, long))
 
 
-def batch_cost_curve(engine: Any, rows: int, max_width: int, stop: Callable[[], bool] | None = None) -> list[float]:
-    """t_ms [rows * max_width]: a batched forward over 1.. total input tokens with `rows` rows in
-    flight (decode.engine.cost.measure_batch_cost), from the cache or measured now; `stop()`
-    true stops a measurement between two forwards (decode.engine.cost.Stopped; nothing cached)."""
+def batch_cost(engine: Any, rows: int, max_width: int, stop: Callable[[], bool] | None = None) -> VerifyCost:
+    """What the batched budget prices a step by: a batched forward over 1.. total input tokens
+    with `rows` rows in flight (decode.engine.cost.measure_batch_cost) after CONTEXT and after
+    LONG_CONTEXT entries a row (cached apart), from the cache or measured now; `stop()` true stops
+    a measurement between two forwards (decode.engine.cost.Stopped; nothing cached)."""
     from samctl.decode.engine.cost import measure_batch_cost
 
     note = (f"measuring the batched verify cost of {Path(engine.name).name} at {rows} rows, once per model, "
             "device and batch size")
-    return _cached({**curve_key(engine), "batched_rows": rows, "max_width": max_width},
-                   lambda: measure_batch_cost(engine.model, rows, max_width, stop=stop), note)
+    long = measurable_context(engine.target.rows, LONG_CONTEXT, max_width)
+    key = {**curve_key(engine), "batched_rows": rows, "max_width": max_width}
+    curves = [_cached(key, lambda: measure_batch_cost(engine.model, rows, max_width, CONTEXT, stop=stop), note),
+              _cached({**key, "context": long},
+                      lambda: measure_batch_cost(engine.model, rows, max_width, long, stop=stop), "")]
+    return VerifyCost.measured(*curves, (CONTEXT, long))
 
 
 def _cached(key: dict[str, Any], measure: Callable[[], Any], note: str, width: int | None = None,

@@ -400,7 +400,7 @@ class BatchScheduler:
                 ids = session.encode(WARM_UP_PROMPT)
                 if self._run is not None:
                     if not session.batch_warm:
-                        session.warm_up_batched([ids], self._run.cost_ms)
+                        session.warm_up_batched([ids], self._run.cost)
                 elif not session.warm:
                     session.warm_up(ids)
         except Stopped:

@@ -233,7 +233,7 @@ class Session:
             for key, prompt, prediction in items:
                 ids = self.encode(prompt)
                 if not self.batch_warm:  # else the first records' metrics carry the JIT loads (or compiles)
-                    self.warm_up_batched([ids], run.cost_ms)
+                    self.warm_up_batched([ids], run.cost)
                 yield key, ids, self.prediction_ids(prediction)
 
         yield from feed(run, encoded(), self.generation, DrafterPool(self.fresh_drafter))
@@ -252,7 +252,7 @@ class Session:
         true (decode.engine.cost.Stopped)."""
         from samctl.decode.loop import BatchRun
 
-        return BatchRun(self.engine.model, batch_size, cost_ms=self._batch_cost(batch_size, stop),
+        return BatchRun(self.engine.model, batch_size, cost=self._batch_cost(batch_size, stop),
                         max_width=BATCH_MAX_WIDTH, graphs=self.config.graphs)
 
     def batch_refusal(self) -> str:
@@ -261,10 +261,10 @@ class Session:
 
         return batch_refusal(self.config.method)
 
-    def _batch_cost(self, batch_size: int, stop: Callable[[], bool] | None = None) -> np.ndarray:
-        from samctl.costs import batch_cost_curve
+    def _batch_cost(self, batch_size: int, stop: Callable[[], bool] | None = None) -> VerifyCost:
+        from samctl.costs import batch_cost
 
-        return np.asarray(batch_cost_curve(self.engine, batch_size, BATCH_MAX_WIDTH, stop=stop))
+        return batch_cost(self.engine, batch_size, BATCH_MAX_WIDTH, stop=stop)
 
     def fresh_drafter(self, fork: bool = True) -> Drafter:
         """A new drafter of the session's method that shares nothing learned with the kept one;
@@ -287,7 +287,7 @@ class Session:
             decode_generate(self.engine.target, drafter, ids, warm)
         decode_generate(self.engine.target, NoDraft(), ids, warm)
 
-    def warm_up_batched(self, prompts: list[list[int]], cost_ms: np.ndarray) -> None:
+    def warm_up_batched(self, prompts: list[list[int]], cost: VerifyCost) -> None:
         """warm_up, then the same throwaway run through the batched engine, whose drafters take
         paths of their own (scored proposals), on the first prompt the model can continue (the
         others get their errors in the batch)."""
@@ -300,7 +300,7 @@ class Session:
                 self.batch_warm = True
                 warm = GenerationConfig(max_new_tokens=WARM_UP_TOKENS, eos_token_ids=(), sampling=self.config.sampling)
                 # twice through one slot, whose drafter drafts from the first record in the second
-                generate_batch(self.engine.model, self.fresh_drafter, [ids, ids], warm, 1, cost_ms=cost_ms,
+                generate_batch(self.engine.model, self.fresh_drafter, [ids, ids], warm, 1, cost=cost,
                                max_width=BATCH_MAX_WIDTH)
                 return
 

@@ -20,6 +20,7 @@ from samctl.decode.loop import BatchRun, BatchStats, DrafterPool, batch_refusal,
 from samctl.decode.budget import TreeCalibration, choose_width, path_probs
 from samctl.decode.drafters.adaptive import AdaptiveDrafter
 from samctl.decode.engine.batched import BatchedTarget
+from samctl.decode.engine.cost import VerifyCost
 from samctl.decode.engine.target import TargetModel
 from samctl.decode.loop import GenerationConfig, generate
 from samctl.decode.methods import ALL_METHODS, make_drafter
@@ -89,7 +90,7 @@ def test_batched_greedy_equals_batch1_greedy(tiny_model_dir, method, backend):
 
     for cost, batch_size in ((CHEAP, 3), (STEEP, 16)):
         stats = BatchStats()
-        results = generate_batch(model, make, prompts, config, batch_size, cost_ms=cost, stats=stats)
+        results = generate_batch(model, make, prompts, config, batch_size, cost=cost, stats=stats)
         assert [r.index for r in results] == list(range(len(prompts)))
         for r, want in zip(results, expected):
             assert r.tokens == want, (method, batch_size, r.index)
@@ -163,7 +164,7 @@ def test_copy_model_greedy_with_trees_and_refills():
     for method in ("adaptive", "recycle", "lookahead"):
         def make():
             return make_drafter(method, vocab_size=32, device=torch.device("cpu"))
-        results = generate_batch(model, make, prompts, config, 4, cost_ms=CHEAP)
+        results = generate_batch(model, make, prompts, config, 4, cost=CHEAP)
         for r, p in zip(results, prompts):
             assert r.tokens == model.reference(p, 25), (method, r.index)
 
@@ -173,7 +174,7 @@ def test_a_batch_run_takes_records_between_steps_and_lets_cancelled_ones_leave()
     rng = np.random.default_rng(5)
     prompts = {k: rng.integers(0, 32, n).tolist() * 2 for k, n in zip("abcd", (5, 7, 3, 6))}
     pool = DrafterPool(lambda: make_drafter("adaptive", vocab_size=32, device=torch.device("cpu")))
-    run = BatchRun(model, 2, cost_ms=CHEAP)
+    run = BatchRun(model, 2, cost=CHEAP)
     run.submit("a", prompts["a"], GenerationConfig(max_new_tokens=20), pool)
     results = run.step()
     assert run.running == 1 and not results
@@ -211,7 +212,7 @@ def test_batched_sampling_follows_the_model_per_row(method):
                             sampling=sampling)
 
     config = GenerationConfig(max_new_tokens=3, sampling=sampling)
-    results = generate_batch(model, make, prompts, config, 8, cost_ms=CHEAP)
+    results = generate_batch(model, make, prompts, config, 8, cost=CHEAP)
     if method != "ar":
         assert sum(r.metrics.accepted for r in results) > samples // 10
     for parity, prompt in ((0, first), (1, second)):
@@ -231,7 +232,7 @@ def test_rows_of_one_batch_keep_their_own_sampling():
     samples = 500
     pool = DrafterPool(lambda: make_drafter("adaptive", vocab_size=VOCAB, device=torch.device("cpu"),
                                             config=SAMPLING_METHODS))
-    run = BatchRun(model, 8, cost_ms=CHEAP)
+    run = BatchRun(model, 8, cost=CHEAP)
     generator = torch.Generator().manual_seed(3)  # the sampled rows share one stream of draws
     for i in range(2 * samples):
         greedy = i % 2 == 0
@@ -264,7 +265,7 @@ def _deep_samples(bug: str | None, exact: dict, case: Case) -> tuple[float, Coun
             # a seed per look: each look's records draw afresh, not the last look's draws again
             config = GenerationConfig(max_new_tokens=DEEP, sampling=replace(case.sampling, seed=look))
             more = look - sum(counts.values())
-            results = generate_batch(model, make, [case.prompt] * more, config, 8, cost_ms=FLAT)
+            results = generate_batch(model, make, [case.prompt] * more, config, 8, cost=FLAT)
             counts.update(tuple(r.tokens) for r in results)
             p_value = fits(counts, exact, views=copy_views(case))
             if bug is not None and p_value < POWER:
@@ -327,7 +328,7 @@ def test_bad_records_and_out_of_memory_do_not_stall_the_batch(monkeypatch):
     monkeypatch.setattr(BatchedTarget, "verify", flaky)
     stats = BatchStats()
     results = generate_batch(model, lambda: make_drafter("pld", vocab_size=96, device=torch.device("cpu")),
-                             records, config, 4, cost_ms=CHEAP, stats=stats)
+                             records, config, 4, cost=CHEAP, stats=stats)
     assert [r.finish_reason for r in results].count("error") == 2
     assert "empty" in results[2].error and "context" in results[-1].error
     assert [r.tokens for r in results if r.finish_reason != "error"] == expected
@@ -343,6 +344,27 @@ def test_budget_width_follows_the_cost_curve():
     mid = 1.0 + 0.3 * np.arange(1, 64)
     rates = [(3 + sum(p[:w].sum() for p in probs)) / mid[3 * (1 + w) - 1] for w in range(5)]
     assert choose_width(probs, mid, 8) == int(np.argmax(rates))
+
+
+def test_the_budget_prices_a_step_at_its_rows_mean_context():
+    """The batch's curve after 256 and after 1024 entries a row (linear between, a shorter context
+    priced as the first): here drafts are nearly free on short rows and each extra input costs a
+    row on long ones, so a step over short rows verifies wide and one over long rows plain."""
+    n = np.arange(1, 513)
+    cost = VerifyCost.measured(list(1.0 + 0.001 * n), list(1.0 * n), (256, 1024))
+    probs = [np.array([0.9, 0.8, 0.7, 0.1])] * 2
+    assert choose_width(probs, cost.at(100), 8) == 4
+    assert choose_width(probs, cost.at(1100), 8) == 0
+    model = BatchCopyLM(vocab=32)
+    rng = np.random.default_rng(5)
+    config = GenerationConfig(max_new_tokens=12)
+    for length, wide in ((40, True), (1100, False)):
+        prompts = [(rng.integers(0, 32, 9).tolist() * length)[:length] for _ in range(2)]
+        stats = BatchStats()
+        results = generate_batch(model, lambda: make_drafter("pld", vocab_size=32, device=torch.device("cpu")),
+                                 prompts, config, 2, cost=cost, stats=stats)
+        assert [r.tokens for r in results] == [model.reference(p, 12) for p in prompts]
+        assert (max(stats.width_per_step) > 0) == wide, (length, stats.width_per_step)
 
 
 def test_tree_calibration_learns_by_depth_and_rank():
@@ -409,7 +431,7 @@ def test_each_row_verifies_a_prefix_of_its_own_draft_and_tells_its_drafter():
         return drafter
 
     mid = 1.0 + 0.1 * np.arange(1, 513)  # a few nodes per row: most proposals are cut
-    results = generate_batch(model, make, prompts, GenerationConfig(max_new_tokens=20), 3, cost_ms=mid, max_width=6)
+    results = generate_batch(model, make, prompts, GenerationConfig(max_new_tokens=20), 3, cost=mid, max_width=6)
     assert [r.tokens for r in results] == [model.reference(p, 20) for p in prompts]
     steps = [s for t in told for s in t.steps if s[2] is not None]  # the last step of a record observes nothing
     cut = 0
@@ -448,7 +470,7 @@ def test_int8_batched_prefill_is_one_forward_per_prompt(monkeypatch):
 
     monkeypatch.setattr(BatchedTarget, "forward", spy)
     results = generate_batch(model, lambda: make_drafter("pld", vocab_size=96, device=torch.device("cpu")),
-                             prompts, config, len(prompts), cost_ms=CHEAP)
+                             prompts, config, len(prompts), cost=CHEAP)
     assert sorted(prefills) == sorted((1, len(p)) for p in prompts)
     assert [r.tokens for r in results] == expected
 
@@ -482,7 +504,7 @@ def test_draft_model_and_eagle_methods_batched_equal_batch1(method):
     alone = [generate(target, make(), p, config).tokens for p in prompts]
     assert alone == expected
     stats = BatchStats()
-    results = generate_batch(model, make, prompts, config, 3, cost_ms=CHEAP, stats=stats)
+    results = generate_batch(model, make, prompts, config, 3, cost=CHEAP, stats=stats)
     assert [r.tokens for r in results] == expected, method
     assert stats.prefills >= 2 and max(stats.rows_per_step) == 3
 
@@ -504,7 +526,7 @@ def test_batched_speculative_sampling_rows_fit_the_model():
                             draft=draft.fork(), sampling=replace(sampling, seed=None))
 
     results = generate_batch(model, make, prompts, GenerationConfig(max_new_tokens=3, sampling=sampling), 8,
-                             cost_ms=CHEAP)
+                             cost=CHEAP)
     assert sum(r.metrics.accepted for r in results) > samples // 10
     assert sum(r.metrics.drafted - r.metrics.accepted for r in results) > samples // 10  # rejections happened
     for parity, prompt in ((0, first), (1, second)):
@@ -532,7 +554,7 @@ def test_batched_speculative_sampling_rejects_planted_q_rules(bug):
 
     with acceptance(bug) as seen:
         results = generate_batch(model, make, [prompt] * 600, GenerationConfig(max_new_tokens=3, sampling=sampling), 8,
-                                 cost_ms=CHEAP)
+                                 cost=CHEAP)
     assert seen.q_steps > 100
     counts = Counter(tuple(r.tokens) for r in results)
     assert fits(counts, _exact(model, prompt, sampling), 600) < 1e-6, bug

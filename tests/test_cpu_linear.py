@@ -628,6 +628,6 @@ def test_int8_batched_greedy_equals_its_own_plain_greedy(default_int8, default_i
     cheap = 1.0 + 0.02 * np.arange(1, 513)  # drafting nearly free: wide trees, ragged acceptance
     for batch_size in (1, 4):
         results = generate_batch(model, make, inputs, GenerationConfig(max_new_tokens=16), batch_size,
-                                 cost_ms=cheap, max_width=32)
+                                 cost=cheap, max_width=32)
         for r, want in zip(results, expected):
             assert r.tokens == want, (method, batch_size, r.index)

@@ -260,7 +260,7 @@ def test_real_gguf_every_method_matches_transformers_greedy(tmp_path, private_ca
         def fresh():
             return make_drafter(method, vocab_size=engine.vocab_size, device=engine.device,
                                 eos_token_ids=engine.eos_token_ids, config=MethodConfig())
-        results = generate_batch(engine.model, fresh, batch, config, 2, cost_ms=np.full(64, 10.0))
+        results = generate_batch(engine.model, fresh, batch, config, 2, cost=np.full(64, 10.0))
         assert [r.tokens for r in results] == expectations, method
 
 

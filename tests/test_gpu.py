@@ -316,5 +316,5 @@ def test_t13_batched_run_with_graphs_equals_batch1_on_cuda(method):
     ps = [p for p in prompts(96) if len(p) > 1] * 3
     config = GenerationConfig(max_new_tokens=40)
     alone = [generate(TargetModel(model), make(), p, config).tokens for p in ps]
-    batched = generate_batch(model, make, ps, config, 4, cost_ms=1.0 + 0.02 * np.arange(1, 513), graphs=True)
+    batched = generate_batch(model, make, ps, config, 4, cost=1.0 + 0.02 * np.arange(1, 513), graphs=True)
     assert [r.tokens for r in batched] == alone

@@ -307,7 +307,7 @@ def test_batch_graphs_capture_every_bucket_once_largest_first():
     from samctl.decode.loop import BatchRun
     from samctl.decode.engine.graphs import buckets_upto, ROW_BUCKETS
 
-    run = BatchRun(tiny(), 5, cost_ms=np.full(64, 1.0), max_width=6, capacity=300)
+    run = BatchRun(tiny(), 5, cost=np.full(64, 1.0), max_width=6, capacity=300)
     backend = StandIn()
     graphs = batch_graphs_on(run, backend, 6)
     assert graphs.rows == buckets_upto(ROW_BUCKETS, 5) == (1, 2, 4, 5) and graphs.widths == (1, 2, 4, 7)
@@ -334,7 +334,7 @@ def test_batched_graph_verify_equals_eager_with_ragged_rows_refills_and_growth(b
     config = GenerationConfig(max_new_tokens=40)
 
     def outputs(graphed: bool):
-        run = BatchRun(model, 3, cost_ms=1.0 + 0.02 * np.arange(1, 513), max_width=8, capacity=64)
+        run = BatchRun(model, 3, cost=1.0 + 0.02 * np.arange(1, 513), max_width=8, capacity=64)
         graphs = batch_graphs_on(run, StandIn(), 8) if graphed else None
         prepared = graphs.captures if graphed else 0
         pool = DrafterPool(lambda: make_drafter("adaptive", vocab_size=96, device=torch.device("cpu"), config=EAGER))

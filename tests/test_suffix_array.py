@@ -279,7 +279,7 @@ def test_batched_engine_drafts_from_an_sa_store_and_stays_greedy(tiny_model_dir,
                             static=sa.structure, config=EAGER)
 
     results = generate_batch(model, make, prompts, GenerationConfig(max_new_tokens=NEW, eos_token_ids=(eos,)), 3,
-                             cost_ms=CHEAP)
+                             cost=CHEAP)
     assert [r.tokens for r in results] == expected
     assert max(r.metrics.accepted for r in results) > 0
 

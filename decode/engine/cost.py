@@ -9,7 +9,9 @@ time: on a shared machine another process only ever adds time, so the minimum is
 cost and a busy moment cannot bend one width. `relative_cost` turns it into what drafters size
 drafts by: cost[k] = t(1 + k) / t(1), the price of k draft nodes relative to plain decoding.
 `measure_verify_cost` is its one-row curve (what one record's drafter sizes drafts by),
-`measure_batch_cost` its curve at a batch size (what the batched budget spends by).
+`measure_batch_cost` its curve at a batch size (what the batched budget spends by); both are
+measured after two context lengths and priced at the context a row (or a step's rows, on
+average) has reached (`VerifyCost`).
 A measurement may be stopped between two forwards (`stop`: a server shutting down while it
 starts), which raises `Stopped`.
 
@@ -34,6 +36,7 @@ from samctl.decode.tree import DraftTree
 from samctl.index.errors import UserError
 
 MEASURED_WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # widths of the forwards measured (eager)
+CONTEXTS = (256, 1024)  # committed entries per row before the measured verifies: a curve after each
 BATCH_POINTS = (1, 4, 16, 64, 256)  # rows of the [N, 1] forwards measured below the batch size
 
 
@@ -51,10 +54,11 @@ def linear_cost(token_cost: float, n: int = 256) -> np.ndarray:
     return 1.0 + token_cost * np.arange(n + 1, dtype=np.float64)
 
 
-def relative_cost(t_ms: np.ndarray | list[float], n: int = 256) -> np.ndarray:
-    """t_ms: [w] times of verifying 1..w tokens -> cost [n + 1] with cost[k] = t(1 + k) / t(1),
-    made non-decreasing and extended past w along the last measured slope."""
+def relative_cost(t_ms: np.ndarray | list[float], n: int | None = None) -> np.ndarray:
+    """t_ms: [w] times of verifying 1..w tokens -> cost [n + 1] (n: 256, or w when longer) with
+    cost[k] = t(1 + k) / t(1), made non-decreasing and extended past w along the last measured slope."""
     t = np.maximum.accumulate(np.asarray(t_ms, dtype=np.float64))
+    n = max(256, len(t)) if n is None else n
     rel = t / t[0]
     slope = (rel[-1] - rel[-2]) if len(rel) > 1 else 0.0
     k = np.arange(n + 1)
@@ -63,7 +67,9 @@ def relative_cost(t_ms: np.ndarray | list[float], n: int = 256) -> np.ndarray:
 
 class VerifyCost:
     """What a drafter sizes its drafts by: cost[k] = t(1 + k) / t(1), the price of k draft nodes
-    relative to plain decoding, at the context length the row has reached.
+    relative to plain decoding, at the context length the row has reached. The batched budget
+    reads a batch's curve the same way: cost[N - 1] = t(N) / t(1) for N input tokens in all, at the
+    mean context of the step's rows (each input row attends its own row's entries).
 
     Measured (`measured`): the curves t(n) after two context lengths, with t(n, L) taken linear in
     L beyond the first (every input row attends each committed entry once; a shorter context is
@@ -92,6 +98,13 @@ class VerifyCost:
         return cls(linear_cost(0.005) if cost is None else np.asarray(cost, dtype=np.float64))
 
     @classmethod
+    def one_curve(cls, cost: "VerifyCost | np.ndarray | list[float]") -> "VerifyCost":
+        """`cost` as a VerifyCost: itself, or t_ms [n] priced alike at every context."""
+        if isinstance(cost, VerifyCost):
+            return cost
+        return cls.measured(cost, cost, (0, 0))
+
+    @classmethod
     def measured(cls, short_ms: list[float], long_ms: list[float], contexts: tuple[int, int]) -> "VerifyCost":
         """From t_ms [n] after contexts[0] and after contexts[1] committed entries (`measure_cost`)."""
         short, long = np.asarray(short_ms, dtype=np.float64), np.asarray(long_ms, dtype=np.float64)
@@ -100,7 +113,7 @@ class VerifyCost:
         return cls(relative_cost(short), short, long, contexts)
 
     def at(self, context: int) -> np.ndarray:
-        """The relative curve [257] after `context` committed entries."""
+        """The relative curve [257 or longer] after `context` committed entries."""
         if self.short_ms is None or self.contexts[1] <= self.contexts[0]:
             return self.relative
         bucket = int(context) // self.BUCKET
@@ -172,6 +185,16 @@ def measure_batch_cost(model: torch.nn.Module, rows: int, max_width: int = 8, co
     drafting budget prices a step's padded block [A, q] at t(A * q)."""
     target = BatchedTarget(model, rows, room(context, max_width))
     return measure_cost(target, rows, max_width, context, rounds, clock=clock, stop=stop)
+
+
+def measure_batch_verify_cost(model: torch.nn.Module, rows: int, max_width: int = 8,
+                              stop: Callable[[], bool] | None = None) -> VerifyCost:
+    """`measure_batch_cost` after each of CONTEXTS (the longer at most what the model's positions
+    allow), as the VerifyCost the batched budget prices a step's rows by."""
+    target = BatchedTarget(model, rows, room(CONTEXTS[1], max_width))
+    contexts = (CONTEXTS[0], measurable_context(target, CONTEXTS[1], max_width))
+    curves = [measure_cost(target, rows, max_width, context, stop=stop) for context in contexts]
+    return VerifyCost.measured(*curves, contexts)
 
 
 def measurable_context(target: BatchedTarget, context: int, width: int) -> int:

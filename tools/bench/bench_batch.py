@@ -118,7 +118,7 @@ def main() -> None:
     stats = BatchStats()
     chunk = -(-len(prompts) // args.rounds)
     # warm-up: numba caches, allocator growth (not timed)
-    generate_batch(model, lambda: drafter(args.method), prompts[:2], GenerationConfig(max_new_tokens=4), 2, cost_ms=cost)
+    generate_batch(model, lambda: drafter(args.method), prompts[:2], GenerationConfig(max_new_tokens=4), 2, cost=cost)
     for r in range(args.rounds):
         idx = list(range(r * chunk, min(len(prompts), (r + 1) * chunk)))
         part = [prompts[i] for i in idx]
@@ -126,7 +126,7 @@ def main() -> None:
             tic, cpu_tic = time.perf_counter(), time.process_time()
             if side == "batched":
                 res = generate_batch(model, lambda: drafter(args.method), part, config, args.batch_size,
-                                     cost_ms=cost, max_width=args.max_width, stats=stats)
+                                     cost=cost, max_width=args.max_width, stats=stats)
                 got = [x.tokens for x in res]
             elif side == "hf":
                 got = hf_generate(hf_model, part, args.batch_size, args.max_new_tokens, eos, pad)
