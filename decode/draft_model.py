@@ -1,9 +1,13 @@
-"""A draft model with its own KV cache, for drafters that run a small LM next to the target.
+"""A draft model for drafters that run a small LM next to the target, its sequences in one batch.
 
-Contract: the cache always holds K/V for a token sequence the caller knows; `forward` appends the
-given tokens and returns the next-token logits at the last one (and, on request, the post-norm last
-hidden state there); `keep(n)` drops everything after the first n cached tokens. The caller decides
-which tokens to feed; feeding only uncached tokens is what keeps drafting cheap.
+Each holder (`DraftModel`; one per sequence in flight, `fork`) owns a row of one BatchedTarget
+over the draft's weights (decode/engine/batched.py), so the draft forwards of every row of a
+batched step run as one forward (`extend`). Contract per row: the cache holds K/V for a token
+sequence the caller knows (`cached` entries); `extend` appends each given row's tokens and returns
+the next-token logits at its last one (and, on request, the post-norm hidden state there);
+`keep(n)` drops everything after the first n cached tokens. The caller decides which tokens to
+feed; feeding only uncached tokens is what keeps drafting cheap. Rows not fed in a forward get a
+placeholder input written behind their cached entries, where nothing reads it.
 
 The draft's vocabulary may differ from the target's: logits are sliced to the first
 `vocab_limit` ids (the target's size), so the draft never proposes an id the target lacks.
@@ -11,61 +15,114 @@ Knows nothing of acceptance rules, the target, text or files.
 """
 from __future__ import annotations
 
-import torch
-from transformers import DynamicCache
+import heapq
+import weakref
+from typing import Sequence
 
-from samctl.decode.engine.kv_cache import with_cache
+import numpy as np
+import torch
+
+from samctl.decode.engine.batched import BatchedTarget
+from samctl.decode.engine.transfer import to_device
+from samctl.decode.tree import DraftTree
+
+
+class _Rows:
+    """The draft LM's BatchedTarget and which of its rows are handed out; a row freed by a holder
+    that is gone is reused, lowest first, so the rows drafting in a step stay near the front."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.target = BatchedTarget(model, 1, 64)
+        self.free: list[int] = []
+        self.handed = 0  # rows handed out so far, freed ones included
+
+    def take(self) -> int:
+        if self.free:
+            return heapq.heappop(self.free)
+        row, self.handed = self.handed, self.handed + 1
+        if row >= self.target.rows:
+            self.target.resize(max(2 * self.target.rows, row + 1))
+        return row
+
+    def give_back(self, row: int) -> None:
+        self.target.lengths[row] = 0
+        heapq.heappush(self.free, row)
 
 
 class DraftModel:
-    """Holds one draft LM and its cache for one sequence at a time (batch size 1)."""
+    """One sequence's row of a draft LM (`fork` gives another row of the same batch, the weights
+    and the batch's cache storage shared)."""
 
-    def __init__(self, model: torch.nn.Module, vocab_limit: int | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, vocab_limit: int | None = None, rows: _Rows | None = None) -> None:
         self.model = model.eval()
-        self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
-        self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30) or (1 << 30))
+        self.rows = rows if rows is not None else _Rows(self.model)
+        self.device, self.dtype = self.rows.target.device, self.rows.target.dtype
+        self.max_positions = self.rows.target.max_positions
         out_vocab = int(model.config.vocab_size)
         self.vocab = out_vocab if vocab_limit is None else min(out_vocab, int(vocab_limit))
         self.hidden_size = int(model.config.hidden_size)
-        self.cache = DynamicCache(config=model.config)
-        self.cached = 0  # tokens whose K/V are in the cache
+        self.gives_hidden = self.rows.target.gives_hidden
+        self.row = self.rows.take()
+        weakref.finalize(self, self.rows.give_back, self.row)
         self.fed = 0  # tokens fed since construction (counts work; tests check nothing is fed twice)
         self.dropped = 0  # cache entries removed by `keep`
 
+    @property
+    def cached(self) -> int:
+        """Tokens whose K/V are in this row's cache."""
+        return int(self.rows.target.lengths[self.row])
+
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
-        self.cached = 0
+        self.rows.target.lengths[self.row] = 0
 
     def fork(self) -> "DraftModel":
-        """Another holder of the same model with a cache of its own: one per sequence in flight
-        (the batched engine's rows), the weights loaded once."""
-        return DraftModel(self.model, self.vocab)
+        """Another row of the same batch: one per sequence in flight (the batched engine's rows)."""
+        return DraftModel(self.model, self.vocab, self.rows)
 
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # input_ids: [n] int64 on the draft's device, the tokens after the cached ones
-        # -> (logits [vocab] float at the last input, hidden [H] post-norm state there or None)
-        n = int(input_ids.shape[0])
-        position_ids = torch.arange(self.cached, self.cached + n, device=self.device)[None]
-        out = self.model(
-            input_ids=input_ids[None],
-            position_ids=position_ids,
-            **with_cache(self.model, self.cache),
-            use_cache=True,
-            logits_to_keep=1,
-            output_hidden_states=hidden,
-        )
-        self.cached += n
-        self.fed += n
-        state = out.hidden_states[-1][0, -1] if hidden else None
-        return out.logits[0, -1, : self.vocab], state
-
-    @torch.inference_mode()
     def keep(self, n: int) -> None:
         """Keep the first n cached tokens."""
         assert 0 <= n <= self.cached, (n, self.cached)
-        if n < self.cached:
-            self.cache.crop(n - self.cached)  # transformers 5: a negative count removes tokens
-            self.dropped += self.cached - n
-            self.cached = n
+        self.dropped += self.cached - n
+        self.rows.target.lengths[self.row] = n
+
+
+@torch.inference_mode()
+def extend(holders: Sequence[DraftModel], feeds: Sequence[np.ndarray | torch.Tensor],
+           hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # holders: k distinct rows of one batch; feeds: k arrays [n_i >= 1] int64, each the tokens after
+    # its row's cached ones (a row with nothing cached: a host array, prefilled)
+    # -> (logits [k, V'] at each feed's last token, hidden [k, H] there or None). One prefill of the
+    # empty rows, one verify forward of the others (chains), both in the draft's batch.
+    target = holders[0].rows.target
+    target.wants_hidden = hidden
+    for h, feed in zip(holders, feeds):
+        h.fed += len(feed)
+    logits: list[torch.Tensor | None] = [None] * len(holders)
+    states: list[torch.Tensor | None] = [None] * len(holders)
+    empty = [i for i, h in enumerate(holders) if h.cached == 0]
+    if empty:
+        out = target.prefill([holders[i].row for i in empty], [np.asarray(feeds[i], dtype=np.int64) for i in empty],
+                             [False] * len(empty))
+        for j, i in enumerate(empty):
+            logits[i] = out[j][-1]
+            states[i] = target.prefill_hidden[j][-1] if hidden else None
+    growing = [i for i, h in enumerate(holders) if logits[i] is None]
+    if growing:
+        rows = 1 + max(holders[i].row for i in growing)
+        inputs = [torch.zeros(1, dtype=torch.int64, device=target.device)] * rows
+        trees = [DraftTree.empty()] * rows
+        for i in growing:
+            feed = feeds[i] if isinstance(feeds[i], torch.Tensor) else to_device(np.asarray(feeds[i]), target.device)
+            inputs[holders[i].row] = feed
+            trees[holders[i].row] = DraftTree.chain(np.zeros(len(feed) - 1, dtype=np.int64))
+        out, offsets = target.verify(inputs, trees)
+        fed = {holders[i].row: len(inputs[holders[i].row]) for i in growing}
+        target.keep([np.arange(fed.get(b, 0)) for b in range(rows)])
+        last = to_device(np.array([offsets[holders[i].row + 1] - 1 for i in growing]), target.device)
+        out = out.index_select(0, last)
+        state = target.hidden.index_select(0, last) if hidden else None
+        if not empty:  # every row grew: already in the holders' order
+            return out[:, : holders[0].vocab], state
+        for j, i in enumerate(growing):
+            logits[i], states[i] = out[j], state[j] if hidden else None
+    return torch.stack(logits)[:, : holders[0].vocab], torch.stack(states) if hidden else None

@@ -52,6 +52,7 @@ import torch
 from samctl.decode.accept import batch_accept, choose_rows, speculative_accept
 from samctl.decode.budget import TreeCalibration, choose_width
 from samctl.decode.drafters.base import Drafter
+from samctl.decode.drafters.draft import draft_chains
 from samctl.decode.engine.batched import BatchedTarget, verify_input
 from samctl.decode.engine.cost import VerifyCost, measure_batch_verify_cost
 from samctl.decode.engine.graphs import enable_batch_graphs
@@ -389,7 +390,9 @@ class BatchRun:
         # -> the rows that finished this step. Row b of `active` is slot b of the cache.
         target, active, stats = self.target, self.active, self.stats
         tic = time.perf_counter()
-        # 1) propose: each row's tree and its nodes' path probabilities
+        # 1) propose: each row's tree and its nodes' path probabilities (rows drafting with one
+        # draft model draft together first, one forward a round for all of them)
+        _draft_together(active)
         fixed = 0  # widest tree that cannot be cut (context rows: lookahead's window)
         for b, row in enumerate(active):
             t_draft = time.perf_counter()
@@ -553,7 +556,7 @@ class BatchRun:
         half = max(1, before // 2)
         dropped = self.active[half:]
         del self.active[half:]
-        target.shrink(half)
+        target.resize(half)
         failed = []
         for row in reversed(dropped):
             if row.out.on_tokens is None:
@@ -681,6 +684,21 @@ def generate(
     result.metrics.eager_verifies = rows.eager_fallbacks - eager_before
     return GenerationResult(tokens=result.tokens, finish_reason=result.finish_reason, metrics=result.metrics,
                             prediction=result.prediction)
+
+
+def _draft_together(active: list[_Row]) -> None:
+    # Rows whose drafter drafts this step with a draft model (decode.drafters.draft) get their
+    # chains from one batch of draft forwards per draft model; each row's propose then returns its own.
+    groups: dict[int, list] = {}
+    for row in active:
+        drafter = row.drafter.model_drafter(row.t0)
+        if drafter is not None:
+            groups.setdefault(id(drafter.draft.rows), []).append((drafter, row.t0))
+    for group in groups.values():
+        if len(group) > 1:
+            drafters, t0s = zip(*group)
+            for drafter, t0, tree in zip(drafters, t0s, draft_chains(drafters, t0s)):
+                drafter.ready = (t0, tree)
 
 
 def _propose(row: _Row, calibration: TreeCalibration | None, room: int) -> None:

@@ -51,31 +51,34 @@ class CopyLM(torch.nn.Module):
         return self.parts.lm_head
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, past_key_values=None, use_cache=True, **_):
-        q = input_ids.shape[1]
-        past = past_key_values.get_seq_length()
+        # input_ids: [rows, q]; one cache row per input row (batch 1's DynamicCache, or the batched
+        # engine's cache, whose mask row b shows row b its own committed entries and tree block)
+        rows, q = input_ids.shape
         if position_ids is None:
+            past = past_key_values.get_seq_length()
             position_ids = torch.arange(past, past + q)[None]
-        keys, values = past_key_values.update(
-            input_ids[0].float()[None, None, :, None], position_ids[0].float()[None, None, :, None], 0
-        )
-        tokens = keys[0, 0, :, 0].long().numpy()
-        positions = values[0, 0, :, 0].long().numpy()
-        if attention_mask is None:
-            visible = np.arange(past + q)[None, :] <= past + np.arange(q)[:, None]
-        else:
-            visible = (attention_mask[0, 0] == 0).numpy()  # [q, cached]
-        # each row must see exactly the positions 0..k-1 (k = what it sees), each once
-        rows, cols = np.nonzero(visible)
-        seen, at = visible.sum(1), positions[cols]
-        ok = (at < seen[rows]).all() and len(np.unique(rows * len(positions) + at)) == len(rows)
-        assert ok, [positions[v].tolist() for v in visible]
-        text = np.empty(visible.shape, dtype=np.int64)
-        text[rows, at] = tokens[cols]  # each row's visible tokens in position order
-        logits = torch.zeros(1, q, self.vocab)
-        for i in range(q):
-            logits[0, i, copy_rule(text[i, : seen[i]].tolist(), self.vocab)] = self.peak
+        keys, values = past_key_values.update(input_ids.float()[:, None, :, None],
+                                              position_ids.expand(rows, q).float()[:, None, :, None], 0)
+        logits = torch.zeros(rows, q, self.vocab)
+        for b in range(rows):
+            tokens = keys[b, 0, :, 0].long().numpy()
+            positions = values[b, 0, :, 0].long().numpy()
+            kv = len(tokens)
+            if attention_mask is None:  # causal after the cached entries
+                visible = np.arange(kv)[None, :] <= kv - q + np.arange(q)[:, None]
+            else:
+                visible = (attention_mask[min(b, attention_mask.shape[0] - 1), 0] == 0).numpy()  # [q, kv]
+            # each input must see exactly the positions 0..k-1 (k = what it sees), each once
+            at_row, cols = np.nonzero(visible)
+            seen, at = visible.sum(1), positions[cols]
+            ok = (at < seen[at_row]).all() and len(np.unique(at_row * len(positions) + at)) == len(at_row)
+            assert ok, [positions[v].tolist() for v in visible]
+            text = np.empty(visible.shape, dtype=np.int64)
+            text[at_row, at] = tokens[cols]  # each input's visible tokens in position order
+            for i in range(q):
+                logits[b, i, copy_rule(text[i, : seen[i]].tolist(), self.vocab)] = self.peak
         decoder = self.parts.model
-        decoder.norm(decoder.embed_tokens(logits.argmax(-1)))  # the "last hidden state": [1, q, 8]
+        decoder.norm(decoder.embed_tokens(logits.argmax(-1)))  # the "last hidden state": [rows, q, 8]
         return SimpleNamespace(logits=logits)
 
     def reference(self, prompt: list[int], n: int) -> list[int]:

@@ -135,29 +135,8 @@ def test_row_logits_do_not_depend_on_other_rows(backend):
         torch.testing.assert_close(nxt[offsets[0]: offsets[1]], want_next, atol=1e-5, rtol=1e-5)
 
 
-class BatchCopyLM(CopyLM):
-    """CopyLM over a batch: each row reads its context only through the batched cache and its own
-    row of the mask, and must see exactly positions 0..n-1."""
-
-    def forward(self, input_ids, position_ids=None, attention_mask=None, past_key_values=None, use_cache=True, **_):
-        rows, q = input_ids.shape
-        keys, values = past_key_values.update(input_ids.float()[:, None, :, None],
-                                              position_ids.expand(rows, q).float()[:, None, :, None], 0)
-        logits = torch.zeros(rows, q, self.vocab)
-        for b in range(rows):
-            tokens, positions = keys[b, 0, :, 0].long().numpy(), values[b, 0, :, 0].long().numpy()
-            kv = len(tokens)
-            for i in range(q):  # no mask: one chain, causal after the cached entries
-                visible = (np.arange(kv) <= kv - q + i) if attention_mask is None else \
-                    (attention_mask[min(b, attention_mask.shape[0] - 1), 0, i] == 0).numpy()
-                order = np.argsort(positions[visible], kind="stable")
-                assert np.array_equal(positions[visible][order], np.arange(visible.sum())), positions[visible]
-                logits[b, i, copy_rule(tokens[visible][order].tolist(), self.vocab)] = self.peak
-        return SimpleNamespace(logits=logits)
-
-
 def test_copy_model_greedy_with_trees_and_refills():
-    model = BatchCopyLM(vocab=32)
+    model = CopyLM(vocab=32)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 32, n).tolist() * 2 for n in (3, 7, 5, 11, 2, 9)]
     config = GenerationConfig(max_new_tokens=25)
@@ -170,7 +149,7 @@ def test_copy_model_greedy_with_trees_and_refills():
 
 
 def test_a_batch_run_takes_records_between_steps_and_lets_cancelled_ones_leave():
-    model = BatchCopyLM(vocab=32)
+    model = CopyLM(vocab=32)
     rng = np.random.default_rng(5)
     prompts = {k: rng.integers(0, 32, n).tolist() * 2 for k, n in zip("abcd", (5, 7, 3, 6))}
     pool = DrafterPool(lambda: make_drafter("adaptive", vocab_size=32, device=torch.device("cpu")))
@@ -200,7 +179,7 @@ def test_a_batch_run_takes_records_between_steps_and_lets_cancelled_ones_leave()
 @pytest.mark.parametrize("method", ["ar", "sam", "adaptive"])
 def test_batched_sampling_follows_the_model_per_row(method):
     """Two prompts interleaved in one batched run; each prompt's samples fit its exact distribution."""
-    model = BatchCopyLM(vocab=VOCAB, peak=1.5)
+    model = CopyLM(vocab=VOCAB, peak=1.5)
     sampling = SamplingConfig(temperature=0.9, top_p=0.95, seed=7)
     first = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
     second = [3, 1, 0, 2, 3, 1, 0, 2, 3]
@@ -226,7 +205,7 @@ def test_batched_sampling_follows_the_model_per_row(method):
 def test_rows_of_one_batch_keep_their_own_sampling():
     """Greedy and sampled records interleaved in one BatchRun: each greedy row is the model's
     greedy answer, and the sampled rows fit their exact distribution."""
-    model = BatchCopyLM(vocab=VOCAB, peak=1.5)
+    model = CopyLM(vocab=VOCAB, peak=1.5)
     sampling = SamplingConfig(temperature=0.9, top_p=0.95, seed=3)
     prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
     samples = 500
@@ -254,7 +233,7 @@ def _deep_samples(bug: str | None, exact: dict, case: Case) -> tuple[float, Coun
     """Outputs of `case.prompt` from batched runs (8 rows, adaptive trees, DEEP new tokens) under the
     true rules or a planted bug -> (p-value over copy_views, counts, what acceptance saw). As in
     test_decode_sampling, a bug stops at the first look in LOOKS that rejects it."""
-    model = BatchCopyLM(vocab=VOCAB, peak=PEAK)
+    model = CopyLM(vocab=VOCAB, peak=PEAK)
 
     def make():
         return make_drafter("adaptive", vocab_size=VOCAB, device=torch.device("cpu"), config=SAMPLING_METHODS)
@@ -355,7 +334,7 @@ def test_the_budget_prices_a_step_at_its_rows_mean_context():
     probs = [np.array([0.9, 0.8, 0.7, 0.1])] * 2
     assert choose_width(probs, cost.at(100), 8) == 4
     assert choose_width(probs, cost.at(1100), 8) == 0
-    model = BatchCopyLM(vocab=32)
+    model = CopyLM(vocab=32)
     rng = np.random.default_rng(5)
     config = GenerationConfig(max_new_tokens=12)
     for length, wide in ((40, True), (1100, False)):
@@ -420,7 +399,7 @@ def test_each_row_verifies_a_prefix_of_its_own_draft_and_tells_its_drafter():
     """Every row verifies the first k nodes of its own drafter's proposal, and a drafter whose
     proposal was cut (by the step's width or the tokens still wanted) is told k (`keep_first`),
     so that it learns from the nodes verified and no others."""
-    model = BatchCopyLM(vocab=32)
+    model = CopyLM(vocab=32)
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, 32, n).tolist() * 3 for n in (3, 7, 5, 11, 2, 9)]
     told: list[_Told] = []
@@ -475,6 +454,34 @@ def test_int8_batched_prefill_is_one_forward_per_prompt(monkeypatch):
     assert [r.tokens for r in results] == expected
 
 
+@pytest.mark.parametrize("method", ["sd", "specdec++", "sam+draft"])
+def test_rows_draft_together_one_draft_forward_a_round(method):
+    """The rows drafting with one draft model are rows of its own batch: each round of drafting is
+    one draft forward over all of them, where rows drafting alone take one each; outputs equal."""
+    from samctl.decode.acceptance_head import AcceptanceHead, HeadConfig
+    from samctl.decode.draft_model import DraftModel
+
+    model, draft_model = tiny("llama", 2), tiny("llama", 2, seed=1)
+    forwards = []
+    draft_model.get_input_embeddings().register_forward_pre_hook(lambda module, args: forwards.append(1))
+    draft = DraftModel(draft_model)
+    torch.manual_seed(0)
+    head = AcceptanceHead(HeadConfig(draft.hidden_size, num_blocks=1)).eval() if method == "specdec++" else None
+    prompts = mixed_prompts(96)[:4]
+    config = GenerationConfig(max_new_tokens=NEW)
+
+    def make():
+        return make_drafter(method, vocab_size=96, device=torch.device("cpu"), config=EAGER, draft=draft.fork(),
+                            head=head)
+
+    alone = [generate_batch(model, make, [p], config, 1, cost=CHEAP)[0].tokens for p in prompts]  # a row at a time
+    one_by_one, forwards[:] = len(forwards), []
+    stats = BatchStats()
+    together = [r.tokens for r in generate_batch(model, make, prompts, config, 4, cost=CHEAP, stats=stats)]
+    assert together == alone
+    assert max(stats.rows_per_step) == 4 and 0 < len(forwards) < 0.6 * one_by_one, (len(forwards), one_by_one)
+
+
 @pytest.mark.parametrize("method", ["sd", "specdec++", "sam+draft", "ouroboros", "eagle", "sam+eagle", "adaptive+eagle"])
 def test_draft_model_and_eagle_methods_batched_equal_batch1(method):
     # each row its own drafter (a draft model's cache, an EAGLE head's state and features of its
@@ -515,7 +522,7 @@ def test_batched_speculative_sampling_rows_fit_the_model():
     from samctl.decode.draft_model import DraftModel
     from tests.test_decode_sampling import DraftCopyLM
 
-    model = BatchCopyLM(vocab=VOCAB, peak=1.5)
+    model = CopyLM(vocab=VOCAB, peak=1.5)
     draft = DraftModel(DraftCopyLM(vocab=VOCAB, peak=1.0))
     sampling = SamplingConfig(temperature=0.9, top_p=0.95, seed=7)
     first, second = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1], [3, 1, 0, 2, 3, 1, 0, 2, 3]
@@ -543,7 +550,7 @@ def test_batched_speculative_sampling_rejects_planted_q_rules(bug):
     from samctl.decode.draft_model import DraftModel
     from tests.test_decode_sampling import DraftCopyLM
 
-    model = BatchCopyLM(vocab=VOCAB, peak=1.5)
+    model = CopyLM(vocab=VOCAB, peak=1.5)
     draft = DraftModel(DraftCopyLM(vocab=VOCAB, peak=1.0))
     sampling = SamplingConfig(temperature=0.9, top_p=0.95, seed=7)
     prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]

@@ -81,14 +81,23 @@ def one_thread():
 # -- the models --------------------------------------------------------------------------------
 
 class DraftCopyLM(CopyLM):
-    """A draft for the copy model: it also likes the next id, so q differs from p, and it returns a
-    hidden state (its logits, zero-padded) for the acceptance head."""
+    """A draft for the copy model: it also likes the next id, so q differs from p, and its last
+    hidden state (what its decoder's final norm, an identity, sees) is its logits, zero-padded,
+    for the acceptance head."""
 
-    def forward(self, input_ids, output_hidden_states=False, **kwargs):
+    def __init__(self, vocab: int = 32, peak: float = 20.0) -> None:
+        super().__init__(vocab, peak)
+        self.reader = torch.nn.Module()
+        self.reader.norm = torch.nn.Identity()
+
+    def get_decoder(self) -> torch.nn.Module:
+        return self.reader
+
+    def forward(self, input_ids, **kwargs):
         logits = super().forward(input_ids, **kwargs).logits
         logits = logits + 1.2 * torch.roll(logits, 1, dims=-1)
-        hidden = torch.nn.functional.pad(logits, (0, self.config.hidden_size - self.vocab))
-        return SimpleNamespace(logits=logits, hidden_states=(hidden,) if output_hidden_states else None)
+        self.reader.norm(torch.nn.functional.pad(logits, (0, self.config.hidden_size - self.vocab)))
+        return SimpleNamespace(logits=logits)
 
 
 def token_dependent_head(hidden_size: int) -> AcceptanceHead:

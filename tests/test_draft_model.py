@@ -62,9 +62,10 @@ def assert_cache_is_fresh(draft: DraftModel, history: list[int]) -> None:
     fresh = DynamicCache(config=draft.model.config)
     with torch.no_grad():
         draft.model(input_ids=torch.tensor([history[:n]]), **with_cache(draft.model, fresh), use_cache=True)
-    for layer, ref in zip(draft.cache.layers, fresh.layers):
-        torch.testing.assert_close(layer.keys, ref.keys, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(layer.values, ref.values, rtol=1e-4, atol=1e-5)
+    storage = draft.rows.target.cache.storage  # [2, layers, rows, kv_heads, capacity, head_dim]
+    for i, ref in enumerate(fresh.layers):
+        torch.testing.assert_close(storage[0, i, draft.row, :, :n], ref.keys[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(storage[1, i, draft.row, :, :n], ref.values[0], rtol=1e-4, atol=1e-5)
 
 
 class CacheChecked(Drafter):
@@ -175,6 +176,17 @@ def test_sam_draft_uses_both_sources_and_the_draft_catches_up(tiny_llama):
     assert result.tokens == hf_greedy(tiny_llama, prompt, 80, eos=None)
     # Committed during retrieval steps, then fed in one catch-up forward: still never twice.
     assert draft.fed == draft.cached + draft.dropped
+
+
+def test_forks_are_rows_of_one_batch_and_a_row_is_reused_once_its_holder_is_gone(tiny_llama):
+    import gc
+
+    draft = DraftModel(tiny_llama)
+    a, b = draft.fork(), draft.fork()
+    assert (draft.row, a.row, b.row) == (0, 1, 2) and a.rows is draft.rows
+    del a
+    gc.collect()
+    assert draft.fork().row == 1
 
 
 def test_missing_draft_or_head_is_a_user_error(tiny_llama):

@@ -81,6 +81,12 @@ class Drafter:
         batched engine spends its node budget by; None: the engine estimates them from the tree."""
         return self.propose(t0), None
 
+    def model_drafter(self, t0: int) -> "Drafter | None":
+        """The drafter (itself, or a fallback) that drafts this step's tree after t0 with a draft
+        model, so that the batched engine runs the draft forwards of all such rows together
+        (decode.drafters.draft.draft_chains); None: this step drafts without one."""
+        return None
+
     def keep_first(self, k: int) -> None:
         """The batched engine verifies only the first k nodes of the last (scored) proposal."""
 

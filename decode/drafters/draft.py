@@ -1,7 +1,8 @@
 """Draft-model drafters: classic speculative decoding (`sd`) and SpecDec++ (`specdec++`).
 
-Each step the draft model extends the committed text by a chain y_1..y_k, autoregressively with
-its own KV cache: greedy drafts take the argmax, sampling drafts draw y_i ~ q_i where q_i is the
+Each step the draft model extends the committed text by a chain y_1..y_k, autoregressively in
+the drafter's own row of the draft model's batch (decode/draft_model.py); the rows of a batched
+step that draft with one draft model draft together (`draft_chains`: one forward a round): greedy drafts take the argmax, sampling drafts draw y_i ~ q_i where q_i is the
 draft's distribution warped exactly like the target's (temperature -> top-k -> top-p), and the
 chain carries q so the loop applies the p/q rule (`decode.accept`). Only the stop rule differs:
 - `FixedLength(gamma)`: k = gamma (Leviathan et al. 2023; Chen et al. 2023);
@@ -20,18 +21,18 @@ sampled chain carries exactly the q it was drawn from. Knows nothing of the targ
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import numpy as np
 import torch
 
 from samctl.decode.acceptance_head import AcceptanceHead
-from samctl.decode.draft_model import DraftModel
-from samctl.decode.engine.transfer import to_device
+from samctl.decode.draft_model import DraftModel, extend
 from samctl.decode.sampling import SamplingConfig, draw, warp_probs
 from samctl.decode.drafters.base import Drafter
 from samctl.decode.tree import DraftTree
 from samctl.decode.configs import SpecDecConfig
+from samctl.index.errors import UserError
 
 
 class StopRule(Protocol):
@@ -94,6 +95,10 @@ class DraftModelDrafter(Drafter):
         eos_token_ids: tuple[int, ...] = (),
         name: str = "sd",
     ) -> None:
+        if stop.needs_hidden and not draft.gives_hidden:
+            raise UserError(f"method {name} reads the draft model's hidden states, which this draft model does not "
+                            f"give ({getattr(draft.model.config, 'model_type', 'its family')}: no final norm found): "
+                            "use another draft model or method")
         self.draft, self.stop, self.sampling = draft, stop, sampling
         self.eos = frozenset(eos_token_ids)
         self.name = name
@@ -103,38 +108,25 @@ class DraftModelDrafter(Drafter):
             self.generator.seed()
         self.history = np.zeros(0, dtype=np.int64)
         self.speculative = 0  # drafted tokens fed to the cache after t0 in the last propose
+        self.ready: tuple[int, DraftTree] | None = None  # (t0, chain) drafted beside other rows
 
     def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor) -> None:
         self.draft.reset()
         self.history = np.asarray(prompt, dtype=np.int64).copy()
         self.speculative = 0
+        self.ready = None
         if self.generator is not None and self.sampling.seed is not None:
             # Its own stream, reproducible from the run's seed, independent of the target's draws.
             self.generator.manual_seed((self.sampling.seed * 0x9E3779B1 + 0x5DEECE66D) % (1 << 63))
 
+    def model_drafter(self, t0: int) -> "DraftModelDrafter":
+        return self
+
     def propose(self, t0: int) -> DraftTree:
-        draft = self.draft
-        feed = np.append(self.history[draft.cached :], t0)
-        # y_k is never fed, so k tokens need k - 1 positions after the fed ones.
-        room = draft.max_positions - draft.cached - len(feed) + 1
-        if room < 1:
-            return DraftTree.empty()
-        limit = min(self.stop.max_len, room)
-        self.stop.begin()
-        logits, hidden = draft.forward(to_device(feed, draft.device), self.stop.needs_hidden)
-        tokens, qs = [], []
-        k = 0
-        while True:
-            k += 1
-            token, q = self._choose(logits)
-            tokens.append(token)
-            qs.append(q)
-            if k >= limit or self.stop.done(k, hidden) or (self.stop.syncs and int(token) in self.eos):
-                break
-            logits, hidden = draft.forward(token, self.stop.needs_hidden)
-        self.speculative = k - 1
-        chain = torch.cat(tokens)
-        return DraftTree.chain(chain, q=None if self.sampling.greedy else torch.cat(qs))
+        ready, self.ready = self.ready, None
+        if ready is not None and ready[0] == t0:
+            return ready[1]
+        return draft_chains([self], [t0])[0]
 
     def observe(self, committed: np.ndarray, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
         # The cache holds history[:c] and, if this drafter proposed, [t0, y_1..y_s]; committed
@@ -151,3 +143,42 @@ class DraftModelDrafter(Drafter):
             return logits.argmax(dim=-1, keepdim=True), None
         q = warp_probs(logits[None], self.sampling)
         return draw(q, self.generator), q
+
+
+def draft_chains(drafters: Sequence[DraftModelDrafter], t0s: Sequence[int]) -> list[DraftTree]:
+    """Each drafter's chain after its pending token, the drafters being rows of one draft model:
+    every round of drafting is one forward over the rows still drafting (decode.draft_model.extend),
+    each row choosing and stopping by its own rule."""
+    draft = [d.draft for d in drafters]
+    feeds = [np.append(d.history[m.cached:], t0) for d, m, t0 in zip(drafters, draft, t0s)]
+    # y_k is never fed, so k tokens need k - 1 positions after the fed ones.
+    limits = [min(d.stop.max_len, m.max_positions - m.cached - len(f) + 1) for d, m, f in zip(drafters, draft, feeds)]
+    live = [i for i, limit in enumerate(limits) if limit >= 1]
+    chains: list[list[torch.Tensor]] = [[] for _ in drafters]
+    qs: list[list[torch.Tensor]] = [[] for _ in drafters]
+    for i in live:
+        drafters[i].stop.begin()
+    hidden = any(drafters[i].stop.needs_hidden for i in live)
+    k = 0
+    while live:
+        logits, states = extend([draft[i] for i in live], [feeds[i] for i in live], hidden)
+        k += 1
+        going = []
+        for j, i in enumerate(live):
+            d = drafters[i]
+            token, q = d._choose(logits[j])
+            chains[i].append(token)
+            qs[i].append(q)
+            state = states[j] if d.stop.needs_hidden else None
+            if not (k >= limits[i] or d.stop.done(k, state) or (d.stop.syncs and int(token) in d.eos)):
+                going.append(i)
+                feeds[i] = token
+        live = going
+    trees = []
+    for d, chain, q in zip(drafters, chains, qs):
+        d.speculative = max(len(chain) - 1, 0)
+        if not chain:
+            trees.append(DraftTree.empty())
+        else:
+            trees.append(DraftTree.chain(torch.cat(chain), q=None if d.sampling.greedy else torch.cat(q)))
+    return trees

@@ -47,6 +47,7 @@ class SamDrafter(Drafter):
         self.dynamic = SuffixAutomaton.empty(1024, occurrence=config.occurrence)
         self.dyn_state, self.dyn_length = 0, 0
         self.sources = {"dynamic": 0, "static": 0, "fallback": 0, "none": 0}  # steps by draft source
+        self._retrieved: tuple[int, tuple[np.ndarray, str]] | None = None  # (t0, retrieval) of model_drafter
         if fallback is not None:
             self.prefill_logits, self.needs_hidden = fallback.prefill_logits, fallback.needs_hidden
 
@@ -54,14 +55,22 @@ class SamDrafter(Drafter):
         # hidden: `hidden=` [n, H] when the fallback needs the target's features, else nothing
         self.dynamic = SuffixAutomaton.empty(max(1024, 2 * len(prompt)), occurrence=self.config.occurrence)
         self.dyn_state, self.dyn_length = 0, 0
+        self._retrieved = None
         self._insert(prompt)
         if self.static is not None:
             self.static.reset(prompt)
         if self.fallback is not None:
             self.fallback.start(prompt, prompt_logits, **hidden)
 
+    def model_drafter(self, t0: int) -> Drafter | None:
+        if self.fallback is None:
+            return None
+        self._retrieved = (t0, self._retrieve(t0))  # the step's propose reads it
+        return self.fallback.model_drafter(t0) if len(self._retrieved[1][0]) == 0 else None
+
     def propose(self, t0: int) -> DraftTree:
-        draft, source = self._retrieve(t0)
+        retrieved, self._retrieved = self._retrieved, None
+        draft, source = retrieved[1] if retrieved is not None and retrieved[0] == t0 else self._retrieve(t0)
         if len(draft) == 0 and self.fallback is not None:
             self.sources["fallback"] += 1
             return self.fallback.propose(t0)

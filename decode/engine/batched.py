@@ -354,13 +354,19 @@ class BatchedTarget:
         self.lengths[dst], self.lengths[src] = n, 0
 
     @torch.inference_mode()
-    def shrink(self, rows: int) -> None:
-        """Keep slots [0, rows) only and free the rest (after an out-of-memory)."""
-        assert 1 <= rows <= self.rows, (rows, self.rows)
-        if self.cache.storage is not None:
-            self.cache.set_storage(self.cache.storage[:, :, :rows].clone())
+    def resize(self, rows: int) -> None:
+        """`rows` slots: slots [0, rows) keep their entries, the rest are freed (after an
+        out-of-memory) or added empty (a draft model's batch gaining a sequence)."""
+        assert rows >= 1, rows
+        kept = min(rows, self.rows)
+        old = self.cache.storage
+        if old is not None:
+            shape = list(old.shape)
+            shape[2] = rows
+            self.cache.set_storage(torch.zeros(shape, dtype=old.dtype, device=old.device))
+            self.cache.storage[:, :, :kept] = old[:, :, :kept]
         self.cache.rows = self.rows = rows
-        self.lengths = self.lengths[:rows].copy()
+        self.lengths = np.concatenate((self.lengths[:kept], np.zeros(rows - kept, dtype=np.int64)))
 
 
 def verify_input(t0: int, tree: DraftTree, device: torch.device) -> torch.Tensor:

@@ -188,12 +188,13 @@ def measure_batch_cost(model: torch.nn.Module, rows: int, max_width: int = 8, co
 
 
 def measure_batch_verify_cost(model: torch.nn.Module, rows: int, max_width: int = 8,
+                              clock: Callable[[], float] = time.perf_counter,
                               stop: Callable[[], bool] | None = None) -> VerifyCost:
     """`measure_batch_cost` after each of CONTEXTS (the longer at most what the model's positions
     allow), as the VerifyCost the batched budget prices a step's rows by."""
     target = BatchedTarget(model, rows, room(CONTEXTS[1], max_width))
     contexts = (CONTEXTS[0], measurable_context(target, CONTEXTS[1], max_width))
-    curves = [measure_cost(target, rows, max_width, context, stop=stop) for context in contexts]
+    curves = [measure_cost(target, rows, max_width, context, clock=clock, stop=stop) for context in contexts]
     return VerifyCost.measured(*curves, contexts)
 
 
