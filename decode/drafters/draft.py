@@ -137,10 +137,8 @@ class DraftModelDrafter(Drafter):
             self.draft.keep(before + 1 + min(len(committed) - 1, self.speculative))
         self.speculative = 0
 
-    def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # logits: [V'] at the last fed token -> (token [1] int64 on device, q [1, V'] or None)
-        if self.sampling.greedy:
-            return logits.argmax(dim=-1, keepdim=True), None
+    def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # logits: [V'] at the last fed token of a sampling drafter -> (token [1] int64 on device, q [1, V'])
         q = warp_probs(logits[None], self.sampling)
         return draw(q, self.generator), q
 
@@ -164,9 +162,11 @@ def draft_chains(drafters: Sequence[DraftModelDrafter], t0s: Sequence[int]) -> l
         logits, states = extend([draft[i] for i in live], [feeds[i] for i in live], hidden)
         k += 1
         going = []
+        greedy = any(drafters[i].sampling.greedy for i in live)
+        argmax = logits.argmax(dim=-1, keepdim=True) if greedy else None  # [rows, 1]: the greedy rows' tokens
         for j, i in enumerate(live):
             d = drafters[i]
-            token, q = d._choose(logits[j])
+            token, q = (argmax[j], None) if d.sampling.greedy else d._choose(logits[j])
             chains[i].append(token)
             qs[i].append(q)
             state = states[j] if d.stop.needs_hidden else None
