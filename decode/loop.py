@@ -668,15 +668,9 @@ def generate(
     `on_tokens` gets the new tokens of each step and may return True to stop after them, or k to
     stop after the first k of them; `prediction`: token ids of the expected output, for a
     drafter with `expect`."""
-    prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
-    error = prompt_error(prompt, target.max_positions, target.context_note)
-    if error:
-        raise UserError(error)
     rows = target.rows
-    _check_drafter(drafter, rows)
     wanted, eager_before = rows.wants_hidden, rows.eager_fallbacks
-    run = BatchRun(target.model, 1, target=rows, budget=False, max_width=VERIFY_SLACK)
-    run.submit(0, prompt, config, DrafterPool(lambda: drafter), on_tokens=on_tokens, prediction=prediction)
+    run = one_row_run(target, drafter, prompt_ids, config, on_tokens, prediction)
     try:
         (result,) = run.drain()
     finally:
@@ -684,6 +678,21 @@ def generate(
     result.metrics.eager_verifies = rows.eager_fallbacks - eager_before
     return GenerationResult(tokens=result.tokens, finish_reason=result.finish_reason, metrics=result.metrics,
                             prediction=result.prediction)
+
+
+def one_row_run(target: TargetModel, drafter: Drafter, prompt_ids: list[int] | np.ndarray, config: GenerationConfig,
+                on_tokens: Callable[[list[int]], bool | None] | None = None,
+                prediction: Sequence[int] | None = None) -> BatchRun:
+    """`generate`'s run with its record (key 0) submitted and nothing run yet, for a caller that
+    steps it between other work (the server, between two steps of its batch)."""
+    prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+    error = prompt_error(prompt, target.max_positions, target.context_note)
+    if error:
+        raise UserError(error)
+    _check_drafter(drafter, target.rows)
+    run = BatchRun(target.model, 1, target=target.rows, budget=False, max_width=VERIFY_SLACK)
+    run.submit(0, prompt, config, DrafterPool(lambda: drafter), on_tokens=on_tokens, prediction=prediction)
+    return run
 
 
 def _draft_together(active: list[_Row]) -> None:

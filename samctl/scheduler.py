@@ -184,7 +184,8 @@ class Request:
 
 class Job:
     """One request on the worker thread: resolves its session and prompt (`prepare`), generates
-    (`generate` at batch 1, or as a row of the batched engine) and turns tokens into text events;
+    (`alone`, the one row of a run of its own, or as a row of the batched engine) and turns tokens
+    into text events;
     `cancel` (from any thread) stops it at its next step."""
 
     def __init__(self, request: Request, sessions: Sessions, sink: Sink) -> None:
@@ -215,15 +216,16 @@ class Job:
         self.sink(Started(len(ids)))
         return session, ids, min(r.max_new_tokens or session.config.max_new_tokens, room)
 
-    def generate(self, session, ids: list[int], max_new_tokens: int) -> None:
+    def alone(self, session, ids: list[int], max_new_tokens: int):
+        """The job as the one row of a run of its own (the session's `one_row_run`), for a caller
+        that steps it; None when that failed (the error is sent)."""
         r = self.request
         try:
-            result = session.generate(ids, prediction=r.prediction, on_tokens=self.on_tokens,
-                                      max_new_tokens=max_new_tokens, sampling=r.sampling)
+            return session.one_row_run(ids, prediction=r.prediction, on_tokens=self.on_tokens,
+                                       max_new_tokens=max_new_tokens, sampling=r.sampling)
         except Exception as err:
             self.fail(err)
-            return
-        self.finish(result)
+            return None
 
     def finish(self, result: GenerationResult | BatchResult) -> None:
         """The end: the rest of the text, then Done (or Cancelled)."""
@@ -314,9 +316,9 @@ class BatchScheduler:
     each a row with its own length, sampling, stop strings and prediction; a job arriving while
     the batch runs joins a free slot between two steps; a cancelled job leaves at the next step.
     A job whose method drafts with the target's own forward (SDSAT's), and every job when
-    `batch_size` is 1, runs alone on its session (a one-row run) between two steps, the batch waiting,
-    in arrival order. One worker thread owns the model; with nothing to do it sleeps on a
-    condition."""
+    `batch_size` is 1, runs alone on its session (a one-row run), in arrival order, one step of it
+    between two steps of the batch: neither holds the other back for more than a step. One worker
+    thread owns the model; with nothing to do it sleeps on a condition."""
 
     def __init__(self, sessions: Sessions, batch_size: int = 8) -> None:
         if batch_size < 1:
@@ -330,17 +332,17 @@ class BatchScheduler:
         self._run = None  # decode.loop.BatchRun, built by the worker on the first batched job
         self._jobs: dict[int, Job] = {}  # in the run, by key
         self._drafters: dict[int, _SessionDrafters] = {}  # by id(session)
-        self._alone = 0  # a batch-1 job running
+        self._alone: deque[tuple[Job, Any]] = deque()  # jobs with a one-row run each; the first one steps
         self._thread = threading.Thread(target=self._work, name="samctl-batch-worker", daemon=True)
         self._thread.start()
 
     @property
     def running(self) -> int:
-        return (self._run.running if self._run is not None else 0) + self._alone
+        return (self._run.running if self._run is not None else 0) + min(len(self._alone), 1)
 
     @property
     def waiting(self) -> int:
-        return len(self._inbox) + (self._run.waiting if self._run is not None else 0)
+        return len(self._inbox) + (self._run.waiting if self._run is not None else 0) + max(len(self._alone) - 1, 0)
 
     def submit(self, job: Job) -> None:
         with self._cond:
@@ -369,9 +371,9 @@ class BatchScheduler:
         self._open_run()
         while True:
             with self._cond:
-                while not self._inbox and not self._jobs and not self._closed:
+                while not self._inbox and not self._jobs and not self._alone and not self._closed:
                     self._cond.wait()
-                if self._closed and not self._inbox and not self._jobs:
+                if self._closed and not self._inbox and not self._jobs and not self._alone:
                     return
             while self._inbox:  # one at a time: the rest count as waiting meanwhile
                 with self._cond:
@@ -382,6 +384,8 @@ class BatchScheduler:
                     self._take(job)
             if self._jobs:
                 self._step()
+            if self._alone:
+                self._step_alone()
 
     def _refusing(self) -> bool:
         # shutting down before the engine was ready: nothing more is measured for anyone
@@ -417,8 +421,9 @@ class BatchScheduler:
         session, ids, max_new_tokens = prepared
         try:
             if self.batch_size == 1 or session.batch_refusal():
-                self._alone = 1
-                job.generate(session, ids, max_new_tokens)
+                run = job.alone(session, ids, max_new_tokens)
+                if run is not None:
+                    self._alone.append((job, run))
                 return
             if self._run is None:
                 self._run = session.batch_run(self.batch_size, stop=self._stopping.is_set)
@@ -433,9 +438,25 @@ class BatchScheduler:
         except Exception as err:
             job.fail(err)
             return
-        finally:
-            self._alone = 0
         self._jobs[id(job)] = job
+
+    def _step_alone(self) -> None:
+        # One step of the first job running alone.
+        job, run = self._alone[0]
+        if job.cancelled.is_set():
+            run.cancel(0)
+        try:
+            results = run.step()
+        except Exception as err:
+            self._alone.popleft()
+            job.fail(err)
+            return
+        for result in results:
+            self._alone.popleft()
+            if result.finish_reason == "error":
+                job.fail(RequestError(result.error, status=500, kind="server_error"))
+            else:
+                job.finish(result)
 
     def _step(self) -> None:
         run = self._run

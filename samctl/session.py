@@ -183,6 +183,25 @@ class Session:
         return True to stop (finish_reason "stop"). `max_new_tokens` and `sampling` override the
         configuration's for this request (a draft model keeps drafting with the configured
         sampling, which costs acceptance, never correctness)."""
+        ids, drafter, generation = self._request(prompt, drafter, max_new_tokens, sampling)
+        return decode_generate(self.engine.target, drafter, ids, generation, on_tokens=on_tokens,
+                               prediction=self.prediction_ids(prediction))
+
+    def one_row_run(self, prompt: str | Sequence[int] | list[dict[str, str]], *, prediction: str | None = None,
+                    on_tokens: Callable[[list[int]], bool | None] | None = None, max_new_tokens: int | None = None,
+                    sampling: SamplingConfig | None = None):
+        """`generate`'s one-row decode.loop.BatchRun (its record's key 0), not yet run: the
+        server steps it between two steps of its batch, so that a request with no batched form
+        holds the batch's rows back by one step at a time, never by a whole answer."""
+        from samctl.decode.loop import one_row_run
+
+        ids, drafter, generation = self._request(prompt, None, max_new_tokens, sampling)
+        return one_row_run(self.engine.target, drafter, ids, generation, on_tokens=on_tokens,
+                           prediction=self.prediction_ids(prediction))
+
+    def _request(self, prompt, drafter: Drafter | None, max_new_tokens: int | None,
+                 sampling: SamplingConfig | None) -> tuple[list[int], Drafter, GenerationConfig]:
+        # A request's prompt ids, drafter and generation settings (the session warmed up first).
         ids = self.encode(prompt)
         drafter = self.drafter if drafter is None else drafter
         self._note_room(ids)
@@ -192,8 +211,7 @@ class Session:
         if max_new_tokens is not None or sampling is not None:
             generation = replace(generation, max_new_tokens=max_new_tokens or generation.max_new_tokens,
                                  sampling=sampling or generation.sampling)
-        return decode_generate(self.engine.target, drafter, ids, generation, on_tokens=on_tokens,
-                               prediction=self.prediction_ids(prediction))
+        return ids, drafter, generation
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int] | list[dict[str, str]]], *, batch_size: int = 8,
                        on_result: Callable[[Any], None] | None = None, stats: Any = None,

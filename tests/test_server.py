@@ -20,7 +20,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 from samctl.decode.drafters.base import NoDraft  # noqa: E402
-from samctl.decode.loop import GenerationResult  # noqa: E402
+from samctl.decode.loop import BatchResult, GenerationResult  # noqa: E402
 from samctl.decode.metrics import Metrics  # noqa: E402
 from samctl.decode.sampling import SamplingConfig  # noqa: E402
 from samctl.scheduler import (BatchScheduler, Cancelled, Done, Failed, Job, Request as JobRequest,  # noqa: E402
@@ -357,6 +357,33 @@ def test_the_batch_gets_each_requests_sampling(model_dir, monkeypatch):
                     GenerationConfig(5, eos, SamplingConfig(top_k=7))]
 
 
+def test_a_request_without_a_batched_form_steps_between_the_batch_steps(tmp_path):
+    """SDSAT drafts with the target's own forward, so its request runs as a one-row run of its own,
+    one step of it between two steps of the batch: the two answers stream side by side, neither
+    waits for the other's end, and each is its plain greedy answer."""
+    from tests.conftest import save_tiny_model_with_tokenizer
+
+    save_tiny_model_with_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["sdsat"] = {"sat_token_id": config["vocab_size"] - 1, "sat_count": 3}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    session = Session(SessionConfig(model=str(tmp_path), max_new_tokens=20, threads=1, quiet=True))
+    session.warm = session.batch_warm = True
+    expected = session.decode(session.generate("def add(a, b):", drafter=NoDraft()).tokens)
+    scheduler = BatchScheduler(Sessions({None: session}), batch_size=4)
+    timeline: list[tuple[str, object]] = []
+    with scheduler._cond:  # the worker takes both before its first step
+        for method in ("adaptive", "sdsat"):
+            scheduler.submit(Job(JobRequest(prompt="def add(a, b):", store=None, method=method), scheduler.sessions,
+                                 lambda event, method=method: timeline.append((method, event))))
+    scheduler.close()
+    for method, other in (("adaptive", "sdsat"), ("sdsat", "adaptive")):
+        mine = [i for i, (m, e) in enumerate(timeline) if m == method and isinstance(e, Text)]
+        done = next(i for i, (m, e) in enumerate(timeline) if m == other and isinstance(e, Done))
+        assert mine and mine[0] < done, (method, [(m, type(e).__name__) for m, e in timeline])
+        assert "".join(e.text for m, e in timeline if m == method and isinstance(e, Text)) == expected, method
+
+
 def test_batched_rows_follow_their_own_seeds_beside_a_greedy_row(model_dir):
     """One batch: a greedy request, three sampled ones with distinct seeds and a repeat of one
     seed. The greedy row is its batch-1 greedy answer; distinct seeds give distinct answers; the
@@ -435,17 +462,35 @@ class _FakeSession:
     def decode(self, ids: list[int]) -> str:
         return "".join(chr(97 + t) for t in ids)
 
-    def generate(self, ids, *, prediction=None, on_tokens=None, max_new_tokens=5, sampling=None):
-        self.entered.set()
-        self.gate.wait(30)
-        self.ran.append(ids)
-        tokens, reason = [], "length"
-        for k in range(max_new_tokens):
-            tokens.append((ids[-1] + 1 + k) % 26)
-            if on_tokens(tokens[-1:]):
-                reason = "stop"
-                break
-        return GenerationResult(tokens, reason, Metrics(new_tokens=len(tokens)))
+    def one_row_run(self, ids, *, prediction=None, on_tokens=None, max_new_tokens=5, sampling=None):
+        return _FakeRun(self, ids, on_tokens, max_new_tokens)
+
+
+class _FakeRun:
+    """A one-row run of _FakeSession's: a token a step (the first step waits for the gate)."""
+
+    def __init__(self, session: _FakeSession, ids, on_tokens, max_new_tokens: int) -> None:
+        self.session, self.ids, self.on_tokens, self.max_new_tokens = session, ids, on_tokens, max_new_tokens
+        self.tokens: list[int] = []
+        self.cancelled = False
+
+    def cancel(self, key) -> None:
+        self.cancelled = True
+
+    def step(self) -> list[BatchResult]:
+        if not self.tokens:
+            self.session.entered.set()
+            self.session.gate.wait(30)
+            self.session.ran.append(self.ids)
+        if self.cancelled:
+            return [self._result("cancelled")]
+        self.tokens.append((self.ids[-1] + 1 + len(self.tokens)) % 26)
+        if self.on_tokens(self.tokens[-1:]):
+            return [self._result("stop")]
+        return [self._result("length")] if len(self.tokens) == self.max_new_tokens else []
+
+    def _result(self, reason: str) -> BatchResult:
+        return BatchResult(0, self.tokens, reason, Metrics(new_tokens=len(self.tokens)))
 
 
 def _job(sessions, prompt: str, events: list, stop=()) -> Job:
