@@ -115,12 +115,15 @@ def extend(holders: Sequence[DraftModel], feeds: Sequence[np.ndarray | torch.Ten
             feed = feeds[i] if isinstance(feeds[i], torch.Tensor) else to_device(np.asarray(feeds[i]), target.device)
             inputs[holders[i].row] = feed
             trees[holders[i].row] = DraftTree.chain(np.zeros(len(feed) - 1, dtype=np.int64))
-        out, offsets = target.verify(inputs, trees)
+        out, _ = target.verify(inputs, trees, last=True)  # [rows, V]: each row's last input
         fed = {holders[i].row: len(inputs[holders[i].row]) for i in growing}
         target.keep([np.arange(fed.get(b, 0)) for b in range(rows)])
-        last = to_device(np.array([offsets[holders[i].row + 1] - 1 for i in growing]), target.device)
-        out = out.index_select(0, last)
-        state = target.hidden.index_select(0, last) if hidden else None
+        order = [holders[i].row for i in growing]
+        state = target.hidden if hidden else None
+        if order != list(range(rows)):  # placeholder rows between, or the rows in another order
+            picked = to_device(np.array(order), target.device)
+            out = out.index_select(0, picked)
+            state = state.index_select(0, picked) if hidden else None
         if not empty:  # every row grew: already in the holders' order
             return out[:, : holders[0].vocab], state
         for j, i in enumerate(growing):

@@ -12,7 +12,7 @@ import torch
 
 from samctl.decode.draft_model import DraftModel
 from samctl.decode.engine.cpu_linear import apply_cpu_linear
-from samctl.decode.engine.native import use_backend
+from samctl.decode.engine.native import native_of, use_backend
 from samctl.decode.engine.target import TargetModel
 from samctl.gguf_cache import first_line, model_folder
 from samctl.index.errors import ConfigError, UserError
@@ -192,4 +192,5 @@ def load_draft(path: str, engine: Engine) -> DraftModel:
                           "with a local folder holding config.json, weights and tokenizer files", source=source,
                           reason=first_line(err)) from err
     model.to(engine.device).eval()
+    use_backend(model, "auto" if native_of(engine.model) is not None else "hf")  # the target's forward
     return DraftModel(model, vocab_limit=engine.vocab_size)

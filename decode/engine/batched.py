@@ -248,9 +248,11 @@ class BatchedTarget:
         return logits
 
     @torch.inference_mode()
-    def verify(self, inputs: Sequence[torch.Tensor], trees: Sequence[DraftTree]) -> tuple[torch.Tensor, np.ndarray]:
+    def verify(self, inputs: Sequence[torch.Tensor], trees: Sequence[DraftTree],
+               last: bool = False) -> tuple[torch.Tensor, np.ndarray]:
         # inputs: A tensors [q_b] int64 = [t0, nodes...] of rows (slots) 0..A-1; trees: their drafts
         # -> (logits [N, V] of every real input, rows concatenated; offsets [A + 1] into them).
+        # last: only each row's last input's logits ([A, V]; a draft model's chains, run eagerly).
         # Appends each row's block behind its committed entries; `keep` must follow.
         rows = len(inputs)
         sizes = np.array([len(t) + 1 for t in trees], dtype=np.int64)
@@ -270,7 +272,7 @@ class BatchedTarget:
                 visible[b, :n, :n] = ancestor_matrix(np.asarray(tree.parents, dtype=np.int32))
         offsets = np.concatenate(([0], np.cumsum(sizes)))
         # 2) a graph of the step's buckets (CUDA), which computes positions and mask itself
-        if self.graphs is not None:
+        if self.graphs is not None and not last:
             if self.graphs.covers(rows, q):
                 out = self.graphs.run(ids, rel, visible, past)
                 if out is not None:
@@ -288,7 +290,8 @@ class BatchedTarget:
             self.cache.seen = int(past[0])
         else:
             mask = self.verify_mask(to_device(past, self.device), to_device(visible, self.device), kv)
-        keep = to_device(np.concatenate([b * q + np.arange(n) for b, n in enumerate(sizes)]), self.device)
+        keep = to_device(np.arange(rows) * q + sizes - 1 if last else
+                         np.concatenate([b * q + np.arange(n) for b, n in enumerate(sizes)]), self.device)
         self.cache.write_positions, self.cache.kv_length = write, kv
         try:
             logits = self.forward(ids, positions, mask, keep, upto=kv)
