@@ -108,24 +108,59 @@ def extend(holders: Sequence[DraftModel], feeds: Sequence[np.ndarray | torch.Ten
             states[i] = target.prefill_hidden[j][-1] if hidden else None
     growing = [i for i, h in enumerate(holders) if logits[i] is None]
     if growing:
-        rows = 1 + max(holders[i].row for i in growing)
-        inputs = [torch.zeros(1, dtype=torch.int64, device=target.device)] * rows
-        trees = [DraftTree.empty()] * rows
-        for i in growing:
-            feed = feeds[i] if isinstance(feeds[i], torch.Tensor) else to_device(np.asarray(feeds[i]), target.device)
-            inputs[holders[i].row] = feed
-            trees[holders[i].row] = DraftTree.chain(np.zeros(len(feed) - 1, dtype=np.int64))
-        out, _ = target.verify(inputs, trees, last=True)  # [rows, V]: each row's last input
-        fed = {holders[i].row: len(inputs[holders[i].row]) for i in growing}
-        target.keep([np.arange(fed.get(b, 0)) for b in range(rows)])
-        order = [holders[i].row for i in growing]
-        state = target.hidden if hidden else None
-        if order != list(range(rows)):  # placeholder rows between, or the rows in another order
-            picked = to_device(np.array(order), target.device)
-            out = out.index_select(0, picked)
-            state = state.index_select(0, picked) if hidden else None
+        feeds_in = [feeds[i] if isinstance(feeds[i], torch.Tensor) else to_device(np.asarray(feeds[i]), target.device)
+                    for i in growing]
+        trees = [DraftTree.chain(np.zeros(len(f) - 1, dtype=np.int64)) for f in feeds_in]
+        out, state = _verify([holders[i] for i in growing], feeds_in, trees, last=True, hidden=hidden)
+        keep_rows([holders[i] for i in growing], [np.arange(len(f)) for f in feeds_in])
         if not empty:  # every row grew: already in the holders' order
             return out[:, : holders[0].vocab], state
         for j, i in enumerate(growing):
             logits[i], states[i] = out[j], state[j] if hidden else None
     return torch.stack(logits)[:, : holders[0].vocab], torch.stack(states) if hidden else None
+
+
+@torch.inference_mode()
+def verify_rows(holders: Sequence[DraftModel], inputs: Sequence[torch.Tensor],
+                trees: Sequence[DraftTree]) -> list[torch.Tensor]:
+    # holders: k distinct rows of one batch, each with something cached; inputs: k tensors [q_i]
+    # int64 = [root, nodes...] on the draft's device; trees: their trees -> logits [q_i, V'] per
+    # holder, from one forward. Nothing is kept yet: `keep_rows` follows with each row's path.
+    for h, x in zip(holders, inputs):
+        h.fed += len(x)
+    holders[0].rows.target.wants_hidden = False
+    logits, offsets = _verify(holders, inputs, trees, last=False)
+    return [logits[offsets[h.row]: offsets[h.row + 1], : h.vocab] for h in holders]
+
+
+def keep_rows(holders: Sequence[DraftModel], paths: Sequence[np.ndarray]) -> None:
+    # paths: per holder the input indices of its accepted path in the last forward, root (0) first
+    target = holders[0].rows.target
+    kept = [np.zeros(0, dtype=np.int64)] * (1 + max(h.row for h in holders))
+    for h, path in zip(holders, paths):
+        kept[h.row] = np.asarray(path, dtype=np.int64)
+    target.keep(kept)
+
+
+def _verify(holders: Sequence[DraftModel], inputs: Sequence[torch.Tensor], trees: Sequence[DraftTree],
+            last: bool, hidden: bool = False):
+    # One verify forward over rows 0..max(row): the holders' inputs, a placeholder input in the
+    # other rows (written behind their cached entries, never kept). -> last=False: (logits [N, V]
+    # of every real input, offsets [rows + 1]); last: (logits [k, V] at each holder's last input,
+    # in the holders' order, and with `hidden` the hidden states [k, H] there, else None).
+    target = holders[0].rows.target
+    rows = 1 + max(h.row for h in holders)
+    all_inputs = [torch.zeros(1, dtype=torch.int64, device=target.device)] * rows
+    all_trees = [DraftTree.empty()] * rows
+    for h, x, tree in zip(holders, inputs, trees):
+        all_inputs[h.row], all_trees[h.row] = x, tree
+    if not last:
+        return target.verify(all_inputs, all_trees)
+    out, _ = target.verify(all_inputs, all_trees, last=True)  # [rows, V]: each row's last input
+    order = [h.row for h in holders]
+    state = target.hidden if hidden else None
+    if order != list(range(rows)):  # placeholder rows between, or the rows in another order
+        picked = to_device(np.array(order), target.device)
+        out = out.index_select(0, picked)
+        state = state.index_select(0, picked) if hidden else None
+    return out, state

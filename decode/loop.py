@@ -52,7 +52,6 @@ import torch
 from samctl.decode.accept import batch_accept, choose_rows, speculative_accept
 from samctl.decode.budget import TreeCalibration, choose_width
 from samctl.decode.drafters.base import Drafter
-from samctl.decode.drafters.draft import draft_chains
 from samctl.decode.engine.batched import BatchedTarget, verify_input
 from samctl.decode.engine.cost import VerifyCost, measure_batch_verify_cost
 from samctl.decode.engine.graphs import enable_batch_graphs
@@ -696,17 +695,18 @@ def one_row_run(target: TargetModel, drafter: Drafter, prompt_ids: list[int] | n
 
 
 def _draft_together(active: list[_Row]) -> None:
-    # Rows whose drafter drafts this step with a draft model (decode.drafters.draft) get their
-    # chains from one batch of draft forwards per draft model; each row's propose then returns its own.
-    groups: dict[int, list] = {}
+    # Rows whose drafter drafts this step with a draft model (sd, specdec++, sam+draft, ouroboros)
+    # get their trees from one batch of draft forwards per drafter class and draft model; each
+    # row's propose then returns its own.
+    groups: dict[tuple, list] = {}
     for row in active:
         drafter = row.drafter.model_drafter(row.t0)
         if drafter is not None:
-            groups.setdefault(id(drafter.draft.rows), []).append((drafter, row.t0))
-    for group in groups.values():
+            groups.setdefault((type(drafter), id(drafter.draft.rows)), []).append((drafter, row.t0))
+    for (kind, _), group in groups.items():
         if len(group) > 1:
             drafters, t0s = zip(*group)
-            for drafter, t0, tree in zip(drafters, t0s, draft_chains(drafters, t0s)):
+            for drafter, t0, tree in zip(drafters, t0s, kind.draft_together(drafters, t0s)):
                 drafter.ready = (t0, tree)
 
 

@@ -454,7 +454,7 @@ def test_int8_batched_prefill_is_one_forward_per_prompt(monkeypatch):
     assert [r.tokens for r in results] == expected
 
 
-@pytest.mark.parametrize("method", ["sd", "specdec++", "sam+draft"])
+@pytest.mark.parametrize("method", ["sd", "specdec++", "sam+draft", "ouroboros"])
 def test_rows_draft_together_one_draft_forward_a_round(method):
     """The rows drafting with one draft model are rows of its own batch: each round of drafting is
     one draft forward over all of them, where rows drafting alone take one each; outputs equal."""

@@ -191,4 +191,4 @@ def test_ouroboros_self_draft_accepts_phrases_and_keeps_its_cache_right(tiny_lla
     assert result.tokens == hf_greedy(tiny_llama, prompt, 100, eos=None)
     assert m.mean_accepted > 4.5, m.to_dict()  # gamma 4 plus the bonus, and suffixes beyond
     assert drafter.forwards < m.new_tokens, drafter.report()
-    assert drafter.engine.cached <= len(prompt) + len(result.tokens)
+    assert drafter.draft.cached <= len(prompt) + len(result.tokens)

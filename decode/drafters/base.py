@@ -83,8 +83,10 @@ class Drafter:
 
     def model_drafter(self, t0: int) -> "Drafter | None":
         """The drafter (itself, or a fallback) that drafts this step's tree after t0 with a draft
-        model, so that the batched engine runs the draft forwards of all such rows together
-        (decode.drafters.draft.draft_chains); None: this step drafts without one."""
+        model, so that the batched engine runs the draft forwards of all such rows together: the
+        drafters of one class and draft model get their trees from the class's
+        `draft_together(drafters, t0s)` and keep them in `ready` = (t0, tree) for their propose;
+        None: this step drafts without one."""
         return None
 
     def keep_first(self, k: int) -> None:

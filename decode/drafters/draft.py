@@ -122,6 +122,10 @@ class DraftModelDrafter(Drafter):
     def model_drafter(self, t0: int) -> "DraftModelDrafter":
         return self
 
+    @staticmethod
+    def draft_together(drafters: Sequence["DraftModelDrafter"], t0s: Sequence[int]) -> list[DraftTree]:
+        return draft_chains(drafters, t0s)
+
     def propose(self, t0: int) -> DraftTree:
         ready, self.ready = self.ready, None
         if ready is not None and ready[0] == t0:

@@ -18,8 +18,10 @@ Each target step (t0 = the pending token):
 Drafts are deterministic (the draft's argmax), so the engine's rule is lossless for greedy and
 sampling alike. Fixed from the reference code: the draft's rollback works for any layer count
 (the engine's own cache), the rejection harvest really inserts, and a full match keeps its bonus.
-The draft model runs through a second `TargetModel` (static cache, tree mask); the pool and its
-cross-request memory behave as lookahead's.
+The draft model runs as the drafter's row of the draft's own batch (decode/draft_model.py: static
+cache, tree masks), and the rows of a batched step run their lookahead together (`lookahead`:
+one draft forward a round over every row still drafting); the pool and its cross-request memory
+behave as lookahead's.
 """
 from __future__ import annotations
 
@@ -27,9 +29,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from samctl.decode.draft_model import DraftModel
+from typing import Sequence
+
+from samctl.decode.draft_model import DraftModel, extend, keep_rows, verify_rows
 from samctl.decode.drafters.lookahead import JacobiWindow, NgramPool, PoolMemory, RemembersPool, DeferredPool, guess_trie
-from samctl.decode.engine.target import TargetModel, to_device
+from samctl.decode.engine.batched import verify_input
+from samctl.decode.engine.transfer import to_device
 from samctl.decode.tree import DraftTree, walk_tree
 from samctl.decode.configs import OuroborosConfig
 
@@ -40,18 +45,19 @@ class OuroborosDrafter(RemembersPool):
     def __init__(self, draft: DraftModel, config: OuroborosConfig = OuroborosConfig(), gamma: int = 4,
                  pool_text: bool = True, vocab_size: int = 0) -> None:
         self.config, self.gamma, self.pool_text = config, gamma, pool_text
-        self.engine = TargetModel(draft.model)
+        self.draft = draft
         self.vocab = min(draft.vocab, vocab_size) if vocab_size else draft.vocab
         self.pool = NgramPool(config.ngram - 1, config.window, self.vocab)
         self.memory = PoolMemory(self.pool, config.memory)
-        self.window = JacobiWindow(config.ngram, config.window, self.engine.device)
-        self.deferred = DeferredPool(self.engine.device)
+        self.window = JacobiWindow(config.ngram, config.window, draft.device)
+        self.deferred = DeferredPool(draft.device)
         self.rng = np.random.default_rng(config.seed)
         self.history = np.zeros(0, dtype=np.int64)  # prompt + committed text
         self.produced = np.zeros(0, dtype=np.int64)  # the draft's tokens after t0 in the last propose
         self.tree: DraftTree | None = None
         self.chain = 0  # drafts in the last proposed tree's chain
         self.forwards = 0  # draft forwards, for reports
+        self.ready: tuple[int, DraftTree] | None = None  # (t0, tree) drafted beside other rows
 
     def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor | None) -> None:
         self.memory.begin()
@@ -59,21 +65,26 @@ class OuroborosDrafter(RemembersPool):
         if self.pool_text:
             self.pool.learn_text(self.history)
         self.window.seed(self.history, self.rng)
-        n = len(self.history)
-        self.engine.prefill(to_device(self.history[: self.engine.max_positions - 1], self.engine.device),
-                            reserve=n + 256)
+        self.draft.reset()
+        extend([self.draft], [self.history[: self.draft.max_positions - 1]])
         self.produced = np.zeros(0, dtype=np.int64)
+        self.ready = None
+
+    def model_drafter(self, t0: int) -> "OuroborosDrafter":
+        return self
+
+    @staticmethod
+    def draft_together(drafters: Sequence["OuroborosDrafter"], t0s: Sequence[int]) -> list[DraftTree]:
+        return lookahead(drafters, t0s)
 
     def propose(self, t0: int) -> DraftTree:
-        # 1) draft: the draft's cache holds history[:c]; feed history[c:] + t0 with the first step
-        feed = np.append(self.history[self.engine.cached:], t0)
-        produced: list[int] = []
-        while len(produced) < self.gamma:
-            step = self._lookahead_step(feed)
-            if not step:
-                break
-            produced += step
-            feed = np.asarray(step[-1:], dtype=np.int64)
+        ready, self.ready = self.ready, None
+        if ready is not None and ready[0] == t0:
+            return ready[1]
+        return lookahead([self], [t0])[0]
+
+    def _tree(self, t0: int, produced: list[int]) -> DraftTree:
+        # 2) the target's tree after the draft's tokens
         self.produced = np.asarray(produced, dtype=np.int64)
         drafts = self.produced[: self.gamma]
         # 2) the target's tree: the chain, then the pool's suffixes for its last token
@@ -94,11 +105,11 @@ class OuroborosDrafter(RemembersPool):
         if self.pool_text:
             self.pool.learn_text(self.history[-(len(committed) + self.pool.n):], self.pool.n)
         # 4) crop: the cache holds history[:before] + t0 + produced[:-1]; keep what was committed
-        if self.engine.cached > before:
-            held = self.engine.cached - before - 1
+        if self.draft.cached > before:
+            held = self.draft.cached - before - 1
             ours, theirs = self.produced[:held], committed[1 : 1 + held]
             same = len(theirs) if np.array_equal(ours[: len(theirs)], theirs) else int(np.argmax(ours[: len(theirs)] != theirs))
-            self.engine.truncate(before + 1 + same)
+            self.draft.keep(before + 1 + same)
         if logits is not None and self.tree is not None and logits.shape[0] == 1 + len(self.tree):
             self._harvest(committed, input_ids, logits)
 
@@ -107,35 +118,25 @@ class OuroborosDrafter(RemembersPool):
 
     # -- the draft's lookahead ---------------------------------------------------------------
 
-    def _lookahead_step(self, feed: np.ndarray) -> list[int]:
+    def _plan(self, feed: np.ndarray) -> tuple | None:
         # feed: [k] int64, k-1 committed tokens the draft has not cached, then lst.
-        # -> the tokens this draft forward commits after lst (accepted guesses, then its argmax)
-        engine, window = self.engine, self.window
+        # -> (input ids, tree, parents, base, anchor) of this row's next draft forward: the feed,
+        # the pool's guesses for lst and the Jacobi window; None when the context is full
+        window, device = self.window, self.draft.device
         k = len(feed)
         lst, anchor = int(feed[-1]), k - 2  # lst's node index (-1: the root)
         guess, guess_parents = guess_trie(self.pool, lst, self.config.window)
         base = k - 1 + len(guess)
         window_tokens, window_parents = window.layout(lst, anchor, base) if window.active else (
-            torch.zeros(0, dtype=torch.int64, device=engine.device), np.zeros(0, dtype=np.int32))
+            torch.zeros(0, dtype=torch.int64, device=device), np.zeros(0, dtype=np.int32))
         parents = np.concatenate((np.arange(-1, k - 2, dtype=np.int32),
                                   np.where(guess_parents < 0, anchor, guess_parents + k - 1).astype(np.int32),
                                   window_parents))
-        if engine.cached + 1 + len(parents) > engine.max_positions:
-            return []
-        guess_ids = to_device(np.concatenate((feed[1:], guess)), engine.device)
+        if self.draft.cached + 1 + len(parents) > self.draft.max_positions:
+            return None
+        guess_ids = to_device(np.concatenate((feed[1:], guess)), device)
         tree = DraftTree(tokens=torch.cat((guess_ids, window_tokens)), parents=parents, accept_limit=base)
-        ids = engine.verify_input(int(feed[0]), tree)
-        logits = engine.verify(ids, tree)
-        self.forwards += 1
-        choices = logits[:, : self.vocab].argmax(dim=-1)
-        if window.active:
-            grams = window.update(choices[to_device(window.top_rows(anchor + 1, base + 1), choices.device)])
-            if grams is not None:
-                self.deferred.put(self.pool, *grams)  # on a GPU: reaches the pool one draft forward late, no sync
-        host = torch.stack((ids, choices)).cpu().numpy()  # the draft's tokens decide its next input
-        path = walk_tree(parents, host[0][1:], host[1], base, anchor)
-        engine.keep(path)
-        return [int(t) for t in host[0][path[k:]]] + [int(host[1][path[-1]])]
+        return verify_input(int(feed[0]), tree, device), tree, parents, base, anchor
 
     # -- 3) harvest --------------------------------------------------------------------------
 
@@ -160,3 +161,54 @@ class OuroborosDrafter(RemembersPool):
         rows = np.asarray(paths, dtype=np.int64)
         argmax = logits[:, : self.vocab].argmax(dim=-1).cpu().numpy()
         self.pool.insert(np.full(len(rows), committed[c], dtype=np.int32), argmax[rows])
+
+
+def lookahead(drafters: Sequence[OuroborosDrafter], t0s: Sequence[int]) -> list[DraftTree]:
+    """1) draft, for rows of one draft model: each row's cache holds history[:c]; it feeds
+    history[c:] + t0 with its first lookahead step, then its last token, until it has gamma new
+    tokens or no room; every round is one draft forward over the rows still drafting."""
+    feeds = [np.append(d.history[d.draft.cached:], t0) for d, t0 in zip(drafters, t0s)]
+    produced: list[list[int]] = [[] for _ in drafters]
+    live = list(range(len(drafters)))
+    while live:
+        steps = _lookahead_steps([drafters[i] for i in live], [feeds[i] for i in live])
+        going = []
+        for i, step in zip(live, steps):
+            produced[i] += step
+            if step and len(produced[i]) < drafters[i].gamma:
+                feeds[i] = np.asarray(step[-1:], dtype=np.int64)
+                going.append(i)
+        live = going
+    return [d._tree(t0, p) for d, t0, p in zip(drafters, t0s, produced)]
+
+
+def _lookahead_steps(drafters: Sequence[OuroborosDrafter], feeds: Sequence[np.ndarray]) -> list[list[int]]:
+    # -> per row the tokens its draft forward commits after its feed's last token (accepted
+    # guesses, then the draft's argmax); [] for a row whose context is full
+    plans = [d._plan(feed) for d, feed in zip(drafters, feeds)]
+    going = [j for j, plan in enumerate(plans) if plan is not None]
+    out: list[list[int]] = [[] for _ in drafters]
+    if not going:
+        return out
+    logits = verify_rows([drafters[j].draft for j in going], [plans[j][0] for j in going],
+                         [plans[j][1] for j in going])
+    choices = [row_logits[:, : drafters[j].vocab].argmax(dim=-1) for j, row_logits in zip(going, logits)]
+    for j, chosen in zip(going, choices):
+        d, (_, _, _, base, anchor) = drafters[j], plans[j]
+        d.forwards += 1
+        if d.window.active:
+            grams = d.window.update(chosen[to_device(d.window.top_rows(anchor + 1, base + 1), chosen.device)])
+            if grams is not None:
+                d.deferred.put(d.pool, *grams)  # on a GPU: reaches the pool one draft forward late, no sync
+    # the draft's tokens decide each row's next input: one transfer for every row
+    host = torch.cat([torch.stack((plans[j][0], chosen)) for j, chosen in zip(going, choices)], dim=1).cpu().numpy()
+    paths, start = [], 0
+    for j in going:
+        ids, _, parents, base, anchor = plans[j]
+        row = host[:, start: start + len(ids)]
+        start += len(ids)
+        path = walk_tree(parents, row[0][1:], row[1], base, anchor)
+        paths.append(path)
+        out[j] = [int(t) for t in row[0][path[len(feeds[j]):]]] + [int(row[1][path[-1]])]
+    keep_rows([drafters[j].draft for j in going], paths)
+    return out
