@@ -60,6 +60,13 @@ def mission_texts(n: int) -> list[str]:
     return [pools[i % 3][i // 3 % len(pools[i % 3])] for i in range(n)]
 
 
+def category_texts(categories: str, n: int) -> list[str]:
+    """n Spec-Bench prompts of the given categories (comma-separated), taken in turn from each."""
+    spec = [json.loads(line) for line in (DATA / "specbench_question.jsonl").read_text().splitlines() if line.strip()]
+    pools = [[q["turns"][0] for q in spec if q["category"] == c] for c in categories.split(",")]
+    return [pools[i % len(pools)][i // len(pools) % len(pools[i % len(pools)])] for i in range(n)]
+
+
 def hf_generate(model, prompts: list[list[int]], batch: int, new: int, eos: tuple[int, ...], pad: int) -> list[list[int]]:
     out = []
     for s in range(0, len(prompts), batch):
@@ -87,6 +94,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--max-prompt", type=int, default=384)
+    ap.add_argument("--categories", default="",
+                    help="Spec-Bench categories (e.g. summarization,rag) in place of the mission's mix")
     ap.add_argument("--max-width", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
@@ -100,7 +109,8 @@ def main() -> None:
     engine = load_engine(args.model, device="cpu", dtype="float32", quantize=args.quantize)
     model, tok = engine.model, engine.tokenizer
     hf_model = model if args.quantize == "none" else load_engine(args.model, device="cpu", dtype="float32").model
-    prompts = [engine.encode(t, True)[-args.max_prompt:] for t in mission_texts(args.records)]
+    texts = category_texts(args.categories, args.records) if args.categories else mission_texts(args.records)
+    prompts = [engine.encode(t, True)[-args.max_prompt:] for t in texts]
     eos = engine.eos_token_ids
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=eos)
     methods = method_config({}, engine.device)
