@@ -1,10 +1,11 @@
 """Draft-model drafters: classic speculative decoding (`sd`) and SpecDec++ (`specdec++`).
 
 Each step the draft model extends the committed text by a chain y_1..y_k, autoregressively in
-the drafter's own row of the draft model's batch (decode/draft_model.py); the rows of a batched
-step that draft with one draft model draft together (`draft_chains`: one forward a round): greedy drafts take the argmax, sampling drafts draw y_i ~ q_i where q_i is the
-draft's distribution warped exactly like the target's (temperature -> top-k -> top-p), and the
-chain carries q so the loop applies the p/q rule (`decode.accept`). Only the stop rule differs:
+the drafter's own row of the draft model's batch (decode/draft_model.py; the rows of a batched
+step that draft with one draft model draft together, `draft_chains`: one forward a round). Greedy
+drafts take the argmax, sampling drafts draw y_i ~ q_i where q_i is the draft's distribution
+warped exactly like the target's (temperature -> top-k -> top-p), and the chain carries q so the
+loop applies the p/q rule (`decode.accept`). Only the stop rule differs:
 - `FixedLength(gamma)`: k = gamma (Leviathan et al. 2023; Chen et al. 2023);
 - `AdaptiveLength` (SpecDec++): after drafting y_k, with P_j the head's P(accept y_j) read from
   the hidden state at y_j (P_0 = 1 for t0, already verified), stop when
