@@ -37,6 +37,7 @@ This module does not know what the arrays mean, which kinds of datastore exist, 
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import re
@@ -484,10 +485,7 @@ def _parse_entry(name: str, key: Any, value: Any, header_end: int) -> ArrayEntry
     if (not isinstance(shape, list) or len(shape) > MAX_NDIM
             or any(type(d) is not int or d < 0 for d in shape)):
         raise bad(f"array {key!r} has invalid shape {shape!r}")
-    count = 1
-    for dim in shape:
-        count *= dim
-    if count * np.dtype(dtype).itemsize != ints["raw_length"]:
+    if math.prod(shape) * np.dtype(dtype).itemsize != ints["raw_length"]:
         raise bad(f"array {key!r} has shape {shape} but {ints['raw_length']} bytes")
     if codec == "raw" and ints["length"] != ints["raw_length"]:
         raise bad(f"raw array {key!r} stores {ints['length']} of {ints['raw_length']} bytes")
