@@ -327,6 +327,15 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+def file_crc32(path: str | os.PathLike) -> int:
+    """zlib.crc32 of a whole file, read in chunks (a store directory's files, index/sharded.py's shards)."""
+    crc = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(16 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
 def _align(offset: int) -> int:
     return (offset + ALIGN - 1) // ALIGN * ALIGN
 
