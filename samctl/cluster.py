@@ -134,12 +134,8 @@ def _map_actors(dataset, cls: type, args: tuple, workers: int, batch_size: int =
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated", category=DeprecationWarning)
         return dataset.map_batches(cls, fn_constructor_args=args, batch_size=batch_size,
-                                   compute=_actor_pool(workers), max_restarts=0, **resources)
-
-
-def _actor_pool(workers: int):
-    ray = import_ray()
-    return ray.data.ActorPoolStrategy(size=workers)
+                                   compute=import_ray().data.ActorPoolStrategy(size=workers), max_restarts=0,
+                                   **resources)
 
 
 def _data_context(ray):
