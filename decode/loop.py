@@ -507,10 +507,8 @@ class BatchRun:
                 row.metrics.prefill_s = elapsed
                 t_draft = time.perf_counter()
                 row.drafter.expect(row.prediction)  # this row's prediction, or none (a reused drafter forgets the last)
-                if row.drafter.needs_hidden:
-                    row.drafter.start(row.prompt, lg, hidden=target.prefill_hidden[i])
-                else:
-                    row.drafter.start(row.prompt, lg)
+                extra = {"hidden": target.prefill_hidden[i]} if row.drafter.needs_hidden else {}
+                row.drafter.start(row.prompt, lg, **extra)
                 row.metrics.draft_s += time.perf_counter() - t_draft
                 row.t0 = int(t0)
                 row.out.emit([row.t0])
