@@ -29,7 +29,8 @@ import torch
 
 from samctl.decode.draft_model import DraftModel
 from samctl.decode.drafters.lookahead import JacobiWindow, NgramPool, PoolMemory, RemembersPool, DeferredPool, guess_trie
-from samctl.decode.engine.target import TargetModel, to_device
+from samctl.decode.engine.target import TargetModel
+from samctl.decode.engine.transfer import to_device
 from samctl.decode.tree import DraftTree, walk_tree
 from samctl.decode.configs import OuroborosConfig
 

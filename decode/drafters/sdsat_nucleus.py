@@ -26,7 +26,8 @@ import torch
 from samctl.decode.drafters.sdsat import SatPeek, SdsatConfig
 from samctl.decode.sampling import SamplingConfig, draw, warp_probs
 from samctl.decode.sdsat import SatSettings
-from samctl.decode.engine.target import TargetModel, to_device
+from samctl.decode.engine.target import TargetModel
+from samctl.decode.engine.transfer import to_device
 from samctl.decode.drafters.base import Drafter
 from samctl.decode.tree import DraftTree
 from samctl.index.errors import ConfigError
