@@ -66,8 +66,6 @@ class DraftTree:
         if len(depth) == 0 or depth.max() <= max_depth:
             return self
         keep = np.flatnonzero(depth <= max_depth)
-        if self.is_chain:
-            return DraftTree.chain(self.tokens[: len(keep)], None if self.q is None else self.q[: len(keep)])
         remap = np.full(len(depth), -1, dtype=np.int32)
         remap[keep] = np.arange(len(keep), dtype=np.int32)
         old_parents = self.parents[keep]
