@@ -38,7 +38,7 @@ from samctl.decode.drafters.adaptive import AdaptiveDrafter
 from samctl.decode.drafters.candidates import N_CELLS
 from samctl.decode.eagle_head import EagleHead
 from samctl.decode.engine.kv_cache import StaticKVCache
-from samctl.decode.drafters.base import Drafter
+from samctl.decode.drafters.base import Drafter, TokenHistory
 from samctl.decode.tree import DraftTree, tree_depths
 from samctl.index.errors import UserError
 from samctl.decode.configs import EagleConfig
@@ -148,26 +148,6 @@ def _rows_in_tree(rows: tuple[np.ndarray, np.ndarray], tokens: np.ndarray, paren
     return node >= 0
 
 
-class _History:
-    """The committed tokens of the request (prompt first), in a buffer that doubles."""
-
-    def __init__(self) -> None:
-        self.ids = np.zeros(1024, dtype=np.int64)
-        self.n = 0
-
-    def reset(self, prompt: np.ndarray) -> None:
-        self.n = 0
-        self.extend(prompt)
-
-    def extend(self, tokens: np.ndarray) -> None:
-        if self.n + len(tokens) > len(self.ids):
-            grown = np.zeros(max(2 * len(self.ids), self.n + len(tokens)), dtype=np.int64)
-            grown[: self.n] = self.ids[: self.n]
-            self.ids = grown
-        self.ids[self.n : self.n + len(tokens)] = tokens
-        self.n += len(tokens)
-
-
 class EagleDrafter(Drafter):
     name = "eagle"
     needs_hidden = True  # the loop passes the target's features of every committed position
@@ -179,7 +159,7 @@ class EagleDrafter(Drafter):
         param = next(head.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.cache = StaticKVCache(1, self.dtype, self.device)
-        self.history = _History()
+        self.history = TokenHistory()
         self.processed = 0  # pairs in the head's cache: positions [0, processed)
         self.pending: list[torch.Tensor] = []  # features of positions >= processed, [*, H] each
         # calibration: accepted nodes and summed predicted probabilities per depth
