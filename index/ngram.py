@@ -231,10 +231,6 @@ def _check(cond: bool, what: str) -> None:
         raise UserError(f"corrupt n-gram table: {what}: rebuild the store with `samctl build`")
 
 
-def _build_order(tokens: np.ndarray, doc_offsets: np.ndarray, n: int, config: NgramConfig) -> tuple:
-    return _group(tokens, list(_positions(tokens, doc_offsets, n)), n, config)
-
-
 def _contexts(tokens: np.ndarray, start: np.ndarray, n: int) -> np.ndarray:
     """[p, n] int32: the context tokens of each position (a vectorized gather, so the counting
     pass that compares them streams)."""
@@ -279,7 +275,8 @@ class NgramTable:
         tokens, doc_offsets = checked_corpus(tokens, doc_offsets)
         if len(tokens) >= 2**31:
             raise UserError(f"{len(tokens)} tokens overflow int32 counts: split the corpus")
-        parts = [_build_order(tokens, doc_offsets, n, config) for n in range(1, config.max_n + 1)]
+        parts = [_group(tokens, list(_positions(tokens, doc_offsets, n)), n, config)
+                 for n in range(1, config.max_n + 1)]
         sizes = np.array([len(p[0]) for p in parts], dtype=np.int64)
         order_start = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         ctx_start = np.concatenate([[0], np.cumsum(sizes * np.arange(1, config.max_n + 1))]).astype(np.int64)

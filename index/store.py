@@ -36,6 +36,7 @@ This module does not know what the arrays mean, which kinds of datastore exist, 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
@@ -246,7 +247,8 @@ def _write_atomically(path: Path, header: dict[str, Any], arrays: dict[str, np.n
         os.replace(tmp_name, path)
     except BaseException as err:
         # BaseException on purpose: Ctrl-C must not leave the temporary file behind either.
-        _remove_quietly(tmp_name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_name)
         if isinstance(err, OSError):
             raise UserError(f"cannot write {path}: {err.strerror or err}: "
                             "check the disk space and permissions") from err
@@ -304,13 +306,6 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def _remove_quietly(name: str) -> None:
-    try:
-        os.unlink(name)
-    except FileNotFoundError:
-        pass
 
 
 def _fsync_directory(directory: Path) -> None:

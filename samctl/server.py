@@ -214,7 +214,8 @@ async def _respond(body: ChatRequest | CompletionRequest, request: Request):
         state.counters.finished(event)
         raise event.error
     if body.stream:
-        return _sse(_stream(reply, opening, job, events, state.counters))
+        return StreamingResponse(_stream(reply, opening, job, events, state.counters), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
     while not isinstance(event, ENDS):
         event = await _next(job, events, request)
         reply.add(event)
@@ -263,7 +264,3 @@ async def _stream(reply: Reply, opening: list, job: Job, events: asyncio.Queue, 
 
 def _data(chunk: Any) -> str:
     return f"data: {json.dumps(chunk) if isinstance(chunk, dict) else chunk.model_dump_json()}\n\n"
-
-
-def _sse(chunks: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
