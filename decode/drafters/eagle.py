@@ -200,11 +200,7 @@ class EagleDrafter(Drafter):
         root = self._catch_up(t0)  # [H]
         if cfg.max_nodes == 0:
             return DraftTree.empty()
-        k = cfg.top_k
-        tokens, scores, parents = self._expand(root, k)
-        tokens, scores, parents = _to_host(tokens, scores, parents)  # the one host read
-        scores = scores.astype(np.float64)
-        depths = _candidate_depths(parents)
+        tokens, scores, parents, depths = _to_host(*self._expand(root, cfg.top_k))  # the one host read
         keep, tree_parents = rerank(scores, parents, depths, self.scale, self.cost.at(self.processed), cfg.max_nodes)
         self.last = (tokens[keep], tree_parents, depths[keep], np.exp(scores[keep]))
         return DraftTree(tokens=tokens[keep].astype(np.int64), parents=tree_parents)
@@ -221,9 +217,7 @@ class EagleDrafter(Drafter):
         -> (tokens [m] int64, parents [m] int32 into these rows, p [m] float64 calibrated path
         probabilities, never above the parent's). Call `offered` with what was kept."""
         root = self._catch_up(t0)
-        tokens, scores, parents = _to_host(*self._expand(root, self.config.top_k))
-        scores = scores.astype(np.float64)
-        depths = _candidate_depths(parents)
+        tokens, scores, parents, depths = _to_host(*self._expand(root, self.config.top_k))
         keep, tree_parents = rerank(scores, parents, depths, self.scale, np.ones(n + 1), n)
         probs = np.minimum(1.0, np.exp(scores[keep]) * self.scale[np.minimum(depths[keep], MAX_DEPTH)])
         for i, parent in enumerate(tree_parents):  # parents come first: a child never outranks its parent
@@ -324,13 +318,10 @@ class EagleDrafter(Drafter):
         self.scale = (self.hits + w) / (self.predicted + w)
 
 
-def _candidate_depths(parents: np.ndarray) -> np.ndarray:
-    # parents: [c] int64, parents[i] < i -> [c] int64 depth (1 = root child)
-    return tree_depths(parents.astype(np.int32)).astype(np.int64)
-
-
-def _to_host(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    # tokens [c] int64, scores [c] float32, parents [c] int64 on the device -> the same on the
-    # host in one copy (one sync, not three); float64 holds every token id and float32 score exactly
+def _to_host(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor) -> tuple[np.ndarray, ...]:
+    # tokens [c] int64, scores [c] float32, parents [c] int64 (parents[i] < i) on the device -> on the
+    # host in one copy (one sync, not three): tokens [c] int64, scores [c] float64, parents [c] int64
+    # and depths [c] int64 (1 = root child); float64 holds every token id and float32 score exactly
     packed = torch.stack((tokens.double(), scores.double(), parents.double())).cpu().numpy()
-    return packed[0].astype(np.int64), packed[1].astype(np.float32), packed[2].astype(np.int64)
+    parents = packed[2].astype(np.int64)
+    return packed[0].astype(np.int64), packed[1], parents, tree_depths(parents.astype(np.int32)).astype(np.int64)
