@@ -21,6 +21,7 @@ Not in index/ or decode/: they never import ray.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import concurrent.futures
 import json
 import logging
@@ -97,10 +98,8 @@ def stop_local_ray(ray) -> None:
     ray.shutdown()
     _, alive = psutil.wait_procs(children, timeout=3)
     for process in alive:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()
-        except psutil.NoSuchProcess:
-            pass
     psutil.wait_procs(alive, timeout=3)
 
 

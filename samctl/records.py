@@ -11,6 +11,7 @@ written (`finished_ids`).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections import deque
@@ -207,10 +208,8 @@ def line_key(line: str, number: int) -> Any:
     """The id a line's output carries: its record's (record_key); for a line refused only for a
     byte that is not UTF-8, the id its JSON holds all the same, when that id is UTF-8 itself (the
     bad byte is elsewhere); else the line number."""
-    try:
+    with contextlib.suppress(UserError):
         return record_key(parse_record(line, number), number)
-    except UserError:
-        pass
     key = salvaged_field(line, lambda record: record_key(record, number))
     return number if key is None else key
 

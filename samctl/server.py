@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, FastAPI, Request
@@ -201,10 +201,8 @@ async def _respond(body: ChatRequest | CompletionRequest, request: Request):
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
     def sink(event: Event) -> None:  # worker thread -> this request's queue
-        try:
+        with suppress(RuntimeError):  # a closed loop: nobody is listening any more
             loop.call_soon_threadsafe(events.put_nowait, event)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
 
     job, reply = Job(wanted, state.sessions, sink), Reply(body, state.sessions.model_name)
     state.scheduler.submit(job)
