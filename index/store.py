@@ -404,17 +404,14 @@ def read_store(path: str | os.PathLike, verify: bool = False) -> StoreFile:
 def _read_preamble(name: str, handle, size: int) -> tuple[int, bytes]:
     if size == 0:
         raise StoreError(f"{name} is empty: {_REBUILD}")
-    if size < _PREAMBLE.size:
-        if not MAGIC.startswith(handle.read(len(MAGIC))):
-            raise StoreError(f"{name} is not a samctl store (wrong magic bytes): "
-                             "pass a file written by samctl build")
-        raise StoreError(f"{name} is truncated (expected at least {_PREAMBLE.size} bytes, "
-                         f"found {size}): {_REBUILD}")
-    magic, version, header_length, header_crc, _reserved = _PREAMBLE.unpack(
-        handle.read(_PREAMBLE.size))
-    if magic != MAGIC:
+    preamble = handle.read(_PREAMBLE.size)
+    if not MAGIC.startswith(preamble[: len(MAGIC)]):
         raise StoreError(f"{name} is not a samctl store (wrong magic bytes): "
                          "pass a file written by samctl build")
+    if len(preamble) < _PREAMBLE.size:
+        raise StoreError(f"{name} is truncated (expected at least {_PREAMBLE.size} bytes, "
+                         f"found {size}): {_REBUILD}")
+    _magic, version, header_length, header_crc, _reserved = _PREAMBLE.unpack(preamble)
     if version > FORMAT_VERSION:
         raise StoreError(f"{name} has store format version {version}, this samctl reads up to "
                          f"{FORMAT_VERSION}: upgrade samctl or {_REBUILD}")
