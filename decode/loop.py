@@ -312,10 +312,6 @@ class BatchRun:
         self._cancelled: set = set()
 
     @property
-    def max_positions(self) -> int:
-        return self.target.max_positions
-
-    @property
     def running(self) -> int:
         return len(self.active)
 
