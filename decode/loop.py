@@ -400,7 +400,7 @@ class BatchRun:
             width = choose_width([r.probs for r in active], self.cost_ms, self.max_width, fixed)
         for row in active:
             if row.tree.accept_limit is None and len(row.tree) > width:
-                row.tree = _prefix(row.tree, width)
+                row.tree = row.tree.prefix(width)
             if len(row.tree) < row.proposed and len(row.tree) <= row.leading:  # cut to a prefix of the proposal
                 row.drafter.keep_first(len(row.tree))
         trees = [r.tree for r in active]
@@ -698,14 +698,6 @@ def _propose(row: _Row, calibration: TreeCalibration | None, room: int) -> None:
     if tree.accept_limit is not None:
         probs = probs[: tree.accept_limit]
     row.tree, row.probs = tree, probs
-
-
-def _prefix(tree: DraftTree, k: int) -> DraftTree:
-    """The first k nodes of `tree` (a tree again: parents come before their children); a chain
-    drawn from a draft model keeps the draft probabilities of its first k tokens."""
-    if tree.is_chain:
-        return DraftTree.chain(tree.tokens[:k], None if tree.q is None else tree.q[:k])
-    return DraftTree(tokens=tree.tokens[:k], parents=tree.parents[:k])
 
 
 def _own_rule(row: _Row) -> Callable | None:
