@@ -8,7 +8,7 @@ drafter module re-exports its own section.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import Field, asdict, dataclass, field, fields
 
 from samctl.index.errors import ConfigError, UserError
 
@@ -29,14 +29,18 @@ LENGTH_MAX = 256  # draft lengths and depths, n-gram sizes, windows, children pe
 MEMORY_MAX = 1 << 20  # earlier outputs remembered
 
 
+def setting_name(f: Field) -> str:
+    """The parsed option's key: click's name for the (first) flag."""
+    return f.metadata["cli"].split("/")[0].lstrip("-").replace("-", "_")
+
+
 def _within_bounds(config: object) -> None:
     """Refuse a setting above its field's `max` (metadata), named by its setting name."""
     for f in fields(config):
         high = f.metadata.get("max")
         value = getattr(config, f.name)
         if high is not None and isinstance(value, int) and value > high:
-            name = f.metadata["cli"].split("/")[0].lstrip("-").replace("-", "_")
-            raise ConfigError(f"{{{name}}} must be at most {high}, got {{value}}: pass a value up to {high} "
+            raise ConfigError(f"{{{setting_name(f)}}} must be at most {high}, got {{value}}: pass a value up to {high} "
                               "(a larger one costs memory and time, and drafts no better)", value=value)
 
 

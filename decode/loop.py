@@ -313,10 +313,6 @@ class BatchRun:
         self._cancelled: set = set()
 
     @property
-    def max_positions(self) -> int:
-        return self.target.max_positions
-
-    @property
     def running(self) -> int:
         return len(self.active)
 
@@ -408,7 +404,7 @@ class BatchRun:
             width = choose_width([r.probs for r in active], self.cost.at(context), self.max_width, fixed)
         for row in active:
             if row.tree.accept_limit is None and len(row.tree) > width:
-                row.tree = _prefix(row.tree, width)
+                row.tree = row.tree.prefix(width)
             if len(row.tree) < row.proposed and len(row.tree) <= row.leading:  # cut to a prefix of the proposal
                 row.drafter.keep_first(len(row.tree))
         trees = [r.tree for r in active]
@@ -511,10 +507,8 @@ class BatchRun:
                 row.metrics.prefill_s = elapsed
                 t_draft = time.perf_counter()
                 row.drafter.expect(row.prediction)  # this row's prediction, or none (a reused drafter forgets the last)
-                if row.drafter.needs_hidden:
-                    row.drafter.start(row.prompt, lg, hidden=target.prefill_hidden[i])
-                else:
-                    row.drafter.start(row.prompt, lg)
+                extra = {"hidden": target.prefill_hidden[i]} if row.drafter.needs_hidden else {}
+                row.drafter.start(row.prompt, lg, **extra)
                 row.metrics.draft_s += time.perf_counter() - t_draft
                 row.t0 = int(t0)
                 row.out.emit([row.t0])
@@ -733,14 +727,6 @@ def _propose(row: _Row, calibration: TreeCalibration | None, room: int) -> None:
     if tree.accept_limit is not None:
         probs = probs[: tree.accept_limit]
     row.tree, row.probs = tree, probs
-
-
-def _prefix(tree: DraftTree, k: int) -> DraftTree:
-    """The first k nodes of `tree` (a tree again: parents come before their children); a chain
-    drawn from a draft model keeps the draft probabilities of its first k tokens."""
-    if tree.is_chain:
-        return DraftTree.chain(tree.tokens[:k], None if tree.q is None else tree.q[:k])
-    return DraftTree(tokens=tree.tokens[:k], parents=tree.parents[:k])
 
 
 def _own_rule(row: _Row) -> Callable | None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from samctl.decode.configs import (AdaptiveConfig, DraftConfig, EagleConfig, LookaheadConfig, OuroborosConfig,
                                    PldConfig, RecycleConfig, RestConfig, SamConfig, SamplingConfig, SdsatConfig,
-                                   SpecDecConfig)
+                                   SpecDecConfig, setting_name)
 from samctl.index.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
@@ -292,11 +292,6 @@ def cli_fields() -> list[tuple[str, dataclasses.Field]]:
             if "cli" in f.metadata:
                 out.append((section.name, f))
     return out
-
-
-def setting_name(f: dataclasses.Field) -> str:
-    """The parsed option's key: click's name for the (first) flag."""
-    return f.metadata["cli"].split("/")[0].lstrip("-").replace("-", "_")
 
 
 def setting_names() -> list[str]:

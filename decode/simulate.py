@@ -102,10 +102,7 @@ def replay(drafter: Drafter, trace: Trace, hidden: Any = None) -> Metrics:
         drafter.expect(trace.prediction)
     features = hidden is not None and drafter.needs_hidden
     n = len(trace.prompt)
-    if features:
-        drafter.start(trace.prompt, None, hidden=hidden[:n])
-    else:
-        drafter.start(trace.prompt, None)
+    drafter.start(trace.prompt, None, **({"hidden": hidden[:n]} if features else {}))
     metrics.draft_s = time.perf_counter() - start
     emitted = 1  # the prefill's token; t0 = ref[emitted - 1]
     while emitted < limit:
@@ -128,10 +125,7 @@ def replay(drafter: Drafter, trace: Trace, hidden: Any = None) -> Metrics:
         # 5) observe, unless the output is complete (the engine skips it then too)
         tic = time.perf_counter()
         if emitted < limit:
-            if features:
-                drafter.observe(committed, None, None, hidden=hidden[rows])
-            else:
-                drafter.observe(committed, None, None)
+            drafter.observe(committed, None, None, **({"hidden": hidden[rows]} if features else {}))
         metrics.record_draft(draft_s + time.perf_counter() - tic)
     drafter.finish(trace.reference)
     metrics.new_tokens = limit

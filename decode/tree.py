@@ -56,18 +56,21 @@ class DraftTree:
     def depths(self) -> np.ndarray:
         return tree_depths(self.parents)
 
+    def prefix(self, k: int) -> "DraftTree":
+        """The first k nodes (a tree again: parents come before their children); a chain drawn from
+        a draft model keeps the draft probabilities of its first k tokens."""
+        if self.is_chain:
+            return DraftTree.chain(self.tokens[:k], None if self.q is None else self.q[:k])
+        return DraftTree(tokens=self.tokens[:k], parents=self.parents[:k])
+
     def limit_depth(self, max_depth: int) -> "DraftTree":
         """Drop nodes deeper than max_depth (root children have depth 1)."""
         if self.is_chain:  # a chain's depth is its length: no kernel call on the hot path
-            if len(self) <= max_depth:
-                return self
-            return DraftTree.chain(self.tokens[:max_depth], None if self.q is None else self.q[:max_depth])
+            return self if len(self) <= max_depth else self.prefix(max_depth)
         depth = self.depths()
         if len(depth) == 0 or depth.max() <= max_depth:
             return self
         keep = np.flatnonzero(depth <= max_depth)
-        if self.is_chain:
-            return DraftTree.chain(self.tokens[: len(keep)], None if self.q is None else self.q[: len(keep)])
         remap = np.full(len(depth), -1, dtype=np.int32)
         remap[keep] = np.arange(len(keep), dtype=np.int32)
         old_parents = self.parents[keep]

@@ -665,8 +665,8 @@ def _grown(a: np.ndarray, used: int, need: int) -> np.ndarray:
     return out
 
 
-def _checked_corpus(tokens: np.ndarray, doc_offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Documents as `build` and `appended` take them: tokens [n] int32 >= 0 and doc_offsets
+def checked_corpus(tokens: np.ndarray, doc_offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Documents as `build` and `appended` (and NgramTable.build) take them: tokens [n] int32 >= 0 and doc_offsets
     [d+1] int64 rising from 0 to n, both contiguous; a UserError otherwise."""
     tokens = np.ascontiguousarray(tokens)
     doc_offsets = np.ascontiguousarray(doc_offsets, dtype=np.int64)
@@ -706,7 +706,7 @@ class SuffixAutomaton:
         `watch(sam)`, when given, is entered around the (GIL-free) kernels with the automaton
         being built: another thread may read its `num_tokens` to report progress.
         """
-        tokens, doc_offsets = _checked_corpus(tokens, doc_offsets)
+        tokens, doc_offsets = checked_corpus(tokens, doc_offsets)
         n = len(tokens)
         if n + len(doc_offsets) >= 2**30:
             raise UserError(f"{n} tokens is too many for one automaton (int32 ids): split the corpus")
@@ -732,7 +732,7 @@ class SuffixAutomaton:
         each affected state once (`_propagate_appended`). Time: the copy, plus the new tokens,
         plus the states whose counts change.
         """
-        tokens, doc_offsets = _checked_corpus(tokens, doc_offsets)
+        tokens, doc_offsets = checked_corpus(tokens, doc_offsets)
         n = len(tokens)
         meta = self._meta.copy()
         if meta[M_DOC_OPEN]:
@@ -797,13 +797,18 @@ class SuffixAutomaton:
         if n_buf + 2 > len(self._buf):
             self._buf = _grown(self._buf, n_buf, n_buf + 2)
 
-    def extend(self, tokens: np.ndarray) -> None:
-        """Append tokens ([k] int32 >= 0) to the current document."""
+    def _growing(self, tokens: np.ndarray) -> np.ndarray:
+        """tokens as [k] int32 >= 0 for `extend`; a UserError on a static automaton or a negative id."""
         if self.static:
             raise UserError("this suffix automaton is static: use SuffixAutomaton.empty() to grow one")
         tokens = np.asarray(tokens, dtype=np.int32)
         if len(tokens) and int(tokens.min()) < 0:
             raise UserError("token ids must be >= 0")
+        return tokens
+
+    def extend(self, tokens: np.ndarray) -> None:
+        """Append tokens ([k] int32 >= 0) to the current document."""
+        tokens = self._growing(tokens)
         self._insert(tokens, np.array([0, len(tokens)], dtype=np.int64), close_docs=False, online=True)
 
     def extend_tracking(self, tokens: np.ndarray, state: int, length: int) -> tuple[int, int]:
@@ -812,12 +817,8 @@ class SuffixAutomaton:
         (so it has a continuation). One kernel call for the whole run of tokens."""
         # Called once per decode step: scratch arrays are reused rather than allocated.
         pointer, offsets = self._scratch
+        tokens = self._growing(tokens)
         pointer[0], pointer[1] = state, length
-        tokens = np.asarray(tokens, dtype=np.int32)
-        if self.static:
-            raise UserError("this suffix automaton is static: use SuffixAutomaton.empty() to grow one")
-        if len(tokens) and int(tokens.min()) < 0:
-            raise UserError("token ids must be >= 0")
         offsets[1] = len(tokens)
         self._insert(tokens, offsets, close_docs=False, online=True, pointer=pointer)
         return int(pointer[0]), int(pointer[1])

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
+from samctl.index.automaton import checked_corpus
 from samctl.index.errors import UserError
 from samctl.index.ngram_config import NgramConfig  # re-exported: index.ngram.NgramConfig
 
@@ -230,10 +231,6 @@ def _check(cond: bool, what: str) -> None:
         raise UserError(f"corrupt n-gram table: {what}: rebuild the store with `samctl build`")
 
 
-def _build_order(tokens: np.ndarray, doc_offsets: np.ndarray, n: int, config: NgramConfig) -> tuple:
-    return _group(tokens, list(_positions(tokens, doc_offsets, n)), n, config)
-
-
 def _contexts(tokens: np.ndarray, start: np.ndarray, n: int) -> np.ndarray:
     """[p, n] int32: the context tokens of each position (a vectorized gather, so the counting
     pass that compares them streams)."""
@@ -275,17 +272,11 @@ class NgramTable:
     @classmethod
     def build(cls, tokens: np.ndarray, doc_offsets: np.ndarray, config: NgramConfig = NgramConfig()) -> "NgramTable":
         """tokens: [n] int32 >= 0, documents concatenated; doc_offsets: [d+1] int64 from 0 to n."""
-        tokens = np.ascontiguousarray(tokens)
-        doc_offsets = np.ascontiguousarray(doc_offsets, dtype=np.int64)
-        if tokens.ndim != 1 or tokens.dtype != np.int32:
-            raise UserError(f"tokens must be a 1-D int32 array, got {tokens.dtype} {tokens.shape}")
-        if len(tokens) and int(tokens.min()) < 0:
-            raise UserError("token ids must be >= 0")
-        if len(doc_offsets) < 1 or doc_offsets[0] != 0 or doc_offsets[-1] != len(tokens) or np.any(np.diff(doc_offsets) < 0):
-            raise UserError("doc_offsets must rise from 0 to len(tokens)")
+        tokens, doc_offsets = checked_corpus(tokens, doc_offsets)
         if len(tokens) >= 2**31:
             raise UserError(f"{len(tokens)} tokens overflow int32 counts: split the corpus")
-        parts = [_build_order(tokens, doc_offsets, n, config) for n in range(1, config.max_n + 1)]
+        parts = [_group(tokens, list(_positions(tokens, doc_offsets, n)), n, config)
+                 for n in range(1, config.max_n + 1)]
         sizes = np.array([len(p[0]) for p in parts], dtype=np.int64)
         order_start = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         ctx_start = np.concatenate([[0], np.cumsum(sizes * np.arange(1, config.max_n + 1))]).astype(np.int64)

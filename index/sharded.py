@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +46,7 @@ from samctl.index.datastore import CorpusStats, StoreMeta, load_single, parse_me
 from samctl.index.kinds import KINDS, BuildOptions
 from samctl.index.errors import ConfigError
 from samctl.index.lookup import Lookup
-from samctl.index.store import MANIFEST, DirectoryWriter, StoreError, read_manifest
+from samctl.index.store import MANIFEST, DirectoryWriter, StoreError, file_crc32, read_manifest
 from samctl.index.shard_structures import ShardedAutomaton, ShardedSuffixArray, children  # noqa: F401 (re-exported)
 
 FORMAT = "samctl-sharded-store"
@@ -210,14 +209,6 @@ def _read_manifest(name: str) -> dict[str, Any]:
     return manifest
 
 
-def _file_crc32(path: str) -> int:
-    crc = 0
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
 def _shard_bytes(path: str) -> int:
     """A shard file's size, or a shard directory's files' sum; -1 when it is missing."""
     try:
@@ -230,7 +221,7 @@ def _shard_bytes(path: str) -> int:
 
 def _shard_crc32(path: str) -> int:
     # a directory shard's manifest holds the crc32 of each of its files
-    return _file_crc32(os.path.join(path, MANIFEST) if os.path.isdir(path) else path)
+    return file_crc32(os.path.join(path, MANIFEST) if os.path.isdir(path) else path)
 
 
 def shard_entry(path: str | os.PathLike, documents: int, tokens: int) -> dict[str, Any]:

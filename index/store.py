@@ -36,7 +36,9 @@ This module does not know what the arrays mean, which kinds of datastore exist, 
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import mmap
 import os
 import re
@@ -245,7 +247,8 @@ def _write_atomically(path: Path, header: dict[str, Any], arrays: dict[str, np.n
         os.replace(tmp_name, path)
     except BaseException as err:
         # BaseException on purpose: Ctrl-C must not leave the temporary file behind either.
-        _remove_quietly(tmp_name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_name)
         if isinstance(err, OSError):
             raise UserError(f"cannot write {path}: {err.strerror or err}: "
                             "check the disk space and permissions") from err
@@ -305,13 +308,6 @@ def _umask() -> int:
     return mask
 
 
-def _remove_quietly(name: str) -> None:
-    try:
-        os.unlink(name)
-    except FileNotFoundError:
-        pass
-
-
 def _fsync_directory(directory: Path) -> None:
     """Make the rename durable; some filesystems refuse to open a directory, which is fine."""
     try:
@@ -324,6 +320,15 @@ def _fsync_directory(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def file_crc32(path: str | os.PathLike) -> int:
+    """zlib.crc32 of a whole file, read in chunks (a store directory's files, index/sharded.py's shards)."""
+    crc = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(16 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
 
 
 def _align(offset: int) -> int:
@@ -399,17 +404,14 @@ def read_store(path: str | os.PathLike, verify: bool = False) -> StoreFile:
 def _read_preamble(name: str, handle, size: int) -> tuple[int, bytes]:
     if size == 0:
         raise StoreError(f"{name} is empty: {_REBUILD}")
-    if size < _PREAMBLE.size:
-        if not MAGIC.startswith(handle.read(len(MAGIC))):
-            raise StoreError(f"{name} is not a samctl store (wrong magic bytes): "
-                             "pass a file written by samctl build")
-        raise StoreError(f"{name} is truncated (expected at least {_PREAMBLE.size} bytes, "
-                         f"found {size}): {_REBUILD}")
-    magic, version, header_length, header_crc, _reserved = _PREAMBLE.unpack(
-        handle.read(_PREAMBLE.size))
-    if magic != MAGIC:
+    preamble = handle.read(_PREAMBLE.size)
+    if not MAGIC.startswith(preamble[: len(MAGIC)]):
         raise StoreError(f"{name} is not a samctl store (wrong magic bytes): "
                          "pass a file written by samctl build")
+    if len(preamble) < _PREAMBLE.size:
+        raise StoreError(f"{name} is truncated (expected at least {_PREAMBLE.size} bytes, "
+                         f"found {size}): {_REBUILD}")
+    _magic, version, header_length, header_crc, _reserved = _PREAMBLE.unpack(preamble)
     if version > FORMAT_VERSION:
         raise StoreError(f"{name} has store format version {version}, this samctl reads up to "
                          f"{FORMAT_VERSION}: upgrade samctl or {_REBUILD}")
@@ -484,10 +486,7 @@ def _parse_entry(name: str, key: Any, value: Any, header_end: int) -> ArrayEntry
     if (not isinstance(shape, list) or len(shape) > MAX_NDIM
             or any(type(d) is not int or d < 0 for d in shape)):
         raise bad(f"array {key!r} has invalid shape {shape!r}")
-    count = 1
-    for dim in shape:
-        count *= dim
-    if count * np.dtype(dtype).itemsize != ints["raw_length"]:
+    if math.prod(shape) * np.dtype(dtype).itemsize != ints["raw_length"]:
         raise bad(f"array {key!r} has shape {shape} but {ints['raw_length']} bytes")
     if codec == "raw" and ints["length"] != ints["raw_length"]:
         raise bad(f"raw array {key!r} stores {ints['length']} of {ints['raw_length']} bytes")

@@ -37,10 +37,9 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 from numba import njit
@@ -48,11 +47,10 @@ from numba import njit
 from samctl.index.datastore import StoreMeta, parse_meta
 from samctl.index.lookup import Lookup
 from samctl.index.errors import ConfigError, UserError
-from samctl.index.store import DirectoryWriter, StoreError, read_manifest
+from samctl.index.store import MANIFEST, DirectoryWriter, StoreError, file_crc32, read_manifest
 
 FORMAT = "samctl-sa-store"
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 FILES = ("tokenized.0", "table.0", "offset.0")
 MAX_MATCH = 32  # tokens a broken match is re-searched over (the automaton has no cap; drafters read <= 16)
 FIRST_SCAN = 4096  # pointers scanned for the earliest occurrence
@@ -440,7 +438,7 @@ class SuffixArrayDatastore:
     def verify(self) -> None:
         """Every file's crc32 against the manifest, and every stored id below the vocabulary."""
         for name, entry in self.manifest["sa"]["files"].items():
-            if _file_crc32(os.path.join(self.path, name)) != entry["crc32"]:
+            if file_crc32(os.path.join(self.path, name)) != entry["crc32"]:
                 raise StoreError(f"{self.path}/{name} does not match its checksum in {MANIFEST}: the store is "
                                  f"damaged, {_REBUILD}")
 
@@ -480,8 +478,7 @@ def default_memory_limit() -> int:
 
 
 def build_suffix_array(path: str | os.PathLike, tokens: np.ndarray, doc_offsets: np.ndarray, meta: StoreMeta,
-                       memory_limit: int | None = None, threads: int = 1,
-                       on_phase: Callable[[str], None] | None = None) -> SuffixArrayDatastore:
+                       memory_limit: int | None = None, threads: int = 1) -> SuffixArrayDatastore:
     """Write a store directory over documents tokens[doc_offsets[i]:doc_offsets[i+1]] and return it loaded.
 
     tokens: [n] int32 in [0, meta.vocab_size); doc_offsets: [d+1] int64 rising from 0 to n.
@@ -495,7 +492,6 @@ def build_suffix_array(path: str | os.PathLike, tokens: np.ndarray, doc_offsets:
         raise UserError(f"token id {int(tokens.max())} is outside the vocabulary of {meta.vocab_size}")
     with DirectoryWriter(path) as writer:
         # 1) the token array, infini-gram's layout: a separator before each document
-        (on_phase or _quiet)("writing the token array")
         documents = len(doc_offsets) - 1
         data_path = writer.tmp / FILES[0]
         _write_tokens(data_path, tokens, doc_offsets, width)
@@ -504,21 +500,16 @@ def build_suffix_array(path: str | os.PathLike, tokens: np.ndarray, doc_offsets:
         size = os.path.getsize(data_path)
         pointer = max(1, int(np.ceil(np.log2(max(size, 2)) / 8)))
         # 2) the suffix array: parts sorted in memory, merged on disk, concatenated
-        (on_phase or _quiet)("sorting suffixes")
         _run_indexer(indexer, writer.tmp, data_path, writer.tmp / FILES[1], size, pointer, width, memory_limit,
                      threads)
         # 3) the manifest, then the directory into place
-        files = {name: {"bytes": os.path.getsize(writer.tmp / name), "crc32": _file_crc32(writer.tmp / name)}
+        files = {name: {"bytes": os.path.getsize(writer.tmp / name), "crc32": file_crc32(writer.tmp / name)}
                  for name in FILES}
         sa = {"token_width": width, "pointer_width": pointer, "documents": documents, "tokens": int(len(tokens)),
               "files": files}
         writer.commit_manifest({"format": FORMAT, "format_version": FORMAT_VERSION, **meta.to_header(), "sa": sa},
                                FILES)
     return load_suffix_array(path)
-
-
-def _quiet(_: str) -> None:
-    pass
 
 
 def _write_tokens(path: Path, tokens: np.ndarray, doc_offsets: np.ndarray, width: int) -> None:
@@ -581,14 +572,6 @@ def _check_indexer(stderr: bytes, code: int, step: str) -> None:
     if code != 0:
         last = (stderr.decode("utf-8", "replace").strip().splitlines() or ["no message"])[-1]
         raise UserError(f"infini-gram's indexer failed in {step} (exit status {code}): {last}")
-
-
-def _file_crc32(path: str | os.PathLike) -> int:
-    crc = 0
-    with open(path, "rb") as handle:
-        while chunk := handle.read(16 << 20):
-            crc = zlib.crc32(chunk, crc)
-    return crc
 
 
 # ---------------------------------------------------------------------------------------------

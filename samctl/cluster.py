@@ -21,6 +21,7 @@ Not in index/ or decode/: they never import ray.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import concurrent.futures
 import json
 import logging
@@ -97,10 +98,8 @@ def stop_local_ray(ray) -> None:
     ray.shutdown()
     _, alive = psutil.wait_procs(children, timeout=3)
     for process in alive:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()
-        except psutil.NoSuchProcess:
-            pass
     psutil.wait_procs(alive, timeout=3)
 
 
@@ -134,12 +133,8 @@ def _map_actors(dataset, cls: type, args: tuple, workers: int, batch_size: int =
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated", category=DeprecationWarning)
         return dataset.map_batches(cls, fn_constructor_args=args, batch_size=batch_size,
-                                   compute=_actor_pool(workers), max_restarts=0, **resources)
-
-
-def _actor_pool(workers: int):
-    ray = import_ray()
-    return ray.data.ActorPoolStrategy(size=workers)
+                                   compute=import_ray().data.ActorPoolStrategy(size=workers), max_restarts=0,
+                                   **resources)
 
 
 def _data_context(ray):

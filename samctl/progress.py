@@ -104,11 +104,11 @@ class Progress:
 
 def human_bytes(size: float) -> str:
     """1234567 -> "1.2 MB" (decimal units), for status lines and reports."""
-    for unit in ("B", "kB", "MB", "GB"):
-        if size < 1000 or unit == "GB":
+    for unit in ("B", "kB", "MB"):
+        if size < 1000:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1000
-    raise AssertionError(f"unreachable for size {size}")
+    return f"{size:.1f} GB"
 
 
 def _duration(seconds: float) -> str:

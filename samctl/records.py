@@ -11,6 +11,7 @@ written (`finished_ids`).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections import deque
@@ -185,12 +186,12 @@ def batch_format(handle: IO[str], asked: str) -> tuple[str, Iterable[str]]:
 
     if asked != "auto":
         return asked, handle
-    if handle.seekable():
-        first = handle.readline()
-        handle.seek(0)
-        return ("openai" if is_batch_line(first) else "records"), handle
     first = handle.readline()
-    return ("openai" if is_batch_line(first) else "records"), itertools.chain([first] if first else [], handle)
+    shape = "openai" if is_batch_line(first) else "records"
+    if handle.seekable():
+        handle.seek(0)
+        return shape, handle
+    return shape, itertools.chain([first] if first else [], handle)
 
 
 def read_records(lines: Iterable[str]) -> Iterator[tuple[int, str]]:
@@ -207,10 +208,8 @@ def line_key(line: str, number: int) -> Any:
     """The id a line's output carries: its record's (record_key); for a line refused only for a
     byte that is not UTF-8, the id its JSON holds all the same, when that id is UTF-8 itself (the
     bad byte is elsewhere); else the line number."""
-    try:
+    with contextlib.suppress(UserError):
         return record_key(parse_record(line, number), number)
-    except UserError:
-        pass
     key = salvaged_field(line, lambda record: record_key(record, number))
     return number if key is None else key
 
@@ -371,11 +370,9 @@ class _BatchRequest:
         request_id = new_id("req")
         try:
             body = self.reply.completion()
+            status, error, tokens = 200, None, body.usage.completion_tokens
         except RequestError as err:
-            out = BatchOutputLine(id=new_id("batch_req"), custom_id=self.custom_id,
-                                  response=BatchResponse(status_code=err.status, request_id=request_id),
-                                  error=err.body()["error"])
-            return out.model_dump_json(), True, 0
-        out = BatchOutputLine(id=new_id("batch_req"), custom_id=self.custom_id,
-                              response=BatchResponse(status_code=200, request_id=request_id, body=body))
-        return out.model_dump_json(), False, body.usage.completion_tokens
+            body, status, error, tokens = None, err.status, err.body()["error"], 0
+        out = BatchOutputLine(id=new_id("batch_req"), custom_id=self.custom_id, error=error,
+                              response=BatchResponse(status_code=status, request_id=request_id, body=body))
+        return out.model_dump_json(), status != 200, tokens

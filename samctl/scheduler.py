@@ -378,7 +378,7 @@ class BatchScheduler:
             while self._inbox:  # one at a time: the rest count as waiting meanwhile
                 with self._cond:
                     job = self._inbox.popleft()
-                if self._refusing():
+                if self._stopping.is_set() and self.starting:  # shutting down before the engine was ready
                     job.sink(Failed(_shutting_down()))
                 else:
                     self._take(job)
@@ -386,10 +386,6 @@ class BatchScheduler:
                 self._step()
             if self._alone:
                 self._step_alone()
-
-    def _refusing(self) -> bool:
-        # shutting down before the engine was ready: nothing more is measured for anyone
-        return self._stopping.is_set() and bool(self.starting)
 
     def _open_run(self) -> None:
         # At start, so that no request waits for the batch's verify cost to be measured (or read

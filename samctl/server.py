@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, FastAPI, Request
@@ -201,10 +201,8 @@ async def _respond(body: ChatRequest | CompletionRequest, request: Request):
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
     def sink(event: Event) -> None:  # worker thread -> this request's queue
-        try:
+        with suppress(RuntimeError):  # a closed loop: nobody is listening any more
             loop.call_soon_threadsafe(events.put_nowait, event)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
 
     job, reply = Job(wanted, state.sessions, sink), Reply(body, state.sessions.model_name)
     state.scheduler.submit(job)
@@ -214,7 +212,8 @@ async def _respond(body: ChatRequest | CompletionRequest, request: Request):
         state.counters.finished(event)
         raise event.error
     if body.stream:
-        return _sse(_stream(reply, opening, job, events, state.counters))
+        return StreamingResponse(_stream(reply, opening, job, events, state.counters), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
     while not isinstance(event, ENDS):
         event = await _next(job, events, request)
         reply.add(event)
@@ -263,7 +262,3 @@ async def _stream(reply: Reply, opening: list, job: Job, events: asyncio.Queue, 
 
 def _data(chunk: Any) -> str:
     return f"data: {json.dumps(chunk) if isinstance(chunk, dict) else chunk.model_dump_json()}\n\n"
-
-
-def _sse(chunks: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -268,21 +268,17 @@ class Session:
         one (the server's scheduler); any session of the engine may submit to it. Measuring its
         verify cost (once per model and batch size) stops between two forwards when `stop()` is
         true (decode.engine.cost.Stopped)."""
+        from samctl.costs import batch_cost
         from samctl.decode.loop import BatchRun
 
-        return BatchRun(self.engine.model, batch_size, cost=self._batch_cost(batch_size, stop),
-                        max_width=BATCH_MAX_WIDTH, graphs=self.config.graphs)
+        return BatchRun(self.engine.model, batch_size, max_width=BATCH_MAX_WIDTH, graphs=self.config.graphs,
+                        cost=batch_cost(self.engine, batch_size, BATCH_MAX_WIDTH, stop=stop))
 
     def batch_refusal(self) -> str:
         """Why this session cannot run on the batched engine ("" when it can)."""
         from samctl.decode.loop import batch_refusal
 
         return batch_refusal(self.config.method)
-
-    def _batch_cost(self, batch_size: int, stop: Callable[[], bool] | None = None) -> VerifyCost:
-        from samctl.costs import batch_cost
-
-        return batch_cost(self.engine, batch_size, BATCH_MAX_WIDTH, stop=stop)
 
     def fresh_drafter(self, fork: bool = True) -> Drafter:
         """A new drafter of the session's method that shares nothing learned with the kept one;

@@ -34,11 +34,11 @@ import torch
 
 from samctl.decode.budget import path_probs
 from samctl.decode.engine.cost import VerifyCost
-from samctl.decode.engine.transfer import record_event, wait_for
 from samctl.decode.drafters.candidates import (N_CELLS, SOURCES, learn, ngram_candidates, prediction_positions,
                                                prior_means, propose_tree, sa_candidates)
 from samctl.decode.metrics import PredictionUsage
 from samctl.decode.drafters.base import Drafter
+from samctl.decode.drafters.lookahead import DeferredPool
 from samctl.decode.drafters.recycle import learn_rows
 from samctl.decode.tree import DraftTree, tree_depths
 from samctl.index.automaton import SuffixAutomaton
@@ -124,25 +124,17 @@ class _Recycle:
         k = min(k, vocab_size)
         self.table = np.full((vocab_size, k), -1, dtype=np.int32)
         self.vocab_size, self.k, self.device = vocab_size, k, torch.device(device)
-        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._copied: torch.cuda.Event | None = None
+        self.deferred = DeferredPool(self.device)
 
     def learn(self, ids: torch.Tensor, logits: torch.Tensor) -> None:
         # ids: [q] int64 (placeholders < 0), logits: [q, V] on the model's device
         if self.device.type == "cpu":
             learn_rows(self.table, ids.numpy(), logits)
             return
-        successors = torch.topk(logits[:, : self.vocab_size], self.k, dim=-1).indices
-        if self._pending is not None:
-            wait_for(self._copied)
-            self._write(*(t.numpy() for t in self._pending))
-        pinned = (torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True),
-                  torch.empty(successors.shape, dtype=successors.dtype, pin_memory=True))
-        pinned[0].copy_(ids, non_blocking=True)
-        pinned[1].copy_(successors, non_blocking=True)
-        self._pending, self._copied = pinned, record_event(self.device)
+        self.deferred.put(self, ids, torch.topk(logits[:, : self.vocab_size], self.k, dim=-1).indices)
 
-    def _write(self, ids: np.ndarray, successors: np.ndarray) -> None:
+    def insert(self, ids: np.ndarray, successors: np.ndarray) -> None:
+        # what `deferred` delivers, one step late: ids [q] and their successors [q, k]
         ok = (ids >= 0) & (ids < self.vocab_size)
         self.table[ids[ok]] = successors[ok]
 

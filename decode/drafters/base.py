@@ -126,3 +126,23 @@ class NoDraft(Drafter):
 
     def observe(self, committed: np.ndarray, input_ids: torch.Tensor | None, logits: torch.Tensor | None) -> None:
         pass
+
+
+class TokenHistory:
+    """The committed tokens of a request (prompt first): ids[:n] int64, in a buffer that doubles."""
+
+    def __init__(self) -> None:
+        self.ids = np.zeros(1024, dtype=np.int64)
+        self.n = 0
+
+    def reset(self, prompt: np.ndarray) -> None:
+        self.n = 0
+        self.extend(prompt)
+
+    def extend(self, tokens: np.ndarray) -> None:
+        if self.n + len(tokens) > len(self.ids):
+            grown = np.zeros(max(2 * len(self.ids), self.n + len(tokens)), dtype=np.int64)
+            grown[: self.n] = self.ids[: self.n]
+            self.ids = grown
+        self.ids[self.n : self.n + len(tokens)] = tokens
+        self.n += len(tokens)

@@ -38,7 +38,7 @@ from samctl.decode.drafters.adaptive import AdaptiveDrafter
 from samctl.decode.drafters.candidates import N_CELLS
 from samctl.decode.eagle_head import EagleHead
 from samctl.decode.engine.kv_cache import StaticKVCache
-from samctl.decode.drafters.base import Drafter
+from samctl.decode.drafters.base import Drafter, TokenHistory
 from samctl.decode.tree import DraftTree, tree_depths
 from samctl.index.errors import UserError
 from samctl.decode.configs import EagleConfig
@@ -148,26 +148,6 @@ def _rows_in_tree(rows: tuple[np.ndarray, np.ndarray], tokens: np.ndarray, paren
     return node >= 0
 
 
-class _History:
-    """The committed tokens of the request (prompt first), in a buffer that doubles."""
-
-    def __init__(self) -> None:
-        self.ids = np.zeros(1024, dtype=np.int64)
-        self.n = 0
-
-    def reset(self, prompt: np.ndarray) -> None:
-        self.n = 0
-        self.extend(prompt)
-
-    def extend(self, tokens: np.ndarray) -> None:
-        if self.n + len(tokens) > len(self.ids):
-            grown = np.zeros(max(2 * len(self.ids), self.n + len(tokens)), dtype=np.int64)
-            grown[: self.n] = self.ids[: self.n]
-            self.ids = grown
-        self.ids[self.n : self.n + len(tokens)] = tokens
-        self.n += len(tokens)
-
-
 class EagleDrafter(Drafter):
     name = "eagle"
     needs_hidden = True  # the loop passes the target's features of every committed position
@@ -179,7 +159,7 @@ class EagleDrafter(Drafter):
         param = next(head.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.cache = StaticKVCache(1, self.dtype, self.device)
-        self.history = _History()
+        self.history = TokenHistory()
         self.processed = 0  # pairs in the head's cache: positions [0, processed)
         self.pending: list[torch.Tensor] = []  # features of positions >= processed, [*, H] each
         # calibration: accepted nodes and summed predicted probabilities per depth
@@ -220,11 +200,7 @@ class EagleDrafter(Drafter):
         root = self._catch_up(t0)  # [H]
         if cfg.max_nodes == 0:
             return DraftTree.empty()
-        k = cfg.top_k
-        tokens, scores, parents = self._expand(root, k)
-        tokens, scores, parents = _to_host(tokens, scores, parents)  # the one host read
-        scores = scores.astype(np.float64)
-        depths = _candidate_depths(parents)
+        tokens, scores, parents, depths = _to_host(*self._expand(root, cfg.top_k))  # the one host read
         keep, tree_parents = rerank(scores, parents, depths, self.scale, self.cost.at(self.processed), cfg.max_nodes)
         self.last = (tokens[keep], tree_parents, depths[keep], np.exp(scores[keep]))
         return DraftTree(tokens=tokens[keep].astype(np.int64), parents=tree_parents)
@@ -241,9 +217,7 @@ class EagleDrafter(Drafter):
         -> (tokens [m] int64, parents [m] int32 into these rows, p [m] float64 calibrated path
         probabilities, never above the parent's). Call `offered` with what was kept."""
         root = self._catch_up(t0)
-        tokens, scores, parents = _to_host(*self._expand(root, self.config.top_k))
-        scores = scores.astype(np.float64)
-        depths = _candidate_depths(parents)
+        tokens, scores, parents, depths = _to_host(*self._expand(root, self.config.top_k))
         keep, tree_parents = rerank(scores, parents, depths, self.scale, np.ones(n + 1), n)
         probs = np.minimum(1.0, np.exp(scores[keep]) * self.scale[np.minimum(depths[keep], MAX_DEPTH)])
         for i, parent in enumerate(tree_parents):  # parents come first: a child never outranks its parent
@@ -344,13 +318,10 @@ class EagleDrafter(Drafter):
         self.scale = (self.hits + w) / (self.predicted + w)
 
 
-def _candidate_depths(parents: np.ndarray) -> np.ndarray:
-    # parents: [c] int64, parents[i] < i -> [c] int64 depth (1 = root child)
-    return tree_depths(parents.astype(np.int32)).astype(np.int64)
-
-
-def _to_host(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    # tokens [c] int64, scores [c] float32, parents [c] int64 on the device -> the same on the
-    # host in one copy (one sync, not three); float64 holds every token id and float32 score exactly
+def _to_host(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor) -> tuple[np.ndarray, ...]:
+    # tokens [c] int64, scores [c] float32, parents [c] int64 (parents[i] < i) on the device -> on the
+    # host in one copy (one sync, not three): tokens [c] int64, scores [c] float64, parents [c] int64
+    # and depths [c] int64 (1 = root child); float64 holds every token id and float32 score exactly
     packed = torch.stack((tokens.double(), scores.double(), parents.double())).cpu().numpy()
-    return packed[0].astype(np.int64), packed[1].astype(np.float32), packed[2].astype(np.int64)
+    parents = packed[2].astype(np.int64)
+    return packed[0].astype(np.int64), packed[1], parents, tree_depths(parents.astype(np.int32)).astype(np.int64)

@@ -282,7 +282,9 @@ def window_parents(m: int, fill: int) -> np.ndarray:
 
 class DeferredPool:
     """Pool n-grams computed on the device reach the host one step late on a GPU (a pinned copy
-    that does not wait, and an event recorded after it that `flush` waits on), at once on a CPU."""
+    that does not wait, and an event recorded after it that `flush` waits on), at once on a CPU.
+    The pool is anything with `insert(keys, tuples)` of host arrays (adaptive's Token Recycle
+    table takes its successors this way too)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)

@@ -11,7 +11,7 @@ import numba
 import numpy as np
 import torch
 
-from samctl.decode.drafters.base import Drafter
+from samctl.decode.drafters.base import Drafter, TokenHistory
 from samctl.decode.tree import DraftTree
 from samctl.decode.configs import PldConfig
 
@@ -41,19 +41,18 @@ class PromptLookupDrafter(Drafter):
     def __init__(self, config: PldConfig = PldConfig(), eos_token_ids: tuple[int, ...] = ()) -> None:
         self.config = config
         self.eos = np.asarray(eos_token_ids, dtype=np.int64)
-        self.history = np.zeros(1024, dtype=np.int64)
-        self.length = 0
-        pld_match(self.history, 1, 1, 1)  # compile (or load the cache) now, not in the first step
+        self.history = TokenHistory()
+        pld_match(self.history.ids, 1, 1, 1)  # compile (or load the cache) now, not in the first step
 
     def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor) -> None:
-        self.length = 0
-        self._append(prompt)
+        self.history.reset(prompt)
 
     def propose(self, t0: int) -> DraftTree:
-        self._append(np.asarray([t0], dtype=np.int64))
-        start, end = pld_match(self.history, self.length, self.config.max_ngram, self.config.num_draft)
-        self.length -= 1  # t0 is not committed yet; observe appends it with the accepted drafts
-        draft = self.history[start:end].copy()
+        history = self.history
+        history.extend(np.asarray([t0], dtype=np.int64))
+        start, end = pld_match(history.ids, history.n, self.config.max_ngram, self.config.num_draft)
+        history.n -= 1  # t0 is not committed yet; observe appends it with the accepted drafts
+        draft = history.ids[start:end].copy()
         if len(self.eos):
             hits = np.flatnonzero(np.isin(draft, self.eos))
             if len(hits):
@@ -61,13 +60,4 @@ class PromptLookupDrafter(Drafter):
         return DraftTree.chain(draft)
 
     def observe(self, committed: np.ndarray, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
-        self._append(committed)
-
-    def _append(self, tokens: np.ndarray) -> None:
-        need = self.length + len(tokens)
-        if need > len(self.history):
-            grown = np.zeros(max(need, 2 * len(self.history)), dtype=np.int64)
-            grown[: self.length] = self.history[: self.length]
-            self.history = grown
-        self.history[self.length : need] = tokens
-        self.length = need
+        self.history.extend(committed)

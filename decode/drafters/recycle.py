@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from samctl.decode.drafters.base import Drafter
-from samctl.decode.tree import DraftTree
+from samctl.decode.tree import DraftTree, tree_depths
 from samctl.decode.configs import RECYCLE_RANK_ACCEPT as _RANK_ACCEPT, RecycleConfig
 from samctl.decode.engine.transfer import to_device
 
@@ -159,9 +159,7 @@ class TokenRecycleDrafter(Drafter):
     def _device_levels(self) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
         # Template nodes are in BFS order, so each depth is a contiguous slice of the token vector
         # (index 0 = the root t0, node i at i + 1).
-        depth = np.zeros(len(self.parents), dtype=np.int64)
-        for i, parent in enumerate(self.parents):
-            depth[i] = 1 if parent < 0 else depth[parent] + 1
+        depth = tree_depths(self.parents)
         levels = []
         for d in range(1, depth.max() + 1):
             nodes = np.flatnonzero(depth == d)

@@ -24,9 +24,10 @@ import numpy as np
 import torch
 
 from samctl.decode.drafters.sdsat import SatPeek, SdsatConfig
-from samctl.decode.sampling import SamplingConfig, draw, warp_probs
+from samctl.decode.sampling import SamplingConfig, choose_tokens, draw, warp_probs
 from samctl.decode.sdsat import SatSettings
-from samctl.decode.engine.target import TargetModel, to_device
+from samctl.decode.engine.target import TargetModel
+from samctl.decode.engine.transfer import to_device
 from samctl.decode.drafters.base import Drafter
 from samctl.decode.tree import DraftTree
 from samctl.index.errors import ConfigError
@@ -145,12 +146,12 @@ def best_of_paths(logits: torch.Tensor, parents: np.ndarray, input_ids: torch.Te
     # -> (accepted input indices, next token, input_ids on the host): the reference's rule above
     q = len(input_ids)
     if q == 1:  # no room for t1: the next token is drawn at t0
-        host = torch.cat((_draw(logits, sampling, generator), input_ids)).cpu().numpy()
+        host = torch.cat((choose_tokens(logits, sampling, generator), input_ids)).cpu().numpy()
         return np.zeros(1, dtype=np.int64), int(host[0]), host[1:]
     paths = leaf_paths(parents)  # [P, D] node indices, node 0 = t1
     rows = to_device(np.where(paths[:, :-1] >= 0, paths[:, :-1] + 1, 0).reshape(-1), logits.device)
-    draws = _draw(logits[rows], sampling, generator)  # one per (path, position)
-    fresh = _draw(logits, sampling, generator)  # the next token, drawn apart from the test
+    draws = choose_tokens(logits[rows], sampling, generator)  # one per (path, position)
+    fresh = choose_tokens(logits, sampling, generator)  # the next token, drawn apart from the test
     host = torch.cat((draws, fresh, input_ids)).cpu().numpy()  # the step's one host sync
     draws, fresh, host_inputs = host[: len(rows)], host[len(rows) : len(rows) + q], host[len(rows) + q :]
     below = paths[:, 1:]  # the node each draw is compared with
@@ -159,10 +160,3 @@ def best_of_paths(logits: torch.Tensor, parents: np.ndarray, input_ids: torch.Te
     best = int(np.argmax(accepted))  # the first longest
     path = np.concatenate(([0], paths[best, : int(accepted[best]) + 1] + 1)).astype(np.int64)
     return path, int(fresh[path[-1]]), host_inputs
-
-
-def _draw(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
-    # logits: [n, V] -> [n] int64, one independent draw (or the argmax) per row
-    if sampling.greedy:
-        return logits.argmax(-1)
-    return draw(warp_probs(logits, sampling), generator)

@@ -153,7 +153,7 @@ class BatchedTarget:
         self.graphs = None  # decode.engine.graphs.BatchVerifyGraphs, on CUDA only
         # hidden states (EAGLE heads): the final norm's output, from the same forwards: returned by
         # the native forward and the decoder of hf's PLAIN_HEAD families, else hooked on the norm
-        self._norm = None if self.native is not None or self._decoder is not None else _final_norm_or_none(model)
+        self._norm = None if self.native is not None or self._decoder is not None else _final_norm(model)
         self.gives_hidden = self.native is not None or self._decoder is not None or self._norm is not None
         self.wants_hidden = False
         self.forward_hidden: torch.Tensor | None = None  # [A * q, H] of the last forward
@@ -383,21 +383,12 @@ def verify_input(t0: int, tree: DraftTree, device: torch.device) -> torch.Tensor
     return ids
 
 
-def _final_norm_or_none(model: torch.nn.Module) -> torch.nn.Module | None:
-    try:
-        return final_norm(model)
-    except UserError:
-        return None
-
-
-def final_norm(model: torch.nn.Module) -> torch.nn.Module:
-    """The norm whose output is the lm_head input (Llama, Qwen2, Mistral: model.model.norm)."""
+def _final_norm(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The norm whose output is the lm_head input (Llama, Qwen2, Mistral: model.model.norm); None
+    when the model has none where it is looked for (decode.loop then refuses methods that need it)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
     norm = getattr(decoder, "norm", None)
-    if not isinstance(norm, torch.nn.Module):
-        raise UserError(f"{getattr(model.config, 'model_type', 'this model')}: no final norm found (model.model.norm), "
-                        "so its last hidden states cannot be read for an EAGLE head: use another method")
-    return norm
+    return norm if isinstance(norm, torch.nn.Module) else None
 
 
 def _require_mask_attention(model: torch.nn.Module) -> None:

@@ -90,33 +90,6 @@ class _Graph:
         self.hidden: torch.Tensor | None = None  # [w, H] graph memory: the final norm's output
 
 
-def capture_each(owner, order: list[tuple], capture: Callable[..., _Graph], what: str) -> None:
-    """One graph per key of `order` (a bucket tuple, the capture's arguments) into one new pool,
-    largest first so that the later ones fit in the pool it grew. Any failure drops them all,
-    warns once and leaves `owner.failed` set: `what` then runs eagerly."""
-    pool = owner.backend.new_pool()
-    # Python's cyclic collector must not run mid-capture: freeing an unreachable old graph there
-    # (a dropped target's, a cycle with it) is an operation a capturing stream refuses, and the
-    # capture fails. Collect once now, then hold the collector until every graph is captured.
-    gc.collect()
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        for key in order:
-            owner.graphs[key] = capture(*key, pool)
-            owner.captures += 1
-    except Exception as err:  # noqa: BLE001 - any capture failure means: run eagerly
-        owner.graphs.clear()
-        owner.failed = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}"
-        warnings.warn(f"samctl: CUDA graph capture failed ({owner.failed}); {what} runs eagerly",
-                      RuntimeWarning, stacklevel=4)
-        owner.generation = None
-    finally:
-        if collecting:
-            gc.enable()
-    owner.prepares += 1
-
-
 def enable_cuda_graphs(target, enabled: bool = True, reserve: int | None = None,
                        backend: CaptureBackend | None = None) -> None:
     """Capture a one-row target's (decode.engine.target.TargetModel) verify forwards as graphs at
@@ -228,6 +201,9 @@ class BatchVerifyGraphs:
         return g.logits, w
 
     def _capture_all(self) -> None:
+        """One graph per bucket into one new pool, largest first so that the later ones fit in the
+        pool it grew. Any failure drops them all, warns once and leaves `failed` set: the batched
+        verify then runs eagerly."""
         target, cache = self.target, self.target.cache
         self.graphs.clear()
         self.generation = cache.generation
@@ -236,7 +212,27 @@ class BatchVerifyGraphs:
         self._inputs = {(r, w): _BatchInputs(r, w, target.device) for r in self.rows for w in self.widths}
         order = sorted(((r, w, k) for r in self.rows for w in self.widths for k in self.buckets if w <= k),
                        key=lambda rwk: (-rwk[0] * rwk[1] * rwk[2], -rwk[0] * rwk[1]))
-        capture_each(self, order, self._capture, "the batched verify")
+        pool = self.backend.new_pool()
+        # Python's cyclic collector must not run mid-capture: freeing an unreachable old graph there
+        # (a dropped target's, a cycle with it) is an operation a capturing stream refuses, and the
+        # capture fails. Collect once now, then hold the collector until every graph is captured.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            for key in order:
+                self.graphs[key] = self._capture(*key, pool)
+                self.captures += 1
+        except Exception as err:  # noqa: BLE001 - any capture failure means: run eagerly
+            self.graphs.clear()
+            self.failed = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}"
+            warnings.warn(f"samctl: CUDA graph capture failed ({self.failed}); the batched verify runs eagerly",
+                          RuntimeWarning, stacklevel=3)
+            self.generation = None
+        finally:
+            if collecting:
+                gc.enable()
+        self.prepares += 1
 
     def _capture(self, rows: int, width: int, keys: int, pool: object) -> _Graph:
         # Warm-up and capture write each row's K/V behind its committed entries (rows in flight

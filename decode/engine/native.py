@@ -175,11 +175,9 @@ class NativeForward:
         # q: [A, Hq, q, D]; k, v: [A, Hkv, kv, D]; mask: [A or 1, 1, q, kv] additive or bool, or None
         # (causal, the inputs being the last q of the kv keys) -> [A, q, Hq * D]
         rows, _, n, _ = q.shape
-        gqa = q.shape[1] != k.shape[1]
-        if mask is None and n > 1:  # a prefill (n == kv); chains after a cache come with a mask (__call__)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=gqa)
-            return out.transpose(1, 2).reshape(rows, n, -1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=gqa)
+        # no mask and several inputs: a prefill (n == kv); chains after a cache come with a mask (__call__)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and n > 1,
+                                             scale=self.scaling, enable_gqa=q.shape[1] != k.shape[1])
         return out.transpose(1, 2).reshape(rows, n, -1)
 
     # -- the forward --------------------------------------------------------------------------

@@ -12,11 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from samctl.decode.engine.batched import BatchedTarget, final_norm, verify_input
-from samctl.decode.engine.transfer import to_device
+from samctl.decode.engine.batched import BatchedTarget, verify_input
 from samctl.decode.tree import DraftTree
-
-__all__ = ["TargetModel", "final_norm", "to_device", "verify_input"]
 
 VERIFY_SLACK = 256  # draft nodes a one-row verify may hold beyond prompt + output: cache room reserved for them
 

@@ -337,12 +337,6 @@ def _warm_up(runners: dict[str, Runner], engine: Engine, question: Question, cha
             runner.run(prompt, WARMUP_TOKENS)
 
 
-def _remember(runner: Runner, flag: bool) -> None:
-    """Whether the runner's drafter keeps the coming outputs in its cross-request memory."""
-    if runner.drafter is not None:
-        runner.drafter.remember = flag
-
-
 def _run_all(runners: dict[str, Runner], engine: Engine, questions: list[Question], config: SessionConfig,
              repeats: int, records_path: Path) -> list[dict[str, Any]]:
     records = []
@@ -354,7 +348,8 @@ def _run_all(runners: dict[str, Runner], engine: Engine, questions: list[Questio
                       if repeats > 1 and isinstance(runner, EngineRunner)}
             for r in range(repeats):  # repeats interleave the methods too
                 for name, runner in runners.items():
-                    _remember(runner, True)
+                    if runner.drafter is not None:  # it keeps the coming outputs in its cross-request memory
+                        runner.drafter.remember = True
                     if name in states:  # every repeat from the state before the question's first
                         runner.restore(states[name], last=r == repeats - 1)
                     runs[name].append(_run_question(runner, engine, q, config.max_new_tokens, config.chat))

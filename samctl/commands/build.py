@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import time
+import dataclasses
 from dataclasses import replace
 
 import click
@@ -183,12 +184,11 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
         if old is not None and not entry.directory:
             with bar.heartbeat():
                 structure = old.structure.appended(tokens, doc_offsets)
-        elif old is not None:  # rebuilt over the stored documents, then the new ones
-            old_tokens, old_offsets = old.structure.documents()
-            doc_offsets = np.concatenate((old_offsets, old_offsets[-1] + doc_offsets[1:]))
-            tokens = np.concatenate((old_tokens, tokens))
-            structure = entry.build(tokens, doc_offsets, meta, replace(options, heartbeat=bar.heartbeat))
         else:
+            if old is not None:  # rebuilt over the stored documents, then the new ones
+                old_tokens, old_offsets = old.structure.documents()
+                doc_offsets = np.concatenate((old_offsets, old_offsets[-1] + doc_offsets[1:]))
+                tokens = np.concatenate((old_tokens, tokens))
             structure = entry.build(tokens, doc_offsets, meta, replace(options, heartbeat=bar.heartbeat))
         bar.update(bar.total - bar.done)  # a kind that cannot count its progress (ngram, sa) is done too
     built = time.perf_counter()
@@ -291,10 +291,7 @@ def _sharded_summary(output, size, corpus, tokenizer_name, results, total, token
 
 def _combined(old: CorpusStats, new: CorpusStats) -> CorpusStats:
     """The corpus statistics of a store grown by --append-to: sums, and the inputs of both."""
-    return CorpusStats(documents=old.documents + new.documents, tokens=old.tokens + new.tokens,
-                       characters=old.characters + new.characters, files=old.files + new.files,
-                       empty_documents=old.empty_documents + new.empty_documents,
-                       skipped_files=old.skipped_files + new.skipped_files, inputs=old.inputs + new.inputs)
+    return CorpusStats(**{f.name: getattr(old, f.name) + getattr(new, f.name) for f in dataclasses.fields(CorpusStats)})
 
 
 def _size(text: str) -> int:

@@ -71,10 +71,7 @@ class Console:
         while True:
             try:
                 line = input("you> ")
-            except EOFError:
-                click.echo()
-                return
-            except KeyboardInterrupt:
+            except (EOFError, KeyboardInterrupt):
                 click.echo()
                 return
             line = line.strip()

@@ -18,50 +18,38 @@ from samctl.index.store import StoreFile
 from samctl.progress import human_bytes
 
 
-def describe(store: StoreFile, meta: StoreMeta, verified: bool) -> dict[str, Any]:
-    """Everything `info` reports, JSON-ready."""
+def _report(path: str, kind: str, format_version: int, file_size: int, meta: StoreMeta,
+            counts: dict[str, int]) -> dict[str, Any]:
+    """What `info` reports of every store, file or directory, JSON-ready."""
     tokens = meta.corpus.tokens
-    report: dict[str, Any] = {
-        "path": store.path,
-        "kind": meta.build.kind,
-        "format_version": store.format_version,
-        "file_size": store.file_size,
-        "bytes_per_token": round(store.file_size / tokens, 3) if tokens else None,
-        "documents": meta.corpus.documents,
-        "tokens": tokens,
+    return {
+        "path": path, "kind": kind, "format_version": format_version, "file_size": file_size,
+        "bytes_per_token": round(file_size / tokens, 3) if tokens else None,
+        "documents": meta.corpus.documents, "tokens": tokens, **counts,
+        "tokenizer": {"name": meta.tokenizer_name, "fingerprint": meta.tokenizer_fingerprint,
+                      "vocab_size": meta.vocab_size, "eos_token_id": meta.eos_token_id},
+        "build": meta.build.settings(), "corpus": meta.corpus.to_dict(), "created_by": meta.created_by,
+        "written_by": meta.written_by or None,
     }
-    report.update(structure_counts(store, meta.build.kind))
-    report.update(
-        tokenizer={"name": meta.tokenizer_name, "fingerprint": meta.tokenizer_fingerprint,
-                   "vocab_size": meta.vocab_size, "eos_token_id": meta.eos_token_id},
-        build=meta.build.settings(),
-        corpus=meta.corpus.to_dict(),
-        created_by=meta.created_by,
-        written_by=meta.written_by or None,
-        arrays=[{"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "codec": e.codec,
-                 "stored_bytes": e.length, "raw_bytes": e.raw_length}
-                for e in store.entries.values()],
-        verified=verified,
-    )
+
+
+def describe(store: StoreFile, meta: StoreMeta, verified: bool) -> dict[str, Any]:
+    """Everything `info` reports of a store file: `_report` and its arrays."""
+    report = _report(store.path, meta.build.kind, store.format_version, store.file_size, meta,
+                     structure_counts(store, meta.build.kind))
+    report["arrays"] = [{"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "codec": e.codec,
+                         "stored_bytes": e.length, "raw_bytes": e.raw_length} for e in store.entries.values()]
+    report["verified"] = verified
     return report
 
 
 def describe_directory(store, verified: bool) -> dict[str, Any]:
     """`describe` for a store directory: a sharded store's shards (index/sharded.py) or a directory
     kind's files (index/kinds.py, e.g. `sa`) instead of arrays."""
-    meta, kind = store.meta, KINDS[store.kind]
-    tokens = meta.corpus.tokens
-    report: dict[str, Any] = {
-        "path": store.path, "kind": store.kind, "format_version": store.format_version,
-        "file_size": store.file_size,
-        "bytes_per_token": round(store.file_size / tokens, 3) if tokens else None,
-        "documents": meta.corpus.documents, "tokens": tokens,
-        **kind.counts(store.structure),
-        "tokenizer": {"name": meta.tokenizer_name, "fingerprint": meta.tokenizer_fingerprint,
-                      "vocab_size": meta.vocab_size, "eos_token_id": meta.eos_token_id},
-        "build": meta.build.settings(), "corpus": meta.corpus.to_dict(), "created_by": meta.created_by,
-        "written_by": meta.written_by or None, "verified": verified,
-    }
+    kind = KINDS[store.kind]
+    report = _report(store.path, store.kind, store.format_version, store.file_size, store.meta,
+                     kind.counts(store.structure))
+    report["verified"] = verified
     if hasattr(store, "shards"):
         report["shards"] = [{**entry, **kind.counts(shard.structure)}
                             for entry, shard in zip(store.manifest["shards"], store.shards)]

@@ -23,6 +23,7 @@ Knows a session (model, tokenizer, EOS ids) and token ids; never the training ob
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import sys
@@ -177,10 +178,8 @@ def write_answers(session: "Session", prompts: Sequence["Prompt"], path: Path, *
                     if sampling.seed is not None:
                         session = session.for_method(session.config.method, sampling=replace(
                             sampling, seed=_batch_seed(sampling.seed, start, turn)))
-                    try:
+                    with contextlib.suppress(_Stop):
                         session.generate_batch(inputs, batch_size=batch_size, on_result=finished)
-                    except _Stop:
-                        pass
                     log(f"answers: {len(done)} turns, {total} tokens; {written} new answer tokens at "
                         f"{written / max(time.time() - tic, 1e-9):.0f} tokens/s -> {path}")
             if spent():
