@@ -73,10 +73,10 @@ class StoreKind:
         return self.sharded is not None
 
 
-def _heartbeat(options: BuildOptions, read: Callable[[], int] | None = None):
+def _heartbeat(options: BuildOptions):
     from contextlib import nullcontext
 
-    return options.heartbeat(read) if options.heartbeat is not None else nullcontext()
+    return options.heartbeat(None) if options.heartbeat is not None else nullcontext()
 
 
 # -- sam: the suffix automaton (index/automaton.py) ----------------------------------------------

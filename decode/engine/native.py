@@ -73,7 +73,7 @@ def native_refusal(model: nn.Module) -> str:
 class NativeLayer:
     """One decoder layer's weights, packed: [q, k, v] and [gate, up] stacked (one matmul each)."""
 
-    def __init__(self, layer: nn.Module, shape: SimpleNamespace) -> None:
+    def __init__(self, layer: nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.norm_in = layer.input_layernorm.weight
         self.norm_post = layer.post_attention_layernorm.weight
@@ -129,7 +129,7 @@ class NativeForward:
         self.shape = SimpleNamespace(heads=heads, kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
                                      head_dim=head_dim, eps=float(config.rms_norm_eps))
         self.embed = decoder.embed_tokens
-        self.layers = [NativeLayer(layer, self.shape) for layer in decoder.layers[: config.num_hidden_layers]]
+        self.layers = [NativeLayer(layer) for layer in decoder.layers[: config.num_hidden_layers]]
         self.norm = decoder.norm.weight
         self.head = model.lm_head
         self.rotary = decoder.rotary_emb
