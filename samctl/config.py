@@ -46,7 +46,7 @@ class SessionConfig:
                         "scale per token) with integer sums, in every linear layer and the output head, and attention "
                         "computed for each token alone: every method's greedy output equals the int8 model's own "
                         "plain greedy decoding, bit for bit, batched too. A different model from float32 (close, not "
-                        "equal), in less memory. On one thread of an x86 CPU (--threads 1), verifying a few tokens "
+                        "equal), in less memory. On one or two threads of an x86 CPU, verifying a few tokens "
                         "costs little more than one (samctl's own AVX512-VNNI or AVX2 kernel). On x86 CPUs without "
                         "VNNI, whose 8-bit int8 products saturate, the sums are exact too (16-bit products, or "
                         "7-bit halves).",

@@ -16,7 +16,8 @@ from torch.nn import functional as F
 from transformers import AutoModelForCausalLM
 
 from samctl.decode.engine import cpu_linear
-from samctl.decode.engine.cpu_linear import Int8Linear, PackedLinear, apply_cpu_linear, linear_backend
+from samctl.decode.engine.cpu_linear import (OWN_KERNEL_THREADS, Int8Linear, PackedLinear, apply_cpu_linear,
+                                             linear_backend)
 from samctl.decode.engine.int8_gemm import KERNELS, MAX_ROWS, RowsGemm, cpu_kernel
 from samctl.decode.methods import EAGLE_METHODS, METHODS, uses_store
 from samctl.index.automaton import SuffixAutomaton
@@ -69,8 +70,8 @@ def test_int8_one_row_kernel_equals_many_row_kernel():
     assert int((127 * layer.qweight.long()).sum(1).min()) > 2**24  # row 0's integer sums
     for row in range(6):
         assert torch.equal(layer(x[row : row + 1])[0], full[row]), row
-    if layer.rows_gemm is not None:  # one thread: samctl's kernel; two: torch's
-        with threads(2):
+    if layer.rows_gemm is not None:  # up to OWN_KERNEL_THREADS: samctl's kernel; more: torch's
+        with threads(OWN_KERNEL_THREADS + 1):
             assert torch.equal(layer(x), full) and torch.equal(layer(x[:1])[0], full[0])
     if layer.kernels.gemv:  # the _int_mm fallback for several rows gives the same numbers
         layer.gemm, layer.rows_gemm = None, None
@@ -192,7 +193,9 @@ def test_own_kernel_serves_a_few_rows_on_one_thread_only():
     with threads(1):
         assert [layer.kernel(r) for r in (1, MAX_ROWS, MAX_ROWS + 1)] == [kernels.own, kernels.own, torch_kernel]
         alone = layer(x[:MAX_ROWS])
-    with threads(2):  # where torch's kernel is the split, samctl's serves any thread count
+    with threads(OWN_KERNEL_THREADS):
+        assert layer.kernel(2) == kernels.own
+    with threads(OWN_KERNEL_THREADS + 1):  # where torch's kernel is the split, samctl's serves any thread count
         assert layer.kernel(2) == (kernels.own if kernels.split else torch_kernel)
         assert torch.equal(layer(x[:MAX_ROWS]), alone)
     assert torch.equal(layer(x)[:MAX_ROWS], alone)

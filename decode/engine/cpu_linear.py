@@ -64,6 +64,12 @@ from samctl.index.errors import ConfigError
 QUANTIZE = ("none", "int8")
 _BACKEND_ATTR = "_samctl_linear"  # set on the model: "plain", "packed" or "int8"
 
+# samctl's kernel runs on one core; torch's int8 GEMMs use every thread. At two threads of an AMD
+# Zen 5 (VNNI) SmolLM2's int8 verify still took 4.7 / 5.6-6.0 / 7.4-7.8 / 11.4-11.7 ms at 1 / 2 / 4 /
+# 8 rows through samctl's kernel against 5.9-6.3 / 9.1-9.7 / 9.8-10.3 / 12.2-12.6 through torch's
+# (BENCHMARKS.md, 2026-11-28). With more threads torch's may read the weights faster: not measured.
+OWN_KERNEL_THREADS = 2
+
 
 class PackedLinear(nn.Module):
     """nn.Linear with its float32 weight prepacked for oneDNN (CPU only)."""
@@ -146,13 +152,13 @@ class Int8Linear(nn.Module):
 
     def kernel(self, rows: int) -> str:
         """The kernel that sums `rows` rows (a key of CODE_FORMATS): samctl's own ("vnni" or "avx2")
-        for a few rows on one thread, and on any number of threads where torch's would be the split
-        (with every kernel held to AVX2, two threads of the split took 29 ms a SmolLM2 step, one of
-        samctl's 7); else `_int_mm` for one row, oneDNN for several, the split where no VNNI.
-        Decided by the probe, the row count and the thread count alone, so that every layer of a
-        forward takes codes in one format."""
+        for a few rows on up to OWN_KERNEL_THREADS threads, and on any number of threads where
+        torch's would be the split (with every kernel held to AVX2, two threads of the split took
+        29 ms a SmolLM2 step, one of samctl's 7); else `_int_mm` for one row, oneDNN for several,
+        the split where no VNNI. Decided by the probe, the row count and the thread count alone, so
+        that every layer of a forward takes codes in one format."""
         if (self.rows_gemm is not None and rows <= int8_gemm.MAX_ROWS
-                and (self.kernels.split or torch.get_num_threads() == 1)):
+                and (self.kernels.split or torch.get_num_threads() <= OWN_KERNEL_THREADS)):
             return self.kernels.own
         if self.kernels.split:
             return "split"
