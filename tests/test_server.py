@@ -357,6 +357,24 @@ def test_the_batch_gets_each_requests_sampling(model_dir, monkeypatch):
                     GenerationConfig(5, eos, SamplingConfig(top_k=7))]
 
 
+def test_draft_model_requests_share_the_draft_batch_and_answer_as_alone():
+    """Four `sd` requests at once on the embedded target and draft: one batch, its rows drafting as
+    rows of the draft's own batch (one draft forward a round), each answer its plain greedy one."""
+    session = Session(SessionConfig(method="sd", max_new_tokens=24, threads=1, quiet=True))
+    prompts = ("def add(a, b):", "The quick brown fox", "Summarize: the cat sat on the mat.", "import os\n")
+    expected = [session.generate(p, drafter=NoDraft()).tokens for p in prompts]
+    scheduler = BatchScheduler(Sessions({None: session}), batch_size=4)
+    events: list[list] = [[] for _ in prompts]
+    with scheduler._cond:  # the worker takes them all before its first step: one batch
+        for prompt, sink in zip(prompts, events):
+            scheduler.submit(Job(JobRequest(prompt=prompt, store=None, method="sd"), scheduler.sessions, sink.append))
+    scheduler.close()
+    assert scheduler._run.stats.rows_per_step[0] == 4
+    assert [e[-1].result.tokens for e in events] == expected
+    drafters = next(iter(scheduler._drafters.values())).idle
+    assert len({id(d.draft.rows) for d in drafters}) == 1 and len({d.draft.row for d in drafters}) == 4
+
+
 def test_a_request_without_a_batched_form_steps_between_the_batch_steps(tmp_path):
     """SDSAT drafts with the target's own forward, so its request runs as a one-row run of its own,
     one step of it between two steps of the batch: the two answers stream side by side, neither
