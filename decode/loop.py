@@ -53,7 +53,7 @@ from samctl.decode.accept import batch_accept, choose_rows, speculative_accept
 from samctl.decode.budget import TreeCalibration, choose_width
 from samctl.decode.drafters.base import Drafter
 from samctl.decode.engine.batched import BatchedTarget, verify_input
-from samctl.decode.engine.cost import VerifyCost, measure_batch_verify_cost
+from samctl.decode.engine.cost import VerifyCost, measure_batch_cost
 from samctl.decode.engine.graphs import enable_batch_graphs
 from samctl.decode.engine.target import VERIFY_SLACK, TargetModel, room
 from samctl.decode.engine.transfer import to_device
@@ -283,8 +283,8 @@ class BatchRun:
     one thread owns a run (it runs the model).
 
     `cost`: what a batched forward over 1.. total input tokens costs, priced at the step's mean
-    context (a VerifyCost, `measure_batch_verify_cost`; measured here when None), or t_ms [n] of
-    one curve for every context; `max_width`: most draft nodes a row verifies per step;
+    context (a VerifyCost), or t_ms [n] of one curve for every context (`measure_batch_cost`;
+    measured here when None); `max_width`: most draft nodes a row verifies per step;
     `max_prefill_tokens`: newcomers are prefilled together while their padded block stays within
     it; `capacity`: initial cache length per row (it grows when a longer record comes).
     `target`: run on this BatchedTarget (its rows, graphs and cache as they are) instead of a new
@@ -302,7 +302,7 @@ class BatchRun:
             enable_batch_graphs(target, max_width, graphs)
         self.target, self.budget = target, budget
         if budget and cost is None:
-            cost = measure_batch_verify_cost(model, batch_size, max(1, min(max_width, 8)))
+            cost = measure_batch_cost(model, batch_size, max(1, min(max_width, 8)))
         self.cost = None if cost is None else VerifyCost.one_curve(cost)
         self.max_width, self.max_prefill_tokens = max_width, max_prefill_tokens
         self.stats = stats if stats is not None else BatchStats()

@@ -103,19 +103,15 @@ def verify_cost(engine: Any, refresh: bool = False) -> VerifyCost:
 
 def batch_cost(engine: Any, rows: int, max_width: int, stop: Callable[[], bool] | None = None) -> VerifyCost:
     """What the batched budget prices a step by: a batched forward over 1.. total input tokens
-    with `rows` rows in flight (decode.engine.cost.measure_batch_cost) after CONTEXT and after
-    LONG_CONTEXT entries a row (cached apart), from the cache or measured now; `stop()` true stops
-    a measurement between two forwards (decode.engine.cost.Stopped; nothing cached)."""
+    with `rows` rows in flight after CONTEXT entries a row (decode.engine.cost.measure_batch_cost;
+    one curve for every context: VerifyCost says why), from the cache or measured now; `stop()`
+    true stops a measurement between two forwards (decode.engine.cost.Stopped; nothing cached)."""
     from samctl.decode.engine.cost import measure_batch_cost
 
     note = (f"measuring the batched verify cost of {Path(engine.name).name} at {rows} rows, once per model, "
             "device and batch size")
-    long = measurable_context(engine.target.rows, LONG_CONTEXT, max_width)
-    key = {**curve_key(engine), "batched_rows": rows, "max_width": max_width}
-    curves = [_cached(key, lambda: measure_batch_cost(engine.model, rows, max_width, CONTEXT, stop=stop), note),
-              _cached({**key, "context": long},
-                      lambda: measure_batch_cost(engine.model, rows, max_width, long, stop=stop), "")]
-    return VerifyCost.measured(*curves, (CONTEXT, long))
+    return VerifyCost.one_curve(_cached({**curve_key(engine), "batched_rows": rows, "max_width": max_width},
+                                        lambda: measure_batch_cost(engine.model, rows, max_width, stop=stop), note))
 
 
 def _cached(key: dict[str, Any], measure: Callable[[], Any], note: str, width: int | None = None,

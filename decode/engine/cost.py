@@ -9,9 +9,9 @@ time: on a shared machine another process only ever adds time, so the minimum is
 cost and a busy moment cannot bend one width. `relative_cost` turns it into what drafters size
 drafts by: cost[k] = t(1 + k) / t(1), the price of k draft nodes relative to plain decoding.
 `measure_verify_cost` is its one-row curve (what one record's drafter sizes drafts by),
-`measure_batch_cost` its curve at a batch size (what the batched budget spends by); both are
-measured after two context lengths and priced at the context a row (or a step's rows, on
-average) has reached (`VerifyCost`).
+`measure_batch_cost` its curve at a batch size (what the batched budget spends by). One record's
+drafters price by the curves after two context lengths, at the context the row has reached
+(`VerifyCost`); the batched budget by the curve after 256 entries a row (see `VerifyCost`).
 A measurement may be stopped between two forwards (`stop`: a server shutting down while it
 starts), which raises `Stopped`.
 
@@ -69,7 +69,11 @@ class VerifyCost:
     """What a drafter sizes its drafts by: cost[k] = t(1 + k) / t(1), the price of k draft nodes
     relative to plain decoding, at the context length the row has reached. The batched budget
     reads a batch's curve the same way: cost[N - 1] = t(N) / t(1) for N input tokens in all, at the
-    mean context of the step's rows (each input row attends its own row's entries).
+    mean context of the step's rows. samctl's sessions give it one curve, after 256 entries a row:
+    a batch's curve below the batch size is measured as N rows of one token, each reading its own
+    keys, which at 1024 entries overprices one row verifying N tokens (it reads its keys once),
+    and a one-client server drafted 4% slower on long prompts priced that way (BENCHMARKS.md,
+    2026-11-28).
 
     Measured (`measured`): the curves t(n) after two context lengths, with t(n, L) taken linear in
     L beyond the first (every input row attends each committed entry once; a shorter context is
@@ -185,17 +189,6 @@ def measure_batch_cost(model: torch.nn.Module, rows: int, max_width: int = 8, co
     drafting budget prices a step's padded block [A, q] at t(A * q)."""
     target = BatchedTarget(model, rows, room(context, max_width))
     return measure_cost(target, rows, max_width, context, rounds, clock=clock, stop=stop)
-
-
-def measure_batch_verify_cost(model: torch.nn.Module, rows: int, max_width: int = 8,
-                              clock: Callable[[], float] = time.perf_counter,
-                              stop: Callable[[], bool] | None = None) -> VerifyCost:
-    """`measure_batch_cost` after each of CONTEXTS (the longer at most what the model's positions
-    allow), as the VerifyCost the batched budget prices a step's rows by."""
-    target = BatchedTarget(model, rows, room(CONTEXTS[1], max_width))
-    contexts = (CONTEXTS[0], measurable_context(target, CONTEXTS[1], max_width))
-    curves = [measure_cost(target, rows, max_width, context, clock=clock, stop=stop) for context in contexts]
-    return VerifyCost.measured(*curves, contexts)
 
 
 def measurable_context(target: BatchedTarget, context: int, width: int) -> int:

@@ -1,9 +1,7 @@
 """Benchmark the batched engine on the mission's batch jobs (issue 26).
 
 One process, one model, the same records for every side:
-    batched   decode.loop.generate_batch with `--method` (default adaptive) at --batch-size, its
-              budget priced at each step's context (the curves after 256 and 1024 entries a row)
-    fixed     the same, priced by the curve after 256 entries whatever the context (before 2026-11-28)
+    batched   decode.loop.generate_batch with `--method` (default adaptive) at --batch-size
     batch-1   decode.loop.generate with the same method, one record at a time
     hf        transformers `model.generate`, greedy, left padding, --batch-size records per call
     plain     decode.loop.generate with `ar` (plain greedy, batch 1): the reference every other
@@ -35,7 +33,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from samctl.decode.loop import BatchStats, generate_batch  # noqa: E402
-from samctl.decode.engine.cost import VerifyCost, measure_batch_verify_cost  # noqa: E402
+from samctl.decode.engine.cost import measure_batch_cost  # noqa: E402
 from samctl.decode.loop import GenerationConfig, generate  # noqa: E402
 from samctl.decode.methods import method_config  # noqa: E402
 from samctl.models import load_engine  # noqa: E402
@@ -119,9 +117,8 @@ def main() -> None:
         return build_drafter(name, engine, None, methods)
 
     tic = time.perf_counter()
-    cost = measure_batch_verify_cost(model, args.batch_size, args.max_width, clock=time.process_time)
+    cost = measure_batch_cost(model, args.batch_size, args.max_width, clock=time.process_time)
     cost_s = time.perf_counter() - tic
-    fixed = VerifyCost.one_curve(cost.short_ms)
     single_adaptive, single_plain = drafter(args.method), drafter("ar")
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     sides = args.sides.split(",")
@@ -137,10 +134,9 @@ def main() -> None:
         part = [prompts[i] for i in idx]
         for side in sides[r % len(sides):] + sides[: r % len(sides)]:
             tic, cpu_tic = time.perf_counter(), time.process_time()
-            if side in ("batched", "fixed"):
+            if side == "batched":
                 res = generate_batch(model, lambda: drafter(args.method), part, config, args.batch_size,
-                                     cost=cost if side == "batched" else fixed, max_width=args.max_width,
-                                     stats=stats if side == "batched" else None)
+                                     cost=cost, max_width=args.max_width, stats=stats)
                 got = [x.tokens for x in res]
             elif side == "hf":
                 got = hf_generate(hf_model, part, args.batch_size, args.max_new_tokens, eos, pad)
@@ -158,11 +154,9 @@ def main() -> None:
               "max_new_tokens": args.max_new_tokens, "threads": args.threads, "rounds": args.rounds,
               "prompt_tokens_mean": round(float(np.mean([len(p) for p in prompts])), 1),
               "batch_cost_measure_s": round(cost_s, 1),
-              "contexts": list(cost.contexts),
-              "t_ms_at": {str(n): [round(float(c[n - 1]), 1) for c in (cost.short_ms, cost.long_ms)]
-                          for n in (1, 8, 16, 32, 64, 128, 256, 512) if n <= len(cost.short_ms)},
-              "t_ms": [round(float(t), 2) for t in cost.short_ms],
-              "t_ms_long": [round(float(t), 2) for t in cost.long_ms], "sides": {}}
+              "t_ms_at": {str(n): round(float(cost[n - 1]), 1) for n in (1, 8, 16, 32, 64, 128, 256, 512)
+                          if n <= len(cost)},
+              "t_ms": [round(float(t), 2) for t in cost], "sides": {}}
     for side in sides:
         tokens = sum(len(o) for o in outputs[side])
         entry = {"tokens": tokens, "wall_s": round(wall[side], 2), "tokens_per_s": round(tokens / wall[side], 2),
