@@ -71,9 +71,8 @@ class VerifyCost:
     reads a batch's curve the same way: cost[N - 1] = t(N) / t(1) for N input tokens in all, at the
     mean context of the step's rows. samctl's sessions give it one curve, after 256 entries a row:
     a batch's curve below the batch size is measured as N rows of one token, each reading its own
-    keys, which at 1024 entries overprices one row verifying N tokens (it reads its keys once),
-    and a one-client server drafted 4% slower on long prompts priced that way (BENCHMARKS.md,
-    2026-11-28).
+    keys, which at 1024 entries overprices one row verifying N tokens (it reads its keys once);
+    priced by two curves, batch jobs and a one-client server ran no faster (BENCHMARKS.md, 2026-11-28).
 
     Measured (`measured`): the curves t(n) after two context lengths, with t(n, L) taken linear in
     L beyond the first (every input row attends each committed entry once; a shorter context is
