@@ -22,7 +22,7 @@ from functools import lru_cache
 
 import torch
 
-from samctl.decode.engine.cost import CONTEXTS, VerifyCost, graph_widths, measurable_context, measure_verify_cost
+from samctl.decode.engine.cost import VerifyCost, graph_widths, measurable_context, measure_verify_cost
 from samctl.decode.engine.native import backend_name
 from samctl.index.errors import UserError
 from samctl.gguf_cache import cache_dir, write_text_atomically
@@ -30,7 +30,8 @@ from samctl.gguf_cache import cache_dir, write_text_atomically
 log = logging.getLogger(__name__)
 
 CURVE_WIDTH = 64
-CONTEXT, LONG_CONTEXT = CONTEXTS  # committed entries before the measured verifies: a curve after each
+CONTEXT = 256  # committed entries before the measured verifies (measure_cost's default)
+LONG_CONTEXT = 1024  # ... and the second curve's, from which VerifyCost prices longer contexts
 
 
 @lru_cache(maxsize=1)

@@ -36,7 +36,6 @@ from samctl.decode.tree import DraftTree
 from samctl.index.errors import UserError
 
 MEASURED_WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # widths of the forwards measured (eager)
-CONTEXTS = (256, 1024)  # committed entries per row before the measured verifies: a curve after each
 BATCH_POINTS = (1, 4, 16, 64, 256)  # rows of the [N, 1] forwards measured below the batch size
 
 
