@@ -1,12 +1,15 @@
 """A real code corpus assembled offline, every store kind built from it, drafting cost per step.
 
     python tools/bench/bench_corpus.py assemble --out out/corpus --max-mb 300
+    python tools/bench/bench_corpus.py assemble --out out/big --max-mb 1100 --wheels wheels/
     python tools/bench/bench_corpus.py build --out out/corpus --tokenizer bytes --kinds sa,ngram,sam
     python tools/bench/bench_corpus.py draft --out out/corpus --tokenizer bytes --kinds sa,ngram,sam --traces 40
 
 assemble: the Python sources of the installed distributions (importlib.metadata, sorted by name;
 each distribution's RECORD `.py` files, sorted) and then the standard library, one document per
-file, into corpus.jsonl, until --max-mb; packages.tsv lists every distribution taken (name,
+file, into corpus.jsonl, until --max-mb; with --wheels, then the `.py` files of every wheel in that
+folder (`pip download --no-deps --only-binary=:all: NAME`, sorted by file name) whose distribution
+is not installed; packages.tsv lists every distribution taken (name,
 version, files, bytes), so the corpus can be assembled again. Held-out traces come from
 /usr/lib/python3/dist-packages (Debian's packages, none of which is in the corpus).
 build: tokenizes once (tokens.npy, offsets.npy), then builds each kind in a fresh process through
@@ -27,6 +30,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+import zipfile
 from importlib import metadata
 from pathlib import Path
 
@@ -35,22 +39,22 @@ import numpy as np
 HELD_OUT = Path("/usr/lib/python3/dist-packages")
 
 
-def assemble(out: Path, max_bytes: int) -> None:
+def assemble(out: Path, max_bytes: int, wheels: Path | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     total, rows = 0, []
     seen: set[str] = set()
     with open(out / "corpus.jsonl", "w", encoding="utf-8") as corpus:
-        for name, version, files in _sources():
+        for name, version, files in _sources(wheels):
             taken, size = 0, 0
             for path in files:
                 if total >= max_bytes:
                     break
-                real = os.path.realpath(path)
+                real = os.path.realpath(path) if isinstance(path, Path) else str(path)
                 if real in seen:
                     continue
                 seen.add(real)
                 try:
-                    text = Path(path).read_text(encoding="utf-8")
+                    text = path.read_bytes().decode("utf-8")
                 except (OSError, UnicodeDecodeError):
                     continue
                 if not text.strip():
@@ -65,14 +69,26 @@ def assemble(out: Path, max_bytes: int) -> None:
     print(f"{out / 'corpus.jsonl'}: {total / 1e6:.1f} MB from {len(rows)} distributions")
 
 
-def _sources():
+def _sources(wheels: Path | None = None):
     dists = sorted(metadata.distributions(), key=lambda d: (d.metadata["Name"] or "").lower())
+    installed = {_canonical(d.metadata["Name"] or "") for d in dists}
     for dist in dists:
         files = sorted(str(dist.locate_file(f)) for f in (dist.files or []) if str(f).endswith(".py"))
-        yield dist.metadata["Name"], dist.version, [f for f in files if os.path.isfile(f)]
+        yield dist.metadata["Name"], dist.version, [Path(f) for f in files if os.path.isfile(f)]
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(str(p) for p in stdlib.rglob("*.py") if "site-packages" not in p.parts)
+    files = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts)
     yield "python-stdlib", platform.python_version(), files
+    for wheel in sorted(wheels.glob("*.whl")) if wheels else []:
+        name, version = wheel.name.split("-")[:2]
+        if _canonical(name) in installed:
+            continue
+        archive = zipfile.ZipFile(wheel)
+        names = sorted(n for n in archive.namelist() if n.endswith(".py"))
+        yield name, version, [zipfile.Path(archive, n) for n in names]
+
+
+def _canonical(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
 
 
 def tokenize(out: Path, tokenizer: str) -> tuple[np.ndarray, np.ndarray]:
@@ -200,6 +216,7 @@ def main() -> None:
     parser.add_argument("step", choices=["assemble", "build", "draft"])
     parser.add_argument("--out", type=Path, default=Path("out/corpus"))
     parser.add_argument("--max-mb", type=float, default=300)
+    parser.add_argument("--wheels", type=Path, help="a folder of downloaded wheels whose sources come after the installed ones")
     parser.add_argument("--tokenizer", default="bytes")
     parser.add_argument("--kinds", default="sa,ngram,sam")
     parser.add_argument("--memory", type=int, default=4 << 30, help="bytes the sa sort may hold")
@@ -208,7 +225,7 @@ def main() -> None:
     args = parser.parse_args()
     kinds = args.kinds.split(",")
     if args.step == "assemble":
-        assemble(args.out, int(args.max_mb * 1e6))
+        assemble(args.out, int(args.max_mb * 1e6), args.wheels)
     elif args.step == "build":
         build(args.out, args.tokenizer, kinds, args.memory, args.max_tokens)
     else:
