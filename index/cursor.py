@@ -27,6 +27,7 @@ and, for the compiled drafting kernels, the flat arrays and state to start from:
     suffix arrays (SuffixArrayCursor, ShardedSuffixArrayCursor):
         at(handle) -> (data, table, w, p, first, vocab, lo, hi, length)
                               a peeked match: its suffix array's kernel arrays and range
+                              (valid until the cursor moves)
 
 The moves are one compiled call each (the same kernels as before cursors existed); each cursor is
 a few attributes, so a step costs no Python per token. Structures that grow while a cursor reads
@@ -39,7 +40,7 @@ import numpy as np
 from samctl.index.automaton import SuffixAutomaton, sam_frequent_tree, sam_span_state
 from samctl.index.ngram import NgramArrays, NgramTable
 from samctl.index.shard_structures import ShardedAutomaton, ShardedSuffixArray
-from samctl.index.suffix_array import MAX_MATCH, SuffixArray, sa_find, sa_step, sa_tree, sa_walk, token_key
+from samctl.index.suffix_array import MAX_MATCH, SuffixArray, follow_state, sa_find, sa_follow, sa_tree
 
 
 class AutomatonCursor:
@@ -152,62 +153,58 @@ class NgramCursor:
 
 
 class SuffixArrayCursor:
-    """The match (lo, hi, length) of the text in a suffix array, and the text's last MAX_MATCH
-    tokens' keys: a broken match is searched again over them (a suffix array has no links)."""
+    """The match of the text in a suffix array and the text's last MAX_MATCH tokens' keys (a
+    broken match is searched again over them: a suffix array has no links), moved by one compiled
+    call a step: `advance` only holds the committed tokens, the next `peek` follows them and then
+    steps over t0 (between two steps a model's forward leaves every cache cold, and each call
+    into Python, numpy or numba then costs some 10 µs). A handle is valid until the cursor moves."""
 
     max_match = None  # a match grows without bound; only its re-search after a break is capped
 
     def __init__(self, sa: SuffixArray) -> None:
         self.sa = sa
         self.arrays = sa.kernel_arrays
-        self.lo, self.hi, self.length = 0, 0, 0
-        self.keys = np.zeros(0, dtype=np.int64)
-        self._buffer = np.zeros(MAX_MATCH + 1, dtype=np.int64)  # peek's text: the last keys, then t0
-        self._peeked: tuple[int, tuple[int, int, int]] | None = None  # (t0, its match) of the last peek
+        self.state = follow_state()
+        self.keys = np.zeros(MAX_MATCH + 1, dtype=np.int64)  # the text's last keys, then a peeked t0's
+        self._pending: np.ndarray | None = None  # committed tokens not followed yet
+        self._kept = 0  # keys[:_kept] are the text's, keys[_kept] the last peeked t0's
 
     def reset(self, context: np.ndarray) -> None:
-        self.lo, self.hi, self.length, self.keys = 0, 0, 0, np.zeros(0, dtype=np.int64)
-        self._peeked = None
-        self.advance(context)
+        self.state = follow_state()
+        self._pending = None
+        self._follow(np.asarray(context), -1)
 
     def advance(self, tokens: np.ndarray) -> None:
-        keys = np.concatenate((self.keys, self.sa.keys(tokens)))
-        start = len(self.keys)
-        if self._peeked is not None and len(tokens) and self._peeked[0] == tokens[0]:
-            # the step over the pending token was the last peek's: not searched twice
-            self.lo, self.hi, self.length = self._peeked[1]
-            start += 1
-        self.lo, self.hi, self.length = sa_walk(*self.arrays[:5], keys, start, self.lo, self.hi, self.length)
-        self.keys = keys[-MAX_MATCH:]
-        self._peeked = None
+        if self._pending is not None:  # two advances without a peek between them
+            self._follow(self._pending, -1)
+        self._pending = tokens
 
-    def before(self, t0: int) -> tuple[int, int, int, np.ndarray]:
-        # the match of the text before t0, and the text's last keys ([<= MAX_MATCH + 1] int64, t0's last)
-        n = len(self.keys)
-        text = self._buffer[:n + 1]
-        text[:n] = self.keys
-        text[n] = token_key(t0, self.sa.token_width)
-        return self.lo, self.hi, self.length, text
+    def peek(self, t0: int) -> tuple[int, tuple[int, int, int]]:
+        length, lo, hi = self._follow(_NONE if self._pending is None else self._pending, t0)
+        self._pending = None
+        return length, (lo, hi, length)
 
-    def peek(self, t0: int) -> tuple[int, tuple[int, int, int, np.ndarray]]:
-        lo, hi, length, text = self.before(t0)
-        lo, hi, length = sa_step(*self.arrays[:5], text, len(text) - 1, lo, hi, length)
-        self._peeked = (t0, (lo, hi, length))
-        return length, (lo, hi, length, text)
+    def _follow(self, tokens: np.ndarray, t0: int) -> tuple[int, int, int]:
+        length, lo, hi, self._kept = sa_follow(*self.arrays[:5], self.keys, self.state, tokens, t0)
+        return length, lo, hi
 
-    def draft(self, handle: tuple[int, int, int, np.ndarray], n: int) -> np.ndarray:
-        return self.sa.continuation(*handle[:3], n)
+    def draft(self, handle: tuple[int, int, int], n: int) -> np.ndarray:
+        return self.sa.continuation(*handle, n)
 
-    def at(self, handle: tuple[int, int, int, np.ndarray]) -> tuple:
-        return (*self.arrays, *handle[:3])
+    def at(self, handle: tuple[int, int, int]) -> tuple:
+        return (*self.arrays, *handle)
 
-    def tree(self, handle: tuple[int, int, int, np.ndarray], length: int, span: int, num_nodes: int,
+    def tree(self, handle: tuple[int, int, int], length: int, span: int, num_nodes: int,
              max_depth: int) -> tuple[np.ndarray, np.ndarray]:
-        lo, hi, length, text = handle
+        lo, hi, length = handle
         if length > span:  # the range of the last `span` tokens holds the longer match's
-            lo, hi = sa_find(*self.arrays[:5], text, len(text) - span, len(text))
+            end = self._kept + 1  # the text's last keys, then the peeked t0's
+            lo, hi = sa_find(*self.arrays[:5], self.keys, end - span, end)
             length = span
         return sa_tree(*self.arrays, lo, hi, length, num_nodes, max_depth)
+
+
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 class ShardedSuffixArrayCursor:

@@ -101,40 +101,57 @@ def token_key(token, w):
 
 
 @njit(cache=True)
-def sa_narrow(data, table, w, p, lo, hi, offset, key):
-    """[lo', hi'): the suffixes of [lo, hi) (which share their first `offset` tokens) whose token
-    at `offset` has byte-order key `key`. One binary search until a probe hits the key, then one
-    for each end, below and above that probe."""
+def _compare(data, pos, w, keys, start, stop):
+    # -> -1, 0, 1: the suffix at byte pos sorts below keys[start:stop], starts with it, sorts above
+    for j in range(start, stop):
+        k = _key(data, pos, w)
+        if k != keys[j]:
+            return -1 if k < keys[j] else 1
+        pos += w
+    return 0
+
+
+@njit(cache=True)
+def sa_search(data, table, w, p, lo, hi, offset, keys, start, stop, bounds=True):
+    """[lo', hi'): the suffixes of [lo, hi) (which share their first `offset` tokens) whose tokens
+    from `offset` on start with keys[start:stop]; (x, x) when none.
+
+    Each probe compares the whole pattern, so a search costs O(log(hi - lo)) probes whatever its
+    length (narrowing token by token pays a search a token): one binary search until a probe
+    starts with the pattern, then one for each end, below and above it. bounds=False stops at
+    that probe and returns (probe, probe + 1): whether the pattern occurs, at half the cost."""
     a, b = lo, hi
     mid = lo
     while a < b:
         mid = (a + b) // 2
-        k = _key(data, _pointer(table, mid, p) + offset * w, w)
-        if k < key:
+        c = _compare(data, _pointer(table, mid, p) + offset * w, w, keys, start, stop)
+        if c < 0:
             a = mid + 1
-        elif k > key:
+        elif c > 0:
             b = mid
         else:
             break
     if a >= b:
         return a, a
+    if not bounds:
+        return mid, mid + 1
     top = b
-    b = mid  # the first with key >= `key` is in [a, mid]
+    b = mid  # the first that starts with the pattern is in [a, mid]
     while a < b:
         m = (a + b) // 2
-        if _key(data, _pointer(table, m, p) + offset * w, w) < key:
+        if _compare(data, _pointer(table, m, p) + offset * w, w, keys, start, stop) < 0:
             a = m + 1
         else:
             b = m
-    start = a
-    a, b = mid + 1, top  # the first with key > `key` is in [mid + 1, top]
+    low = a
+    a, b = mid + 1, top  # the first above the pattern is in [mid + 1, top]
     while a < b:
         m = (a + b) // 2
-        if _key(data, _pointer(table, m, p) + offset * w, w) <= key:
+        if _compare(data, _pointer(table, m, p) + offset * w, w, keys, start, stop) == 0:
             a = m + 1
         else:
             b = m
-    return start, a
+    return low, a
 
 
 PAIR_SLOTS = 1 << 16  # sa_find's cache of two-token ranges (direct-mapped)
@@ -148,15 +165,16 @@ def range_cache(token_width: int) -> np.ndarray:
 
 
 @njit(cache=True)
-def sa_find(data, table, w, p, first, keys, start, stop):
-    """Range of the suffixes that start with keys[start:stop]; (x, x) when none.
+def sa_find(data, table, w, p, first, keys, start, stop, bounds=True):
+    """Range of the suffixes that start with keys[start:stop]; (x, x) when none. bounds=False:
+    as `sa_search`'s, only whether they occur.
 
-    first: the range cache (`range_cache`), filled here: the narrowings by a pattern's first token
-    and its first two are the costliest of every search, and a text asks for the same few thousand
+    first: the range cache (`range_cache`), filled here: the ranges of a pattern's first token
+    and its first two are the widest of every search, and a text asks for the same few thousand
     again and again."""
     k0 = keys[start]
     if first[k0, 0] < 0:
-        first[k0, 0], first[k0, 1] = sa_narrow(data, table, w, p, 0, len(table) // p, 0, k0)
+        first[k0, 0], first[k0, 1] = sa_search(data, table, w, p, 0, len(table) // p, 0, keys, start, start + 1)
     lo, hi = first[k0, 0], first[k0, 1]
     i = start + 1
     if i < stop and lo < hi:
@@ -164,14 +182,12 @@ def sa_find(data, table, w, p, first, keys, start, stop):
         h = k0 * 0x9E3779B1 + keys[i]
         slot = (1 << (8 * w)) + ((h ^ (h >> 16)) & (PAIR_SLOTS - 1))
         if first[slot, 2] != pair:
-            first[slot, 0], first[slot, 1] = sa_narrow(data, table, w, p, lo, hi, 1, keys[i])
+            first[slot, 0], first[slot, 1] = sa_search(data, table, w, p, lo, hi, 1, keys, i, i + 1)
             first[slot, 2] = pair
         lo, hi = first[slot, 0], first[slot, 1]
         i += 1
-    for j in range(i, stop):
-        if lo == hi:
-            break
-        lo, hi = sa_narrow(data, table, w, p, lo, hi, j - start, keys[j])
+    if i < stop and lo < hi:
+        lo, hi = sa_search(data, table, w, p, lo, hi, i - start, keys, i, stop, bounds)
     return lo, hi
 
 
@@ -180,47 +196,76 @@ def sa_step(data, table, w, p, first, keys, i, lo, hi, length):
     """Match (lo, hi, length) of keys[:i] -> the match of keys[:i + 1].
 
     The match grows by one token inside its range when it can (the common case while a text
-    copies the corpus); else the longest suffix is found by a binary search over its length,
+    copies the corpus); else the longest suffix that occurs is found by searching lengths,
     re-searched over at most MAX_MATCH tokens (occurrence is monotone: a suffix of a suffix
-    that occurs occurs)."""
+    that occurs occurs), and only its range is bounded."""
     n = len(table) // p
     if length == 0:
         a, b = sa_find(data, table, w, p, first, keys, i, i + 1)
         return (a, b, 1) if a < b else (0, n, 0)
-    a, b = sa_narrow(data, table, w, p, lo, hi, length, keys[i])
+    a, b = sa_search(data, table, w, p, lo, hi, length, keys, i, i + 1)
     if a < b:
         return a, b, length + 1
-    best_lo, best_hi, best = 0, n, 0
-    # A search of l tokens costs O(l log n), and after a break the match is usually short:
-    # gallop up (1, 2, 4, ...) to the first length that does not occur, then bisect below it.
+    # After a break the match is usually short: gallop up (1, 2, 4, ...) to the first length that
+    # does not occur, then bisect below it.
     cap = min(length, MAX_MATCH, i + 1)  # the answer lies in [0, cap]
-    short, long_ = 1, cap
+    best, short, long_ = 0, 1, cap
     probe = 1
     while probe <= cap:
-        a, b = sa_find(data, table, w, p, first, keys, i + 1 - probe, i + 1)
+        a, b = sa_find(data, table, w, p, first, keys, i + 1 - probe, i + 1, False)
         if a == b:
             long_ = probe - 1
             break
-        best_lo, best_hi, best = a, b, probe
-        short = probe + 1
+        best, short = probe, probe + 1
         probe *= 2
     while short <= long_:
         mid = (short + long_) // 2
-        a, b = sa_find(data, table, w, p, first, keys, i + 1 - mid, i + 1)
+        a, b = sa_find(data, table, w, p, first, keys, i + 1 - mid, i + 1, False)
         if a < b:
-            best_lo, best_hi, best = a, b, mid
-            short = mid + 1
+            best, short = mid, mid + 1
         else:
             long_ = mid - 1
-    return best_lo, best_hi, best
+    if best == 0:
+        return 0, n, 0
+    a, b = sa_find(data, table, w, p, first, keys, i + 1 - best, i + 1)
+    return a, b, best
 
 
 @njit(cache=True)
-def sa_walk(data, table, w, p, first, keys, start, lo, hi, length):
-    """`sa_step` over keys[start:], from the match of keys[:start]."""
-    for i in range(start, len(keys)):
-        lo, hi, length = sa_step(data, table, w, p, first, keys, i, lo, hi, length)
-    return lo, hi, length
+def sa_follow(data, table, w, p, first, keys, state, tokens, t0):
+    """A cursor's move in one call: follow `tokens` (committed since the last call; [k] int), then
+    peek t0 (-1: none). Returns (length, lo, hi, n): the peeked match (the text's, without a peek)
+    and n, the text's last keys kept in keys[:n], t0's key at keys[n].
+
+    state [8] int64, in place (`follow_state`): the text's match (lo, hi, length), n, and the last
+    peek's t0 and match (lo, hi, length), which the next call reuses when its first token is that t0 (the step is not searched
+    twice). keys [MAX_MATCH + 1] int64: a broken match is searched again over them."""
+    n, k = state[3], len(tokens)
+    text = np.empty(n + k + 1, dtype=np.int64)
+    text[:n] = keys[:n]
+    for j in range(k):
+        text[n + j] = token_key(tokens[j], w)
+    lo, hi, length = state[0], state[1], state[2]
+    start = n
+    if k > 0 and tokens[0] == state[4]:
+        lo, hi, length = state[5], state[6], state[7]
+        start += 1
+    for i in range(start, n + k):
+        lo, hi, length = sa_step(data, table, w, p, first, text, i, lo, hi, length)
+    m = min(n + k, MAX_MATCH)
+    keys[:m] = text[n + k - m:n + k]
+    state[0], state[1], state[2], state[3], state[4] = lo, hi, length, m, -1
+    if t0 < 0:
+        return length, lo, hi, m
+    keys[m] = token_key(t0, w)
+    lo, hi, length = sa_step(data, table, w, p, first, keys, m, lo, hi, length)
+    state[4], state[5], state[6], state[7] = t0, lo, hi, length
+    return length, lo, hi, m
+
+
+def follow_state() -> np.ndarray:
+    """`sa_follow`'s state at the start of an empty text."""
+    return np.array([0, 0, 0, 0, -1, 0, 0, 0], dtype=np.int64)
 
 
 @njit(cache=True)
@@ -263,6 +308,7 @@ def sa_children(data, table, w, p, first, vocab, lo, hi, offset, k, out_tok, out
     range by a binary search between the samples around it; a run missed holds fewer than
     (hi - lo) / SAMPLES suffixes."""
     n = hi - lo
+    one = np.empty(1, dtype=np.int64)  # sa_search's pattern: the run's key
     step = max(1.0, n / SAMPLES)
     count = min(n, SAMPLES)
     m = 0
@@ -277,7 +323,8 @@ def sa_children(data, table, w, p, first, vocab, lo, hi, offset, k, out_tok, out
         while j + 1 < count and _key(data, _pointer(table, lo + int((j + 1) * step), p) + offset * w, w) == key:
             j += 1
         right = lo + int((j + 1) * step) if j + 1 < count else hi
-        a, b = sa_narrow(data, table, w, p, left, right, offset, key)
+        one[0] = key
+        a, b = sa_search(data, table, w, p, left, right, offset, one, 0, 1)
         token = _token(data, _pointer(table, i, p) + offset * w, w)
         j += 1
         if token >= vocab:  # the separator: the pattern ends a document
@@ -377,17 +424,11 @@ class SuffixArray:
         """Stored token ids, separators left out."""
         return len(self.data) // self.token_width - self.num_documents
 
-    def keys(self, tokens: np.ndarray) -> np.ndarray:
-        """[k] int64 byte-order keys of token ids ([k] int)."""
-        tokens = np.asarray(tokens, dtype=np.int64)
-        keys = np.zeros(len(tokens), dtype=np.int64)
-        for j in range(self.token_width):
-            keys = (keys << 8) | ((tokens >> (8 * j)) & 0xFF)
-        return keys
-
     def match(self, tokens: np.ndarray) -> tuple[int, int, int]:
         """(lo, hi, length) of the longest suffix of tokens ([k] int) found in one document."""
-        return sa_walk(*self.kernel_arrays[:5], self.keys(tokens), 0, 0, 0, 0)
+        keys = np.zeros(MAX_MATCH + 1, dtype=np.int64)
+        length, lo, hi, _ = sa_follow(*self.kernel_arrays[:5], keys, follow_state(), np.asarray(tokens), -1)
+        return lo, hi, length
 
     def continuation(self, lo: int, hi: int, length: int, n: int) -> np.ndarray:
         return sa_continuation(*self.kernel_arrays, lo, hi, length, n)
