@@ -401,3 +401,34 @@ def test_the_cyclic_collector_is_held_during_captures_and_restored_after():
     generate(target, make_drafter("pld", vocab_size=96, device="cpu"), prompts(96)[0], GenerationConfig(max_new_tokens=8))
     assert backend.captured and not backend.collector_on
     assert gc.isenabled()
+
+
+@pytest.mark.parametrize("method", ["sd", "ouroboros"])
+def test_a_draft_models_batch_replays_graphs_and_drafts_as_eagerly(method):
+    # the draft's own batch under graphs (`enable_draft_graphs`): each drafting round's last-token
+    # logits come from a replay; four rows forked from one draft (the batch grows: a recapture)
+    # give the eager draft's outputs, token for token
+    from samctl.decode.draft_model import DraftModel
+    from samctl.decode.engine.graphs import enable_draft_graphs
+    from samctl.decode.loop import generate_batch
+    from tests.test_decode_greedy import EAGER
+
+    model, draft_model = tiny("llama", 2), tiny("llama", 2, seed=1)
+    rng = np.random.default_rng(3)
+    base = rng.integers(3, 96, 8).tolist()
+    prompts = [base * 2, rng.integers(3, 96, 20).tolist(), base + base[:3], [5, 6, 7] * 4]
+    config = GenerationConfig(max_new_tokens=24)
+
+    def outputs(graphed: bool):
+        draft = DraftModel(draft_model)
+        if graphed:
+            enable_draft_graphs(draft.rows.target, StandIn())
+        make = lambda: make_drafter(method, vocab_size=96, device=torch.device("cpu"), config=EAGER,  # noqa: E731
+                                    draft=draft.fork())
+        results = generate_batch(model, make, prompts, config, 4, cost=np.full(64, 1.0))
+        return [r.tokens for r in results], draft.rows.target
+
+    eager, _ = outputs(False)
+    graphed, rows = outputs(True)
+    assert graphed == eager
+    assert rows.graphs.replays > 0 and rows.graphs.prepares >= 2  # forks grew the batch: captured again

@@ -252,7 +252,7 @@ class BatchedTarget:
                last: bool = False) -> tuple[torch.Tensor, np.ndarray]:
         # inputs: A tensors [q_b] int64 = [t0, nodes...] of rows (slots) 0..A-1; trees: their drafts
         # -> (logits [N, V] of every real input, rows concatenated; offsets [A + 1] into them).
-        # last: only each row's last input's logits ([A, V]; a draft model's chains, run eagerly).
+        # last: only each row's last input's logits ([A, V]; a draft model's chains).
         # Appends each row's block behind its committed entries; `keep` must follow.
         rows = len(inputs)
         sizes = np.array([len(t) + 1 for t in trees], dtype=np.int64)
@@ -272,12 +272,13 @@ class BatchedTarget:
                 visible[b, :n, :n] = ancestor_matrix(np.asarray(tree.parents, dtype=np.int32))
         offsets = np.concatenate(([0], np.cumsum(sizes)))
         # 2) a graph of the step's buckets (CUDA), which computes positions and mask itself
-        if self.graphs is not None and not last:
+        if self.graphs is not None:
             if self.graphs.covers(rows, q):
                 out = self.graphs.run(ids, rel, visible, past)
                 if out is not None:
                     logits, width = out
-                    keep = to_device(np.concatenate([b * width + np.arange(n) for b, n in enumerate(sizes)]), self.device)
+                    keep = to_device(np.arange(rows) * width + sizes - 1 if last else
+                                     np.concatenate([b * width + np.arange(n) for b, n in enumerate(sizes)]), self.device)
                     self.hidden = None if self.graphs.hidden is None else self.graphs.hidden.index_select(0, keep)
                     return logits.index_select(0, keep), offsets
             self.eager_fallbacks += 1

@@ -103,6 +103,15 @@ def enable_cuda_graphs(target, enabled: bool = True, reserve: int | None = None,
     enable_batch_graphs(rows, WIDTHS[-1] - 1, enabled, backend)
 
 
+def enable_draft_graphs(rows, backend: CaptureBackend | None = None) -> None:
+    """Capture a draft model's batch's (decode.draft_model) forwards as graphs up to the widest
+    block its drafting feeds (the tokens a step committed; a longer prefill runs eagerly), for a
+    cache of DEFAULT_RESERVE entries. Forking more rows than the batch holds grows it: the graphs
+    are captured again once, at the next forward."""
+    rows.reserve(room(min(DEFAULT_RESERVE, rows.max_positions)))
+    enable_batch_graphs(rows, WIDTHS[-1] - 1, True, backend)
+
+
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 BATCH_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 
