@@ -175,9 +175,10 @@ class SuffixArrayCursor:
         self._follow(np.asarray(context), -1)
 
     def advance(self, tokens: np.ndarray) -> None:
+        # tokens are read at the next peek: the caller does not write to them meanwhile
         if self._pending is not None:  # two advances without a peek between them
             self._follow(self._pending, -1)
-        self._pending = tokens
+        self._pending = np.asarray(tokens)
 
     def peek(self, t0: int) -> tuple[int, tuple[int, int, int]]:
         length, lo, hi = self._follow(_NONE if self._pending is None else self._pending, t0)
