@@ -233,7 +233,6 @@ def _check_sharding(kind: str, shards: int | None, ray_address: str | None, work
         raise UserError(f"--shards splits suffix automata and suffix arrays, not an {KINDS[kind].label}: drop --shards "
                         "or use --kind sam or sa")
     check_count("--shards", shards, MAX_SHARDS)
-    check_count("--workers", workers, MAX_WORKERS)
     if workers is not None and ray_address is not None:
         raise UserError("Ray schedules its own workers: drop --workers with --ray")
 
