@@ -157,15 +157,11 @@ def build(out: Path, tokenizer: str, kinds: list[str], memory: int, max_tokens: 
               f"{result['bytes_per_token']:.2f} | {result['peak_rss_mb']:,.0f} MB |")
 
 
-def draft(out: Path, tokenizer: str, kinds: list[str], n_traces: int) -> None:
-    import torch
+def held_out_traces(tok, n: int) -> list:
+    """Up to n replay traces from HELD_OUT's .py files of 2-20k characters: a file's first half
+    (in tokens) as the prompt, the next 256 tokens as the output."""
+    from samctl.decode.simulate import make_trace
 
-    from samctl.decode.methods import MethodConfig, make_drafter
-    from samctl.decode.simulate import make_trace, replay
-    from samctl.index.load import load_datastore
-    from samctl.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(tokenizer)
     traces = []
     for path in sorted(HELD_OUT.rglob("*.py")):
         text = path.read_text(encoding="utf-8", errors="replace")
@@ -173,8 +169,21 @@ def draft(out: Path, tokenizer: str, kinds: list[str], n_traces: int) -> None:
             ids = np.array(tok.encode(text), dtype=np.int32)
             half = len(ids) // 2
             traces.append(make_trace(ids[:half], ids[half:half + 256]))
-        if len(traces) >= n_traces:
+        if len(traces) >= n:
             break
+    return traces
+
+
+def draft(out: Path, tokenizer: str, kinds: list[str], n_traces: int) -> None:
+    import torch
+
+    from samctl.decode.methods import MethodConfig, make_drafter
+    from samctl.decode.simulate import replay
+    from samctl.index.load import load_datastore
+    from samctl.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer)
+    traces = held_out_traces(tok, n_traces)
     stores = {"none": None}
     for kind in kinds:
         path = out / f"store-{tokenizer.replace('/', '_')}.{kind}"

@@ -24,26 +24,15 @@ import numpy as np
 import torch
 
 from samctl.decode.methods import MethodConfig, make_drafter
-from samctl.decode.simulate import make_trace, replay
+from samctl.decode.simulate import replay
 from samctl.index import cursor as cursors
 from samctl.index.load import load_datastore
 from samctl.tokenizer import load_tokenizer
 
-HELD_OUT = Path("/usr/lib/python3/dist-packages")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_corpus import held_out_traces  # noqa: E402  (the same held-out traces)
+
 CALLS = ("peek", "draft", "advance", "tree")
-
-
-def traces(tokenizer, n: int) -> list:
-    out = []
-    for path in sorted(HELD_OUT.rglob("*.py")):
-        text = path.read_text(encoding="utf-8", errors="replace")
-        if 2000 < len(text) < 20000:
-            ids = np.array(tokenizer.encode(text), dtype=np.int32)
-            half = len(ids) // 2
-            out.append(make_trace(ids[:half], ids[half:half + 256]))
-        if len(out) >= n:
-            break
-    return out
 
 
 def timed_cursor_calls(cls: type) -> dict[str, list[float]]:
@@ -95,7 +84,7 @@ def main() -> None:
         drafter.propose, drafter.observe = timed_propose, timed_observe
         return drafter
 
-    held_out = traces(tokenizer, args.traces)
+    held_out = held_out_traces(tokenizer, args.traces)
     for _ in range(2):  # the first round compiles and maps the store's pages
         steps.clear()
         for times in spent.values():
