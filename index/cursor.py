@@ -167,7 +167,6 @@ class SuffixArrayCursor:
         self.state = follow_state()
         self.keys = np.zeros(MAX_MATCH + 1, dtype=np.int64)  # the text's last keys, then a peeked t0's
         self._pending: np.ndarray | None = None  # committed tokens not followed yet
-        self._kept = 0  # keys[:_kept] are the text's, keys[_kept] the last peeked t0's
 
     def reset(self, context: np.ndarray) -> None:
         self.state = follow_state()
@@ -186,8 +185,7 @@ class SuffixArrayCursor:
         return length, (lo, hi, length)
 
     def _follow(self, tokens: np.ndarray, t0: int) -> tuple[int, int, int]:
-        length, lo, hi, self._kept = sa_follow(*self.arrays[:5], self.keys, self.state, tokens, t0)
-        return length, lo, hi
+        return sa_follow(*self.arrays[:5], self.keys, self.state, tokens, t0)
 
     def draft(self, handle: tuple[int, int, int], n: int) -> np.ndarray:
         return self.sa.continuation(*handle, n)
@@ -199,7 +197,7 @@ class SuffixArrayCursor:
              max_depth: int) -> tuple[np.ndarray, np.ndarray]:
         lo, hi, length = handle
         if length > span:  # the range of the last `span` tokens holds the longer match's
-            end = self._kept + 1  # the text's last keys, then the peeked t0's
+            end = int(self.state[3]) + 1  # the text's last keys, then the peeked t0's
             lo, hi = sa_find(*self.arrays[:5], self.keys, end - span, end)
             length = span
         return sa_tree(*self.arrays, lo, hi, length, num_nodes, max_depth)

@@ -234,8 +234,8 @@ def sa_step(data, table, w, p, first, keys, i, lo, hi, length):
 @njit(cache=True)
 def sa_follow(data, table, w, p, first, keys, state, tokens, t0):
     """A cursor's move in one call: follow `tokens` (committed since the last call; [k] int), then
-    peek t0 (-1: none). Returns (length, lo, hi, n): the peeked match (the text's, without a peek)
-    and n, the text's last keys kept in keys[:n], t0's key at keys[n].
+    peek t0 (-1: none). Returns (length, lo, hi): the peeked match (the text's, without a peek);
+    the text's last keys are then keys[:state[3]], t0's key keys[state[3]].
 
     state [8] int64, in place (`follow_state`): the text's match (lo, hi, length), n, and the last
     peek's t0 and match (lo, hi, length), which the next call reuses when its first token is that t0 (the step is not searched
@@ -256,11 +256,11 @@ def sa_follow(data, table, w, p, first, keys, state, tokens, t0):
     keys[:m] = text[n + k - m:n + k]
     state[0], state[1], state[2], state[3], state[4] = lo, hi, length, m, -1
     if t0 < 0:
-        return length, lo, hi, m
+        return length, lo, hi
     keys[m] = token_key(t0, w)
     lo, hi, length = sa_step(data, table, w, p, first, keys, m, lo, hi, length)
     state[4], state[5], state[6], state[7] = t0, lo, hi, length
-    return length, lo, hi, m
+    return length, lo, hi
 
 
 def follow_state() -> np.ndarray:
@@ -427,7 +427,7 @@ class SuffixArray:
     def match(self, tokens: np.ndarray) -> tuple[int, int, int]:
         """(lo, hi, length) of the longest suffix of tokens ([k] int) found in one document."""
         keys = np.zeros(MAX_MATCH + 1, dtype=np.int64)
-        length, lo, hi, _ = sa_follow(*self.kernel_arrays[:5], keys, follow_state(), np.asarray(tokens), -1)
+        length, lo, hi = sa_follow(*self.kernel_arrays[:5], keys, follow_state(), np.asarray(tokens), -1)
         return lo, hi, length
 
     def continuation(self, lo: int, hi: int, length: int, n: int) -> np.ndarray:
