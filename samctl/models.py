@@ -12,7 +12,7 @@ import torch
 
 from samctl.decode.draft_model import DraftModel
 from samctl.decode.engine.cpu_linear import apply_cpu_linear
-from samctl.decode.engine.graphs import enable_draft_graphs
+from samctl.decode.engine.graphs import enable_row_graphs
 from samctl.decode.engine.native import native_of, use_backend
 from samctl.decode.engine.target import TargetModel
 from samctl.gguf_cache import first_line, model_folder
@@ -196,5 +196,5 @@ def load_draft(path: str, engine: Engine) -> DraftModel:
     use_backend(model, "auto" if native_of(engine.model) is not None else "hf")  # the target's forward
     draft = DraftModel(model, vocab_limit=engine.vocab_size)
     if engine.target.rows.graphs is not None:  # the target's CUDA graphs: the draft's batch gets its own
-        enable_draft_graphs(draft.rows.target)
+        enable_row_graphs(draft.rows.target)
     return draft

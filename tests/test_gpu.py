@@ -18,7 +18,7 @@ from transformers import DynamicCache
 from samctl.decode.engine.kv_cache import with_cache
 from samctl.decode.drafters.adaptive import _Recycle
 from samctl.decode.eagle_head import EagleHead
-from samctl.decode.engine.graphs import WIDTHS, enable_cuda_graphs, enable_draft_graphs
+from samctl.decode.engine.graphs import WIDTHS, enable_cuda_graphs, enable_row_graphs
 from samctl.decode.engine.target import TargetModel
 from samctl.decode.loop import GenerationConfig, generate
 from samctl.decode.methods import EAGLE_METHODS, METHODS, make_drafter, method as method_entry, uses_store
@@ -308,7 +308,7 @@ def test_t13_batched_run_with_graphs_equals_batch1_on_cuda(method):
     use_backend(model, "native")
     draft = DraftModel(tiny(seed=1).to(CUDA)) if method_entry(method).needs_draft else None
     if draft is not None:  # as load_draft does beside a graphed target: the draft's batch replays graphs too
-        enable_draft_graphs(draft.rows.target)
+        enable_row_graphs(draft.rows.target)
     eagle = EagleHead(model).to(CUDA).eval() if method_entry(method).needs_eagle else None
 
     def make():

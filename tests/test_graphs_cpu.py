@@ -405,11 +405,11 @@ def test_the_cyclic_collector_is_held_during_captures_and_restored_after():
 
 @pytest.mark.parametrize("method", ["sd", "ouroboros"])
 def test_a_draft_models_batch_replays_graphs_and_drafts_as_eagerly(method):
-    # the draft's own batch under graphs (`enable_draft_graphs`): each drafting round's last-token
+    # the draft's own batch under graphs (`enable_row_graphs`): each drafting round's last-token
     # logits come from a replay; four rows forked from one draft (the batch grows: a recapture)
     # give the eager draft's outputs, token for token
     from samctl.decode.draft_model import DraftModel
-    from samctl.decode.engine.graphs import enable_draft_graphs
+    from samctl.decode.engine.graphs import enable_row_graphs
     from samctl.decode.loop import generate_batch
     from tests.test_decode_greedy import EAGER
 
@@ -422,7 +422,7 @@ def test_a_draft_models_batch_replays_graphs_and_drafts_as_eagerly(method):
     def outputs(graphed: bool):
         draft = DraftModel(draft_model)
         if graphed:
-            enable_draft_graphs(draft.rows.target, StandIn())
+            enable_row_graphs(draft.rows.target, backend=StandIn())
         make = lambda: make_drafter(method, vocab_size=96, device=torch.device("cpu"), config=EAGER,  # noqa: E731
                                     draft=draft.fork())
         results = generate_batch(model, make, prompts, config, 4, cost=np.full(64, 1.0))

@@ -97,19 +97,18 @@ def enable_cuda_graphs(target, enabled: bool = True, reserve: int | None = None,
     entries (default: min(4096, the model's context)); give the longest prompt + max new tokens
     when known, so that no capture lands in a timed run. CUDA graphs on CUDA, a no-op elsewhere
     unless a `backend` is given (a test's stand-in)."""
-    rows = target.rows
+    enable_row_graphs(target.rows, enabled, reserve, backend)
+
+
+def enable_row_graphs(rows, enabled: bool = True, reserve: int | None = None,
+                      backend: CaptureBackend | None = None) -> None:
+    """`enable_cuda_graphs` for a BatchedTarget itself: a target's rows, or a draft model's batch
+    (decode.draft_model), whose drafting feeds blocks up to the widest default draft (a longer
+    prefill runs eagerly). Forking more draft rows than the batch holds grows it: the graphs are
+    captured again once, at the next forward."""
     if enabled and (backend is not None or rows.device.type == "cuda"):
         rows.reserve(room(reserve if reserve is not None else min(DEFAULT_RESERVE, rows.max_positions)))
     enable_batch_graphs(rows, WIDTHS[-1] - 1, enabled, backend)
-
-
-def enable_draft_graphs(rows, backend: CaptureBackend | None = None) -> None:
-    """Capture a draft model's batch's (decode.draft_model) forwards as graphs up to the widest
-    block its drafting feeds (the tokens a step committed; a longer prefill runs eagerly), for a
-    cache of DEFAULT_RESERVE entries. Forking more rows than the batch holds grows it: the graphs
-    are captured again once, at the next forward."""
-    rows.reserve(room(min(DEFAULT_RESERVE, rows.max_positions)))
-    enable_batch_graphs(rows, WIDTHS[-1] - 1, True, backend)
 
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
