@@ -77,10 +77,14 @@ class GenerationConfig:
 
 @dataclass
 class GenerationResult:
+    """One record's answer, from `generate` and from a batch alike."""
+
     tokens: list[int]  # new tokens only, EOS included when generation stopped on it
-    finish_reason: str  # "eos" | "length" | "stop" (on_tokens asked to stop)
+    finish_reason: str  # "eos" | "length" | "stop" (on_tokens asked) | "cancelled" | "error"
     metrics: Metrics
-    prediction: PredictionUsage | None = None  # set by the caller that handed the drafter a prediction
+    prediction: PredictionUsage | None = None  # when the record had a prediction and its drafter counts it
+    index: Any = None  # the record's key in a batch: its position in the input for stream_batch
+    error: str = ""  # what was wrong with the record, for "error"
 
 
 class _Output:
@@ -166,16 +170,6 @@ def _check_drafter(drafter: Drafter, target: BatchedTarget) -> None:
         raise UserError(f"method {name} reads the target's hidden states, which this model does not give "
                         f"({getattr(target.model.config, 'model_type', 'its family')}: no final norm found): "
                         "use another method")
-
-
-@dataclass
-class BatchResult:
-    index: Any  # the record's key: its position in the input for stream_batch
-    tokens: list[int]  # new tokens, EOS included when generation stopped on it
-    finish_reason: str  # "eos" | "length" | "stop" (on_tokens asked) | "cancelled" | "error"
-    metrics: Metrics
-    error: str = ""  # what was wrong with the record, for "error"
-    prediction: PredictionUsage | None = None  # when the record had a prediction and its drafter counts it
 
 
 @dataclass
@@ -344,11 +338,11 @@ class BatchRun:
         """The record `key` leaves at the next step (result "cancelled"), queued or in flight."""
         self._cancelled.add(key)
 
-    def drain(self) -> Iterator[BatchResult]:
+    def drain(self) -> Iterator[GenerationResult]:
         while not self.idle:
             yield from self.step()
 
-    def step(self) -> list[BatchResult]:
+    def step(self) -> list[GenerationResult]:
         """Cancelled rows leave, newcomers take the free slots, one verify step -> the results of
         the records that finished."""
         done = self._leave_cancelled()
@@ -366,7 +360,7 @@ class BatchRun:
             return done + self._halve()
         return done + [self._retire(row) for row in finished]
 
-    def _leave_cancelled(self) -> list[BatchResult]:
+    def _leave_cancelled(self) -> list[GenerationResult]:
         if not self._cancelled:
             return []
         done = []
@@ -374,7 +368,7 @@ class BatchRun:
             row.out.finish_reason = "cancelled"
             done.append(self._retire(row))
         kept = [w for w in self.pending if w.key not in self._cancelled]
-        done += [BatchResult(w.key, [], "cancelled", Metrics()) for w in self.pending if w.key in self._cancelled]
+        done += [GenerationResult([], "cancelled", Metrics(), index=w.key) for w in self.pending if w.key in self._cancelled]
         self.pending = deque(kept)
         self._cancelled.clear()
         return done
@@ -516,7 +510,7 @@ class BatchRun:
             if decoding:
                 return
 
-    def _retire(self, row: _Row) -> BatchResult:
+    def _retire(self, row: _Row) -> GenerationResult:
         # Takes `row` out of slot b; the last row moves into the hole so rows stay packed in [0, A).
         target, active = self.target, self.active
         b = active.index(row)
@@ -538,9 +532,9 @@ class BatchRun:
         row.metrics.cpu_s = time.process_time() - row.cpu_started  # the process's, as time_s is the wall's: rows share both
         self.stats.records += 1
         self.stats.new_tokens += len(row.out.tokens)
-        return BatchResult(row.key, row.out.tokens, row.out.finish_reason, row.metrics, prediction=prediction)
+        return GenerationResult(row.out.tokens, row.out.finish_reason, row.metrics, prediction, index=row.key)
 
-    def _halve(self) -> list[BatchResult]:
+    def _halve(self) -> list[GenerationResult]:
         # Out of memory: rows in slots >= half leave the cache. Those that emitted nothing to an
         # `on_tokens` yet go back to the head of the queue, in submission order, and restart; a
         # row whose tokens already streamed out cannot restart and ends with an error.
@@ -556,8 +550,8 @@ class BatchRun:
                 self.pending.appendleft(_Waiting(row.key, row.prompt, row.config, row.pool, row.generator, None,
                                                  row.prediction))
             else:
-                failed.append(BatchResult(row.key, row.out.tokens, "error", row.metrics,
-                                          f"out of memory at batch size {before}: retry the request"))
+                failed.append(GenerationResult(row.out.tokens, "error", row.metrics, index=row.key,
+                                               error=f"out of memory at batch size {before}: retry the request"))
         stats.batch_size = half
         stats.notes.append(f"out of memory at batch size {before}: continuing at {half}")
         return failed
@@ -576,7 +570,7 @@ def stream_batch(
     stats: BatchStats | None = None,
     predictions: Sequence[Sequence[int] | None] | None = None,
     graphs: bool = False,
-) -> Iterator[BatchResult]:
+) -> Iterator[GenerationResult]:
     """Generate for every prompt (host token ids) with up to `batch_size` in flight (a BatchRun);
     yields each record's result as soon as it finishes (`index` says which). `make_drafter()`
     builds one drafter per slot, reused for the slot's later records, as batch 1 reuses one.
@@ -602,7 +596,7 @@ def stream_batch(
 
 
 def feed(run: BatchRun, items: Iterable[tuple[Any, Sequence[int], Sequence[int] | None]], config: GenerationConfig,
-         pool: DrafterPool, ahead: int | None = None) -> Iterator[BatchResult]:
+         pool: DrafterPool, ahead: int | None = None) -> Iterator[GenerationResult]:
     """Submit `items` (key, prompt ids, prediction ids or None), read lazily, to `run` while fewer
     than `ahead` records (default: the run's batch size) wait for a slot, and yield each result
     as it finishes, until the items are spent and the run is idle: the batch stays full across
@@ -623,7 +617,7 @@ def feed(run: BatchRun, items: Iterable[tuple[Any, Sequence[int], Sequence[int] 
                 run.submit(key, ids, config, pool, generator=generator, prediction=prediction)
             except UserError as err:
                 run.stats.records += 1
-                yield BatchResult(key, [], "error", Metrics(), str(err))
+                yield GenerationResult([], "error", Metrics(), index=key, error=str(err))
         if spent and run.idle:
             return
         yield from run.step()
@@ -635,11 +629,11 @@ def generate_batch(
     prompts: Iterable[Sequence[int]],
     config: GenerationConfig,
     batch_size: int = 8,
-    on_result: Callable[[BatchResult], None] | None = None,
+    on_result: Callable[[GenerationResult], None] | None = None,
     **options,
-) -> list[BatchResult]:
+) -> list[GenerationResult]:
     """`stream_batch`, collected in input order; `on_result` sees each result as it finishes."""
-    results: dict[int, BatchResult] = {}
+    results: dict[int, GenerationResult] = {}
     for result in stream_batch(model, make_drafter, prompts, config, batch_size, **options):
         results[result.index] = result
         if on_result is not None:
@@ -669,8 +663,7 @@ def generate(
     finally:
         rows.wants_hidden = wanted
     result.metrics.eager_verifies = rows.eager_fallbacks - eager_before
-    return GenerationResult(tokens=result.tokens, finish_reason=result.finish_reason, metrics=result.metrics,
-                            prediction=result.prediction)
+    return result
 
 
 def one_row_run(target: TargetModel, drafter: Drafter, prompt_ids: list[int] | np.ndarray, config: GenerationConfig,

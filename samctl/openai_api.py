@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 if TYPE_CHECKING:  # the scheduler loads torch; the schemas alone do not
-    from samctl.decode.loop import BatchResult
     from samctl.decode.loop import GenerationResult
     from samctl.scheduler import Cancelled, Done, Event, Failed, Request, RequestError, Sessions
 
@@ -339,7 +338,7 @@ def job_request(body: ChatRequest | CompletionRequest, sessions: "Sessions") -> 
                    prediction=body.prediction_text(), stop=body.stops())
 
 
-def usage_of(prompt_tokens: int, result: "GenerationResult | BatchResult") -> Usage:
+def usage_of(prompt_tokens: int, result: "GenerationResult") -> Usage:
     m, p = result.metrics, result.prediction
     return Usage(
         prompt_tokens=prompt_tokens, completion_tokens=m.new_tokens, total_tokens=prompt_tokens + m.new_tokens,

@@ -25,7 +25,6 @@ from samctl.textio import check_utf8
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # parsing records (distill's resume, --resume) needs no model
-    from samctl.decode.loop import BatchResult
     from samctl.decode.loop import GenerationResult
     from samctl.session import Session
 
@@ -153,7 +152,7 @@ class RecordRunner:
         return out
 
 
-def result_fields(session: Session, result: GenerationResult | BatchResult) -> dict[str, Any]:
+def result_fields(session: Session, result: GenerationResult) -> dict[str, Any]:
     fields = {"text": session.decode(result.tokens), "finish_reason": result.finish_reason,
               "metrics": result.metrics.to_dict()}
     if result.prediction is not None:  # decode.metrics.PredictionUsage: tokens, accepted, rejected

@@ -33,7 +33,7 @@ from typing import Any, Callable
 import numpy as np
 
 from samctl.decode.engine.cost import Stopped
-from samctl.decode.loop import BatchResult, DrafterPool, GenerationResult
+from samctl.decode.loop import DrafterPool, GenerationResult
 from samctl.decode.sampling import SamplingConfig
 from samctl.detok import IncrementalDetokenizer
 from samctl.index.errors import UserError
@@ -69,7 +69,7 @@ class Text:
 
 @dataclass(frozen=True)
 class Done:
-    result: GenerationResult | BatchResult  # the fields they share: tokens, finish_reason, metrics, prediction
+    result: GenerationResult
     reason: str
 
 
@@ -227,7 +227,7 @@ class Job:
             self.fail(err)
             return None
 
-    def finish(self, result: GenerationResult | BatchResult) -> None:
+    def finish(self, result: GenerationResult) -> None:
         """The end: the rest of the text, then Done (or Cancelled)."""
         if self.cancelled.is_set():
             self.sink(Cancelled())

@@ -219,7 +219,7 @@ class Session:
         """Generate for every prompt with up to `batch_size` sequences in flight (named as
         transformers names its batched call), each record's output exactly its batch-1 output in
         float32; a finished row is refilled from the queue at once. Returns
-        decode.loop.BatchResult per prompt, in input order; `on_result` sees each as it finishes.
+        decode.loop.GenerationResult per prompt, in input order; `on_result` sees each as it finishes.
         Every slot drafts with its own fresh drafter. `predictions[i]` is prompt i's expected
         output (or None), drafted from by its own row only; its usage comes back in the result's
         `prediction`. SDSAT's methods, which draft with the target's own forward, are refused:
@@ -235,7 +235,7 @@ class Session:
     def stream_batch(self, items: Iterable[tuple[Any, Any, str | None]], *, batch_size: int = 8,
                      stats: Any = None) -> Iterator:
         """generate_batch over `items` (key, prompt, prediction text or None), read lazily as rows
-        free up, yielding each decode.loop.BatchResult (`index`: its key) as it finishes. One
+        free up, yielding each decode.loop.GenerationResult (`index`: its key) as it finishes. One
         BatchRun per session and batch size serves every call: its cache, and on a GPU every
         graph, are built once and kept between calls (the session holds that memory), and the
         batch stays full from the first record to the last."""

@@ -20,7 +20,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 from samctl.decode.drafters.base import NoDraft  # noqa: E402
-from samctl.decode.loop import BatchResult, GenerationResult  # noqa: E402
+from samctl.decode.loop import GenerationResult  # noqa: E402
 from samctl.decode.metrics import Metrics  # noqa: E402
 from samctl.decode.sampling import SamplingConfig  # noqa: E402
 from samctl.scheduler import (BatchScheduler, Cancelled, Done, Failed, Job, Request as JobRequest,  # noqa: E402
@@ -495,7 +495,7 @@ class _FakeRun:
     def cancel(self, key) -> None:
         self.cancelled = True
 
-    def step(self) -> list[BatchResult]:
+    def step(self) -> list[GenerationResult]:
         if not self.tokens:
             self.session.entered.set()
             self.session.gate.wait(30)
@@ -507,8 +507,8 @@ class _FakeRun:
             return [self._result("stop")]
         return [self._result("length")] if len(self.tokens) == self.max_new_tokens else []
 
-    def _result(self, reason: str) -> BatchResult:
-        return BatchResult(0, self.tokens, reason, Metrics(new_tokens=len(self.tokens)))
+    def _result(self, reason: str) -> GenerationResult:
+        return GenerationResult(self.tokens, reason, Metrics(new_tokens=len(self.tokens)), index=0)
 
 
 def _job(sessions, prompt: str, events: list, stop=()) -> Job:
