@@ -4,17 +4,18 @@ A record is a JSON object whose prompt is in `prompt`, `turns` (a multi-turn con
 `text`, `question` or `instruction` (or the field the caller names); its `id` (else
 `question_id`, else its line number) is copied to the output, with the text, finish reason and
 metrics (and with compare, plain decoding's result beside them). A bad record, a blank line
-included, gets an `error` field and the rest go on. `generate --input`, `distill` and the Ray
-worker all run records through `RecordRunner` (OpenAI Batch API lines: `OpenAIBatchRunner`, the
-same runner over the server's scheduler); resuming a killed run reads the ids already
-written (`finished_ids`).
+included, gets an `error` field and the rest go on; a line with no id to read (not a JSON object)
+gets its line number as `line` instead, so that it never passes for a record's id. `generate
+--input`, `distill` and the Ray worker all run records through `RecordRunner` (OpenAI Batch API
+lines: `OpenAIBatchRunner`, the same runner over the server's scheduler); resuming a killed run
+skips one input record per output line already written (`finished_keys`, `unfinished`).
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
-from collections import deque
+from collections import Counter, deque
 from dataclasses import asdict
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
@@ -117,7 +118,7 @@ class RecordRunner:
         try:
             record = parse_record(line, number)
         except UserError as err:
-            return json.dumps({"id": line_key(line, number), "error": str(err)}, ensure_ascii=False), True
+            return json.dumps({**line_key(line, number), "error": str(err)}, ensure_ascii=False), True
         record_id = record_key(record, number)
         try:
             out = self.run(record)
@@ -166,11 +167,12 @@ def output_tokens(line: str) -> int:
     return sum(m["new_tokens"] for m in (metrics if isinstance(metrics, list) else [metrics]))
 
 
-def count_records(lines: IO[str]) -> int | None:
-    """Records in a seekable input (a file), for progress; None for a pipe."""
+def count_records(lines: IO[str], done: Counter[str] | None = None) -> int | None:
+    """Records in a seekable input (a file) less those `done` has output for (unfinished), for
+    progress; None for a pipe."""
     if not lines.seekable():
         return None
-    count = sum(1 for _ in lines)
+    count = sum(1 for _ in unfinished(read_records(lines), Counter(done))) if done else sum(1 for _ in lines)
     lines.seek(0)
     return count
 
@@ -203,14 +205,14 @@ def record_key(record: dict[str, Any], number: int) -> Any:
     return record.get("id", record.get("question_id", number))
 
 
-def line_key(line: str, number: int) -> Any:
-    """The id a line's output carries: its record's (record_key); for a line refused only for a
-    byte that is not UTF-8, the id its JSON holds all the same, when that id is UTF-8 itself (the
-    bad byte is elsewhere); else the line number."""
+def line_key(line: str, number: int) -> dict[str, Any]:
+    """What names a line's output: {"id": its record's id} (record_key); for a line refused only for
+    a byte that is not UTF-8, the id its JSON holds all the same, when that id is UTF-8 itself (the
+    bad byte is elsewhere); else {"line": its number}, which no record's id can be taken for."""
     with contextlib.suppress(UserError):
-        return record_key(parse_record(line, number), number)
+        return {"id": record_key(parse_record(line, number), number)}
     key = salvaged_field(line, lambda record: record_key(record, number))
-    return number if key is None else key
+    return {"line": number} if key is None else {"id": key}
 
 
 def salvaged_field(line: str, field: Callable[[dict[str, Any]], Any]) -> Any:
@@ -231,12 +233,13 @@ def salvaged_field(line: str, field: Callable[[dict[str, Any]], Any]) -> Any:
 
 
 def output_key(number: int, line: str) -> str:
-    """A record's id as the output will write it (JSON text, so 7 and "7" differ)."""
+    """What names a record's output line, as JSON text (so id 7 and "7" differ, as do id 7 and line 7)."""
     return json.dumps(line_key(line, number))
 
 
-def finished_ids(path: str) -> set[str]:
-    """Ids already in an output file; a torn last line (a killed run) is cut off first."""
+def finished_keys(path: str) -> Counter[str]:
+    """How many output lines an output file holds under each output_key; a torn last line (a
+    killed run) is cut off first."""
     try:
         with open(path, "rb+") as handle:
             data = handle.read()
@@ -244,15 +247,30 @@ def finished_ids(path: str) -> set[str]:
             if end < len(data):
                 handle.truncate(end)
     except FileNotFoundError:
-        return set()
-    done = set()
+        return Counter()
+    done: Counter[str] = Counter()
     for number, line in enumerate(data[:end].decode("utf-8", errors="replace").splitlines(), start=1):
         try:
-            done.add(json.dumps(json.loads(line)["id"]))
+            record = json.loads(line)
+            done[json.dumps({"id": record["id"]} if "id" in record else {"line": record["line"]})] += 1
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise UserError(f"--resume: line {number} of {path} is not a samctl output record: "
                             "pass the --output file of the run to resume") from err
     return done
+
+
+def unfinished(records: Iterable[tuple[int, str]], done: Counter[str],
+               skipped: Callable[[], None] = lambda: None) -> Iterator[tuple[int, str]]:
+    """The records `done` (finished_keys) has no output line for: each output line accounts for one
+    record, the first with its key, so a repeated id, or an id that is another line's number,
+    never skips a record that has no output of its own; `skipped` is called for each one left out."""
+    for number, line in records:
+        key = output_key(number, line)
+        if done[key] > 0:
+            done[key] -= 1
+            skipped()
+        else:
+            yield number, line
 
 
 def parse_record(line: str, number: int) -> dict[str, Any]:

@@ -65,20 +65,22 @@ def test_a_latin1_record_in_a_batch_gets_an_error_and_the_rest_go_on(tmp_path):
 
 def test_a_refused_line_keeps_the_id_it_holds(tmp_path):
     """A line refused for a byte elsewhere keeps its id (issue 42, item 10), and --resume finds the
-    same id; an id holding the bad byte, or a line that is no JSON object, gets its line number."""
-    from samctl.records import RecordRunner, finished_ids, line_key, output_key
+    same id; an id holding the bad byte, or a line that is no JSON object, gets its line number
+    as `line`, never as an `id`."""
+    from samctl.records import RecordRunner, finished_keys, line_key, output_key
 
     def line(raw: bytes) -> str:
         return raw.decode("utf-8", "surrogateescape")
 
     cases = [(b'{"id": "b", "prompt": "caf\xe9"}', "b"), (b'{"question_id": 7, "prompt": "\xe9"}', 7),
-             (b'{"id": "caf\xe9", "prompt": "x"}', 3), (b'not json \xe9', 3), (b'["\xe9"]', 3), (b"", 3)]
-    for raw, key in cases:
+             (b'{"id": "caf\xe9", "prompt": "x"}', None), (b'not json \xe9', None), (b'["\xe9"]', None), (b"", None)]
+    for raw, found in cases:
+        key = {"line": 3} if found is None else {"id": found}
         assert line_key(line(raw), 3) == key, raw
         out, failed = RecordRunner(session=None).process(3, line(raw))
-        assert failed and json.loads(out)["id"] == key and output_key(3, line(raw)) == json.dumps(key)
+        assert failed and json.loads(out).items() > key.items() and output_key(3, line(raw)) == json.dumps(key)
         (tmp_path / "out.jsonl").write_text(out + "\n", encoding="utf-8")
-        assert finished_ids(str(tmp_path / "out.jsonl")) == {json.dumps(key)}
+        assert finished_keys(str(tmp_path / "out.jsonl")) == {json.dumps(key): 1}
 
 
 def test_latin1_questions_and_traces_are_one_line_errors(tmp_path):

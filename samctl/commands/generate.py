@@ -11,8 +11,8 @@ Every timing is of the steady state: a warm-up run comes first (samctl.session).
 difference in the outputs exits 1; in half precision the first divergence and the agreeing rate
 are reported instead (near-tie drift of batched verification, not an error).
 
-`--resume` skips the records whose id the output file already holds (a torn last line is cut)
-and appends the rest. `--ray` runs a batch on Ray Data actors, each with its own Session
+`--resume` skips one record for each line the output file already holds under its id (or `line`
+number), a torn last line cut, and appends the rest. `--ray` runs a batch on Ray Data actors, each with its own Session
 (samctl/cluster.py). This module only turns flags into a SessionConfig and output into lines:
 the session is samctl.session's, the records samctl.records's.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import replace
-from typing import IO, Any, Callable, Iterable, Iterator
+from typing import IO, Any, Callable, Iterable
 
 import click
 
@@ -45,7 +45,7 @@ from samctl.textio import TEXT_FILE, check_utf8
                    "/v1/completions, body} -> {id, custom_id, response: {status_code, request_id, body: the completion "
                    "`samctl serve` returns}, error}; body.model must be --model as given). auto: from the first line.")
 @click.option("--output", "output_path", type=click.Path(dir_okay=False, allow_dash=True), default="-", show_default=True, help="JSONL results of a batch, '-' for stdout.")
-@click.option("--resume", is_flag=True, help="Batch: skip records whose id is already in --output and append the rest (after a killed run).")
+@click.option("--resume", is_flag=True, help="Batch: skip the records already in --output (by id) and append the rest (after a killed run).")
 @click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
               help="Batch: generate on the Ray cluster at ADDRESS (a local Ray instance when omitted) with Ray Data, one "
                    "model + store + drafter per worker, each with --threads CPU threads (default 1); output in "
@@ -95,19 +95,18 @@ def generate(config: SessionConfig, **opts: Any) -> None:
 
         size = batch_size(config, opts["batch_size"], on_gpu=opts["gpus_per_worker"] > 0, compare=opts["compare"],
                           per_worker=True)
-        failed = _batch_to_output(opts, config, lambda records, write: generate_on_ray(
+        failed = _batch_to_output(opts, config, lambda records, write, _: generate_on_ray(
             config, records, write, address=opts["ray_address"], workers=opts["workers"],
             gpus_per_worker=opts["gpus_per_worker"], field=opts["prompt_field"], compare=opts["compare"],
             batch_size=size))
         _exit_for(failed)
         return
     plan(config)  # a missing draft model or head is refused now, not after torch loads (seconds)
-    from samctl.records import RecordRunner, count_records
+    from samctl.records import RecordRunner
     from samctl.session import Session
 
     session = Session(config)
     if opts["input_file"] is not None:
-        total = count_records(opts["input_file"])
         size = batch_size(config, opts["batch_size"], on_gpu=session.engine.device.type != "cpu",
                           compare=opts["compare"], memory_save=opts["memory_save"])
         if input_format == "openai":
@@ -116,7 +115,8 @@ def generate(config: SessionConfig, **opts: Any) -> None:
             runner = OpenAIBatchRunner(session, config.model or session.engine.name, size)
         else:
             runner = RecordRunner(session, field=opts["prompt_field"], compare=opts["compare"], batch_size=size)
-        failed = _batch_to_output(opts, config, lambda records, write: runner.batch(records, write, config.quiet, total))
+        failed = _batch_to_output(opts, config, lambda records, write, total: runner.batch(records, write, config.quiet,
+                                                                                          total))
         _save_memory(opts, session)
         _exit_for(failed)
         return
@@ -222,26 +222,26 @@ def _check_batch_options(opts: dict[str, Any]) -> None:
             raise UserError("--gpus-per-worker must be >= 0")
 
 
-def _batch_to_output(opts: dict[str, Any], config: SessionConfig, run: Callable[[Iterable[tuple[int, str]], Callable[[str], None]], int]) -> int:
+def _batch_to_output(opts: dict[str, Any], config: SessionConfig,
+                     run: Callable[[Iterable[tuple[int, str]], Callable[[str], None], int | None], int]) -> int:
     """Run the batch's records (read lazily, so a pipe streams) through `run`, which calls
-    `write` with each output line in input order and returns the number that failed; --resume
-    drops the records already in the output and appends."""
-    from samctl.records import finished_ids, output_key, read_records
+    `write` with each output line in input order and returns the number that failed (its third
+    argument: how many records it will get, for progress, when a file says); --resume drops the
+    records already in the output and appends."""
+    from samctl.records import count_records, finished_keys, read_records, unfinished
 
-    records: Iterable[tuple[int, str]] = read_records(opts["input_lines"])
     path = opts["output_path"]
+    done = finished_keys(path) if opts["resume"] else None
+    total = count_records(opts["input_file"], done)
+    records: Iterable[tuple[int, str]] = read_records(opts["input_lines"])
     skipped = 0
 
-    def unfinished(records: Iterable[tuple[int, str]], done: set[str]) -> Iterator[tuple[int, str]]:
+    def skip() -> None:
         nonlocal skipped
-        for number, line in records:
-            if output_key(number, line) in done:
-                skipped += 1
-            else:
-                yield number, line
+        skipped += 1
 
-    if opts["resume"]:
-        records = unfinished(records, finished_ids(path))
+    if done is not None:
+        records = unfinished(records, done, skip)
         output = open(path, "a", encoding="utf-8")
     else:
         output = sys.stdout if path == "-" else open(path, "w", encoding="utf-8")
@@ -262,7 +262,7 @@ def _batch_to_output(opts: dict[str, Any], config: SessionConfig, run: Callable[
         written += 1
 
     try:
-        return run(records, write)
+        return run(records, write, total)
     finally:
         if output is not sys.stdout:
             try:

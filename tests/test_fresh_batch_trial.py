@@ -1,0 +1,39 @@
+"""A new user's trial of `generate` batches: --resume never takes a bad line's number for a record's
+id and counts one record per output line, and its progress counts only the records it runs."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from samctl import progress
+from samctl.records import RecordRunner, count_records, finished_keys, read_records, unfinished
+from tests.test_cli_robustness import _main
+
+
+def test_resume_skips_one_record_per_output_line_and_never_a_bad_lines_number(tmp_path):
+    lines = ['{"id": 5, "prompt": "a"}', '{"id": broken', '{"id": 2, "prompt": "b"}', '{"id": 5, "prompt": "c"}',
+             '{"prompt": "d"}']
+    bad, failed = RecordRunner(session=None).process(2, lines[1])
+    assert failed and json.loads(bad) == {"line": 2, "error": json.loads(bad)["error"]}
+    out = tmp_path / "out.jsonl"
+    out.write_text(json.dumps({"id": 5, "text": "x"}) + "\n" + bad + "\n")  # killed after two lines
+    skipped = []
+    left = unfinished(read_records(lines), finished_keys(str(out)), lambda: skipped.append(1))
+    assert [number for number, _ in left] == [3, 4, 5] and len(skipped) == 2
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    with open(tmp_path / "in.jsonl") as handle:
+        assert count_records(handle, finished_keys(str(out))) == 3 and count_records(handle) == 5
+
+
+def test_resume_progress_counts_the_records_it_runs(model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(progress, "LINE_PERIOD_S", 0.0)  # a progress line on every record
+    batch = tmp_path / "in.jsonl"
+    batch.write_text("".join(json.dumps({"id": i, "prompt": f"def f{i}(a):"}) + "\n" for i in range(4)))
+    out = tmp_path / "out.jsonl"
+    out.write_text("".join(json.dumps({"id": i, "text": "x"}) + "\n" for i in range(3)))
+    code, _, err = _main(["generate", "--model", str(model_dir), "--input", str(batch), "--output", str(out),
+                          "--resume", "--max-new-tokens", "4", "--threads", "1"], capsys)
+    assert code == 0, err
+    assert "samctl: generate: 1/1 records" in err and "done in" in err, err
+    assert f"--resume: skipped 3 record(s) already in {out}" in err
