@@ -37,3 +37,20 @@ def test_resume_progress_counts_the_records_it_runs(model_dir, tmp_path, monkeyp
     assert code == 0, err
     assert "samctl: generate: 1/1 records" in err and "done in" in err, err
     assert f"--resume: skipped 3 record(s) already in {out}" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "hi", "--output", "{out}"], "--output applies to a batch: give --input FILE"),
+    (["--prompt", "hi", "--field", "text"], "--field applies to a batch: give --input FILE"),
+    (["--input", "{batch}", "--json"], "--json applies to a single prompt; a batch's output is JSON lines already"),
+    (["--input", "{batch}", "--prediction", "{batch}"], "--prediction applies to a single prompt; in a batch give "),
+    (["--input", "{batch}", "--compare", "--compare-runs", "3"], "--compare-runs applies to a single prompt; "),
+    (["--prompt", "hi", "--compare-runs", "5"], "--compare-runs sets the rounds of --compare: add --compare"),
+])
+def test_a_flag_the_run_would_ignore_is_refused_in_one_line(args, message, tmp_path, capsys):
+    batch, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    batch.write_text('{"prompt": "a"}\n')
+    args = [a.format(batch=batch, out=out) for a in args]
+    code, stdout, err = _main(["generate", *args, "--threads", "1"], capsys)
+    assert code == 2 and err.count("\n") == 1 and message in err and stdout == "", err
+    assert not out.exists()

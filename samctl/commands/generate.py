@@ -24,6 +24,7 @@ from dataclasses import replace
 from typing import IO, Any, Callable, Iterable
 
 import click
+from click.core import ParameterSource
 
 from samctl.config import SessionConfig
 from samctl.decode.methods import method as method_entry
@@ -82,8 +83,7 @@ def generate(config: SessionConfig, **opts: Any) -> None:
         config = replace(config, threads=1)
     _note_ignored(config)
     # The single prompt's files are read (and refused if not UTF-8) before any model loads.
-    single = opts["input_file"] is None
-    prediction = _read_file(opts["prediction_file"], "--prediction") if single else None
+    prediction = _read_file(opts["prediction_file"], "--prediction")
     text = opts["prompt"] if opts["prompt"] is not None else _read_file(opts["prompt_file"], "--prompt-file")
     if prediction is not None and not method_entry(config.method).takes_prediction:
         raise UserError(f"method {config.method} does not draft from a prediction: drop --prediction "
@@ -202,13 +202,23 @@ def _read_file(handle: IO[str] | None, flag: str) -> str | None:
 
 
 def _check_batch_options(opts: dict[str, Any]) -> None:
+    """Refuse a flag that the single prompt or the batch would ignore, in one line."""
     batch = opts["input_file"] is not None
     for flag, used in (("--resume", opts["resume"]), ("--ray", opts["ray_address"] is not None),
-                       ("--batch-size", opts["batch_size"] is not None),
-                       ("--input-format", opts["input_format"] != "auto"),
+                       ("--batch-size", opts["batch_size"] is not None), ("--output", opts["output_path"] != "-"),
+                       ("--input-format", opts["input_format"] != "auto"), ("--field", opts["prompt_field"] is not None),
                        ("--workers", opts["workers"] is not None), ("--gpus-per-worker", opts["gpus_per_worker"] != 0)):
         if used and not batch:
             raise UserError(f"{flag} applies to a batch: give --input FILE")
+    runs_given = click.get_current_context().get_parameter_source("compare_runs") != ParameterSource.DEFAULT
+    for flag, used, instead in (
+            ("--json", opts["as_json"], "a batch's output is JSON lines already: drop --json"),
+            ("--prediction", opts["prediction_file"] is not None, "in a batch give each record a `prediction` field"),
+            ("--compare-runs", runs_given, "a batch compares each record once: drop --compare-runs")):
+        if used and batch:
+            raise UserError(f"{flag} applies to a single prompt; {instead}")
+    if runs_given and not opts["compare"]:
+        raise UserError("--compare-runs sets the rounds of --compare: add --compare, or drop --compare-runs")
     check_count("--batch-size", opts["batch_size"], MAX_BATCH_SIZE)  # before the model loads
     if opts["resume"] and opts["output_path"] == "-":
         raise UserError("--resume appends to the --output file: give a file, not stdout")
