@@ -83,7 +83,7 @@ def test_batch_keeps_order_reports_bad_records_and_fails(model_dir, tmp_path):
                   "--compare", stdin="\n".join(lines) + "\n")
     assert proc.returncode == 1, proc.stderr
     records = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert [r["id"] for r in records] == ["a", 2, "c", "d", 7, "f"]
+    assert [r.get("id") for r in records] == ["a", None, "c", "d", 7, "f"] and records[1]["line"] == 2
     assert "text" in records[0] and records[0]["compare"]["identical"] is True
     assert "not JSON" in records[1]["error"]
     assert "no prompt" in records[2]["error"] and "no prompt" in records[5]["error"]
@@ -222,7 +222,7 @@ def test_blank_lines_get_an_error_line_and_quiet_means_no_notes(model_dir, tmp_p
                   "--max-new-tokens", "4", "--quiet", stdin="\n".join(lines) + "\n")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     records = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert [r["id"] for r in records] == ["a", 2, 3, "d"]  # one output line per input line
+    assert [r.get("id", r.get("line")) for r in records] == ["a", 2, 3, "d"]  # one output line per input line
     assert "blank" in records[1]["error"] and "blank" in records[2]["error"] and "text" in records[3]
     # --quiet: the failure count (an error) stays, the note about the unused store goes
     assert proc.stderr.strip() == "samctl: 2 record(s) failed; see their `error` fields"
