@@ -248,7 +248,7 @@ def test_one_batch_run_serves_every_call_and_a_whole_input_stays_in_order(model_
     monkeypatch.setattr(session, "stream_batch", lambda items, **k: stats.append(k["stats"]) or stream(items, **k))
     failed = RecordRunner(session, batch_size=2).batch(enumerate(lines, 1), lambda s: out.write(s + "\n"), quiet=True)
     rows = [json.loads(s) for s in out.getvalue().splitlines()]
-    assert failed == 1 and [r["id"] for r in rows] == ["r0", "r1", 3, "r2", "r3", "multi", "r4", "r5", "r6", "r7"]
+    assert failed == 1 and [r.get("id", r.get("line")) for r in rows] == ["r0", "r1", 3, "r2", "r3", "multi", "r4", "r5", "r6", "r7"]
     assert "error" in rows[2] and len(rows[5]["metrics"]) == 2  # one per turn
     assert [rows[j]["text"] for j in (0, 1, 3, 4, 6, 7, 8, 9)] == [session.decode(t) for t in alone]
     assert len([run for run in built if run.target.rows == 2]) == 1  # the same run again
