@@ -54,3 +54,17 @@ def test_a_flag_the_run_would_ignore_is_refused_in_one_line(args, message, tmp_p
     code, stdout, err = _main(["generate", *args, "--threads", "1"], capsys)
     assert code == 2 and err.count("\n") == 1 and message in err and stdout == "", err
     assert not out.exists()
+
+
+def test_quiet_compare_prints_no_summary_unless_the_outputs_differ(model_dir, monkeypatch, capsys):
+    from samctl.session import Session
+
+    args = ["generate", "--model", str(model_dir), "--prompt", "def f(a):", "--max-new-tokens", "4", "--threads", "1",
+            "--compare", "--compare-runs", "1", "-q"]
+    code, out, err = _main(args, capsys)
+    assert code == 0 and out and err == "", err
+    compare = Session.compare
+    monkeypatch.setattr(Session, "compare", lambda *a, **k: {**compare(*a, **k), "identical": False,
+                                                             "first_difference": 2, "exact_dtype": True})
+    code, _, err = _main(args, capsys)
+    assert code == 1 and err.count("\n") == 1 and "OUTPUTS DIFFER at token 2" in err, err

@@ -142,7 +142,7 @@ def _single(session, text: str, opts: dict[str, Any], prediction: str | None) ->
         out["compare"] = session.compare(text, result, opts["compare_runs"])
         # Only float32 promises token-for-token equality; half precision reports the drift.
         mismatch = out["compare"]["identical"] is False and out["compare"]["exact_dtype"]
-        if not opts["as_json"] or not session.config.quiet:
+        if mismatch or not session.config.quiet:  # with --quiet, only a difference (an error) is said
             click.echo(compare_line(session.config.method, out["compare"], result), err=True)
     if opts["as_json"]:
         click.echo(json.dumps({**session.record, **out}, ensure_ascii=False))
