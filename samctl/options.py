@@ -179,7 +179,7 @@ def batch_size(config: "SessionConfig", asked: int | None, on_gpu: bool, *, comp
                "--compare times records one at a time" if compare else
                "--memory-file/--memory-save keep one drafter's memory" if config.memory_file or memory_save else "")
     if blocked:
-        if asked is not None and asked > 1 and not config.quiet:
+        if asked != 1 and not config.quiet:
             click.echo(f"samctl: note: {blocked}: batch size 1", err=True)
         return 1
     if asked is not None:

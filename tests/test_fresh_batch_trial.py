@@ -68,3 +68,16 @@ def test_quiet_compare_prints_no_summary_unless_the_outputs_differ(model_dir, mo
                                                              "first_difference": 2, "exact_dtype": True})
     code, _, err = _main(args, capsys)
     assert code == 1 and err.count("\n") == 1 and "OUTPUTS DIFFER at token 2" in err, err
+
+
+@pytest.mark.parametrize("flags, note", [
+    (["--compare"], "note: --compare times records one at a time: batch size 1"),
+    (["--memory-save", "{memory}"], "note: --memory-file/--memory-save keep one drafter's memory: batch size 1"),
+])
+def test_a_batch_that_runs_one_record_at_a_time_says_so_once(flags, note, model_dir, tmp_path, capsys):
+    batch = tmp_path / "in.jsonl"
+    batch.write_text("".join(json.dumps({"id": i, "prompt": f"def f{i}(a):"}) + "\n" for i in range(2)))
+    flags = [f.format(memory=tmp_path / "memory.sam") for f in flags]
+    code, _, err = _main(["generate", "--model", str(model_dir), "--input", str(batch), "--max-new-tokens", "4",
+                          "--threads", "1", *flags], capsys)
+    assert code == 0 and err.count(note) == 1, err
