@@ -293,6 +293,8 @@ def prompt_turns(record: dict[str, Any], field: str | None) -> list[str]:
         value = record.get(name)
         if name == "turns" and value is not None and not isinstance(value, list):
             raise UserError("`turns` must be a list of texts, one per turn, e.g. [\"first\", \"second\"]")
+        if isinstance(value, list) and (bad := [i for i, v in enumerate(value, 1) if not isinstance(v, str)]):
+            raise UserError(f"turn {bad[0]} of the record's `{name}` is not text: give every turn as a string")
         if isinstance(value, str) and value:
             return [value]
         if isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):

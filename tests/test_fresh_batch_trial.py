@@ -7,6 +7,7 @@ import json
 import pytest
 
 from samctl import progress
+from samctl.index.errors import UserError
 from samctl.records import RecordRunner, count_records, finished_keys, read_records, unfinished
 from tests.test_cli_robustness import _main
 
@@ -81,3 +82,13 @@ def test_a_batch_that_runs_one_record_at_a_time_says_so_once(flags, note, model_
     code, _, err = _main(["generate", "--model", str(model_dir), "--input", str(batch), "--max-new-tokens", "4",
                           "--threads", "1", *flags], capsys)
     assert code == 0 and err.count(note) == 1, err
+
+
+def test_a_turn_that_is_not_text_is_named():
+    from samctl.records import prompt_turns
+
+    with pytest.raises(UserError, match=r"^turn 2 of the record's `turns` is not text: give every turn as a string$"):
+        prompt_turns({"turns": ["Hi", 5]}, None)
+    with pytest.raises(UserError, match="no prompt"):
+        prompt_turns({"turns": []}, None)
+    assert prompt_turns({"turns": ["Hi", "again"]}, None) == ["Hi", "again"]
