@@ -92,3 +92,21 @@ def test_a_turn_that_is_not_text_is_named():
     with pytest.raises(UserError, match="no prompt"):
         prompt_turns({"turns": []}, None)
     assert prompt_turns({"turns": ["Hi", "again"]}, None) == ["Hi", "again"]
+
+
+def test_bench_notes_an_unread_store_only_when_no_method_reads_it(model_dir, tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("def add(a, b):\n    return a + b\n" * 3)
+    store = tmp_path / "s.sam"
+    assert _main(["build", str(tmp_path / "a.txt"), "-o", str(store), "--tokenizer", str(model_dir), "-q"],
+                 capsys)[0] == 0
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "coding", "turns": ["def add(a, b):"]}) + "\n")
+    said = {}
+    for methods in ("sam", "pld"):
+        code, _, err = _main(["bench", "--model", str(model_dir), "--sam", str(store), "--questions", str(questions),
+                              "--methods", methods, "--max-new-tokens", "4", "--threads", "1",
+                              "--out", str(tmp_path / methods)], capsys)
+        assert code == 0, err
+        said[methods] = err
+    assert "does not use the store" not in said["sam"], said["sam"]
+    assert said["pld"].count(f"note: method ar does not use the store {store}") == 1, said["pld"]

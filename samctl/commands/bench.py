@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import platform
 import shlex
 import sys
@@ -39,11 +40,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import click
 
-from samctl.decode.methods import DRAFT_METHODS, EAGLE_METHODS, METHODS, SELF_DRAFT_METHODS
+from samctl.decode.methods import DRAFT_METHODS, EAGLE_METHODS, METHODS, SELF_DRAFT_METHODS, method as method_entry
 from samctl.index.errors import UserError
 from samctl.bench_report import BASELINE, report_category, write_summary
 from samctl.config import SessionConfig
 from samctl.options import SAMPLING, parse_methods, session_options
+from samctl.plan import plan
 from samctl.progress import progress_bar
 from samctl.decode.metrics import first_difference
 from samctl.textio import ERRORS, check_utf8
@@ -52,6 +54,7 @@ if TYPE_CHECKING:  # torch, transformers and the decoder load with the model, no
     from samctl.decode.drafters.base import Drafter
     from samctl.session import Engine, Session
 
+log = logging.getLogger(__name__)
 HF_METHODS = ("hf-greedy", "hf-pld", "hf-assisted")
 ALL_BENCH_METHODS = METHODS + DRAFT_METHODS + EAGLE_METHODS + SELF_DRAFT_METHODS + HF_METHODS
 WARMUP_TOKENS = 16
@@ -116,7 +119,13 @@ def bench(config: SessionConfig, questions_path: str, methods_spec: str, limit: 
     # bench decodes greedily: a draft pair's embedded head is the one trained for that
     config = replace(config, method=BASELINE)
     models = {"draft_model": config.draft_model, "acc_head": config.acc_head, "eagle_head": config.eagle_head}
-    session = Session(replace(config, **dict.fromkeys(models)))  # ar's: the draft and heads are the methods'
+    base = replace(config, quiet=True, **dict.fromkeys(models))  # ar's: the draft and heads are the methods'
+    session = Session(base)
+    # ar is the baseline, not a choice: that it reads no store is worth a note only when no
+    # benchmarked method reads it either (else the notes are those of the same plan without it)
+    reads_store = any(m not in HF_METHODS and method_entry(m).uses_store for m in methods)
+    for note in (plan(replace(base, store=None)) if reads_store else session.plan).notes if not config.quiet else ():
+        log.info(note)
     engine = session.engine
     runners = {m: _runner(m, session, models) for m in methods}
     out_dir = Path(out_dir)
