@@ -228,3 +228,25 @@ def test_simulate_reads_predictions_and_cost_curves(tmp_path):
     bad.write_text("{}")
     refused = samctl("simulate", "--traces", str(traces), "--tokenizer", "bytes", "--cost-curve", str(bad))
     assert refused.returncode == 2 and "samctl calibrate" in refused.stderr
+
+
+def test_simulate_chat_encodes_as_generate(model_dir, tmp_path):
+    # A tokenizer.json folder loads without transformers (FastTokenizer), yet --chat renders
+    # its template as generate --chat does: every turn's prompt equals the engine's ids.
+    from samctl.commands.simulate import read_traces
+    from samctl.models import load_engine
+    from samctl.tokenizer import ByteTokenizer, FastTokenizer, load_tokenizer
+
+    tok = load_tokenizer(str(model_dir))
+    assert isinstance(tok, FastTokenizer)
+    traces = tmp_path / "chat.jsonl"
+    traces.write_text(json.dumps({"turns": ["Add a and b.", "Now the fox."],
+                                  "reference": ["def add(a, b):", "The quick brown fox."]}) + "\n")
+    engine = load_engine(str(model_dir), device="cpu")
+    conversation = [{"role": "user", "content": "Add a and b."}]
+    expected = [engine.encode_conversation(conversation, chat=True),
+                engine.encode_conversation(conversation + [{"role": "assistant", "content": "def add(a, b):"},
+                                                           {"role": "user", "content": "Now the fox."}], chat=True)]
+    assert [t.prompt.tolist() for t in read_traces(traces, tok, True, None, None)] == expected
+    with pytest.raises(UserError, match="no chat template: drop chat="):
+        read_traces(traces, ByteTokenizer(), True, None, None)

@@ -275,10 +275,7 @@ def _encode_prompt(tok: Tokenizer, messages: list[dict[str, str]], chat: bool) -
     (as `generate` and `bench` build multi-turn prompts)."""
     if not chat:
         return tok.encode("\n\n".join(m["content"] for m in messages))
-    hf = getattr(tok, "hf", None)
-    if hf is None or not getattr(hf, "chat_template", None):
-        raise UserError(f"tokenizer {tok.name} has no chat template: drop --chat")
-    return tok.encode(hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    return tok.encode_chat(messages)
 
 
 def _ids(value: Any, name: str, where: str, tok: Tokenizer) -> list[int]:
