@@ -441,7 +441,8 @@ def record_turns(record: dict[str, Any], fields: tuple[str, ...], where: str) ->
         turns = tuple(_item_text(m, chat, where) for m in _as_list(record[chat], chat, where)
                       if isinstance(m, dict) and (m.get("role") or m.get("from")) in _USER_ROLES)
         if not turns:
-            raise UserError(f"{where}: field {chat!r} has no user message (role user or from human): {_FIELD_HINT}")
+            raise ConfigError("{where}: field {name!r} has no user message (role user or from human): " + _FIELD_HINT,
+                              where=where, name=chat)
         return turns
     if record.get("instruction") is not None:
         parts = [_field_text(record[name], name, where) for name in ("instruction", "input")
@@ -449,7 +450,8 @@ def record_turns(record: dict[str, Any], fields: tuple[str, ...], where: str) ->
         return ("\n\n".join(p.strip() for p in parts if p.strip()),)
     name = _first_present(record, ("question", "prompt", "text"))
     if name is None:
-        raise UserError(f"{where} has no known prompt fields (it has {_keys(record)}): {_FIELD_HINT}")
+        raise ConfigError("{where} has no known prompt fields (it has {keys}): " + _FIELD_HINT, where=where,
+                          keys=_keys(record))
     return (_field_text(record[name], name, where),)
 
 

@@ -231,3 +231,14 @@ def test_prompts_carry_the_records_own_answer(tmp_path):
     (tmp_path / "q.jsonl").write_text(json.dumps(rows[1]) + "\n")
     assert [d.answer for d in iter_prompts([str(tmp_path / "q.jsonl")], fields=("question",))] == [""]  # named fields
     assert all(d.answer == "" for d in CorpusReader([str(path)]))  # read as a corpus, answers are in the text
+
+
+@pytest.mark.parametrize("record, match", [({"body": "x"}, "has no known prompt fields"),
+                                           ({"messages": [{"role": "system", "content": "s"}]}, "has no user message")])
+def test_prompt_shape_errors_name_the_fields_setting(tmp_path, record, match):
+    from samctl.index.corpus import iter_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    with pytest.raises(UserError, match=match + r".*name the fields to read with fields=$"):
+        list(iter_prompts([str(path)]))
