@@ -250,3 +250,22 @@ def test_simulate_chat_encodes_as_generate(model_dir, tmp_path):
     assert [t.prompt.tolist() for t in read_traces(traces, tok, True, None, None)] == expected
     with pytest.raises(UserError, match="no chat template: drop chat="):
         read_traces(traces, ByteTokenizer(), True, None, None)
+
+
+def test_simulate_reports_a_bad_record_and_reads_the_rest(tmp_path, capsys):
+    # Spec-Bench's rag records hold a list of answers per turn, not the turn's output.
+    from samctl.commands.simulate import read_traces
+    from samctl.tokenizer import ByteTokenizer
+
+    rows = [{"turns": ["Who?"], "reference": [["Ray", "Harrison"]], "question_id": 481},
+            {"prompt": "Say hi", "output": "hi there"}, {"prompt": "x", "output": "y", "prediction": 3},
+            {"turns": ["One.", "Two."], "reference": ["1", "2"]}]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    traces = read_traces(path, ByteTokenizer(), False, None, None)
+    assert [bytes(t.reference.tolist()).decode() for t in traces] == ["hi there", "1", "2"]
+    err = capsys.readouterr().err
+    assert "skipped 2 record(s)" in err and "mixed.jsonl:1: turn 0's reference is a list, not text" in err
+    path.write_text(json.dumps(rows[0]) + "\n")
+    with pytest.raises(UserError, match="holds no traces"):
+        read_traces(path, ByteTokenizer(), False, None, None)
