@@ -233,9 +233,11 @@ def test_debug_shows_the_traceback(built, monkeypatch):
         main(["info", str(built)])
 
 
-def test_missing_store(tmp_path, capsys):
-    code, _out, err = _main(["info", str(tmp_path / "nope.sam")], capsys)
-    assert "does not exist" in _one_line_error(code, err)
+@pytest.mark.parametrize("command", [["info"], ["serve", "--sam"]])
+def test_missing_store(tmp_path, capsys, command):
+    # every command words a missing store alike (serve checks its stores before loading the model)
+    code, _out, err = _main([*command, str(tmp_path / "nope.sam")], capsys)
+    assert "nope.sam does not exist: build one with samctl build" in _one_line_error(code, err)
 
 
 @pytest.mark.parametrize(
