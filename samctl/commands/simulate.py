@@ -49,7 +49,7 @@ _OUTPUT_FIELDS = ("output", "completion", "response", "reference")
 
 @click.command("simulate")
 @session_options(only=("store", "max_new_tokens", "chat", "quiet", "settings"), raw=("max_new_tokens",),
-                 exclude=("gamma", "stop_threshold", "bounds"),  # the draft-model methods replay nothing
+                 methods=REPLAYABLE,
                  store={"help": "Static datastore (for sam and rest): a .sam file or a store directory (sharded, or a suffix array)."},
                  max_new_tokens={"default": None, "type": int, "show_default": False,
                                  "help": "Cut references to this many tokens (default: whole references)."})
