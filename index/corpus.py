@@ -23,7 +23,10 @@ A record's text (`record_text`) comes from the fields named by the user when the
 (joined with newlines; absent or null ones are left out), or else from the first known shape:
 Spec-Bench `turns` (+ `reference`), chat `messages`/`conversations`, Alpaca
 `instruction`/`input`/`output` (or `response`), GSM8K `question`/`answer`, `prompt`/`completion`
-(or `response`), or `text`. Documents whose text is empty or blank are dropped and counted.
+(or `response`), or `text`; a list is read as its items' text, nested lists flattened. Documents
+whose text is empty or blank are dropped and counted; a record whose field holds no text (a number
+list, a map without content) is left out and listed in `CorpusCounts.skipped_records`, with a note
+(the `samctl` logger) once the inputs are read, and the rest are read on.
 
 Read for prompts (`prompts=True`, `iter_prompts`: trainers that have a model answer them), a
 record becomes its user turns only (`record_turns`: Spec-Bench `turns`, the user messages of a
@@ -37,6 +40,7 @@ from __future__ import annotations
 import fnmatch
 import itertools
 import json
+import logging
 import os
 import stat
 import sys
@@ -59,6 +63,8 @@ RECORD_EXTENSIONS = frozenset([".json", ".jsonl", ".parquet"])
 _BINARY_PROBE = 8192
 _FIELD_HINT = "name the fields to read with {fields}"  # a ConfigError template
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class Document:
@@ -79,6 +85,11 @@ class CorpusCounts:
     characters: int = 0
     empty: int = 0  # documents dropped because their text was blank
     skipped: list[str] = field(default_factory=list)  # "path (why)": files left out of folders
+    skipped_records: list[str] = field(default_factory=list)  # "where: why": records with a field that is not text
+
+
+class NoText(UserError):
+    """A record's field holds something that is not text: the reader leaves the record out."""
 
 
 class CorpusReader:
@@ -112,14 +123,19 @@ class CorpusReader:
     def __iter__(self) -> Iterator[Document]:
         for spec in self.inputs:
             for document in self._documents(spec):
+                if document is None:
+                    continue
                 if not document.text.strip():
                     self.counts.empty += 1
                     continue
                 self.counts.documents += 1
                 self.counts.characters += len(document.text)
                 yield document
+        skipped = self.counts.skipped_records
+        if skipped:
+            log.warning(f"warning: skipped {len(skipped)} record(s) with a field that holds no text (first: {skipped[0]})")
 
-    def _documents(self, spec: str) -> Iterator[Document]:
+    def _documents(self, spec: str) -> Iterator[Document | None]:
         if spec == "-":
             return _stdin_documents(self.stdin or sys.stdin, self._record)
         if spec.startswith("hf:"):
@@ -128,7 +144,7 @@ class CorpusReader:
             return self._folder_documents(Path(spec))
         return self._file_documents(Path(spec), explicit=True)
 
-    def _folder_documents(self, top: Path) -> Iterator[Document]:
+    def _folder_documents(self, top: Path) -> Iterator[Document | None]:
         for path in _walk(top):
             relative = path.relative_to(top).as_posix()
             if self._selected(relative, path.name, path.suffix.lower()):
@@ -145,7 +161,7 @@ class CorpusReader:
         chosen = matches(self.include) if self.include else suffix in TEXT_EXTENSIONS
         return chosen and not matches(self.exclude)
 
-    def _file_documents(self, path: Path, explicit: bool) -> Iterator[Document]:
+    def _file_documents(self, path: Path, explicit: bool) -> Iterator[Document | None]:
         self.counts.files += 1
         suffix = path.suffix.lower()
         if suffix in RECORD_EXTENSIONS:
@@ -162,11 +178,16 @@ class CorpusReader:
             return
         yield Document(str(path), text, (text,) if self.prompts else ())
 
-    def _record(self, record: dict[str, Any], where: str) -> Document:
-        if self.prompts:
-            turns = record_turns(record, self.fields, where)
-            return Document(where, "\n".join(turns), turns, record_answer(record, self.fields, where))
-        return Document(where, record_text(record, self.fields, where))
+    def _record(self, record: dict[str, Any], where: str) -> Document | None:
+        """The record's document, or None (counted) when a field it is read from holds no text."""
+        try:
+            if self.prompts:
+                turns = record_turns(record, self.fields, where)
+                return Document(where, "\n".join(turns), turns, record_answer(record, self.fields, where))
+            return Document(where, record_text(record, self.fields, where))
+        except NoText as err:
+            self.counts.skipped_records.append(str(err))
+            return None
 
 
 def iter_prompts(
@@ -300,7 +321,7 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
 # stdin and Hugging Face datasets
 
 
-def _stdin_documents(stream: TextIO, convert: Callable[[dict[str, Any], str], Document]) -> Iterator[Document]:
+def _stdin_documents(stream: TextIO, convert: Callable[[dict[str, Any], str], Document | None]) -> Iterator[Document | None]:
     """JSON lines are read one at a time; plain text is one document (its lines joined by \\n)."""
     try:
         head: list[str] = []
@@ -328,7 +349,7 @@ def _is_json_object(line: str) -> bool:
         return False
 
 
-def _hf_documents(spec: str, convert: Callable[[dict[str, Any], str], Document]) -> Iterator[Document]:
+def _hf_documents(spec: str, convert: Callable[[dict[str, Any], str], Document | None]) -> Iterator[Document | None]:
     name, config, split = _parse_hf_spec(spec)
     dataset = _load_hf(spec, name, config, split)
     for row, record in enumerate(dataset, 1):
@@ -420,7 +441,8 @@ def record_turns(record: dict[str, Any], fields: tuple[str, ...], where: str) ->
         turns = tuple(_item_text(m, chat, where) for m in _as_list(record[chat], chat, where)
                       if isinstance(m, dict) and (m.get("role") or m.get("from")) in _USER_ROLES)
         if not turns:
-            raise UserError(f"{where}: field {chat!r} has no user message (role user or from human): {_FIELD_HINT}")
+            raise ConfigError("{where}: field {name!r} has no user message (role user or from human): " + _FIELD_HINT,
+                              where=where, name=chat)
         return turns
     if record.get("instruction") is not None:
         parts = [_field_text(record[name], name, where) for name in ("instruction", "input")
@@ -428,7 +450,8 @@ def record_turns(record: dict[str, Any], fields: tuple[str, ...], where: str) ->
         return ("\n\n".join(p.strip() for p in parts if p.strip()),)
     name = _first_present(record, ("question", "prompt", "text"))
     if name is None:
-        raise UserError(f"{where} has no known prompt fields (it has {_keys(record)}): {_FIELD_HINT}")
+        raise ConfigError("{where} has no known prompt fields (it has {keys}): " + _FIELD_HINT, where=where,
+                          keys=_keys(record))
     return (_field_text(record[name], name, where),)
 
 
@@ -455,7 +478,7 @@ def _as_list(value: Any, name: str, where: str) -> list:
         return [value]
     if isinstance(value, list):
         return value
-    raise UserError(f"{where}: field {name!r} is a {type(value).__name__}, not a list of turns: {_FIELD_HINT}")
+    raise NoText(f"{where}: field {name!r} is a {type(value).__name__}, not a list of turns")
 
 
 def _first_present(record: dict[str, Any], slot: tuple[str, ...]) -> str | None:
@@ -469,20 +492,20 @@ def _field_text(value: Any, name: str, where: str) -> str:
         return str(value)
     if isinstance(value, list):
         return "\n".join(_item_text(item, name, where) for item in value)
-    raise ConfigError("{where}: field {name!r} is a {kind}, not text: " + _FIELD_HINT, where=where, name=name,
-                      kind=type(value).__name__)
+    raise NoText(f"{where}: field {name!r} is a {type(value).__name__}, not text")
 
 
 def _item_text(item: Any, name: str, where: str) -> str:
-    """A list element: a string, or a chat message {role/from, content/value}."""
+    """A list element: a string, a list of them (flattened), or a chat message {role/from, content/value}."""
     if isinstance(item, str):
         return item
+    if isinstance(item, list):
+        return "\n".join(_item_text(inner, name, where) for inner in item)
     if isinstance(item, dict):
         for key in ("content", "value", "text"):
             if isinstance(item.get(key), str):
                 return item[key]
-    raise ConfigError("{where}: field {name!r} holds a {kind} that is not text: " + _FIELD_HINT, where=where,
-                      name=name, kind=type(item).__name__)
+    raise NoText(f"{where}: field {name!r} holds a {type(item).__name__} that is not text")
 
 
 def _keys(record: dict[str, Any]) -> str:

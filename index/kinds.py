@@ -18,6 +18,8 @@ and an entry says how a store of the kind is built, written and read:
     token_columns(arrays) -> [columns]   the arrays holding ids a draft can contain (checked < vocab)
     file_counts(arrays) -> {name: int}   `counts` from a file's array shapes, without loading it
     load(path, verify, occurrence) -> store                      directory kinds
+    files: the files a directory kind's store holds beside its manifest (they tell the kind when
+           the manifest is unreadable, so that the error advises rebuilding that kind)
     grows: `--append-to` works (an automaton grows in place; a directory kind is rebuilt over
            `structure.documents()` and the new documents)
     sharded(structures, occurrence) -> structure   `--shards` works: the shards' structures
@@ -61,6 +63,7 @@ class StoreKind:
     token_columns: Callable[[dict[str, np.ndarray]], list[np.ndarray]] | None = None
     file_counts: Callable[[dict[str, np.ndarray]], dict[str, int]] | None = None
     load: Callable[..., Any] | None = None  # directory kinds
+    files: tuple[str, ...] = ()  # directory kinds
     grows: bool = False
     sharded: Callable[[list[Any], str], Any] | None = None
 
@@ -184,5 +187,5 @@ KINDS: dict[str, StoreKind] = {kind.name: kind for kind in (
                                     "built by infini-gram's indexer (pip install 'samctl[sa]')",
               build=_sa_build, lookup=lambda sa, context, n, k: sa.lookup(context, n, k),
               counts=lambda sa: {"suffixes": sa.num_tokens + sa.num_documents}, count_names=("suffixes",),
-              load=_sa_load, grows=True, sharded=_sa_sharded),
+              load=_sa_load, files=("tokenized.0", "table.0", "offset.0"), grows=True, sharded=_sa_sharded),
 )}

@@ -9,7 +9,7 @@ import json
 import os
 
 from samctl.index.datastore import Datastore, load_single
-from samctl.index.kinds import KINDS
+from samctl.index.kinds import KINDS, StoreKind
 
 
 def load_datastore(path: str | os.PathLike, verify: bool = False, occurrence: str = "first") -> Datastore:
@@ -21,7 +21,7 @@ def load_datastore(path: str | os.PathLike, verify: bool = False, occurrence: st
     """
     if os.path.isdir(path):
         manifest = _manifest(path)
-        kind = KINDS.get(str(manifest.get("kind")))
+        kind = KINDS.get(str(manifest.get("kind"))) if manifest else _kind_by_files(path)
         if kind is not None and kind.directory and "shards" not in manifest:
             return kind.load(path, verify=verify, occurrence=occurrence)
         from samctl.index.sharded import load_sharded  # numba loads with a store, not for `build --help`
@@ -39,3 +39,10 @@ def _manifest(path: str | os.PathLike) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return {}
     return manifest if isinstance(manifest, dict) else {}
+
+
+def _kind_by_files(path: str | os.PathLike) -> StoreKind | None:
+    # A directory whose manifest is unreadable: the directory kind whose files it holds, so that its
+    # loader words the error (and the advice to rebuild); None for a sharded store's.
+    return next((k for k in KINDS.values() if k.files and all(os.path.isfile(os.path.join(path, f)) for f in k.files)),
+                None)

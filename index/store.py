@@ -84,6 +84,10 @@ class StoreError(UserError):
     """A store file that cannot be read: corrupt, truncated, foreign or too new."""
 
 
+def missing_store(name: str) -> StoreError:
+    return StoreError(f"{name} does not exist: build one with samctl build")
+
+
 @dataclass(frozen=True)
 class ArrayEntry:
     """Where one array lives in the file and how it is encoded."""
@@ -379,7 +383,7 @@ def read_store(path: str | os.PathLike, verify: bool = False) -> StoreFile:
             version, header_bytes = _read_preamble(name, handle, size)
             buffer = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if size else None
     except FileNotFoundError as err:
-        raise StoreError(f"{name} does not exist: build one with samctl build") from err
+        raise missing_store(name) from err
     except IsADirectoryError as err:
         raise StoreError(f"{name} is a directory, not a store file: pass a .sam file") from err
     except OSError as err:

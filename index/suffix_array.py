@@ -45,13 +45,14 @@ import numpy as np
 from numba import njit
 
 from samctl.index.datastore import StoreMeta, parse_meta
+from samctl.index.kinds import KINDS
 from samctl.index.lookup import Lookup
 from samctl.index.errors import ConfigError, UserError
 from samctl.index.store import MANIFEST, DirectoryWriter, StoreError, file_crc32, read_manifest
 
 FORMAT = "samctl-sa-store"
 FORMAT_VERSION = 1
-FILES = ("tokenized.0", "table.0", "offset.0")
+FILES = KINDS["sa"].files
 MAX_MATCH = 32  # tokens a broken match is re-searched over (the automaton has no cap; drafters read <= 16)
 FIRST_SCAN = 4096  # pointers scanned for the earliest occurrence
 SAMPLES = 64  # suffixes sampled per node for its next tokens (all of them in a smaller range)
@@ -664,7 +665,8 @@ def _read_manifest(name: str) -> dict[str, Any]:
     def bad(what: str) -> StoreError:
         return StoreError(f"{file} is damaged ({what}): {_REBUILD}")
 
-    manifest = read_manifest(file, FORMAT, FORMAT_VERSION, "suffix-array", _REBUILD)
+    manifest = read_manifest(file, FORMAT, FORMAT_VERSION, "suffix-array", _REBUILD,
+                             missing=f"{file} is missing: {_REBUILD}")
     sa = manifest.get("sa")
     if not isinstance(sa, dict):
         raise bad("no sa section")

@@ -18,7 +18,7 @@ from samctl.decode.engine.target import TargetModel
 from samctl.gguf_cache import first_line, model_folder
 from samctl.index.errors import ConfigError, UserError
 from samctl.plan import EMBEDDED_MODEL_NOTE, default_model
-from samctl.tokenizer import tokenizer_fingerprint
+from samctl.tokenizer import chat_ids, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +50,7 @@ class Engine:
         """Multi-turn: the chat template over the whole conversation, or the turns joined by blank lines."""
         if not chat:
             return self.tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ConfigError("model {name} has no chat template: drop {chat}", name=self.name)
-        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        return chat_ids(self.tokenizer, messages, f"model {self.name}")
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

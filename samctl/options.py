@@ -135,14 +135,21 @@ ENGINE = ("device", "dtype", "threads", "quantize", "prepack", "backend", "graph
 
 
 def session_options(*, only: tuple[str, ...] | None = None, exclude: tuple[str, ...] = (), raw: tuple[str, ...] = (),
-                    **changes: Any) -> Callable[[Callable], Callable]:
+                    methods: tuple[str, ...] | None = None, **changes: Any) -> Callable[[Callable], Callable]:
     """The options of the configuration fields a command takes (all, or `only` these keys; drafter
-    settings by `settings`), less `exclude`, each changed as `changes[key]` says (a value: the
-    command's default; a dict: click arguments). The command receives `config`, the SessionConfig
-    of the parsed options, before its own; a key in `raw` goes to it as parsed instead."""
-    chosen = [(key, f, owner) for key, f, owner in config_fields()
-              if (only is None or key in only or (owner not in ("session", "sampling") and "settings" in only))
-              and key not in exclude]
+    settings by `settings`, only those one of `methods` reads when given), less `exclude`, each
+    changed as `changes[key]` says (a value: the command's default; a dict: click arguments). The
+    command receives `config`, the SessionConfig of the parsed options, before its own; a key in
+    `raw` goes to it as parsed instead."""
+    from samctl.decode.methods import method
+
+    def taken(key: str, f: dataclasses.Field, owner: str) -> bool:
+        if owner in ("session", "sampling"):
+            return only is None or key in only
+        return ((only is None or "settings" in only)
+                and (methods is None or any(method(m).reads(f"{owner}.{f.name}") for m in methods)))
+
+    chosen = [(key, f, owner) for key, f, owner in config_fields() if taken(key, f, owner) and key not in exclude]
 
     def add(command: Callable) -> Callable:
         @functools.wraps(command)

@@ -36,6 +36,7 @@ This module does not know stores' file format or decoding.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -48,7 +49,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 import numpy as np
 
 from samctl.index.datastore import StoreMeta
-from samctl.index.errors import UserError
+from samctl.index.errors import ConfigError, UserError
 from samctl.gguf_cache import cached_folder, first_line, is_gguf, model_folder
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,18 @@ class Tokenizer(Protocol):
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The conversation through the chat template (`chat_ids`); ConfigError without one."""
+
+
+def chat_ids(hf_tokenizer: Any, messages: list[dict[str, str]], owner: str) -> list[int]:
+    """The conversation rendered by a transformers tokenizer's chat template, the assistant's turn
+    opened, as ids: the one chat encoding of generate, chat, bench and simulate."""
+    if not getattr(hf_tokenizer, "chat_template", None):
+        raise ConfigError("{owner} has no chat template: drop {chat}", owner=owner)
+    rendered = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return hf_tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
 def _digest(payload: bytes) -> str:
@@ -121,6 +134,9 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return chat_ids(None, messages, f"tokenizer {self.name}")
+
 
 class HFTokenizer:
     """A Hugging Face tokenizer seen through the Tokenizer protocol (no special tokens added)."""
@@ -158,14 +174,18 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids))
 
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return chat_ids(self.hf, messages, f"tokenizer {self.name}")
+
 
 class FastTokenizer:
     """A tokenizer.json read by the `tokenizers` library alone: for the classes in BACKEND_CLASSES
     the same ids, vocabulary, EOS and fingerprint as HFTokenizer gives, without transformers."""
 
-    def __init__(self, backend: Any, name: str, eos_token: str | None) -> None:
+    def __init__(self, backend: Any, name: str, eos_token: str | None, folder: str) -> None:
         self.backend = backend
         self.name = name
+        self.folder = folder
         self.fingerprint = _vocab_fingerprint(backend.get_vocab(with_added_tokens=True))
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         eos = backend.token_to_id(eos_token) if eos_token is not None else None
@@ -180,6 +200,14 @@ class FastTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=False)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return self._transformers.encode_chat(messages)
+
+    @functools.cached_property
+    def _transformers(self) -> HFTokenizer:
+        # Chat templates are rendered by transformers alone: only a chat loads it.
+        return _load_hf(self.folder, self.name, fast=False)
 
 
 def _load_fast(folder: str, name: str) -> FastTokenizer | None:
@@ -208,7 +236,7 @@ def _load_fast(folder: str, name: str) -> FastTokenizer | None:
         return None
     if not _same_backend_as_transformers(backend, config):
         return None
-    return FastTokenizer(backend, name, eos)
+    return FastTokenizer(backend, name, eos, folder)
 
 
 def _same_backend_as_transformers(backend: Any, config: dict) -> bool:
@@ -261,8 +289,8 @@ def load_tokenizer(spec: str | None, light: bool = False) -> Tokenizer | None:
     return _load_hf(spec, spec, light)
 
 
-def _load_hf(source: str, name: str, light: bool = False) -> HFTokenizer | FastTokenizer | None:
-    if os.path.isdir(source):
+def _load_hf(source: str, name: str, light: bool = False, fast: bool = True) -> HFTokenizer | FastTokenizer | None:
+    if fast and os.path.isdir(source):
         fast = _load_fast(source, name)
         if fast is not None:
             return fast

@@ -233,9 +233,11 @@ def test_debug_shows_the_traceback(built, monkeypatch):
         main(["info", str(built)])
 
 
-def test_missing_store(tmp_path, capsys):
-    code, _out, err = _main(["info", str(tmp_path / "nope.sam")], capsys)
-    assert "does not exist" in _one_line_error(code, err)
+@pytest.mark.parametrize("command", [["info"], ["serve", "--sam"]])
+def test_missing_store(tmp_path, capsys, command):
+    # every command words a missing store alike (serve checks its stores before loading the model)
+    code, _out, err = _main([*command, str(tmp_path / "nope.sam")], capsys)
+    assert "nope.sam does not exist: build one with samctl build" in _one_line_error(code, err)
 
 
 @pytest.mark.parametrize(
@@ -280,6 +282,10 @@ def test_bad_build_options(tmp_path, capsys):
     code, _out, err = _main(["build", str(tmp_path / "a.txt"), "-o", str(tmp_path / "s.sam"),
                              "--kind", "ngram", "--max-n", "0", "--tokenizer", "bytes"], capsys)
     assert "max_n" in _one_line_error(code, err)
+    for kind in ("sam", "sa"):  # the n-gram settings given for another kind are refused, not ignored
+        code, _out, err = _main(["build", str(tmp_path / "a.txt"), "-o", str(tmp_path / "s.sam"), "--kind", kind,
+                                 "--max-n", "3", "--top-k", "4", "--tokenizer", "bytes"], capsys)
+        assert "no n-gram settings: drop --max-n and --top-k, or add --kind ngram" in _one_line_error(code, err)
     code, _out, err = _main(["build", str(tmp_path / "a.txt"), "-o", str(tmp_path / "s.sam"),
                              "--tokenizer", "./no/such/folder"], capsys)
     assert "does not exist" in _one_line_error(code, err)

@@ -127,8 +127,6 @@ def test_unknown_record_names_file_line_and_the_fields_argument(tmp_path):
     [
         ('{"text": "a"}\n{oops\n', "line 2 is not valid JSON"),
         ('[1, 2]\n', "is a list, not a JSON object"),
-        ('{"text": {"nested": 1}}\n', "field 'text' is a dict, not text"),
-        ('{"turns": [{"x": 1}]}\n', "field 'turns' holds a dict that is not text"),
     ],
 )
 def test_malformed_records(tmp_path, content, match):
@@ -136,6 +134,23 @@ def test_malformed_records(tmp_path, content, match):
     path.write_text(content)
     with pytest.raises(UserError, match=match):
         _texts([str(path)])
+
+
+def test_records_without_text_are_skipped_and_nested_lists_read(tmp_path, caplog):
+    # Spec-Bench's rag records hold a list of answer lists per turn: read, flattened. A record
+    # whose field holds no text is left out, counted and noted; the rest are read.
+    path = tmp_path / "mixed.jsonl"
+    rows = [{"turns": ["Who?"], "reference": [["Ray", "Harrison"]]}, {"text": {"nested": 1}},
+            {"turns": [{"x": 1}]}, {"text": "kept"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reader = CorpusReader([str(path)])
+    with caplog.at_level("WARNING", logger="samctl"):
+        assert [d.text for d in reader] == ["Who?\nRay\nHarrison", "kept"]
+    assert [s.split(": ", 1)[1] for s in reader.counts.skipped_records] == [
+        "field 'text' is a dict, not text", "field 'turns' holds a dict that is not text"]
+    assert "skipped 2 record(s)" in caplog.text and "mixed.jsonl line 2" in caplog.text
+    prompts = CorpusReader([str(path)], prompts=True)
+    assert [d.turns for d in prompts] == [("Who?",), ("kept",)] and len(prompts.counts.skipped_records) == 2
 
 
 def test_invalid_json_file(tmp_path):
@@ -216,3 +231,14 @@ def test_prompts_carry_the_records_own_answer(tmp_path):
     (tmp_path / "q.jsonl").write_text(json.dumps(rows[1]) + "\n")
     assert [d.answer for d in iter_prompts([str(tmp_path / "q.jsonl")], fields=("question",))] == [""]  # named fields
     assert all(d.answer == "" for d in CorpusReader([str(path)]))  # read as a corpus, answers are in the text
+
+
+@pytest.mark.parametrize("record, match", [({"body": "x"}, "has no known prompt fields"),
+                                           ({"messages": [{"role": "system", "content": "s"}]}, "has no user message")])
+def test_prompt_shape_errors_name_the_fields_setting(tmp_path, record, match):
+    from samctl.index.corpus import iter_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    with pytest.raises(UserError, match=match + r".*name the fields to read with fields=$"):
+        list(iter_prompts([str(path)]))

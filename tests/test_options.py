@@ -93,3 +93,15 @@ def test_trainers_take_frozen_settings_as_options_and_leave_the_environment_alon
     assert trainer.main(["--help"]) == 0
     text = capsys.readouterr().out
     assert all("--" + f.name.replace("_", "-") in text for f in dataclasses.fields(settings))
+
+
+def test_simulate_offers_the_settings_of_the_methods_it_replays():
+    # from the registry: a drafter setting is an option exactly when a replayable method reads it
+    from samctl.decode.methods import REPLAYABLE, method, setting_name
+
+    command = load_command("simulate")
+    keys = {p.name for p in command.params if isinstance(p, FieldOption)}
+    for section, f in cli_fields():
+        read = any(method(m).reads(f"{section}.{f.name}") for m in REPLAYABLE)
+        assert (setting_name(f) in keys) == read, (section, f.name)
+    assert {"pld_ngram", "la_window", "rest_nodes"} <= keys and not keys & {"gamma", "sat_count", "eagle_top_k"}

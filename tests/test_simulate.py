@@ -228,3 +228,44 @@ def test_simulate_reads_predictions_and_cost_curves(tmp_path):
     bad.write_text("{}")
     refused = samctl("simulate", "--traces", str(traces), "--tokenizer", "bytes", "--cost-curve", str(bad))
     assert refused.returncode == 2 and "samctl calibrate" in refused.stderr
+
+
+def test_simulate_chat_encodes_as_generate(model_dir, tmp_path):
+    # A tokenizer.json folder loads without transformers (FastTokenizer), yet --chat renders
+    # its template as generate --chat does: every turn's prompt equals the engine's ids.
+    from samctl.commands.simulate import read_traces
+    from samctl.models import load_engine
+    from samctl.tokenizer import ByteTokenizer, FastTokenizer, load_tokenizer
+
+    tok = load_tokenizer(str(model_dir))
+    assert isinstance(tok, FastTokenizer)
+    traces = tmp_path / "chat.jsonl"
+    traces.write_text(json.dumps({"turns": ["Add a and b.", "Now the fox."],
+                                  "reference": ["def add(a, b):", "The quick brown fox."]}) + "\n")
+    engine = load_engine(str(model_dir), device="cpu")
+    conversation = [{"role": "user", "content": "Add a and b."}]
+    expected = [engine.encode_conversation(conversation, chat=True),
+                engine.encode_conversation(conversation + [{"role": "assistant", "content": "def add(a, b):"},
+                                                           {"role": "user", "content": "Now the fox."}], chat=True)]
+    assert [t.prompt.tolist() for t in read_traces(traces, tok, True, None, None)] == expected
+    with pytest.raises(UserError, match="no chat template: drop chat="):
+        read_traces(traces, ByteTokenizer(), True, None, None)
+
+
+def test_simulate_reports_a_bad_record_and_reads_the_rest(tmp_path, capsys):
+    # Spec-Bench's rag records hold a list of answers per turn, not the turn's output.
+    from samctl.commands.simulate import read_traces
+    from samctl.tokenizer import ByteTokenizer
+
+    rows = [{"turns": ["Who?"], "reference": [["Ray", "Harrison"]], "question_id": 481},
+            {"prompt": "Say hi", "output": "hi there"}, {"prompt": "x", "output": "y", "prediction": 3},
+            {"turns": ["One.", "Two."], "reference": ["1", "2"]}]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    traces = read_traces(path, ByteTokenizer(), False, None, None)
+    assert [bytes(t.reference.tolist()).decode() for t in traces] == ["hi there", "1", "2"]
+    err = capsys.readouterr().err
+    assert "skipped 2 record(s)" in err and "mixed.jsonl:1: turn 0's reference is a list, not text" in err
+    path.write_text(json.dumps(rows[0]) + "\n")
+    with pytest.raises(UserError, match="holds no traces"):
+        read_traces(path, ByteTokenizer(), False, None, None)

@@ -114,11 +114,16 @@ def test_damaged_truncated_and_foreign_stores_are_refused(tmp_path):
     foreign = tmp_path / "foreign.sa"
     foreign.mkdir()
     (foreign / "manifest.json").write_text('{"format": "something else", "kind": "sa"}')
+    garbled = copy("garbled.sa")
+    (garbled / "manifest.json").write_text('{"format": "samctl-sa-st')
+    lost = copy("lost.sa")
+    (lost / "manifest.json").unlink()
     for store, message in ((truncated, "truncated"), (newer, "upgrade samctl"), (lying, "disagree"),
-                           (foreign, "format is not")):
+                           (foreign, "format is not"), (garbled, "not JSON"), (lost, "manifest.json is missing")):
         with pytest.raises(StoreError, match=message) as err:
             load_datastore(store)
         assert "\n" not in str(err.value)
+        assert "--kind sa" in str(err.value), err.value  # not the sharded stores' --shards N
     load_datastore(flipped)  # sizes agree: only the checksum tells
     with pytest.raises(StoreError, match="checksum"):
         load_datastore(flipped, verify=True)

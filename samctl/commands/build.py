@@ -35,6 +35,7 @@ from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, save_dat
 from samctl.index.load import load_datastore
 from samctl.index.errors import UserError
 from samctl.index.kinds import KINDS, BuildOptions
+from samctl.index.ngram_config import NgramConfig
 from samctl.index.store import is_store_file
 from samctl.options import MAX_WORKERS, check_count, config_option
 from samctl.progress import human_bytes, progress_bar, status
@@ -118,6 +119,7 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
         if given and kind != old.kind:
             raise UserError(f"--append-to grows a {KINDS[old.kind].label} store: drop --kind {kind}")
         kind = old.kind
+    _check_ngram_options(kind)
     if kind == "ngram":
         check_count("--max-n", max_n, MAX_NGRAM, low=None)  # BuildConfig checks the lower bounds
         check_count("--top-k", top_k, MAX_NGRAM_TOP_K, low=None)
@@ -222,6 +224,15 @@ def _build_and_write_sharded(output, tokens, doc_offsets, meta, tokenizer_name, 
         size = sum(entry["bytes"] for entry, _, _ in results)
         click.echo(_sharded_summary(output, size, meta.corpus, tokenizer_name, results, written - start,
                                     tokenized - tokenize_start, written - tokenized, ray_address, verify))
+
+
+def _check_ngram_options(kind: str) -> None:
+    """The n-gram table's settings (NgramConfig's fields) given for another kind are refused, not ignored."""
+    ctx = click.get_current_context()
+    given = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(NgramConfig)
+             if ctx.get_parameter_source(f.name) != click.core.ParameterSource.DEFAULT]
+    if kind != "ngram" and given:
+        raise UserError(f"a {KINDS[kind].label} has no n-gram settings: drop {' and '.join(given)}, or add --kind ngram")
 
 
 def _check_sharding(kind: str, shards: int | None, ray_address: str | None, workers: int | None) -> None:

@@ -13,6 +13,7 @@ import click
 
 from samctl.config import SessionConfig
 from samctl.index.errors import UserError
+from samctl.index.store import missing_store
 from samctl.options import MAX_BATCH_SIZE, check_count, session_options
 from samctl.plan import plan
 
@@ -29,7 +30,7 @@ def _stores(specs: tuple[str, ...]) -> dict[str, str]:
         if name in stores:
             raise UserError(f"--sam names the store {name!r} twice: give each store its own NAME")
         if not Path(path).exists():
-            raise UserError(f"--sam {spec!r}: {path} does not exist")
+            raise missing_store(path)
         stores[name] = path
     return stores
 

@@ -13,7 +13,8 @@ Each trace is a prompt and the output the model is assumed to produce. A trace f
                                    joined by blank lines or rendered by the chat template (--chat)
 Text is tokenized with the store's tokenizer (or --tokenizer, or the embedded default) without
 special tokens; an optional `category` field groups the results (MT-bench's eight categories as
-`mt_bench`, as in bench).
+`mt_bench`, as in bench). A record that cannot be read is reported (how many, and the first) and the
+rest are replayed.
 
 For each method the report gives, per category and overall: mean accepted tokens per step (bonus
 included), target forwards needed (prefills included), drafted tokens per step, acceptance rate,
@@ -48,7 +49,7 @@ _OUTPUT_FIELDS = ("output", "completion", "response", "reference")
 
 @click.command("simulate")
 @session_options(only=("store", "max_new_tokens", "chat", "quiet", "settings"), raw=("max_new_tokens",),
-                 exclude=("gamma", "stop_threshold", "bounds"),  # the draft-model methods replay nothing
+                 methods=REPLAYABLE,
                  store={"help": "Static datastore (for sam and rest): a .sam file or a store directory (sharded, or a suffix array)."},
                  max_new_tokens={"default": None, "type": int, "show_default": False,
                                  "help": "Cut references to this many tokens (default: whole references)."})
@@ -166,20 +167,35 @@ def read_traces(path: Path, tokenizer: Tokenizer, chat: bool, max_new_tokens: in
     if limit is not None and limit < 1:
         raise UserError(f"--limit must be >= 1, got {limit}")
     traces: list[Trace] = []
+    skipped: list[str] = []
     for where, record in _records(path):
-        prediction = record.get("prediction")
-        if prediction is not None and not isinstance(prediction, str):
-            raise UserError(f"{where}: `prediction` is not text: give the expected output as a string")
-        predicted = tokenizer.encode(prediction) if prediction else None
-        for k, (trace_id, prompt, reference) in enumerate(_record_traces(record, where, tokenizer, chat)):
-            traces.append(make_trace(prompt, reference, tokenizer.eos_token_ids, max_new_tokens,
-                                     category=report_category(record.get("category")), trace_id=trace_id,
-                                     prediction=predicted if k == 0 else None))
+        try:
+            traces.extend(_traces_of(record, where, tokenizer, chat, max_new_tokens))
+        except BadRecord as err:  # reported, and the rest go on
+            skipped.append(str(err))
         if limit is not None and len(traces) >= limit:
-            return traces[:limit]
+            break
+    if skipped:
+        click.echo(f"samctl: warning: skipped {len(skipped)} record(s) (first: {skipped[0]})", err=True)
     if not traces:
         raise UserError(f"{path} holds no traces: give JSON lines with prompt and output (see samctl simulate --help)")
-    return traces
+    return traces[:limit]
+
+
+class BadRecord(UserError):
+    """A trace record simulate cannot read; the other records are read on."""
+
+
+def _traces_of(record: dict[str, Any], where: str, tokenizer: Tokenizer, chat: bool,
+               max_new_tokens: int | None) -> list[Trace]:
+    prediction = record.get("prediction")
+    if prediction is not None and not isinstance(prediction, str):
+        raise BadRecord(f"{where}: `prediction` is not text: give the expected output as a string")
+    predicted = tokenizer.encode(prediction) if prediction else None
+    return [make_trace(prompt, reference, tokenizer.eos_token_ids, max_new_tokens,
+                       category=report_category(record.get("category")), trace_id=trace_id,
+                       prediction=predicted if k == 0 else None)
+            for k, (trace_id, prompt, reference) in enumerate(_record_traces(record, where, tokenizer, chat))]
 
 
 def _records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -249,7 +265,7 @@ def _prompt_and_output(record: dict[str, Any], where: str) -> tuple[str, str]:
         return "\n".join(t for t in (text("instruction"), text("input")) if t), text("output")
     if text("question") and text("answer"):
         return text("question"), text("answer")
-    raise UserError(f"{where} has no prompt and reference (fields prompt + output, instruction + output, "
+    raise BadRecord(f"{where} has no prompt and reference (fields prompt + output, instruction + output, "
                     f"question + answer, turns + reference, or prompt_ids + output_ids)")
 
 
@@ -259,12 +275,14 @@ def _turn_traces(record: dict[str, Any], rid: str, where: str, tok: Tokenizer, c
     if isinstance(references, str):
         references = [references]
     if not isinstance(references, list) or not references:
-        raise UserError(f"{where} has turns but no reference outputs: add a `reference` list "
+        raise BadRecord(f"{where} has turns but no reference outputs: add a `reference` list "
                         "(the output of each turn)")
     messages: list[dict[str, str]] = []
     for k, (turn, reference) in enumerate(zip(turns, references)):
-        if not isinstance(turn, str) or not isinstance(reference, str):
-            raise UserError(f"{where}: turn {k} or its reference is not text")
+        for what, value in (("text", turn), ("reference", reference)):
+            if not isinstance(value, str):
+                raise BadRecord(f"{where}: turn {k}'s {what} is a {type(value).__name__}, not text: give each turn "
+                                "and its reference as a string")
         messages.append({"role": "user", "content": turn})
         yield f"{rid}.{k}", _encode_prompt(tok, messages, chat), tok.encode(reference)
         messages.append({"role": "assistant", "content": reference})
@@ -275,15 +293,12 @@ def _encode_prompt(tok: Tokenizer, messages: list[dict[str, str]], chat: bool) -
     (as `generate` and `bench` build multi-turn prompts)."""
     if not chat:
         return tok.encode("\n\n".join(m["content"] for m in messages))
-    hf = getattr(tok, "hf", None)
-    if hf is None or not getattr(hf, "chat_template", None):
-        raise UserError(f"tokenizer {tok.name} has no chat template: drop --chat")
-    return tok.encode(hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    return tok.encode_chat(messages)
 
 
 def _ids(value: Any, name: str, where: str, tok: Tokenizer) -> list[int]:
     if not isinstance(value, list) or not value or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise UserError(f"{where}: {name} must be a non-empty list of token ids")
+        raise BadRecord(f"{where}: {name} must be a non-empty list of token ids")
     if min(value) < 0 or max(value) >= tok.vocab_size:
         raise UserError(f"{where}: {name} holds an id outside the tokenizer's {tok.vocab_size}: "
                         f"pass the tokenizer the ids come from with --tokenizer")
