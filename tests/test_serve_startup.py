@@ -221,3 +221,20 @@ def test_sigterm_stops_serve_during_its_start_up_measurement(phase, tmp_path):
         assert proc.returncode in (0, -signal.SIGTERM), "\n".join(lines)  # uvicorn re-raises the signal it handled
         asking.join(30)
         assert answers and answers[0].status_code == 503, answers
+
+
+@needs_serve
+@pytest.mark.skipif(not DEFAULT_MODEL_DIR.is_dir(), reason="embedded default model not installed")
+def test_a_taken_port_is_refused_in_one_line_before_the_model_loads(monkeypatch, capsys):
+    import samctl.session
+    from samctl.cli import main
+
+    monkeypatch.setattr(samctl.session, "Session", lambda *args, **kwargs: pytest.fail("the model was loaded"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as done:
+            main(["serve", "--port", str(port), "--threads", "1"])
+    assert done.value.code == 2
+    assert capsys.readouterr().err == f"samctl: error: port {port} is in use: pick another with --port\n"
