@@ -189,6 +189,22 @@ def test_prediction_and_memory_files(model_dir, tmp_path, monkeypatch):
     assert refused.returncode == 2 and "does not draft from a prediction" in refused.stderr
 
 
+def test_prediction_with_a_method_that_ignores_it_names_the_methods_that_take_one(tmp_path):
+    from samctl.commands.generate import generate
+    from samctl.decode.methods import REGISTRY
+
+    takers = [name for name, m in REGISTRY.items() if m.takes_prediction]
+    assert "lookahead" not in takers and "adaptive" in takers
+    prediction = tmp_path / "p.txt"
+    prediction.write_text("expected output\n")
+    proc = samctl("generate", "--prompt", "hi", "--method", "lookahead", "--prediction", str(prediction))
+    assert proc.returncode == 2
+    assert proc.stderr == ("samctl: error: method lookahead does not draft from a prediction: drop --prediction "
+                           f"or use --method {' or '.join(takers)}\n")
+    option = next(p for p in generate.params if p.name == "prediction_file")
+    assert option.help.startswith(f"{', '.join(takers)}: the expected output")
+
+
 def test_calibrate_prints_a_cost_curve(model_dir, tmp_path):
     proc = samctl("calibrate", "--model", str(model_dir), "--json", "--threads", "1")
     assert proc.returncode == 0, proc.stderr

@@ -26,7 +26,7 @@ from typing import IO, Any, Callable, Iterable, Iterator
 import click
 
 from samctl.config import SessionConfig
-from samctl.decode.methods import method as method_entry
+from samctl.decode.methods import PREDICTION_METHODS, method as method_entry
 from samctl.index.errors import UserError
 from samctl.options import (MAX_BATCH_SIZE, MAX_WORKERS, batch_size, batch_size_option, check_count, ignored_settings,
                             session_options)
@@ -55,8 +55,8 @@ from samctl.textio import TEXT_FILE, check_utf8
 @batch_size_option
 @click.option("--field", "prompt_field", metavar="NAME", help="Batch: the record field holding the prompt.")
 @click.option("--prediction", "prediction_file", type=TEXT_FILE,
-              help="adaptive: the expected output (e.g. the file being edited), drafted from like the prompt; "
-                   "in a batch, a record's `prediction` field.")
+              help=f"{', '.join(PREDICTION_METHODS)}: the expected output (e.g. the file being edited), drafted from "
+                   "like the prompt; in a batch, a record's `prediction` field.")
 @click.option("--memory-save", "memory_save", metavar="STORE", type=click.Path(dir_okay=False),
               help="adaptive, lookahead, ouroboros: write the memory of outputs to this store at the end (atomically).")
 @click.option("--json", "as_json", is_flag=True, help="Single prompt: print one JSON object instead of streaming text.")
@@ -87,7 +87,7 @@ def generate(config: SessionConfig, **opts: Any) -> None:
     text = opts["prompt"] if opts["prompt"] is not None else _read_file(opts["prompt_file"], "--prompt-file")
     if prediction is not None and not method_entry(config.method).takes_prediction:
         raise UserError(f"method {config.method} does not draft from a prediction: drop --prediction "
-                        "or use --method adaptive, lookahead or ouroboros")
+                        f"or use --method {' or '.join(PREDICTION_METHODS)}")
     refuse_foreign_store(config.store, config.model)
     input_format = _input_format(opts)
     if opts["ray_address"] is not None:
