@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 import numpy as np
 
 from samctl.index.datastore import StoreMeta
-from samctl.index.errors import UserError
+from samctl.index.errors import ConfigError, UserError
 from samctl.gguf_cache import cached_folder, first_line, is_gguf, model_folder
 
 log = logging.getLogger(__name__)
@@ -282,13 +282,19 @@ def _load_hf(source: str, name: str, light: bool = False) -> HFTokenizer | FastT
     return HFTokenizer(hf_tokenizer, name)
 
 
-def check_store_tokenizer(meta: StoreMeta, store_path: str, fingerprint: str, name: str) -> None:
-    """Refuse a tokenizer whose ids differ from the store's: drafts would be other tokens."""
-    if fingerprint != meta.tokenizer_fingerprint:
-        raise UserError(
-            f"{store_path} was built with tokenizer {meta.tokenizer_name} (fingerprint "
-            f"{meta.tokenizer_fingerprint}), but {name} has fingerprint {fingerprint}: use the "
-            f"store's tokenizer, or rebuild the store with --tokenizer {name}")
+def check_store_tokenizer(meta: StoreMeta, store_path: str, fingerprint: str, name: str, model: bool = False) -> None:
+    """Refuse a tokenizer whose ids differ from the store's: drafts would be other tokens. With
+    `model` (`name` is the model about to run), a store built with a model's tokenizer (a .gguf
+    file or a model folder found here) says to run that model."""
+    if fingerprint == meta.tokenizer_fingerprint:
+        return
+    built = meta.tokenizer_name
+    mismatch = (f"{store_path} was built with tokenizer {built} (fingerprint {meta.tokenizer_fingerprint}), "
+                f"but {name} has fingerprint {fingerprint}")
+    if model and (Path(built).is_file() if is_gguf(built) else (Path(built) / "config.json").is_file()):
+        raise ConfigError("{mismatch}: pass {model} {built} (the model it was built with), or rebuild the store "
+                          "with --tokenizer {name}", mismatch=mismatch, built=built, name=name)
+    raise UserError(f"{mismatch}: use the store's tokenizer, or rebuild the store with --tokenizer {name}")
 
 
 def load_store_tokenizer(meta: StoreMeta, store_path: str, spec: str | None = None,

@@ -175,7 +175,7 @@ def refuse_foreign_store(store_path: str | None, model: str | None) -> None:
         if folder is None:
             return
     tokenizer = load_tokenizer(folder or "default")
-    check_store_tokenizer(meta, store_path, tokenizer.fingerprint, model or "default")
+    check_store_tokenizer(meta, store_path, tokenizer.fingerprint, model or "default", model=True)
 
 
 def _input_format(opts: dict[str, Any]) -> str | None:
