@@ -13,7 +13,7 @@ from pathlib import Path
 from samctl.config import SessionConfig
 from samctl.decode.methods import method as method_entry, missing
 from samctl.index.errors import ConfigError
-from samctl.tokenizer import DEFAULT_MODEL_DIR
+from samctl.tokenizer import DEFAULT_MODEL_DIR, is_path_like
 
 # The embedded default pair: the draft sits next to the default target. No SpecDec++ head ships
 # (one trained on other weights of the pair predicted badly); one trained into these folders by
@@ -52,12 +52,22 @@ def plan(config: SessionConfig) -> Plan:
                  for name in ("draft_model", "acc_head", "eagle_head")
                  if getattr(c, name) is not None and name not in entry.requires)
     draft, head = resolve_draft_paths(c.method, c.model, c.draft_model, c.acc_head, notes, greedy=c.sampling.greedy)
+    refuse_missing(c.model, "model")
+    refuse_missing(draft, "draft_model")
     eagle = resolve_eagle_path(c.method, c.model, c.eagle_head, notes)
     if c.model is None:
         notes.append(EMBEDDED_MODEL_NOTE)  # default_model() below refuses a missing one
     if c.store is not None and not entry.uses_store:
         notes.append(f"note: method {c.method} does not use the store {c.store}")
     return Plan(c.model if c.model is not None else default_model(), draft, head, eagle, tuple(notes))
+
+
+def refuse_missing(path: str | None, field: str) -> None:
+    """Refuse a model named by a local path that is not there, before Hugging Face reads the name
+    as a hub repository's (and words its complaint about that)."""
+    if path is not None and is_path_like(path) and not Path(path).expanduser().exists():
+        raise ConfigError(f"{field.replace('_', ' ')} {{path}} does not exist: pass {{{field}}} with a model "
+                          "folder or a .gguf file", path=path)
 
 
 def default_model() -> str:

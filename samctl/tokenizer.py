@@ -255,10 +255,16 @@ def load_tokenizer(spec: str | None, light: bool = False) -> Tokenizer | None:
         return _load_hf(folder, str(path.resolve()), light) if folder is not None else None
     if path.is_dir():
         return _load_hf(str(path), str(path.resolve()), light)
-    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+    if path.exists() or is_path_like(spec):
         raise UserError(f"tokenizer folder {spec} does not exist (or is not a folder): pass a "
                         "folder holding tokenizer.json or tokenizer_config.json")
     return _load_hf(spec, spec, light)
+
+
+def is_path_like(spec: str) -> bool:
+    """Whether a model or tokenizer name can only be a local path, never a Hugging Face hub name
+    (`org/name`): it starts with `.`, `/` or `~`, has two slashes or more, or names a .gguf file."""
+    return spec.startswith((".", "/", "~")) or spec.count("/") > 1 or is_gguf(spec)
 
 
 def _load_hf(source: str, name: str, light: bool = False) -> HFTokenizer | FastTokenizer | None:

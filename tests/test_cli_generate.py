@@ -151,7 +151,9 @@ def test_tokenizer_mismatch_is_refused(model_dir, tmp_path):
 @pytest.mark.parametrize("args,message", [
     ((), "exactly one of"),
     (("--prompt", "a", "--prompt-file", "/dev/null"), "exactly one of"),
-    (("--prompt", "a", "--model", "/nonexistent/model"), "cannot load model"),
+    (("--prompt", "a", "--model", "/nonexistent/model"), "model /nonexistent/model does not exist: pass --model"),
+    (("--prompt", "a", "--model", "./nope"), "model ./nope does not exist: pass --model"),
+    (("--prompt", "a", "--method", "sd", "--draft-model", "./nope"), "draft model ./nope does not exist"),
     (("--prompt", "a", "--max-new-tokens", "0"), "max-new-tokens"),
     (("--prompt", "a", "--temperature", "-1"), "temperature"),
 ])
