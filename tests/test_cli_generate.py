@@ -195,6 +195,16 @@ def test_prediction_and_memory_files(model_dir, tmp_path, monkeypatch):
     assert refused.returncode == 2 and "does not draft from a prediction" in refused.stderr
 
 
+def test_an_empty_prompt_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    monkeypatch.setattr("samctl.session.Session", lambda *args, **kwargs: pytest.fail("the model was loaded"))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    for args, where in ((("--prompt", ""), "--prompt"), (("--prompt-file", str(empty)), f"--prompt-file {empty}")):
+        proc = samctl("generate", *args)
+        assert proc.returncode == 2
+        assert proc.stderr == f"samctl: error: {where} is empty: give at least one token of text\n"
+
+
 def test_prediction_with_a_method_that_ignores_it_names_the_methods_that_take_one(tmp_path):
     from samctl.commands.generate import generate
     from samctl.decode.methods import REGISTRY

@@ -85,6 +85,9 @@ def generate(config: SessionConfig, **opts: Any) -> None:
     single = opts["input_file"] is None
     prediction = _read_file(opts["prediction_file"], "--prediction") if single else None
     text = opts["prompt"] if opts["prompt"] is not None else _read_file(opts["prompt_file"], "--prompt-file")
+    if text == "" and not config.chat:  # refused now, not once the model has loaded (--chat: the template is text)
+        where = "--prompt" if opts["prompt"] is not None else f"--prompt-file {opts['prompt_file'].name}"
+        raise UserError(f"{where} is empty: give at least one token of text")
     if prediction is not None and not method_entry(config.method).takes_prediction:
         raise UserError(f"method {config.method} does not draft from a prediction: drop --prediction "
                         f"or use --method {' or '.join(PREDICTION_METHODS)}")
