@@ -206,6 +206,18 @@ def test_a_tiny_gguf_written_here_loads_through_model_and_decodes_as_transformer
     assert out["text"] == tokenizer.decode(expected, skip_special_tokens=True)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="the gguf extra is not installed")
+def test_errors_name_a_gguf_model_as_given_not_its_cached_folder(tmp_path, private_cache, model_dir):
+    from samctl.config import SessionConfig
+    from samctl.session import Session
+
+    path = write_tiny_llama_gguf(model_dir, tmp_path / "tiny.gguf")
+    with pytest.raises(UserError) as refused:
+        Session(SessionConfig(model=str(path), method="sdsat", quiet=True, threads=1))
+    assert str(refused.value).startswith(f"{path} has no semantic adaptive tokens")
+    assert f"samctl train sdsat --model {path} --out DIR" in str(refused.value)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not REAL_GGUF.is_file(), reason=f"no real GGUF at {REAL_GGUF} (set SAMCTL_TEST_GGUF)")
 @pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="the gguf extra is not installed")
