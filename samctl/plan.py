@@ -1,9 +1,10 @@
 """What a session loads, decided before anything loads: `plan(config)` resolves every path once.
 
 A method's draft model, acceptance head or EAGLE head (its registry entry's `requires`) is the one
-given, the one installed beside the model (X.gguf -> X.eagle/) or the embedded pair's; a missing
-one is refused here. What was chosen unasked, or given but unused, comes back as notes (data): the
-session logs them, and the command line prints them at its boundary.
+given, the one installed beside the model (X.gguf -> X.eagle/), the one that ships for the model
+(SmolLM2's, found by its .gguf's sha256) or the embedded pair's; a missing one is refused here.
+What was chosen unasked, or given but unused, comes back as notes (data): the session logs them,
+and the command line prints them at its boundary.
 """
 from __future__ import annotations
 
@@ -127,6 +128,10 @@ def resolve_eagle_path(method: str, model: str | None, path: str | None, notes: 
     if installed is not None and installed.is_dir():
         notes.append(f"using the EAGLE head installed beside the model ({installed})")
         return str(installed)
+    shipped = shipped_eagle_head(model) if model is not None else None
+    if shipped is not None:
+        notes.append(f"using the EAGLE head that ships with samctl for this model ({shipped})")
+        return str(shipped)
     if model is not None or not DEFAULT_EAGLE_DIR.is_dir():
         raise missing(method, "eagle_head")
     notes.append(f"using the embedded EAGLE head ({DEFAULT_EAGLE_DIR.parent.name}/{DEFAULT_EAGLE_DIR.name})")
@@ -137,3 +142,14 @@ def installed_eagle_head(model: str) -> Path:
     """Where a model file's EAGLE head is found without one given (`samctl fetch` puts the shipped
     one there): beside it, named after it, models/X.gguf -> models/X.eagle/."""
     return Path(model).with_suffix(".eagle")
+
+
+def shipped_eagle_head(model: str) -> Path | None:
+    """The EAGLE head that ships with samctl for this model file, wherever the file lies: the one
+    `samctl fetch smollm2` installs, for a .gguf with that download's sha256; else None."""
+    from samctl.fetch import EAGLE_HEAD, SHA256
+    from samctl.gguf_cache import file_digest, is_gguf
+
+    if not is_gguf(model) or not Path(model).expanduser().is_file() or not EAGLE_HEAD.is_dir():
+        return None
+    return EAGLE_HEAD if file_digest(Path(model).expanduser()) == SHA256 else None

@@ -317,3 +317,18 @@ def test_fetch_installs_the_shipped_eagle_head_where_eagle_methods_find_it(tmp_p
     assert sorted(p.name for p in installed.parent.iterdir()) == [installed.name, model.name]
     assert resolve_eagle_path("sam+eagle", str(model), None, []) == str(installed)
     assert resolve_eagle_path("eagle", str(model), "other", []) == "other"
+
+
+def test_the_shipped_eagle_head_is_found_for_the_fetched_file_anywhere(tmp_path, monkeypatch):
+    import samctl.fetch
+    from samctl.plan import resolve_eagle_path
+
+    model = tmp_path / "elsewhere" / "smollm2.gguf"  # not where `samctl fetch` puts it, no head beside it
+    model.parent.mkdir()
+    model.write_bytes(b"GGUF" + bytes(64))
+    with pytest.raises(UserError, match="needs an EAGLE head"):
+        resolve_eagle_path("sam+eagle", str(model), None, [])  # another file than the one the head ships for
+    monkeypatch.setattr(samctl.fetch, "SHA256", hashlib.sha256(model.read_bytes()).hexdigest())
+    notes: list[str] = []
+    assert resolve_eagle_path("sam+eagle", str(model), None, notes) == str(samctl.fetch.EAGLE_HEAD)
+    assert notes == [f"using the EAGLE head that ships with samctl for this model ({samctl.fetch.EAGLE_HEAD})"]
