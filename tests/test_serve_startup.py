@@ -163,7 +163,7 @@ main(sys.argv[2:])
 
 
 def _get(url: str) -> httpx.Response:
-    # the server binds its port just after its worker began to measure
+    # the port listens before the model loads; uvicorn answers once its worker began to measure
     for _ in range(100):
         try:
             return httpx.get(url, timeout=30)
@@ -182,7 +182,7 @@ def _free_port() -> int:
 @pytest.mark.skipif(not DEFAULT_MODEL_DIR.is_dir(), reason="embedded default model not installed")
 @pytest.mark.parametrize("phase", ["batch-1", "batched"])
 def test_sigterm_stops_serve_during_its_start_up_measurement(phase, tmp_path):
-    """SIGTERM while the batch-1 curve is measured (before the server listens) or while the 16-row
+    """SIGTERM while the batch-1 curve is measured (before uvicorn serves) or while the 16-row
     batched curve is (the server listening, /health 503, a request waiting): the process ends at
     once, measuring no more. Each slowed forward takes a second, so a measurement left to run
     would take 20 s or more; the process must be gone in 15."""
