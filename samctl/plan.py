@@ -52,8 +52,8 @@ def plan(config: SessionConfig) -> Plan:
     notes.extend(f"note: method {c.method} does not use --{name.replace('_', '-')}"
                  for name in ("draft_model", "acc_head", "eagle_head")
                  if getattr(c, name) is not None and name not in entry.requires)
-    draft, head = resolve_draft_paths(c.method, c.model, c.draft_model, c.acc_head, notes, greedy=c.sampling.greedy)
     refuse_missing(c.model, "model")
+    draft, head = resolve_draft_paths(c.method, c.model, c.draft_model, c.acc_head, notes, greedy=c.sampling.greedy)
     refuse_missing(draft, "draft_model")
     eagle = resolve_eagle_path(c.method, c.model, c.eagle_head, notes)
     if c.model is None:
