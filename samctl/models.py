@@ -133,6 +133,7 @@ def load_engine(model: str | None, device: str = "auto", dtype: str = "auto", qu
         raise ConfigError("cannot load model {name} offline ({reason}): pass {model} with a local "
                           "folder holding config.json, weights and tokenizer files", name=model,
                           reason=first_line(err)) from err
+    hf_model.name_or_path = model  # what errors name it by: as given (a .gguf file, not its cached folder)
     hf_model.to(torch_device).eval()
     apply_cpu_linear(hf_model, quantize, prepack)
     return engine_for(hf_model, tokenizer, name=model, backend=backend)

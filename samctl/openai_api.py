@@ -317,7 +317,7 @@ def job_request(body: ChatRequest | CompletionRequest, sessions: "Sessions") -> 
     store and method known (400); sampling fields the body leaves out take the session's."""
     from samctl.decode.sampling import SamplingConfig
     from samctl.index.errors import UserError
-    from samctl.scheduler import Request, RequestError
+    from samctl.scheduler import Request, RequestError, request_error
 
     if body.model != sessions.model_name:
         raise RequestError(f"model {body.model!r} is not served here: this server has {sessions.model_name!r}",
@@ -331,8 +331,8 @@ def job_request(body: ChatRequest | CompletionRequest, sessions: "Sessions") -> 
     try:
         sampling = SamplingConfig(pick(body.temperature, default.temperature), pick(body.top_k, default.top_k),
                                   pick(body.top_p, default.top_p), pick(body.seed, default.seed))
-    except UserError as err:
-        raise RequestError(str(err)) from err
+    except UserError as err:  # a sampling field of the body
+        raise request_error(err, word=str) from err
     prompt = [m.as_turn() for m in body.messages] if isinstance(body, ChatRequest) else body.prompt_input()
     return Request(prompt=prompt, store=store, method=method, max_new_tokens=body.token_limit(), sampling=sampling,
                    prediction=body.prediction_text(), stop=body.stops())

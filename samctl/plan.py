@@ -1,9 +1,10 @@
 """What a session loads, decided before anything loads: `plan(config)` resolves every path once.
 
 A method's draft model, acceptance head or EAGLE head (its registry entry's `requires`) is the one
-given, the one installed beside the model (X.gguf -> X.eagle/) or the embedded pair's; a missing
-one is refused here. What was chosen unasked, or given but unused, comes back as notes (data): the
-session logs them, and the command line prints them at its boundary.
+given, the one installed beside the model (X.gguf -> X.eagle/), the one that ships for the model
+(SmolLM2's, found by its .gguf's sha256) or the embedded pair's; a missing one is refused here.
+What was chosen unasked, or given but unused, comes back as notes (data): the session logs them,
+and the command line prints them at its boundary.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 from samctl.config import SessionConfig
 from samctl.decode.methods import method as method_entry, missing
 from samctl.index.errors import ConfigError
-from samctl.tokenizer import DEFAULT_MODEL_DIR
+from samctl.tokenizer import DEFAULT_MODEL_DIR, is_path_like
 
 # The embedded default pair: the draft sits next to the default target. No SpecDec++ head ships
 # (one trained on other weights of the pair predicted badly); one trained into these folders by
@@ -51,13 +52,23 @@ def plan(config: SessionConfig) -> Plan:
     notes.extend(f"note: method {c.method} does not use --{name.replace('_', '-')}"
                  for name in ("draft_model", "acc_head", "eagle_head")
                  if getattr(c, name) is not None and name not in entry.requires)
+    refuse_missing(c.model, "model")
     draft, head = resolve_draft_paths(c.method, c.model, c.draft_model, c.acc_head, notes, greedy=c.sampling.greedy)
+    refuse_missing(draft, "draft_model")
     eagle = resolve_eagle_path(c.method, c.model, c.eagle_head, notes)
     if c.model is None:
         notes.append(EMBEDDED_MODEL_NOTE)  # default_model() below refuses a missing one
     if c.store is not None and not entry.uses_store:
         notes.append(f"note: method {c.method} does not use the store {c.store}")
     return Plan(c.model if c.model is not None else default_model(), draft, head, eagle, tuple(notes))
+
+
+def refuse_missing(path: str | None, field: str) -> None:
+    """Refuse a model named by a local path that is not there, before Hugging Face reads the name
+    as a hub repository's (and words its complaint about that)."""
+    if path is not None and is_path_like(path) and not Path(path).expanduser().exists():
+        raise ConfigError(f"{field.replace('_', ' ')} {{path}} does not exist: pass {{{field}}} with a model "
+                          "folder or a .gguf file", path=path)
 
 
 def default_model() -> str:
@@ -117,6 +128,10 @@ def resolve_eagle_path(method: str, model: str | None, path: str | None, notes: 
     if installed is not None and installed.is_dir():
         notes.append(f"using the EAGLE head installed beside the model ({installed})")
         return str(installed)
+    shipped = shipped_eagle_head(model) if model is not None else None
+    if shipped is not None:
+        notes.append(f"using the EAGLE head that ships with samctl for this model ({shipped})")
+        return str(shipped)
     if model is not None or not DEFAULT_EAGLE_DIR.is_dir():
         raise missing(method, "eagle_head")
     notes.append(f"using the embedded EAGLE head ({DEFAULT_EAGLE_DIR.parent.name}/{DEFAULT_EAGLE_DIR.name})")
@@ -127,3 +142,14 @@ def installed_eagle_head(model: str) -> Path:
     """Where a model file's EAGLE head is found without one given (`samctl fetch` puts the shipped
     one there): beside it, named after it, models/X.gguf -> models/X.eagle/."""
     return Path(model).with_suffix(".eagle")
+
+
+def shipped_eagle_head(model: str) -> Path | None:
+    """The EAGLE head that ships with samctl for this model file, wherever the file lies: the one
+    `samctl fetch smollm2` installs, for a .gguf with that download's sha256; else None."""
+    from samctl.fetch import EAGLE_HEAD, SHA256
+    from samctl.gguf_cache import file_digest, is_gguf
+
+    if not is_gguf(model) or not Path(model).expanduser().is_file() or not EAGLE_HEAD.is_dir():
+        return None
+    return EAGLE_HEAD if file_digest(Path(model).expanduser()) == SHA256 else None

@@ -36,7 +36,7 @@ from samctl.decode.engine.cost import Stopped
 from samctl.decode.loop import DrafterPool, GenerationResult
 from samctl.decode.sampling import SamplingConfig
 from samctl.detok import IncrementalDetokenizer
-from samctl.index.errors import UserError
+from samctl.index.errors import ConfigError, UserError
 
 # What the worker warms up on before the server says ready: text with repeats, so that drafters
 # take the paths real requests take.
@@ -55,6 +55,17 @@ class RequestError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def request_error(err: UserError, word: Callable[[str], str] | None = None, **details: Any) -> RequestError:
+    """A library error as a client reads it: the settings a ConfigError names worded by `word`, by
+    default as the command-line flags that set them (`samctl serve`'s, or a batch's `samctl generate`'s:
+    not the request's to change)."""
+    if not isinstance(err, ConfigError):
+        return RequestError(str(err), **details)
+    from samctl.options import flag
+
+    return RequestError(err.render(word or flag), **details)
 
 
 @dataclass(frozen=True)
@@ -135,7 +146,7 @@ class Sessions:
             try:
                 self._built[key] = self.by_store[store].for_method(method)
             except UserError as err:  # a method that needs what the server was not given
-                raise RequestError(str(err), param="method", code="method_unavailable") from err
+                raise request_error(err, param="method", code="method_unavailable") from err
         return self._built[key]
 
 
@@ -242,7 +253,7 @@ class Job:
         if isinstance(err, Stopped):  # a measurement this job waited for, stopped by a shutdown
             err = _shutting_down()
         elif isinstance(err, UserError):
-            err = RequestError(str(err))
+            err = request_error(err)
         elif not isinstance(err, RequestError):  # the server keeps serving; the client learns what failed
             err = RequestError(f"generation failed: {type(err).__name__}: {err}", status=500, kind="server_error")
         self.sink(Failed(err))

@@ -20,7 +20,7 @@ def load_store(path: str | None, engine: Engine, occurrence: str = "first") -> D
     if path is None:
         return None
     store = load_datastore(path, occurrence=occurrence)
-    check_store_tokenizer(store.meta, str(path), tokenizer_fingerprint(engine.tokenizer), engine.name)
+    check_store_tokenizer(store.meta, str(path), tokenizer_fingerprint(engine.tokenizer), engine.name, model=True)
     return store
 
 

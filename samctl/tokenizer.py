@@ -283,10 +283,16 @@ def load_tokenizer(spec: str | None, light: bool = False) -> Tokenizer | None:
         return _load_hf(folder, str(path.resolve()), light) if folder is not None else None
     if path.is_dir():
         return _load_hf(str(path), str(path.resolve()), light)
-    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+    if path.exists() or is_path_like(spec):
         raise UserError(f"tokenizer folder {spec} does not exist (or is not a folder): pass a "
                         "folder holding tokenizer.json or tokenizer_config.json")
     return _load_hf(spec, spec, light)
+
+
+def is_path_like(spec: str) -> bool:
+    """Whether a model or tokenizer name can only be a local path, never a Hugging Face hub name
+    (`org/name`): it starts with `.`, `/` or `~`, has two slashes or more, or names a .gguf file."""
+    return spec.startswith((".", "/", "~")) or spec.count("/") > 1 or is_gguf(spec)
 
 
 def _load_hf(source: str, name: str, light: bool = False, fast: bool = True) -> HFTokenizer | FastTokenizer | None:
@@ -310,13 +316,19 @@ def _load_hf(source: str, name: str, light: bool = False, fast: bool = True) -> 
     return HFTokenizer(hf_tokenizer, name)
 
 
-def check_store_tokenizer(meta: StoreMeta, store_path: str, fingerprint: str, name: str) -> None:
-    """Refuse a tokenizer whose ids differ from the store's: drafts would be other tokens."""
-    if fingerprint != meta.tokenizer_fingerprint:
-        raise UserError(
-            f"{store_path} was built with tokenizer {meta.tokenizer_name} (fingerprint "
-            f"{meta.tokenizer_fingerprint}), but {name} has fingerprint {fingerprint}: use the "
-            f"store's tokenizer, or rebuild the store with --tokenizer {name}")
+def check_store_tokenizer(meta: StoreMeta, store_path: str, fingerprint: str, name: str, model: bool = False) -> None:
+    """Refuse a tokenizer whose ids differ from the store's: drafts would be other tokens. With
+    `model` (`name` is the model about to run), a store built with a model's tokenizer (a .gguf
+    file or a model folder found here) says to run that model."""
+    if fingerprint == meta.tokenizer_fingerprint:
+        return
+    built = meta.tokenizer_name
+    mismatch = (f"{store_path} was built with tokenizer {built} (fingerprint {meta.tokenizer_fingerprint}), "
+                f"but {name} has fingerprint {fingerprint}")
+    if model and (Path(built).is_file() if is_gguf(built) else (Path(built) / "config.json").is_file()):
+        raise ConfigError("{mismatch}: pass {model} {built} (the model it was built with), or rebuild the store "
+                          "with --tokenizer {name}", mismatch=mismatch, built=built, name=name)
+    raise UserError(f"{mismatch}: use the store's tokenizer, or rebuild the store with --tokenizer {name}")
 
 
 def load_store_tokenizer(meta: StoreMeta, store_path: str, spec: str | None = None,

@@ -88,3 +88,23 @@ def test_chat_session():
     finally:
         if term.proc.poll() is None:
             term.proc.kill()
+
+
+def test_a_method_that_needs_what_chat_was_not_given_is_refused_at_slash_method(model_dir, capsys):
+    """/method sd (no --draft-model) or sdsat (a model without SAT tokens) says so at once, in one
+    line that says to restart chat; the method stays what it was."""
+    from samctl.commands.chat import Console
+    from samctl.config import SessionConfig
+    from samctl.session import Session
+
+    console = Console(Session(SessionConfig(model=str(model_dir), method="pld", quiet=True, threads=1)), None, False)
+    capsys.readouterr()
+    assert console.command("/method sd")
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == 1 and said[0].startswith("samctl: method sd needs a draft model: pass --draft-model ")
+    assert said[0].endswith(": restart samctl chat with it (the method stays pld)") and console.method == "pld"
+    assert console.command("/method sdsat")
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == 1 and f"{model_dir} has no semantic adaptive tokens" in said[0] and console.method == "pld"
+    assert console.command("/method recycle")
+    assert capsys.readouterr().out.startswith("method: recycle (") and console.method == "recycle"

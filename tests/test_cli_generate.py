@@ -142,12 +142,18 @@ def test_tokenizer_mismatch_is_refused(model_dir, tmp_path):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "rebuild the store with --tokenizer" in lines[0] and str(model_dir) in lines[0]
+    # the store was built with a model's tokenizer: the first advice is to run that model
+    assert f"pass --model {other.resolve()} (the model it was built with)" in lines[0]
+    forgot = samctl("generate", "--sam", str(store), "--prompt", "hi")  # the embedded default model
+    assert forgot.returncode == 2 and f"pass --model {other.resolve()} (the model it was built with)" in forgot.stderr
 
 
 @pytest.mark.parametrize("args,message", [
     ((), "exactly one of"),
     (("--prompt", "a", "--prompt-file", "/dev/null"), "exactly one of"),
-    (("--prompt", "a", "--model", "/nonexistent/model"), "cannot load model"),
+    (("--prompt", "a", "--model", "/nonexistent/model"), "model /nonexistent/model does not exist: pass --model"),
+    (("--prompt", "a", "--model", "./nope"), "model ./nope does not exist: pass --model"),
+    (("--prompt", "a", "--method", "sd", "--draft-model", "./nope"), "draft model ./nope does not exist"),
     (("--prompt", "a", "--max-new-tokens", "0"), "max-new-tokens"),
     (("--prompt", "a", "--temperature", "-1"), "temperature"),
 ])
@@ -187,6 +193,32 @@ def test_prediction_and_memory_files(model_dir, tmp_path, monkeypatch):
     refused = samctl("generate", "--model", str(model_dir), "--prompt", PROMPT, "--method", "pld",
                      "--prediction", str(prediction))
     assert refused.returncode == 2 and "does not draft from a prediction" in refused.stderr
+
+
+def test_an_empty_prompt_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    monkeypatch.setattr("samctl.session.Session", lambda *args, **kwargs: pytest.fail("the model was loaded"))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    for args, where in ((("--prompt", ""), "--prompt"), (("--prompt-file", str(empty)), f"--prompt-file {empty}")):
+        proc = samctl("generate", *args)
+        assert proc.returncode == 2
+        assert proc.stderr == f"samctl: error: {where} is empty: give at least one token of text\n"
+
+
+def test_prediction_with_a_method_that_ignores_it_names_the_methods_that_take_one(tmp_path):
+    from samctl.commands.generate import generate
+    from samctl.decode.methods import REGISTRY
+
+    takers = [name for name, m in REGISTRY.items() if m.takes_prediction]
+    assert "lookahead" not in takers and "adaptive" in takers
+    prediction = tmp_path / "p.txt"
+    prediction.write_text("expected output\n")
+    proc = samctl("generate", "--prompt", "hi", "--method", "lookahead", "--prediction", str(prediction))
+    assert proc.returncode == 2
+    assert proc.stderr == ("samctl: error: method lookahead does not draft from a prediction: drop --prediction "
+                           f"or use --method {' or '.join(takers)}\n")
+    option = next(p for p in generate.params if p.name == "prediction_file")
+    assert option.help.startswith(f"{', '.join(takers)}: the expected output")
 
 
 def test_calibrate_prints_a_cost_curve(model_dir, tmp_path):

@@ -247,8 +247,13 @@ def test_shipped_question_file_is_spec_bench_format():
     for record in records:
         assert isinstance(record["question_id"], int) and isinstance(record["category"], str)
         assert isinstance(record["turns"], list) and all(isinstance(t, str) and t for t in record["turns"])
+    # bench reads it when --questions is left out: found inside the package, wherever it is installed
+    from samctl.commands.bench import SAMPLE_QUESTIONS, bench
+
+    assert SAMPLE_QUESTIONS == questions.resolve()
+    assert next(p for p in bench.params if p.name == "questions_path").default == str(SAMPLE_QUESTIONS)
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert "--questions samctl/data/questions/specbench_sample.jsonl" in readme
+    assert "samctl bench --limit 1 --out runs/cpu" in readme and "samctl bench --limit 1 --out runs/cpu" in bench.help
 
 
 # ---------------------------------------------------------------------------------------------

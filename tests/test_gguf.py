@@ -206,6 +206,18 @@ def test_a_tiny_gguf_written_here_loads_through_model_and_decodes_as_transformer
     assert out["text"] == tokenizer.decode(expected, skip_special_tokens=True)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="the gguf extra is not installed")
+def test_errors_name_a_gguf_model_as_given_not_its_cached_folder(tmp_path, private_cache, model_dir):
+    from samctl.config import SessionConfig
+    from samctl.session import Session
+
+    path = write_tiny_llama_gguf(model_dir, tmp_path / "tiny.gguf")
+    with pytest.raises(UserError) as refused:
+        Session(SessionConfig(model=str(path), method="sdsat", quiet=True, threads=1))
+    assert str(refused.value).startswith(f"{path} has no semantic adaptive tokens")
+    assert f"samctl train sdsat --model {path} --out DIR" in str(refused.value)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not REAL_GGUF.is_file(), reason=f"no real GGUF at {REAL_GGUF} (set SAMCTL_TEST_GGUF)")
 @pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="the gguf extra is not installed")
@@ -305,3 +317,18 @@ def test_fetch_installs_the_shipped_eagle_head_where_eagle_methods_find_it(tmp_p
     assert sorted(p.name for p in installed.parent.iterdir()) == [installed.name, model.name]
     assert resolve_eagle_path("sam+eagle", str(model), None, []) == str(installed)
     assert resolve_eagle_path("eagle", str(model), "other", []) == "other"
+
+
+def test_the_shipped_eagle_head_is_found_for_the_fetched_file_anywhere(tmp_path, monkeypatch):
+    import samctl.fetch
+    from samctl.plan import resolve_eagle_path
+
+    model = tmp_path / "elsewhere" / "smollm2.gguf"  # not where `samctl fetch` puts it, no head beside it
+    model.parent.mkdir()
+    model.write_bytes(b"GGUF" + bytes(64))
+    with pytest.raises(UserError, match="needs an EAGLE head"):
+        resolve_eagle_path("sam+eagle", str(model), None, [])  # another file than the one the head ships for
+    monkeypatch.setattr(samctl.fetch, "SHA256", hashlib.sha256(model.read_bytes()).hexdigest())
+    notes: list[str] = []
+    assert resolve_eagle_path("sam+eagle", str(model), None, notes) == str(samctl.fetch.EAGLE_HEAD)
+    assert notes == [f"using the EAGLE head that ships with samctl for this model ({samctl.fetch.EAGLE_HEAD})"]

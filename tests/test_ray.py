@@ -130,6 +130,6 @@ def test_ray_errors_are_one_line(model_dir, tmp_path, capsys):
     inputs.write_text(json.dumps({"prompt": "x"}) + "\n")
     code, _, err = run(["generate", "--model", str(tmp_path / "missing"), "--input", str(inputs), "--ray",
                         "--quiet"], capsys)
-    assert code == 2 and "cannot load model" in err and len(err.strip().splitlines()) == 1, err
+    assert code == 2 and "model " in err and "does not exist" in err and len(err.strip().splitlines()) == 1, err
     code, _, err = run(["generate", "--model", str(model_dir), "--prompt", "x", "--ray"], capsys)
     assert code == 2 and "--ray applies to a batch" in err

@@ -163,7 +163,7 @@ main(sys.argv[2:])
 
 
 def _get(url: str) -> httpx.Response:
-    # the server binds its port just after its worker began to measure
+    # the port listens before the model loads; uvicorn answers once its worker began to measure
     for _ in range(100):
         try:
             return httpx.get(url, timeout=30)
@@ -182,7 +182,7 @@ def _free_port() -> int:
 @pytest.mark.skipif(not DEFAULT_MODEL_DIR.is_dir(), reason="embedded default model not installed")
 @pytest.mark.parametrize("phase", ["batch-1", "batched"])
 def test_sigterm_stops_serve_during_its_start_up_measurement(phase, tmp_path):
-    """SIGTERM while the batch-1 curve is measured (before the server listens) or while the 16-row
+    """SIGTERM while the batch-1 curve is measured (before uvicorn serves) or while the 16-row
     batched curve is (the server listening, /health 503, a request waiting): the process ends at
     once, measuring no more. Each slowed forward takes a second, so a measurement left to run
     would take 20 s or more; the process must be gone in 15."""
@@ -221,3 +221,20 @@ def test_sigterm_stops_serve_during_its_start_up_measurement(phase, tmp_path):
         assert proc.returncode in (0, -signal.SIGTERM), "\n".join(lines)  # uvicorn re-raises the signal it handled
         asking.join(30)
         assert answers and answers[0].status_code == 503, answers
+
+
+@needs_serve
+@pytest.mark.skipif(not DEFAULT_MODEL_DIR.is_dir(), reason="embedded default model not installed")
+def test_a_taken_port_is_refused_in_one_line_before_the_model_loads(monkeypatch, capsys):
+    import samctl.session
+    from samctl.cli import main
+
+    monkeypatch.setattr(samctl.session, "Session", lambda *args, **kwargs: pytest.fail("the model was loaded"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as done:
+            main(["serve", "--port", str(port), "--threads", "1"])
+    assert done.value.code == 2
+    assert capsys.readouterr().err == f"samctl: error: port {port} is in use: pick another with --port\n"

@@ -641,6 +641,14 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(served, change, s
     assert client.post("/v1/chat/completions", json=body(session, max_tokens=2)).status_code == 200
 
 
+def test_a_method_the_server_cannot_run_names_the_flag_to_start_it_with(served):
+    session, _, client, _ = served
+    response = client.post("/v1/chat/completions", json=body(session, method="sd"))
+    message = response.json()["error"]["message"]
+    assert message.startswith("method sd needs a draft model: pass --draft-model with ")
+    assert "draft_model=" not in message
+
+
 def test_a_request_may_turn_speculation_off(served):
     # plain decoding for this request only: no drafts, the same text
     session, _, client, _ = served

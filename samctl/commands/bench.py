@@ -58,6 +58,8 @@ log = logging.getLogger(__name__)
 HF_METHODS = ("hf-greedy", "hf-pld", "hf-assisted")
 ALL_BENCH_METHODS = METHODS + DRAFT_METHODS + EAGLE_METHODS + SELF_DRAFT_METHODS + HF_METHODS
 WARMUP_TOKENS = 16
+# Spec-Bench's six reported categories, 26 questions, shipped inside the package (samctl/data/questions)
+SAMPLE_QUESTIONS = Path(__file__).resolve().parents[1] / "data" / "questions" / "specbench_sample.jsonl"
 
 
 @dataclass(frozen=True)
@@ -91,8 +93,10 @@ class Runner(Protocol):
 @click.command("bench")
 @session_options(exclude=("method", "memory_file") + SAMPLING, max_new_tokens=128,
                  store={"help": "Static datastore (sam methods, rest): a .sam file or a store directory (sharded, or a suffix array)."})
-@click.option("--questions", "questions_path", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="Spec-Bench-format JSONL: question_id, category, turns.")
+@click.option("--questions", "questions_path", default=str(SAMPLE_QUESTIONS), show_default=False,
+              type=click.Path(exists=True, dir_okay=False),
+              help="Spec-Bench-format JSONL: question_id, category, turns [default: the Spec-Bench sample that ships "
+                   "with samctl, 26 questions in Spec-Bench's six reported categories].")
 @click.option("--methods", "methods_spec", default="ar,adaptive,pld,sam,sam+recycle,recycle,hf-greedy,hf-pld", show_default=True,
               help=f"Comma-separated, from {', '.join(ALL_BENCH_METHODS)}; ar is always run (the baseline).")
 @click.option("--limit", type=int, default=None, help="First N questions of each reported category.")
@@ -104,7 +108,7 @@ def bench(config: SessionConfig, questions_path: str, methods_spec: str, limit: 
     """Benchmark methods end to end on a question file: speedup per category against ar.
 
     \b
-    samctl bench --questions samctl/data/questions/specbench_sample.jsonl --limit 1 --out runs/cpu
+    samctl bench --limit 1 --out runs/cpu     # the Spec-Bench sample that ships with samctl
     samctl bench --model M --sam store.sam --questions q.jsonl --methods ar,pld,sam,rest --out runs/x
     """
     if repeats < 1:

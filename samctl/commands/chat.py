@@ -97,6 +97,12 @@ class Console:
             if arg not in ALL_METHODS:
                 click.echo(f"unknown method {arg!r}: choose one of {', '.join(ALL_METHODS)}")
             else:
+                try:  # what the method needs (a draft model, a head, a SAT model) was given at start, or never
+                    self._session(arg)
+                except UserError as err:
+                    click.echo(f"samctl: {cli_message(err)}: restart samctl chat with it "
+                               f"(the method stays {self.method})")
+                    return True
                 self.method = arg
                 click.echo(f"method: {arg} ({method_entry(arg).summary})")
         elif name == "/compare":
@@ -119,12 +125,7 @@ class Console:
 
         self.messages.append({"role": "user", "content": text})
         ids = self.engine.encode_conversation(self.messages, chat=self.chat_template)
-        try:
-            session = self._session()
-        except UserError as err:  # a method that needs what this session lacks (a draft model, a head)
-            click.echo(f"samctl: {cli_message(err)}")
-            self.messages.pop()
-            return
+        session = self._session(self.method)
         stream = TextStream(session.decode)
         try:
             result = session.generate(ids, on_tokens=stream.push)
@@ -156,12 +157,12 @@ class Console:
             lines += _report_lines(drafter.report())
         return "\n".join(lines)
 
-    def _session(self):
-        """The kept session of the current method, on the same engine as the others."""
-        if self.method not in self.sessions:
+    def _session(self, method: str):
+        """The kept session of `method`, on the same engine as the others (built on first use)."""
+        if method not in self.sessions:
             first = next(iter(self.sessions.values()))
-            self.sessions[self.method] = first.for_method(self.method)
-        return self.sessions[self.method]
+            self.sessions[method] = first.for_method(method)
+        return self.sessions[method]
 
 
 def _report_lines(info: dict[str, Any]) -> list[str]:

@@ -27,7 +27,7 @@ import click
 from click.core import ParameterSource
 
 from samctl.config import SessionConfig
-from samctl.decode.methods import method as method_entry
+from samctl.decode.methods import PREDICTION_METHODS, method as method_entry
 from samctl.index.errors import UserError
 from samctl.options import (MAX_BATCH_SIZE, MAX_WORKERS, batch_size, batch_size_option, check_count, ignored_settings,
                             session_options)
@@ -56,8 +56,8 @@ from samctl.textio import TEXT_FILE, check_utf8
 @batch_size_option
 @click.option("--field", "prompt_field", metavar="NAME", help="Batch: the record field holding the prompt.")
 @click.option("--prediction", "prediction_file", type=TEXT_FILE,
-              help="adaptive: the expected output (e.g. the file being edited), drafted from like the prompt; "
-                   "in a batch, a record's `prediction` field.")
+              help=f"{', '.join(PREDICTION_METHODS)}: the expected output (e.g. the file being edited), drafted from "
+                   "like the prompt; in a batch, a record's `prediction` field.")
 @click.option("--memory-save", "memory_save", metavar="STORE", type=click.Path(dir_okay=False),
               help="adaptive, lookahead, ouroboros: write the memory of outputs to this store at the end (atomically).")
 @click.option("--json", "as_json", is_flag=True, help="Single prompt: print one JSON object instead of streaming text.")
@@ -85,9 +85,12 @@ def generate(config: SessionConfig, **opts: Any) -> None:
     # The single prompt's files are read (and refused if not UTF-8) before any model loads.
     prediction = _read_file(opts["prediction_file"], "--prediction")
     text = opts["prompt"] if opts["prompt"] is not None else _read_file(opts["prompt_file"], "--prompt-file")
+    if text == "" and not config.chat:  # refused now, not once the model has loaded (--chat: the template is text)
+        where = "--prompt" if opts["prompt"] is not None else f"--prompt-file {opts['prompt_file'].name}"
+        raise UserError(f"{where} is empty: give at least one token of text")
     if prediction is not None and not method_entry(config.method).takes_prediction:
         raise UserError(f"method {config.method} does not draft from a prediction: drop --prediction "
-                        "or use --method adaptive, lookahead or ouroboros")
+                        f"or use --method {' or '.join(PREDICTION_METHODS)}")
     refuse_foreign_store(config.store, config.model)
     input_format = _input_format(opts)
     if opts["ray_address"] is not None:
@@ -175,7 +178,7 @@ def refuse_foreign_store(store_path: str | None, model: str | None) -> None:
         if folder is None:
             return
     tokenizer = load_tokenizer(folder or "default")
-    check_store_tokenizer(meta, store_path, tokenizer.fingerprint, model or "default")
+    check_store_tokenizer(meta, store_path, tokenizer.fingerprint, model or "default", model=True)
 
 
 def _input_format(opts: dict[str, Any]) -> str | None:

@@ -5,6 +5,8 @@ under uvicorn; fastapi and uvicorn (the `serve` extra) are imported only here, w
 """
 from __future__ import annotations
 
+import errno
+import socket
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -82,6 +84,8 @@ def serve(config: SessionConfig, store: tuple[str, ...], host: str, port: int, a
     except ImportError as err:
         raise UserError(f"samctl serve needs the `serve` extra ({err.name} is missing): "
                         "pip install 'samctl[serve]'") from err
+    listener = _listen(host, port)  # a taken port is refused now, not after torch and the model load (seconds)
+    port = listener.getsockname()[1]  # --port 0: the one the system chose
     from samctl.scheduler import Sessions
     from samctl.session import Session, load_store
 
@@ -99,7 +103,24 @@ def serve(config: SessionConfig, store: tuple[str, ...], host: str, port: int, a
                    f"{', '.join(sessions.store_names) or 'none'}) on http://{host}:{port}/v1, "
                    f"{at_once}", err=True)
     _server(app, uvicorn.Config(app, host=host, port=port,
-                                log_level="warning" if first.config.quiet else "info")).run()
+                                log_level="warning" if first.config.quiet else "info")).run(sockets=[listener])
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound and listening before anything loads; uvicorn serves on it, so no
+    other process can take the port in between (a client that connects meanwhile waits in the
+    backlog). Bound as uvicorn binds (IPv6 for an address with a colon, SO_REUSEADDR)."""
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+        listener.listen()
+    except OSError as err:
+        listener.close()
+        if err.errno == errno.EADDRINUSE:
+            raise UserError(f"port {port} is in use: pick another with --port") from err
+        raise UserError(f"cannot listen on {host}:{port} ({err.strerror or err}): check --host and --port") from err
+    return listener
 
 
 def _server(app: Any, config: Any) -> Any:
