@@ -22,6 +22,7 @@ from functools import lru_cache
 
 import torch
 
+from samctl.decode.engine.cpu_linear import int8_kernels
 from samctl.decode.engine.cost import VerifyCost, graph_widths, measurable_context, measure_verify_cost
 from samctl.decode.engine.native import backend_name
 from samctl.index.errors import UserError
@@ -70,16 +71,18 @@ def curve_width(engine: Any) -> int:
 def curve_key(engine: Any) -> dict[str, Any]:
     """What a curve depends on: the model (its folder and config), device (on a CPU, which CPU: a
     cache folder shared by machines, or a disk moved, must not lend one CPU's curve to another),
-    dtype, how its forward and its linear layers run (native or hf; plain, packed, int8), CPU
-    threads, whether verifies run as CUDA graphs (a step function of the width) or eagerly, and
-    the engine's code."""
+    dtype, how its forward and its linear layers run (native or hf; plain, packed, int8, and which
+    int8 kernels this CPU's instruction set, or the one ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA and
+    NUMBA_CPU_NAME allow, gives), CPU threads, whether verifies run as CUDA graphs (a step function
+    of the width) or eagerly, and the engine's code."""
     device = engine.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    linear = backend_name(engine.model)
     return {"model": str(Path(engine.name).resolve()) if Path(engine.name).exists() else engine.name,
             "config": hashlib.sha256(engine.model.config.to_json_string().encode()).hexdigest()[:16],
             "device": name, "cpu": cpu_name() if device.type == "cpu" else "",
             "dtype": str(engine.target.dtype).replace("torch.", ""),
-            "linear": backend_name(engine.model),
+            "linear": linear, "int8_kernels": int8_kernels()._asdict() if linear.endswith("int8") else {},
             "threads": torch.get_num_threads() if device.type == "cpu" else 0,
             "graphs": bool(graph_widths(engine.target)), "code": engine_code()}
 

@@ -634,3 +634,23 @@ def test_int8_batched_greedy_equals_its_own_plain_greedy(default_int8, default_i
                                  cost=cheap, max_width=32)
         for r, want in zip(results, expected):
             assert r.tokens == want, (method, batch_size, r.index)
+
+
+def test_a_cost_curve_is_keyed_by_the_int8_kernels_that_run(tiny_llama, monkeypatch):
+    # one CPU held to AVX2 (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, NUMBA_CPU_NAME) verifies at
+    # other costs than the same CPU with VNNI: a curve measured one way must not price the other
+    import copy
+    from types import SimpleNamespace
+
+    from samctl import costs
+    from samctl.decode.engine.target import TargetModel
+
+    model = apply_cpu_linear(copy.deepcopy(tiny_llama), "int8")
+    engine = SimpleNamespace(name="tiny", model=model, device=torch.device("cpu"), target=TargetModel(model))
+    keys = []
+    for kernels in (cpu_linear.Int8Kernels(True, True, False, "vnni"), cpu_linear.Int8Kernels(False, True, True, "avx2")):
+        monkeypatch.setattr(costs, "int8_kernels", lambda: kernels)
+        keys.append(costs.curve_key(engine))
+    assert keys[0] != keys[1] and keys[1]["int8_kernels"]["own"] == "avx2"
+    plain = SimpleNamespace(name="tiny", model=tiny_llama, device=torch.device("cpu"), target=TargetModel(tiny_llama))
+    assert costs.curve_key(plain)["int8_kernels"] == {}  # a float model probes nothing
