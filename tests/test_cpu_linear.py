@@ -182,8 +182,9 @@ def test_own_kernel_follows_a_numba_target_set_by_the_user(monkeypatch):
 
 def test_own_kernel_serves_a_few_rows_on_one_thread_only():
     # samctl's kernel for up to MAX_ROWS rows on one thread; with more rows torch's kernels,
-    # which block for cache, and with more threads too unless they are the split; the same
-    # numbers either way
+    # which block for cache, and with more threads too, unless they are the split: then samctl's
+    # serves any row count on one thread, and a few rows on any thread count; the same numbers
+    # either way
     kernels = cpu_linear.int8_kernels()
     if not kernels.own:
         pytest.skip(f"the probe chose no kernel of samctl's here: {kernels}")
@@ -191,13 +192,16 @@ def test_own_kernel_serves_a_few_rows_on_one_thread_only():
     layer = int8_layer(96, 48, seed=3)
     x = torch.randn(MAX_ROWS + 1, 96)
     with threads(1):
-        assert [layer.kernel(r) for r in (1, MAX_ROWS, MAX_ROWS + 1)] == [kernels.own, kernels.own, torch_kernel]
+        many = kernels.own if kernels.split else torch_kernel
+        assert [layer.kernel(r) for r in (1, MAX_ROWS, MAX_ROWS + 1)] == [kernels.own, kernels.own, many]
         alone = layer(x[:MAX_ROWS])
     with threads(OWN_KERNEL_THREADS):
         assert layer.kernel(2) == kernels.own
     with threads(OWN_KERNEL_THREADS + 1):  # where torch's kernel is the split, samctl's serves any thread count
         assert layer.kernel(2) == (kernels.own if kernels.split else torch_kernel)
+        assert layer.kernel(MAX_ROWS + 1) == torch_kernel
         assert torch.equal(layer(x[:MAX_ROWS]), alone)
+        assert torch.equal(layer(x)[:MAX_ROWS], alone)
     assert torch.equal(layer(x)[:MAX_ROWS], alone)
 
 

@@ -152,13 +152,14 @@ class Int8Linear(nn.Module):
 
     def kernel(self, rows: int) -> str:
         """The kernel that sums `rows` rows (a key of CODE_FORMATS): samctl's own ("vnni" or "avx2")
-        for a few rows on up to OWN_KERNEL_THREADS threads, and on any number of threads where
-        torch's would be the split (with every kernel held to AVX2, two threads of the split took
-        29 ms a SmolLM2 step, one of samctl's 7); else `_int_mm` for one row, oneDNN for several,
-        the split where no VNNI. Decided by the probe, the row count and the thread count alone, so
-        that every layer of a forward takes codes in one format."""
-        if (self.rows_gemm is not None and rows <= int8_gemm.MAX_ROWS
-                and (self.kernels.split or torch.get_num_threads() <= OWN_KERNEL_THREADS)):
+        for a few rows on up to OWN_KERNEL_THREADS threads; where torch's would be the split (no
+        VNNI), for a few rows on any number of threads (held to AVX2, two threads of the split took
+        29 ms a SmolLM2 step, one of samctl's 7) and for any number of rows on up to
+        OWN_KERNEL_THREADS (a 256-row prefill's layer 18.0 -> 9.3 ms on one thread); else `_int_mm`
+        for one row, oneDNN for several, the split where no VNNI. Decided by the probe, the row
+        count and the thread count alone, so that every layer of a forward takes codes in one format."""
+        few, lean = rows <= int8_gemm.MAX_ROWS, torch.get_num_threads() <= OWN_KERNEL_THREADS
+        if self.rows_gemm is not None and (few and lean or self.kernels.split and (few or lean)):
             return self.kernels.own
         if self.kernels.split:
             return "split"

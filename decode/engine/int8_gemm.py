@@ -42,7 +42,7 @@ GROUP = 8  # rows a block serves per pass over the weight
 # prefetcher too few requests in flight. SmolLM2's int8 verify after 256 tokens, one thread, Zen 5:
 # t(8) 10.8-11.1 -> 9.1-9.3 ms, t(4) 6.9-8.1 -> 6.8-7.2, t(1) 5.4-5.5 -> 4.9-5.8 (three rounds each).
 AHEAD = 16384
-MAX_ROWS = 16  # beyond this many rows torch's GEMMs, which block for cache, are used instead
+MAX_ROWS = 16  # beyond this many rows torch's GEMMs, which block for cache, are used (where not the split)
 
 
 class _Lanes(types.Type):
