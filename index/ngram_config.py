@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from samctl.index.errors import UserError
+from samctl.index.errors import ConfigError
+
+MAX_N = 16  # longest context the table's keys hold
 
 
 @dataclass(frozen=True)
@@ -14,9 +16,9 @@ class NgramConfig:
     top_k: int = 8  # next tokens kept per context
 
     def __post_init__(self) -> None:
-        if not 1 <= self.max_n <= 16:
-            raise UserError(f"n-gram max_n must be in 1..16, got {self.max_n}")
+        if not 1 <= self.max_n <= MAX_N:
+            raise ConfigError("n-gram {max_n} must be in 1..{high}, got {value}", high=MAX_N, value=self.max_n)
         if self.min_count < 1:
-            raise UserError(f"n-gram min_count must be >= 1, got {self.min_count}")
+            raise ConfigError("n-gram {min_count} must be >= 1, got {value}", value=self.min_count)
         if self.top_k < 1:
-            raise UserError(f"n-gram top_k must be >= 1, got {self.top_k}")
+            raise ConfigError("n-gram {top_k} must be >= 1, got {value}", value=self.top_k)

@@ -279,9 +279,10 @@ def test_offline_dataset_error_is_clean(tmp_path, capsys):
 
 def test_bad_build_options(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("x")
-    code, _out, err = _main(["build", str(tmp_path / "a.txt"), "-o", str(tmp_path / "s.sam"),
-                             "--kind", "ngram", "--max-n", "0", "--tokenizer", "bytes"], capsys)
-    assert "max_n" in _one_line_error(code, err)
+    for n, said in (("0", "--max-n must be in 1..16, got 0"), ("20", "--max-n must be at most 16, got 20")):
+        code, _out, err = _main(["build", str(tmp_path / "a.txt"), "-o", str(tmp_path / "s.sam"),
+                                 "--kind", "ngram", "--max-n", n, "--tokenizer", "bytes"], capsys)
+        assert said in _one_line_error(code, err)  # the table's own bound, worded as the flag
     for kind in ("sam", "sa"):  # the n-gram settings given for another kind are refused, not ignored
         code, _out, err = _main(["build", str(tmp_path / "a.txt"), "-o", str(tmp_path / "s.sam"), "--kind", kind,
                                  "--max-n", "3", "--top-k", "4", "--tokenizer", "bytes"], capsys)

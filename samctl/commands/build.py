@@ -35,7 +35,7 @@ from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, save_dat
 from samctl.index.load import load_datastore
 from samctl.index.errors import UserError
 from samctl.index.kinds import KINDS, BuildOptions
-from samctl.index.ngram_config import NgramConfig
+from samctl.index.ngram_config import MAX_N, NgramConfig
 from samctl.index.store import is_store_file
 from samctl.options import MAX_WORKERS, check_count, config_option
 from samctl.progress import human_bytes, progress_bar, status
@@ -43,7 +43,6 @@ from samctl.tokenizer import load_store_tokenizer, load_tokenizer, tokenize_docu
 
 
 MAX_SHARDS = 1 << 16
-MAX_NGRAM = 64  # longest n-gram context
 MAX_NGRAM_TOP_K = 4096  # next tokens kept per context
 
 
@@ -121,7 +120,7 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
         kind = old.kind
     _check_ngram_options(kind)
     if kind == "ngram":
-        check_count("--max-n", max_n, MAX_NGRAM, low=None)  # BuildConfig checks the lower bounds
+        check_count("--max-n", max_n, MAX_N, low=None)  # BuildConfig checks the lower bounds
         check_count("--top-k", top_k, MAX_NGRAM_TOP_K, low=None)
     config = BuildConfig(kind=kind, max_n=max_n, min_count=min_count, top_k=top_k,
                          compress=compress, append_eos=append_eos, include=include,
