@@ -27,6 +27,7 @@ import json
 import logging
 import multiprocessing
 import os
+import pickle
 import resource
 from dataclasses import dataclass
 from pathlib import Path
@@ -313,13 +314,14 @@ class _GenerateWorker:
         from samctl.records import RecordRunner
         from samctl.session import Session
 
-        # A UserError here (a missing model or store) goes back as data, the `fatal` column of
-        # every row: Ray hands the driver a worker's exception without its type.
-        self.fatal = ""
+        # A UserError here (a missing model or store) goes back as data, pickled in the `fatal`
+        # column of every row: Ray hands the driver a worker's exception without its type, and a
+        # ConfigError's type is what words its settings as flags at the command line.
+        self.fatal = b""
         try:
             self.runner = RecordRunner(Session(config), field=field, compare=compare, batch_size=batch_size)
         except UserError as err:
-            self.fatal = str(err)
+            self.fatal = pickle.dumps(err)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self.fatal:
@@ -331,7 +333,7 @@ class _GenerateWorker:
         self.runner.batch(items, lines.append, quiet=True)
         failed = ["error" in json.loads(line) for line in lines]
         return {"number": batch["number"], "out": np.array(lines, dtype=object), "failed": np.array(failed),
-                "fatal": np.array([""] * len(lines), dtype=object)}
+                "fatal": np.array([b""] * len(lines), dtype=object)}
 
 
 def _worker_count(ray, requested: int | None, threads: int, gpus: float) -> int:
@@ -372,7 +374,7 @@ def generate_on_ray(config: "SessionConfig", records: Iterable[tuple[int, str]],
         with progress_bar(f"generate on {workers} Ray worker(s)", "record", quiet, total=len(items)) as bar:
             for row in dataset.iter_rows():
                 if row["fatal"]:
-                    raise UserError(row["fatal"])
+                    raise pickle.loads(row["fatal"])
                 write(row["out"])
                 failed += bool(row["failed"])
                 bar.update(1)

@@ -131,5 +131,9 @@ def test_ray_errors_are_one_line(model_dir, tmp_path, capsys):
     code, _, err = run(["generate", "--model", str(tmp_path / "missing"), "--input", str(inputs), "--ray",
                         "--quiet"], capsys)
     assert code == 2 and "model " in err and "does not exist" in err and len(err.strip().splitlines()) == 1, err
+    # a worker's ConfigError keeps its type across Ray, so its setting is worded as the flag
+    code, _, err = run(["generate", "--model", str(model_dir), "--method", "sd", "--input", str(inputs), "--ray",
+                        "--quiet"], capsys)
+    assert code == 2 and "--draft-model" in err and "draft_model=" not in err, err
     code, _, err = run(["generate", "--model", str(model_dir), "--prompt", "x", "--ray"], capsys)
     assert code == 2 and "--ray applies to a batch" in err
