@@ -77,8 +77,8 @@ class SessionConfig:
     max_new_tokens: int = arg(256, "Longest answer, in tokens.")
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     chat: bool = arg(False, "Apply the tokenizer's chat template to the prompt.")
-    memory_file: str | None = arg(None, "adaptive, lookahead, ouroboros: preload the memory of earlier outputs from "
-                                  "this store.", metavar="STORE", path={"exists": True, "dir_okay": False})
+    memory_file: str | None = arg(None, "adaptive, adaptive+eagle, lookahead, ouroboros: preload the memory of "
+                                  "earlier outputs from this store.", metavar="STORE", path={"exists": True, "dir_okay": False})
     quiet: bool = arg(False, "No progress, notes or summary on stderr (warnings and errors only).", cli="-q --quiet")
 
     def __post_init__(self) -> None:

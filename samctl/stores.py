@@ -28,7 +28,7 @@ def load_memory(path: str, engine: Engine, drafter) -> int:
     """Preload the drafter's memory from a store; returns the number of documents."""
     if not drafter.keeps_memory:
         raise ConfigError("method {name} keeps no memory across requests: drop {memory_file}, or choose "
-                          "{method} adaptive, lookahead or ouroboros", name=drafter.name)
+                          "{method} adaptive, adaptive+eagle, lookahead or ouroboros", name=drafter.name)
     store = load_store(path, engine)
     if not isinstance(store.structure, SuffixAutomaton):
         raise ConfigError("{path} is not a single automaton store: a {memory_file} is one .sam automaton store "
