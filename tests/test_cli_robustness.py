@@ -272,7 +272,7 @@ def test_shipped_question_file_is_spec_bench_format():
     (["serve", "--port", "99999"], "'--port': 99999 is not in the range 0<=x<=65535"),
     (["serve", "--port", "-1"], "is not in the range 0<=x<=65535"),
     (["serve", "--batch-size", "99999"], "--batch-size must be at most 4096"),
-    (["build", "a.txt", "-o", "x.sam", "--kind", "ngram", "--max-n", "99999"], "--max-n must be at most 64"),
+    (["build", "a.txt", "-o", "x.sam", "--kind", "ngram", "--max-n", "99999"], "--max-n must be at most 16"),
     (["build", "a.txt", "-o", "x.sam", "--shards", "99999999"], "--shards must be at most"),
 ])
 def test_sizes_and_ports_beyond_any_use_are_one_line_errors(args, message, capsys):
