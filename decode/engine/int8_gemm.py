@@ -12,8 +12,7 @@ run inside, compiled by numba with no setup. The weight is packed once into bloc
     acc[r] += block x (the row's `depth` codes, broadcast)     for every `depth` inputs
 
 so a block is loaded once for up to 8 rows, while the weight `AHEAD` bytes on is asked for
-(`prefetch`). Two kernels, one loop (`_group`), the lanes' type
-picking the instructions:
+(`prefetch`). Two kernels, one loop (`_group`), the lanes' type picking the instructions:
 
 - `vnni`: AVX512-VNNI's `vpdpbusd` on 16 x int32 lanes, blocks of 16 columns x 4 inputs; codes
   are uint8 (xq + 128, as oneDNN takes them), sums of 4 products of at most 255 x 127 a lane.
