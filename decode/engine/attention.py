@@ -168,17 +168,18 @@ def row_scores(q, keys, seen, n, scale, weights):
 
 
 @njit(cache=True)
-def largest(row):
-    """max(row), exact in any order: kept in 16 lanes (elementwise maxima compile to vector
-    instructions, a running maximum does not), then folded."""
-    lanes = np.full(16, row[0], dtype=np.float32)
+def largest(row, magnitude=False):
+    """max row[k] (max |row[k]| with `magnitude`), exact in any order: kept in 16 lanes
+    (elementwise maxima, which compile to vector instructions where a running maximum does not),
+    then folded."""
+    top = abs(row[0]) if magnitude else row[0]
+    lanes = np.full(16, top, dtype=np.float32)
     body = row.shape[0] - row.shape[0] % 16
     for start in range(0, body, 16):
         for j in range(16):
-            lanes[j] = max(lanes[j], row[start + j])
-    top = row[0]
+            lanes[j] = max(lanes[j], abs(row[start + j]) if magnitude else row[start + j])
     for k in range(body, row.shape[0]):
-        top = max(top, row[k])
+        top = max(top, abs(row[k]) if magnitude else row[k])
     for j in range(16):
         top = max(top, lanes[j])
     return top

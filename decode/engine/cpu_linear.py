@@ -58,7 +58,7 @@ from numba.core.errors import NumbaError
 from torch import nn
 
 from samctl.decode.engine import int8_gemm
-from samctl.decode.engine.attention import use_rowwise_attention
+from samctl.decode.engine.attention import largest, use_rowwise_attention
 from samctl.index.errors import ConfigError
 
 QUANTIZE = ("none", "int8")
@@ -213,28 +213,11 @@ def quantize_row(row, out, zero):
     """row_scale = max |row| / 127 (at least the smallest normal float32 / 127), returned, and
     out[k] = round(row[k] / row_scale) + zero, half to even; |the quotient| <= 127 up to
     rounding, so no clamp. In one order."""
-    scale = max(largest_magnitude(row), np.float32(np.finfo(np.float32).tiny)) / np.float32(127.0)
+    scale = max(largest(row, True), np.float32(np.finfo(np.float32).tiny)) / np.float32(127.0)
     shift = np.int32(zero)
     for k in range(row.shape[0]):
         out[k] = np.int32(np.rint(row[k] / scale)) + shift
     return scale
-
-
-@njit(cache=True)
-def largest_magnitude(row):
-    """max |row[k]|, exact in any order: kept in 16 lanes (elementwise maxima, which compile to
-    vector instructions where a running maximum does not), then folded."""
-    lanes = np.zeros(16, dtype=np.float32)
-    body = row.shape[0] - row.shape[0] % 16
-    for start in range(0, body, 16):
-        for j in range(16):
-            lanes[j] = max(lanes[j], abs(row[start + j]))
-    top = np.float32(0.0)
-    for k in range(body, row.shape[0]):
-        top = max(top, abs(row[k]))
-    for j in range(16):
-        top = max(top, lanes[j])
-    return top
 
 
 @njit(cache=True)
