@@ -93,7 +93,7 @@ def use_folded_gqa(model: torch.nn.Module) -> bool:
 ROWWISE = "samctl_rowwise"
 
 
-@njit(cache=True, fastmath={"reassoc", "contract"})
+@njit(cache=True, fastmath={"reassoc", "contract"}, error_model="numpy")
 def attend_rows(query, key, value, index, counts, scale, out):
     """out[b, i, h] = softmax(scale * q . k_j) . v_j over the keys j = index[b', i, :counts[b', i]]
     (ascending) of row i (b' = b, or 0 when index has one batch row); head h reads KV head
@@ -135,7 +135,7 @@ def attend_rows(query, key, value, index, counts, scale, out):
                     out[b, i, g * group + r] = acc[r]
 
 
-@njit(cache=True, fastmath={"reassoc", "contract"})
+@njit(cache=True, fastmath={"reassoc", "contract"}, error_model="numpy")
 def row_scores(q, keys, seen, n, scale, weights):
     """weights[:n] = softmax(scale * q . keys[seen[t]]) over t < n: the dot products four keys at
     a time, then exp(s - max) and one division."""
@@ -167,7 +167,7 @@ def row_scores(q, keys, seen, n, scale, weights):
         weights[t] *= inverse
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def largest(row, magnitude=False):
     """max row[k] (max |row[k]| with `magnitude`), exact in any order: kept in 16 lanes
     (elementwise maxima, which compile to vector instructions where a running maximum does not),

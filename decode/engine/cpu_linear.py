@@ -200,7 +200,7 @@ CODE_FORMATS = {"int_mm": (np.int8, 0), "onednn": (np.uint8, 128), "split": (np.
                 **{k.name: (k.codes, k.zero) for k in int8_gemm.KERNELS.values()}}
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def quantize_rows(rows, out, row_scale, zero):
     """Per-row symmetric int8 (`quantize_row`) of rows [r, in] float32 into out [r, in] of any
     dtype that holds the values, row_scale [r]. Each row alone: its codes never depend on the others."""
@@ -208,7 +208,7 @@ def quantize_rows(rows, out, row_scale, zero):
         row_scale[i] = quantize_row(rows[i], out[i], zero)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def quantize_row(row, out, zero):
     """row_scale = max |row| / 127 (at least the smallest normal float32 / 127), returned, and
     out[k] = round(row[k] / row_scale) + zero, half to even; |the quotient| <= 127 up to
@@ -220,7 +220,7 @@ def quantize_row(row, out, zero):
     return scale
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def rescale(sums, row_scale, scale, bias, out):
     """`rescale_row` of every row: sums [r, out] as int32 or exact float32 (a transposed view reads
     as its own strides), row_scale [r], out [r, out]."""
@@ -228,7 +228,7 @@ def rescale(sums, row_scale, scale, bias, out):
         rescale_row(sums[i], row_scale[i], scale, bias, out[i])
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def rescale_row(sums, row_scale, scale, bias, out):
     """out[n] = float32(sums[n]) * row_scale * scale[n] (+ bias[n]), in that order: the epilogue
     of one row; bias empty for none (tested once, not per element)."""

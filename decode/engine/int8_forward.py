@@ -137,7 +137,7 @@ class _Stack:
         return None
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def own_layers(sums, words, packed, base, scale, bias, out, norms, qk_norms, final, eps, flat, hidden, codes,
                row_scale, zero, storage, rows, write, index, counts, cos, sin, softmax_scale, queries, attended):
     """`Int8Forward.__call__`'s layer loop in one compiled call, the integer sums by `sums`
@@ -196,7 +196,7 @@ _EMPTY = np.zeros(0, dtype=np.float32)
 _NONE = np.zeros((0, 0), dtype=np.int32)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def rms_norm_row(row, weight, eps, out):
     """out = row / sqrt(mean(row^2) + eps) * weight in float32, summed in order."""
     total = np.float32(0.0)
@@ -207,7 +207,7 @@ def rms_norm_row(row, weight, eps, out):
         out[k] = row[k] * inverse * weight[k]
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def norm_codes(x, sums, sums_scale, scale, bias, weight, eps, hidden, codes, row_scale, zero):
     """Per row i: x[i] += rescale_row(sums[i]) when sums has rows; hidden[i] = rms_norm(x[i]);
     codes[i], row_scale[i] = its int8 codes when codes has rows."""
@@ -222,7 +222,7 @@ def norm_codes(x, sums, sums_scale, scale, bias, weight, eps, hidden, codes, row
             row_scale[i] = quantize_row(hidden[i], codes[i], zero)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def attend_codes(sums, sums_scale, scale, bias, cos, sin, q_norm, k_norm, eps, keys, values, write, index, counts,
                  softmax_scale, queries, attended, codes, row_scale, zero):
     """The attention block of rows [A * q] of q, k, v integer sums: each rescaled, q and k
@@ -247,19 +247,18 @@ def attend_codes(sums, sums_scale, scale, bias, cos, sin, q_norm, k_norm, eps, k
                 if len(norm):
                     rms_norm_row(part, norm, eps, head)
                     part = head
-                for d in range(dim):
-                    rotated = part[d] * cos[b, i, d] + part[(d + half) % dim] * sin[b, i, d]
-                    if h < heads:
-                        queries[b, h, i, d] = rotated
-                    else:
-                        keys[b, h - heads, write[b, i], d] = rotated
+                out = queries[b, h, i] if h < heads else keys[b, h - heads, write[b, i]]
+                for d in range(half):  # two loops, not an index mod dim: they vectorize
+                    out[d] = part[d] * cos[b, i, d] + part[d + half] * sin[b, i, d]
+                for d in range(half, dim):
+                    out[d] = part[d] * cos[b, i, d] + part[d - half] * sin[b, i, d]
     attend_rows(queries, keys, values, index, counts, softmax_scale, attended)
     for b in range(rows):
         for i in range(n):
             row_scale[b * n + i] = quantize_row(attended[b, i].reshape(-1), codes[b * n + i], zero)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def gated_codes(sums, sums_scale, scale, bias, codes, row_scale, zero):
     """Per row: [g, u] = rescale_row(sums), codes = quantize(silu(g) * u)."""
     inner = codes.shape[1]
@@ -271,7 +270,7 @@ def gated_codes(sums, sums_scale, scale, bias, codes, row_scale, zero):
         row_scale[r] = quantize_row(act, codes[r], zero)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def silu_times(g, u, out):
     """out = silu(g) * u, silu(g) = g / (1 + exp(-g)) computed from e = exp(-|g|): g / (1 + e) for
     g >= 0, g e / (1 + e) below. e comes from `exp_nonpositive` in a loop of its own, which
