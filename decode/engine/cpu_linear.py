@@ -200,6 +200,8 @@ CODE_FORMATS = {"int_mm": (np.int8, 0), "onednn": (np.uint8, 128), "split": (np.
                 **{k.name: (k.codes, k.zero) for k in int8_gemm.KERNELS.values()}}
 
 
+# The compiled kernels of the int8 path take numpy's error model: under numba's default a float
+# division checks for zero, and that branch keeps its loop from vectorizing (10x slower).
 @njit(cache=True, error_model="numpy")
 def quantize_rows(rows, out, row_scale, zero):
     """Per-row symmetric int8 (`quantize_row`) of rows [r, in] float32 into out [r, in] of any

@@ -196,6 +196,7 @@ _EMPTY = np.zeros(0, dtype=np.float32)
 _NONE = np.zeros((0, 0), dtype=np.int32)
 
 
+# error_model="numpy" as in cpu_linear: a division's zero check would keep its loop scalar
 @njit(cache=True, error_model="numpy")
 def rms_norm_row(row, weight, eps, out):
     """out = row / sqrt(mean(row^2) + eps) * weight in float32, summed in order."""
