@@ -125,14 +125,16 @@ def test_native_int8_on_split_kernels_verifies_rows_equal_to_one_token_steps(mon
     assert torch.equal(target.verify(torch.from_numpy(chain), DraftTree.chain(chain[1:])), want)
 
 
-def test_exact_attention_rows_are_one_token_steps_whatever_the_other_rows():
-    # a tree's rows over a shared prefix, in two batch rows of different lengths, grouped heads:
-    # each row equals the same query attending its prefix and ancestors alone, as a one-token
-    # step does, bit for bit; and sdpa within float tolerance
+@pytest.mark.parametrize("heads, kv_heads, dim", [(6, 2, 32), (10, 2, 20), (3, 1, 7)])
+def test_exact_attention_rows_are_one_token_steps_whatever_the_other_rows(heads, kv_heads, dim):
+    # a tree's rows over a shared prefix, in two batch rows of different lengths, grouped heads
+    # (more than the four a pass of the kernel takes; head sizes off its vectors, odd): each row
+    # equals the same query attending its prefix and ancestors alone, as a one-token step does,
+    # bit for bit; and sdpa within float tolerance
     from samctl.decode.engine.attention import exact_attention
 
     gen = torch.Generator().manual_seed(3)
-    batch, heads, kv_heads, dim, capacity = 2, 6, 2, 32, 96
+    batch, capacity = 2, 96
     keys, values = torch.randn(2, batch, kv_heads, capacity, dim, generator=gen)
     parents = [-1, 0, 0, 1, 2, 4, -1]
     lengths = [50, 37]  # committed keys per batch row; the tree's keys follow them

@@ -26,11 +26,13 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import njit, types
-from numba.extending import intrinsic
+from numba.core import cgutils
+from numba.extending import intrinsic, register_model
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from samctl.decode.engine.int8_gemm import VectorModel, pointer, load, store
 from samctl.decode.engine.kv_cache import aligned
 
 NAME = "samctl_sdpa"
@@ -93,96 +95,163 @@ def use_folded_gqa(model: torch.nn.Module) -> bool:
 ROWWISE = "samctl_rowwise"
 
 
-@njit(cache=True, fastmath={"reassoc", "contract"}, error_model="numpy")
+@njit(cache=True, error_model="numpy")
 def attend_rows(query, key, value, index, counts, scale, out):
     """out[b, i, h] = softmax(scale * q . k_j) . v_j over the keys j = index[b', i, :counts[b', i]]
     (ascending) of row i (b' = b, or 0 when index has one batch row); head h reads KV head
     h // (Hq / Hkv). query [B, Hq, q, D], key and value [B, Hkv, >= kv, D], out [B, q, Hq, D],
-    all float32 and contiguous. Keys go four at a time (four dot products in one pass over D, four
-    value rows in one update of the output), and exp is `exp_nonpositive`, which vectorizes: the
-    order of every sum depends on D and the count of keys, never on the other rows. Each KV head
-    is read by all of its query rows in turn, while its keys are in cache."""
+    all float32 and contiguous. Every sum's order depends on D and the row's keys alone:
+
+        q . k  = (sum over d < D/2 of q[d] k[d]) + (sum over D/2 <= d < D), each in order, fused
+        out[d] = sum over the keys in order of p_j v_j[d], fused
+
+    computed in vectors of `lanes` floats (16 where D allows): the scores of `lanes` keys at once
+    from their keys transposed (`transpose`), shared by every query head and row that sees those
+    keys at those positions; the weighted sum of values for up to four query heads at once."""
+    if query.shape[3] >= 16:
+        _attend(query, key, value, index, counts, scale, out, floats(16))
+    elif query.shape[3] >= 4:
+        _attend(query, key, value, index, counts, scale, out, floats(4))
+    else:
+        _attend(query, key, value, index, counts, scale, out, floats(1))
+
+
+@njit(cache=True, error_model="numpy")
+def _attend(query, key, value, index, counts, scale, out, like):
     batch, heads, rows, dim = query.shape
-    kv_heads = key.shape[1]
-    group = heads // kv_heads
-    scores = np.empty((group, index.shape[2]), dtype=np.float32)
-    acc = np.empty((group, dim), dtype=np.float32)
+    group = heads // key.shape[1]
+    lanes = width(like)
+    weights = np.empty((group, rows, -(-index.shape[2] // lanes) * lanes), dtype=np.float32)
+    kt = np.empty(dim * lanes, dtype=np.float32)  # one block of keys, transposed: kt[d * lanes + j] = k_j[d]
+    held = np.full(lanes, -1, dtype=np.int64)  # whose keys kt holds (offsets into the KV head's keys)
+    offsets = np.empty(lanes, dtype=np.int64)
     for b in range(batch):
         bi = b if index.shape[0] > 1 else 0
-        for g in range(kv_heads):
+        longest = counts[bi].max()
+        for g in range(key.shape[1]):
             keys, values = key[b, g], value[b, g]
+            held[:] = -1
+            for first in range(0, longest, lanes):
+                for i in range(rows):
+                    n = counts[bi, i]
+                    if first >= n:
+                        continue
+                    same = True
+                    for j in range(lanes):  # keys past the row's last: the last again (their scores unused)
+                        offsets[j] = index[bi, i, min(first + j, n - 1)] * dim
+                        same = same and offsets[j] == held[j]
+                    if not same:
+                        for c in range(-(-dim // lanes)):
+                            start = min(c * lanes, dim - lanes)
+                            transpose(keys, offsets, start, kt, start * lanes, like)
+                        held[:] = offsets
+                    for r in range(0, group, 4):
+                        block_dots(query[b], g * group + r, min(4, group - r), i, kt, weights, r, first, like)
+            for r in range(group):
+                for i in range(rows):
+                    softmax(weights[r, i, : counts[bi, i]], scale)
             for i in range(rows):
-                n, seen = counts[bi, i], index[bi, i]
-                for r in range(group):
-                    row_scores(query[b, g * group + r, i], keys, seen, n, scale, scores[r])
-                acc[:, :] = 0.0
-                t = 0
-                while t + 4 <= n:
-                    v0, v1, v2, v3 = values[seen[t]], values[seen[t + 1]], values[seen[t + 2]], values[seen[t + 3]]
-                    for r in range(group):
-                        p0, p1, p2, p3 = scores[r, t], scores[r, t + 1], scores[r, t + 2], scores[r, t + 3]
-                        a = acc[r]
-                        for d in range(dim):
-                            a[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d]
-                    t += 4
-                for t in range(t, n):
-                    v0 = values[seen[t]]
-                    for r in range(group):
-                        p0, a = scores[r, t], acc[r]
-                        for d in range(dim):
-                            a[d] += p0 * v0[d]
-                for r in range(group):
-                    out[b, i, g * group + r] = acc[r]
+                for r in range(0, group, 4):
+                    weighted_sums(weights, r, min(4, group - r), i, values, index[bi, i], counts[bi, i], out[b, i],
+                                  g * group + r, like)
+
+
+@njit(cache=True, error_model="numpy")
+def block_dots(query, h, count, i, kt, weights, r, first, like):
+    """weights[r + u, i, first:first + lanes] = the scores of query heads h + u (u < count <= 4) of
+    row i against the keys kt holds, two chains each (d < D/2 and the rest)."""
+    lanes, dim = width(like), query.shape[2]
+    half = dim // 2
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = floats_like(like)
+    for d in range(half):
+        low, high = load(kt, d * lanes, like), load(kt, (d + half) * lanes, like)
+        a0 = fma(splat(query[h, i, d], like), low, a0)
+        b0 = fma(splat(query[h, i, d + half], like), high, b0)
+        if count > 1:
+            a1 = fma(splat(query[h + 1, i, d], like), low, a1)
+            b1 = fma(splat(query[h + 1, i, d + half], like), high, b1)
+        if count > 2:
+            a2 = fma(splat(query[h + 2, i, d], like), low, a2)
+            b2 = fma(splat(query[h + 2, i, d + half], like), high, b2)
+        if count > 3:
+            a3 = fma(splat(query[h + 3, i, d], like), low, a3)
+            b3 = fma(splat(query[h + 3, i, d + half], like), high, b3)
+    if dim % 2:
+        last = load(kt, (dim - 1) * lanes, like)
+        b0 = fma(splat(query[h, i, dim - 1], like), last, b0)
+        b1 = fma(splat(query[h + min(1, count - 1), i, dim - 1], like), last, b1)
+        b2 = fma(splat(query[h + min(2, count - 1), i, dim - 1], like), last, b2)
+        b3 = fma(splat(query[h + min(3, count - 1), i, dim - 1], like), last, b3)
+    store(weights[r, i], first, add(a0, b0))
+    if count > 1:
+        store(weights[r + 1, i], first, add(a1, b1))
+    if count > 2:
+        store(weights[r + 2, i], first, add(a2, b2))
+    if count > 3:
+        store(weights[r + 3, i], first, add(a3, b3))
 
 
 @njit(cache=True, fastmath={"reassoc", "contract"}, error_model="numpy")
-def row_scores(q, keys, seen, n, scale, weights):
-    """weights[:n] = softmax(scale * q . keys[seen[t]]) over t < n: the dot products four keys at
-    a time, then exp(s - max) and one division."""
-    dim = q.shape[0]
-    t = 0
-    while t + 4 <= n:
-        k0, k1, k2, k3 = keys[seen[t]], keys[seen[t + 1]], keys[seen[t + 2]], keys[seen[t + 3]]
-        s0 = s1 = s2 = s3 = np.float32(0.0)
-        for d in range(dim):
-            s0 += q[d] * k0[d]
-            s1 += q[d] * k1[d]
-            s2 += q[d] * k2[d]
-            s3 += q[d] * k3[d]
-        weights[t], weights[t + 1], weights[t + 2], weights[t + 3] = s0 * scale, s1 * scale, s2 * scale, s3 * scale
-        t += 4
-    for t in range(t, n):
-        k0 = keys[seen[t]]
-        s0 = np.float32(0.0)
-        for d in range(dim):
-            s0 += q[d] * k0[d]
-        weights[t] = s0 * scale
-    top = largest(weights[:n])
+def softmax(weights, scale):
+    """weights = softmax(scale * weights) in place: exp(s - max) and one division."""
+    for t in range(weights.shape[0]):
+        weights[t] *= scale
+    top = largest(weights)
     total = np.float32(0.0)
-    for t in range(n):
+    for t in range(weights.shape[0]):
         weights[t] = exp_nonpositive(weights[t] - top)
         total += weights[t]
     inverse = np.float32(1.0) / total
-    for t in range(n):
+    for t in range(weights.shape[0]):
         weights[t] *= inverse
 
 
 @njit(cache=True, error_model="numpy")
+def weighted_sums(weights, r, count, i, values, seen, n, out, h, like):
+    """out[h + u] = the sum over t < n, in order, of weights[r + u, i, t] * values[seen[t]], fused,
+    for u < count <= 4: `lanes` of D at once, two chunks of them a pass over the keys (a chunk
+    past D starts at D - lanes: lanes it shares with the one before get the same sums again)."""
+    lanes, dim = width(like), out.shape[1]
+    chunks = -(-dim // lanes)
+    w0, w1 = weights[r, i], weights[r + min(1, count - 1), i]
+    w2, w3 = weights[r + min(2, count - 1), i], weights[r + min(3, count - 1), i]
+    for c in range(0, chunks, 2):
+        o, p = min(c * lanes, dim - lanes), min((c + 1) * lanes, dim - lanes)
+        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = floats_like(like)
+        for t in range(n):
+            x, y = load(values, seen[t] * dim + o, like), load(values, seen[t] * dim + p, like)
+            a0, b0 = fma(splat(w0[t], like), x, a0), fma(splat(w0[t], like), y, b0)
+            if count > 1:
+                a1, b1 = fma(splat(w1[t], like), x, a1), fma(splat(w1[t], like), y, b1)
+            if count > 2:
+                a2, b2 = fma(splat(w2[t], like), x, a2), fma(splat(w2[t], like), y, b2)
+            if count > 3:
+                a3, b3 = fma(splat(w3[t], like), x, a3), fma(splat(w3[t], like), y, b3)
+        for u, (a, z) in enumerate(((a0, b0), (a1, b1), (a2, b2), (a3, b3))):
+            if u < count:
+                store(out[h + u], o, a)
+                store(out[h + u], p, z)
+
+
+@njit(cache=True, error_model="numpy")
 def largest(row, magnitude=False):
-    """max row[k] (max |row[k]| with `magnitude`), exact in any order: kept in 16 lanes
-    (elementwise maxima, which compile to vector instructions where a running maximum does not),
-    then folded."""
-    top = abs(row[0]) if magnitude else row[0]
-    lanes = np.full(16, top, dtype=np.float32)
-    body = row.shape[0] - row.shape[0] % 16
-    for start in range(0, body, 16):
-        for j in range(16):
-            lanes[j] = max(lanes[j], abs(row[start + j]) if magnitude else row[start + j])
+    """max row[k] (max |row[k]| with `magnitude`), exact in any order: eight running maxima, which
+    run side by side where one would wait on the last, then folded."""
+    t0 = abs(row[0]) if magnitude else row[0]
+    t1 = t2 = t3 = t4 = t5 = t6 = t7 = t0
+    body = row.shape[0] - row.shape[0] % 8
+    for s in range(0, body, 8):
+        if magnitude:  # tested here, not in each line: the block then compiles without branches
+            t0, t1, t2, t3 = max(t0, abs(row[s])), max(t1, abs(row[s + 1])), max(t2, abs(row[s + 2])), \
+                max(t3, abs(row[s + 3]))
+            t4, t5, t6, t7 = max(t4, abs(row[s + 4])), max(t5, abs(row[s + 5])), max(t6, abs(row[s + 6])), \
+                max(t7, abs(row[s + 7]))
+        else:
+            t0, t1, t2, t3 = max(t0, row[s]), max(t1, row[s + 1]), max(t2, row[s + 2]), max(t3, row[s + 3])
+            t4, t5, t6, t7 = max(t4, row[s + 4]), max(t5, row[s + 5]), max(t6, row[s + 6]), max(t7, row[s + 7])
     for k in range(body, row.shape[0]):
-        top = max(top, abs(row[k]) if magnitude else row[k])
-    for j in range(16):
-        top = max(top, lanes[j])
-    return top
+        t0 = max(t0, abs(row[k]) if magnitude else row[k])
+    return max(max(max(t0, t1), max(t2, t3)), max(max(t4, t5), max(t6, t7)))
 
 
 @njit(cache=True, inline="always")
@@ -292,3 +361,120 @@ def use_rowwise_attention(model: torch.nn.Module) -> None:
     AttentionInterface.register(ROWWISE, rowwise_attention)
     AttentionMaskInterface.register(ROWWISE, sdpa_mask)
     model.set_attn_implementation(ROWWISE)
+
+
+# -- float vectors for the kernels above: LLVM vector types through numba intrinsics, so that the
+# order of each sum is the one written (no reassociation) and still vectorized
+class _Floats(types.Type):
+    """`count` float32 lanes, one LLVM vector (registers as the CPU has them)."""
+
+    def __init__(self, count: int) -> None:
+        self.count, self.vector = count, ir.VectorType(ir.FloatType(), count)
+        super().__init__(name=f"floats{count}")
+
+
+register_model(_Floats)(VectorModel)
+FLOATS = {count: _Floats(count) for count in (16, 4, 1)}
+
+
+@intrinsic
+def floats(typingctx, count):
+    """Zeros in `count` lanes (a constant: 16, 4 or 1)."""
+    if not isinstance(count, types.IntegerLiteral):
+        return None  # numba types the call again with the constant as a literal
+    kind = FLOATS[count.literal_value]
+
+    def codegen(context, builder, sig, args):
+        return ir.Constant(kind.vector, None)
+
+    return kind(count), codegen
+
+
+@intrinsic
+def floats_like(typingctx, like):
+    """Zeros in the lanes of `like`."""
+
+    def codegen(context, builder, sig, args):
+        return ir.Constant(like.vector, None)
+
+    return like(like), codegen
+
+
+@intrinsic
+def width(typingctx, like):
+    """The count of lanes of `like`."""
+
+    def codegen(context, builder, sig, args):
+        return context.get_constant(types.intp, like.count)
+
+    return types.intp(like), codegen
+
+
+@intrinsic
+def splat(typingctx, x, like):
+    """The float32 x in every lane of `like`."""
+
+    def codegen(context, builder, sig, args):
+        one = builder.insert_element(ir.Constant(like.vector, None), args[0], ir.Constant(ir.IntType(32), 0))
+        return builder.shuffle_vector(one, one, _indices([0] * like.count))
+
+    return like(types.float32, like), codegen
+
+
+@intrinsic
+def fma(typingctx, a, b, c):
+    """a * b + c lane by lane, rounded once (`llvm.fma`)."""
+
+    def codegen(context, builder, sig, args):
+        kind = ir.FunctionType(a.vector, [a.vector] * 3)
+        function = cgutils.get_or_insert_function(builder.module, kind, f"llvm.fma.v{a.count}f32")
+        return builder.call(function, args)
+
+    return a(a, a, a), codegen
+
+
+def _indices(lanes: list[int]) -> ir.Constant:
+    # a shufflevector mask: lane j of the result is lane lanes[j] of the two inputs end to end
+    return ir.Constant(ir.VectorType(ir.IntType(32), len(lanes)), lanes)
+
+
+@intrinsic
+def add(typingctx, a, b):
+    """a + b lane by lane."""
+
+    def codegen(context, builder, sig, args):
+        return builder.fadd(args[0], args[1])
+
+    return a(a, a), codegen
+
+
+@intrinsic
+def transpose(typingctx, source, offsets, start, target, at, like):
+    """target[at + l * lanes + j] = source[offsets[j] + start + l] for l, j < lanes: `lanes` rows of
+    `lanes` floats, each from its own offset in a contiguous float32 array, stored as columns (by
+    log2(lanes) rounds of shuffles in registers)."""
+
+    def codegen(context, builder, sig, args):
+        count, vector, i64 = like.count, like.vector, ir.IntType(64)
+        where = context.make_array(sig.args[1])(context, builder, args[1]).data
+        rows = []
+        for j in range(count):
+            offset = builder.add(builder.load(builder.gep(where, [i64(j)])), args[2])
+            rows.append(builder.load(pointer(context, builder, sig.args[0], args[0], offset, vector), align=4))
+        step = 1
+        while step < count:  # swap the off-diagonal step x step blocks of every 2step x 2step block
+            for j in range(count):
+                if j & step:
+                    continue
+                x, y = rows[j], rows[j + step]
+                low = [lane if not lane & step else count + lane - step for lane in range(count)]
+                high = [lane + step if not lane & step else count + lane for lane in range(count)]
+                rows[j], rows[j + step] = builder.shuffle_vector(x, y, _indices(low)), \
+                    builder.shuffle_vector(x, y, _indices(high))
+            step *= 2
+        for j, row in enumerate(rows):
+            builder.store(row, pointer(context, builder, sig.args[3], args[3], builder.add(args[4], i64(j * count)),
+                                        vector), align=4)
+        return context.get_dummy_value()
+
+    return types.void(source, offsets, types.intp, target, types.intp, like), codegen

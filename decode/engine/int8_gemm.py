@@ -55,7 +55,9 @@ class _Lanes(types.Type):
 
 
 @register_model(_Lanes)
-class _LanesModel(models.PrimitiveModel):
+class VectorModel(models.PrimitiveModel):
+    """A numba type held as its `vector` (an LLVM vector type): the int8 kernels' lanes, attention's floats."""
+
     def __init__(self, dmm, fe_type) -> None:
         super().__init__(dmm, fe_type, fe_type.vector)
 
@@ -64,7 +66,8 @@ LANES = {16: _Lanes(16, 4), 8: _Lanes(8, 2)}  # zmm: the VNNI kernel's; ymm: the
 _WORDS = ir.VectorType(ir.IntType(16), 16)  # a ymm register as 16 int16
 
 
-def _pointer(context, builder, array_type, array, offset, vector):
+def pointer(context, builder, array_type, array, offset, vector):
+    # the address of element `offset` of a contiguous array, as a pointer to `vector`
     data = context.make_array(array_type)(context, builder, array).data
     return builder.bitcast(builder.gep(data, [offset]), vector.as_pointer())
 
@@ -104,7 +107,7 @@ def load(typingctx, array, offset, like):
     """`like`'s count of int32 from a 1-d contiguous int32 array, from element `offset` on."""
 
     def codegen(context, builder, sig, args):
-        return builder.load(_pointer(context, builder, sig.args[0], args[0], args[1], like.vector), align=4)
+        return builder.load(pointer(context, builder, sig.args[0], args[0], args[1], like.vector), align=4)
 
     return like(array, types.intp, like), codegen
 
@@ -116,9 +119,9 @@ def load_block(typingctx, packed, offset, like):
 
     def codegen(context, builder, sig, args):
         if like.count == 16:
-            return builder.load(_pointer(context, builder, sig.args[0], args[0], args[1], like.vector), align=1)
+            return builder.load(pointer(context, builder, sig.args[0], args[0], args[1], like.vector), align=1)
         bytes16 = ir.VectorType(ir.IntType(8), 16)
-        loaded = builder.load(_pointer(context, builder, sig.args[0], args[0], args[1], bytes16), align=1)
+        loaded = builder.load(pointer(context, builder, sig.args[0], args[0], args[1], bytes16), align=1)
         return builder.bitcast(builder.sext(loaded, _WORDS), like.vector)
 
     return like(packed, types.intp, like), codegen
@@ -129,7 +132,7 @@ def prefetch(typingctx, packed, offset):
     """A hint that the cache line at byte `offset` of a 1-d contiguous int8 array is read soon."""
 
     def codegen(context, builder, sig, args):
-        address = _pointer(context, builder, sig.args[0], args[0], args[1], ir.IntType(8))
+        address = pointer(context, builder, sig.args[0], args[0], args[1], ir.IntType(8))
         i32 = ir.IntType(32)
         kind = ir.FunctionType(ir.VoidType(), [address.type, i32, i32, i32])
         function = cgutils.get_or_insert_function(builder.module, kind, "llvm.prefetch.p0")
@@ -164,7 +167,7 @@ def store(typingctx, array, offset, value):
     """The lanes into a 1-d contiguous int32 array from element `offset` on."""
 
     def codegen(context, builder, sig, args):
-        builder.store(args[2], _pointer(context, builder, sig.args[0], args[0], args[1], value.vector), align=4)
+        builder.store(args[2], pointer(context, builder, sig.args[0], args[0], args[1], value.vector), align=4)
         return context.get_dummy_value()
 
     return types.void(array, types.intp, value), codegen
