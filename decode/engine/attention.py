@@ -122,8 +122,9 @@ def _attend(query, key, value, index, counts, scale, out, like):
     group = heads // key.shape[1]
     lanes = width(like)
     weights = np.empty((group, rows, -(-index.shape[2] // lanes) * lanes), dtype=np.float32)
+    totals = np.empty((group, rows), dtype=np.float32)  # 1 / the sum of a query's weights
     kt = np.empty(dim * lanes, dtype=np.float32)  # one block of keys, transposed: kt[d * lanes + j] = k_j[d]
-    held = np.full(lanes, -1, dtype=np.int64)  # whose keys kt holds (offsets into the KV head's keys)
+    held = np.empty(lanes, dtype=np.int64)  # whose keys kt holds (offsets into the KV head's keys)
     offsets = np.empty(lanes, dtype=np.int64)
     for b in range(batch):
         bi = b if index.shape[0] > 1 else 0
@@ -149,11 +150,11 @@ def _attend(query, key, value, index, counts, scale, out, like):
                         block_dots(query[b], g * group + r, min(4, group - r), i, kt, weights, r, first, like)
             for r in range(group):
                 for i in range(rows):
-                    softmax(weights[r, i, : counts[bi, i]], scale)
+                    totals[r, i] = softmax(weights[r, i, : counts[bi, i]], scale)
             for i in range(rows):
                 for r in range(0, group, 4):
-                    weighted_sums(weights, r, min(4, group - r), i, values, index[bi, i], counts[bi, i], out[b, i],
-                                  g * group + r, like)
+                    weighted_sums(weights, totals, r, min(4, group - r), i, values, index[bi, i], counts[bi, i],
+                                  out[b, i], g * group + r, like)
 
 
 @njit(cache=True, error_model="numpy")
@@ -193,31 +194,30 @@ def block_dots(query, h, count, i, kt, weights, r, first, like):
 
 @njit(cache=True, fastmath={"reassoc", "contract"}, error_model="numpy")
 def softmax(weights, scale):
-    """weights = softmax(scale * weights) in place: exp(s - max) and one division."""
-    for t in range(weights.shape[0]):
-        weights[t] *= scale
-    top = largest(weights)
+    """weights = exp(scale * weights - max) in place -> 1 / their sum (the softmax's division,
+    left to `weighted_sums`). max(scale * s) is scale * max(s) exactly: scale > 0, rounding is monotone."""
+    top = largest(weights) * scale
     total = np.float32(0.0)
     for t in range(weights.shape[0]):
-        weights[t] = exp_nonpositive(weights[t] - top)
+        weights[t] = exp_nonpositive(weights[t] * scale - top)
         total += weights[t]
-    inverse = np.float32(1.0) / total
-    for t in range(weights.shape[0]):
-        weights[t] *= inverse
+    return np.float32(1.0) / total
 
 
 @njit(cache=True, error_model="numpy")
-def weighted_sums(weights, r, count, i, values, seen, n, out, h, like):
-    """out[h + u] = the sum over t < n, in order, of weights[r + u, i, t] * values[seen[t]], fused,
-    for u < count <= 4: `lanes` of D at once, two chunks of them a pass over the keys (a chunk
-    past D starts at D - lanes: lanes it shares with the one before get the same sums again)."""
+def weighted_sums(weights, totals, r, count, i, values, seen, n, out, h, like):
+    """out[h + u] = totals[r + u, i] x the sum over t < n, in order, of weights[r + u, i, t] *
+    values[seen[t]], fused, for u < count <= 4: `lanes` of D at once, two chunks of them a pass over
+    the keys (a chunk past D starts at D - lanes: lanes it shares with the one before get the
+    same sums again)."""
     lanes, dim = width(like), out.shape[1]
     chunks = -(-dim // lanes)
-    w0, w1 = weights[r, i], weights[r + min(1, count - 1), i]
-    w2, w3 = weights[r + min(2, count - 1), i], weights[r + min(3, count - 1), i]
+    u1, u2, u3 = r + min(1, count - 1), r + min(2, count - 1), r + min(3, count - 1)
+    w0, w1, w2, w3 = weights[r, i], weights[u1, i], weights[u2, i], weights[u3, i]
+    zero = floats_like(like)
     for c in range(0, chunks, 2):
         o, p = min(c * lanes, dim - lanes), min((c + 1) * lanes, dim - lanes)
-        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = floats_like(like)
+        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = zero
         for t in range(n):
             x, y = load(values, seen[t] * dim + o, like), load(values, seen[t] * dim + p, like)
             a0, b0 = fma(splat(w0[t], like), x, a0), fma(splat(w0[t], like), y, b0)
@@ -229,8 +229,9 @@ def weighted_sums(weights, r, count, i, values, seen, n, out, h, like):
                 a3, b3 = fma(splat(w3[t], like), x, a3), fma(splat(w3[t], like), y, b3)
         for u, (a, z) in enumerate(((a0, b0), (a1, b1), (a2, b2), (a3, b3))):
             if u < count:
-                store(out[h + u], o, a)
-                store(out[h + u], p, z)
+                total = splat(totals[r + u, i], like)
+                store(out[h + u], o, fma(a, total, zero))
+                store(out[h + u], p, fma(z, total, zero))
 
 
 @njit(cache=True, error_model="numpy")
