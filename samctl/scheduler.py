@@ -239,7 +239,10 @@ class Job:
             return None
 
     def finish(self, result: GenerationResult) -> None:
-        """The end: the rest of the text, then Done (or Cancelled)."""
+        """The end: the rest of the text, then Done (or Cancelled, or Failed for a row that failed)."""
+        if result.finish_reason == "error":
+            self.fail(RequestError(result.error, status=500, kind="server_error"))
+            return
         if self.cancelled.is_set():
             self.sink(Cancelled())
             return
@@ -460,10 +463,7 @@ class BatchScheduler:
             return
         for result in results:
             self._alone.popleft()
-            if result.finish_reason == "error":
-                job.fail(RequestError(result.error, status=500, kind="server_error"))
-            else:
-                job.finish(result)
+            job.finish(result)
 
     def _step(self) -> None:
         run = self._run
@@ -478,9 +478,5 @@ class BatchScheduler:
             self._jobs.clear()
             self._run = None
             return
-        for result in results:
-            job = self._jobs.pop(result.index)
-            if result.finish_reason == "error":
-                job.fail(RequestError(result.error, status=500, kind="server_error"))
-            else:  # a cancelled job's row leaves as "cancelled": `finish` sends Cancelled
-                job.finish(result)
+        for result in results:  # a cancelled job's row leaves as "cancelled": `finish` sends Cancelled
+            self._jobs.pop(result.index).finish(result)
