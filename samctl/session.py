@@ -40,7 +40,7 @@ from samctl.heads import load_acc_head, load_eagle
 from samctl.index.datastore import Datastore
 from samctl.models import Engine, load_draft, load_engine
 from samctl.plan import plan
-from samctl.stores import load_memory, load_store, save_memory
+from samctl.stores import load_memory, load_store
 
 log = logging.getLogger(__name__)
 
@@ -362,10 +362,6 @@ class Session:
             "exact_dtype": self.engine.target.dtype == torch.float32,
             "agreeing_prefix_rate": round(same / len(reference), 4) if greedy and reference else None,
         }
-
-    def save_memory(self, path: str) -> int:
-        """Write the drafter's memory of outputs to a store; returns the number of outputs."""
-        return save_memory(path, self.engine, self.drafter)
 
     def _note_room(self, ids: list[int]) -> None:
         """Once per session: a prompt that leaves less of the model's context than max_new_tokens."""
