@@ -324,16 +324,15 @@ class _GenerateWorker:
             self.fatal = pickle.dumps(err)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        if self.fatal:
-            n = len(batch["number"])
-            return {"number": batch["number"], "out": np.array([""] * n, dtype=object),
-                    "failed": np.ones(n, dtype=bool), "fatal": np.array([self.fatal] * n, dtype=object)}
-        items = [(int(number), str(line)) for number, line in zip(batch["number"], batch["line"])]
         lines: list[str] = []  # in input order
-        self.runner.batch(items, lines.append, quiet=True)
-        failed = ["error" in json.loads(line) for line in lines]
-        return {"number": batch["number"], "out": np.array(lines, dtype=object), "failed": np.array(failed),
-                "fatal": np.array([b""] * len(lines), dtype=object)}
+        if self.fatal:
+            lines += [""] * len(batch["number"])
+        else:
+            self.runner.batch([(int(number), str(line)) for number, line in zip(batch["number"], batch["line"])],
+                              lines.append, quiet=True)
+        failed = [bool(self.fatal) or "error" in json.loads(line) for line in lines]
+        return {"number": batch["number"], "out": np.array(lines, dtype=object), "failed": np.array(failed, dtype=bool),
+                "fatal": np.array([self.fatal] * len(lines), dtype=object)}
 
 
 def _worker_count(ray, requested: int | None, threads: int, gpus: float) -> int:
