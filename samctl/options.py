@@ -57,7 +57,6 @@ def _click_type(meta: dict[str, Any], default: Any) -> Any:
 
 
 def cli(f: dataclasses.Field) -> str:
-    """A field's flags: its metadata's `cli`, else `--field-name`."""
     return f.metadata.get("cli", "--" + f.name.replace("_", "-"))
 
 

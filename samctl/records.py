@@ -201,7 +201,6 @@ def read_records(lines: Iterable[str]) -> Iterator[tuple[int, str]]:
 
 
 def record_key(record: dict[str, Any], number: int) -> Any:
-    """A batch record's id: its `id`, else `question_id`, else its line number."""
     return record.get("id", record.get("question_id", number))
 
 

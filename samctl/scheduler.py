@@ -451,7 +451,6 @@ class BatchScheduler:
         self._jobs[id(job)] = job
 
     def _step_alone(self) -> None:
-        # One step of the first job running alone.
         job, run = self._alone[0]
         if job.cancelled.is_set():
             run.cancel(0)

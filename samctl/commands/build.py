@@ -220,8 +220,7 @@ def _build_and_write_sharded(output, tokens, doc_offsets, meta, tokenizer_name, 
     if verify:
         verify_sharded(output)  # shard by shard: the driver never holds the whole store
     if not quiet:
-        size = sum(entry["bytes"] for entry, _, _ in results)
-        click.echo(_sharded_summary(output, size, meta.corpus, tokenizer_name, results, written - start,
+        click.echo(_sharded_summary(output, meta.corpus, tokenizer_name, results, written - start,
                                     tokenized - tokenize_start, written - tokenized, ray_address, verify))
 
 
@@ -287,8 +286,8 @@ def _shared_memory(memory_limit: int | None, workers: int) -> tuple[int, int]:
     return workers, total // workers
 
 
-def _sharded_summary(output, size, corpus, tokenizer_name, results, total, tokenize, build_s, ray_address,
-                     verified) -> str:
+def _sharded_summary(output, corpus, tokenizer_name, results, total, tokenize, build_s, ray_address, verified) -> str:
+    size = sum(entry["bytes"] for entry, _, _ in results)
     peaks = sorted(peak for _, peak, _ in results)
     shape = ", ".join(f"{sum(counts[name] for _, _, counts in results):,} {name}" for name in results[0][2])
     return (f"wrote {output}: {len(results)} shards, {corpus.documents:,} documents, {corpus.tokens:,} tokens "
