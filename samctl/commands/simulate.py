@@ -149,10 +149,8 @@ class _Simulation:
                 top = max(points, key=lambda p: p["results"][category]["projected_speedup"])
                 best.setdefault(category, {})[method] = {
                     "setting": top["setting"], **top["results"][category],
-                    "default_projected_speedup": default[method][category]["projected_speedup"],
-                    "default_mean_accepted": default[method][category]["mean_accepted"],
-                    "default_drafted_per_step": default[method][category]["drafted_per_step"],
-                }
+                    **{f"default_{k}": default[method][category][k]
+                       for k in ("projected_speedup", "mean_accepted", "drafted_per_step")}}
         return {"traces": len(self.traces), "cost_model": asdict(self.cost), "best": best, "grid": grid}
 
 
