@@ -203,7 +203,6 @@ class Session:
                  sampling: SamplingConfig | None) -> tuple[list[int], Drafter, GenerationConfig]:
         # A request's prompt ids, drafter and generation settings (the session warmed up first).
         ids = self.encode(prompt)
-        drafter = self.drafter if drafter is None else drafter
         self._note_room(ids)
         if not self.warm:
             self.warm_up(ids)
@@ -211,7 +210,7 @@ class Session:
         if max_new_tokens is not None or sampling is not None:
             generation = replace(generation, max_new_tokens=max_new_tokens or generation.max_new_tokens,
                                  sampling=sampling or generation.sampling)
-        return ids, drafter, generation
+        return ids, self.drafter if drafter is None else drafter, generation
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int] | list[dict[str, str]]], *, batch_size: int = 8,
                        on_result: Callable[[Any], None] | None = None, stats: Any = None,
