@@ -41,7 +41,7 @@ from samctl.decode.methods import method_config
 from samctl.config import SessionConfig
 from samctl.options import parse_methods, session_options
 from samctl.progress import progress_bar
-from samctl.textio import read_text
+from samctl.textio import ERRORS, check_utf8
 from samctl.tokenizer import Tokenizer, load_store_tokenizer, load_tokenizer
 
 _OUTPUT_FIELDS = ("output", "completion", "response", "reference")
@@ -197,7 +197,7 @@ def _traces_of(record: dict[str, Any], where: str, tokenizer: Tokenizer, chat: b
 
 
 def _records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    text = read_text(path)
+    text = check_utf8(path.read_bytes().decode("utf-8", ERRORS), str(path))
     if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
