@@ -340,9 +340,8 @@ def run(config: EagleTrainConfig) -> dict:
     config = replace(config, cache=config.cache or str(cache_dir() / "train-eagle"))
     engine = trainer_engine(config, config.model)
     traces = Path(config.replay) if config.replay is not None else None
-    cost = None
-    if config.cost is not None:
-        cost = relative_cost(json.loads(Path(config.cost).read_text(encoding="utf-8"))["t_ms"])
+    cost = (relative_cost(json.loads(Path(config.cost).read_text(encoding="utf-8"))["t_ms"])
+            if config.cost is not None else None)
     if config.replay_only:  # measure an existing head (--out) on --replay, e.g. under another cost curve
         head = load_eagle_head(config.out, engine.model, model_fingerprint(engine.model, engine.tokenizer))
         result = {"head": config.out, "file": str(config.replay), "cost": str(config.cost),
