@@ -195,9 +195,8 @@ class Request:
 
 class Job:
     """One request on the worker thread: resolves its session and prompt (`prepare`), generates
-    (`alone`, the one row of a run of its own, or as a row of the batched engine) and turns tokens
-    into text events;
-    `cancel` (from any thread) stops it at its next step."""
+    (the one row of a run of its own, or a row of the batched engine) and turns tokens into text
+    events; `cancel` (from any thread) stops it at its next step."""
 
     def __init__(self, request: Request, sessions: Sessions, sink: Sink) -> None:
         self.request, self.sessions, self.sink = request, sessions, sink
@@ -226,17 +225,6 @@ class Job:
         room = session.engine.target.max_positions - len(ids)
         self.sink(Started(len(ids)))
         return session, ids, min(r.max_new_tokens or session.config.max_new_tokens, room)
-
-    def alone(self, session, ids: list[int], max_new_tokens: int):
-        """The job as the one row of a run of its own (the session's `one_row_run`), for a caller
-        that steps it; None when that failed (the error is sent)."""
-        r = self.request
-        try:
-            return session.one_row_run(ids, prediction=r.prediction, on_tokens=self.on_tokens,
-                                       max_new_tokens=max_new_tokens, sampling=r.sampling)
-        except Exception as err:
-            self.fail(err)
-            return None
 
     def finish(self, result: GenerationResult) -> None:
         """The end: the rest of the text, then Done (or Cancelled, or Failed for a row that failed)."""
@@ -429,15 +417,14 @@ class BatchScheduler:
         if prepared is None:
             return
         session, ids, max_new_tokens = prepared
+        r = job.request
         try:
-            if self.batch_size == 1 or session.batch_refusal():
-                run = job.alone(session, ids, max_new_tokens)
-                if run is not None:
-                    self._alone.append((job, run))
+            if self.batch_size == 1 or session.batch_refusal():  # the one row (key 0) of a run of its own
+                self._alone.append((job, session.one_row_run(ids, prediction=r.prediction, on_tokens=job.on_tokens,
+                                                             max_new_tokens=max_new_tokens, sampling=r.sampling)))
                 return
             if self._run is None:
                 self._run = session.batch_run(self.batch_size, stop=self._stopping.is_set)
-            r = job.request
             config = replace(session.generation, max_new_tokens=max_new_tokens,
                              sampling=r.sampling or session.generation.sampling)
             drafters = self._drafters.get(id(session))
