@@ -208,18 +208,14 @@ class Job:
         self.cancelled.set()
 
     def prepare(self) -> tuple[Any, list[int], int] | None:
-        """(session, prompt ids, max new tokens), with Started sent; None when the job ended here
-        (cancelled, or refused: its error is sent)."""
+        """(session, prompt ids, max new tokens), with Started sent; None when the job was cancelled
+        (Cancelled is sent). A refused request raises its error."""
         if self.cancelled.is_set():
             self.sink(Cancelled())
             return None
         r = self.request
-        try:
-            session = self.sessions.get(r.store, r.method)
-            ids = self._encode(session)
-        except Exception as err:
-            self.fail(err)
-            return None
+        session = self.sessions.get(r.store, r.method)
+        ids = self._encode(session)
         self._detok = IncrementalDetokenizer(session.decode)
         # no answer outgrows the context, so a larger max_tokens would only size the KV cache
         room = session.engine.target.max_positions - len(ids)
@@ -413,12 +409,12 @@ class BatchScheduler:
 
     def _take(self, job: Job) -> None:
         # A new job: refused, run alone (no batched form), or queued in the run.
-        prepared = job.prepare()
-        if prepared is None:
-            return
-        session, ids, max_new_tokens = prepared
-        r = job.request
         try:
+            prepared = job.prepare()
+            if prepared is None:
+                return
+            session, ids, max_new_tokens = prepared
+            r = job.request
             if self.batch_size == 1 or session.batch_refusal():  # the one row (key 0) of a run of its own
                 self._alone.append((job, session.one_row_run(ids, prediction=r.prediction, on_tokens=job.on_tokens,
                                                              max_new_tokens=max_new_tokens, sampling=r.sampling)))
