@@ -106,10 +106,7 @@ class SamctlGenerate:
     def _session(self, model) -> Session:
         # The sessions hang off the model (keyed weakly by this callable): a session holds the
         # model, so a table owned here would keep every model ever used alive.
-        sessions = model.__dict__.get("_samctl_sessions")
-        if sessions is None:
-            sessions = weakref.WeakKeyDictionary()
-            model.__dict__["_samctl_sessions"] = sessions
+        sessions = model.__dict__.setdefault("_samctl_sessions", weakref.WeakKeyDictionary())
         session = sessions.get(self)
         if session is None:
             engine = engine_for(model, self.tokenizer)
