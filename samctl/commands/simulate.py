@@ -39,7 +39,7 @@ from samctl.index.errors import UserError
 from samctl.bench_report import report_category
 from samctl.decode.methods import method_config
 from samctl.config import SessionConfig
-from samctl.options import parse_methods, session_options
+from samctl.options import check_count, parse_methods, session_options
 from samctl.progress import progress_bar
 from samctl.textio import ERRORS, check_utf8
 from samctl.tokenizer import Tokenizer, load_store_tokenizer, load_tokenizer
@@ -160,10 +160,8 @@ class _Simulation:
 
 def read_traces(path: Path, tokenizer: Tokenizer, chat: bool, max_new_tokens: int | None,
                 limit: int | None) -> list[Trace]:
-    if max_new_tokens is not None and max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    if limit is not None and limit < 1:
-        raise UserError(f"--limit must be >= 1, got {limit}")
+    check_count("--max-new-tokens", max_new_tokens)
+    check_count("--limit", limit)
     traces: list[Trace] = []
     skipped: list[str] = []
     for where, record in _records(path):
