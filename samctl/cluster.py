@@ -150,11 +150,6 @@ def _data_context(ray):
     return context
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory (Linux reports kilobytes)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 # ---------------------------------------------------------------------------------------------
 # building shards
 
@@ -179,7 +174,8 @@ def build_shard_job(job: ShardJob) -> tuple[int, dict[str, Any], int, dict[str, 
     tokens = np.array(mapped[lo:hi])
     del mapped  # unmapped: its pages leave this process's resident set
     entry, counts = build_shard(job.path, tokens, job.offsets - lo, job.meta, job.memory_limit)
-    return job.index, entry, peak_rss_bytes(), counts
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports kilobytes
+    return job.index, entry, peak, counts
 
 
 def shard_jobs(tmp: Path, tokens: np.ndarray, doc_offsets: np.ndarray, bounds: np.ndarray, meta: StoreMeta,
