@@ -259,8 +259,7 @@ class EngineRunner:
         self.drafter = state if last else self._copy(state)
 
     def _copy(self, drafter: Drafter) -> Drafter:
-        memo: dict[int, Any] = {id(x): x for x in self.shared}
-        return copy.deepcopy(drafter, memo)
+        return copy.deepcopy(drafter, {id(x): x for x in self.shared})
 
     def run(self, prompt: list[int], max_new_tokens: int) -> Turn:
         from samctl.decode.loop import GenerationConfig, generate as decode_generate
