@@ -254,10 +254,7 @@ def _build_and_write_sharded(output: str, tokens, doc_offsets, meta: StoreMeta, 
         def done(index: int, peak: int) -> None:
             status(f"shard {index} built (worker peak {human_bytes(peak)})", quiet)
 
-        if ray_address is not None:
-            results = run_on_ray(ray_address, jobs, done)
-        else:
-            results = run_local(jobs, workers, done)
+        results = run_on_ray(ray_address, jobs, done) if ray_address is not None else run_local(jobs, workers, done)
         writer.commit(meta, [entry for entry, _, _ in results])
     start, tokenize_start, tokenized = times
     written = time.perf_counter()
