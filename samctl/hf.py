@@ -173,7 +173,7 @@ def _sampling(processors, generation_config) -> SamplingConfig:
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     do_sample = bool(generation_config is not None and generation_config.do_sample)
-    values: dict[str, Any] = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # the fields of `order`, unset
+    values: dict[str, Any] = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # the warpers' fields in `order`, unset
     order = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
     rank = -1
     for proc in processors:
