@@ -174,8 +174,7 @@ def build_shard_job(job: ShardJob) -> tuple[int, dict[str, Any], int, dict[str, 
     tokens = np.array(mapped[lo:hi])
     del mapped  # unmapped: its pages leave this process's resident set
     entry, counts = build_shard(job.path, tokens, job.offsets - lo, job.meta, job.memory_limit)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports kilobytes
-    return job.index, entry, peak, counts
+    return job.index, entry, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, counts  # Linux: in kB
 
 
 def shard_jobs(tmp: Path, tokens: np.ndarray, doc_offsets: np.ndarray, bounds: np.ndarray, meta: StoreMeta,

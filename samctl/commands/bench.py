@@ -148,8 +148,7 @@ def bench(config: SessionConfig, questions_path: str, methods_spec: str, limit: 
     enable_cuda_graphs(engine.target, config.graphs, reserve=longest)
     _warm_up(runners, engine, fits[0], config.chat)
     records = _run_all(runners, engine, fits, config, repeats, out_dir / "records.jsonl")
-    run = _run_info(session, config, repeats, methods, len(fits), skipped)
-    summary = write_summary(out_dir, records, methods, run)
+    summary = write_summary(out_dir, records, methods, _run_info(session, config, repeats, methods, len(fits), skipped))
     mismatches = sum(summary["mismatches"].values())
     # float32: greedy output must equal ar's token for token, so a mismatch is a bug. Half
     # precision: verifying several tokens runs other kernels, near-tied argmaxes may flip, and a

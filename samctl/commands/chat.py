@@ -47,8 +47,7 @@ def chat(config: SessionConfig, system: str | None, compare: bool) -> None:
     plan(config)  # a missing draft model or head is refused now, not after torch loads (seconds)
     from samctl.session import Session
 
-    console = Console(Session(config), system, compare)
-    console.loop()
+    Console(Session(config), system, compare).loop()
 
 
 class Console:

@@ -315,8 +315,7 @@ def _results_table(report: dict[str, Any]) -> str:
              f"+ {cost['token_cost']} of a forward per drafted token", "",
              "| category | method | " + " | ".join(h for _, h in _COLUMNS) + " |",
              "|---|---|" + "---:|" * len(_COLUMNS)]
-    categories = _category_order(report["methods"])
-    for category in categories:
+    for category in _category_order(report["methods"]):
         for method, by_cat in report["methods"].items():
             row = by_cat.get(category)
             if row is not None:
