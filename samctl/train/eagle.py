@@ -348,8 +348,7 @@ def run(config: EagleTrainConfig) -> dict:
                   **replay_traces(engine, head, traces, cost, config.replay_max_new_tokens, EagleConfig())}
         print(json.dumps(result, indent=2))
         return result
-    for param in engine.model.parameters():
-        param.requires_grad_(False)
+    engine.model.requires_grad_(False)
     fingerprint = model_fingerprint(engine.model, engine.tokenizer)
     prompts, selection = read_training_prompts(config)
     answers, written = write_training_answers(config, prompts, fingerprint, log)

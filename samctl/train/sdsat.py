@@ -186,8 +186,7 @@ def forward(model: torch.nn.Module, batch, device: torch.device) -> torch.Tensor
 def trainable(model: torch.nn.Module, config: SdsatTrainConfig, sat_id: int, top: int) -> list[torch.nn.Parameter]:
     """Freeze all but the top `top` layers (+ final norm) and the SAT embedding row."""
     layers = model.model.layers
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model.requires_grad_(False)
     params = [p for layer in layers[len(layers) - top :] for p in layer.parameters()]
     params += list(model.model.norm.parameters())
     if not config.freeze_sat_embedding:
@@ -345,8 +344,7 @@ def run(config: SdsatTrainConfig) -> dict:
 
     evaluations("before")
     report["training"] = train(model, train_rows, config, sat_id, pad, device)
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model.requires_grad_(False)
     evaluations("after")
     before, after = report["before"]["standard_loss"], report["after"]["standard_loss"]
     report["standard_loss_change"] = round(after / before - 1.0, 4) if before else math.nan
