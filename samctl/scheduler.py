@@ -115,9 +115,8 @@ class Sessions:
         self.by_store = dict(by_store)
         self.default_store = next(iter(self.by_store))
         first = self.by_store[self.default_store]
-        self.engine = first.engine
         self.default_method = first.config.method
-        self.model_name = model_name or str(self.engine.name)
+        self.model_name = model_name or str(first.engine.name)
         self._built: dict[tuple[str | None, str], Any] = {(k, s.config.method): s for k, s in self.by_store.items()}
 
     @property
