@@ -4,20 +4,16 @@
 first use, so that `import samctl` (and `samctl --help`) does not pull in torch.
 """
 
+import importlib
 import logging
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())  # notes are the application's to show
 __version__ = "0.1.0"
 __all__ = ["Session", "SessionConfig"]
+_MODULES = {"Session": "samctl.session", "SessionConfig": "samctl.config"}  # where each loads from
 
 
 def __getattr__(name: str):
-    if name == "Session":
-        from samctl.session import Session
-
-        return Session
-    if name == "SessionConfig":
-        from samctl.config import SessionConfig
-
-        return SessionConfig
+    if name in _MODULES:
+        return getattr(importlib.import_module(_MODULES[name]), name)
     raise AttributeError(f"module 'samctl' has no attribute {name!r}")

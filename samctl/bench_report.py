@@ -46,10 +46,7 @@ def short_answers(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def aggregate(records: list[dict[str, Any]], methods: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
     """{group: {method: row}} over the groups in first-seen order, then "overall"; questions with a
     short answer (`short_answers`) are left out of every row."""
-    groups: list[str] = []
-    for r in records:
-        if r["group"] not in groups:
-            groups.append(r["group"])
+    groups = list(dict.fromkeys(r["group"] for r in records))
     short = {(s["question_id"], s["group"]) for s in short_answers(records)}
     records = [r for r in records if (r["question_id"], r["group"]) not in short]
     table: dict[str, dict[str, dict[str, Any]]] = {}

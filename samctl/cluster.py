@@ -150,11 +150,6 @@ def _data_context(ray):
     return context
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory (Linux reports kilobytes)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 # ---------------------------------------------------------------------------------------------
 # building shards
 
@@ -179,7 +174,7 @@ def build_shard_job(job: ShardJob) -> tuple[int, dict[str, Any], int, dict[str, 
     tokens = np.array(mapped[lo:hi])
     del mapped  # unmapped: its pages leave this process's resident set
     entry, counts = build_shard(job.path, tokens, job.offsets - lo, job.meta, job.memory_limit)
-    return job.index, entry, peak_rss_bytes(), counts
+    return job.index, entry, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, counts  # Linux: in kB
 
 
 def shard_jobs(tmp: Path, tokens: np.ndarray, doc_offsets: np.ndarray, bounds: np.ndarray, meta: StoreMeta,
@@ -324,16 +319,15 @@ class _GenerateWorker:
             self.fatal = pickle.dumps(err)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        if self.fatal:
-            n = len(batch["number"])
-            return {"number": batch["number"], "out": np.array([""] * n, dtype=object),
-                    "failed": np.ones(n, dtype=bool), "fatal": np.array([self.fatal] * n, dtype=object)}
-        items = [(int(number), str(line)) for number, line in zip(batch["number"], batch["line"])]
         lines: list[str] = []  # in input order
-        self.runner.batch(items, lines.append, quiet=True)
-        failed = ["error" in json.loads(line) for line in lines]
-        return {"number": batch["number"], "out": np.array(lines, dtype=object), "failed": np.array(failed),
-                "fatal": np.array([b""] * len(lines), dtype=object)}
+        if self.fatal:
+            lines += [""] * len(batch["number"])
+        else:
+            self.runner.batch([(int(number), str(line)) for number, line in zip(batch["number"], batch["line"])],
+                              lines.append, quiet=True)
+        failed = [bool(self.fatal) or "error" in json.loads(line) for line in lines]
+        return {"number": batch["number"], "out": np.array(lines, dtype=object), "failed": np.array(failed, dtype=bool),
+                "fatal": np.array([self.fatal] * len(lines), dtype=object)}
 
 
 def _worker_count(ray, requested: int | None, threads: int, gpus: float) -> int:

@@ -119,23 +119,19 @@ def sha256_of(path: Path) -> str:
     return hasher.hexdigest()
 
 
-def architecture(path: Path) -> str:
-    """The file's `general.architecture`; UserError when the header or tensor table is damaged."""
-    try:
-        reader = _plain_reader()(path)  # parses every tensor's extent: a truncated file fails here
-        field = reader.fields["general.architecture"]
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
-    except (ValueError, KeyError, IndexError, OSError, UnicodeDecodeError) as err:
-        raise UserError(f"{path} is a damaged or truncated GGUF file ({first_line(err)}): fetch it again "
-                        "(`samctl fetch smollm2` checks the sha256)") from err
-
-
 def supported_architecture(path: Path) -> str:
-    """The file's architecture, refused when transformers has no GGUF mapping for it."""
+    """The file's `general.architecture`; UserError when the header or tensor table is damaged, or
+    when transformers has no GGUF mapping for it."""
     import transformers
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    arch = architecture(path)
+    try:
+        reader = _plain_reader()(path)  # parses every tensor's extent: a truncated file fails here
+        field = reader.fields["general.architecture"]
+        arch = bytes(field.parts[field.data[0]]).decode("utf-8")
+    except (ValueError, KeyError, IndexError, OSError, UnicodeDecodeError) as err:
+        raise UserError(f"{path} is a damaged or truncated GGUF file ({first_line(err)}): fetch it again "
+                        "(`samctl fetch smollm2` checks the sha256)") from err
     if arch not in GGUF_SUPPORTED_ARCHITECTURES:
         raise UserError(f"{path} holds a {arch} model, which transformers {transformers.__version__} cannot "
                         f"read from GGUF (it reads {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))}): "

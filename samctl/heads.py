@@ -62,7 +62,6 @@ def model_fingerprint(model: torch.nn.Module, tokenizer: Any) -> dict[str, str]:
 
 def save_head(path: str | Path, head: AcceptanceHead, target: dict[str, str], draft: dict[str, str],
               training: dict[str, Any]) -> None:
-    """Write the head folder (weights first, then the JSON that makes it loadable)."""
     tensors = {name: t.detach().cpu().float().contiguous() for name, t in head.state_dict().items()}
     meta = {
         "format": FORMAT, "version": VERSION,
@@ -77,7 +76,15 @@ def load_head(path: str | Path, target: dict[str, str], draft: dict[str, str],
               device: torch.device) -> AcceptanceHead:
     """Load a head folder for this target/draft pair; UserError if it is damaged or for another pair."""
     folder = Path(path)
-    meta = _read_meta(folder)
+    meta = read_head_header(folder, CONFIG, WEIGHTS, FORMAT, VERSION, "an acceptance head",
+                            "`samctl train acc-head`")
+    for role in ("target", "draft"):
+        meta[role] = fingerprint_field(meta.get(role))
+    ok = (isinstance(meta.get("hidden_size"), int) and 0 < meta["hidden_size"] <= 1 << 16
+          and isinstance(meta.get("num_blocks"), int) and 0 <= meta["num_blocks"] <= 64
+          and isinstance(meta.get("shared_blocks"), bool) and meta["target"] and meta["draft"])
+    if not ok:
+        raise UserError(f"{folder / CONFIG} has missing or invalid fields: retrain the head")
     for role, wanted in (("target", target), ("draft", draft)):
         check_trained_for(f"acceptance head {folder}", f"{role} model", meta[role], wanted,
                           "train a head for this pair with `samctl train acc-head`")
@@ -99,7 +106,6 @@ def load_eagle(path: str, engine: Any) -> EagleHead:
 
 def save_eagle_head(path: str | Path, head: EagleHead, target: dict[str, str], training: dict[str, Any],
                     dtype: torch.dtype = torch.bfloat16) -> None:
-    """Write the head folder (weights first, then the JSON that makes it loadable)."""
     tensors = {name: t.detach().cpu().to(dtype if t.is_floating_point() else t.dtype).contiguous()
                for name, t in head.state_dict().items()}
     meta = {"format": EAGLE_FORMAT, "version": EAGLE_VERSION, "hidden_size": head.hidden_size, "target": target,
@@ -111,7 +117,11 @@ def load_eagle_head(path: str | Path, target_model: torch.nn.Module, target: dic
     """The head in `path`, bound to `target_model` (its device and dtype); UserError if the folder is
     damaged or the head was trained for another model."""
     folder = Path(path)
-    meta = _read_eagle_meta(folder)
+    meta = read_head_header(folder, EAGLE_CONFIG, EAGLE_WEIGHTS, EAGLE_FORMAT, EAGLE_VERSION, "an EAGLE head",
+                            "`samctl train eagle`")
+    meta["target"] = fingerprint_field(meta.get("target"))
+    if not (isinstance(meta.get("hidden_size"), int) and 0 < meta["hidden_size"] <= 1 << 16 and meta["target"]):
+        raise UserError(f"{folder / EAGLE_CONFIG} has missing or invalid fields: retrain the head")
     check_trained_for(f"EAGLE head {folder}", "model", meta["target"], target, _EAGLE_HINT)
     if meta["hidden_size"] != int(target_model.config.hidden_size):
         raise UserError(f"EAGLE head {folder} has hidden size {meta['hidden_size']}, the model "
@@ -124,15 +134,6 @@ def load_eagle_head(path: str | Path, target_model: torch.nn.Module, target: dic
     head = EagleHead(target_model, vocab=vocab)
     load_head_weights(head, tensors, folder, EAGLE_WEIGHTS, EAGLE_CONFIG)
     return head.to(device=param.device, dtype=param.dtype).eval()  # .to(dtype) leaves the int64 vocab alone
-
-
-def _read_eagle_meta(folder: Path) -> dict[str, Any]:
-    meta = read_head_header(folder, EAGLE_CONFIG, EAGLE_WEIGHTS, EAGLE_FORMAT, EAGLE_VERSION, "an EAGLE head",
-                            "`samctl train eagle`")
-    meta["target"] = fingerprint_field(meta.get("target"))
-    if not (isinstance(meta.get("hidden_size"), int) and 0 < meta["hidden_size"] <= 1 << 16 and meta["target"]):
-        raise UserError(f"{folder / EAGLE_CONFIG} has missing or invalid fields: retrain the head")
-    return meta
 
 
 # -- what every kind of head folder shares --
@@ -203,17 +204,4 @@ def read_head_header(folder: Path, config: str, weights: str, form: str, version
     if meta.get("version") != version:
         raise UserError(f"{folder / config} has format version {meta.get('version')!r}, this samctl reads "
                         f"{version}: retrain the head or upgrade samctl")
-    return meta
-
-
-def _read_meta(folder: Path) -> dict[str, Any]:
-    meta = read_head_header(folder, CONFIG, WEIGHTS, FORMAT, VERSION, "an acceptance head",
-                            "`samctl train acc-head`")
-    for role in ("target", "draft"):
-        meta[role] = fingerprint_field(meta.get(role))
-    ok = (isinstance(meta.get("hidden_size"), int) and 0 < meta["hidden_size"] <= 1 << 16
-          and isinstance(meta.get("num_blocks"), int) and 0 <= meta["num_blocks"] <= 64
-          and isinstance(meta.get("shared_blocks"), bool) and meta["target"] and meta["draft"])
-    if not ok:
-        raise UserError(f"{folder / CONFIG} has missing or invalid fields: retrain the head")
     return meta

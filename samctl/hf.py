@@ -106,10 +106,7 @@ class SamctlGenerate:
     def _session(self, model) -> Session:
         # The sessions hang off the model (keyed weakly by this callable): a session holds the
         # model, so a table owned here would keep every model ever used alive.
-        sessions = model.__dict__.get("_samctl_sessions")
-        if sessions is None:
-            sessions = weakref.WeakKeyDictionary()
-            model.__dict__["_samctl_sessions"] = sessions
+        sessions = model.__dict__.setdefault("_samctl_sessions", weakref.WeakKeyDictionary())
         session = sessions.get(self)
         if session is None:
             engine = engine_for(model, self.tokenizer)
@@ -176,7 +173,7 @@ def _sampling(processors, generation_config) -> SamplingConfig:
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     do_sample = bool(generation_config is not None and generation_config.do_sample)
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # the warpers' fields in `order`, unset
     order = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
     rank = -1
     for proc in processors:
@@ -188,16 +185,11 @@ def _sampling(processors, generation_config) -> SamplingConfig:
             raise UserError(f"samctl.hf applies temperature, top_k, top_p once each, in that order, keeping at "
                             f"least 1 token; {kind.__name__} breaks that: use plain generate")
         rank = order.index(kind)
-        if kind is TemperatureLogitsWarper:
-            values["temperature"] = float(proc.temperature)
-        elif kind is TopKLogitsWarper:
-            values["top_k"] = int(proc.top_k)
-        else:
-            values["top_p"] = float(proc.top_p)
+        name = list(values)[rank]
+        values[name] = type(values[name])(getattr(proc, name))
     if not do_sample:
         return SamplingConfig()
-    return SamplingConfig(temperature=values.get("temperature", 1.0), top_k=values.get("top_k", 0),
-                          top_p=values.get("top_p", 1.0), seed=int(torch.randint(0, 2**62, (1,)).item()))
+    return SamplingConfig(**values, seed=int(torch.randint(0, 2**62, (1,)).item()))
 
 
 def _stopping(criteria) -> tuple[int | None, tuple[int, ...]]:

@@ -81,12 +81,6 @@ class _Request(BaseModel):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
-    def prediction_text(self) -> str | None:
-        return None if self.prediction is None else self.prediction.text()
-
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
-
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -335,7 +329,7 @@ def job_request(body: ChatRequest | CompletionRequest, sessions: "Sessions") -> 
         raise request_error(err, word=str) from err
     prompt = [m.as_turn() for m in body.messages] if isinstance(body, ChatRequest) else body.prompt_input()
     return Request(prompt=prompt, store=store, method=method, max_new_tokens=body.token_limit(), sampling=sampling,
-                   prediction=body.prediction_text(), stop=body.stops())
+                   prediction=body.prediction.text() if body.prediction else None, stop=body.stops())
 
 
 def usage_of(prompt_tokens: int, result: "GenerationResult") -> Usage:
@@ -374,7 +368,8 @@ class Reply:
                 self.parts.append(text)
                 return [self._chunk(text)]
             case Done(result, reason):
-                usage = usage_of(self.prompt_tokens, result) if self.body.include_usage() else None
+                options = self.body.stream_options
+                usage = usage_of(self.prompt_tokens, result) if options and options.include_usage else None
                 return [self._chunk(None, reason)] + ([self._chunk(None, usage=usage)] if usage else [])
             case Failed(error):
                 return [error.body()]

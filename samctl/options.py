@@ -27,14 +27,14 @@ MAX_BATCH_SIZE = 4096
 MAX_WORKERS = 4096
 
 
-def check_count(flag: str, value: int | None, high: int, low: int | None = 1) -> None:
+def check_count(flag: str, value: int | None, high: int | None = None, low: int | None = 1) -> None:
     """Refuse a count option outside [low, high] in one line (value None: not given; low None:
-    the lower bound is checked elsewhere)."""
+    the lower bound is checked elsewhere; high None: no upper bound)."""
     if value is None:
         return
     if low is not None and value < low:
         raise UserError(f"{flag} must be >= {low}, got {value}")
-    if value > high:
+    if high is not None and value > high:
         raise UserError(f"{flag} must be at most {high}, got {value}: pass a value up to {high}")
 
 
@@ -57,7 +57,6 @@ def _click_type(meta: dict[str, Any], default: Any) -> Any:
 
 
 def cli(f: dataclasses.Field) -> str:
-    """A field's flags: its metadata's `cli`, else `--field-name`."""
     return f.metadata.get("cli", "--" + f.name.replace("_", "-"))
 
 

@@ -21,7 +21,6 @@ LINE_PERIOD_S = 5.0
 
 
 def progress_enabled(quiet: bool) -> bool:
-    """Whether bars are drawn: not quiet, and stderr is a terminal."""
     return not quiet and sys.stderr.isatty()
 
 

@@ -101,11 +101,8 @@ class RecordRunner:
         stats = BatchStats()
         for result in self.session.stream_batch(batchable(), batch_size=self.batch_size, stats=stats):
             record_id = ids.pop(result.index)
-            if result.error:
-                finished[result.index] = json.dumps({"id": record_id, "error": result.error}, ensure_ascii=False), True
-            else:
-                fields = result_fields(self.session, result)
-                finished[result.index] = json.dumps({"id": record_id, **fields}, ensure_ascii=False), False
+            fields = {"error": result.error} if result.error else result_fields(self.session, result)
+            finished[result.index] = json.dumps({"id": record_id, **fields}, ensure_ascii=False), bool(result.error)
             flush()
             for note in stats.notes:  # an out-of-memory that halved the batch, said once
                 if note not in self._noted:
@@ -201,7 +198,6 @@ def read_records(lines: Iterable[str]) -> Iterator[tuple[int, str]]:
 
 
 def record_key(record: dict[str, Any], number: int) -> Any:
-    """A batch record's id: its `id`, else `question_id`, else its line number."""
     return record.get("id", record.get("question_id", number))
 
 

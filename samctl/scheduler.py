@@ -115,9 +115,8 @@ class Sessions:
         self.by_store = dict(by_store)
         self.default_store = next(iter(self.by_store))
         first = self.by_store[self.default_store]
-        self.engine = first.engine
         self.default_method = first.config.method
-        self.model_name = model_name or str(self.engine.name)
+        self.model_name = model_name or str(first.engine.name)
         self._built: dict[tuple[str | None, str], Any] = {(k, s.config.method): s for k, s in self.by_store.items()}
 
     @property
@@ -195,9 +194,8 @@ class Request:
 
 class Job:
     """One request on the worker thread: resolves its session and prompt (`prepare`), generates
-    (`alone`, the one row of a run of its own, or as a row of the batched engine) and turns tokens
-    into text events;
-    `cancel` (from any thread) stops it at its next step."""
+    (the one row of a run of its own, or a row of the batched engine) and turns tokens into text
+    events; `cancel` (from any thread) stops it at its next step."""
 
     def __init__(self, request: Request, sessions: Sessions, sink: Sink) -> None:
         self.request, self.sessions, self.sink = request, sessions, sink
@@ -209,37 +207,25 @@ class Job:
         self.cancelled.set()
 
     def prepare(self) -> tuple[Any, list[int], int] | None:
-        """(session, prompt ids, max new tokens), with Started sent; None when the job ended here
-        (cancelled, or refused: its error is sent)."""
+        """(session, prompt ids, max new tokens), with Started sent; None when the job was cancelled
+        (Cancelled is sent). A refused request raises its error."""
         if self.cancelled.is_set():
             self.sink(Cancelled())
             return None
         r = self.request
-        try:
-            session = self.sessions.get(r.store, r.method)
-            ids = self._encode(session)
-        except Exception as err:
-            self.fail(err)
-            return None
+        session = self.sessions.get(r.store, r.method)
+        ids = self._encode(session)
         self._detok = IncrementalDetokenizer(session.decode)
         # no answer outgrows the context, so a larger max_tokens would only size the KV cache
         room = session.engine.target.max_positions - len(ids)
         self.sink(Started(len(ids)))
         return session, ids, min(r.max_new_tokens or session.config.max_new_tokens, room)
 
-    def alone(self, session, ids: list[int], max_new_tokens: int):
-        """The job as the one row of a run of its own (the session's `one_row_run`), for a caller
-        that steps it; None when that failed (the error is sent)."""
-        r = self.request
-        try:
-            return session.one_row_run(ids, prediction=r.prediction, on_tokens=self.on_tokens,
-                                       max_new_tokens=max_new_tokens, sampling=r.sampling)
-        except Exception as err:
-            self.fail(err)
-            return None
-
     def finish(self, result: GenerationResult) -> None:
-        """The end: the rest of the text, then Done (or Cancelled)."""
+        """The end: the rest of the text, then Done (or Cancelled, or Failed for a row that failed)."""
+        if result.finish_reason == "error":
+            self.fail(RequestError(result.error, status=500, kind="server_error"))
+            return
         if self.cancelled.is_set():
             self.sink(Cancelled())
             return
@@ -422,19 +408,18 @@ class BatchScheduler:
 
     def _take(self, job: Job) -> None:
         # A new job: refused, run alone (no batched form), or queued in the run.
-        prepared = job.prepare()
-        if prepared is None:
-            return
-        session, ids, max_new_tokens = prepared
         try:
-            if self.batch_size == 1 or session.batch_refusal():
-                run = job.alone(session, ids, max_new_tokens)
-                if run is not None:
-                    self._alone.append((job, run))
+            prepared = job.prepare()
+            if prepared is None:
+                return
+            session, ids, max_new_tokens = prepared
+            r = job.request
+            if self.batch_size == 1 or session.batch_refusal():  # the one row (key 0) of a run of its own
+                self._alone.append((job, session.one_row_run(ids, prediction=r.prediction, on_tokens=job.on_tokens,
+                                                             max_new_tokens=max_new_tokens, sampling=r.sampling)))
                 return
             if self._run is None:
                 self._run = session.batch_run(self.batch_size, stop=self._stopping.is_set)
-            r = job.request
             config = replace(session.generation, max_new_tokens=max_new_tokens,
                              sampling=r.sampling or session.generation.sampling)
             drafters = self._drafters.get(id(session))
@@ -448,7 +433,6 @@ class BatchScheduler:
         self._jobs[id(job)] = job
 
     def _step_alone(self) -> None:
-        # One step of the first job running alone.
         job, run = self._alone[0]
         if job.cancelled.is_set():
             run.cancel(0)
@@ -460,10 +444,7 @@ class BatchScheduler:
             return
         for result in results:
             self._alone.popleft()
-            if result.finish_reason == "error":
-                job.fail(RequestError(result.error, status=500, kind="server_error"))
-            else:
-                job.finish(result)
+            job.finish(result)
 
     def _step(self) -> None:
         run = self._run
@@ -478,9 +459,5 @@ class BatchScheduler:
             self._jobs.clear()
             self._run = None
             return
-        for result in results:
-            job = self._jobs.pop(result.index)
-            if result.finish_reason == "error":
-                job.fail(RequestError(result.error, status=500, kind="server_error"))
-            else:  # a cancelled job's row leaves as "cancelled": `finish` sends Cancelled
-                job.finish(result)
+        for result in results:  # a cancelled job's row leaves as "cancelled": `finish` sends Cancelled
+            self._jobs.pop(result.index).finish(result)

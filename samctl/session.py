@@ -40,7 +40,7 @@ from samctl.heads import load_acc_head, load_eagle
 from samctl.index.datastore import Datastore
 from samctl.models import Engine, load_draft, load_engine
 from samctl.plan import plan
-from samctl.stores import load_memory, load_store, save_memory
+from samctl.stores import load_memory, load_store
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +203,6 @@ class Session:
                  sampling: SamplingConfig | None) -> tuple[list[int], Drafter, GenerationConfig]:
         # A request's prompt ids, drafter and generation settings (the session warmed up first).
         ids = self.encode(prompt)
-        drafter = self.drafter if drafter is None else drafter
         self._note_room(ids)
         if not self.warm:
             self.warm_up(ids)
@@ -211,7 +210,7 @@ class Session:
         if max_new_tokens is not None or sampling is not None:
             generation = replace(generation, max_new_tokens=max_new_tokens or generation.max_new_tokens,
                                  sampling=sampling or generation.sampling)
-        return ids, drafter, generation
+        return ids, self.drafter if drafter is None else drafter, generation
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int] | list[dict[str, str]]], *, batch_size: int = 8,
                        on_result: Callable[[Any], None] | None = None, stats: Any = None,
@@ -362,10 +361,6 @@ class Session:
             "exact_dtype": self.engine.target.dtype == torch.float32,
             "agreeing_prefix_rate": round(same / len(reference), 4) if greedy and reference else None,
         }
-
-    def save_memory(self, path: str) -> int:
-        """Write the drafter's memory of outputs to a store; returns the number of outputs."""
-        return save_memory(path, self.engine, self.drafter)
 
     def _note_room(self, ids: list[int]) -> None:
         """Once per session: a prompt that leaves less of the model's context than max_new_tokens."""

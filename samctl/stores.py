@@ -1,5 +1,5 @@
 """Loading stores: a `.sam` store checked against the model's tokenizer, and the cross-request
-memory kept as an automaton store (`memory_file` reads one, `Session.save_memory` writes one,
+memory kept as an automaton store (`memory_file` reads one, `generate --memory-save` writes one,
 one document per remembered output)."""
 from __future__ import annotations
 

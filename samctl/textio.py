@@ -9,7 +9,6 @@ U+DC00 + b, so a batch reads on past it and the record holding it is refused on 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import click
 
@@ -32,9 +31,3 @@ def check_utf8(text: str, where: str) -> str:
     at = f"line {line}, column {column}" if "\n" in text.rstrip("\n") else f"column {column}"
     raise UserError(f"{where} is not UTF-8 (byte 0x{ord(bad.group()) - 0xDC00:02x} at {at}): re-encode it "
                     "as UTF-8, e.g. iconv -f latin1 -t utf-8 FILE > FILE.utf8")
-
-
-def read_text(path: str | Path, where: str | None = None) -> str:
-    """A whole text file, refused in one line (naming `where`, default the path) if not UTF-8."""
-    text = Path(path).read_bytes().decode("utf-8", ERRORS)
-    return check_utf8(text, where or str(path))

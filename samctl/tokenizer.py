@@ -168,8 +168,7 @@ class HFTokenizer:
         return ids
 
     def _backend_batch(self, texts: list[str]) -> list[list[int]]:
-        backend = self.hf.backend_tokenizer
-        return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+        return [e.ids for e in self.hf.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids))

@@ -44,7 +44,7 @@ from samctl.decode.methods import DRAFT_METHODS, EAGLE_METHODS, METHODS, SELF_DR
 from samctl.index.errors import UserError
 from samctl.bench_report import BASELINE, report_category, write_summary
 from samctl.config import SessionConfig
-from samctl.options import SAMPLING, parse_methods, session_options
+from samctl.options import SAMPLING, check_count, parse_methods, session_options
 from samctl.plan import plan
 from samctl.progress import progress_bar
 from samctl.decode.metrics import first_difference
@@ -111,8 +111,7 @@ def bench(config: SessionConfig, questions_path: str, methods_spec: str, limit: 
     samctl bench --limit 1 --out runs/cpu     # the Spec-Bench sample that ships with samctl
     samctl bench --model M --sam store.sam --questions q.jsonl --methods ar,pld,sam,rest --out runs/x
     """
-    if repeats < 1:
-        raise UserError(f"--repeats must be >= 1, got {repeats}")
+    check_count("--repeats", repeats)
     methods = parse_methods(methods_spec, ALL_BENCH_METHODS)
     methods = [BASELINE] + [m for m in methods if m != BASELINE]
     questions = read_questions(Path(questions_path), categories, limit)
@@ -149,8 +148,7 @@ def bench(config: SessionConfig, questions_path: str, methods_spec: str, limit: 
     enable_cuda_graphs(engine.target, config.graphs, reserve=longest)
     _warm_up(runners, engine, fits[0], config.chat)
     records = _run_all(runners, engine, fits, config, repeats, out_dir / "records.jsonl")
-    run = _run_info(session, config, repeats, methods, len(fits), skipped)
-    summary = write_summary(out_dir, records, methods, run)
+    summary = write_summary(out_dir, records, methods, _run_info(session, config, repeats, methods, len(fits), skipped))
     mismatches = sum(summary["mismatches"].values())
     # float32: greedy output must equal ar's token for token, so a mismatch is a bug. Half
     # precision: verifying several tokens runs other kernels, near-tied argmaxes may flip, and a
@@ -177,8 +175,7 @@ def bench(config: SessionConfig, questions_path: str, methods_spec: str, limit: 
 
 
 def read_questions(path: Path, categories: str | None, limit: int | None) -> list[Question]:
-    if limit is not None and limit < 1:
-        raise UserError(f"--limit must be >= 1, got {limit}")
+    check_count("--limit", limit)
     questions = []
     for number, line in enumerate(path.read_bytes().decode("utf-8", ERRORS).splitlines(), start=1):
         check_utf8(line, f"{path}:{number}")
@@ -261,8 +258,7 @@ class EngineRunner:
         self.drafter = state if last else self._copy(state)
 
     def _copy(self, drafter: Drafter) -> Drafter:
-        memo: dict[int, Any] = {id(x): x for x in self.shared}
-        return copy.deepcopy(drafter, memo)
+        return copy.deepcopy(drafter, {id(x): x for x in self.shared})
 
     def run(self, prompt: list[int], max_new_tokens: int) -> Turn:
         from samctl.decode.loop import GenerationConfig, generate as decode_generate

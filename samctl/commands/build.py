@@ -209,22 +209,6 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
                             time.perf_counter() - start, verified=verify))
 
 
-def _build_and_write_sharded(output, tokens, doc_offsets, meta, tokenizer_name, shards, ray_address,
-                             workers, memory_limit, verify, quiet, times) -> None:
-    """Phases 3-4 with --shards: each shard built and written by its own worker, then the manifest."""
-    from samctl.index.sharded import verify_sharded  # numba loads here, not for --help
-
-    start, tokenize_start, tokenized = times
-    results = _build_sharded(output, tokens, doc_offsets, meta, shards, ray_address, workers, memory_limit, quiet)
-    written = time.perf_counter()
-    if verify:
-        verify_sharded(output)  # shard by shard: the driver never holds the whole store
-    if not quiet:
-        size = sum(entry["bytes"] for entry, _, _ in results)
-        click.echo(_sharded_summary(output, size, meta.corpus, tokenizer_name, results, written - start,
-                                    tokenized - tokenize_start, written - tokenized, ray_address, verify))
-
-
 def _check_ngram_options(kind: str) -> None:
     """The n-gram table's settings (NgramConfig's fields) given for another kind are refused, not ignored."""
     ctx = click.get_current_context()
@@ -247,10 +231,11 @@ def _check_sharding(kind: str, shards: int | None, ray_address: str | None, work
         raise UserError("Ray schedules its own workers: drop --workers with --ray")
 
 
-def _build_sharded(output: str, tokens, doc_offsets, meta: StoreMeta, shards: int, ray_address: str | None,
-                   workers: int | None, memory_limit: int | None, quiet: bool) -> list:
-    """Write the store directory; returns each shard's (manifest entry, worker peak bytes, counts)."""
-    from samctl.index.sharded import StoreDirectoryWriter, plan_shards
+def _build_and_write_sharded(output: str, tokens, doc_offsets, meta: StoreMeta, tokenizer_name: str, shards: int,
+                             ray_address: str | None, workers: int | None, memory_limit: int | None, verify: bool,
+                             quiet: bool, times: tuple[float, float, float]) -> None:
+    """Phases 3-4 with --shards: each shard built and written by its own worker, then the manifest."""
+    from samctl.index.sharded import StoreDirectoryWriter, plan_shards, verify_sharded  # numba loads here
     from samctl.cluster import run_local, run_on_ray, shard_jobs
 
     if os.path.isfile(output):
@@ -269,12 +254,15 @@ def _build_sharded(output: str, tokens, doc_offsets, meta: StoreMeta, shards: in
         def done(index: int, peak: int) -> None:
             status(f"shard {index} built (worker peak {human_bytes(peak)})", quiet)
 
-        if ray_address is not None:
-            results = run_on_ray(ray_address, jobs, done)
-        else:
-            results = run_local(jobs, workers, done)
+        results = run_on_ray(ray_address, jobs, done) if ray_address is not None else run_local(jobs, workers, done)
         writer.commit(meta, [entry for entry, _, _ in results])
-    return results
+    start, tokenize_start, tokenized = times
+    written = time.perf_counter()
+    if verify:
+        verify_sharded(output)  # shard by shard: the driver never holds the whole store
+    if not quiet:
+        click.echo(_sharded_summary(output, meta.corpus, tokenizer_name, results, written - start,
+                                    tokenized - tokenize_start, written - tokenized, ray_address, verify))
 
 
 def _shared_memory(memory_limit: int | None, workers: int) -> tuple[int, int]:
@@ -287,8 +275,8 @@ def _shared_memory(memory_limit: int | None, workers: int) -> tuple[int, int]:
     return workers, total // workers
 
 
-def _sharded_summary(output, size, corpus, tokenizer_name, results, total, tokenize, build_s, ray_address,
-                     verified) -> str:
+def _sharded_summary(output, corpus, tokenizer_name, results, total, tokenize, build_s, ray_address, verified) -> str:
+    size = sum(entry["bytes"] for entry, _, _ in results)
     peaks = sorted(peak for _, peak, _ in results)
     shape = ", ".join(f"{sum(counts[name] for _, _, counts in results):,} {name}" for name in results[0][2])
     return (f"wrote {output}: {len(results)} shards, {corpus.documents:,} documents, {corpus.tokens:,} tokens "

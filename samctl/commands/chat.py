@@ -47,8 +47,7 @@ def chat(config: SessionConfig, system: str | None, compare: bool) -> None:
     plan(config)  # a missing draft model or head is refused now, not after torch loads (seconds)
     from samctl.session import Session
 
-    console = Console(Session(config), system, compare)
-    console.loop()
+    Console(Session(config), system, compare).loop()
 
 
 class Console:
@@ -62,7 +61,6 @@ class Console:
         self.compare, self.system = compare, system
         self.store_name = session.config.store
         self.chat_template = bool(getattr(self.engine.tokenizer, "chat_template", None))
-        self.messages: list[dict[str, str]] = []
         self.reset()
 
     def loop(self) -> None:
@@ -118,7 +116,7 @@ class Console:
         return True
 
     def reset(self) -> None:
-        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.messages: list[dict[str, str]] = [{"role": "system", "content": self.system}] if self.system else []
 
     def turn(self, text: str) -> None:
         from samctl.detok import TextStream

@@ -28,9 +28,6 @@ from samctl.index.errors import UserError
 from samctl.options import batch_size, batch_size_option, session_options
 from samctl.textio import ERRORS
 
-_PROMPT_FIELDS_HELP = "the record field holding the prompt (default: prompt, turns, text, question, instruction)"
-
-
 @click.command("distill")
 @session_options(exclude=("memory_file",), raw=("chat",),
                  method={"help": "How the answers are generated (any method gives the same greedy answers; adaptive "
@@ -48,7 +45,8 @@ _PROMPT_FIELDS_HELP = "the record field holding the prompt (default: prompt, tur
                    "[default: OUTPUT.answers.jsonl].")
 @click.option("--also", "also", multiple=True, metavar="INPUT",
               help="Also put this corpus in the store (as `samctl build` reads it; repeatable).")
-@click.option("--field", "prompt_field", metavar="NAME", help=_PROMPT_FIELDS_HELP)
+@click.option("--field", "prompt_field", metavar="NAME",
+              help="the record field holding the prompt (default: prompt, turns, text, question, instruction)")
 @batch_size_option
 @click.option("--compress/--no-compress", default=True, show_default=True, help="zstd-compress the store's arrays.")
 def distill(config: SessionConfig, chat: bool | None, **opts: Any) -> None:
@@ -97,7 +95,7 @@ def distill(config: SessionConfig, chat: bool | None, **opts: Any) -> None:
     written_by = {
         "model": engine.name, "method": config.method, "prompts": str(opts["prompts_path"]),
         "answers": str(len(documents)), "max_new_tokens": str(config.max_new_tokens),
-        "decoding": "greedy" if sampling.greedy else json.dumps({k: v for k, v in asdict(sampling).items()}),
+        "decoding": "greedy" if sampling.greedy else json.dumps(asdict(sampling)),
         "chat_template": str(chat).lower(),
     }
     summary = _build_store(opts, config.model, documents, written_by)
@@ -159,13 +157,7 @@ def _answered(path: Path, producer: dict[str, Any], quiet: bool) -> set[Any]:
     done: set[Any] = set()
     if not path.is_file():
         return done
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by an interruption: that record is generated again
-        if not isinstance(record, dict):
-            continue
+    for record in _answer_records(path):
         if not _same_producer(record.get("produced_by") or {}, producer):
             if not quiet:
                 click.echo(f"samctl: {path} holds answers by {_describe(record.get('produced_by'))}; this run is "
@@ -177,18 +169,24 @@ def _answered(path: Path, producer: dict[str, Any], quiet: bool) -> set[Any]:
     return done
 
 
-def _documents(prompts_path: str, answers_path: Path, field: str | None) -> Iterator[str]:
-    """Prompt turns and answers of every answered record, in the prompts file's order."""
-    from samctl.records import parse_record, prompt_turns, read_records, record_key
-
-    answers: dict[Any, dict[str, Any]] = {}
-    for line in answers_path.read_text(encoding="utf-8").splitlines():
+def _answer_records(path: Path) -> Iterator[dict[str, Any]]:
+    """The JSON objects of an answers file; a line cut short by an interruption is skipped (that
+    record is generated again)."""
+    for line in path.read_text(encoding="utf-8").splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(record, dict) and "error" not in record and isinstance(record.get("text"), str):
-            answers[record.get("id")] = record  # a later answer to the same id wins
+        if isinstance(record, dict):
+            yield record
+
+
+def _documents(prompts_path: str, answers_path: Path, field: str | None) -> Iterator[str]:
+    """Prompt turns and answers of every answered record, in the prompts file's order."""
+    from samctl.records import parse_record, prompt_turns, read_records, record_key
+
+    answers = {record.get("id"): record for record in _answer_records(answers_path)  # a later answer to an id wins
+               if "error" not in record and isinstance(record.get("text"), str)}
     with open(prompts_path, encoding="utf-8", errors=ERRORS) as lines:
         for number, line in read_records(lines):
             try:

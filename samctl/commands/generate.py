@@ -304,7 +304,9 @@ def _exit_for(failed: int) -> None:
 
 def _save_memory(opts: dict[str, Any], session) -> None:
     if opts["memory_save"]:
-        saved = session.save_memory(opts["memory_save"])
+        from samctl.stores import save_memory
+
+        saved = save_memory(opts["memory_save"], session.engine, session.drafter)
         if not session.config.quiet:
             click.echo(f"samctl: memory of {saved} output(s) written to {opts['memory_save']}", err=True)
 

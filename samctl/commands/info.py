@@ -112,12 +112,9 @@ def info(store: str, as_json: bool, verify: bool) -> None:
     """Describe a store: kind, size, tokenizer, build config and corpus statistics."""
     if os.path.isdir(store):  # a store directory: loaded (a sharded one's shards, to count states)
         report = describe_directory(load_datastore(store, verify=verify), verify)
-        click.echo(json.dumps(report) if as_json else _text(report))
-        return
-    if verify:
+    elif verify:
         loaded = load_datastore(store, verify=True)
-        file, meta = loaded.file, loaded.meta
+        report = describe(loaded.file, loaded.meta, verified=True)
     else:
-        file, meta = read_meta(store)
-    report = describe(file, meta, verified=verify)
+        report = describe(*read_meta(store), verified=False)
     click.echo(json.dumps(report) if as_json else _text(report))

@@ -39,9 +39,9 @@ from samctl.index.errors import UserError
 from samctl.bench_report import report_category
 from samctl.decode.methods import method_config
 from samctl.config import SessionConfig
-from samctl.options import parse_methods, session_options
+from samctl.options import check_count, parse_methods, session_options
 from samctl.progress import progress_bar
-from samctl.textio import read_text
+from samctl.textio import ERRORS, check_utf8
 from samctl.tokenizer import Tokenizer, load_store_tokenizer, load_tokenizer
 
 _OUTPUT_FIELDS = ("output", "completion", "response", "reference")
@@ -149,10 +149,8 @@ class _Simulation:
                 top = max(points, key=lambda p: p["results"][category]["projected_speedup"])
                 best.setdefault(category, {})[method] = {
                     "setting": top["setting"], **top["results"][category],
-                    "default_projected_speedup": default[method][category]["projected_speedup"],
-                    "default_mean_accepted": default[method][category]["mean_accepted"],
-                    "default_drafted_per_step": default[method][category]["drafted_per_step"],
-                }
+                    **{f"default_{k}": default[method][category][k]
+                       for k in ("projected_speedup", "mean_accepted", "drafted_per_step")}}
         return {"traces": len(self.traces), "cost_model": asdict(self.cost), "best": best, "grid": grid}
 
 
@@ -162,10 +160,8 @@ class _Simulation:
 
 def read_traces(path: Path, tokenizer: Tokenizer, chat: bool, max_new_tokens: int | None,
                 limit: int | None) -> list[Trace]:
-    if max_new_tokens is not None and max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    if limit is not None and limit < 1:
-        raise UserError(f"--limit must be >= 1, got {limit}")
+    check_count("--max-new-tokens", max_new_tokens)
+    check_count("--limit", limit)
     traces: list[Trace] = []
     skipped: list[str] = []
     for where, record in _records(path):
@@ -199,7 +195,7 @@ def _traces_of(record: dict[str, Any], where: str, tokenizer: Tokenizer, chat: b
 
 
 def _records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    text = read_text(path)
+    text = check_utf8(path.read_bytes().decode("utf-8", ERRORS), str(path))
     if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
@@ -319,8 +315,7 @@ def _results_table(report: dict[str, Any]) -> str:
              f"+ {cost['token_cost']} of a forward per drafted token", "",
              "| category | method | " + " | ".join(h for _, h in _COLUMNS) + " |",
              "|---|---|" + "---:|" * len(_COLUMNS)]
-    categories = _category_order(report["methods"])
-    for category in categories:
+    for category in _category_order(report["methods"]):
         for method, by_cat in report["methods"].items():
             row = by_cat.get(category)
             if row is not None:

@@ -143,11 +143,9 @@ def run(config: AccHeadTrainConfig) -> dict:
         raise UserError(f"only {len(encoded)} usable prompts: give more with --num-prompts or raise --max-prompt-tokens")
     generator = torch.Generator().manual_seed(config.seed)
     tic = time.perf_counter()
-    parts = {}
-    for name, lo, hi in (("heldout", 0, n_heldout), ("valid", n_heldout, n_heldout + n_valid),
-                         ("train", n_heldout + n_valid, len(encoded))):
-        parts[name] = examples_for(engine, draft, encoded[lo:hi], responses[lo:hi], config, generator)
-    heldout, valid, train = parts["heldout"], parts["valid"], parts["train"]
+    heldout, valid, train = (examples_for(engine, draft, encoded[lo:hi], responses[lo:hi], config, generator)
+                             for lo, hi in ((0, n_heldout), (n_heldout, n_heldout + n_valid),
+                                            (n_heldout + n_valid, len(encoded))))
     collect_s = time.perf_counter() - tic
 
     head = AcceptanceHead(HeadConfig(draft.hidden_size, config.blocks, not config.independent_blocks))

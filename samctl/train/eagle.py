@@ -59,7 +59,7 @@ from samctl.decode.methods import DEFAULT_METHOD, EAGLE_METHODS, MethodConfig, m
 from samctl.decode.eagle_head import EagleHead, eagle_loss, target_features
 from samctl.decode.simulate import Tally, make_trace, replay
 from samctl.index.errors import UserError
-from samctl.heads import model_fingerprint, save_eagle_head
+from samctl.heads import load_eagle_head, model_fingerprint, save_eagle_head
 from samctl.gguf_cache import cache_dir
 from samctl.config import arg
 from samctl.options import run_config_command
@@ -340,19 +340,15 @@ def run(config: EagleTrainConfig) -> dict:
     config = replace(config, cache=config.cache or str(cache_dir() / "train-eagle"))
     engine = trainer_engine(config, config.model)
     traces = Path(config.replay) if config.replay is not None else None
-    cost = None
-    if config.cost is not None:
-        cost = relative_cost(json.loads(Path(config.cost).read_text(encoding="utf-8"))["t_ms"])
+    cost = (relative_cost(json.loads(Path(config.cost).read_text(encoding="utf-8"))["t_ms"])
+            if config.cost is not None else None)
     if config.replay_only:  # measure an existing head (--out) on --replay, e.g. under another cost curve
-        from samctl.heads import load_eagle_head
-
         head = load_eagle_head(config.out, engine.model, model_fingerprint(engine.model, engine.tokenizer))
         result = {"head": config.out, "file": str(config.replay), "cost": str(config.cost),
                   **replay_traces(engine, head, traces, cost, config.replay_max_new_tokens, EagleConfig())}
         print(json.dumps(result, indent=2))
         return result
-    for param in engine.model.parameters():
-        param.requires_grad_(False)
+    engine.model.requires_grad_(False)
     fingerprint = model_fingerprint(engine.model, engine.tokenizer)
     prompts, selection = read_training_prompts(config)
     answers, written = write_training_answers(config, prompts, fingerprint, log)
@@ -373,8 +369,6 @@ def run(config: EagleTrainConfig) -> dict:
             "of the target's choices")
     baseline = None
     if config.baseline_head is not None:  # an earlier head on the same held-out positions
-        from samctl.heads import load_eagle_head
-
         baseline = evaluate(load_eagle_head(config.baseline_head, engine.model, fingerprint), batches, heldout,
                             engine.device)
         log(f"baseline head {config.baseline_head}: held-out top1 {baseline['top1']}")

@@ -115,20 +115,19 @@ _SENTENCE_END = re.compile(r"(?<=[a-z][.!?])\s+(?=[A-Z])")
 _CODE_MARKS = re.compile(r"[_{}\[\]<>|=*#`@\\/]|\(\)|::|>>>|\.\.\.|--|https?:")
 
 
-def local_texts(stdlib: Path | None = None, docs: Path | None = Path("/usr/share/doc"),
-                max_words: int = 300) -> tuple[list[str], list[str]]:
-    """(sentences of 8..40 words, texts of 80..max_words words) of prose found locally: the
+def local_texts() -> tuple[list[str], list[str]]:
+    """(sentences of 8..40 words, texts of 80..300 words) of prose found locally: the
     standard library's docstrings and Debian's plain-text documentation, each kept once, in a
     fixed order. Lines that look like code, lists or tables are left out."""
     sentences: dict[str, None] = {}
     texts: dict[str, None] = {}
-    for document in _local_documents(stdlib or Path(sysconfig.get_paths()["stdlib"]), docs):
+    for document in _local_documents(Path(sysconfig.get_paths()["stdlib"]), Path("/usr/share/doc")):
         text = ""
         for paragraph in _prose_paragraphs(document):
             for sentence in _SENTENCE_END.split(paragraph):
                 if 8 <= len(sentence.split()) <= 40 and sentence[-1] in ".!?":
                     sentences.setdefault(sentence)
-            text = f"{text}\n\n{paragraph}".strip() if len((text + paragraph).split()) <= max_words else paragraph
+            text = f"{text}\n\n{paragraph}".strip() if len((text + paragraph).split()) <= 300 else paragraph
             if len(text.split()) >= 80:
                 texts.setdefault(text)
                 text = ""
@@ -146,7 +145,7 @@ def _prose_paragraphs(text: str) -> Iterator[str]:
             yield paragraph
 
 
-def _local_documents(stdlib: Path, docs: Path | None) -> Iterator[str]:
+def _local_documents(stdlib: Path, docs: Path) -> Iterator[str]:
     skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
     seen: set[bytes] = set()
     for path in sorted(stdlib.rglob("*.py")) if stdlib.is_dir() else ():
@@ -158,7 +157,7 @@ def _local_documents(stdlib: Path, docs: Path | None) -> Iterator[str]:
             continue
         for match in _DOCSTRING.finditer(code):
             yield inspect.cleandoc(match.group(1))
-    for path in sorted(docs.rglob("*")) if docs is not None and docs.is_dir() else ():
+    for path in sorted(docs.rglob("*")) if docs.is_dir() else ():
         if not _DOC_NAME.match(path.name) or path.is_symlink() or not path.is_file():
             continue
         try:

@@ -155,13 +155,12 @@ def evaluate(model: torch.nn.Module, rows: list[tuple[np.ndarray, int]], k: int,
         anchors = sample_anchors(start, len(seq), blocks, rng)
         batch = make_batch([seq], [start], [anchors], k, sat_id, pad)
         logits = forward(model, batch, device)[0]
-        labels = batch.labels[0].to(device)
-        std = ~batch.is_sat[0].to(device) & (labels != IGNORE)
+        labels, sat = batch.labels[0].to(device), batch.is_sat[0].to(device)
+        std = ~sat & (labels != IGNORE)
         nll += float(F.cross_entropy(logits[std], labels[std], reduction="sum"))
         count += int(std.sum())
-        sat = batch.is_sat[0].to(device)
-        hit = (logits.argmax(-1) == labels) & sat & (labels != IGNORE)
         has = sat & (labels != IGNORE)
+        hit = (logits.argmax(-1) == labels) & has
         slot = batch.slot[0].to(device)
         for j in range(1, k + 1):
             right[j - 1] += int((hit & (slot == j)).sum())
@@ -184,15 +183,11 @@ def forward(model: torch.nn.Module, batch, device: torch.device) -> torch.Tensor
 
 # 3) training -----------------------------------------------------------------------------------
 
-def trainable(model: torch.nn.Module, config: SdsatTrainConfig, sat_id: int) -> list[torch.nn.Parameter]:
-    """Freeze all but the top --train-layers layers (+ final norm) and the SAT embedding row."""
+def trainable(model: torch.nn.Module, config: SdsatTrainConfig, sat_id: int, top: int) -> list[torch.nn.Parameter]:
+    """Freeze all but the top `top` layers (+ final norm) and the SAT embedding row."""
     layers = model.model.layers
-    top = len(layers) if config.train_layers <= 0 else min(config.train_layers, len(layers))
-    for p in model.parameters():
-        p.requires_grad_(False)
-    params: list[torch.nn.Parameter] = []
-    for layer in layers[len(layers) - top :]:
-        params += list(layer.parameters())
+    model.requires_grad_(False)
+    params = [p for layer in layers[len(layers) - top :] for p in layer.parameters()]
     params += list(model.model.norm.parameters())
     if not config.freeze_sat_embedding:
         params.append(model.get_input_embeddings().weight)
@@ -242,9 +237,9 @@ def split_forward(model: torch.nn.Module, batch, top: int, device: torch.device)
 
 
 def train(model, train_rows, config, sat_id: int, pad: int, device: torch.device) -> dict:
-    params = trainable(model, config, sat_id)
     layers = len(model.model.layers)
     top = layers if config.train_layers <= 0 else min(config.train_layers, layers)
+    params = trainable(model, config, sat_id, top)
     teacher = FrozenTop(model, top) if config.keep_standard == "kl" else None
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
     total = config.max_steps
@@ -340,17 +335,17 @@ def run(config: SdsatTrainConfig) -> dict:
         sys.argv[3:] if sys.argv[1:3] == ["train", "sdsat"] else []), "config": asdict(config), "sat_token": sat_text, "sat_token_id": sat_id,
         "added_to_vocab": added, "train_sequences": len(train_rows), "heldout_sequences": len(held_rows),
         "responses": config.responses, "device": str(device), "threads": torch.get_num_threads()}
-    report["before"] = evaluate(model, held_rows, k, sat_id, pad, device, config.seed, config.blocks)
-    if config.responses == "self" and data_answers:
-        report["before_data_answers"] = evaluate(model, rows(held, data_answers), k, sat_id, pad, device,
-                                                 config.seed, config.blocks)
+
+    def evaluations(when: str) -> None:  # on the training kind of answer, and on the files' answers too
+        report[when] = evaluate(model, held_rows, k, sat_id, pad, device, config.seed, config.blocks)
+        if config.responses == "self" and data_answers:
+            report[f"{when}_data_answers"] = evaluate(model, rows(held, data_answers), k, sat_id, pad, device,
+                                                      config.seed, config.blocks)
+
+    evaluations("before")
     report["training"] = train(model, train_rows, config, sat_id, pad, device)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    report["after"] = evaluate(model, held_rows, k, sat_id, pad, device, config.seed, config.blocks)
-    if config.responses == "self" and data_answers:
-        report["after_data_answers"] = evaluate(model, rows(held, data_answers), k, sat_id, pad, device,
-                                                config.seed, config.blocks)
+    model.requires_grad_(False)
+    evaluations("after")
     before, after = report["before"]["standard_loss"], report["after"]["standard_loss"]
     report["standard_loss_change"] = round(after / before - 1.0, 4) if before else math.nan
     report["total_seconds"] = round(time.perf_counter() - began, 1)
