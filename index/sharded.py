@@ -42,10 +42,9 @@ from typing import Any
 
 import numpy as np
 
-from samctl.index.datastore import CorpusStats, StoreMeta, load_single, parse_meta, save_datastore
+from samctl.index.datastore import CorpusStats, DirectoryStore, StoreMeta, load_single, parse_meta, save_datastore
 from samctl.index.kinds import KINDS, BuildOptions
 from samctl.index.errors import ConfigError
-from samctl.index.lookup import Lookup
 from samctl.index.store import MANIFEST, DirectoryWriter, StoreError, file_crc32, read_manifest
 from samctl.index.shard_structures import ShardedAutomaton, ShardedSuffixArray, children  # noqa: F401 (re-exported)
 
@@ -86,19 +85,8 @@ def plan_shards(doc_offsets: np.ndarray, n: int) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class ShardedDatastore:
-    """A loaded store directory; the same surface as `Datastore` for the commands and drafters."""
-
-    path: str
-    kind: str
-    structure: ShardedAutomaton | ShardedSuffixArray
-    meta: StoreMeta
+class ShardedDatastore(DirectoryStore):
     shards: tuple[Any, ...]  # each shard's loaded store: a Datastore, or a directory kind's
-    manifest: dict[str, Any]
-
-    @property
-    def format_version(self) -> int:
-        return int(self.manifest["format_version"])
 
     @property
     def file_size(self) -> int:
@@ -116,9 +104,6 @@ class ShardedDatastore:
                 raise StoreError(f"{shard.path} does not match its checksum in {MANIFEST}: the shard is damaged, "
                                  f"{_REBUILD}")
             shard.verify()
-
-    def lookup(self, context: np.ndarray, n: int, k: int = 8) -> Lookup:
-        return self.structure.lookup(context, n, k)
 
 
 def load_sharded(path: str | os.PathLike, verify: bool = False, occurrence: str = "first") -> ShardedDatastore:
