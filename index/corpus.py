@@ -95,15 +95,8 @@ class NoText(UserError):
 class CorpusReader:
     """Iterate the documents of several inputs, in order; see the module docstring."""
 
-    def __init__(
-        self,
-        inputs: Iterable[str],
-        include: Iterable[str] = (),
-        exclude: Iterable[str] = (),
-        fields: Iterable[str] = (),
-        stdin: TextIO | None = None,
-        prompts: bool = False,
-    ) -> None:
+    def __init__(self, inputs: Iterable[str], include: Iterable[str] = (), exclude: Iterable[str] = (),
+                 fields: Iterable[str] = (), stdin: TextIO | None = None, prompts: bool = False) -> None:
         self.inputs = list(inputs)
         self.prompts = prompts
         self.include = tuple(include)
@@ -165,8 +158,7 @@ class CorpusReader:
         self.counts.files += 1
         suffix = path.suffix.lower()
         if suffix in RECORD_EXTENSIONS:
-            records = _read_records(path)
-            for where, record in records:
+            for where, record in _read_records(path):
                 yield self._record(record, where)
             return
         text = _read_text(path)
@@ -190,13 +182,8 @@ class CorpusReader:
             return None
 
 
-def iter_prompts(
-    inputs: Iterable[str],
-    include: Iterable[str] = (),
-    exclude: Iterable[str] = (),
-    fields: Iterable[str] = (),
-    stdin: TextIO | None = None,
-) -> Iterator[Document]:
+def iter_prompts(inputs: Iterable[str], include: Iterable[str] = (), exclude: Iterable[str] = (),
+                 fields: Iterable[str] = (), stdin: TextIO | None = None) -> Iterator[Document]:
     """The prompts of `inputs`: documents whose `turns` are a record's user turns (a plain-text
     document is one turn)."""
     return iter(CorpusReader(inputs, include, exclude, fields, stdin, prompts=True))
@@ -259,8 +246,7 @@ def _read_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
             data = json.loads(text)
         except json.JSONDecodeError as err:
             if err.msg != "Extra data":
-                raise UserError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}): "
-                                "fix the file") from err
+                raise UserError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}): fix the file") from err
         else:
             records = data if isinstance(data, list) else [data]
             return ((f"{path} record {i}", _as_record(r, f"{path} record {i}"))
@@ -296,8 +282,7 @@ def _json_lines(lines: Iterable[str], name: str, start: int) -> Iterator[tuple[s
 
 def _as_record(value: Any, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise UserError(f"{where} is a {type(value).__name__}, not a JSON object: "
-                        "pass one object per record")
+        raise UserError(f"{where} is a {type(value).__name__}, not a JSON object: pass one object per record")
     return value
 
 
@@ -330,8 +315,7 @@ def _stdin_documents(stream: TextIO, convert: Callable[[dict[str, Any], str], Do
             if line.strip():
                 break
         if head and _is_json_object(head[-1]):
-            lines = itertools.chain(head, stream)
-            for where, record in _json_lines(lines, "<stdin>", start=1):
+            for where, record in _json_lines(itertools.chain(head, stream), "<stdin>", start=1):
                 yield convert(record, where)
         else:
             text = "\n".join(("".join(head) + stream.read()).splitlines())
@@ -359,8 +343,7 @@ def _hf_documents(spec: str, convert: Callable[[dict[str, Any], str], Document |
 def _parse_hf_spec(spec: str) -> tuple[str, str | None, str]:
     parts = spec[3:].split(":")
     if not parts[0] or len(parts) > 3 or any(not p for p in parts):
-        raise UserError(f"{spec!r} is not a dataset spec: use hf:NAME, hf:NAME:SPLIT or "
-                        "hf:NAME:CONFIG:SPLIT")
+        raise UserError(f"{spec!r} is not a dataset spec: use hf:NAME, hf:NAME:SPLIT or hf:NAME:CONFIG:SPLIT")
     if len(parts) == 3:
         return parts[0], parts[1], parts[2]
     return parts[0], None, parts[1] if len(parts) == 2 else "train"
@@ -389,9 +372,7 @@ def _load_hf(spec: str, name: str, config: str | None, split: str):
 
 
 def _saved_to_disk(path: Path) -> bool:
-    return path.is_dir() and any(
-        (path / marker).is_file() for marker in ("dataset_dict.json", "state.json")
-    )
+    return path.is_dir() and any((path / marker).is_file() for marker in ("dataset_dict.json", "state.json"))
 
 
 # ---------------------------------------------------------------------------------------------
