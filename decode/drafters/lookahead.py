@@ -316,7 +316,7 @@ class PoolMemory:
 
     def __init__(self, pool: NgramPool, max_requests: int) -> None:
         self.pool = pool
-        self.documents: deque[np.ndarray] = deque(maxlen=max_requests) if max_requests else deque(maxlen=0)
+        self.documents: deque[np.ndarray] = deque(maxlen=max_requests)
         self.remember = True
         self._before: tuple | None = None
 
