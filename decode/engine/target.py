@@ -40,14 +40,7 @@ class TargetModel:
     cache = property(lambda self: self.rows.cache)
     eager_fallbacks = property(lambda self: self.rows.eager_fallbacks)
     wants_hidden = property(lambda self: self.rows.wants_hidden)
-
-    @property
-    def graphs(self):
-        return self.rows.graphs
-
-    @graphs.setter
-    def graphs(self, graphs) -> None:
-        self.rows.graphs = graphs
+    graphs = property(lambda self: self.rows.graphs, lambda self, graphs: setattr(self.rows, "graphs", graphs))
 
     @property
     def cached(self) -> int:
