@@ -817,16 +817,8 @@ class SuffixAutomaton:
 
     def end_document(self) -> None:
         """Close the current document: the next `extend` starts a new one."""
-        if self.static:
-            raise UserError("this suffix automaton is static: use SuffixAutomaton.empty() to grow one")
-        meta = self._meta
-        if not meta[M_DOC_OPEN]:
-            return
-        pos = int(meta[M_BUF])
-        self._buf[pos] = SEP  # room: reserved with the document's last token
-        meta[M_BUF] = pos + 1
-        meta[M_LAST] = 0
-        meta[M_DOC_OPEN] = 0
+        tokens = self._growing(np.zeros(0, dtype=np.int32))  # no tokens: the kernel only closes an open document
+        self._insert(tokens, np.zeros(2, dtype=np.int64), close_docs=True, online=True)
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -898,18 +890,12 @@ class SuffixAutomaton:
     def to_arrays(self) -> dict[str, np.ndarray]:
         """Trimmed arrays that fully describe the automaton (views where possible)."""
         meta = self._meta
-        return {
-            "states": self._states[: int(meta[M_STATES])],
-            "edges": self._edges[: int(meta[M_EDGES])],
-            "slots": self._slots,
-            "tokens": self._buf[: int(meta[M_BUF])],
-            "meta": meta.copy(),
-        }
+        return {"states": self._states[: int(meta[M_STATES])], "edges": self._edges[: int(meta[M_EDGES])],
+                "slots": self._slots, "tokens": self._buf[: int(meta[M_BUF])], "meta": meta.copy()}
 
     @classmethod
-    def from_arrays(
-        cls, arrays: dict[str, np.ndarray], occurrence: str = "first", check_links: bool = True
-    ) -> "SuffixAutomaton":
+    def from_arrays(cls, arrays: dict[str, np.ndarray], occurrence: str = "first",
+                    check_links: bool = True) -> "SuffixAutomaton":
         """Static automaton over `to_arrays()` output (zero-copy; arrays may be read-only memmaps).
 
         The arrays are untrusted: inconsistent ones raise UserError instead of letting a kernel

@@ -278,17 +278,11 @@ class NgramTable:
         ctx_start = np.concatenate([[0], np.cumsum(sizes * np.arange(1, config.max_n + 1))]).astype(np.int64)
         entry_base = np.concatenate([[0], np.cumsum([len(p[3]) for p in parts])]).astype(np.int64)
         offsets = np.concatenate([[0]] + [p[2][1:] + entry_base[i] for i, p in enumerate(parts)]).astype(np.int64)
-        arrays = {
-            "keys": np.concatenate([p[0] for p in parts]),
-            "ctx": np.concatenate([p[1] for p in parts]),
-            "order_start": order_start,
-            "ctx_start": ctx_start,
-            "offsets": offsets,
-            "next": np.concatenate([p[3] for p in parts]),
-            "counts": np.concatenate([p[4] for p in parts]),
-            "totals": np.concatenate([p[5] for p in parts]),
-            "config": np.array([config.max_n, config.min_count, config.top_k], dtype=np.int64),
-        }
+        arrays = {"keys": np.concatenate([p[0] for p in parts]), "ctx": np.concatenate([p[1] for p in parts]),
+                  "order_start": order_start, "ctx_start": ctx_start, "offsets": offsets,
+                  "next": np.concatenate([p[3] for p in parts]), "counts": np.concatenate([p[4] for p in parts]),
+                  "totals": np.concatenate([p[5] for p in parts]),
+                  "config": np.array([config.max_n, config.min_count, config.top_k], dtype=np.int64)}
         return cls(arrays, config)
 
     # -- queries -----------------------------------------------------------------------------
