@@ -214,8 +214,7 @@ def _not_regular(path: Path) -> str | None:
         return None
     kinds = {stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a character device",
              stat.S_ISBLK: "a block device"}
-    return next((f"{name}, not a regular file" for test, name in kinds.items() if test(mode)),
-                "not a regular file")
+    return next((f"{name}, not a regular file" for test, name in kinds.items() if test(mode)), "not a regular file")
 
 
 def _read_text(path: Path) -> str | None:
@@ -249,8 +248,7 @@ def _read_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
                 raise UserError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}): fix the file") from err
         else:
             records = data if isinstance(data, list) else [data]
-            return ((f"{path} record {i}", _as_record(r, f"{path} record {i}"))
-                    for i, r in enumerate(records, 1))
+            return ((f"{path} record {i}", _as_record(r, f"{path} record {i}")) for i, r in enumerate(records, 1))
     return _json_lines(text.splitlines(), str(path), start=1)
 
 

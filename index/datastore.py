@@ -185,7 +185,8 @@ class DirectoryStore:
         return self.structure.lookup(context, n, k)
 
 
-def save_datastore(path: str | os.PathLike, structure: Structure, meta: StoreMeta, compress: bool | None = None) -> None:
+def save_datastore(path: str | os.PathLike, structure: Structure, meta: StoreMeta,
+                   compress: bool | None = None) -> None:
     """Write structure + meta atomically; `compress` defaults to meta.build.compress."""
     if KINDS[meta.build.kind].directory:
         raise ValueError(f"a {meta.build.kind} store is a directory its builder writes, not a store file")
@@ -254,8 +255,7 @@ def parse_meta(header: dict[str, Any], name: str) -> StoreMeta:
                      corpus=corpus, created_by=created_by, written_by=written_by)
 
 
-_FIELD_TYPES = {"str": str, "int": int, "bool": bool, "tuple[str, ...]": list,
-                "int | None": (int, type(None))}
+_FIELD_TYPES = {"str": str, "int": int, "bool": bool, "tuple[str, ...]": list, "int | None": (int, type(None))}
 
 
 def _dataclass_from(cls, data: Any, what: str, bad) -> Any:

@@ -524,8 +524,7 @@ def build_suffix_array(path: str | os.PathLike, tokens: np.ndarray, doc_offsets:
         size = os.path.getsize(data_path)
         pointer = max(1, int(np.ceil(np.log2(max(size, 2)) / 8)))
         # 2) the suffix array: parts sorted in memory, merged on disk, concatenated
-        _run_indexer(indexer, writer.tmp, data_path, writer.tmp / FILES[1], size, pointer, width, memory_limit,
-                     threads)
+        _run_indexer(indexer, writer.tmp, data_path, writer.tmp / FILES[1], size, pointer, width, memory_limit, threads)
         # 3) the manifest, then the directory into place
         files = {name: {"bytes": os.path.getsize(writer.tmp / name), "crc32": file_crc32(writer.tmp / name)}
                  for name in FILES}

@@ -179,8 +179,7 @@ def _lookahead_steps(drafters: Sequence[OuroborosDrafter], feeds: Sequence[np.nd
     out: list[list[int]] = [[] for _ in drafters]
     if not going:
         return out
-    logits = verify_rows([drafters[j].draft for j in going], [plans[j][0] for j in going],
-                         [plans[j][1] for j in going])
+    logits = verify_rows([drafters[j].draft for j in going], [plans[j][0] for j in going], [plans[j][1] for j in going])
     choices = [row_logits[:, : drafters[j].vocab].argmax(dim=-1) for j, row_logits in zip(going, logits)]
     for j, chosen in zip(going, choices):
         d, (_, _, _, base, anchor) = drafters[j], plans[j]
