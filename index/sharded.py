@@ -55,10 +55,6 @@ _REBUILD = "rebuild it with `samctl build --shards N`"
 _SHARD_KEYS = {"file": str, "documents": int, "tokens": int, "bytes": int, "crc32": int}
 
 
-def shard_name(index: int, kind: str = "sam") -> str:
-    return f"shard-{index:05d}.{kind}"
-
-
 def plan_shards(doc_offsets: np.ndarray, n: int) -> np.ndarray:
     """Document boundaries of n shards ([n+1] int64, from 0 to d, strictly rising): shard i holds
     documents [b[i], b[i+1]), contiguous and in order, about total/n tokens each.
@@ -220,7 +216,7 @@ class StoreDirectoryWriter(DirectoryWriter):
     listing them and swaps the directory into place (index/store.py's DirectoryWriter)."""
 
     def shard_path(self, index: int, kind: str = "sam") -> Path:
-        return self.tmp / shard_name(index, kind)
+        return self.tmp / f"shard-{index:05d}.{kind}"
 
     def commit(self, meta: StoreMeta, entries: list[dict[str, Any]]) -> None:
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **meta.to_header(), "shards": entries}
