@@ -305,17 +305,9 @@ class BatchRun:
         self.pending: deque[_Waiting] = deque()
         self._cancelled: set = set()
 
-    @property
-    def running(self) -> int:
-        return len(self.active)
-
-    @property
-    def waiting(self) -> int:
-        return len(self.pending)
-
-    @property
-    def idle(self) -> bool:
-        return not self.active and not self.pending
+    running = property(lambda self: len(self.active))
+    waiting = property(lambda self: len(self.pending))
+    idle = property(lambda self: not self.active and not self.pending)
 
     def submit(self, key: Any, prompt: Sequence[int], config: GenerationConfig, pool: DrafterPool, *,
                generator: torch.Generator | None = None, on_tokens: Callable[[list[int]], bool | None] | None = None,

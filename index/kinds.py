@@ -68,13 +68,8 @@ class StoreKind:
     grows: bool = False
     sharded: Callable[[list[Any], str], Any] | None = None
 
-    @property
-    def directory(self) -> bool:
-        return self.load is not None
-
-    @property
-    def shards(self) -> bool:
-        return self.sharded is not None
+    directory = property(lambda self: self.load is not None)
+    shards = property(lambda self: self.sharded is not None)
 
 
 def _heartbeat(options: BuildOptions):
