@@ -233,14 +233,10 @@ def build_shard(path: str | os.PathLike, tokens: np.ndarray, doc_offsets: np.nda
     tokens: [n] int32; doc_offsets: [d+1] int64 from 0; memory_limit: bytes a suffix sort may hold."""
     kind = KINDS[meta.build.kind]
     documents = len(doc_offsets) - 1
-    shard = _shard_meta(path, meta, documents, len(tokens))
+    inputs = (f"shard {os.path.basename(path)} of {', '.join(meta.corpus.inputs)}",)
+    shard = dataclasses.replace(meta, corpus=CorpusStats(documents=documents, tokens=len(tokens), inputs=inputs))
     structure = kind.build(tokens, doc_offsets, shard, BuildOptions(path=str(path), memory_limit=memory_limit))
     if not kind.directory:
         save_datastore(path, structure, shard)
     return shard_entry(path, documents, len(tokens)), kind.counts(structure)
 
-
-def _shard_meta(path: str | os.PathLike, meta: StoreMeta, documents: int, tokens: int) -> StoreMeta:
-    corpus = CorpusStats(documents=documents, tokens=tokens,
-                         inputs=(f"shard {os.path.basename(path)} of {', '.join(meta.corpus.inputs)}",))
-    return dataclasses.replace(meta, corpus=corpus)

@@ -413,16 +413,13 @@ class LookaheadDrafter(RemembersPool):
             # A tree cut by the loop (the output's end is near) lacks window rows: skip the update.
             if logits.shape[0] == 1 + self.guesses + self.window.size:
                 rows = to_device(self.window.top_rows(0, 1 + self.guesses), logits.device)
-                new = logits[rows, : self._vocab(logits)].argmax(dim=-1)
+                new = logits[rows, : self.vocab_size or None].argmax(dim=-1)  # ids the target has (0: all)
                 grams = self.window.update(new)
                 if grams is not None:
                     self.deferred.put(self.pool, *grams)
 
     def report(self) -> dict:
         return {"pool_tuples": len(self.pool), "pool_keys": self.pool.rows}
-
-    def _vocab(self, logits: torch.Tensor) -> int:
-        return min(self.vocab_size, logits.shape[-1]) if self.vocab_size else logits.shape[-1]
 
     def _warm_up(self) -> None:
         # Compile (or load the numba cache) now, not inside the first timed step.
