@@ -205,12 +205,6 @@ def _shard_crc32(path: str) -> int:
     return file_crc32(os.path.join(path, MANIFEST) if os.path.isdir(path) else path)
 
 
-def shard_entry(path: str | os.PathLike, documents: int, tokens: int) -> dict[str, Any]:
-    """The manifest entry of a written shard."""
-    return {"file": os.path.basename(path), "documents": int(documents), "tokens": int(tokens),
-            "bytes": _shard_bytes(str(path)), "crc32": _shard_crc32(str(path))}
-
-
 class StoreDirectoryWriter(DirectoryWriter):
     """The sharded store's directory: shards under `shard_path`, then `commit` writes the manifest
     listing them and swaps the directory into place (index/store.py's DirectoryWriter)."""
@@ -238,5 +232,7 @@ def build_shard(path: str | os.PathLike, tokens: np.ndarray, doc_offsets: np.nda
     structure = kind.build(tokens, doc_offsets, shard, BuildOptions(path=str(path), memory_limit=memory_limit))
     if not kind.directory:
         save_datastore(path, structure, shard)
-    return shard_entry(path, documents, len(tokens)), kind.counts(structure)
+    entry = {"file": os.path.basename(path), "documents": int(documents), "tokens": int(len(tokens)),
+             "bytes": _shard_bytes(str(path)), "crc32": _shard_crc32(str(path))}
+    return entry, kind.counts(structure)
 
