@@ -162,8 +162,6 @@ class TokenHistory:
 
     def extend(self, tokens: np.ndarray) -> None:
         if self.n + len(tokens) > len(self.ids):
-            grown = np.zeros(max(2 * len(self.ids), self.n + len(tokens)), dtype=np.int64)
-            grown[: self.n] = self.ids[: self.n]
-            self.ids = grown
+            self.ids = np.pad(self.ids[: self.n], (0, max(2 * len(self.ids), self.n + len(tokens)) - self.n))
         self.ids[self.n : self.n + len(tokens)] = tokens
         self.n += len(tokens)

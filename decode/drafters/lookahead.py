@@ -180,13 +180,10 @@ class NgramPool:
         self.rows = rows
 
     def _grow(self, need: int) -> None:
-        size = max(need, 2 * len(self.fill))
-        grams = np.zeros((size, self.capacity, self.n), dtype=np.int32)
-        stamp = np.zeros((size, self.capacity), dtype=np.int64)
-        fill = np.zeros(size, dtype=np.int32)
-        grams[: self.rows], stamp[: self.rows], fill[: self.rows] = (
-            self.grams[: self.rows], self.stamp[: self.rows], self.fill[: self.rows])
-        self.grams, self.stamp, self.fill = grams, stamp, fill
+        # the rows in use kept, zero rows after them up to max(need, twice as many)
+        pad = max(need, 2 * len(self.fill)) - self.rows
+        self.grams, self.stamp, self.fill = (np.pad(a[: self.rows], [(0, pad)] + [(0, 0)] * (a.ndim - 1))
+                                             for a in (self.grams, self.stamp, self.fill))
 
 
 def guess_trie(pool: NgramPool, key: int, k: int) -> tuple[np.ndarray, np.ndarray]:
