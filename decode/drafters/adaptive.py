@@ -102,13 +102,11 @@ class Memory:
             self._rebuild()
 
     def _rebuild(self) -> None:
-        docs = list(self.documents)
-        tokens = np.concatenate(docs) if docs else np.zeros(0, dtype=np.int32)
-        self.automaton = SuffixAutomaton.empty(max(1024, len(tokens) + len(docs)))
-        for doc in docs:
+        self.automaton = SuffixAutomaton.empty(max(1024, self.tokens + len(self.documents)))
+        for doc in self.documents:
             self.automaton.extend(doc)
             self.automaton.end_document()
-        self.held = len(docs)
+        self.held = len(self.documents)
 
     def __len__(self) -> int:
         return len(self.documents)
