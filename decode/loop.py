@@ -688,9 +688,7 @@ def _propose(row: _Row, calibration: TreeCalibration | None, room: int) -> None:
             row.leading = int(np.argmin(np.append(keep, -1) == np.arange(len(keep) + 1)))
             tree, probs = tree.limit_depth(room), probs[keep]
             row.drafter.keep_depth(room)
-    if tree.accept_limit is not None:
-        probs = probs[: tree.accept_limit]
-    row.tree, row.probs = tree, probs
+    row.tree, row.probs = tree, probs[: tree.accept_limit]  # context rows are never accepted (None: none)
 
 
 def _own_rule(row: _Row) -> Callable | None:

@@ -78,8 +78,7 @@ def make_trace(prompt: list[int] | np.ndarray, reference: list[int] | np.ndarray
         hits = np.flatnonzero(np.isin(reference, np.asarray(eos_token_ids, dtype=np.int64)))
         if len(hits):
             reference = reference[: hits[0] + 1]
-    if max_new_tokens is not None:
-        reference = reference[:max_new_tokens]
+    reference = reference[:max_new_tokens]  # None: all of it
     cap = len(reference) if max_new_tokens is None else max_new_tokens
     return Trace(prompt=prompt, reference=reference, max_new_tokens=cap, category=category, id=trace_id,
                  prediction=None if prediction is None else np.asarray(prediction, dtype=np.int64))
