@@ -236,7 +236,7 @@ def _read_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     if path.suffix.lower() == ".parquet":
         return _parquet_records(path)
     if path.suffix.lower() == ".jsonl":
-        return _json_lines(_file_lines(path), str(path), start=1)
+        return _json_lines(_file_lines(path), str(path))
     text = _read_text(path)
     if text is None:
         raise UserError(f"{path} is binary or not UTF-8: pass a UTF-8 JSON or JSON lines file")
@@ -249,7 +249,7 @@ def _read_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
         else:
             records = data if isinstance(data, list) else [data]
             return ((f"{path} record {i}", _as_record(r, f"{path} record {i}")) for i, r in enumerate(records, 1))
-    return _json_lines(text.splitlines(), str(path), start=1)
+    return _json_lines(text.splitlines(), str(path))
 
 
 def _file_lines(path: Path) -> Iterator[str]:
@@ -266,8 +266,8 @@ def _file_lines(path: Path) -> Iterator[str]:
         raise UserError(f"cannot read {path}: {err.strerror or err}") from err
 
 
-def _json_lines(lines: Iterable[str], name: str, start: int) -> Iterator[tuple[str, dict]]:
-    for number, line in enumerate(lines, start):
+def _json_lines(lines: Iterable[str], name: str) -> Iterator[tuple[str, dict]]:
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         where = f"{name} line {number}"
@@ -313,7 +313,7 @@ def _stdin_documents(stream: TextIO, convert: Callable[[dict[str, Any], str], Do
             if line.strip():
                 break
         if head and _is_json_object(head[-1]):
-            for where, record in _json_lines(itertools.chain(head, stream), "<stdin>", start=1):
+            for where, record in _json_lines(itertools.chain(head, stream), "<stdin>"):
                 yield convert(record, where)
         else:
             text = "\n".join(("".join(head) + stream.read()).splitlines())
