@@ -50,7 +50,7 @@ def batch_accept(
     trees: Sequence[DraftTree],
     samplings: Sequence[SamplingConfig],
     generators: Sequence[torch.Generator | None],
-    rules: Sequence[Callable | None] | None = None,
+    rules: Sequence[Callable | None],
 ) -> tuple[list[np.ndarray], list[int], np.ndarray]:
     # logits: [N, V] and input_ids: [N], A rows' inputs [t0, nodes...] concatenated, row b's at
     # offsets[b]:offsets[b + 1]; trees, samplings, generators: per row; rules: per row None (this
@@ -61,7 +61,6 @@ def batch_accept(
     # for the whole step, then each row walks its own tree; the choice at a row's last accepted
     # input is its next token (the bonus after a full match, the correction after a rejection).
     # Rows with a rule of their own draw nothing here and sync once more each.
-    rules = rules if rules is not None else [None] * len(trees)
     shared = [b for b, rule in enumerate(rules) if rule is None]
     if len(shared) == len(trees):  # the common case: every row by this rule, no gather
         choices = choose_rows(logits, np.asarray(offsets), samplings, generators)

@@ -105,15 +105,8 @@ class Examples:
 
 
 @torch.inference_mode()
-def collect_examples(
-    target: nn.Module,
-    draft: nn.Module,
-    prompt_ids: list[int],
-    response_ids: list[int],
-    mixing_ratio: float,
-    generator: torch.Generator,
-    greedy: bool = False,
-) -> Examples:
+def collect_examples(target: nn.Module, draft: nn.Module, prompt_ids: list[int], response_ids: list[int],
+                     mixing_ratio: float, generator: torch.Generator, greedy: bool = False) -> Examples:
     """Head training examples from one (prompt, target response) pair; see the module docstring."""
     device = next(draft.parameters()).device
     n, m = len(prompt_ids), len(response_ids)

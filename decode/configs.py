@@ -100,8 +100,8 @@ class SamConfig:
         _within_bounds(self)
         if self.dyn_threshold < 1 or self.static_bias < 0 or self.max_draft < 1 or self.alpha <= 0:
             raise UserError(f"invalid SAM settings {asdict(self)}: thresholds >= 1, max draft >= 1, alpha > 0")
-        if self.occurrence not in ("first", "latest"):
-            raise ConfigError("{occurrence} must be first or latest, got {value!r}", value=self.occurrence)
+        _need(self.occurrence in ("first", "latest"), "{occurrence} must be first or latest, got {value!r}",
+              self.occurrence)
 
 
 @dataclass(frozen=True)
@@ -154,8 +154,7 @@ class DraftConfig:
         "cli": "--gamma", "help": "sd, sam+draft, ouroboros: draft tokens per step."})
 
     def __post_init__(self) -> None:
-        if not 1 <= self.gamma <= LENGTH_MAX:
-            raise ConfigError(f"{{gamma}} must be in [1, {LENGTH_MAX}], got {{value}}", value=self.gamma)
+        _need(1 <= self.gamma <= LENGTH_MAX, f"{{gamma}} must be in [1, {LENGTH_MAX}], got {{value}}", self.gamma)
 
 
 @dataclass(frozen=True)
@@ -167,12 +166,10 @@ class SpecDecConfig:
     max_draft: int = 20
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.stop_threshold <= 1.0:
-            raise ConfigError("{stop_threshold} must be in [0, 1], got {value}", value=self.stop_threshold)
+        _need(0.0 <= self.stop_threshold <= 1.0, "{stop_threshold} must be in [0, 1], got {value}", self.stop_threshold)
         if not 1 <= self.min_draft <= self.max_draft <= LENGTH_MAX:
             raise ConfigError(f"{{bounds}} (MIN, MAX) need 1 <= MIN <= MAX <= {LENGTH_MAX}, got {{low}} {{high}}",
-                              low=self.min_draft,
-                              high=self.max_draft)
+                              low=self.min_draft, high=self.max_draft)
 
 
 @dataclass(frozen=True)
@@ -233,8 +230,7 @@ class SdsatConfig:
 
     def __post_init__(self) -> None:
         _within_bounds(self)
-        if self.sat_count < 0:
-            raise ConfigError("{sat_count} must be >= 0, got {value}", value=self.sat_count)
+        _need(self.sat_count >= 0, "{sat_count} must be >= 0, got {value}", self.sat_count)
 
 
 @dataclass(frozen=True)
@@ -269,13 +265,10 @@ class SamplingConfig:
     seed: int | None = field(default=None, metadata={"cli": "--seed", "type": int, "help": "Sampling seed (default: random)."})
 
     def __post_init__(self) -> None:
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ConfigError("{temperature} must be a finite number >= 0 (0 = greedy), got {value}",
-                              value=self.temperature)
-        if self.top_k < 0:
-            raise ConfigError("{top_k} must be >= 0, got {value}", value=self.top_k)
-        if not 0.0 < self.top_p <= 1.0:  # also refuses nan
-            raise ConfigError("{top_p} must be in (0, 1], got {value}", value=self.top_p)
+        _need(math.isfinite(self.temperature) and self.temperature >= 0,
+              "{temperature} must be a finite number >= 0 (0 = greedy), got {value}", self.temperature)
+        _need(self.top_k >= 0, "{top_k} must be >= 0, got {value}", self.top_k)
+        _need(0.0 < self.top_p <= 1.0, "{top_p} must be in (0, 1], got {value}", self.top_p)  # also refuses nan
 
     @property
     def greedy(self) -> bool:

@@ -70,13 +70,8 @@ class EagleHead(nn.Module):
         self._target_parts = (target.get_input_embeddings(), target.get_output_embeddings())
         self._rows = None
 
-    @property
-    def target_embed(self) -> nn.Module:
-        return self._target_parts[0]
-
-    @property
-    def target_lm_head(self) -> nn.Module:
-        return self._target_parts[1]
+    target_embed = property(lambda self: self._target_parts[0])
+    target_lm_head = property(lambda self: self._target_parts[1])
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                 cache: StaticKVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:

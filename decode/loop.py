@@ -108,17 +108,16 @@ class _Output:
         self.tokens.extend(take)
         if not self.finish_reason and len(self.tokens) >= self.limit:
             self.finish_reason = "length"
-        if self.on_tokens and take:
-            self._stop_at(self.on_tokens(take), len(take))
-
-    def _stop_at(self, answer: bool | int | None, given: int) -> None:
+        if not self.on_tokens or not take:
+            return
         # on_tokens ends generation (a stop string, a client gone) by returning True (after every
         # token it was given) or an int k: the k-th completed a stop string, the rest are not the
         # answer and are dropped (a step may commit several tokens past a stop string)
+        answer = self.on_tokens(take)
         if answer is None or answer is False:
             return
-        if answer is not True and answer < given:
-            del self.tokens[len(self.tokens) - given + answer:]
+        if answer is not True and answer < len(take):
+            del self.tokens[len(self.tokens) - len(take) + answer:]
             self.finish_reason = "stop"
         elif not self.finish_reason:
             self.finish_reason = "stop"
@@ -306,17 +305,9 @@ class BatchRun:
         self.pending: deque[_Waiting] = deque()
         self._cancelled: set = set()
 
-    @property
-    def running(self) -> int:
-        return len(self.active)
-
-    @property
-    def waiting(self) -> int:
-        return len(self.pending)
-
-    @property
-    def idle(self) -> bool:
-        return not self.active and not self.pending
+    running = property(lambda self: len(self.active))
+    waiting = property(lambda self: len(self.pending))
+    idle = property(lambda self: not self.active and not self.pending)
 
     def submit(self, key: Any, prompt: Sequence[int], config: GenerationConfig, pool: DrafterPool, *,
                generator: torch.Generator | None = None, on_tokens: Callable[[list[int]], bool | None] | None = None,
@@ -557,20 +548,11 @@ class BatchRun:
         return failed
 
 
-def stream_batch(
-    model: torch.nn.Module,
-    make_drafter: Callable[[], Drafter],
-    prompts: Iterable[Sequence[int]],
-    config: GenerationConfig,
-    batch_size: int = 8,
-    *,
-    cost: VerifyCost | np.ndarray | None = None,
-    max_width: int = 16,
-    max_prefill_tokens: int = 8192,
-    stats: BatchStats | None = None,
-    predictions: Sequence[Sequence[int] | None] | None = None,
-    graphs: bool = False,
-) -> Iterator[GenerationResult]:
+def stream_batch(model: torch.nn.Module, make_drafter: Callable[[], Drafter], prompts: Iterable[Sequence[int]],
+                 config: GenerationConfig, batch_size: int = 8, *, cost: VerifyCost | np.ndarray | None = None,
+                 max_width: int = 16, max_prefill_tokens: int = 8192, stats: BatchStats | None = None,
+                 predictions: Sequence[Sequence[int] | None] | None = None,
+                 graphs: bool = False) -> Iterator[GenerationResult]:
     """Generate for every prompt (host token ids) with up to `batch_size` in flight (a BatchRun);
     yields each record's result as soon as it finishes (`index` says which). `make_drafter()`
     builds one drafter per slot, reused for the slot's later records, as batch 1 reuses one.
@@ -623,15 +605,9 @@ def feed(run: BatchRun, items: Iterable[tuple[Any, Sequence[int], Sequence[int] 
         yield from run.step()
 
 
-def generate_batch(
-    model: torch.nn.Module,
-    make_drafter: Callable[[], Drafter],
-    prompts: Iterable[Sequence[int]],
-    config: GenerationConfig,
-    batch_size: int = 8,
-    on_result: Callable[[GenerationResult], None] | None = None,
-    **options,
-) -> list[GenerationResult]:
+def generate_batch(model: torch.nn.Module, make_drafter: Callable[[], Drafter], prompts: Iterable[Sequence[int]],
+                   config: GenerationConfig, batch_size: int = 8,
+                   on_result: Callable[[GenerationResult], None] | None = None, **options) -> list[GenerationResult]:
     """`stream_batch`, collected in input order; `on_result` sees each result as it finishes."""
     results: dict[int, GenerationResult] = {}
     for result in stream_batch(model, make_drafter, prompts, config, batch_size, **options):
@@ -642,14 +618,9 @@ def generate_batch(
 
 
 @torch.inference_mode()
-def generate(
-    target: TargetModel,
-    drafter: Drafter,
-    prompt_ids: list[int] | np.ndarray,
-    config: GenerationConfig,
-    on_tokens: Callable[[list[int]], bool | None] | None = None,
-    prediction: Sequence[int] | None = None,
-) -> GenerationResult:
+def generate(target: TargetModel, drafter: Drafter, prompt_ids: list[int] | np.ndarray, config: GenerationConfig,
+             on_tokens: Callable[[list[int]], bool | None] | None = None,
+             prediction: Sequence[int] | None = None) -> GenerationResult:
     """Generate up to config.max_new_tokens after prompt_ids with drafts from `drafter`, as the one
     row of a BatchRun on `target.rows` with no step budget (the drafter sizes its own drafts).
     `on_tokens` gets the new tokens of each step and may return True to stop after them, or k to
@@ -717,9 +688,7 @@ def _propose(row: _Row, calibration: TreeCalibration | None, room: int) -> None:
             row.leading = int(np.argmin(np.append(keep, -1) == np.arange(len(keep) + 1)))
             tree, probs = tree.limit_depth(room), probs[keep]
             row.drafter.keep_depth(room)
-    if tree.accept_limit is not None:
-        probs = probs[: tree.accept_limit]
-    row.tree, row.probs = tree, probs
+    row.tree, row.probs = tree, probs[: tree.accept_limit]  # context rows are never accepted (None: none)
 
 
 def _own_rule(row: _Row) -> Callable | None:

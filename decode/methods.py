@@ -250,21 +250,11 @@ def uses_store(name: str) -> bool:
     return method(name).uses_store
 
 
-def make_drafter(
-    name: str,
-    *,
-    vocab_size: int,
-    device: "torch.device | str",
-    eos_token_ids: tuple[int, ...] = (),
-    static: "SuffixAutomaton | NgramTable | None" = None,
-    config: MethodConfig = MethodConfig(),
-    draft: DraftModel | None = None,
-    head: AcceptanceHead | None = None,
-    sampling: SamplingConfig = SamplingConfig(),
-    cost: "VerifyCost | np.ndarray | None" = None,
-    target: TargetModel | None = None,
-    eagle: EagleHead | None = None,
-) -> Drafter:
+def make_drafter(name: str, *, vocab_size: int, device: "torch.device | str", eos_token_ids: tuple[int, ...] = (),
+                 static: "SuffixAutomaton | NgramTable | None" = None, config: MethodConfig = MethodConfig(),
+                 draft: DraftModel | None = None, head: AcceptanceHead | None = None,
+                 sampling: SamplingConfig = SamplingConfig(), cost: "VerifyCost | np.ndarray | None" = None,
+                 target: TargetModel | None = None, eagle: EagleHead | None = None) -> Drafter:
     """The drafter of method `name`. Draft-model methods sample their drafts with `sampling` (the
     run's settings); any mismatch with the loop's settings only costs acceptance, never
     correctness. `cost` is the target's verify cost (decode.engine.cost.VerifyCost, or one relative
@@ -287,12 +277,8 @@ def make_drafter(
 def cli_fields() -> list[tuple[str, dataclasses.Field]]:
     """(config section, field) of every drafter setting that has a command-line option: the
     fields of MethodConfig's sections whose metadata names a `cli` flag."""
-    out = []
-    for section in dataclasses.fields(MethodConfig):
-        for f in dataclasses.fields(section.default_factory):
-            if "cli" in f.metadata:
-                out.append((section.name, f))
-    return out
+    return [(section.name, f) for section in dataclasses.fields(MethodConfig)
+            for f in dataclasses.fields(section.default_factory) if "cli" in f.metadata]
 
 
 def setting_names() -> list[str]:

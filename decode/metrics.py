@@ -83,28 +83,20 @@ class Metrics:
         return self.new_tokens / self.time_s if self.time_s > 0 else 0.0
 
     def to_dict(self) -> dict:
+        def per_step(total: float, scale: float, digits: int) -> float:
+            return round(scale * total / self.steps, digits) if self.steps else 0.0
+
         return {
-            "new_tokens": self.new_tokens,
-            "steps": self.steps,
-            "mean_accepted": round(self.mean_accepted, 4),
-            "accept_hist": list(self.accept_hist),
-            "drafted": self.drafted,
-            "accepted": self.accepted,
-            "acceptance_rate": round(self.acceptance_rate, 4),
-            "tokens_per_s": round(self.tokens_per_s, 3),
-            "time_s": round(self.time_s, 6),
-            "cpu_s": round(self.cpu_s, 6),
-            "draft_s": round(self.draft_s, 6),
-            "verify_s": round(self.verify_s, 6),
-            "other_s": round(self.other_s, 6),
+            "new_tokens": self.new_tokens, "steps": self.steps, "mean_accepted": round(self.mean_accepted, 4),
+            "accept_hist": list(self.accept_hist), "drafted": self.drafted, "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4), "tokens_per_s": round(self.tokens_per_s, 3),
+            "time_s": round(self.time_s, 6), "cpu_s": round(self.cpu_s, 6), "draft_s": round(self.draft_s, 6),
+            "verify_s": round(self.verify_s, 6), "other_s": round(self.other_s, 6),
             "prefill_s": round(self.prefill_s, 6),
-            "forward_ms_per_step": round(1e3 * self.verify_s / self.steps, 3) if self.steps else 0.0,
-            "host_ms_per_step": round(1e3 * self.host_s / self.steps, 3) if self.steps else 0.0,
-            "accept_ms_per_step": round(1e3 * self.accept_s / self.steps, 3) if self.steps else 0.0,
-            "draft_us_per_step": round(1e6 * self.draft_s / self.steps, 2) if self.steps else 0.0,
+            "forward_ms_per_step": per_step(self.verify_s, 1e3, 3), "host_ms_per_step": per_step(self.host_s, 1e3, 3),
+            "accept_ms_per_step": per_step(self.accept_s, 1e3, 3), "draft_us_per_step": per_step(self.draft_s, 1e6, 2),
             "draft_us_median": round(self.draft_us_quantile(0.5), 2),
-            "draft_us_p90": round(self.draft_us_quantile(0.9), 2),
-            "eager_verifies": self.eager_verifies,
+            "draft_us_p90": round(self.draft_us_quantile(0.9), 2), "eager_verifies": self.eager_verifies,
         }
 
 

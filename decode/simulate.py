@@ -78,8 +78,7 @@ def make_trace(prompt: list[int] | np.ndarray, reference: list[int] | np.ndarray
         hits = np.flatnonzero(np.isin(reference, np.asarray(eos_token_ids, dtype=np.int64)))
         if len(hits):
             reference = reference[: hits[0] + 1]
-    if max_new_tokens is not None:
-        reference = reference[:max_new_tokens]
+    reference = reference[:max_new_tokens]  # None: all of it
     cap = len(reference) if max_new_tokens is None else max_new_tokens
     return Trace(prompt=prompt, reference=reference, max_new_tokens=cap, category=category, id=trace_id,
                  prediction=None if prediction is None else np.asarray(prediction, dtype=np.int64))
@@ -192,12 +191,8 @@ class Tally:
 
     def add(self, m: Metrics) -> None:
         self.traces += 1
-        self.new_tokens += m.new_tokens
-        self.steps += m.steps
-        self.drafted += m.drafted
-        self.accepted += m.accepted
-        self.draft_s += m.draft_s
-        self.time_s += m.time_s
+        for name in ("new_tokens", "steps", "drafted", "accepted", "draft_s", "time_s"):
+            setattr(self, name, getattr(self, name) + getattr(m, name))
         self.drafted_hist.update(m.step_drafted)
         if len(self.accept_hist) < len(m.accept_hist):
             self.accept_hist.extend([0] * (len(m.accept_hist) - len(self.accept_hist)))
@@ -212,16 +207,12 @@ class Tally:
     def to_dict(self, cost: CostModel) -> dict[str, Any]:
         steps = max(self.steps, 1)
         return {
-            "traces": self.traces,
-            "new_tokens": self.new_tokens,
-            "steps": self.steps,
+            "traces": self.traces, "new_tokens": self.new_tokens, "steps": self.steps,
             "forwards": self.traces + self.steps,  # prefills included
-            "mean_accepted": round(self.mean_accepted, 4),
-            "drafted_per_step": round(self.drafted / steps, 3),
+            "mean_accepted": round(self.mean_accepted, 4), "drafted_per_step": round(self.drafted / steps, 3),
             "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
             "draft_us_per_step": round(1e6 * self.draft_s / steps, 2),
-            "projected_speedup": round(cost.speedup(self), 3),
-            "accept_hist": list(self.accept_hist),
+            "projected_speedup": round(cost.speedup(self), 3), "accept_hist": list(self.accept_hist),
         }
 
 

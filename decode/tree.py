@@ -71,14 +71,19 @@ class DraftTree:
         if len(depth) == 0 or depth.max() <= max_depth:
             return self
         keep = np.flatnonzero(depth <= max_depth)
-        remap = np.full(len(depth), -1, dtype=np.int32)
-        remap[keep] = np.arange(len(keep), dtype=np.int32)
-        old_parents = self.parents[keep]
-        parents = np.where(old_parents >= 0, remap[np.maximum(old_parents, 0)], -1).astype(np.int32)
+        parents = kept_parents(self.parents, keep)
         # a device index: indexing device tokens with a host index copies it pageable, which waits
         tokens = self.tokens[to_device(keep, self.tokens.device)] if isinstance(self.tokens, torch.Tensor) else self.tokens[keep]
         limit = None if self.accept_limit is None else int(np.searchsorted(keep, self.accept_limit))
         return DraftTree(tokens=tokens, parents=parents, q=None, accept_limit=limit)
+
+
+def kept_parents(parents: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    # parents: [m] int32 of a tree; keep: [k] rising node indices, each kept node's parent kept too
+    # -> [k] int32, the kept nodes' parents as indices into keep (-1: the root)
+    remap = np.full(len(parents), -1, dtype=np.int32)
+    remap[keep] = np.arange(len(keep), dtype=np.int32)
+    return np.where(parents[keep] >= 0, remap[np.maximum(parents[keep], 0)], -1).astype(np.int32)
 
 
 @numba.njit(cache=True)

@@ -377,11 +377,6 @@ def sam_step(states, edges, slots, state, length, token):
 
 
 @njit(cache=True)
-def sam_match(states, edges, slots, tokens):
-    return sam_walk(states, edges, slots, 0, 0, tokens)
-
-
-@njit(cache=True)
 def sam_walk(states, edges, slots, state, length, tokens):
     """Fold sam_step over tokens from the match (state, length)."""
     for token in tokens:
@@ -403,7 +398,7 @@ def sam_continuation_span(states, buf, n_buf, state, n, end_col):
 
 
 @njit(cache=True)
-def _topk_children(states, edges, state, k, out_tok, out_dst):
+def sam_topk_children(states, edges, state, k, out_tok, out_dst):
     """Write the (up to) k out-edges of state with the largest destination counts into out_*,
     by count descending then token ascending; returns how many. O(degree * k)."""
     m = 0
@@ -443,16 +438,13 @@ def _topk_children(states, edges, state, k, out_tok, out_dst):
     return m
 
 
-sam_topk_children = _topk_children  # public name for decoders that expand trees themselves
-
-
 @njit(cache=True)
 def sam_topk_next(states, edges, state, k):
     out_tok = np.empty(max(k, 0), dtype=np.int32)
     out_dst = np.empty(max(k, 0), dtype=np.int32)
     if k <= 0:
         return out_tok, out_tok.copy()
-    m = _topk_children(states, edges, state, k, out_tok, out_dst)
+    m = sam_topk_children(states, edges, state, k, out_tok, out_dst)
     counts = np.empty(m, dtype=np.int32)
     for i in range(m):
         counts[i] = states[out_dst[i], COUNT]
@@ -825,16 +817,8 @@ class SuffixAutomaton:
 
     def end_document(self) -> None:
         """Close the current document: the next `extend` starts a new one."""
-        if self.static:
-            raise UserError("this suffix automaton is static: use SuffixAutomaton.empty() to grow one")
-        meta = self._meta
-        if not meta[M_DOC_OPEN]:
-            return
-        pos = int(meta[M_BUF])
-        self._buf[pos] = SEP  # room: reserved with the document's last token
-        meta[M_BUF] = pos + 1
-        meta[M_LAST] = 0
-        meta[M_DOC_OPEN] = 0
+        tokens = self._growing(np.zeros(0, dtype=np.int32))  # no tokens: the kernel only closes an open document
+        self._insert(tokens, np.zeros(2, dtype=np.int64), close_docs=True, online=True)
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -844,7 +828,7 @@ class SuffixAutomaton:
 
     def match(self, tokens: np.ndarray) -> tuple[int, int]:
         """Longest suffix of tokens ([k] int32) found in one document: (state, length)."""
-        return sam_match(self._states, self._edges, self._slots, np.asarray(tokens, dtype=np.int32))
+        return sam_walk(self._states, self._edges, self._slots, 0, 0, np.asarray(tokens, dtype=np.int32))
 
     def walk(self, state: int, length: int, tokens: np.ndarray) -> tuple[int, int]:
         """`step` over each of tokens ([k] int32) in one call."""
@@ -906,18 +890,12 @@ class SuffixAutomaton:
     def to_arrays(self) -> dict[str, np.ndarray]:
         """Trimmed arrays that fully describe the automaton (views where possible)."""
         meta = self._meta
-        return {
-            "states": self._states[: int(meta[M_STATES])],
-            "edges": self._edges[: int(meta[M_EDGES])],
-            "slots": self._slots,
-            "tokens": self._buf[: int(meta[M_BUF])],
-            "meta": meta.copy(),
-        }
+        return {"states": self._states[: int(meta[M_STATES])], "edges": self._edges[: int(meta[M_EDGES])],
+                "slots": self._slots, "tokens": self._buf[: int(meta[M_BUF])], "meta": meta.copy()}
 
     @classmethod
-    def from_arrays(
-        cls, arrays: dict[str, np.ndarray], occurrence: str = "first", check_links: bool = True
-    ) -> "SuffixAutomaton":
+    def from_arrays(cls, arrays: dict[str, np.ndarray], occurrence: str = "first",
+                    check_links: bool = True) -> "SuffixAutomaton":
         """Static automaton over `to_arrays()` output (zero-copy; arrays may be read-only memmaps).
 
         The arrays are untrusted: inconsistent ones raise UserError instead of letting a kernel

@@ -95,15 +95,8 @@ class NoText(UserError):
 class CorpusReader:
     """Iterate the documents of several inputs, in order; see the module docstring."""
 
-    def __init__(
-        self,
-        inputs: Iterable[str],
-        include: Iterable[str] = (),
-        exclude: Iterable[str] = (),
-        fields: Iterable[str] = (),
-        stdin: TextIO | None = None,
-        prompts: bool = False,
-    ) -> None:
+    def __init__(self, inputs: Iterable[str], include: Iterable[str] = (), exclude: Iterable[str] = (),
+                 fields: Iterable[str] = (), stdin: TextIO | None = None, prompts: bool = False) -> None:
         self.inputs = list(inputs)
         self.prompts = prompts
         self.include = tuple(include)
@@ -165,8 +158,7 @@ class CorpusReader:
         self.counts.files += 1
         suffix = path.suffix.lower()
         if suffix in RECORD_EXTENSIONS:
-            records = _read_records(path)
-            for where, record in records:
+            for where, record in _read_records(path):
                 yield self._record(record, where)
             return
         text = _read_text(path)
@@ -190,13 +182,8 @@ class CorpusReader:
             return None
 
 
-def iter_prompts(
-    inputs: Iterable[str],
-    include: Iterable[str] = (),
-    exclude: Iterable[str] = (),
-    fields: Iterable[str] = (),
-    stdin: TextIO | None = None,
-) -> Iterator[Document]:
+def iter_prompts(inputs: Iterable[str], include: Iterable[str] = (), exclude: Iterable[str] = (),
+                 fields: Iterable[str] = (), stdin: TextIO | None = None) -> Iterator[Document]:
     """The prompts of `inputs`: documents whose `turns` are a record's user turns (a plain-text
     document is one turn)."""
     return iter(CorpusReader(inputs, include, exclude, fields, stdin, prompts=True))
@@ -227,8 +214,7 @@ def _not_regular(path: Path) -> str | None:
         return None
     kinds = {stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a character device",
              stat.S_ISBLK: "a block device"}
-    return next((f"{name}, not a regular file" for test, name in kinds.items() if test(mode)),
-                "not a regular file")
+    return next((f"{name}, not a regular file" for test, name in kinds.items() if test(mode)), "not a regular file")
 
 
 def _read_text(path: Path) -> str | None:
@@ -250,7 +236,7 @@ def _read_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     if path.suffix.lower() == ".parquet":
         return _parquet_records(path)
     if path.suffix.lower() == ".jsonl":
-        return _json_lines(_file_lines(path), str(path), start=1)
+        return _json_lines(_file_lines(path), str(path))
     text = _read_text(path)
     if text is None:
         raise UserError(f"{path} is binary or not UTF-8: pass a UTF-8 JSON or JSON lines file")
@@ -259,13 +245,11 @@ def _read_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
             data = json.loads(text)
         except json.JSONDecodeError as err:
             if err.msg != "Extra data":
-                raise UserError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}): "
-                                "fix the file") from err
+                raise UserError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}): fix the file") from err
         else:
             records = data if isinstance(data, list) else [data]
-            return ((f"{path} record {i}", _as_record(r, f"{path} record {i}"))
-                    for i, r in enumerate(records, 1))
-    return _json_lines(text.splitlines(), str(path), start=1)
+            return ((f"{path} record {i}", _as_record(r, f"{path} record {i}")) for i, r in enumerate(records, 1))
+    return _json_lines(text.splitlines(), str(path))
 
 
 def _file_lines(path: Path) -> Iterator[str]:
@@ -282,8 +266,8 @@ def _file_lines(path: Path) -> Iterator[str]:
         raise UserError(f"cannot read {path}: {err.strerror or err}") from err
 
 
-def _json_lines(lines: Iterable[str], name: str, start: int) -> Iterator[tuple[str, dict]]:
-    for number, line in enumerate(lines, start):
+def _json_lines(lines: Iterable[str], name: str) -> Iterator[tuple[str, dict]]:
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         where = f"{name} line {number}"
@@ -296,8 +280,7 @@ def _json_lines(lines: Iterable[str], name: str, start: int) -> Iterator[tuple[s
 
 def _as_record(value: Any, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise UserError(f"{where} is a {type(value).__name__}, not a JSON object: "
-                        "pass one object per record")
+        raise UserError(f"{where} is a {type(value).__name__}, not a JSON object: pass one object per record")
     return value
 
 
@@ -330,8 +313,7 @@ def _stdin_documents(stream: TextIO, convert: Callable[[dict[str, Any], str], Do
             if line.strip():
                 break
         if head and _is_json_object(head[-1]):
-            lines = itertools.chain(head, stream)
-            for where, record in _json_lines(lines, "<stdin>", start=1):
+            for where, record in _json_lines(itertools.chain(head, stream), "<stdin>"):
                 yield convert(record, where)
         else:
             text = "\n".join(("".join(head) + stream.read()).splitlines())
@@ -359,8 +341,7 @@ def _hf_documents(spec: str, convert: Callable[[dict[str, Any], str], Document |
 def _parse_hf_spec(spec: str) -> tuple[str, str | None, str]:
     parts = spec[3:].split(":")
     if not parts[0] or len(parts) > 3 or any(not p for p in parts):
-        raise UserError(f"{spec!r} is not a dataset spec: use hf:NAME, hf:NAME:SPLIT or "
-                        "hf:NAME:CONFIG:SPLIT")
+        raise UserError(f"{spec!r} is not a dataset spec: use hf:NAME, hf:NAME:SPLIT or hf:NAME:CONFIG:SPLIT")
     if len(parts) == 3:
         return parts[0], parts[1], parts[2]
     return parts[0], None, parts[1] if len(parts) == 2 else "train"
@@ -389,9 +370,7 @@ def _load_hf(spec: str, name: str, config: str | None, split: str):
 
 
 def _saved_to_disk(path: Path) -> bool:
-    return path.is_dir() and any(
-        (path / marker).is_file() for marker in ("dataset_dict.json", "state.json")
-    )
+    return path.is_dir() and any((path / marker).is_file() for marker in ("dataset_dict.json", "state.json"))
 
 
 # ---------------------------------------------------------------------------------------------

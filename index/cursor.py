@@ -43,10 +43,20 @@ from samctl.index.shard_structures import ShardedAutomaton, ShardedSuffixArray
 from samctl.index.suffix_array import MAX_MATCH, SuffixArray, follow_state, sa_find, sa_follow, sa_tree
 
 
-class AutomatonCursor:
-    """A match pointer into one suffix automaton: (state, length) of the longest suffix found."""
+class _AutomatonTree:
+    """What both automaton cursors share: `tree` over the arrays of `at(handle)`."""
 
     max_match = None
+
+    def tree(self, handle, length: int, span: int, num_nodes: int, max_depth: int) -> tuple[np.ndarray, np.ndarray]:
+        # the suffix of length `span` is the match's state, or the ancestor whose length range holds span
+        states, edges, slots, state = self.at(handle)
+        state = sam_span_state(states, state, length, span)
+        return sam_frequent_tree(states, edges, slots, state, num_nodes, max_depth)
+
+
+class AutomatonCursor(_AutomatonTree):
+    """A match pointer into one suffix automaton: (state, length) of the longest suffix found."""
 
     def __init__(self, automaton: SuffixAutomaton) -> None:
         self.automaton = automaton
@@ -74,15 +84,10 @@ class AutomatonCursor:
         a = self.arrays
         return a.states, a.edges, a.slots, handle
 
-    def tree(self, handle: int, length: int, span: int, num_nodes: int, max_depth: int) -> tuple[np.ndarray, np.ndarray]:
-        return _automaton_tree(self.at(handle), length, span, num_nodes, max_depth)
 
-
-class ShardedCursor:
+class ShardedCursor(_AutomatonTree):
     """One match pointer per shard; a peek answers from the shard with the longest match (the
     lowest on ties: the first occurrence, as one store over all shards would give)."""
-
-    max_match = None
 
     def __init__(self, sharded: ShardedAutomaton) -> None:
         self.sharded = sharded
@@ -110,17 +115,6 @@ class ShardedCursor:
         shard, state = handle
         s = self.sharded
         return s.states[shard], s.edges[shard], s.slots[shard], state
-
-    def tree(self, handle: tuple[int, int], length: int, span: int, num_nodes: int,
-             max_depth: int) -> tuple[np.ndarray, np.ndarray]:
-        return _automaton_tree(self.at(handle), length, span, num_nodes, max_depth)
-
-
-def _automaton_tree(at: tuple, length: int, span: int, num_nodes: int, max_depth: int) -> tuple[np.ndarray, np.ndarray]:
-    # the suffix of length `span` is the match's state, or the ancestor whose length range holds span
-    states, edges, slots, state = at
-    state = sam_span_state(states, state, length, span)
-    return sam_frequent_tree(states, edges, slots, state, num_nodes, max_depth)
 
 
 class NgramCursor:

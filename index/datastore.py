@@ -119,19 +119,10 @@ class StoreMeta:
 
     def to_header(self) -> dict[str, Any]:
         written = {"written_by": dict(self.written_by)} if self.written_by else {}
-        return {
-            **written,
-            "kind": self.build.kind,
-            "created_by": self.created_by,
-            "tokenizer": {
-                "name": self.tokenizer_name,
-                "fingerprint": self.tokenizer_fingerprint,
-                "vocab_size": self.vocab_size,
-                "eos_token_id": self.eos_token_id,
-            },
-            "build": self.build.to_dict(),
-            "corpus": self.corpus.to_dict(),
-        }
+        tokenizer = {"name": self.tokenizer_name, "fingerprint": self.tokenizer_fingerprint,
+                     "vocab_size": self.vocab_size, "eos_token_id": self.eos_token_id}
+        return {**written, "kind": self.build.kind, "created_by": self.created_by, "tokenizer": tokenizer,
+                "build": self.build.to_dict(), "corpus": self.corpus.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -175,9 +166,27 @@ class Datastore:
         return KINDS[self.kind].lookup(self.structure, np.asarray(context, dtype=np.int32), n, k)
 
 
-def save_datastore(
-    path: str | os.PathLike, structure: Structure, meta: StoreMeta, compress: bool | None = None
-) -> None:
+@dataclass(frozen=True)
+class DirectoryStore:
+    """A loaded store directory (index/suffix_array.py, index/sharded.py): the same surface as
+    `Datastore` for the commands and drafters."""
+
+    path: str
+    kind: str
+    structure: Any
+    meta: StoreMeta
+    manifest: dict[str, Any]
+
+    @property
+    def format_version(self) -> int:
+        return int(self.manifest["format_version"])
+
+    def lookup(self, context: np.ndarray, n: int, k: int = 8) -> Lookup:
+        return self.structure.lookup(context, n, k)
+
+
+def save_datastore(path: str | os.PathLike, structure: Structure, meta: StoreMeta,
+                   compress: bool | None = None) -> None:
     """Write structure + meta atomically; `compress` defaults to meta.build.compress."""
     if KINDS[meta.build.kind].directory:
         raise ValueError(f"a {meta.build.kind} store is a directory its builder writes, not a store file")
@@ -241,20 +250,12 @@ def parse_meta(header: dict[str, Any], name: str) -> StoreMeta:
     if not isinstance(written_by, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                    for k, v in written_by.items()):
         raise bad("written_by is not a map of text")
-    return StoreMeta(
-        tokenizer_name=tokenizer["name"],
-        tokenizer_fingerprint=tokenizer["fingerprint"],
-        vocab_size=tokenizer["vocab_size"],
-        eos_token_id=tokenizer["eos_token_id"],
-        build=build,
-        corpus=corpus,
-        created_by=created_by,
-        written_by=written_by,
-    )
+    return StoreMeta(tokenizer_name=tokenizer["name"], tokenizer_fingerprint=tokenizer["fingerprint"],
+                     vocab_size=tokenizer["vocab_size"], eos_token_id=tokenizer["eos_token_id"], build=build,
+                     corpus=corpus, created_by=created_by, written_by=written_by)
 
 
-_FIELD_TYPES = {"str": str, "int": int, "bool": bool, "tuple[str, ...]": list,
-                "int | None": (int, type(None))}
+_FIELD_TYPES = {"str": str, "int": int, "bool": bool, "tuple[str, ...]": list, "int | None": (int, type(None))}
 
 
 def _dataclass_from(cls, data: Any, what: str, bad) -> Any:

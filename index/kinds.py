@@ -68,13 +68,8 @@ class StoreKind:
     grows: bool = False
     sharded: Callable[[list[Any], str], Any] | None = None
 
-    @property
-    def directory(self) -> bool:
-        return self.load is not None
-
-    @property
-    def shards(self) -> bool:
-        return self.sharded is not None
+    directory = property(lambda self: self.load is not None)
+    shards = property(lambda self: self.sharded is not None)
 
 
 def _heartbeat(options: BuildOptions):
@@ -103,9 +98,6 @@ def _sam_lookup(sam, context, n, k):
 def _sam_from_arrays(arrays, meta, occurrence, check):
     from samctl.index.automaton import SuffixAutomaton
 
-    # The link-length check is a random read over every state (most of an 8M-token store's load
-    # time); without it a corrupt link can still only misdirect a match, since link walks are
-    # capped, and the model verifies every draft anyway.
     return SuffixAutomaton.from_arrays(arrays, occurrence=occurrence, check_links=check)
 
 

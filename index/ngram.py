@@ -218,12 +218,8 @@ class NgramArrays(NamedTuple):
 # The table
 # ---------------------------------------------------------------------------------------------
 
-_NAMES = ("keys", "ctx", "order_start", "ctx_start", "offsets", "next", "counts", "totals", "config")
-_DTYPES = {
-    "keys": np.dtype("<u8"), "ctx": np.dtype("<i4"), "order_start": np.dtype("<i8"),
-    "ctx_start": np.dtype("<i8"), "offsets": np.dtype("<i8"), "next": np.dtype("<i4"),
-    "counts": np.dtype("<i4"), "totals": np.dtype("<i4"), "config": np.dtype("<i8"),
-}
+_DTYPES = {"keys": "<u8", "ctx": "<i4", "order_start": "<i8", "ctx_start": "<i8", "offsets": "<i8", "next": "<i4",
+           "counts": "<i4", "totals": "<i4", "config": "<i8"}
 
 
 def _check(cond: bool, what: str) -> None:
@@ -282,17 +278,11 @@ class NgramTable:
         ctx_start = np.concatenate([[0], np.cumsum(sizes * np.arange(1, config.max_n + 1))]).astype(np.int64)
         entry_base = np.concatenate([[0], np.cumsum([len(p[3]) for p in parts])]).astype(np.int64)
         offsets = np.concatenate([[0]] + [p[2][1:] + entry_base[i] for i, p in enumerate(parts)]).astype(np.int64)
-        arrays = {
-            "keys": np.concatenate([p[0] for p in parts]),
-            "ctx": np.concatenate([p[1] for p in parts]),
-            "order_start": order_start,
-            "ctx_start": ctx_start,
-            "offsets": offsets,
-            "next": np.concatenate([p[3] for p in parts]),
-            "counts": np.concatenate([p[4] for p in parts]),
-            "totals": np.concatenate([p[5] for p in parts]),
-            "config": np.array([config.max_n, config.min_count, config.top_k], dtype=np.int64),
-        }
+        arrays = {"keys": np.concatenate([p[0] for p in parts]), "ctx": np.concatenate([p[1] for p in parts]),
+                  "order_start": order_start, "ctx_start": ctx_start, "offsets": offsets,
+                  "next": np.concatenate([p[3] for p in parts]), "counts": np.concatenate([p[4] for p in parts]),
+                  "totals": np.concatenate([p[5] for p in parts]),
+                  "config": np.array([config.max_n, config.min_count, config.top_k], dtype=np.int64)}
         return cls(arrays, config)
 
     # -- queries -----------------------------------------------------------------------------
@@ -346,10 +336,10 @@ class NgramTable:
         given, must equal the one stored in the arrays.
         """
         a = {}
-        for name in _NAMES:
+        for name, dtype in _DTYPES.items():
             _check(name in arrays, f"array {name!r} is missing")
             x = np.asarray(arrays[name])
-            _check(x.dtype == _DTYPES[name] and x.ndim == 1, f"array {name!r} has {x.dtype} {x.shape}")
+            _check(x.dtype == np.dtype(dtype) and x.ndim == 1, f"array {name!r} has {x.dtype} {x.shape}")
             _check(x.flags.c_contiguous, f"array {name!r} is not contiguous")
             a[name] = x
         _check(len(a["config"]) == 3, "config has the wrong length")

@@ -156,21 +156,10 @@ class ShardedAutomaton:
                    for i in np.flatnonzero(lengths == length)]
         return merged_lookup(length, holders, self.continuation(shard, state, n), k)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.shards)
-
-    @property
-    def num_states(self) -> int:
-        return sum(s.num_states for s in self.shards)
-
-    @property
-    def num_edges(self) -> int:
-        return sum(s.num_edges for s in self.shards)
-
-    @property
-    def num_documents(self) -> int:
-        return sum(s.num_documents for s in self.shards)
+    num_tokens = property(lambda self: sum(s.num_tokens for s in self.shards))
+    num_states = property(lambda self: sum(s.num_states for s in self.shards))
+    num_edges = property(lambda self: sum(s.num_edges for s in self.shards))
+    num_documents = property(lambda self: sum(s.num_documents for s in self.shards))
 
 
 class ShardedSuffixArray:
@@ -194,13 +183,8 @@ class ShardedSuffixArray:
         return merged_lookup(length, [(f.count, f.next_tokens, f.next_counts) for f in holders],
                              holders[0].continuation, k)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.shards)
-
-    @property
-    def num_documents(self) -> int:
-        return sum(s.num_documents for s in self.shards)
+    num_tokens = property(lambda self: sum(s.num_tokens for s in self.shards))
+    num_documents = property(lambda self: sum(s.num_documents for s in self.shards))
 
 
 def merged_lookup(length: int, holders: list[tuple[int, np.ndarray, np.ndarray]], continuation: np.ndarray,

@@ -42,10 +42,9 @@ from typing import Any
 
 import numpy as np
 
-from samctl.index.datastore import CorpusStats, StoreMeta, load_single, parse_meta, save_datastore
+from samctl.index.datastore import CorpusStats, DirectoryStore, StoreMeta, load_single, parse_meta, save_datastore
 from samctl.index.kinds import KINDS, BuildOptions
 from samctl.index.errors import ConfigError
-from samctl.index.lookup import Lookup
 from samctl.index.store import MANIFEST, DirectoryWriter, StoreError, file_crc32, read_manifest
 from samctl.index.shard_structures import ShardedAutomaton, ShardedSuffixArray, children  # noqa: F401 (re-exported)
 
@@ -54,10 +53,6 @@ FORMAT_VERSION = 1
 MAX_SHARDS = 4096
 _REBUILD = "rebuild it with `samctl build --shards N`"
 _SHARD_KEYS = {"file": str, "documents": int, "tokens": int, "bytes": int, "crc32": int}
-
-
-def shard_name(index: int, kind: str = "sam") -> str:
-    return f"shard-{index:05d}.{kind}"
 
 
 def plan_shards(doc_offsets: np.ndarray, n: int) -> np.ndarray:
@@ -86,19 +81,8 @@ def plan_shards(doc_offsets: np.ndarray, n: int) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class ShardedDatastore:
-    """A loaded store directory; the same surface as `Datastore` for the commands and drafters."""
-
-    path: str
-    kind: str
-    structure: ShardedAutomaton | ShardedSuffixArray
-    meta: StoreMeta
+class ShardedDatastore(DirectoryStore):
     shards: tuple[Any, ...]  # each shard's loaded store: a Datastore, or a directory kind's
-    manifest: dict[str, Any]
-
-    @property
-    def format_version(self) -> int:
-        return int(self.manifest["format_version"])
 
     @property
     def file_size(self) -> int:
@@ -116,9 +100,6 @@ class ShardedDatastore:
                 raise StoreError(f"{shard.path} does not match its checksum in {MANIFEST}: the shard is damaged, "
                                  f"{_REBUILD}")
             shard.verify()
-
-    def lookup(self, context: np.ndarray, n: int, k: int = 8) -> Lookup:
-        return self.structure.lookup(context, n, k)
 
 
 def load_sharded(path: str | os.PathLike, verify: bool = False, occurrence: str = "first") -> ShardedDatastore:
@@ -224,18 +205,12 @@ def _shard_crc32(path: str) -> int:
     return file_crc32(os.path.join(path, MANIFEST) if os.path.isdir(path) else path)
 
 
-def shard_entry(path: str | os.PathLike, documents: int, tokens: int) -> dict[str, Any]:
-    """The manifest entry of a written shard."""
-    return {"file": os.path.basename(path), "documents": int(documents), "tokens": int(tokens),
-            "bytes": _shard_bytes(str(path)), "crc32": _shard_crc32(str(path))}
-
-
 class StoreDirectoryWriter(DirectoryWriter):
     """The sharded store's directory: shards under `shard_path`, then `commit` writes the manifest
     listing them and swaps the directory into place (index/store.py's DirectoryWriter)."""
 
     def shard_path(self, index: int, kind: str = "sam") -> Path:
-        return self.tmp / shard_name(index, kind)
+        return self.tmp / f"shard-{index:05d}.{kind}"
 
     def commit(self, meta: StoreMeta, entries: list[dict[str, Any]]) -> None:
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **meta.to_header(), "shards": entries}
@@ -252,14 +227,12 @@ def build_shard(path: str | os.PathLike, tokens: np.ndarray, doc_offsets: np.nda
     tokens: [n] int32; doc_offsets: [d+1] int64 from 0; memory_limit: bytes a suffix sort may hold."""
     kind = KINDS[meta.build.kind]
     documents = len(doc_offsets) - 1
-    shard = _shard_meta(path, meta, documents, len(tokens))
+    inputs = (f"shard {os.path.basename(path)} of {', '.join(meta.corpus.inputs)}",)
+    shard = dataclasses.replace(meta, corpus=CorpusStats(documents=documents, tokens=len(tokens), inputs=inputs))
     structure = kind.build(tokens, doc_offsets, shard, BuildOptions(path=str(path), memory_limit=memory_limit))
     if not kind.directory:
         save_datastore(path, structure, shard)
-    return shard_entry(path, documents, len(tokens)), kind.counts(structure)
+    entry = {"file": os.path.basename(path), "documents": int(documents), "tokens": int(len(tokens)),
+             "bytes": _shard_bytes(str(path)), "crc32": _shard_crc32(str(path))}
+    return entry, kind.counts(structure)
 
-
-def _shard_meta(path: str | os.PathLike, meta: StoreMeta, documents: int, tokens: int) -> StoreMeta:
-    corpus = CorpusStats(documents=documents, tokens=tokens,
-                         inputs=(f"shard {os.path.basename(path)} of {', '.join(meta.corpus.inputs)}",))
-    return dataclasses.replace(meta, corpus=corpus)

@@ -71,9 +71,7 @@ COMPRESS_CHUNK = 16 << 20  # bytes handed to the zstd stream at a time
 
 _PREAMBLE = struct.Struct("<8sIIII")
 # Little-endian fixed-width numeric types only: no objects, strings or platform-dependent sizes.
-ALLOWED_DTYPES = frozenset(
-    ["|b1", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8", "<f2", "<f4", "<f8"]
-)
+ALLOWED_DTYPES = frozenset(["|b1", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8", "<f2", "<f4", "<f8"])
 _RESERVED_KEYS = ("format_version", "arrays")
 _ENTRY_KEYS = ("dtype", "shape", "offset", "length", "raw_length", "codec", "checksum")
 _CODECS = ("raw", "zstd")
@@ -130,12 +128,8 @@ class StoreFile:
 # writing
 
 
-def write_store(
-    path: str | os.PathLike,
-    header: dict[str, Any],
-    arrays: dict[str, np.ndarray],
-    compress: bool = True,
-) -> None:
+def write_store(path: str | os.PathLike, header: dict[str, Any], arrays: dict[str, np.ndarray],
+                compress: bool = True) -> None:
     """Write `arrays` and the msgpack-able `header` to `path` atomically.
 
     `header` must not use the keys this module owns (`format_version`, `arrays`). Arrays are
@@ -226,7 +220,7 @@ def _write_blobs(out, arrays: dict[str, np.ndarray], compress: bool, offset: int
 
 def _write_atomically(path: Path, header: dict[str, Any], arrays: dict[str, np.ndarray], compress: bool) -> None:
     """Zeros up to the data start, the blobs, then preamble and header over the zeros."""
-    directory = path.parent if str(path.parent) else Path(".")
+    directory = path.parent
     remove_stale_temporaries(path)
     data_start = _data_start(header, arrays)
     try:
@@ -241,8 +235,7 @@ def _write_atomically(path: Path, header: dict[str, Any], arrays: dict[str, np.n
             header_bytes = _header_bytes(header, table)
             assert _PREAMBLE.size + len(header_bytes) <= data_start, (len(header_bytes), data_start)
             out.seek(0)
-            out.write(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header_bytes),
-                                     zlib.crc32(header_bytes), 0))
+            out.write(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header_bytes), zlib.crc32(header_bytes), 0))
             out.write(header_bytes)
             out.truncate(max(end, out.tell()))
             out.flush()
@@ -275,7 +268,7 @@ def is_store_file(path: str | os.PathLike) -> bool:
 def remove_stale_temporaries(path: str | os.PathLike) -> list[str]:
     """Remove the temporary files of `path` left by writers that no longer run; return their names."""
     path = Path(path)
-    directory = path.parent if str(path.parent) else Path(".")
+    directory = path.parent
     pattern = re.compile(re.escape(path.name) + r"\.tmp(\d+)\.\w+")
     try:
         names = os.listdir(directory)
@@ -391,15 +384,8 @@ def read_store(path: str | os.PathLike, verify: bool = False) -> StoreFile:
     header = _decode_header(name, header_bytes, version)
     entries = _parse_table(name, header["arrays"], _PREAMBLE.size + len(header_bytes), size)
     assert buffer is not None, "a file with a valid header is not empty"
-    store = StoreFile(
-        path=name,
-        format_version=version,
-        header=header,
-        arrays={e.name: _open_array(name, buffer, e) for e in entries.values()},
-        entries=entries,
-        file_size=size,
-        _buffer=buffer,
-    )
+    store = StoreFile(path=name, format_version=version, header=header, entries=entries, file_size=size,
+                      arrays={e.name: _open_array(name, buffer, e) for e in entries.values()}, _buffer=buffer)
     if verify:
         store.verify()
     return store
@@ -410,11 +396,9 @@ def _read_preamble(name: str, handle, size: int) -> tuple[int, bytes]:
         raise StoreError(f"{name} is empty: {_REBUILD}")
     preamble = handle.read(_PREAMBLE.size)
     if not MAGIC.startswith(preamble[: len(MAGIC)]):
-        raise StoreError(f"{name} is not a samctl store (wrong magic bytes): "
-                         "pass a file written by samctl build")
+        raise StoreError(f"{name} is not a samctl store (wrong magic bytes): pass a file written by samctl build")
     if len(preamble) < _PREAMBLE.size:
-        raise StoreError(f"{name} is truncated (expected at least {_PREAMBLE.size} bytes, "
-                         f"found {size}): {_REBUILD}")
+        raise StoreError(f"{name} is truncated (expected at least {_PREAMBLE.size} bytes, found {size}): {_REBUILD}")
     _magic, version, header_length, header_crc, _reserved = _PREAMBLE.unpack(preamble)
     if version > FORMAT_VERSION:
         raise StoreError(f"{name} has store format version {version}, this samctl reads up to "
@@ -448,9 +432,7 @@ def _decode_header(name: str, header_bytes: bytes, version: int) -> dict[str, An
     return header
 
 
-def _parse_table(
-    name: str, table: dict[Any, Any], header_end: int, size: int
-) -> dict[str, ArrayEntry]:
+def _parse_table(name: str, table: dict[Any, Any], header_end: int, size: int) -> dict[str, ArrayEntry]:
     entries = [_parse_entry(name, key, value, header_end) for key, value in table.items()]
     end = _align(header_end)
     # Zero-length arrays may share an offset with the next array: sort them first.
@@ -461,19 +443,16 @@ def _parse_table(
         end = entry.offset + entry.length
     expected = max([header_end] + [e.offset + e.length for e in entries])
     if size < expected:
-        raise StoreError(f"{name} is truncated (expected {expected} bytes, found {size}): "
-                         f"{_REBUILD}")
+        raise StoreError(f"{name} is truncated (expected {expected} bytes, found {size}): {_REBUILD}")
     if size > expected:
         raise StoreError(f"{name} has {size - expected} unexpected bytes after its last array "
-                         f"(expected {expected} bytes, found {size}): the file is corrupt, "
-                         f"{_REBUILD}")
+                         f"(expected {expected} bytes, found {size}): the file is corrupt, {_REBUILD}")
     return {e.name: e for e in entries}
 
 
 def _parse_entry(name: str, key: Any, value: Any, header_end: int) -> ArrayEntry:
     def bad(what: str) -> StoreError:
-        return StoreError(f"{name} has a malformed array table ({what}): the file is corrupt, "
-                          f"{_REBUILD}")
+        return StoreError(f"{name} has a malformed array table ({what}): the file is corrupt, {_REBUILD}")
 
     if not isinstance(key, str) or not isinstance(value, dict):
         raise bad("an entry is not a named map")
@@ -521,8 +500,7 @@ def _open_array(name: str, buffer: mmap.mmap, entry: ArrayEntry) -> np.ndarray:
 
 def _check_checksum(name: str, entry: ArrayEntry, blob: memoryview) -> None:
     if zlib.crc32(blob) != entry.checksum:
-        raise StoreError(f"{name} is corrupt (checksum mismatch in array {entry.name!r}): "
-                         f"{_REBUILD}")
+        raise StoreError(f"{name} is corrupt (checksum mismatch in array {entry.name!r}): {_REBUILD}")
 
 
 def _decompress(name: str, entry: ArrayEntry, blob: memoryview) -> np.ndarray:
@@ -554,8 +532,7 @@ def _decompress(name: str, entry: ArrayEntry, blob: memoryview) -> np.ndarray:
     finally:
         view.release()
     if filled != entry.raw_length or extra:
-        raise corrupt(f"decodes to {'more than ' if extra else ''}{filled} bytes, "
-                      f"expected {entry.raw_length}")
+        raise corrupt(f"decodes to {'more than ' if extra else ''}{filled} bytes, expected {entry.raw_length}")
     return out
 
 
@@ -572,9 +549,8 @@ class DirectoryWriter:
         if self.path.is_dir() and not (self.path / MANIFEST).is_file():
             raise UserError(f"{self.path} is a directory but not a samctl store (no {MANIFEST}): "
                             "choose another output path")
-        parent = self.path.parent if str(self.path.parent) else Path(".")
         try:
-            self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.tmp", dir=parent))
+            self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.tmp", dir=self.path.parent))
         except OSError as err:
             raise UserError(f"cannot write {self.path}: {err.strerror}: choose another output path") from err
         self.committed = False
@@ -612,7 +588,7 @@ class DirectoryWriter:
             if old is not None:
                 os.replace(old, self.path)
             raise UserError(f"cannot write {self.path}: {err.strerror or err}") from err
-        _fsync_directory(self.path.parent if str(self.path.parent) else Path("."))
+        _fsync_directory(self.path.parent)
         if old is not None:
             if old.is_dir() and not old.is_symlink():
                 shutil.rmtree(old, ignore_errors=True)

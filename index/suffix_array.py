@@ -37,14 +37,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from numba import njit
 
-from samctl.index.datastore import StoreMeta, parse_meta
+from samctl.index.datastore import DirectoryStore, StoreMeta, parse_meta
 from samctl.index.lookup import Lookup
 from samctl.index.sa_layout import FILES
 from samctl.index.errors import ConfigError, UserError
@@ -457,20 +456,7 @@ class SuffixArray:
                       next_tokens, next_counts)
 
 
-@dataclass(frozen=True)
-class SuffixArrayDatastore:
-    """A loaded store directory; the same surface as `Datastore` for the commands and drafters."""
-
-    path: str
-    kind: str
-    structure: SuffixArray
-    meta: StoreMeta
-    manifest: dict[str, Any]
-
-    @property
-    def format_version(self) -> int:
-        return int(self.manifest["format_version"])
-
+class SuffixArrayDatastore(DirectoryStore):
     @property
     def file_size(self) -> int:
         return sum(f["bytes"] for f in self.manifest["sa"]["files"].values()) + os.path.getsize(
@@ -482,9 +468,6 @@ class SuffixArrayDatastore:
             if file_crc32(os.path.join(self.path, name)) != entry["crc32"]:
                 raise StoreError(f"{self.path}/{name} does not match its checksum in {MANIFEST}: the store is "
                                  f"damaged, {_REBUILD}")
-
-    def lookup(self, context: np.ndarray, n: int, k: int = 8) -> Lookup:
-        return self.structure.lookup(context, n, k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -541,8 +524,7 @@ def build_suffix_array(path: str | os.PathLike, tokens: np.ndarray, doc_offsets:
         size = os.path.getsize(data_path)
         pointer = max(1, int(np.ceil(np.log2(max(size, 2)) / 8)))
         # 2) the suffix array: parts sorted in memory, merged on disk, concatenated
-        _run_indexer(indexer, writer.tmp, data_path, writer.tmp / FILES[1], size, pointer, width, memory_limit,
-                     threads)
+        _run_indexer(indexer, writer.tmp, data_path, writer.tmp / FILES[1], size, pointer, width, memory_limit, threads)
         # 3) the manifest, then the directory into place
         files = {name: {"bytes": os.path.getsize(writer.tmp / name), "crc32": file_crc32(writer.tmp / name)}
                  for name in FILES}

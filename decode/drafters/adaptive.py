@@ -40,7 +40,7 @@ from samctl.decode.metrics import PredictionUsage
 from samctl.decode.drafters.base import Drafter
 from samctl.decode.drafters.lookahead import DeferredPool
 from samctl.decode.drafters.recycle import learn_rows
-from samctl.decode.tree import DraftTree, tree_depths
+from samctl.decode.tree import DraftTree, kept_parents, tree_depths
 from samctl.index.automaton import SuffixAutomaton
 from samctl.index.cursor import AutomatonCursor, NgramCursor, ShardedSuffixArrayCursor, SuffixArrayCursor, cursor
 from samctl.decode.configs import AdaptiveConfig
@@ -102,13 +102,11 @@ class Memory:
             self._rebuild()
 
     def _rebuild(self) -> None:
-        docs = list(self.documents)
-        tokens = np.concatenate(docs) if docs else np.zeros(0, dtype=np.int32)
-        self.automaton = SuffixAutomaton.empty(max(1024, len(tokens) + len(docs)))
-        for doc in docs:
+        self.automaton = SuffixAutomaton.empty(max(1024, self.tokens + len(self.documents)))
+        for doc in self.documents:
             self.automaton.extend(doc)
             self.automaton.end_document()
-        self.held = len(docs)
+        self.held = len(self.documents)
 
     def __len__(self) -> int:
         return len(self.documents)
@@ -273,11 +271,7 @@ class AdaptiveDrafter(Drafter):
         keep = np.flatnonzero(tree_depths(parents) <= max_depth)
         if len(keep) == len(parents):
             return
-        remap = np.full(len(parents), -1, dtype=np.int32)
-        remap[keep] = np.arange(len(keep), dtype=np.int32)
-        kept_parents = parents[keep]  # a kept node's parent is kept: it is shallower
-        kept_parents = np.where(kept_parents >= 0, remap[np.maximum(kept_parents, 0)], -1).astype(np.int32)
-        self.last = (tokens[keep], kept_parents, cells[keep])
+        self.last = (tokens[keep], kept_parents(parents, keep), cells[keep])  # a kept node's parent is shallower
 
     def _propose(self, t0: int, cost: np.ndarray) -> DraftTree:
         # One kernel call for the automata, Token Recycle and the selection (an n-gram store's

@@ -113,6 +113,27 @@ class Drafter:
         return {}
 
 
+class DraftsTogether(Drafter):
+    """A drafter that drafts every step with a draft model: the batched engine drafts its rows
+    together through the class's `draft_together(drafters, t0s)` (see `Drafter.model_drafter`),
+    and `propose` returns the tree kept in `ready`, else drafts its row alone the same way."""
+
+    ready: tuple[int, DraftTree] | None = None  # (t0, tree) drafted beside other rows
+
+    def model_drafter(self, t0: int) -> "Drafter":
+        return self
+
+    @staticmethod
+    def draft_together(drafters: list, t0s: list[int]) -> list[DraftTree]:
+        raise NotImplementedError
+
+    def propose(self, t0: int) -> DraftTree:
+        ready, self.ready = self.ready, None
+        if ready is not None and ready[0] == t0:
+            return ready[1]
+        return self.draft_together([self], [t0])[0]
+
+
 class NoDraft(Drafter):
     """`ar`: plain decoding through the same loop, the baseline every method is compared to."""
 
@@ -141,8 +162,6 @@ class TokenHistory:
 
     def extend(self, tokens: np.ndarray) -> None:
         if self.n + len(tokens) > len(self.ids):
-            grown = np.zeros(max(2 * len(self.ids), self.n + len(tokens)), dtype=np.int64)
-            grown[: self.n] = self.ids[: self.n]
-            self.ids = grown
+            self.ids = np.pad(self.ids[: self.n], (0, max(2 * len(self.ids), self.n + len(tokens)) - self.n))
         self.ids[self.n : self.n + len(tokens)] = tokens
         self.n += len(tokens)

@@ -30,7 +30,7 @@ import torch
 from samctl.decode.acceptance_head import AcceptanceHead
 from samctl.decode.draft_model import DraftModel, extend
 from samctl.decode.sampling import SamplingConfig, draw, warp_probs
-from samctl.decode.drafters.base import Drafter
+from samctl.decode.drafters.base import DraftsTogether
 from samctl.decode.tree import DraftTree
 from samctl.decode.configs import SpecDecConfig
 from samctl.index.errors import UserError
@@ -87,15 +87,9 @@ class AdaptiveLength:
         return 1.0 - self.all_accepted > self.config.stop_threshold
 
 
-class DraftModelDrafter(Drafter):
-    def __init__(
-        self,
-        draft: DraftModel,
-        stop: StopRule,
-        sampling: SamplingConfig = SamplingConfig(),
-        eos_token_ids: tuple[int, ...] = (),
-        name: str = "sd",
-    ) -> None:
+class DraftModelDrafter(DraftsTogether):
+    def __init__(self, draft: DraftModel, stop: StopRule, sampling: SamplingConfig = SamplingConfig(),
+                 eos_token_ids: tuple[int, ...] = (), name: str = "sd") -> None:
         if stop.needs_hidden and not draft.gives_hidden:
             raise UserError(f"method {name} reads the draft model's hidden states, which this draft model does not "
                             f"give ({getattr(draft.model.config, 'model_type', 'its family')}: no final norm found): "
@@ -109,7 +103,6 @@ class DraftModelDrafter(Drafter):
             self.generator.seed()
         self.history = np.zeros(0, dtype=np.int64)
         self.speculative = 0  # drafted tokens fed to the cache after t0 in the last propose
-        self.ready: tuple[int, DraftTree] | None = None  # (t0, chain) drafted beside other rows
 
     def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor) -> None:
         self.draft.reset()
@@ -120,18 +113,9 @@ class DraftModelDrafter(Drafter):
             # Its own stream, reproducible from the run's seed, independent of the target's draws.
             self.generator.manual_seed((self.sampling.seed * 0x9E3779B1 + 0x5DEECE66D) % (1 << 63))
 
-    def model_drafter(self, t0: int) -> "DraftModelDrafter":
-        return self
-
     @staticmethod
     def draft_together(drafters: Sequence["DraftModelDrafter"], t0s: Sequence[int]) -> list[DraftTree]:
         return draft_chains(drafters, t0s)
-
-    def propose(self, t0: int) -> DraftTree:
-        ready, self.ready = self.ready, None
-        if ready is not None and ready[0] == t0:
-            return ready[1]
-        return draft_chains([self], [t0])[0]
 
     def observe(self, committed: np.ndarray, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
         # The cache holds history[:c] and, if this drafter proposed, [t0, y_1..y_s]; committed

@@ -39,7 +39,7 @@ from samctl.decode.drafters.candidates import N_CELLS
 from samctl.decode.eagle_head import EagleHead
 from samctl.decode.engine.kv_cache import StaticKVCache
 from samctl.decode.drafters.base import Drafter, TokenHistory
-from samctl.decode.tree import DraftTree, tree_depths
+from samctl.decode.tree import DraftTree, kept_parents, tree_depths
 from samctl.index.errors import UserError
 from samctl.decode.configs import EagleConfig
 from samctl.decode.engine.transfer import to_device
@@ -230,9 +230,8 @@ class EagleDrafter(Drafter):
         """verified: [m] bool over the last `offer`'s rows, true where the row reached the verified
         tree (a row's parent then did too): the head's calibration learns from those."""
         tokens, parents, depths, probs = self._offered
-        remap = np.cumsum(verified) - 1
-        kept_parents = np.where(parents >= 0, remap[np.maximum(parents, 0)], -1).astype(np.int32)[verified]
-        self.last = (tokens[verified], kept_parents, depths[verified], probs[verified])
+        keep = np.flatnonzero(verified)
+        self.last = (tokens[keep], kept_parents(parents, keep), depths[keep], probs[keep])
 
     def _catch_up(self, t0: int) -> torch.Tensor:
         # -> [H] the head's predicted feature after the pair (f_{N-1}, t0)

@@ -180,13 +180,10 @@ class NgramPool:
         self.rows = rows
 
     def _grow(self, need: int) -> None:
-        size = max(need, 2 * len(self.fill))
-        grams = np.zeros((size, self.capacity, self.n), dtype=np.int32)
-        stamp = np.zeros((size, self.capacity), dtype=np.int64)
-        fill = np.zeros(size, dtype=np.int32)
-        grams[: self.rows], stamp[: self.rows], fill[: self.rows] = (
-            self.grams[: self.rows], self.stamp[: self.rows], self.fill[: self.rows])
-        self.grams, self.stamp, self.fill = grams, stamp, fill
+        # the rows in use kept, zero rows after them up to max(need, twice as many)
+        pad = max(need, 2 * len(self.fill)) - self.rows
+        self.grams, self.stamp, self.fill = (np.pad(a[: self.rows], [(0, pad)] + [(0, 0)] * (a.ndim - 1))
+                                             for a in (self.grams, self.stamp, self.fill))
 
 
 def guess_trie(pool: NgramPool, key: int, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -316,7 +313,7 @@ class PoolMemory:
 
     def __init__(self, pool: NgramPool, max_requests: int) -> None:
         self.pool = pool
-        self.documents: deque[np.ndarray] = deque(maxlen=max_requests) if max_requests else deque(maxlen=0)
+        self.documents: deque[np.ndarray] = deque(maxlen=max_requests)
         self.remember = True
         self._before: tuple | None = None
 
@@ -413,16 +410,13 @@ class LookaheadDrafter(RemembersPool):
             # A tree cut by the loop (the output's end is near) lacks window rows: skip the update.
             if logits.shape[0] == 1 + self.guesses + self.window.size:
                 rows = to_device(self.window.top_rows(0, 1 + self.guesses), logits.device)
-                new = logits[rows, : self._vocab(logits)].argmax(dim=-1)
+                new = logits[rows, : self.vocab_size or None].argmax(dim=-1)  # ids the target has (0: all)
                 grams = self.window.update(new)
                 if grams is not None:
                     self.deferred.put(self.pool, *grams)
 
     def report(self) -> dict:
         return {"pool_tuples": len(self.pool), "pool_keys": self.pool.rows}
-
-    def _vocab(self, logits: torch.Tensor) -> int:
-        return min(self.vocab_size, logits.shape[-1]) if self.vocab_size else logits.shape[-1]
 
     def _warm_up(self) -> None:
         # Compile (or load the numba cache) now, not inside the first timed step.

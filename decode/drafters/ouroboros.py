@@ -32,6 +32,7 @@ import torch
 from typing import Sequence
 
 from samctl.decode.draft_model import DraftModel, extend, keep_rows, verify_rows
+from samctl.decode.drafters.base import DraftsTogether
 from samctl.decode.drafters.lookahead import JacobiWindow, NgramPool, PoolMemory, RemembersPool, DeferredPool, guess_trie
 from samctl.decode.engine.batched import verify_input
 from samctl.decode.engine.transfer import to_device
@@ -39,7 +40,7 @@ from samctl.decode.tree import DraftTree, walk_tree
 from samctl.decode.configs import OuroborosConfig
 
 
-class OuroborosDrafter(RemembersPool):
+class OuroborosDrafter(RemembersPool, DraftsTogether):
     name = "ouroboros"
 
     def __init__(self, draft: DraftModel, config: OuroborosConfig = OuroborosConfig(), gamma: int = 4,
@@ -57,7 +58,6 @@ class OuroborosDrafter(RemembersPool):
         self.tree: DraftTree | None = None
         self.chain = 0  # drafts in the last proposed tree's chain
         self.forwards = 0  # draft forwards, for reports
-        self.ready: tuple[int, DraftTree] | None = None  # (t0, tree) drafted beside other rows
 
     def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor | None) -> None:
         self.memory.begin()
@@ -70,21 +70,11 @@ class OuroborosDrafter(RemembersPool):
         self.produced = np.zeros(0, dtype=np.int64)
         self.ready = None
 
-    def model_drafter(self, t0: int) -> "OuroborosDrafter":
-        return self
-
     @staticmethod
     def draft_together(drafters: Sequence["OuroborosDrafter"], t0s: Sequence[int]) -> list[DraftTree]:
         return lookahead(drafters, t0s)
 
-    def propose(self, t0: int) -> DraftTree:
-        ready, self.ready = self.ready, None
-        if ready is not None and ready[0] == t0:
-            return ready[1]
-        return lookahead([self], [t0])[0]
-
     def _tree(self, t0: int, produced: list[int]) -> DraftTree:
-        # 2) the target's tree after the draft's tokens
         self.produced = np.asarray(produced, dtype=np.int64)
         drafts = self.produced[: self.gamma]
         # 2) the target's tree: the chain, then the pool's suffixes for its last token
@@ -92,11 +82,10 @@ class OuroborosDrafter(RemembersPool):
         tokens, parents = guess_trie(self.pool, key, self.config.topk)
         parents = np.where(parents < 0, len(drafts) - 1, parents + len(drafts)).astype(np.int32)
         self.chain = len(drafts)
-        tree = DraftTree(tokens=np.concatenate((drafts, tokens)),
-                         parents=np.concatenate((np.arange(-1, len(drafts) - 1, dtype=np.int32), parents)),
-                         is_chain=len(tokens) == 0)
-        self.tree = tree
-        return tree
+        self.tree = DraftTree(tokens=np.concatenate((drafts, tokens)),
+                              parents=np.concatenate((np.arange(-1, len(drafts) - 1, dtype=np.int32), parents)),
+                              is_chain=len(tokens) == 0)
+        return self.tree
 
     def observe(self, committed: np.ndarray, input_ids: torch.Tensor | None, logits: torch.Tensor | None) -> None:
         committed = np.asarray(committed, dtype=np.int64)
@@ -190,8 +179,7 @@ def _lookahead_steps(drafters: Sequence[OuroborosDrafter], feeds: Sequence[np.nd
     out: list[list[int]] = [[] for _ in drafters]
     if not going:
         return out
-    logits = verify_rows([drafters[j].draft for j in going], [plans[j][0] for j in going],
-                         [plans[j][1] for j in going])
+    logits = verify_rows([drafters[j].draft for j in going], [plans[j][0] for j in going], [plans[j][1] for j in going])
     choices = [row_logits[:, : drafters[j].vocab].argmax(dim=-1) for j, row_logits in zip(going, logits)]
     for j, chosen in zip(going, choices):
         d, (_, _, _, base, anchor) = drafters[j], plans[j]

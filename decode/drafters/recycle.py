@@ -163,13 +163,9 @@ class TokenRecycleDrafter(Drafter):
         levels = []
         for d in range(1, depth.max() + 1):
             nodes = np.flatnonzero(depth == d)
-            levels.append(
-                (
-                    slice(nodes[0] + 1, nodes[-1] + 2),
-                    torch.from_numpy(self.parents[nodes].astype(np.int64) + 1).to(self.device),
-                    torch.from_numpy(self.ranks[nodes]).to(self.device),
-                )
-            )
+            levels.append((slice(nodes[0] + 1, nodes[-1] + 2),
+                           torch.from_numpy(self.parents[nodes].astype(np.int64) + 1).to(self.device),
+                           torch.from_numpy(self.ranks[nodes]).to(self.device)))
         return levels
 
     def _expand_on_device(self, t0: int) -> torch.Tensor:

@@ -29,12 +29,8 @@ from samctl.decode.configs import SamConfig
 
 
 class SamDrafter(Drafter):
-    def __init__(
-        self,
-        config: SamConfig = SamConfig(),
-        static: Structure | None = None,
-        fallback: Drafter | None = None,
-    ) -> None:
+    def __init__(self, config: SamConfig = SamConfig(), static: Structure | None = None,
+                 fallback: Drafter | None = None) -> None:
         self.config = config
         self.static = cursor(static) if static is not None else None
         # An n-gram table matches at most max_n tokens: a static threshold above that would never

@@ -400,10 +400,9 @@ def _require_mask_attention(model: torch.nn.Module) -> None:
     try:
         model.set_attn_implementation("sdpa")
     except (AttributeError, ValueError, ImportError) as err:
-        raise UserError(
-            f"{getattr(config, 'model_type', 'this model')} is loaded with {impl} attention, which ignores "
-            f"samctl's tree mask, and cannot switch to sdpa ({err}): load it with attn_implementation='sdpa'"
-        ) from err
+        raise UserError(f"{getattr(config, 'model_type', 'this model')} is loaded with {impl} attention, which "
+                        f"ignores samctl's tree mask, and cannot switch to sdpa ({err}): load it with "
+                        "attn_implementation='sdpa'") from err
     if getattr(model.config, "_attn_implementation", None) not in MASK_ATTENTION:
         raise UserError(f"{config.model_type}: attention {impl} ignores the tree mask; load it with sdpa")
 

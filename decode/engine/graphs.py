@@ -193,15 +193,11 @@ class BatchVerifyGraphs:
         inputs = self._inputs[(r, w)]
         inputs.ids.zero_()
         inputs.ids[:rows, :q] = ids
-        rel_pad = np.zeros((r, w), dtype=np.int64)
-        rel_pad[:rows, :q] = rel
-        vis_pad = np.broadcast_to(np.eye(w, dtype=np.bool_), (r, w, w)).copy()
+        vis_pad = np.broadcast_to(np.eye(w, dtype=np.bool_), (r, w, w)).copy()  # padding sees itself only
         vis_pad[:rows, :q, :q] = visible
-        past_pad = np.zeros(r, dtype=np.int64)
-        past_pad[:rows] = past
-        inputs.rel.copy_(to_device(rel_pad, target.device))
+        inputs.rel.copy_(to_device(np.pad(rel, ((0, r - rows), (0, w - q))), target.device))
         inputs.visible.copy_(to_device(vis_pad, target.device))
-        inputs.past.copy_(to_device(past_pad, target.device))
+        inputs.past.copy_(to_device(np.pad(past, (0, r - rows)), target.device))
         g = self.graphs[(r, w, keys)]
         g.replay()
         self.replays += 1

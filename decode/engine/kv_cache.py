@@ -107,10 +107,8 @@ class StaticKVCache(Cache):
     def allocate_like(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         # key_states: [1, kv_heads, q, head_dim] from layer 0's first forward
         if key_states.shape != value_states.shape:
-            raise UserError(
-                f"keys {tuple(key_states.shape)} and values {tuple(value_states.shape)} differ in shape: "
-                "samctl's KV cache supports standard multi-head/grouped-query attention only"
-            )
+            raise UserError(f"keys {tuple(key_states.shape)} and values {tuple(value_states.shape)} differ in shape: "
+                            "samctl's KV cache supports standard multi-head/grouped-query attention only")
         _, heads, q, dim = key_states.shape
         capacity = aligned(max(self.min_capacity, q))
         shape = (2, len(self.layers), 1, heads, capacity, dim)

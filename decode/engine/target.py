@@ -1,11 +1,10 @@
 """One sequence on the one target: `TargetModel` is a `BatchedTarget` of one row
 (decode/engine/batched.py) with the calls of a one-sequence forward: prefill a prompt, verify a
-draft tree, keep the accepted path, peek at a chain without keeping it, truncate.
+draft tree, keep the accepted path, peek at a chain without keeping it.
 
 The decode loop runs every sequence as a row of a BatchedTarget; this view is for what drives one
 sequence by hand: the verify-cost measurement, SDSAT's draft forward (`peek`, on the very target
-the loop verifies with), the draft engine of Ouroboros, and tests. Knows nothing of drafters or
-acceptance rules.
+the loop verifies with), and tests. Knows nothing of drafters or acceptance rules.
 """
 from __future__ import annotations
 
@@ -40,14 +39,7 @@ class TargetModel:
     cache = property(lambda self: self.rows.cache)
     eager_fallbacks = property(lambda self: self.rows.eager_fallbacks)
     wants_hidden = property(lambda self: self.rows.wants_hidden)
-
-    @property
-    def graphs(self):
-        return self.rows.graphs
-
-    @graphs.setter
-    def graphs(self, graphs) -> None:
-        self.rows.graphs = graphs
+    graphs = property(lambda self: self.rows.graphs, lambda self, graphs: setattr(self.rows, "graphs", graphs))
 
     @property
     def cached(self) -> int:
@@ -90,8 +82,3 @@ class TargetModel:
     def keep(self, path: np.ndarray) -> None:
         # path: [a+1] input indices of the accepted path of the last verify, root (0) first
         self.rows.keep([np.asarray(path, dtype=np.int64)])
-
-    def truncate(self, n: int) -> None:
-        """Keep the first n committed tokens' K/V (a drafter's engine rolling back its own text)."""
-        assert 0 <= n <= self.cached, (n, self.cached)
-        self.rows.lengths[0] = n
