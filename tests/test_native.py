@@ -168,36 +168,6 @@ def test_exact_attention_rows_are_one_token_steps_whatever_the_other_rows(heads,
             assert torch.equal(step[0, 0], got[b, i]), (b, i)
 
 
-def test_exact_attention_is_the_same_at_every_vector_width():
-    # the kernel's width follows the CPU (16 lanes with AVX-512, 8 without): every sum is a lane's
-    # own, so the widths must agree bit for bit, tree rows, grouped heads and a head size off both
-    from numba import njit
-
-    from samctl.decode.engine.attention import _attend, floats, visible_keys
-
-    @njit
-    def at16(*args):
-        _attend(*args, floats(16))
-
-    @njit
-    def at8(*args):
-        _attend(*args, floats(8))
-
-    rng = np.random.default_rng(5)
-    for heads, kv_heads, dim in ((6, 2, 64), (10, 2, 40)):
-        keys, values = rng.standard_normal((2, 1, kv_heads, 80, dim), dtype=np.float32)
-        query = rng.standard_normal((1, heads, 5, dim), dtype=np.float32)
-        mask = torch.zeros(1, 1, 5, 45, dtype=torch.bool)
-        mask[..., :40] = True
-        for i, path in enumerate([[0], [0, 1], [0, 2], [0, 1, 3], [0, 2, 4]]):
-            mask[0, 0, i, [40 + j for j in path]] = True
-        index, counts = visible_keys(mask, 1, 5, 45)
-        wide, narrow = np.empty((2, 1, 5, heads, dim), dtype=np.float32)
-        at16(query, keys, values, index, counts, np.float32(dim ** -0.5), wide)
-        at8(query, keys, values, index, counts, np.float32(dim ** -0.5), narrow)
-        assert np.array_equal(wide, narrow), (heads, kv_heads, dim)
-
-
 def test_the_attention_kernels_exp_is_libms_within_one_unit():
     # exp_nonpositive (softmax's exp in attend_rows, vectorizable): within 1.5e-7 of exp in float64
     # over every exponent a softmax meets, exact at 0, and monotone

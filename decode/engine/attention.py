@@ -32,7 +32,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from samctl.decode.engine.int8_gemm import VectorModel, cpu_features, load, pointer, store
+from samctl.decode.engine.int8_gemm import VectorModel, pointer, load, store
 from samctl.decode.engine.kv_cache import aligned
 
 NAME = "samctl_sdpa"
@@ -105,11 +105,11 @@ def attend_rows(query, key, value, index, counts, scale, out):
         q . k  = (sum over d < D/2 of q[d] k[d]) + (sum over D/2 <= d < D), each in order, fused
         out[d] = sum over the keys in order of p_j v_j[d], fused
 
-    computed in vectors of `lanes` floats (`WIDE` where D allows): the scores of `lanes` keys at once
+    computed in vectors of `lanes` floats (16 where D allows): the scores of `lanes` keys at once
     from their keys transposed (`transpose`), shared by every query head and row that sees those
     keys at those positions; the weighted sum of values for up to four query heads at once."""
-    if query.shape[3] >= WIDE:
-        _attend(query, key, value, index, counts, scale, out, floats(WIDE))
+    if query.shape[3] >= 16:
+        _attend(query, key, value, index, counts, scale, out, floats(16))
     elif query.shape[3] >= 4:
         _attend(query, key, value, index, counts, scale, out, floats(4))
     else:
@@ -375,15 +375,12 @@ class _Floats(types.Type):
 
 
 register_model(_Floats)(VectorModel)
-FLOATS = {count: _Floats(count) for count in (16, 8, 4, 1)}
-# Lanes of attention's vectors: a register's, 16 with AVX-512 and 8 without. Every sum is the
-# same at any width (each lane is its own sum), so the width changes speed, never results.
-WIDE = 16 if cpu_features().get("avx512f", False) else 8
+FLOATS = {count: _Floats(count) for count in (16, 4, 1)}
 
 
 @intrinsic
 def floats(typingctx, count):
-    """Zeros in `count` lanes (a constant: 16, 8, 4 or 1)."""
+    """Zeros in `count` lanes (a constant: 16, 4 or 1)."""
     if not isinstance(count, types.IntegerLiteral):
         return None  # numba types the call again with the constant as a literal
     kind = FLOATS[count.literal_value]

@@ -252,22 +252,18 @@ def pack_weight(qweight: np.ndarray, columns: int, depth: int) -> np.ndarray:
     return np.ascontiguousarray(blocks).reshape(-1)
 
 
-def cpu_features() -> dict[str, bool]:
-    """The instruction sets numba compiles for: LLVM's reading of this CPU, or the features
-    NUMBA_CPU_FEATURES names where NUMBA_CPU_NAME sets another target (a cache built for a generic
-    CPU must not meet an instruction that target lacks)."""
+def cpu_kernel() -> str:
+    """The kernel numba compiles for here: "vnni", "avx2" or "" (neither), by LLVM's reading of this
+    CPU, or of the features NUMBA_CPU_FEATURES names where NUMBA_CPU_NAME sets another target (a
+    cache built for a generic CPU must not meet an instruction that target lacks)."""
     from llvmlite import binding
     from numba.core import config
 
     if config.CPU_NAME and config.CPU_NAME != "host":
         named = [f for f in (config.CPU_FEATURES or "").split(",") if f]
-        return {f[1:]: f[0] == "+" for f in named}
-    return dict(binding.get_host_cpu_features())
-
-
-def cpu_kernel() -> str:
-    """The kernel numba compiles for here (`cpu_features`): "vnni", "avx2" or "" (neither)."""
-    features = cpu_features()
+        features = {f[1:]: f[0] == "+" for f in named}
+    else:
+        features = binding.get_host_cpu_features()
     if all(features.get(name, False) for name in ("avx512vnni", "avx512f", "avx512bw")):
         return "vnni"
     return "avx2" if features.get("avx2", False) else ""
