@@ -1,6 +1,6 @@
 """Two attention functions registered with transformers: folded grouped-query attention for a
 masked verify on CUDA ("samctl_sdpa"), and attention exact per query row for int8 models on the
-CPU ("samctl_rowwise", at the end of this module).
+CPU ("samctl_rowwise", below, on float vectors the end of the module defines).
 
 Folded grouped-query attention: no `repeat_kv` for a masked verify at batch 1.
 
