@@ -317,7 +317,7 @@ class BatchRun:
         (finish reason "stop"); `prediction`: token ids of the expected output, for a drafter with
         `expect`. A prompt that is empty or fills the context is a UserError."""
         ids = np.asarray(prompt, dtype=np.int64).reshape(-1)
-        error = prompt_error(ids, self.target.max_positions)
+        error = prompt_error(ids, self.target.max_positions, self.target.context_note)
         if error:
             raise UserError(error)
         if generator is None and not config.sampling.greedy:

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Llam
 from samctl.decode.engine.kv_cache import with_cache
 from samctl.decode.drafters.oracle import OracleDrafter
 from samctl.decode.drafters.recycle import TokenRecycleDrafter
-from samctl.decode.loop import GenerationConfig, generate
+from samctl.decode.loop import BatchRun, DrafterPool, GenerationConfig, generate
 from samctl.decode.methods import make_drafter
 from samctl.decode.engine.target import TargetModel
 from samctl.decode.tree import DraftTree
@@ -197,6 +197,9 @@ def test_sliding_window_caps_the_context():
     with pytest.raises(UserError, match="qwen2 uses sliding-window attention"):
         generate(target, make_drafter("ar", vocab_size=96, device=torch.device("cpu")), list(range(3, 40)),
                  GenerationConfig(max_new_tokens=4))
+    pool = DrafterPool(lambda: make_drafter("ar", vocab_size=96, device=torch.device("cpu")))
+    with pytest.raises(UserError, match="qwen2 uses sliding-window attention"):  # a batch says it alike
+        BatchRun(model, 2).submit(0, list(range(3, 40)), GenerationConfig(max_new_tokens=4), pool)
     result = generate(target, make_drafter("pld", vocab_size=96, device=torch.device("cpu")), list(range(3, 13)),
                       GenerationConfig(max_new_tokens=100))
     # 24 positions are computed; the last one predicts one more token
