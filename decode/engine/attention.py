@@ -27,13 +27,13 @@ import torch
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
-from numba.extending import intrinsic, register_model
+from numba.extending import intrinsic
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from samctl.decode.engine.int8_gemm import VectorModel, pointer, load, store
 from samctl.decode.engine.kv_cache import aligned
+from samctl.decode.engine.vectors import load, pointer, shape_of, spread, store, zeros, zeros_like
 
 NAME = "samctl_sdpa"
 
@@ -109,18 +109,18 @@ def attend_rows(query, key, value, index, counts, scale, out):
     from their keys transposed (`transpose`), shared by every query head and row that sees those
     keys at those positions; the weighted sum of values for up to four query heads at once."""
     if query.shape[3] >= 16:
-        _attend(query, key, value, index, counts, scale, out, floats(16))
+        _attend(query, key, value, index, counts, scale, out, zeros("float16"))
     elif query.shape[3] >= 4:
-        _attend(query, key, value, index, counts, scale, out, floats(4))
+        _attend(query, key, value, index, counts, scale, out, zeros("float4"))
     else:
-        _attend(query, key, value, index, counts, scale, out, floats(1))
+        _attend(query, key, value, index, counts, scale, out, zeros("float1"))
 
 
 @njit(cache=True, error_model="numpy")
 def _attend(query, key, value, index, counts, scale, out, like):
     batch, heads, rows, dim = query.shape
     group = heads // key.shape[1]
-    lanes = width(like)
+    lanes = shape_of(like)[0]
     weights = np.empty((group, rows, -(-index.shape[2] // lanes) * lanes), dtype=np.float32)
     totals = np.empty((group, rows), dtype=np.float32)  # 1 / the sum of a query's weights
     kt = np.empty(dim * lanes, dtype=np.float32)  # one block of keys, transposed: kt[d * lanes + j] = k_j[d]
@@ -161,9 +161,9 @@ def _attend(query, key, value, index, counts, scale, out, like):
 def block_dots(query, h, count, i, kt, weights, r, first, like):
     """weights[r + u, i, first:first + lanes] = the scores of query heads h + u (u < count <= 4) of
     row i against the keys kt holds, two chains each (d < D/2 and the rest)."""
-    lanes, dim = width(like), query.shape[2]
+    lanes, dim = shape_of(like)[0], query.shape[2]
     half = dim // 2
-    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = floats_like(like)
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = zeros_like(like)
     for d in range(half):
         low, high = load(kt, d * lanes, like), load(kt, (d + half) * lanes, like)
         a0 = fma(splat(query[h, i, d], like), low, a0)
@@ -210,11 +210,11 @@ def weighted_sums(weights, totals, r, count, i, values, seen, n, out, h, like):
     values[seen[t]], fused, for u < count <= 4: `lanes` of D at once, two chunks of them a pass over
     the keys (a chunk past D starts at D - lanes: lanes it shares with the one before get the
     same sums again)."""
-    lanes, dim = width(like), out.shape[1]
+    lanes, dim = shape_of(like)[0], out.shape[1]
     chunks = -(-dim // lanes)
     u1, u2, u3 = r + min(1, count - 1), r + min(2, count - 1), r + min(3, count - 1)
     w0, w1, w2, w3 = weights[r, i], weights[u1, i], weights[u2, i], weights[u3, i]
-    zero = floats_like(like)
+    zero = zeros_like(like)
     for c in range(0, chunks, 2):
         o, p = min(c * lanes, dim - lanes), min((c + 1) * lanes, dim - lanes)
         a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = zero
@@ -364,51 +364,8 @@ def use_rowwise_attention(model: torch.nn.Module) -> None:
     model.set_attn_implementation(ROWWISE)
 
 
-# -- float vectors for the kernels above: LLVM vector types through numba intrinsics, so that the
-# order of each sum is the one written (no reassociation) and still vectorized
-class _Floats(types.Type):
-    """`count` float32 lanes, one LLVM vector (registers as the CPU has them)."""
-
-    def __init__(self, count: int) -> None:
-        self.count, self.vector = count, ir.VectorType(ir.FloatType(), count)
-        super().__init__(name=f"floats{count}")
-
-
-register_model(_Floats)(VectorModel)
-FLOATS = {count: _Floats(count) for count in (16, 4, 1)}
-
-
-@intrinsic
-def floats(typingctx, count):
-    """Zeros in `count` lanes (a constant: 16, 4 or 1)."""
-    if not isinstance(count, types.IntegerLiteral):
-        return None  # numba types the call again with the constant as a literal
-    kind = FLOATS[count.literal_value]
-
-    def codegen(context, builder, sig, args):
-        return ir.Constant(kind.vector, None)
-
-    return kind(count), codegen
-
-
-@intrinsic
-def floats_like(typingctx, like):
-    """Zeros in the lanes of `like`."""
-
-    def codegen(context, builder, sig, args):
-        return ir.Constant(like.vector, None)
-
-    return like(like), codegen
-
-
-@intrinsic
-def width(typingctx, like):
-    """The count of lanes of `like`."""
-
-    def codegen(context, builder, sig, args):
-        return context.get_constant(types.intp, like.count)
-
-    return types.intp(like), codegen
+# -- operations on attention's float vectors (decode/engine/vectors.py), each written out: no sum is
+# reordered
 
 
 @intrinsic
@@ -416,8 +373,7 @@ def splat(typingctx, x, like):
     """The float32 x in every lane of `like`."""
 
     def codegen(context, builder, sig, args):
-        one = builder.insert_element(ir.Constant(like.vector, None), args[0], ir.Constant(ir.IntType(32), 0))
-        return builder.shuffle_vector(one, one, _indices([0] * like.count))
+        return spread(builder, args[0], like.vector)
 
     return like(types.float32, like), codegen
 

@@ -6,7 +6,7 @@ projection at 2 rows), and a step makes 121 of them: ~2.5 ms over a ~6 ms one-ro
 without VNNI it is worse: 8-bit products saturate there, so every row runs as two 7-bit halves
 (cpu_linear.split_sums), and `_int_mm` is not exact either. These kernels are the loop such GEMMs
 run inside, compiled by numba with no setup. The weight is packed once into blocks of one vector
-(columns x depth inputs, `LANES`), and for each block and each row r < 8
+(columns x depth inputs, `vectors.VECTORS`), and for each block and each row r < 8
 
     acc[r] = base                                    (VNNI: -128 * sum_k w[n, k], the zero point)
     acc[r] += block x (the row's `depth` codes, broadcast)     for every `depth` inputs
@@ -33,7 +33,9 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
-from numba.extending import intrinsic, models, register_model
+from numba.extending import intrinsic
+
+from samctl.decode.engine.vectors import VECTORS, Lanes, load, pointer, shape_of, spread, store, zeros
 
 GROUP = 8  # rows a block serves per pass over the weight
 # Bytes of the weight asked for ahead of the block being multiplied (`prefetch`): a model's weight
@@ -44,72 +46,7 @@ AHEAD = 16384
 MAX_ROWS = 16  # beyond this many rows torch's GEMMs, which block for cache, are used (where not the split)
 
 
-class _Lanes(types.Type):
-    """`count` int32 lanes in one vector register; a kernel's block is `count` output columns x
-    `depth` inputs (the codes of one int32 word)."""
-
-    def __init__(self, count: int, depth: int) -> None:
-        self.count, self.depth = count, depth
-        self.vector = ir.VectorType(ir.IntType(32), count)
-        super().__init__(name=f"lanes{count}x{depth}")
-
-
-@register_model(_Lanes)
-class VectorModel(models.PrimitiveModel):
-    """A numba type held as its `vector` (an LLVM vector type): the int8 kernels' lanes, attention's floats."""
-
-    def __init__(self, dmm, fe_type) -> None:
-        super().__init__(dmm, fe_type, fe_type.vector)
-
-
-LANES = {16: _Lanes(16, 4), 8: _Lanes(8, 2)}  # zmm: the VNNI kernel's; ymm: the AVX2 kernel's
 _WORDS = ir.VectorType(ir.IntType(16), 16)  # a ymm register as 16 int16
-
-
-def pointer(context, builder, array_type, array, offset, vector):
-    # the address of element `offset` of a contiguous array, as a pointer to `vector`
-    data = context.make_array(array_type)(context, builder, array).data
-    return builder.bitcast(builder.gep(data, [offset]), vector.as_pointer())
-
-
-def _spread(builder, word, vector):
-    # one int32 in every lane of `vector`
-    one = builder.insert_element(ir.Constant(vector, None), word, ir.Constant(ir.IntType(32), 0))
-    return builder.shuffle_vector(one, ir.Constant(vector, None), ir.Constant(vector, [0] * vector.count))
-
-
-@intrinsic
-def lanes(typingctx, count):
-    """Zeros in the lanes of `count` (16 or 8, a constant): what picks the kernel in `_sums`."""
-    if not isinstance(count, types.IntegerLiteral):
-        return None  # numba types the call again with the constant as a literal
-    kind = LANES[count.literal_value]
-
-    def codegen(context, builder, sig, args):
-        return ir.Constant(kind.vector, None)
-
-    return kind(count), codegen
-
-
-@intrinsic
-def shape_of(typingctx, like):
-    """(columns, depth) of a block of the kernel `like`'s lanes pick."""
-
-    def codegen(context, builder, sig, args):
-        return context.make_tuple(builder, sig.return_type, [context.get_constant(types.intp, like.count),
-                                                             context.get_constant(types.intp, like.depth)])
-
-    return types.UniTuple(types.intp, 2)(like), codegen
-
-
-@intrinsic
-def load(typingctx, array, offset, like):
-    """`like`'s count of int32 from a 1-d contiguous int32 array, from element `offset` on."""
-
-    def codegen(context, builder, sig, args):
-        return builder.load(pointer(context, builder, sig.args[0], args[0], args[1], like.vector), align=4)
-
-    return like(array, types.intp, like), codegen
 
 
 @intrinsic
@@ -149,28 +86,17 @@ def dot(typingctx, acc, codes, block):
     (2 int16 codes x 2 int16 weights)."""
 
     def codegen(context, builder, sig, args):
-        spread = _spread(builder, args[1], acc.vector)
+        words = spread(builder, args[1], acc.vector)
         if acc.count == 16:
             kind = ir.FunctionType(acc.vector, [acc.vector] * 3)
             function = cgutils.get_or_insert_function(builder.module, kind, "llvm.x86.avx512.vpdpbusd.512")
-            return builder.call(function, [args[0], spread, args[2]])
+            return builder.call(function, [args[0], words, args[2]])
         function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(acc.vector, [_WORDS, _WORDS]),
                                                   "llvm.x86.avx2.pmadd.wd")
-        pairs = builder.call(function, [builder.bitcast(spread, _WORDS), builder.bitcast(args[2], _WORDS)])
+        pairs = builder.call(function, [builder.bitcast(words, _WORDS), builder.bitcast(args[2], _WORDS)])
         return builder.add(args[0], pairs)
 
     return acc(acc, types.int32, acc), codegen
-
-
-@intrinsic
-def store(typingctx, array, offset, value):
-    """The lanes into a 1-d contiguous int32 array from element `offset` on."""
-
-    def codegen(context, builder, sig, args):
-        builder.store(args[2], pointer(context, builder, sig.args[0], args[0], args[1], value.vector), align=4)
-        return context.get_dummy_value()
-
-    return types.void(array, types.intp, value), codegen
 
 
 @njit(cache=True)
@@ -178,7 +104,7 @@ def vnni_sums(words, packed, base, out):
     """words [r, in / 4] int32 (uint8 codes xq + 128, four to a word); packed: the weight as
     `pack_weight(w, 16, 4)` lays it out; base [out] int32 = -128 * the weight's row sums
     -> out [r, out] int32 = sum_k xq[r, k] * w[n, k]."""
-    _sums(words, packed, base, out, lanes(16))
+    _sums(words, packed, base, out, zeros("vnni"))
 
 
 @njit(cache=True)
@@ -186,7 +112,7 @@ def avx2_sums(words, packed, base, out):
     """words [r, in / 2] int32 (int16 codes xq, two to a word); packed: the weight as
     `pack_weight(w, 8, 2)` lays it out; base [out] int32 zeros (no zero point) -> out [r, out]
     int32 = sum_k xq[r, k] * w[n, k]."""
-    _sums(words, packed, base, out, lanes(8))
+    _sums(words, packed, base, out, zeros("avx2"))
 
 
 @njit(cache=True)
@@ -233,14 +159,14 @@ class Kernel(NamedTuple):
     """One of the two kernels: its lanes (the block shape), code format and compiled function."""
 
     name: str
-    lanes: _Lanes  # a block: lanes.count output columns x lanes.depth inputs (codes to a word)
+    lanes: Lanes  # a block: lanes.count output columns x lanes.depth inputs (codes to a word)
     codes: type  # dtype of the codes it takes
     zero: int  # their zero point
     sums: object  # the njit function (words, packed, base, out)
 
 
-KERNELS = {"vnni": Kernel("vnni", LANES[16], np.uint8, 128, vnni_sums),
-           "avx2": Kernel("avx2", LANES[8], np.int16, 0, avx2_sums)}
+KERNELS = {"vnni": Kernel("vnni", VECTORS["vnni"], np.uint8, 128, vnni_sums),
+           "avx2": Kernel("avx2", VECTORS["avx2"], np.int16, 0, avx2_sums)}
 
 
 def pack_weight(qweight: np.ndarray, columns: int, depth: int) -> np.ndarray:
