@@ -109,11 +109,11 @@ def attend_rows(query, key, value, index, counts, scale, out):
     from their keys transposed (`transpose`), shared by every query head and row that sees those
     keys at those positions; the weighted sum of values for up to four query heads at once."""
     if query.shape[3] >= 16:
-        _attend(query, key, value, index, counts, scale, out, zeros("float16"))
+        _attend(query, key, value, index, counts, scale, out, zeros("f32x16"))
     elif query.shape[3] >= 4:
-        _attend(query, key, value, index, counts, scale, out, zeros("float4"))
+        _attend(query, key, value, index, counts, scale, out, zeros("f32x4"))
     else:
-        _attend(query, key, value, index, counts, scale, out, zeros("float1"))
+        _attend(query, key, value, index, counts, scale, out, zeros("f32x1"))
 
 
 @njit(cache=True, error_model="numpy")

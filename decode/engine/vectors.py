@@ -34,7 +34,7 @@ class VectorModel(models.PrimitiveModel):
 VECTORS = {
     "vnni": Lanes(ir.IntType(32), 16, 4),  # zmm: the VNNI kernel's (16 columns x 4 uint8 codes)
     "avx2": Lanes(ir.IntType(32), 8, 2),  # ymm: the AVX2 kernel's (8 columns x 2 int16 codes)
-    **{f"float{count}": Lanes(ir.FloatType(), count) for count in (16, 4, 1)},  # attention's
+    **{f"f32x{count}": Lanes(ir.FloatType(), count) for count in (16, 4, 1)},  # attention's
 }
 
 
