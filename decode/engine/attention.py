@@ -121,31 +121,35 @@ def _attend(query, key, value, index, counts, scale, out, like):
     batch, heads, rows, dim = query.shape
     group = heads // key.shape[1]
     lanes = shape_of(like)[0]
-    weights = np.empty((group, rows, -(-index.shape[2] // lanes) * lanes), dtype=np.float32)
+    pair = 2 * lanes  # the scores of two blocks of `lanes` keys at a time
+    weights = np.empty((group, rows, -(-index.shape[2] // pair) * pair), dtype=np.float32)
     totals = np.empty((group, rows), dtype=np.float32)  # 1 / the sum of a query's weights
-    kt = np.empty(dim * lanes, dtype=np.float32)  # one block of keys, transposed: kt[d * lanes + j] = k_j[d]
-    held = np.empty(lanes, dtype=np.int64)  # whose keys kt holds (offsets into the KV head's keys)
-    offsets = np.empty(lanes, dtype=np.int64)
+    span = dim * lanes
+    kt = np.empty(2 * span, dtype=np.float32)  # two blocks of keys, transposed: kt[s * span + d * lanes + j] = k_j[d]
+    held = np.empty(pair, dtype=np.int64)  # whose keys kt holds (offsets into the KV head's keys)
+    offsets = np.empty(pair, dtype=np.int64)
     for b in range(batch):
         bi = b if index.shape[0] > 1 else 0
         longest = counts[bi].max()
         for g in range(key.shape[1]):
             keys, values = key[b, g], value[b, g]
             held[:] = -1
-            for first in range(0, longest, lanes):
+            for first in range(0, longest, pair):
                 for i in range(rows):
                     n = counts[bi, i]
                     if first >= n:
                         continue
-                    same = True
-                    for j in range(lanes):  # keys past the row's last: the last again (their scores unused)
-                        offsets[j] = index[bi, i, min(first + j, n - 1)] * dim
-                        same = same and offsets[j] == held[j]
-                    if not same:
-                        for c in range(-(-dim // lanes)):
-                            start = min(c * lanes, dim - lanes)
-                            transpose(keys, offsets, start, kt, start * lanes, like)
-                        held[:] = offsets
+                    two = first + lanes < n
+                    for s in range(0, pair if two else lanes, lanes):  # block s // lanes of kt
+                        same = True
+                        for j in range(s, s + lanes):  # keys past the row's last: the last again (their scores unused)
+                            offsets[j] = index[bi, i, min(first + j, n - 1)] * dim
+                            same = same and offsets[j] == held[j]
+                        if not same:
+                            for c in range(-(-dim // lanes)):
+                                start = min(c * lanes, dim - lanes)
+                                transpose(keys, offsets[s:], start, kt, s * dim + start * lanes, like)
+                            held[s : s + lanes] = offsets[s : s + lanes]
                     for r in range(0, group, 4):
                         block_dots(query[b], g * group + r, min(4, group - r), i, kt, weights, r, first, like)
             for r in range(group):
@@ -159,37 +163,49 @@ def _attend(query, key, value, index, counts, scale, out, like):
 
 @njit(cache=True, error_model="numpy")
 def block_dots(query, h, count, i, kt, weights, r, first, like):
-    """weights[r + u, i, first:first + lanes] = the scores of query heads h + u (u < count <= 4) of
-    row i against the keys kt holds, two chains each (d < D/2 and the rest)."""
+    """weights[r + u, i, first:first + 2 lanes] = the scores of query heads h + u (u < count <= 4)
+    of row i against the two blocks of keys kt holds, two chains each (d < D/2 and the rest): twice
+    the chains of one block, so that the multiply-adds run at the core's rate, not one chain's
+    latency (a second block past the row's keys gets scores never read)."""
     lanes, dim = shape_of(like)[0], query.shape[2]
-    half = dim // 2
+    half, span = dim // 2, dim * lanes
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = zeros_like(like)
+    c0 = c1 = c2 = c3 = e0 = e1 = e2 = e3 = a0
     for d in range(half):
         low, high = load(kt, d * lanes, like), load(kt, (d + half) * lanes, like)
-        a0 = fma(splat(query[h, i, d], like), low, a0)
-        b0 = fma(splat(query[h, i, d + half], like), high, b0)
+        low2, high2 = load(kt, span + d * lanes, like), load(kt, span + (d + half) * lanes, like)
+        q, p = splat(query[h, i, d], like), splat(query[h, i, d + half], like)
+        a0, b0, c0, e0 = fma(q, low, a0), fma(p, high, b0), fma(q, low2, c0), fma(p, high2, e0)
         if count > 1:
-            a1 = fma(splat(query[h + 1, i, d], like), low, a1)
-            b1 = fma(splat(query[h + 1, i, d + half], like), high, b1)
+            q, p = splat(query[h + 1, i, d], like), splat(query[h + 1, i, d + half], like)
+            a1, b1, c1, e1 = fma(q, low, a1), fma(p, high, b1), fma(q, low2, c1), fma(p, high2, e1)
         if count > 2:
-            a2 = fma(splat(query[h + 2, i, d], like), low, a2)
-            b2 = fma(splat(query[h + 2, i, d + half], like), high, b2)
+            q, p = splat(query[h + 2, i, d], like), splat(query[h + 2, i, d + half], like)
+            a2, b2, c2, e2 = fma(q, low, a2), fma(p, high, b2), fma(q, low2, c2), fma(p, high2, e2)
         if count > 3:
-            a3 = fma(splat(query[h + 3, i, d], like), low, a3)
-            b3 = fma(splat(query[h + 3, i, d + half], like), high, b3)
+            q, p = splat(query[h + 3, i, d], like), splat(query[h + 3, i, d + half], like)
+            a3, b3, c3, e3 = fma(q, low, a3), fma(p, high, b3), fma(q, low2, c3), fma(p, high2, e3)
     if dim % 2:
-        last = load(kt, (dim - 1) * lanes, like)
-        b0 = fma(splat(query[h, i, dim - 1], like), last, b0)
-        b1 = fma(splat(query[h + min(1, count - 1), i, dim - 1], like), last, b1)
-        b2 = fma(splat(query[h + min(2, count - 1), i, dim - 1], like), last, b2)
-        b3 = fma(splat(query[h + min(3, count - 1), i, dim - 1], like), last, b3)
+        last, last2 = load(kt, (dim - 1) * lanes, like), load(kt, span + (dim - 1) * lanes, like)
+        q = splat(query[h, i, dim - 1], like)
+        b0, e0 = fma(q, last, b0), fma(q, last2, e0)
+        q = splat(query[h + min(1, count - 1), i, dim - 1], like)
+        b1, e1 = fma(q, last, b1), fma(q, last2, e1)
+        q = splat(query[h + min(2, count - 1), i, dim - 1], like)
+        b2, e2 = fma(q, last, b2), fma(q, last2, e2)
+        q = splat(query[h + min(3, count - 1), i, dim - 1], like)
+        b3, e3 = fma(q, last, b3), fma(q, last2, e3)
     store(weights[r, i], first, add(a0, b0))
+    store(weights[r, i], first + lanes, add(c0, e0))
     if count > 1:
         store(weights[r + 1, i], first, add(a1, b1))
+        store(weights[r + 1, i], first + lanes, add(c1, e1))
     if count > 2:
         store(weights[r + 2, i], first, add(a2, b2))
+        store(weights[r + 2, i], first + lanes, add(c2, e2))
     if count > 3:
         store(weights[r + 3, i], first, add(a3, b3))
+        store(weights[r + 3, i], first + lanes, add(c3, e3))
 
 
 @njit(cache=True, fastmath={"reassoc", "contract"}, error_model="numpy")
@@ -207,52 +223,60 @@ def softmax(weights, scale):
 @njit(cache=True, error_model="numpy")
 def weighted_sums(weights, totals, r, count, i, values, seen, n, out, h, like):
     """out[h + u] = totals[r + u, i] x the sum over t < n, in order, of weights[r + u, i, t] *
-    values[seen[t]], fused, for u < count <= 4: `lanes` of D at once, two chunks of them a pass over
-    the keys (a chunk past D starts at D - lanes: lanes it shares with the one before get the
+    values[seen[t]], fused, for u < count <= 4: `lanes` of D at once, four chunks of them a pass
+    over the keys (a chunk past D starts at D - lanes: lanes it shares with the one before get the
     same sums again)."""
     lanes, dim = shape_of(like)[0], out.shape[1]
-    chunks = -(-dim // lanes)
     u1, u2, u3 = r + min(1, count - 1), r + min(2, count - 1), r + min(3, count - 1)
     w0, w1, w2, w3 = weights[r, i], weights[u1, i], weights[u2, i], weights[u3, i]
     zero = zeros_like(like)
-    for c in range(0, chunks, 2):
-        o, p = min(c * lanes, dim - lanes), min((c + 1) * lanes, dim - lanes)
-        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = zero
+    for c in range(0, -(-dim // lanes), 4):
+        o0, o1, o2, o3 = (min(c * lanes, dim - lanes), min((c + 1) * lanes, dim - lanes),
+                          min((c + 2) * lanes, dim - lanes), min((c + 3) * lanes, dim - lanes))
+        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = e0 = e1 = e2 = e3 = zero
         for t in range(n):
-            x, y = load(values, seen[t] * dim + o, like), load(values, seen[t] * dim + p, like)
-            a0, b0 = fma(splat(w0[t], like), x, a0), fma(splat(w0[t], like), y, b0)
+            at = seen[t] * dim
+            x, y = load(values, at + o0, like), load(values, at + o1, like)
+            z, v = load(values, at + o2, like), load(values, at + o3, like)
+            p = splat(w0[t], like)
+            a0, b0, c0, e0 = fma(p, x, a0), fma(p, y, b0), fma(p, z, c0), fma(p, v, e0)
             if count > 1:
-                a1, b1 = fma(splat(w1[t], like), x, a1), fma(splat(w1[t], like), y, b1)
+                p = splat(w1[t], like)
+                a1, b1, c1, e1 = fma(p, x, a1), fma(p, y, b1), fma(p, z, c1), fma(p, v, e1)
             if count > 2:
-                a2, b2 = fma(splat(w2[t], like), x, a2), fma(splat(w2[t], like), y, b2)
+                p = splat(w2[t], like)
+                a2, b2, c2, e2 = fma(p, x, a2), fma(p, y, b2), fma(p, z, c2), fma(p, v, e2)
             if count > 3:
-                a3, b3 = fma(splat(w3[t], like), x, a3), fma(splat(w3[t], like), y, b3)
-        for u, (a, z) in enumerate(((a0, b0), (a1, b1), (a2, b2), (a3, b3))):
+                p = splat(w3[t], like)
+                a3, b3, c3, e3 = fma(p, x, a3), fma(p, y, b3), fma(p, z, c3), fma(p, v, e3)
+        for u, (a, b, f, e) in enumerate(((a0, b0, c0, e0), (a1, b1, c1, e1), (a2, b2, c2, e2), (a3, b3, c3, e3))):
             if u < count:
                 total = splat(totals[r + u, i], like)
-                store(out[h + u], o, fma(a, total, zero))
-                store(out[h + u], p, fma(z, total, zero))
+                store(out[h + u], o0, fma(a, total, zero))
+                store(out[h + u], o1, fma(b, total, zero))
+                store(out[h + u], o2, fma(f, total, zero))
+                store(out[h + u], o3, fma(e, total, zero))
 
 
 @njit(cache=True, error_model="numpy")
 def largest(row, magnitude=False):
-    """max row[k] (max |row[k]| with `magnitude`), exact in any order: eight running maxima, which
-    run side by side where one would wait on the last, then folded."""
-    t0 = abs(row[0]) if magnitude else row[0]
-    t1 = t2 = t3 = t4 = t5 = t6 = t7 = t0
-    body = row.shape[0] - row.shape[0] % 8
-    for s in range(0, body, 8):
-        if magnitude:  # tested here, not in each line: the block then compiles without branches
-            t0, t1, t2, t3 = max(t0, abs(row[s])), max(t1, abs(row[s + 1])), max(t2, abs(row[s + 2])), \
-                max(t3, abs(row[s + 3]))
-            t4, t5, t6, t7 = max(t4, abs(row[s + 4])), max(t5, abs(row[s + 5])), max(t6, abs(row[s + 6])), \
-                max(t7, abs(row[s + 7]))
-        else:
-            t0, t1, t2, t3 = max(t0, row[s]), max(t1, row[s + 1]), max(t2, row[s + 2]), max(t3, row[s + 3])
-            t4, t5, t6, t7 = max(t4, row[s + 4]), max(t5, row[s + 5]), max(t6, row[s + 6]), max(t7, row[s + 7])
+    """max row[k] (max |row[k]| with `magnitude`) of a contiguous row, exact in any order: two
+    vectors of running maxima over 32 values at a time, then the rest one by one."""
+    top = abs(row[0]) if magnitude else row[0]
+    body = row.shape[0] - row.shape[0] % 32
+    if body:
+        like = zeros("f32x16")
+        m0 = m1 = splat(top, like)
+        for s in range(0, body, 32):
+            x, y = load(row, s, like), load(row, s + 16, like)
+            if magnitude:  # tested here, not per value: the loop then compiles without branches
+                m0, m1 = bigger(m0, absolute(x)), bigger(m1, absolute(y))
+            else:
+                m0, m1 = bigger(m0, x), bigger(m1, y)
+        top = widest(bigger(m0, m1))
     for k in range(body, row.shape[0]):
-        t0 = max(t0, abs(row[k]) if magnitude else row[k])
-    return max(max(max(t0, t1), max(t2, t3)), max(max(t4, t5), max(t6, t7)))
+        top = max(top, abs(row[k]) if magnitude else row[k])
+    return top
 
 
 @njit(cache=True, inline="always")
@@ -435,3 +459,37 @@ def transpose(typingctx, source, offsets, start, target, at, like):
         return context.get_dummy_value()
 
     return types.void(source, offsets, types.intp, target, types.intp, like), codegen
+
+
+@intrinsic
+def bigger(typingctx, a, b):
+    """The larger of a and b lane by lane."""
+
+    def codegen(context, builder, sig, args):
+        return builder.select(builder.fcmp_ordered(">", args[0], args[1]), args[0], args[1])
+
+    return a(a, a), codegen
+
+
+@intrinsic
+def absolute(typingctx, a):
+    """|a| lane by lane (`llvm.fabs`)."""
+
+    def codegen(context, builder, sig, args):
+        kind = ir.FunctionType(a.vector, [a.vector])
+        return builder.call(cgutils.get_or_insert_function(builder.module, kind, f"llvm.fabs.v{a.count}f32"), args)
+
+    return a(a), codegen
+
+
+@intrinsic
+def widest(typingctx, a):
+    """The largest of a's lanes."""
+
+    def codegen(context, builder, sig, args):
+        lanes = [builder.extract_element(args[0], ir.IntType(32)(j)) for j in range(a.count)]
+        while len(lanes) > 1:
+            lanes = [builder.select(builder.fcmp_ordered(">", x, y), x, y) for x, y in zip(lanes[::2], lanes[1::2])]
+        return lanes[0]
+
+    return types.float32(a), codegen
