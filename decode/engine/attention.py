@@ -105,9 +105,10 @@ def attend_rows(query, key, value, index, counts, scale, out):
         q . k  = (sum over d < D/2 of q[d] k[d]) + (sum over D/2 <= d < D), each in order, fused
         out[d] = sum over the keys in order of p_j v_j[d], fused
 
-    computed in vectors of `lanes` floats (16 where D allows): the scores of `lanes` keys at once
-    from their keys transposed (`transpose`), shared by every query head and row that sees those
-    keys at those positions; the weighted sum of values for up to four query heads at once."""
+    computed in vectors of `lanes` floats (16 where D allows): the scores of keys by position,
+    `lanes` at once from their keys transposed (`transpose`) once for every query head and row, then
+    moved to each row's own order (its ancestors after its prefix: only a tree's keys move); the
+    weighted sum of values for up to four query heads at once."""
     if query.shape[3] >= 16:
         _attend(query, key, value, index, counts, scale, out, zeros("f32x16"))
     elif query.shape[3] >= 4:
@@ -121,40 +122,43 @@ def _attend(query, key, value, index, counts, scale, out, like):
     batch, heads, rows, dim = query.shape
     group = heads // key.shape[1]
     lanes = shape_of(like)[0]
-    pair = 2 * lanes  # the scores of two blocks of `lanes` keys at a time
+    pair, span = 2 * lanes, dim * lanes  # the scores of two blocks of `lanes` keys at a time
     weights = np.empty((group, rows, -(-index.shape[2] // pair) * pair), dtype=np.float32)
     totals = np.empty((group, rows), dtype=np.float32)  # 1 / the sum of a query's weights
-    span = dim * lanes
     kt = np.empty(2 * span, dtype=np.float32)  # two blocks of keys, transposed: kt[s * span + d * lanes + j] = k_j[d]
-    held = np.empty(pair, dtype=np.int64)  # whose keys kt holds (offsets into the KV head's keys)
-    offsets = np.empty(pair, dtype=np.int64)
+    offsets = np.empty(lanes, dtype=np.int64)
+    reach = np.empty(rows, dtype=np.int64)  # 1 + a row's last visible key
+    moved = np.empty(rows, dtype=np.int64)  # a row's first visible key not at its own position
     for b in range(batch):
         bi = b if index.shape[0] > 1 else 0
-        longest = counts[bi].max()
+        for i in range(rows):
+            seen, n = index[bi, i], counts[bi, i]
+            reach[i] = seen[n - 1] + 1 if n else 0
+            low, high = 0, n  # seen ascends, so seen[t] == t holds for a prefix of t: its end
+            while low < high:
+                mid = (low + high) // 2
+                low, high = (mid + 1, high) if seen[mid] == mid else (low, mid)
+            moved[i] = low
+        longest = reach.max()
         for g in range(key.shape[1]):
             keys, values = key[b, g], value[b, g]
-            held[:] = -1
-            for first in range(0, longest, pair):
+            for first in range(0, longest, pair):  # keys by position, each block transposed once for every row
+                for s in range(2):
+                    for j in range(lanes):  # past the last key: the last again (scores never read)
+                        offsets[j] = min(first + s * lanes + j, longest - 1) * dim
+                    for c in range(-(-dim // lanes)):
+                        start = min(c * lanes, dim - lanes)
+                        transpose(keys, offsets, start, kt, s * span + start * lanes, like)
                 for i in range(rows):
-                    n = counts[bi, i]
-                    if first >= n:
-                        continue
-                    two = first + lanes < n
-                    for s in range(0, pair if two else lanes, lanes):  # block s // lanes of kt
-                        same = True
-                        for j in range(s, s + lanes):  # keys past the row's last: the last again (their scores unused)
-                            offsets[j] = index[bi, i, min(first + j, n - 1)] * dim
-                            same = same and offsets[j] == held[j]
-                        if not same:
-                            for c in range(-(-dim // lanes)):
-                                start = min(c * lanes, dim - lanes)
-                                transpose(keys, offsets[s:], start, kt, s * dim + start * lanes, like)
-                            held[s : s + lanes] = offsets[s : s + lanes]
-                    for r in range(0, group, 4):
-                        block_dots(query[b], g * group + r, min(4, group - r), i, kt, weights, r, first, like)
+                    if first < reach[i]:
+                        for r in range(0, group, 4):
+                            block_dots(query[b], g * group + r, min(4, group - r), i, kt, weights, r, first, like)
             for r in range(group):
                 for i in range(rows):
-                    totals[r, i] = softmax(weights[r, i, : counts[bi, i]], scale)
+                    seen, n, row = index[bi, i], counts[bi, i], weights[r, i]
+                    for t in range(moved[i], n):  # the scores of the row's keys, in its order (seen[t] >= t)
+                        row[t] = row[seen[t]]
+                    totals[r, i] = softmax(row[:n], scale)
             for i in range(rows):
                 for r in range(0, group, 4):
                     weighted_sums(weights, totals, r, min(4, group - r), i, values, index[bi, i], counts[bi, i],
