@@ -149,67 +149,68 @@ def _attend(query, key, value, index, counts, scale, out, like):
                     for c in range(-(-dim // lanes)):
                         start = min(c * lanes, dim - lanes)
                         transpose(keys, offsets, start, kt, s * span + start * lanes, like)
-                for i in range(rows):
-                    if first < reach[i]:
-                        for r in range(0, group, 4):
-                            block_dots(query[b], g * group + r, min(4, group - r), i, kt, weights, r, first, like)
+                for r in range(0, group, 4):
+                    block_dots(query[b], g * group + r, min(4, group - r), reach, kt, weights, r, first, like)
             for r in range(group):
                 for i in range(rows):
                     seen, n, row = index[bi, i], counts[bi, i], weights[r, i]
                     for t in range(moved[i], n):  # the scores of the row's keys, in its order (seen[t] >= t)
                         row[t] = row[seen[t]]
                     totals[r, i] = softmax(row[:n], scale)
-            for i in range(rows):
-                for r in range(0, group, 4):
-                    weighted_sums(weights, totals, r, min(4, group - r), i, values, index[bi, i], counts[bi, i],
-                                  out[b, i], g * group + r, like)
+            for r in range(0, group, 4):
+                weighted_sums(weights, totals, r, min(4, group - r), values, index[bi], counts[bi], out[b], g * group + r,
+                              like)
 
 
 @njit(cache=True, error_model="numpy")
-def block_dots(query, h, count, i, kt, weights, r, first, like):
+def block_dots(query, h, count, reach, kt, weights, r, first, like):
     """weights[r + u, i, first:first + 2 lanes] = the scores of query heads h + u (u < count <= 4)
-    of row i against the two blocks of keys kt holds, two chains each (d < D/2 and the rest): twice
+    of every row i that sees keys from `first` on (first < reach[i]) against the two blocks of keys
+    kt holds, two chains each (d < D/2 and the rest): twice
     the chains of one block, so that the multiply-adds run at the core's rate, not one chain's
     latency (a second block past the row's keys gets scores never read)."""
     lanes, dim = shape_of(like)[0], query.shape[2]
     half, span = dim // 2, dim * lanes
-    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = zeros_like(like)
-    c0 = c1 = c2 = c3 = e0 = e1 = e2 = e3 = a0
-    for d in range(half):
-        low, high = load(kt, d * lanes, like), load(kt, (d + half) * lanes, like)
-        low2, high2 = load(kt, span + d * lanes, like), load(kt, span + (d + half) * lanes, like)
-        q, p = splat(query[h, i, d], like), splat(query[h, i, d + half], like)
-        a0, b0, c0, e0 = fma(q, low, a0), fma(p, high, b0), fma(q, low2, c0), fma(p, high2, e0)
+    for i in range(query.shape[1]):
+        if first >= reach[i]:
+            continue
+        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = zeros_like(like)
+        c0 = c1 = c2 = c3 = e0 = e1 = e2 = e3 = a0
+        for d in range(half):
+            low, high = load(kt, d * lanes, like), load(kt, (d + half) * lanes, like)
+            low2, high2 = load(kt, span + d * lanes, like), load(kt, span + (d + half) * lanes, like)
+            q, p = splat(query[h, i, d], like), splat(query[h, i, d + half], like)
+            a0, b0, c0, e0 = fma(q, low, a0), fma(p, high, b0), fma(q, low2, c0), fma(p, high2, e0)
+            if count > 1:
+                q, p = splat(query[h + 1, i, d], like), splat(query[h + 1, i, d + half], like)
+                a1, b1, c1, e1 = fma(q, low, a1), fma(p, high, b1), fma(q, low2, c1), fma(p, high2, e1)
+            if count > 2:
+                q, p = splat(query[h + 2, i, d], like), splat(query[h + 2, i, d + half], like)
+                a2, b2, c2, e2 = fma(q, low, a2), fma(p, high, b2), fma(q, low2, c2), fma(p, high2, e2)
+            if count > 3:
+                q, p = splat(query[h + 3, i, d], like), splat(query[h + 3, i, d + half], like)
+                a3, b3, c3, e3 = fma(q, low, a3), fma(p, high, b3), fma(q, low2, c3), fma(p, high2, e3)
+        if dim % 2:
+            last, last2 = load(kt, (dim - 1) * lanes, like), load(kt, span + (dim - 1) * lanes, like)
+            q = splat(query[h, i, dim - 1], like)
+            b0, e0 = fma(q, last, b0), fma(q, last2, e0)
+            q = splat(query[h + min(1, count - 1), i, dim - 1], like)
+            b1, e1 = fma(q, last, b1), fma(q, last2, e1)
+            q = splat(query[h + min(2, count - 1), i, dim - 1], like)
+            b2, e2 = fma(q, last, b2), fma(q, last2, e2)
+            q = splat(query[h + min(3, count - 1), i, dim - 1], like)
+            b3, e3 = fma(q, last, b3), fma(q, last2, e3)
+        store(weights[r, i], first, add(a0, b0))
+        store(weights[r, i], first + lanes, add(c0, e0))
         if count > 1:
-            q, p = splat(query[h + 1, i, d], like), splat(query[h + 1, i, d + half], like)
-            a1, b1, c1, e1 = fma(q, low, a1), fma(p, high, b1), fma(q, low2, c1), fma(p, high2, e1)
+            store(weights[r + 1, i], first, add(a1, b1))
+            store(weights[r + 1, i], first + lanes, add(c1, e1))
         if count > 2:
-            q, p = splat(query[h + 2, i, d], like), splat(query[h + 2, i, d + half], like)
-            a2, b2, c2, e2 = fma(q, low, a2), fma(p, high, b2), fma(q, low2, c2), fma(p, high2, e2)
+            store(weights[r + 2, i], first, add(a2, b2))
+            store(weights[r + 2, i], first + lanes, add(c2, e2))
         if count > 3:
-            q, p = splat(query[h + 3, i, d], like), splat(query[h + 3, i, d + half], like)
-            a3, b3, c3, e3 = fma(q, low, a3), fma(p, high, b3), fma(q, low2, c3), fma(p, high2, e3)
-    if dim % 2:
-        last, last2 = load(kt, (dim - 1) * lanes, like), load(kt, span + (dim - 1) * lanes, like)
-        q = splat(query[h, i, dim - 1], like)
-        b0, e0 = fma(q, last, b0), fma(q, last2, e0)
-        q = splat(query[h + min(1, count - 1), i, dim - 1], like)
-        b1, e1 = fma(q, last, b1), fma(q, last2, e1)
-        q = splat(query[h + min(2, count - 1), i, dim - 1], like)
-        b2, e2 = fma(q, last, b2), fma(q, last2, e2)
-        q = splat(query[h + min(3, count - 1), i, dim - 1], like)
-        b3, e3 = fma(q, last, b3), fma(q, last2, e3)
-    store(weights[r, i], first, add(a0, b0))
-    store(weights[r, i], first + lanes, add(c0, e0))
-    if count > 1:
-        store(weights[r + 1, i], first, add(a1, b1))
-        store(weights[r + 1, i], first + lanes, add(c1, e1))
-    if count > 2:
-        store(weights[r + 2, i], first, add(a2, b2))
-        store(weights[r + 2, i], first + lanes, add(c2, e2))
-    if count > 3:
-        store(weights[r + 3, i], first, add(a3, b3))
-        store(weights[r + 3, i], first + lanes, add(c3, e3))
+            store(weights[r + 3, i], first, add(a3, b3))
+            store(weights[r + 3, i], first + lanes, add(c3, e3))
 
 
 @njit(cache=True, fastmath={"reassoc", "contract"}, error_model="numpy")
@@ -225,41 +226,43 @@ def softmax(weights, scale):
 
 
 @njit(cache=True, error_model="numpy")
-def weighted_sums(weights, totals, r, count, i, values, seen, n, out, h, like):
-    """out[h + u] = totals[r + u, i] x the sum over t < n, in order, of weights[r + u, i, t] *
-    values[seen[t]], fused, for u < count <= 4: `lanes` of D at once, four chunks of them a pass
-    over the keys (a chunk past D starts at D - lanes: lanes it shares with the one before get the
-    same sums again)."""
-    lanes, dim = shape_of(like)[0], out.shape[1]
-    u1, u2, u3 = r + min(1, count - 1), r + min(2, count - 1), r + min(3, count - 1)
-    w0, w1, w2, w3 = weights[r, i], weights[u1, i], weights[u2, i], weights[u3, i]
-    zero = zeros_like(like)
-    for c in range(0, -(-dim // lanes), 4):
-        o0, o1, o2, o3 = (min(c * lanes, dim - lanes), min((c + 1) * lanes, dim - lanes),
-                          min((c + 2) * lanes, dim - lanes), min((c + 3) * lanes, dim - lanes))
-        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = e0 = e1 = e2 = e3 = zero
-        for t in range(n):
-            at = seen[t] * dim
-            x, y = load(values, at + o0, like), load(values, at + o1, like)
-            z, v = load(values, at + o2, like), load(values, at + o3, like)
-            p = splat(w0[t], like)
-            a0, b0, c0, e0 = fma(p, x, a0), fma(p, y, b0), fma(p, z, c0), fma(p, v, e0)
-            if count > 1:
-                p = splat(w1[t], like)
-                a1, b1, c1, e1 = fma(p, x, a1), fma(p, y, b1), fma(p, z, c1), fma(p, v, e1)
-            if count > 2:
-                p = splat(w2[t], like)
-                a2, b2, c2, e2 = fma(p, x, a2), fma(p, y, b2), fma(p, z, c2), fma(p, v, e2)
-            if count > 3:
-                p = splat(w3[t], like)
-                a3, b3, c3, e3 = fma(p, x, a3), fma(p, y, b3), fma(p, z, c3), fma(p, v, e3)
-        for u, (a, b, f, e) in enumerate(((a0, b0, c0, e0), (a1, b1, c1, e1), (a2, b2, c2, e2), (a3, b3, c3, e3))):
-            if u < count:
-                total = splat(totals[r + u, i], like)
-                store(out[h + u], o0, fma(a, total, zero))
-                store(out[h + u], o1, fma(b, total, zero))
-                store(out[h + u], o2, fma(f, total, zero))
-                store(out[h + u], o3, fma(e, total, zero))
+def weighted_sums(weights, totals, r, count, values, index, counts, out, h, like):
+    """out[i, h + u] = totals[r + u, i] x the sum over t < n, in order, of weights[r + u, i, t] *
+    values[seen[t]], fused, for u < count <= 4, for every row i (its keys seen = index[i], n =
+    counts[i]): `lanes` of D at once, four chunks of them a pass over the keys (a chunk past D
+    starts at D - lanes: lanes it shares with the one before get the same sums again)."""
+    lanes, dim = shape_of(like)[0], out.shape[2]
+    for i in range(counts.shape[0]):
+        seen, n, row = index[i], counts[i], out[i]
+        u1, u2, u3 = r + min(1, count - 1), r + min(2, count - 1), r + min(3, count - 1)
+        w0, w1, w2, w3 = weights[r, i], weights[u1, i], weights[u2, i], weights[u3, i]
+        zero = zeros_like(like)
+        for c in range(0, -(-dim // lanes), 4):
+            o0, o1, o2, o3 = (min(c * lanes, dim - lanes), min((c + 1) * lanes, dim - lanes),
+                              min((c + 2) * lanes, dim - lanes), min((c + 3) * lanes, dim - lanes))
+            a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = e0 = e1 = e2 = e3 = zero
+            for t in range(n):
+                at = seen[t] * dim
+                x, y = load(values, at + o0, like), load(values, at + o1, like)
+                z, v = load(values, at + o2, like), load(values, at + o3, like)
+                p = splat(w0[t], like)
+                a0, b0, c0, e0 = fma(p, x, a0), fma(p, y, b0), fma(p, z, c0), fma(p, v, e0)
+                if count > 1:
+                    p = splat(w1[t], like)
+                    a1, b1, c1, e1 = fma(p, x, a1), fma(p, y, b1), fma(p, z, c1), fma(p, v, e1)
+                if count > 2:
+                    p = splat(w2[t], like)
+                    a2, b2, c2, e2 = fma(p, x, a2), fma(p, y, b2), fma(p, z, c2), fma(p, v, e2)
+                if count > 3:
+                    p = splat(w3[t], like)
+                    a3, b3, c3, e3 = fma(p, x, a3), fma(p, y, b3), fma(p, z, c3), fma(p, v, e3)
+            for u, (a, b, f, e) in enumerate(((a0, b0, c0, e0), (a1, b1, c1, e1), (a2, b2, c2, e2), (a3, b3, c3, e3))):
+                if u < count:
+                    total = splat(totals[r + u, i], like)
+                    store(row[h + u], o0, fma(a, total, zero))
+                    store(row[h + u], o1, fma(b, total, zero))
+                    store(row[h + u], o2, fma(f, total, zero))
+                    store(row[h + u], o3, fma(e, total, zero))
 
 
 @njit(cache=True, error_model="numpy")
