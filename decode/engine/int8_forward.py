@@ -253,8 +253,10 @@ def attend_codes(sums, sums_scale, scale, bias, cos, sin, q_norm, k_norm, eps, k
             rescale_row(sums[r], sums_scale[r], scale, bias, qkv)
             for h in range(heads + 2 * kv_heads):
                 part = qkv[h * dim : (h + 1) * dim]
-                if h >= heads + kv_heads:  # v
-                    values[b, h - heads - kv_heads, write[b, i]] = part
+                if h >= heads + kv_heads:  # v, copied in a loop (an array assignment costs more than the copy)
+                    value = values[b, h - heads - kv_heads, write[b, i]]
+                    for d in range(dim):
+                        value[d] = part[d]
                     continue
                 norm = q_norm if h < heads else k_norm
                 if len(norm):
