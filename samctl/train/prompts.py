@@ -23,7 +23,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import inspect
-import json
 import random
 import re
 import sysconfig
@@ -174,22 +173,11 @@ def _local_documents(stdlib: Path, docs: Path) -> Iterator[str]:
 
 def read_instruction_rows(data_dir: Path | None) -> dict[str, list[tuple[str, str]]]:
     """(instruction, response) pairs per instruction set (GSM8K `gsm8k_train.jsonl`, Code Alpaca
-    `codealpaca.json`, GPTeacher `gpteacher_roleplay.json`); missing files give empty lists."""
-    rows: dict[str, list[tuple[str, str]]] = {"gsm8k": [], "codealpaca": [], "roleplay": []}
-    if data_dir is None:
-        return rows
-    gsm = data_dir / "gsm8k_train.jsonl"
-    if gsm.exists():
-        for line in gsm.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                row = json.loads(line)
-                rows["gsm8k"].append((row["question"], row["answer"]))
-    for name, filename in (("codealpaca", "codealpaca.json"), ("roleplay", "gpteacher_roleplay.json")):
-        path = data_dir / filename
-        if path.exists():
-            for row in json.loads(path.read_text(encoding="utf-8")):
-                instruction = row["instruction"].strip()
-                if row.get("input", "").strip():
-                    instruction += "\n\n" + row["input"].strip()
-                rows[name].append((instruction, row["output"].strip()))
+    `codealpaca.json`, GPTeacher `gpteacher_roleplay.json`, read as `read_prompts` reads them; the
+    Alpaca sets' responses stripped); missing files give empty lists."""
+    rows: dict[str, list[tuple[str, str]]] = {}
+    for name, (_, filename) in zip(("gsm8k", "codealpaca", "roleplay"), INSTRUCTION_SETS):
+        path = data_dir / filename if data_dir is not None else None
+        docs = iter_prompts([str(path)]) if path is not None and path.exists() else ()
+        rows[name] = [(doc.turns[0], doc.answer if name == "gsm8k" else doc.answer.strip()) for doc in docs]
     return rows
