@@ -13,8 +13,6 @@
   library's docstrings and Debian's plain-text documentation (`local_texts`). Nothing is downloaded.
 - `drop_excluded(prompts, exclude)`: prompts none of whose turns is a turn of the `exclude`
   inputs (Spec-Bench's questions, which replay traces answer), whitespace and case aside.
-- `read_instruction_rows(data_dir)`: the instruction sets as (instruction, response) pairs, for the
-  trainers that learn the sets' fixed answers (the reference-model trainer).
 
 A prompt is a `Prompt(kind, turns)`; turns are user turns, answered one after the other.
 """
@@ -170,14 +168,3 @@ def _local_documents(stdlib: Path, docs: Path) -> Iterator[str]:
             seen.add(digest)
             yield text
 
-
-def read_instruction_rows(data_dir: Path | None) -> dict[str, list[tuple[str, str]]]:
-    """(instruction, response) pairs per instruction set (GSM8K `gsm8k_train.jsonl`, Code Alpaca
-    `codealpaca.json`, GPTeacher `gpteacher_roleplay.json`, read as `read_prompts` reads them; the
-    Alpaca sets' responses stripped); missing files give empty lists."""
-    rows: dict[str, list[tuple[str, str]]] = {}
-    for name, (_, filename) in zip(("gsm8k", "codealpaca", "roleplay"), INSTRUCTION_SETS):
-        path = data_dir / filename if data_dir is not None else None
-        docs = iter_prompts([str(path)]) if path is not None and path.exists() else ()
-        rows[name] = [(doc.turns[0], doc.answer if name == "gsm8k" else doc.answer.strip()) for doc in docs]
-    return rows
