@@ -99,9 +99,7 @@ class VerifyCost:
     @classmethod
     def one_curve(cls, cost: "VerifyCost | np.ndarray | list[float]") -> "VerifyCost":
         """`cost` as a VerifyCost: itself, or t_ms [n] priced alike at every context."""
-        if isinstance(cost, VerifyCost):
-            return cost
-        return cls.measured(cost, cost, (0, 0))
+        return cost if isinstance(cost, VerifyCost) else cls.measured(cost, cost, (0, 0))
 
     @classmethod
     def measured(cls, short_ms: list[float], long_ms: list[float], contexts: tuple[int, int]) -> "VerifyCost":
