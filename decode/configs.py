@@ -35,13 +35,17 @@ def setting_name(f: Field) -> str:
 
 
 def _within_bounds(config: object) -> None:
-    """Refuse a setting above its field's `max` (metadata), named by its setting name."""
+    """Refuse a setting above its field's `max`, then one below its `min` (metadata), named by its setting name."""
     for f in fields(config):
         high = f.metadata.get("max")
         value = getattr(config, f.name)
         if high is not None and isinstance(value, int) and value > high:
             raise ConfigError(f"{{{setting_name(f)}}} must be at most {high}, got {{value}}: pass a value up to {high} "
                               "(a larger one costs memory and time, and drafts no better)", value=value)
+    for f in fields(config):
+        if "min" in f.metadata:
+            _need(getattr(config, f.name) >= f.metadata["min"],
+                  f"{{{setting_name(f)}}} must be >= {f.metadata['min']}, got {{value}}", getattr(config, f.name))
 
 
 def _need(ok: bool, template: str, value: object) -> None:
@@ -53,11 +57,11 @@ def _need(ok: bool, template: str, value: object) -> None:
 @dataclass(frozen=True)
 class AdaptiveConfig:
     max_nodes: int = field(default=64, metadata={
-        "max": TREE_MAX, "cli": "--max-nodes", "help": "adaptive: most draft nodes per step (the cost curve usually picks fewer)."})
+        "max": TREE_MAX, "min": 0, "cli": "--max-nodes", "help": "adaptive: most draft nodes per step (the cost curve usually picks fewer)."})
     min_prob: float = field(default=0.035, metadata={
         "cli": "--min-prob", "help": "adaptive: drop draft nodes less likely than this to be accepted."})
     memory: int = field(default=1024, metadata={
-        "max": MEMORY_MAX, "cli": "--memory", "help": "adaptive: earlier outputs remembered across requests (0: off)."})
+        "max": MEMORY_MAX, "min": 0, "cli": "--memory", "help": "adaptive: earlier outputs remembered across requests (0: off)."})
     memory_tokens: int = 4_000_000  # the memory's token budget; the oldest requests go first
     recycle: bool = field(default=True, metadata={
         "cli": "--recycle/--no-recycle", "help": "adaptive: Token Recycle candidates where retrieval has none."})
@@ -73,9 +77,7 @@ class AdaptiveConfig:
 
     def __post_init__(self) -> None:
         _within_bounds(self)
-        _need(self.max_nodes >= 0, "{max_nodes} must be >= 0, got {value}", self.max_nodes)
         _need(0.0 <= self.min_prob < 1.0, "{min_prob} must be in [0, 1), got {value}", self.min_prob)
-        _need(self.memory >= 0, "{memory} must be >= 0, got {value}", self.memory)
         if self.memory_tokens < 0 or self.width < 1 or self.levels < 1 or self.recycle_k < 1 or self.prior_weight <= 0:
             raise UserError(f"invalid adaptive settings {asdict(self)}")
 
@@ -178,13 +180,13 @@ class LookaheadConfig:
     # little; on a CPU a verify of k tokens costs about k times more (BENCHMARKS.md), so the CLI
     # uses the small `cpu_default` there.
     ngram: int = field(default=5, metadata={
-        "max": LENGTH_MAX, "cli": "--la-ngram", "cpu_default": 4,
+        "max": LENGTH_MAX, "min": 2, "cli": "--la-ngram", "cpu_default": 4,
         "help": "lookahead: N, the n-gram size (N-1 window levels, guesses of N-1 tokens) [default: 5; 4 on a CPU]."})
     window: int = field(default=15, metadata={
-        "max": LENGTH_MAX, "cli": "--la-window", "cpu_default": 2,
+        "max": LENGTH_MAX, "min": 0, "cli": "--la-window", "cpu_default": 2,
         "help": "lookahead: W, the window's columns (0: no window, the pool alone) [default: 15; 2 on a CPU]."})
     guesses: int = field(default=15, metadata={
-        "max": LENGTH_MAX, "cli": "--la-guesses", "cpu_default": 4,
+        "max": LENGTH_MAX, "min": 0, "cli": "--la-guesses", "cpu_default": 4,
         "help": "lookahead: G, pool tuples per key and guesses verified per step [default: 15; 4 on a CPU]."})
     pool_text: bool = field(default=True, metadata={
         "cli": "--la-pool-text/--no-la-pool-text",
@@ -194,9 +196,6 @@ class LookaheadConfig:
 
     def __post_init__(self) -> None:
         _within_bounds(self)
-        _need(self.ngram >= 2, "{la_ngram} must be >= 2, got {value}", self.ngram)
-        _need(self.window >= 0, "{la_window} must be >= 0, got {value}", self.window)
-        _need(self.guesses >= 0, "{la_guesses} must be >= 0, got {value}", self.guesses)
         if self.memory < 0:
             raise UserError(f"invalid lookahead settings {asdict(self)}")
 
@@ -206,19 +205,16 @@ class OuroborosConfig:
     # Section 9's benchmark settings (N 6, W = G 15) for a GPU; the CLI's CPU values are smaller
     # (the draft's wide lookahead forward costs more than it returns there, BENCHMARKS.md).
     ngram: int = field(default=6, metadata={
-        "max": LENGTH_MAX, "cli": "--ouro-ngram", "cpu_default": 4, "help": "ouroboros: N of the draft's lookahead [default: 6; 4 on a CPU]."})
+        "max": LENGTH_MAX, "min": 2, "cli": "--ouro-ngram", "cpu_default": 4, "help": "ouroboros: N of the draft's lookahead [default: 6; 4 on a CPU]."})
     window: int = field(default=15, metadata={
-        "max": LENGTH_MAX, "cli": "--ouro-window", "cpu_default": 4,
+        "max": LENGTH_MAX, "min": 1, "cli": "--ouro-window", "cpu_default": 4,
         "help": "ouroboros: W = G, the draft's window columns and pool tuples per key [default: 15; 4 on a CPU]."})
-    topk: int = field(default=3, metadata={"max": LENGTH_MAX, "cli": "--ouro-topk", "help": "ouroboros: pool suffixes the target verifies."})
+    topk: int = field(default=3, metadata={"max": LENGTH_MAX, "min": 0, "cli": "--ouro-topk", "help": "ouroboros: pool suffixes the target verifies."})
     seed: int = 0
     memory: int = 1024
 
     def __post_init__(self) -> None:
         _within_bounds(self)
-        _need(self.ngram >= 2, "{ouro_ngram} must be >= 2, got {value}", self.ngram)
-        _need(self.window >= 1, "{ouro_window} must be >= 1, got {value}", self.window)
-        _need(self.topk >= 0, "{ouro_topk} must be >= 0, got {value}", self.topk)
         if self.memory < 0:
             raise UserError(f"invalid ouroboros settings {asdict(self)}")
 
@@ -226,30 +222,26 @@ class OuroborosConfig:
 @dataclass(frozen=True)
 class SdsatConfig:
     sat_count: int = field(default=0, metadata={
-        "max": LENGTH_MAX, "cli": "--sat-count", "help": "SAT slots per step (sdsat; default 0 = the count the model was trained with)"})
+        "max": LENGTH_MAX, "min": 0, "cli": "--sat-count", "help": "SAT slots per step (sdsat; default 0 = the count the model was trained with)"})
 
     def __post_init__(self) -> None:
         _within_bounds(self)
-        _need(self.sat_count >= 0, "{sat_count} must be >= 0, got {value}", self.sat_count)
 
 
 @dataclass(frozen=True)
 class EagleConfig:
     top_k: int = field(default=8, metadata={
-        "max": LENGTH_MAX, "cli": "--eagle-top-k", "help": "eagle, sam+eagle, adaptive+eagle: children per expanded node and frontier width."})
+        "max": LENGTH_MAX, "min": 1, "cli": "--eagle-top-k", "help": "eagle, sam+eagle, adaptive+eagle: children per expanded node and frontier width."})
     depth: int = field(default=5, metadata={
-        "max": LENGTH_MAX, "cli": "--eagle-depth", "help": "eagle, sam+eagle, adaptive+eagle: frontier expansions per step (levels up to depth + 1)."})
+        "max": LENGTH_MAX, "min": 0, "cli": "--eagle-depth", "help": "eagle, sam+eagle, adaptive+eagle: frontier expansions per step (levels up to depth + 1)."})
     max_nodes: int = field(default=60, metadata={
-        "max": TREE_MAX, "cli": "--eagle-nodes", "help": "eagle, sam+eagle, adaptive+eagle: most draft nodes per step (the cost curve usually picks fewer)."})
+        "max": TREE_MAX, "min": 0, "cli": "--eagle-nodes", "help": "eagle, sam+eagle, adaptive+eagle: most draft nodes per step (the cost curve usually picks fewer)."})
     min_prob: float = field(default=0.02, metadata={
         "cli": "--eagle-min-prob", "help": "eagle, sam+eagle, adaptive+eagle (CPU): stop expanding once no frontier path is this likely."})
     prior_weight: float = 8.0  # pseudo-observations behind the calibration's prior scale 1
 
     def __post_init__(self) -> None:
         _within_bounds(self)
-        _need(self.top_k >= 1, "{eagle_top_k} must be >= 1, got {value}", self.top_k)
-        _need(self.depth >= 0, "{eagle_depth} must be >= 0, got {value}", self.depth)
-        _need(self.max_nodes >= 0, "{eagle_nodes} must be >= 0, got {value}", self.max_nodes)
         _need(0.0 <= self.min_prob < 1.0, "{eagle_min_prob} must be in [0, 1), got {value}", self.min_prob)
         if self.prior_weight <= 0:
             raise UserError(f"invalid eagle settings {asdict(self)}")

@@ -36,9 +36,7 @@ def choose_tokens(logits: torch.Tensor, config: SamplingConfig, generator: torch
     # logits: [n, V] -> [n] int64: the target's choice at every verified position.
     # Greedy: argmax. Sampling: one independent draw per position, which is exactly what the
     # deterministic-draft acceptance rule needs (one draw per node, shared by all paths through it).
-    if config.greedy:
-        return argmax_rows(logits)
-    return draw(warp_probs(logits, config), generator)
+    return argmax_rows(logits) if config.greedy else draw(warp_probs(logits, config), generator)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -160,9 +160,7 @@ class CostModel:
         """[n + 1] relative cost of verifying k = 0..n draft nodes."""
         from samctl.decode.engine.cost import linear_cost, relative_cost
 
-        if self.verify_ms:
-            return relative_cost(self.verify_ms, n)
-        return linear_cost(self.token_cost, n)
+        return relative_cost(self.verify_ms, n) if self.verify_ms else linear_cost(self.token_cost, n)
 
     def speedup(self, tally: "Tally") -> float:
         f = self.forward_ms / 1e3

@@ -45,7 +45,7 @@ import numpy as np
 from samctl.index.datastore import CorpusStats, DirectoryStore, StoreMeta, load_single, parse_meta, save_datastore
 from samctl.index.kinds import KINDS, BuildOptions
 from samctl.index.errors import ConfigError
-from samctl.index.store import MANIFEST, DirectoryWriter, StoreError, file_crc32, read_manifest
+from samctl.index.store import MANIFEST, DirectoryWriter, StoreError, file_crc32, path_bytes, read_manifest
 from samctl.index.shard_structures import ShardedAutomaton, ShardedSuffixArray, children  # noqa: F401 (re-exported)
 
 FORMAT = "samctl-sharded-store"
@@ -114,7 +114,7 @@ def load_sharded(path: str | os.PathLike, verify: bool = False, occurrence: str 
     shards = []
     for entry in manifest["shards"]:
         file = os.path.join(name, entry["file"])
-        size = _shard_bytes(file)
+        size = path_bytes(file)
         if size < 0:
             raise StoreError(f"{name} lacks shard {entry['file']} listed in {MANIFEST}: {_REBUILD}")
         if size != entry["bytes"]:
@@ -155,7 +155,7 @@ def verify_sharded(path: str | os.PathLike) -> dict[str, Any]:
     meta = parse_meta(manifest, os.path.join(name, MANIFEST))
     for entry in manifest["shards"]:
         file = os.path.join(name, entry["file"])
-        if _shard_bytes(file) != entry["bytes"] or _shard_crc32(file) != entry["crc32"]:
+        if path_bytes(file) != entry["bytes"] or _shard_crc32(file) != entry["crc32"]:
             raise StoreError(f"{file} is missing or does not match {MANIFEST}: {_REBUILD}")
         _load_shard(file, entry, meta, verify=True)  # released before the next is read
     return manifest
@@ -188,16 +188,6 @@ def _read_manifest(name: str) -> dict[str, Any]:
             raise bad(f"shard file name {file_name!r}")
         seen.add(file_name)
     return manifest
-
-
-def _shard_bytes(path: str) -> int:
-    """A shard file's size, or a shard directory's files' sum; -1 when it is missing."""
-    try:
-        if os.path.isdir(path):
-            return sum(e.stat().st_size for e in os.scandir(path) if e.is_file(follow_symlinks=False))
-        return os.path.getsize(path)
-    except OSError:
-        return -1
 
 
 def _shard_crc32(path: str) -> int:
@@ -233,6 +223,6 @@ def build_shard(path: str | os.PathLike, tokens: np.ndarray, doc_offsets: np.nda
     if not kind.directory:
         save_datastore(path, structure, shard)
     entry = {"file": os.path.basename(path), "documents": int(documents), "tokens": int(len(tokens)),
-             "bytes": _shard_bytes(str(path)), "crc32": _shard_crc32(str(path))}
+             "bytes": path_bytes(str(path)), "crc32": _shard_crc32(str(path))}
     return entry, kind.counts(structure)
 

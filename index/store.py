@@ -328,6 +328,16 @@ def file_crc32(path: str | os.PathLike) -> int:
     return crc
 
 
+def path_bytes(path: str) -> int:
+    """A file's size, or a directory's files' sum (a sharded store's directory shard); -1 when it is missing."""
+    try:
+        if os.path.isdir(path):
+            return sum(e.stat().st_size for e in os.scandir(path) if e.is_file(follow_symlinks=False))
+        return os.path.getsize(path)
+    except OSError:
+        return -1
+
+
 def _align(offset: int) -> int:
     return (offset + ALIGN - 1) // ALIGN * ALIGN
 

@@ -47,7 +47,7 @@ from samctl.index.datastore import DirectoryStore, StoreMeta, parse_meta
 from samctl.index.lookup import Lookup
 from samctl.index.sa_layout import FILES
 from samctl.index.errors import ConfigError, UserError
-from samctl.index.store import MANIFEST, DirectoryWriter, StoreError, file_crc32, read_manifest
+from samctl.index.store import MANIFEST, DirectoryWriter, StoreError, file_crc32, path_bytes, read_manifest
 
 FORMAT = "samctl-sa-store"
 FORMAT_VERSION = 1
@@ -613,7 +613,7 @@ def load_suffix_array(path: str | os.PathLike, verify: bool = False) -> SuffixAr
                          f"{pointer}: not a suffix-array store of its vocabulary, {_REBUILD}")
     for file in FILES:
         entry = sa["files"].get(file)
-        actual = _size(os.path.join(name, file))
+        actual = path_bytes(os.path.join(name, file))
         if not isinstance(entry, dict) or type(entry.get("bytes")) is not int or type(entry.get("crc32")) is not int:
             raise StoreError(f"{name}/{MANIFEST} has no valid entry for {file}: {_REBUILD}")
         if actual != entry["bytes"]:
@@ -631,13 +631,6 @@ def load_suffix_array(path: str | os.PathLike, verify: bool = False) -> SuffixAr
     if verify:
         store.verify()
     return store
-
-
-def _size(file: str) -> int:
-    try:
-        return os.path.getsize(file)
-    except OSError:
-        return -1
 
 
 def _read_manifest(name: str) -> dict[str, Any]:

@@ -291,10 +291,7 @@ def _joined(rows: Iterable[dict[str, Any]], on_tokens: Callable[[int, int], None
         tokens.append(np.frombuffer(row["tokens"], dtype=np.int32))
         lengths.append(np.frombuffer(row["lengths"], dtype=np.int64))
         on_tokens(len(lengths[-1]), len(tokens[-1]))
-    sizes = np.concatenate(lengths)
-    offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
-    np.cumsum(sizes, out=offsets[1:])
-    return np.concatenate(tokens), offsets
+    return np.concatenate(tokens), np.concatenate(([0], np.cumsum(np.concatenate(lengths)))).astype(np.int64)
 
 
 # ---------------------------------------------------------------------------------------------

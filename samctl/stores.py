@@ -33,10 +33,8 @@ def load_memory(path: str, engine: Engine, drafter) -> int:
     if not isinstance(store.structure, SuffixAutomaton):
         raise ConfigError("{path} is not a single automaton store: a {memory_file} is one .sam automaton store "
                           "(built with {kind} sam and no {shards}, or one written by {memory_save})", path=path)
-    tokens = np.asarray(store.structure.tokens)
-    ends = np.flatnonzero(tokens < 0)
-    starts = np.concatenate(([0], ends[:-1] + 1))
-    documents = [tokens[s:e] for s, e in zip(starts, ends) if e > s]
+    tokens = np.asarray(store.structure.tokens)  # the documents, each followed by its separator (-1)
+    documents = [d[:-1] for d in np.split(tokens, np.flatnonzero(tokens < 0) + 1) if len(d) > 1 and d[-1] < 0]
     drafter.load_memory(documents)
     return len(documents)
 

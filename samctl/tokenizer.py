@@ -436,6 +436,4 @@ def tokenize_documents(
         flush()
     tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int32)
     chunks.clear()  # the copies are in `tokens` now
-    doc_offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=doc_offsets[1:])
-    return tokens, doc_offsets
+    return tokens, np.concatenate(([0], np.cumsum(lengths, dtype=np.int64))).astype(np.int64)

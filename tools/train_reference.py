@@ -50,7 +50,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from samctl.train.prompts import read_instruction_rows
+from samctl.index.corpus import iter_prompts
+from samctl.train.prompts import INSTRUCTION_SETS
 
 EOS_TOKEN = "<|endoftext|>"
 INSTRUCTION_HEADER = "### Instruction:\n"
@@ -612,6 +613,18 @@ class Corpora:
     prose: list[Document]  # Debian docs, stdlib docstrings, role-play answers
     docs: list[Document]  # Debian docs only
     rows: dict[str, list[tuple[str, str]]]
+
+
+def read_instruction_rows(data_dir: Path | None) -> dict[str, list[tuple[str, str]]]:
+    """(instruction, response) pairs per instruction set (GSM8K `gsm8k_train.jsonl`, Code Alpaca
+    `codealpaca.json`, GPTeacher `gpteacher_roleplay.json`, read as samctl's trainers read prompts; the
+    Alpaca sets' responses stripped); missing files give empty lists."""
+    rows: dict[str, list[tuple[str, str]]] = {}
+    for name, (_, filename) in zip(("gsm8k", "codealpaca", "roleplay"), INSTRUCTION_SETS):
+        path = data_dir / filename if data_dir is not None else None
+        docs = iter_prompts([str(path)]) if path is not None and path.exists() else ()
+        rows[name] = [(doc.turns[0], doc.answer if name == "gsm8k" else doc.answer.strip()) for doc in docs]
+    return rows
 
 
 def load_corpora(cfg: TrainConfig) -> dict[str, Corpora]:

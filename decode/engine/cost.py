@@ -3,17 +3,14 @@
 `measure_cost` is the one measurement, of one target with `rows` rows in flight: verify
 forwards of N = 1.. total input tokens (per row t0 plus a chain of w - 1 draft nodes) after a
 fixed context, as the decode loop runs them, at [N, 1] below the row count and [rows, w] beyond,
-w doubling from 1, then interpolated (the curve is smooth; a denser grid costs start-up time, on a large model on a CPU
-minutes, and tells little more). The widths are visited round-robin and each keeps its fastest
-time: on a shared machine another process only ever adds time, so the minimum is the forward's own
-cost and a busy moment cannot bend one width. `relative_cost` turns it into what drafters size
-drafts by: cost[k] = t(1 + k) / t(1), the price of k draft nodes relative to plain decoding.
-`measure_verify_cost` is its one-row curve (what one record's drafter sizes drafts by),
-`measure_batch_cost` its curve at a batch size (what the batched budget spends by). One record's
-drafters price by the curves after two context lengths, at the context the row has reached
-(`VerifyCost`); the batched budget by the curve after 256 entries a row (see `VerifyCost`).
-A measurement may be stopped between two forwards (`stop`: a server shutting down while it
-starts), which raises `Stopped`.
+w doubling from 1, then interpolated (the curve is smooth; a denser grid costs start-up time, on a
+large model on a CPU minutes, and tells little more). The widths are visited round-robin and each
+keeps its fastest time: on a shared machine another process only ever adds time, so the minimum is
+the forward's own cost and a busy moment cannot bend one width. `relative_cost` turns it into
+cost[k] = t(1 + k) / t(1); `measure_verify_cost` is its one-row curve (what one record's drafter
+sizes drafts by), `measure_batch_cost` its curve at a batch size (what the batched budget spends
+by); `VerifyCost` says at which contexts each is priced. A measurement may be stopped between two
+forwards (`stop`: a server shutting down while it starts), which raises `Stopped`.
 
 Under CUDA graphs (`target.graphs` on) a verify of n tokens runs the graph of the smallest
 width w >= n, so t(n) is a step function: the curve is measured at the graph widths only and
@@ -102,9 +99,7 @@ class VerifyCost:
     @classmethod
     def one_curve(cls, cost: "VerifyCost | np.ndarray | list[float]") -> "VerifyCost":
         """`cost` as a VerifyCost: itself, or t_ms [n] priced alike at every context."""
-        if isinstance(cost, VerifyCost):
-            return cost
-        return cls.measured(cost, cost, (0, 0))
+        return cost if isinstance(cost, VerifyCost) else cls.measured(cost, cost, (0, 0))
 
     @classmethod
     def measured(cls, short_ms: list[float], long_ms: list[float], contexts: tuple[int, int]) -> "VerifyCost":

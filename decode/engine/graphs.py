@@ -2,19 +2,17 @@
 gets here except through a test's stand-in backend).
 
 One target serves batch 1 and batches alike (decode/engine/batched.py), so there is one kind of
-graph: a step of A rows whose widest draft block has q inputs replays the graph of the smallest
-row bucket R >= A, width bucket W >= q and key-length bucket K >= max committed + W (details at
-`BatchVerifyGraphs`). Inputs are padded to W; padding writes K/V behind its row's committed
-length, where nothing reads it before it is overwritten. Key buckets keep a long capacity from
-slowing short contexts: a verify reads O(past) keys, not O(capacity).
+graph, at (rows, width, key length) buckets (`BatchVerifyGraphs`); padding writes K/V behind its
+row's committed length, where nothing reads it before it is overwritten. Key buckets keep a long
+capacity from slowing short contexts: a verify reads O(past) keys, not O(capacity).
 
 Every graph is captured at once (`prepare`), largest first, into one memory pool, after the cache
-has its final size: never inside a timed run. A graph holds the cache storage's address, so a
-storage growth (a longer request than reserved) recaptures everything once and counts it. A
-capture that fails (a forward that reads a device value on the host, such as dynamic RoPE)
-drops graphs for good with one warning: the verify runs eagerly. Every capture keeps the final
-norm's output where the target gives it, so rows that want hidden states (EAGLE heads) can come
-and go without recapturing.
+has its final size: never inside a timed run. A graph holds the cache storage's address, so a new
+storage (a longer request than reserved, a shrink after an out-of-memory) recaptures everything
+once and counts it. A capture that fails (a forward that reads a device value on the host, such
+as dynamic RoPE) drops graphs for good with one warning: the verify runs eagerly. Every capture
+keeps the final norm's output where the target gives it, so rows that want hidden states (EAGLE
+heads) can come and go without recapturing.
 
 Graph outputs (logits, hidden) are views of graph memory, overwritten by the next replay of the
 same graph: callers use them within the step.
@@ -142,8 +140,7 @@ class BatchVerifyGraphs:
     positions, the cache's write positions and the [R, 1, W, K] mask are computed inside the
     graph from four static inputs (ids, depths, ancestry, committed lengths), so a replay copies
     those and nothing else. The logits of every padded input come out ([R * W, V], graph memory);
-    the caller picks the real ones. Every graph is captured at once (`prepare`), largest first,
-    into one pool; a new cache storage (growth, a shrink after an out-of-memory) recaptures all.
+    the caller picks the real ones.
     """
 
     def __init__(self, target, max_width: int, backend: CaptureBackend | None = None) -> None:

@@ -11,9 +11,7 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     # non_blocking does not, and the caching host allocator keeps the pinned block alive until
     # the copy has run.
     host = torch.from_numpy(np.ascontiguousarray(array))
-    if torch.device(device).type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    return host if torch.device(device).type == "cpu" else host.pin_memory().to(device, non_blocking=True)
 
 
 def record_event(device: torch.device) -> torch.cuda.Event:

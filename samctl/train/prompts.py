@@ -13,8 +13,6 @@
   library's docstrings and Debian's plain-text documentation (`local_texts`). Nothing is downloaded.
 - `drop_excluded(prompts, exclude)`: prompts none of whose turns is a turn of the `exclude`
   inputs (Spec-Bench's questions, which replay traces answer), whitespace and case aside.
-- `read_instruction_rows(data_dir)`: the instruction sets as (instruction, response) pairs, for the
-  trainers that learn the sets' fixed answers (the reference-model trainer).
 
 A prompt is a `Prompt(kind, turns)`; turns are user turns, answered one after the other.
 """
@@ -23,7 +21,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import inspect
-import json
 import random
 import re
 import sysconfig
@@ -171,25 +168,3 @@ def _local_documents(stdlib: Path, docs: Path) -> Iterator[str]:
             seen.add(digest)
             yield text
 
-
-def read_instruction_rows(data_dir: Path | None) -> dict[str, list[tuple[str, str]]]:
-    """(instruction, response) pairs per instruction set (GSM8K `gsm8k_train.jsonl`, Code Alpaca
-    `codealpaca.json`, GPTeacher `gpteacher_roleplay.json`); missing files give empty lists."""
-    rows: dict[str, list[tuple[str, str]]] = {"gsm8k": [], "codealpaca": [], "roleplay": []}
-    if data_dir is None:
-        return rows
-    gsm = data_dir / "gsm8k_train.jsonl"
-    if gsm.exists():
-        for line in gsm.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                row = json.loads(line)
-                rows["gsm8k"].append((row["question"], row["answer"]))
-    for name, filename in (("codealpaca", "codealpaca.json"), ("roleplay", "gpteacher_roleplay.json")):
-        path = data_dir / filename
-        if path.exists():
-            for row in json.loads(path.read_text(encoding="utf-8")):
-                instruction = row["instruction"].strip()
-                if row.get("input", "").strip():
-                    instruction += "\n\n" + row["input"].strip()
-                rows[name].append((instruction, row["output"].strip()))
-    return rows
