@@ -166,9 +166,9 @@ def _attend(query, key, value, index, counts, scale, out, like):
 def block_dots(query, h, count, reach, kt, weights, r, first, like):
     """weights[r + u, i, first:first + 2 lanes] = the scores of query heads h + u (u < count <= 4)
     of every row i that sees keys from `first` on (first < reach[i]) against the two blocks of keys
-    kt holds, two chains each (d < D/2 and the rest): twice
-    the chains of one block, so that the multiply-adds run at the core's rate, not one chain's
-    latency (a second block past the row's keys gets scores never read)."""
+    kt holds, two chains each (d < D/2 and the rest): twice the chains of one block, so that the
+    multiply-adds run at the core's rate, not at one chain's latency (scores past a row's keys are
+    never read)."""
     lanes, dim = shape_of(like)[0], query.shape[2]
     half, span = dim // 2, dim * lanes
     for i in range(query.shape[1]):
