@@ -500,17 +500,3 @@ def widest(typingctx, a):
         return lanes[0]
 
     return types.float32(a), codegen
-
-
-@intrinsic
-def lane_sum(typingctx, a):
-    """The sum of a's lanes, pairwise: lanes j and j + count / 2 added, and again, to one."""
-
-    def codegen(context, builder, sig, args):
-        lanes = [builder.extract_element(args[0], ir.IntType(32)(j)) for j in range(a.count)]
-        while len(lanes) > 1:
-            half = len(lanes) // 2
-            lanes = [builder.fadd(x, y) for x, y in zip(lanes[:half], lanes[half:])]
-        return lanes[0]
-
-    return types.float32(a), codegen

@@ -29,10 +29,9 @@ import numpy as np
 import torch
 from numba import njit
 
-from samctl.decode.engine.attention import add, attend_rows, exp_nonpositive, fma, lane_sum, visible_keys
+from samctl.decode.engine.attention import attend_rows, exp_nonpositive, visible_keys
 from samctl.decode.engine.cpu_linear import CODE_FORMATS, Int8Linear, quantize_row, rescale_row
 from samctl.decode.engine.int8_gemm import KERNELS
-from samctl.decode.engine.vectors import load, zeros, zeros_like
 
 
 class Int8Forward:
@@ -200,20 +199,9 @@ _NONE = np.zeros((0, 0), dtype=np.int32)
 # error_model="numpy" as in cpu_linear: a division's zero check would keep its loop scalar
 @njit(cache=True, error_model="numpy")
 def rms_norm_row(row, weight, eps, out):
-    """out = row / sqrt(mean(row^2) + eps) * weight in float32, row contiguous. The squares are
-    summed in one written order, the same on every CPU: fused into two vectors of 16 lanes
-    (lane j of the first sums k = j, j + 32, j + 64, ...; of the second k = j + 16, j + 48, ...),
-    the two added and their lanes summed (`lane_sum`), then the last n mod 32 in order."""
-    body = row.shape[0] - row.shape[0] % 32
+    """out = row / sqrt(mean(row^2) + eps) * weight in float32, summed in order."""
     total = np.float32(0.0)
-    if body:
-        like = zeros("f32x16")
-        a = b = zeros_like(like)
-        for k in range(0, body, 32):
-            x, y = load(row, k, like), load(row, k + 16, like)
-            a, b = fma(x, x, a), fma(y, y, b)
-        total = lane_sum(add(a, b))
-    for k in range(body, row.shape[0]):
+    for k in range(row.shape[0]):
         total += row[k] * row[k]
     inverse = np.float32(1.0) / np.sqrt(total / np.float32(row.shape[0]) + eps)
     for k in range(row.shape[0]):

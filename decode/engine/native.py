@@ -236,8 +236,8 @@ class NativeForward:
 
 @njit(cache=True)
 def rms_norm_rows(rows, weight, eps, out):
-    """out[i] = rows[i] / sqrt(mean(rows[i]^2) + eps) * weight, in float32, each row alone
-    (`rms_norm_row`): a row's result never depends on the other rows."""
+    """out[i] = rows[i] / sqrt(mean(rows[i]^2) + eps) * weight, in float32, each row alone and
+    summed in order: a row's result never depends on the other rows."""
     for i in range(rows.shape[0]):
         rms_norm_row(rows[i], weight, eps, out[i])
 
