@@ -198,14 +198,24 @@ _NONE = np.zeros((0, 0), dtype=np.int32)
 
 # error_model="numpy" as in cpu_linear: a division's zero check would keep its loop scalar
 @njit(cache=True, error_model="numpy")
-def rms_norm_row(row, weight, eps, out):
-    """out = row / sqrt(mean(row^2) + eps) * weight in float32, summed in order."""
-    total = np.float32(0.0)
-    for k in range(row.shape[0]):
-        total += row[k] * row[k]
-    inverse = np.float32(1.0) / np.sqrt(total / np.float32(row.shape[0]) + eps)
-    for k in range(row.shape[0]):
-        out[k] = row[k] * inverse * weight[k]
+def rms_norm_rows(rows, weight, eps, out):
+    """out[i] = rows[i] / sqrt(mean(rows[i]^2) + eps) * weight in float32, rows [r, n], each row's
+    squares summed in order: a row's result never depends on the others. Four rows' sums run side
+    by side, so that a row's adds overlap the others' instead of each waiting on the last."""
+    last, n = rows.shape[0] - 1, rows.shape[1]
+    for i in range(0, last + 1, 4):
+        a, b, c, d = i, min(i + 1, last), min(i + 2, last), min(i + 3, last)  # the last row again past r
+        ta = tb = tc = td = np.float32(0.0)
+        for k in range(n):
+            ta += rows[a, k] * rows[a, k]
+            tb += rows[b, k] * rows[b, k]
+            tc += rows[c, k] * rows[c, k]
+            td += rows[d, k] * rows[d, k]
+        totals = (ta, tb, tc, td)
+        for j in range(i, min(i + 4, last + 1)):
+            inverse = np.float32(1.0) / np.sqrt(totals[j - i] / np.float32(n) + eps)
+            for k in range(n):
+                out[j, k] = rows[j, k] * inverse * weight[k]
 
 
 @njit(cache=True, error_model="numpy")
@@ -213,14 +223,13 @@ def norm_codes(x, sums, sums_scale, scale, bias, weight, eps, hidden, codes, row
     """Per row i: x[i] += rescale_row(sums[i]) when sums has rows; hidden[i] = rms_norm(x[i]);
     codes[i], row_scale[i] = its int8 codes when codes has rows."""
     add = np.empty(x.shape[1], dtype=np.float32)
-    for i in range(x.shape[0]):
-        if sums.shape[0]:
-            rescale_row(sums[i], sums_scale[i], scale, bias, add)
-            for k in range(x.shape[1]):
-                x[i, k] = x[i, k] + add[k]
-        rms_norm_row(x[i], weight, eps, hidden[i])
-        if codes.shape[0]:
-            row_scale[i] = quantize_row(hidden[i], codes[i], zero)
+    for i in range(sums.shape[0]):
+        rescale_row(sums[i], sums_scale[i], scale, bias, add)
+        for k in range(x.shape[1]):
+            x[i, k] = x[i, k] + add[k]
+    rms_norm_rows(x, weight, eps, hidden)
+    for i in range(codes.shape[0]):
+        row_scale[i] = quantize_row(hidden[i], codes[i], zero)
 
 
 @njit(cache=True, error_model="numpy")
@@ -248,7 +257,7 @@ def attend_codes(sums, sums_scale, scale, bias, cos, sin, q_norm, k_norm, eps, k
                     continue
                 norm = q_norm if h < heads else k_norm
                 if len(norm):
-                    rms_norm_row(part, norm, eps, head)
+                    rms_norm_rows(part[None], norm, eps, head[None])
                     part = head
                 out = queries[b, h, i] if h < heads else keys[b, h - heads, write[b, i]]
                 for d in range(half):  # two loops, not an index mod dim: they vectorize

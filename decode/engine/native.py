@@ -34,13 +34,12 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 import torch.nn.functional as F
-from numba import njit
 from torch import nn
 
 from samctl.decode.configs import BACKENDS
 from samctl.decode.engine.attention import exact_rows
 from samctl.decode.engine.cpu_linear import FusedLinear, linear_backend
-from samctl.decode.engine.int8_forward import Int8Forward, rms_norm_row
+from samctl.decode.engine.int8_forward import Int8Forward, rms_norm_rows
 from samctl.index.errors import UserError
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -232,14 +231,6 @@ class NativeForward:
             kept = hidden.reshape(-1, hidden.shape[-1])
             kept = kept if keep is None or isinstance(keep, int) else kept.index_select(0, keep)
         return self.head(kept), hidden.reshape(-1, hidden.shape[-1])
-
-
-@njit(cache=True)
-def rms_norm_rows(rows, weight, eps, out):
-    """out[i] = rows[i] / sqrt(mean(rows[i]^2) + eps) * weight, in float32, each row alone and
-    summed in order: a row's result never depends on the other rows."""
-    for i in range(rows.shape[0]):
-        rms_norm_row(rows[i], weight, eps, out[i])
 
 
 def use_backend(model: nn.Module, backend: str = "auto") -> str:
