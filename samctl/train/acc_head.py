@@ -31,8 +31,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-import shlex
-import sys
 import time
 from dataclasses import dataclass
 
@@ -46,7 +44,7 @@ from samctl.heads import model_fingerprint, save_head
 from samctl.config import arg
 from samctl.options import run_config_command
 from samctl.models import Engine, load_draft
-from samctl.train.answers import own_answers, trainer_engine
+from samctl.train.answers import command_line, own_answers, trainer_engine
 from samctl.train.prompts import Prompt, read_prompts
 
 
@@ -156,7 +154,7 @@ def run(config: AccHeadTrainConfig) -> dict:
     after = evaluate_head(head, heldout, config.weight_mismatch)
 
     summary = {
-        "command": "samctl train acc-head " + shlex.join(sys.argv[3:] if sys.argv[1:3] == ["train", "acc-head"] else []),
+        "command": command_line("acc-head"),
         "target": config.target, "draft": config.draft, "prompts": config.prompts,
         "prompts_used": {"train": len(encoded) - n_heldout - n_valid, "valid": n_valid, "heldout": n_heldout},
         "response_tokens": sum(len(r) for r in responses),

@@ -44,7 +44,6 @@ import json
 import math
 import os
 import random
-import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -64,7 +63,7 @@ from samctl.gguf_cache import cache_dir
 from samctl.config import arg
 from samctl.options import run_config_command
 from samctl.models import Engine
-from samctl.train.answers import Answer, answers_key, trainer_engine, write_answers
+from samctl.train.answers import Answer, answers_key, command_line, trainer_engine, write_answers
 from samctl.train.prompts import Prompt, drop_excluded, mixture, read_prompts
 
 
@@ -379,7 +378,7 @@ def run(config: EagleTrainConfig) -> dict:
     after = evaluate(head, batches, heldout, engine.device)
     log(f"trained {run['steps']} steps in {run['seconds']} s: held-out top1 {after['top1']}")
     report = {
-        "command": "samctl train eagle " + shlex.join(sys.argv[3:] if sys.argv[1:3] == ["train", "eagle"] else []),
+        "command": command_line("eagle"),
         "model": str(config.model), "data": {"prompts_from": config.prompts, "mixture": config.mixture,
                                            "exclude": config.exclude, "sequences": len(seqs),
                                            "tokens": int(sum(map(len, seqs))), "heldout_sequences": len(heldout),

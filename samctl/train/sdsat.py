@@ -41,7 +41,6 @@ import copy
 import json
 import math
 import random
-import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -56,7 +55,7 @@ from samctl.index.errors import UserError
 from samctl.config import arg
 from samctl.options import run_config_command
 from samctl.models import Engine
-from samctl.train.answers import own_answers, trainer_engine
+from samctl.train.answers import command_line, own_answers, trainer_engine
 from samctl.train.prompts import Prompt, read_prompts
 
 NEW_SAT_TOKEN = "<|sat|>"
@@ -331,10 +330,10 @@ def run(config: SdsatTrainConfig) -> dict:
                         "answer of 2+ tokens: give more --data or --num-prompts, or a larger --seq-len")
     pad = eos[0] if eos else 0
     k = config.sat_count
-    report = {"model": config.model, "out": config.out, "command": "samctl train sdsat " + shlex.join(
-        sys.argv[3:] if sys.argv[1:3] == ["train", "sdsat"] else []), "config": asdict(config), "sat_token": sat_text, "sat_token_id": sat_id,
-        "added_to_vocab": added, "train_sequences": len(train_rows), "heldout_sequences": len(held_rows),
-        "responses": config.responses, "device": str(device), "threads": torch.get_num_threads()}
+    report = {"model": config.model, "out": config.out, "command": command_line("sdsat"), "config": asdict(config),
+              "sat_token": sat_text, "sat_token_id": sat_id, "added_to_vocab": added, "train_sequences": len(train_rows),
+              "heldout_sequences": len(held_rows), "responses": config.responses, "device": str(device),
+              "threads": torch.get_num_threads()}
 
     def evaluations(when: str) -> None:  # on the training kind of answer, and on the files' answers too
         report[when] = evaluate(model, held_rows, k, sat_id, pad, device, config.seed, config.blocks)
