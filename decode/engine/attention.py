@@ -26,14 +26,13 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import njit, types
-from numba.core import cgutils
 from numba.extending import intrinsic
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from samctl.decode.engine.kv_cache import aligned
-from samctl.decode.engine.vectors import load, pointer, shape_of, spread, store, zeros, zeros_like
+from samctl.decode.engine.vectors import llvm_call, load, pointer, shape_of, spread, store, zeros, zeros_like
 
 NAME = "samctl_sdpa"
 
@@ -414,9 +413,7 @@ def fma(typingctx, a, b, c):
     """a * b + c lane by lane, rounded once (`llvm.fma`)."""
 
     def codegen(context, builder, sig, args):
-        kind = ir.FunctionType(a.vector, [a.vector] * 3)
-        function = cgutils.get_or_insert_function(builder.module, kind, f"llvm.fma.v{a.count}f32")
-        return builder.call(function, args)
+        return llvm_call(builder, f"llvm.fma.v{a.count}f32", a.vector, args)
 
     return a(a, a, a), codegen
 
@@ -483,8 +480,7 @@ def absolute(typingctx, a):
     """|a| lane by lane (`llvm.fabs`)."""
 
     def codegen(context, builder, sig, args):
-        kind = ir.FunctionType(a.vector, [a.vector])
-        return builder.call(cgutils.get_or_insert_function(builder.module, kind, f"llvm.fabs.v{a.count}f32"), args)
+        return llvm_call(builder, f"llvm.fabs.v{a.count}f32", a.vector, args)
 
     return a(a), codegen
 

@@ -32,10 +32,9 @@ from typing import NamedTuple
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
-from samctl.decode.engine.vectors import VECTORS, Lanes, load, pointer, shape_of, spread, store, zeros
+from samctl.decode.engine.vectors import VECTORS, Lanes, llvm_call, load, pointer, shape_of, spread, store, zeros
 
 GROUP = 8  # rows a block serves per pass over the weight
 # Bytes of the weight asked for ahead of the block being multiplied (`prefetch`): a model's weight
@@ -71,9 +70,8 @@ def prefetch(typingctx, packed, offset):
     def codegen(context, builder, sig, args):
         address = pointer(context, builder, sig.args[0], args[0], args[1], ir.IntType(8))
         i32 = ir.IntType(32)
-        kind = ir.FunctionType(ir.VoidType(), [address.type, i32, i32, i32])
-        function = cgutils.get_or_insert_function(builder.module, kind, "llvm.prefetch.p0")
-        builder.call(function, [address, i32(0), i32(3), i32(1)])  # a read, kept in every cache level, of data
+        # a read (0), kept in every cache level (3), of data (1)
+        llvm_call(builder, "llvm.prefetch.p0", ir.VoidType(), [address, i32(0), i32(3), i32(1)])
         return context.get_dummy_value()
 
     return types.void(packed, types.intp), codegen
@@ -88,12 +86,9 @@ def dot(typingctx, acc, codes, block):
     def codegen(context, builder, sig, args):
         words = spread(builder, args[1], acc.vector)
         if acc.count == 16:
-            kind = ir.FunctionType(acc.vector, [acc.vector] * 3)
-            function = cgutils.get_or_insert_function(builder.module, kind, "llvm.x86.avx512.vpdpbusd.512")
-            return builder.call(function, [args[0], words, args[2]])
-        function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(acc.vector, [_WORDS, _WORDS]),
-                                                  "llvm.x86.avx2.pmadd.wd")
-        pairs = builder.call(function, [builder.bitcast(words, _WORDS), builder.bitcast(args[2], _WORDS)])
+            return llvm_call(builder, "llvm.x86.avx512.vpdpbusd.512", acc.vector, [args[0], words, args[2]])
+        pairs = llvm_call(builder, "llvm.x86.avx2.pmadd.wd", acc.vector,
+                          [builder.bitcast(words, _WORDS), builder.bitcast(args[2], _WORDS)])
         return builder.add(args[0], pairs)
 
     return acc(acc, types.int32, acc), codegen

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
 
@@ -42,6 +43,12 @@ def pointer(context, builder, array_type, array, offset, vector):
     # the address of element `offset` of a contiguous array, as a pointer to `vector`
     data = context.make_array(array_type)(context, builder, array).data
     return builder.bitcast(builder.gep(data, [offset]), vector.as_pointer())
+
+
+def llvm_call(builder, name, result, args):
+    # a call of the LLVM intrinsic `name` (declared in the module on first use) returning `result`
+    kind = ir.FunctionType(result, [arg.type for arg in args])
+    return builder.call(cgutils.get_or_insert_function(builder.module, kind, name), args)
 
 
 def spread(builder, value, vector):
