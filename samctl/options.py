@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import shlex
+import sys
 from typing import TYPE_CHECKING, Any, Callable
 
 import click
@@ -105,6 +107,13 @@ def run_config_command(argv: list[str] | None, name: str, config_type: type, run
         callback = click.argument("rest_values", nargs=-1, metavar="")(callback)
     command = click.command(name, help=help, context_settings={"max_content_width": 100})(callback)
     return command.main(argv, f"samctl train {name}", standalone_mode=False)
+
+
+def command_line(*words: str) -> str:
+    """The command a report records: `samctl WORDS...` and the options it ran with (none when it was
+    called from Python rather than from the command line)."""
+    ran = sys.argv[1 + len(words):] if sys.argv[1 : 1 + len(words)] == list(words) else []
+    return shlex.join(["samctl", *words, *ran])
 
 
 def config_fields() -> list[tuple[str, dataclasses.Field, str]]:

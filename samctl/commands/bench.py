@@ -30,7 +30,6 @@ import copy
 import json
 import logging
 import platform
-import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -44,7 +43,7 @@ from samctl.decode.methods import DRAFT_METHODS, EAGLE_METHODS, METHODS, SELF_DR
 from samctl.index.errors import UserError
 from samctl.bench_report import BASELINE, report_category, write_summary
 from samctl.config import SessionConfig
-from samctl.options import SAMPLING, check_count, parse_methods, session_options
+from samctl.options import SAMPLING, check_count, command_line, parse_methods, session_options
 from samctl.plan import plan
 from samctl.progress import progress_bar
 from samctl.decode.metrics import first_difference
@@ -419,7 +418,7 @@ def _run_info(session: Session, config: SessionConfig, repeats: int, methods: li
 
     engine = session.engine
     return {
-        "command": "samctl bench " + shlex.join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "samctl bench",
+        "command": command_line("bench"),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "model": engine.name,
         "store": config.store,

@@ -42,9 +42,9 @@ from samctl.decode.configs import SamplingConfig
 from samctl.index.errors import UserError
 from samctl.heads import model_fingerprint, save_head
 from samctl.config import arg
-from samctl.options import run_config_command
+from samctl.options import command_line, run_config_command
 from samctl.models import Engine, load_draft
-from samctl.train.answers import command_line, own_answers, trainer_engine
+from samctl.train.answers import own_answers, trainer_engine
 from samctl.train.prompts import Prompt, read_prompts
 
 
@@ -154,7 +154,7 @@ def run(config: AccHeadTrainConfig) -> dict:
     after = evaluate_head(head, heldout, config.weight_mismatch)
 
     summary = {
-        "command": command_line("acc-head"),
+        "command": command_line("train", "acc-head"),
         "target": config.target, "draft": config.draft, "prompts": config.prompts,
         "prompts_used": {"train": len(encoded) - n_heldout - n_valid, "valid": n_valid, "heldout": n_heldout},
         "response_tokens": sum(len(r) for r in responses),

@@ -17,8 +17,7 @@ the datasets' human answers are another distribution.
 - `answering_session(engine, ...)`: a session over a trainer's already loaded engine to answer with;
   `own_answers(engine, ...)`: write_answers on one, in a file named by the model, prompts and
   settings (under --cache, else a scratch folder).
-- `trainer_engine(config, model)`: how every trainer starts (threads, seed, the model to train);
-  `command_line(name)`: the command its report records.
+- `trainer_engine(config, model)`: how every trainer starts (threads, seed, the model to train).
 
 Knows a session (model, tokenizer, EOS ids) and token ids; never the training objectives.
 """
@@ -27,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import shlex
 import sys
 import tempfile
 import time
@@ -206,8 +204,3 @@ def _conversation(session: "Session", prompt: "Prompt", index: int, turn: int,
                      {"role": "assistant", "content": session.decode(done[(index, k)].output_ids)}]
     return messages + [{"role": "user", "content": prompt.turns[turn]}]
 
-
-def command_line(name: str) -> str:
-    """The command a trainer's report records: `samctl train NAME` and the options it ran with
-    (none when the trainer was called from Python rather than from the command line)."""
-    return shlex.join(["samctl", "train", name, *(sys.argv[3:] if sys.argv[1:3] == ["train", name] else [])])

@@ -61,9 +61,9 @@ from samctl.index.errors import UserError
 from samctl.heads import load_eagle_head, model_fingerprint, save_eagle_head
 from samctl.gguf_cache import cache_dir
 from samctl.config import arg
-from samctl.options import run_config_command
+from samctl.options import command_line, run_config_command
 from samctl.models import Engine
-from samctl.train.answers import Answer, answers_key, command_line, trainer_engine, write_answers
+from samctl.train.answers import Answer, answers_key, trainer_engine, write_answers
 from samctl.train.prompts import Prompt, drop_excluded, mixture, read_prompts
 
 
@@ -378,7 +378,7 @@ def run(config: EagleTrainConfig) -> dict:
     after = evaluate(head, batches, heldout, engine.device)
     log(f"trained {run['steps']} steps in {run['seconds']} s: held-out top1 {after['top1']}")
     report = {
-        "command": command_line("eagle"),
+        "command": command_line("train", "eagle"),
         "model": str(config.model), "data": {"prompts_from": config.prompts, "mixture": config.mixture,
                                            "exclude": config.exclude, "sequences": len(seqs),
                                            "tokens": int(sum(map(len, seqs))), "heldout_sequences": len(heldout),

@@ -53,9 +53,9 @@ import torch.nn.functional as F
 from samctl.decode.sdsat import IGNORE, SatSettings, make_batch, sample_anchors, write_settings
 from samctl.index.errors import UserError
 from samctl.config import arg
-from samctl.options import run_config_command
+from samctl.options import command_line, run_config_command
 from samctl.models import Engine
-from samctl.train.answers import command_line, own_answers, trainer_engine
+from samctl.train.answers import own_answers, trainer_engine
 from samctl.train.prompts import Prompt, read_prompts
 
 NEW_SAT_TOKEN = "<|sat|>"
@@ -330,10 +330,10 @@ def run(config: SdsatTrainConfig) -> dict:
                         "answer of 2+ tokens: give more --data or --num-prompts, or a larger --seq-len")
     pad = eos[0] if eos else 0
     k = config.sat_count
-    report = {"model": config.model, "out": config.out, "command": command_line("sdsat"), "config": asdict(config),
-              "sat_token": sat_text, "sat_token_id": sat_id, "added_to_vocab": added, "train_sequences": len(train_rows),
-              "heldout_sequences": len(held_rows), "responses": config.responses, "device": str(device),
-              "threads": torch.get_num_threads()}
+    report = {"model": config.model, "out": config.out, "command": command_line("train", "sdsat"),
+              "config": asdict(config), "sat_token": sat_text, "sat_token_id": sat_id, "added_to_vocab": added,
+              "train_sequences": len(train_rows), "heldout_sequences": len(held_rows), "responses": config.responses,
+              "device": str(device), "threads": torch.get_num_threads()}
 
     def evaluations(when: str) -> None:  # on the training kind of answer, and on the files' answers too
         report[when] = evaluate(model, held_rows, k, sat_id, pad, device, config.seed, config.blocks)
