@@ -30,7 +30,7 @@ import torch
 from numba import njit
 
 from samctl.decode.engine.attention import attend_rows, exp_nonpositive, visible_keys
-from samctl.decode.engine.cpu_linear import CODE_FORMATS, Int8Linear, quantize_row, rescale_row
+from samctl.decode.engine.cpu_linear import CODE_FORMATS, Int8Linear, quantize_row, quantize_rows, rescale_row
 from samctl.decode.engine.int8_gemm import KERNELS
 
 
@@ -228,8 +228,7 @@ def norm_codes(x, sums, sums_scale, scale, bias, weight, eps, hidden, codes, row
         for k in range(x.shape[1]):
             x[i, k] = x[i, k] + add[k]
     rms_norm_rows(x, weight, eps, hidden)
-    for i in range(codes.shape[0]):
-        row_scale[i] = quantize_row(hidden[i], codes[i], zero)
+    quantize_rows(hidden[: codes.shape[0]], codes, row_scale, zero)
 
 
 @njit(cache=True, error_model="numpy")
@@ -265,9 +264,7 @@ def attend_codes(sums, sums_scale, scale, bias, cos, sin, q_norm, k_norm, eps, k
                 for d in range(half, dim):
                     out[d] = part[d] * cos[b, i, d] + part[d - half] * sin[b, i, d]
     attend_rows(queries, keys, values, index, counts, softmax_scale, attended)
-    for b in range(rows):
-        for i in range(n):
-            row_scale[b * n + i] = quantize_row(attended[b, i].reshape(-1), codes[b * n + i], zero)
+    quantize_rows(attended.reshape(rows * n, heads * dim), codes, row_scale, zero)
 
 
 @njit(cache=True, error_model="numpy")
