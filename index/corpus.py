@@ -166,11 +166,10 @@ class CorpusReader:
             return None
 
 
-def iter_prompts(inputs: Iterable[str], include: Iterable[str] = (), exclude: Iterable[str] = (),
-                 fields: Iterable[str] = (), stdin: TextIO | None = None) -> Iterator[Document]:
+def iter_prompts(inputs: Iterable[str], fields: Iterable[str] = ()) -> Iterator[Document]:
     """The prompts of `inputs`: documents whose `turns` are a record's user turns (a plain-text
     document is one turn)."""
-    return iter(CorpusReader(inputs, include, exclude, fields, stdin, prompts=True))
+    return iter(CorpusReader(inputs, fields=fields, prompts=True))
 
 
 # ---------------------------------------------------------------------------------------------
