@@ -11,11 +11,13 @@ that reading this table (`build --help`, `info`) stays light.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
 import numpy as np
 
+from samctl.index.automaton_layout import E_TOK, EDGE_TOK, edge_count
 from samctl.index.lookup import Lookup
 from samctl.index.sa_layout import FILES as SA_FILES
 
@@ -62,8 +64,6 @@ class StoreKind:
 
 
 def _heartbeat(options: BuildOptions):
-    from contextlib import nullcontext
-
     return options.heartbeat(None) if options.heartbeat is not None else nullcontext()
 
 
@@ -97,14 +97,10 @@ def _sam_sharded(automata, occurrence):
 
 
 def _sam_columns(arrays):
-    from samctl.index.automaton_layout import E_TOK, EDGE_TOK
-
     return [arrays["tokens"], arrays["states"][:, EDGE_TOK], arrays["edges"][:, E_TOK]]
 
 
 def _sam_file_counts(arrays):
-    from samctl.index.automaton_layout import edge_count
-
     return {"states": len(arrays["states"]), "edges": edge_count(arrays["states"], arrays["meta"])}
 
 
