@@ -527,14 +527,10 @@ _PROBLEMS = (
 
 @njit(cache=True)
 def _check_kernel(states, edges, slots, buf, links):
-    """0 if the arrays are safe for every kernel, else an index into _PROBLEMS.
-
-    Safety: every index a kernel follows is range-checked here; edge chains end because
-    next < own index; hash probes end because at least one slot is empty (the entry count equals
-    the edge count < #slots); suffix-link walks (`sam_step`) are capped at #states iterations.
-    With `links`, also len[link[s]] < len[s], so link chains end at the root; that check is a
-    random gather over all states (about 20 ns per state), the rest streams.
-    """
+    """0 if the arrays are safe for every kernel, else an index into _PROBLEMS: every index a kernel
+    follows is range-checked; edge chains end (next < own index); hash probes end (entries = edges
+    < slots); suffix-link walks are capped at #states. With `links`, also len[link[s]] < len[s],
+    so link chains end at the root (a random gather, about 20 ns per state; the rest streams)."""
     n_states, n_edges, n_buf = states.shape[0], edges.shape[0], len(buf)
     if states[0, LEN] != 0 or states[0, LINK] != -1:
         return 1

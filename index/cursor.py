@@ -1,9 +1,8 @@
 """One pointer per index structure: where the text so far matches a store, and what follows.
 
 A cursor follows a growing text (the prompt, then each step's committed tokens) over a structure
-that does not change meanwhile: a suffix automaton, a suffix array, a sharded store of either, an
-n-gram table. The drafters (sam, adaptive, rest) ask it, for the pending token t0, how long the
-match would be and what continues it, without moving it. Every cursor answers the same calls:
+that does not change meanwhile; the drafters ask it, for the pending token t0, how long the match
+would be and what continues it, without moving it. Every cursor answers the same calls:
 
     reset(context)            start: match the longest suffix of context ([k] int tokens)
     advance(tokens)           follow the committed tokens ([k] int)
@@ -29,9 +28,8 @@ and, for the compiled drafting kernels, the flat arrays and state to start from:
                               a peeked match: its suffix array's kernel arrays and range
                               (valid until the cursor moves)
 
-The moves are one compiled call each, so a step costs no Python per token. Structures that grow
-while a cursor reads them (the dynamic automaton over prompt + output) keep their own (state,
-length) instead.
+Each move is one compiled call. A structure that grows while read (the dynamic automaton over
+prompt + output) keeps its own (state, length) instead.
 """
 from __future__ import annotations
 

@@ -11,11 +11,9 @@ Layout (all integers little-endian):
     then       blobs            one per array, each starting at a multiple of ALIGN bytes;
                                 the file ends exactly where the last blob ends
 
-The header holds what the caller passed to `write_store` plus two keys owned by this module:
-`format_version` and `arrays`, a map name -> {dtype, shape, offset, length, raw_length, codec,
-checksum}. `dtype` is a little-endian numpy type string ("<i4"); `length` is the stored size,
-`raw_length` the size once decoded; `codec` is "raw" or "zstd"; `checksum` is zlib.crc32 of the
-stored bytes.
+The header holds the caller's keys plus this module's `format_version` and `arrays`: name ->
+{dtype (little-endian numpy string, "<i4"), shape, offset, length (stored), raw_length (decoded),
+codec ("raw" or "zstd"), checksum (zlib.crc32 of the stored bytes)}.
 
 Reading treats the file as untrusted: every failed check raises a one-line `StoreError`, and
 nothing else escapes `read_store`. Raw blobs are memory-mapped read-only; their checksums are
