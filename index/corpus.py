@@ -270,11 +270,8 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
         raise UserError(f"reading {path} needs pyarrow: pip install pyarrow") from err
     try:
         batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
-        row = 0
-        for batch in batches:
-            for record in batch.to_pylist():
-                row += 1
-                yield f"{path} row {row}", record
+        for row, record in enumerate(itertools.chain.from_iterable(b.to_pylist() for b in batches), 1):
+            yield f"{path} row {row}", record
     except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
         raise UserError(f"cannot read {path} as Parquet ({err}): check the file") from err
 

@@ -259,15 +259,15 @@ class NgramTable:
             raise UserError(f"{len(tokens)} tokens overflow int32 counts: split the corpus")
         parts = [_group(tokens, list(_positions(tokens, doc_offsets, n)), n, config)
                  for n in range(1, config.max_n + 1)]
-        sizes = np.array([len(p[0]) for p in parts], dtype=np.int64)
+        keys, ctx, offsets, nxt, counts, totals = zip(*parts)  # each: one array per order
+        sizes = np.array([len(k) for k in keys], dtype=np.int64)
         order_start = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         ctx_start = np.concatenate([[0], np.cumsum(sizes * np.arange(1, config.max_n + 1))]).astype(np.int64)
-        entry_base = np.concatenate([[0], np.cumsum([len(p[3]) for p in parts])]).astype(np.int64)
-        offsets = np.concatenate([[0]] + [p[2][1:] + entry_base[i] for i, p in enumerate(parts)]).astype(np.int64)
-        arrays = {"keys": np.concatenate([p[0] for p in parts]), "ctx": np.concatenate([p[1] for p in parts]),
-                  "order_start": order_start, "ctx_start": ctx_start, "offsets": offsets,
-                  "next": np.concatenate([p[3] for p in parts]), "counts": np.concatenate([p[4] for p in parts]),
-                  "totals": np.concatenate([p[5] for p in parts]),
+        entry_base = np.concatenate([[0], np.cumsum([len(t) for t in nxt])]).astype(np.int64)
+        offsets = np.concatenate([[0]] + [o[1:] + entry_base[i] for i, o in enumerate(offsets)]).astype(np.int64)
+        arrays = {"keys": np.concatenate(keys), "ctx": np.concatenate(ctx), "order_start": order_start,
+                  "ctx_start": ctx_start, "offsets": offsets, "next": np.concatenate(nxt),
+                  "counts": np.concatenate(counts), "totals": np.concatenate(totals),
                   "config": np.array([config.max_n, config.min_count, config.top_k], dtype=np.int64)}
         return cls(arrays, config)
 
