@@ -22,8 +22,8 @@ the target model verifies every draft (a flipped bit can slow decoding, not chan
 structure loaders still bound every index). Compressed blobs are read in full, so always checked.
 
 Writing is atomic: a temporary file `<name>.tmp<pid>.<random>` beside the output, fsync, then
-`os.replace`; each write first removes its output's temporaries whose writer (by pid, on this
-machine) no longer runs.
+`os.replace`; an error or Ctrl-C leaves the previous file (or none) and no temporary file. Each
+write first removes its output's temporaries left by killed writers (pid not running, on this machine).
 
 This module does not know what the arrays mean, which kinds of datastore exist, or tokenizers.
 """
