@@ -578,10 +578,8 @@ def _validate(states: np.ndarray, edges: np.ndarray, slots: np.ndarray, buf: np.
               check_links: bool) -> None:
     n_states, n_edges, n_slots, n_buf = len(states), len(edges), len(slots), len(buf)
     _check(meta.shape == (N_META,), f"meta has shape {meta.shape}")
-    _check(
-        (meta[M_STATES], meta[M_EDGES], meta[M_BUF]) == (n_states, n_edges, n_buf),
-        "meta counters disagree with the array lengths",
-    )
+    _check((meta[M_STATES], meta[M_EDGES], meta[M_BUF]) == (n_states, n_edges, n_buf),
+           "meta counters disagree with the array lengths")
     _check(n_states >= 1, "no root state")
     _check(0 <= meta[M_LAST] < n_states, "last state out of range")
     _check(n_slots >= 2 * n_edges and n_slots > 0 and n_slots & (n_slots - 1) == 0, "hash table size")
