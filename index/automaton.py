@@ -36,9 +36,6 @@ import numpy as np
 from numba import njit
 
 from samctl.index.errors import UserError
-
-# The layout constants (columns of `states` and `edges`, entries of `meta`) live in a numba-free
-# module so that reading a store's header and array shapes (`samctl info`) does not load numba.
 from samctl.index.automaton_layout import (COUNT, E_DST, E_NEXT, E_SRC, E_TOK, EDGE_DST, EDGE_TOK, FIRST_END, HEAD,
                                     LAST_END, LEN, LINK, M_BUF, M_DOC_OPEN, M_DOCS, M_EDGES, M_LAST,
                                     M_ROOT_DEGREE, M_STATES, M_TOKENS, N_EDGE_COLS, N_META, N_STATE_COLS, SEP, edge_count)
@@ -49,7 +46,6 @@ _HASH_MUL = np.uint64(0x9E3779B97F4A7C15)
 
 # ---------------------------------------------------------------------------------------------
 # Kernels: transitions
-# ---------------------------------------------------------------------------------------------
 
 
 @njit(cache=True, inline="always")
@@ -62,7 +58,7 @@ def _hash_slot(state, token, mask):
 
 @njit(cache=True)
 def _find(states, edges, slots, state, token):
-    """Destination of the edge state --token-->, or -1. O(1) expected."""
+    # -> destination of the edge state --token-->, or -1. O(1) expected.
     if token < 0:
         return -1
     if states[state, EDGE_TOK] == token:
@@ -82,7 +78,6 @@ def _find(states, edges, slots, state, token):
 
 @njit(cache=True)
 def _redirect(states, edges, slots, state, token, dst):
-    """Point the existing edge state --token--> at dst."""
     if states[state, EDGE_TOK] == token:
         states[state, EDGE_DST] = dst
         return
@@ -115,7 +110,7 @@ def _rehash(edges, n_edges, n_slots):
 
 @njit(cache=True)
 def _add_edge(states, edges, slots, meta, state, token, dst):
-    """Add the edge state --token--> dst (absent before). Capacity was reserved by the caller."""
+    # the edge is absent before; the caller reserved capacity
     if state == 0:
         meta[M_ROOT_DEGREE] += 1
     if states[state, EDGE_TOK] < 0:
@@ -139,7 +134,6 @@ def _add_edge(states, edges, slots, meta, state, token, dst):
 # the Python side grows the arrays and resumes. One token adds at most 2 states and at most
 # len[last] + 1 (suffix-link walk, lengths strictly decrease) + out-degree of the root (a
 # clone copies a state's out-edges, and no state has more than the root) + 1 edges.
-# ---------------------------------------------------------------------------------------------
 
 
 @njit(cache=True)
@@ -164,11 +158,8 @@ def _new_state(states, meta, length, link, end):
 
 @njit(cache=True)
 def _clone(states, edges, slots, meta, q, length, online):
-    """New state with q's link, first end and out-edges, and the given length.
-
-    Online (incremental) counts are totals, so the clone copies q's count and last end (its
-    end positions so far are q's); offline counts are own counts, so the clone starts empty.
-    """
+    # Online (incremental) counts are totals, so the clone copies q's count and last end (its
+    # end positions so far are q's); offline counts are own counts, so the clone starts empty.
     c = _new_state(states, meta, length, states[q, LINK], states[q, FIRST_END])
     if online:
         states[c, COUNT] = states[q, COUNT]
@@ -197,12 +188,9 @@ def _split(states, edges, slots, meta, p, token, q, online):
 
 @njit(cache=True)
 def _sam_add(states, edges, slots, meta, last, token, pos, online):
-    """Generalized-SAM extension of state `last` by `token`, which sits at buffer position pos.
-
-    Returns the state of the extended prefix. When the transition already exists (the prefix
-    occurred before, possibly in another document) no new state is made, except a clone when
-    the existing target is longer than len[last]+1.
-    """
+    """Generalized-SAM extension of state `last` by `token` (at buffer position pos) -> the
+    extended prefix's state. An existing transition (the prefix occurred before, possibly in
+    another document) makes no new state, except a clone when its target is longer than len[last]+1."""
     q = _find(states, edges, slots, last, token)
     if q >= 0:
         if states[last, LEN] + 1 == states[q, LEN]:
@@ -230,16 +218,13 @@ def _insert(states, edges, slots, buf, meta, tokens, doc_offsets, d, i, close_do
     """Insert tokens[doc_offsets[d]:] document by document from token i; returns (d, i) where it
     stopped: d == len(doc_offsets) - 1 when done, else the arrays need room first.
 
-    pointer: [state, length] of a match to move over each token *before* it is inserted, so it
-    stays an earlier occurrence (SAM-Decoding's dynamic pointer); an empty array for none.
-
-    close_docs: end each document (separator, next one starts at the root); otherwise the
-    tokens continue the open document. online: keep counts and last ends exact after every
-    token by walking the new state's suffix-link chain (O(chain) per token: short on natural
-    text, linear in a long run of one repeated token); offline: own counts, for
-    `_propagate_offline`. own (non-empty: appending to an automaton whose counts are totals):
-    count[s] stays the total of the old documents (a clone copies it, as online) and the new end
-    positions at s itself go to own[s], for `_propagate_appended`.
+    pointer: [state, length] of a match moved over each token *before* it is inserted, so it stays
+    an earlier occurrence (SAM-Decoding's dynamic pointer); empty for none. close_docs: end each
+    document (separator; the next starts at the root). online: keep counts and last ends exact
+    after every token by walking the new state's suffix-link chain (short on natural text, linear
+    in a run of one repeated token); offline: own counts, for `_propagate_offline`. own (non-empty
+    when appending to totals): count[s] keeps the old total (a clone copies it, as online) and the
+    new end positions at s go to own[s], for `_propagate_appended`.
     """
     n_docs = len(doc_offsets) - 1
     while d < n_docs:
@@ -286,10 +271,8 @@ def _insert(states, edges, slots, buf, meta, tokens, doc_offsets, d, i, close_do
 
 @njit(cache=True, nogil=True)  # releases the GIL: `samctl build` reports progress meanwhile
 def _propagate_offline(states, n_states):
-    """Own counts/last ends -> totals: add each state into its link by decreasing length.
-
-    Invariant used: len[link[s]] < len[s], so a counting sort by length orders children first.
-    """
+    """Own counts/last ends -> totals: add each state into its link by decreasing length
+    (len[link[s]] < len[s], so a counting sort by length orders children first)."""
     max_len = 0
     for s in range(n_states):
         max_len = max(max_len, states[s, LEN])
@@ -312,13 +295,9 @@ def _propagate_offline(states, n_states):
 
 @njit(cache=True)
 def _propagate_appended(states, own, n_states):
-    """Add the end positions an append created to the counts and latest ends of the states above.
-
-    own[s]: new end positions at s itself (from `_insert` with own). A state's new total is
-    own[s] plus its children's in the suffix-link tree, so only the link-ancestors of states with
-    own > 0 change: they are collected (each once) and summed children first, by decreasing
-    length (len[link[s]] < len[s]). count[s] held the old total already, clones included.
-    """
+    """Add an append's new end positions (own[s]: at s itself, from `_insert`) to the counts and
+    latest ends above them: only the link-ancestors of states with own > 0 change; they are
+    collected once each and summed children first, by decreasing length (len[link[s]] < len[s])."""
     visited = np.zeros(n_states, dtype=np.uint8)
     union = np.empty(n_states, dtype=np.int32)
     m = 0
@@ -355,16 +334,12 @@ def _propagate_appended(states, own, n_states):
 
 # ---------------------------------------------------------------------------------------------
 # Kernels: queries (pure; callable directly by decoders on `SuffixAutomaton.kernel_arrays`)
-# ---------------------------------------------------------------------------------------------
 
 
 @njit(cache=True)
 def sam_step(states, edges, slots, state, length, token):
-    """Match (state, length) of text s -> match of s + token.
-
-    Follows suffix links until a transition on token exists; the new length is
-    min(length, len[state]) + 1 at that state, or (0, 0) at the root.
-    """
+    """Match (state, length) of text s -> match of s + token: min(length, len[state]) + 1 at the
+    first state on the suffix-link chain with a transition on token, or (0, 0)."""
     for _ in range(states.shape[0]):  # a cap for corrupt links; valid chains are shorter
         d = _find(states, edges, slots, state, token)
         if d >= 0:
@@ -378,7 +353,6 @@ def sam_step(states, edges, slots, state, length, token):
 
 @njit(cache=True)
 def sam_walk(states, edges, slots, state, length, tokens):
-    """Fold sam_step over tokens from the match (state, length)."""
     for token in tokens:
         state, length = sam_step(states, edges, slots, state, length, token)
     return state, length
@@ -399,8 +373,8 @@ def sam_continuation_span(states, buf, n_buf, state, n, end_col):
 
 @njit(cache=True)
 def sam_topk_children(states, edges, state, k, out_tok, out_dst):
-    """Write the (up to) k out-edges of state with the largest destination counts into out_*,
-    by count descending then token ascending; returns how many. O(degree * k)."""
+    """The (up to) k out-edges of state with the largest destination counts, into out_*, by count
+    descending then token ascending; returns how many. O(degree * k)."""
     m = 0
     e = -2  # -2: the inline edge next, then the chain
     while True:
@@ -467,17 +441,12 @@ def sam_span_state(states, state, length, span):
 
 @njit(cache=True)
 def sam_frequent_tree(states, edges, slots, state, num_nodes, max_depth):
-    """Top continuation prefixes below `state` by occurrence count, best first (REST's tree).
+    """Top continuation prefixes below `state` by occurrence count, best first (REST's tree):
+    (tokens [m] int32, parents [m] int32), m <= num_nodes, parents[i] < i, -1 = child of the root.
 
-    The count of prefix p is the occurrence count of the state reached from `state` by p (every
-    path spells s + p, whose end positions are that state's), and a child never outnumbers its
-    parent: taking candidates best first, a node's children pushed when it is taken, yields
-    exactly the top prefixes by count.
-
-    states/edges/slots: a suffix automaton's kernel arrays. Candidates are (state, token, parent node,
-    depth) keyed by count; ties go to the earlier-pushed one. Returns (tokens [m] int32,
-    parents [m] int32) with m <= num_nodes, parents[i] < i, -1 = child of the root.
-    """
+    A prefix p's count is that of the state reached from `state` by p, and a child never outnumbers
+    its parent: taking candidates best first (ties: the earlier pushed), a node's children pushed
+    when it is taken, yields exactly the top prefixes by count."""
     out_tok = np.empty(num_nodes, dtype=np.int32)
     out_par = np.empty(num_nodes, dtype=np.int32)
     cap = num_nodes * (num_nodes + 1)  # each taken node (and the root) pushes <= num_nodes children
@@ -518,7 +487,6 @@ def sam_frequent_tree(states, edges, slots, state, num_nodes, max_depth):
 
 # ---------------------------------------------------------------------------------------------
 # Validation of untrusted arrays
-# ---------------------------------------------------------------------------------------------
 
 _I32 = np.dtype("<i4")
 _I64 = np.dtype("<i8")
@@ -559,14 +527,10 @@ _PROBLEMS = (
 
 @njit(cache=True)
 def _check_kernel(states, edges, slots, buf, links):
-    """0 if the arrays are safe for every kernel, else an index into _PROBLEMS. One pass each.
-
-    Safety argument: every index a kernel follows is range-checked here; edge chains end because
-    next < own index; hash probes end because at least one slot is empty (the entry count equals
-    the edge count < #slots); suffix-link walks (`sam_step`) are capped at #states iterations.
-    With `links`, also len[link[s]] < len[s], so link chains end at the root; that check is a
-    random gather over all states (about 20 ns per state), the rest streams.
-    """
+    """0 if the arrays are safe for every kernel, else an index into _PROBLEMS: every index a kernel
+    follows is range-checked; edge chains end (next < own index); hash probes end (entries = edges
+    < slots); suffix-link walks are capped at #states. With `links`, also len[link[s]] < len[s],
+    so link chains end at the root (a random gather, about 20 ns per state; the rest streams)."""
     n_states, n_edges, n_buf = states.shape[0], edges.shape[0], len(buf)
     if states[0, LEN] != 0 or states[0, LINK] != -1:
         return 1
@@ -612,13 +576,10 @@ def _check_kernel(states, edges, slots, buf, links):
 
 def _validate(states: np.ndarray, edges: np.ndarray, slots: np.ndarray, buf: np.ndarray, meta: np.ndarray,
               check_links: bool) -> None:
-    """Make every kernel read in bounds and terminate on these (untrusted) arrays."""
     n_states, n_edges, n_slots, n_buf = len(states), len(edges), len(slots), len(buf)
     _check(meta.shape == (N_META,), f"meta has shape {meta.shape}")
-    _check(
-        (meta[M_STATES], meta[M_EDGES], meta[M_BUF]) == (n_states, n_edges, n_buf),
-        "meta counters disagree with the array lengths",
-    )
+    _check((meta[M_STATES], meta[M_EDGES], meta[M_BUF]) == (n_states, n_edges, n_buf),
+           "meta counters disagree with the array lengths")
     _check(n_states >= 1, "no root state")
     _check(0 <= meta[M_LAST] < n_states, "last state out of range")
     _check(n_slots >= 2 * n_edges and n_slots > 0 and n_slots & (n_slots - 1) == 0, "hash table size")
@@ -628,7 +589,6 @@ def _validate(states: np.ndarray, edges: np.ndarray, slots: np.ndarray, buf: np.
 
 # ---------------------------------------------------------------------------------------------
 # The stateful wrapper
-# ---------------------------------------------------------------------------------------------
 
 
 class KernelArrays(NamedTuple):
@@ -651,7 +611,6 @@ def _pow2_at_least(n: int) -> int:
 
 
 def _grown(a: np.ndarray, used: int, need: int) -> np.ndarray:
-    """A copy of a[:used] with room for max(need, 1.5 x) rows."""
     out = np.empty((max(need, len(a) * 3 // 2),) + a.shape[1:], dtype=a.dtype)
     out[:used] = a[:used]
     return out
@@ -673,7 +632,7 @@ def checked_corpus(tokens: np.ndarray, doc_offsets: np.ndarray) -> tuple[np.ndar
 
 
 class SuffixAutomaton:
-    """Static (`build`) or incremental (`empty`) generalized suffix automaton; see the module doc."""
+    """Static (`build`) or incremental (`empty`); see the module doc."""
 
     def __init__(self, states, edges, slots, buf, meta, occurrence: str, static: bool) -> None:
         if occurrence not in OCCURRENCES:
@@ -690,14 +649,10 @@ class SuffixAutomaton:
     @classmethod
     def build(cls, tokens: np.ndarray, doc_offsets: np.ndarray, occurrence: str = "first",
               watch: Callable[["SuffixAutomaton"], ContextManager[Any]] | None = None) -> "SuffixAutomaton":
-        """Static automaton over documents tokens[doc_offsets[i]:doc_offsets[i+1]].
-
-        tokens: [n] int32 >= 0, all documents concatenated without separators
-        doc_offsets: [d+1] int64, non-decreasing, from 0 to n
-        Both first and latest end positions are computed, so either `occurrence` works.
-        `watch(sam)`, when given, is entered around the (GIL-free) kernels with the automaton
-        being built: another thread may read its `num_tokens` to report progress.
-        """
+        """Static automaton over documents tokens[doc_offsets[i]:doc_offsets[i+1]] (tokens [n]
+        int32 >= 0, doc_offsets [d+1] int64 rising from 0 to n); either `occurrence` works later.
+        `watch(sam)` is entered around the (GIL-free) kernels: another thread may read
+        `sam.num_tokens` to report progress."""
         tokens, doc_offsets = checked_corpus(tokens, doc_offsets)
         n = len(tokens)
         if n + len(doc_offsets) >= 2**30:
@@ -713,17 +668,13 @@ class SuffixAutomaton:
         return sam
 
     def appended(self, tokens: np.ndarray, doc_offsets: np.ndarray) -> "SuffixAutomaton":
-        """A new static automaton over this one's documents followed by documents
-        tokens[doc_offsets[i]:doc_offsets[i+1]] (same shapes as `build`), without re-reading
-        the old ones: equal, state for state, to `build` over all documents in that order.
+        """A new static automaton over this one's documents then the new ones (shapes as in
+        `build`), equal state for state to `build` over all of them, without re-reading the old.
 
-        The old arrays are copied once (they may be read-only memmaps) with room for the new
-        tokens; the new documents are then inserted exactly as `build` inserts them. The old
-        states already hold total counts, so a clone copies the total of the state it splits, the
-        new end positions are counted apart and then added along the suffix links above them,
-        each affected state once (`_propagate_appended`). Time: the copy, plus the new tokens,
-        plus the states whose counts change.
-        """
+        The old arrays (maybe read-only memmaps) are copied once with room for the new tokens. Old
+        states hold total counts, so a clone copies the total of the state it splits; the new end
+        positions are counted apart, then added along the suffix links above them
+        (`_propagate_appended`)."""
         tokens, doc_offsets = checked_corpus(tokens, doc_offsets)
         n = len(tokens)
         meta = self._meta.copy()
@@ -749,7 +700,6 @@ class SuffixAutomaton:
 
     @classmethod
     def empty(cls, capacity: int = 1024, occurrence: str = "first") -> "SuffixAutomaton":
-        """Incremental automaton with room for about `capacity` tokens before it regrows."""
         capacity = max(16, int(capacity))
         return cls._allocate(2 * capacity + 2, 2 * capacity, capacity + 2, occurrence, static=False)
 
@@ -766,7 +716,6 @@ class SuffixAutomaton:
 
     def _insert(self, tokens: np.ndarray, doc_offsets: np.ndarray, close_docs: bool, online: bool,
                 pointer: np.ndarray = _NO_POINTER, own: np.ndarray = _NO_OWN) -> None:
-        """Run the insertion kernel, growing the arrays whenever it stops for room."""
         d, i, n_docs = 0, 0, len(doc_offsets) - 1
         while True:
             d, i = _insert(self._states, self._edges, self._slots, self._buf, self._meta,
@@ -776,7 +725,6 @@ class SuffixAutomaton:
             self._reserve()
 
     def _reserve(self) -> None:
-        """Grow (x1.5 at least) whatever array cannot take one more token."""
         meta = self._meta
         n_states, n_edges, n_buf = int(meta[M_STATES]), int(meta[M_EDGES]), int(meta[M_BUF])
         need_edges = n_edges + int(_edge_headroom(self._states, meta))
@@ -790,7 +738,6 @@ class SuffixAutomaton:
             self._buf = _grown(self._buf, n_buf, n_buf + 2)
 
     def _growing(self, tokens: np.ndarray) -> np.ndarray:
-        """tokens as [k] int32 >= 0 for `extend`; a UserError on a static automaton or a negative id."""
         if self.static:
             raise UserError("this suffix automaton is static: use SuffixAutomaton.empty() to grow one")
         tokens = np.asarray(tokens, dtype=np.int32)
@@ -799,7 +746,6 @@ class SuffixAutomaton:
         return tokens
 
     def extend(self, tokens: np.ndarray) -> None:
-        """Append tokens ([k] int32 >= 0) to the current document."""
         tokens = self._growing(tokens)
         self._insert(tokens, np.array([0, len(tokens)], dtype=np.int64), close_docs=False, online=True)
 
@@ -816,36 +762,28 @@ class SuffixAutomaton:
         return int(pointer[0]), int(pointer[1])
 
     def end_document(self) -> None:
-        """Close the current document: the next `extend` starts a new one."""
         tokens = self._growing(np.zeros(0, dtype=np.int32))  # no tokens: the kernel only closes an open document
         self._insert(tokens, np.zeros(2, dtype=np.int64), close_docs=True, online=True)
 
     # -- queries -----------------------------------------------------------------------------
 
     def step(self, state: int, length: int, token: int) -> tuple[int, int]:
-        """Match (state, length) of a text -> the match of the text followed by token."""
         return sam_step(self._states, self._edges, self._slots, state, length, token)
 
     def match(self, tokens: np.ndarray) -> tuple[int, int]:
-        """Longest suffix of tokens ([k] int32) found in one document: (state, length)."""
         return sam_walk(self._states, self._edges, self._slots, 0, 0, np.asarray(tokens, dtype=np.int32))
 
     def walk(self, state: int, length: int, tokens: np.ndarray) -> tuple[int, int]:
-        """`step` over each of tokens ([k] int32) in one call."""
         return sam_walk(self._states, self._edges, self._slots, state, length, np.asarray(tokens, dtype=np.int32))
 
     def continuation(self, state: int, n: int) -> np.ndarray:
-        """Up to n tokens ([m] int32) after the first (or latest) occurrence of state.
-
-        Stops at the end of that document; empty for the root. A view into the token buffer:
-        copy it before modifying.
-        """
+        """Up to n tokens ([m] int32) after the first (or latest) occurrence of state, within its
+        document: a view into the token buffer, copy it before modifying."""
         start, stop = sam_continuation_span(self._states, self._buf, self._meta[M_BUF], state, n, self._end_col)
         return self._buf[start:stop]
 
     def topk_next(self, state: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """The k most frequent next tokens of state and their counts ([m] int32 each), by count
-        descending, then token ascending."""
+        """The k most frequent next tokens of state and their counts ([m] int32 each)."""
         return sam_topk_next(self._states, self._edges, state, k)
 
     def length(self, state: int) -> int:
@@ -868,7 +806,6 @@ class SuffixAutomaton:
 
     @property
     def num_edges(self) -> int:
-        """All transitions: inline first edges plus the chained ones."""
         return edge_count(self._states, self._meta)
 
     @property
@@ -888,7 +825,6 @@ class SuffixAutomaton:
     # -- arrays ------------------------------------------------------------------------------
 
     def to_arrays(self) -> dict[str, np.ndarray]:
-        """Trimmed arrays that fully describe the automaton (views where possible)."""
         meta = self._meta
         return {"states": self._states[: int(meta[M_STATES])], "edges": self._edges[: int(meta[M_EDGES])],
                 "slots": self._slots, "tokens": self._buf[: int(meta[M_BUF])], "meta": meta.copy()}
@@ -896,14 +832,12 @@ class SuffixAutomaton:
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray], occurrence: str = "first",
                     check_links: bool = True) -> "SuffixAutomaton":
-        """Static automaton over `to_arrays()` output (zero-copy; arrays may be read-only memmaps).
+        """Static automaton over `to_arrays()` output (zero-copy; may be read-only memmaps).
 
-        The arrays are untrusted: inconsistent ones raise UserError instead of letting a kernel
-        read out of bounds or loop forever. One streaming pass checks every index; check_links
-        adds len[link[s]] < len[s] for every state, a random gather that is most of the time on
-        a large store (~0.25 s at 8M tokens). Skipping it is safe: link walks are capped anyway,
-        and a bad link only yields bad drafts, which verification rejects.
-        """
+        The arrays are untrusted: inconsistent ones raise UserError. check_links adds
+        len[link[s]] < len[s], a random gather that is most of the load time (~0.25 s at 8M
+        tokens); skipping it is safe: link walks are capped, and a bad link only yields bad
+        drafts, which verification rejects."""
         states = _take(arrays, "states", _I32, 2, N_STATE_COLS)
         edges = _take(arrays, "edges", _I32, 2, N_EDGE_COLS)
         slots = _take(arrays, "slots", _I32, 1)

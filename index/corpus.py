@@ -2,36 +2,23 @@
 
 A document is a (source, text) pair; this module yields strings and never tokenizes. Inputs:
 
-- a folder: files read recursively in sorted order. By default the files whose extension is in
-  TEXT_EXTENSIONS (prose, markup and source code); `include` globs replace that list, `exclude`
-  globs remove files. Globs match the path relative to the folder or the file name (`*.py`,
-  `tests/*`). Hidden files and folders are skipped. A file that looks binary (a NUL byte in its
-  first 8 KiB) or is not UTF-8, a dangling symbolic link, and anything that is not a regular file
-  (a FIFO would block the read for ever, a device never ends) are skipped and listed, with the
-  reason, in `CorpusCounts.skipped`. Each file is one document; a selected
-  `.json`/`.jsonl`/`.parquet` file is read as records (below). A file named explicitly is read
-  whatever it is (`<(command)` is a FIFO).
+- a folder: its files, recursively in sorted order, hidden ones left out: those whose extension is
+  in TEXT_EXTENSIONS, or that `include` globs match, less those `exclude` globs match (a glob
+  matches the path relative to the folder or the file name). Binary, non-UTF-8 and non-regular
+  files (a FIFO would block the read for ever) are skipped and listed in `CorpusCounts.skipped`.
+  Each file is one document; a `.json`/`.jsonl`/`.parquet` file is read as records (below).
 - a `.json` file (a list of records, one record, or JSON lines), a `.jsonl` file (read line by
   line, never whole), a `.parquet` file: one document per record.
-- any other file named explicitly: one document, its UTF-8 text.
-- `hf:NAME[:SPLIT]` or `hf:NAME:CONFIG:SPLIT`: a Hugging Face dataset through `datasets` (split
-  `train` by default), or a folder written by `save_to_disk` passed as NAME.
-- `-`: standard input. When its first non-blank line is a JSON object, every non-blank line is a
-  record (JSON lines, read one at a time); otherwise the whole input is one plain-text document.
+- any other file named explicitly (`<(command)` is a FIFO): one document, its UTF-8 text.
+- `hf:NAME[:SPLIT]`, `hf:NAME:CONFIG:SPLIT`: a Hugging Face dataset (split `train` by default), or
+  a folder written by `save_to_disk` as NAME.
+- `-`: standard input: JSON lines when its first non-blank line is a JSON object, else one document.
 
-A record's text (`record_text`) comes from the fields named by the user when there are any
-(joined with newlines; absent or null ones are left out), or else from the first known shape:
-Spec-Bench `turns` (+ `reference`), chat `messages`/`conversations`, Alpaca
-`instruction`/`input`/`output` (or `response`), GSM8K `question`/`answer`, `prompt`/`completion`
-(or `response`), or `text`; a list is read as its items' text, nested lists flattened. Documents
-whose text is empty or blank are dropped and counted; a record whose field holds no text (a number
-list, a map without content) is left out and listed in `CorpusCounts.skipped_records`, with a note
-(the `samctl` logger) once the inputs are read, and the rest are read on.
-
-Read for prompts (`prompts=True`, `iter_prompts`: trainers that have a model answer them), a
-record becomes its user turns only (`record_turns`: Spec-Bench `turns`, the user messages of a
-chat, Alpaca `instruction` + `input`, GSM8K `question`, `prompt`, or `text`), with the record's
-own answer when its shape has one (`record_answer`), and a plain-text document is one turn.
+A record's text (`record_text`) comes from the fields the user names, else from the first known
+shape (_SHAPES). Blank documents are dropped and counted; a record whose field holds no text is
+left out and listed in `CorpusCounts.skipped_records`, with a warning once the inputs are read.
+Read for prompts (`iter_prompts`), a record becomes its user turns only (`record_turns`), with its
+own answer when its shape has one (`record_answer`).
 
 This module does not know tokenizers, token ids or store files.
 """
@@ -93,8 +80,6 @@ class NoText(UserError):
 
 
 class CorpusReader:
-    """Iterate the documents of several inputs, in order; see the module docstring."""
-
     def __init__(self, inputs: Iterable[str], include: Iterable[str] = (), exclude: Iterable[str] = (),
                  fields: Iterable[str] = (), stdin: TextIO | None = None, prompts: bool = False) -> None:
         self.inputs = list(inputs)
@@ -171,7 +156,6 @@ class CorpusReader:
         yield Document(str(path), text, (text,) if self.prompts else ())
 
     def _record(self, record: dict[str, Any], where: str) -> Document | None:
-        """The record's document, or None (counted) when a field it is read from holds no text."""
         try:
             if self.prompts:
                 turns = record_turns(record, self.fields, where)
@@ -182,11 +166,10 @@ class CorpusReader:
             return None
 
 
-def iter_prompts(inputs: Iterable[str], include: Iterable[str] = (), exclude: Iterable[str] = (),
-                 fields: Iterable[str] = (), stdin: TextIO | None = None) -> Iterator[Document]:
+def iter_prompts(inputs: Iterable[str], fields: Iterable[str] = ()) -> Iterator[Document]:
     """The prompts of `inputs`: documents whose `turns` are a record's user turns (a plain-text
     document is one turn)."""
-    return iter(CorpusReader(inputs, include, exclude, fields, stdin, prompts=True))
+    return iter(CorpusReader(inputs, fields=fields, prompts=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,7 +177,6 @@ def iter_prompts(inputs: Iterable[str], include: Iterable[str] = (), exclude: It
 
 
 def _walk(top: Path) -> Iterator[Path]:
-    """Files under `top` in sorted depth-first order, hidden files and folders left out."""
     for directory, subdirs, files in os.walk(top):
         subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
         for name in sorted(files):
@@ -218,7 +200,6 @@ def _not_regular(path: Path) -> str | None:
 
 
 def _read_text(path: Path) -> str | None:
-    """The file's text, or None when it looks binary or is not UTF-8."""
     try:
         data = path.read_bytes()
     except OSError as err:
@@ -232,7 +213,6 @@ def _read_text(path: Path) -> str | None:
 
 
 def _read_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(where, record) pairs; `where` names the file and line or record number."""
     if path.suffix.lower() == ".parquet":
         return _parquet_records(path)
     if path.suffix.lower() == ".jsonl":
@@ -253,7 +233,6 @@ def _read_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def _file_lines(path: Path) -> Iterator[str]:
-    """The lines of a UTF-8 text file, read one at a time (a JSON lines file can be large)."""
     try:
         with open(path, "rb") as probe:
             if b"\0" in probe.read(_BINARY_PROBE):
@@ -291,11 +270,8 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
         raise UserError(f"reading {path} needs pyarrow: pip install pyarrow") from err
     try:
         batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
-        row = 0
-        for batch in batches:
-            for record in batch.to_pylist():
-                row += 1
-                yield f"{path} row {row}", record
+        for row, record in enumerate(itertools.chain.from_iterable(b.to_pylist() for b in batches), 1):
+            yield f"{path} row {row}", record
     except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
         raise UserError(f"cannot read {path} as Parquet ({err}): check the file") from err
 
@@ -305,7 +281,7 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def _stdin_documents(stream: TextIO, convert: Callable[[dict[str, Any], str], Document | None]) -> Iterator[Document | None]:
-    """JSON lines are read one at a time; plain text is one document (its lines joined by \\n)."""
+    # plain text is one document, its lines joined by \n
     try:
         head: list[str] = []
         for line in stream:
@@ -378,7 +354,6 @@ def _saved_to_disk(path: Path) -> bool:
 
 
 def record_text(record: dict[str, Any], fields: tuple[str, ...], where: str) -> str:
-    """The text of one record: the named `fields`, or else the first known shape."""
     if fields:
         present = [f for f in fields if record.get(f) is not None]
         if not present:
@@ -409,8 +384,8 @@ _SHAPES: tuple[tuple[tuple[str, ...], ...], ...] = (
 
 
 def record_turns(record: dict[str, Any], fields: tuple[str, ...], where: str) -> tuple[str, ...]:
-    """The user turns of one record (what a model is asked, never the answers): the named
-    `fields` as one turn, or else the first known prompt shape."""
+    """The user turns of one record (never the answers): the named `fields` as one turn, or else
+    the first known prompt shape."""
     if fields:
         return (record_text(record, fields, where),)
     if record.get("turns") is not None:
@@ -475,7 +450,6 @@ def _field_text(value: Any, name: str, where: str) -> str:
 
 
 def _item_text(item: Any, name: str, where: str) -> str:
-    """A list element: a string, a list of them (flattened), or a chat message {role/from, content/value}."""
     if isinstance(item, str):
         return item
     if isinstance(item, list):

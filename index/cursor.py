@@ -1,9 +1,8 @@
 """One pointer per index structure: where the text so far matches a store, and what follows.
 
 A cursor follows a growing text (the prompt, then each step's committed tokens) over a structure
-that does not change meanwhile: a suffix automaton, a suffix array, a sharded store of either, an
-n-gram table. The drafters (sam, adaptive, rest) ask it, for the pending token t0, how long the
-match would be and what continues it, without moving it. Every cursor answers the same calls:
+that does not change meanwhile; the drafters ask it, for the pending token t0, how long the match
+would be and what continues it, without moving it. Every cursor answers the same calls:
 
     reset(context)            start: match the longest suffix of context ([k] int tokens)
     advance(tokens)           follow the committed tokens ([k] int)
@@ -29,9 +28,8 @@ and, for the compiled drafting kernels, the flat arrays and state to start from:
                               a peeked match: its suffix array's kernel arrays and range
                               (valid until the cursor moves)
 
-The moves are one compiled call each (the same kernels as before cursors existed); each cursor is
-a few attributes, so a step costs no Python per token. Structures that grow while a cursor reads
-them (the dynamic automaton over prompt + output) keep their own (state, length) instead.
+Each move is one compiled call. A structure that grows while read (the dynamic automaton over
+prompt + output) keeps its own (state, length) instead.
 """
 from __future__ import annotations
 
@@ -44,8 +42,6 @@ from samctl.index.suffix_array import MAX_MATCH, SuffixArray, follow_state, sa_f
 
 
 class _AutomatonTree:
-    """What both automaton cursors share: `tree` over the arrays of `at(handle)`."""
-
     max_match = None
 
     def tree(self, handle, length: int, span: int, num_nodes: int, max_depth: int) -> tuple[np.ndarray, np.ndarray]:
@@ -148,10 +144,9 @@ class NgramCursor:
 
 class SuffixArrayCursor:
     """The match of the text in a suffix array and the text's last MAX_MATCH tokens' keys (a
-    broken match is searched again over them: a suffix array has no links), moved by one compiled
-    call a step: `advance` only holds the committed tokens, the next `peek` follows them and then
-    steps over t0 (between two steps a model's forward leaves every cache cold, and each call
-    into Python, numpy or numba then costs some 10 µs). A handle is valid until the cursor moves."""
+    broken match is searched again over them: a suffix array has no links). `advance` only holds
+    the committed tokens; the next `peek` follows them and steps over t0 in one compiled call
+    (after a model's forward every cache is cold, and each call costs some 10 µs)."""
 
     max_match = None  # a match grows without bound; only its re-search after a break is capped
 
@@ -202,9 +197,7 @@ _NONE = np.zeros(0, dtype=np.int64)
 
 class ShardedSuffixArrayCursor:
     """One suffix-array cursor per shard; a peek answers from the shard with the longest match, the
-    lowest on ties (the earliest occurrence, as one suffix array over all shards gives). A handle
-    is (shard, that shard's handle). One kernel call per shard and move: suffix arrays have no
-    tuple-of-shards kernel as automata do (ShardedCursor)."""
+    lowest on ties (the earliest occurrence). A handle is (shard, that shard's handle)."""
 
     max_match = None
 
@@ -245,5 +238,4 @@ _CURSORS = {SuffixAutomaton: AutomatonCursor, ShardedAutomaton: ShardedCursor, N
 
 
 def cursor(structure: Structure) -> Cursor:
-    """The cursor of a store's structure, at the start of an empty text."""
     return _CURSORS[type(structure)](structure)

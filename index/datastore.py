@@ -1,17 +1,10 @@
-"""Datastores on disk: a suffix automaton or n-gram table plus what it was built from.
+"""Datastores on disk: a structure of one kind (index/kinds.py) plus its `StoreMeta`, in a `.sam` file.
 
-`save_datastore` writes a structure and its `StoreMeta` (tokenizer identity, build config, corpus
-statistics) to a `.sam` store file; `read_meta` and `structure_counts` read what a store holds
-without loading it (`samctl info`); `load_single` reads one back, validates the header fields
-and the structure's arrays (both untrusted), and checks that every token id the structure can
-draft is below the recorded vocabulary size, so a corrupt store cannot feed the model an id it
-does not have. `Datastore.lookup` is the kind-independent query: longest matching suffix, its
-count, a continuation and the most frequent next tokens.
-
-Header keys written here (besides the store format's own): `kind`, `created_by`, `tokenizer`
-{name, fingerprint, vocab_size, eos_token_id}, `build` (BuildConfig) and `corpus` (CorpusStats);
-optionally `written_by` {text: text}, for a store over a model's own outputs (`samctl distill`):
-which model wrote the documents and how.
+The header is untrusted: `parse_meta` type-checks every field, and `load_single` checks that every
+token id the structure can draft is below the recorded vocabulary size, so a corrupt store cannot
+feed the model an id it does not have. Header keys written here (besides the store format's own):
+`kind`, `created_by`, `tokenizer`, `build`, `corpus` and, for a store over a model's own outputs
+(`samctl distill`), `written_by`.
 
 This module does not know text, tokenizers (only their recorded name and fingerprint), corpora
 formats or the command line.
@@ -36,8 +29,8 @@ if TYPE_CHECKING:
     from samctl.index.automaton import SuffixAutomaton
     from samctl.index.ngram import NgramTable
 
-# The structures' modules (and numba with them) are imported where a structure is built or
-# loaded (index/kinds.py), not here: reading a store's header (`read_meta`, `samctl info`) stays light.
+# The structures' modules (and numba with them) are imported in index/kinds.py, not here: reading a
+# store's header (`samctl info`) stays light.
 Structure = Union["SuffixAutomaton", "NgramTable"]
 _REBUILD = "rebuild it with samctl build"
 
@@ -74,7 +67,7 @@ class BuildConfig:
         return NgramConfig(max_n=self.max_n, min_count=self.min_count, top_k=self.top_k)
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+        return _as_dict(self)
 
     def settings(self) -> dict[str, Any]:
         """`to_dict` without the settings of the other kind (an automaton has no n-gram sizes)."""
@@ -101,7 +94,11 @@ class CorpusStats:
         object.__setattr__(self, "inputs", tuple(self.inputs))
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+        return _as_dict(self)
+
+
+def _as_dict(config: Any) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}
 
 
 @dataclass(frozen=True)
@@ -127,8 +124,6 @@ class StoreMeta:
 
 @dataclass(frozen=True)
 class Datastore:
-    """A loaded store: its structure, metadata and file facts."""
-
     path: str
     kind: str
     structure: Structure
@@ -157,8 +152,7 @@ class Datastore:
                             "rebuild it with `samctl build --kind ngram`")
         return self.structure
 
-    def verify(self) -> None:
-        """Check every blob's checksum (raw ones are not checked on load)."""
+    def verify(self) -> None:  # raw blobs are not checked on load
         self.file.verify()
 
     def lookup(self, context: np.ndarray, n: int, k: int = 8) -> Lookup:
@@ -187,7 +181,6 @@ class DirectoryStore:
 
 def save_datastore(path: str | os.PathLike, structure: Structure, meta: StoreMeta,
                    compress: bool | None = None) -> None:
-    """Write structure + meta atomically; `compress` defaults to meta.build.compress."""
     if KINDS[meta.build.kind].directory:
         raise ValueError(f"a {meta.build.kind} store is a directory its builder writes, not a store file")
     compress = meta.build.compress if compress is None else compress
@@ -195,7 +188,7 @@ def save_datastore(path: str | os.PathLike, structure: Structure, meta: StoreMet
 
 
 def load_single(path: str | os.PathLike, verify: bool = False, occurrence: str = "first") -> Datastore:
-    """Read and validate one `.sam` file (samctl.index.load.load_datastore also opens directories)."""
+    """Read and validate one `.sam` file (index/load.py's `load_datastore` opens any store)."""
     store, meta = read_meta(path, verify=verify)
     arrays = store.arrays
     kind = KINDS[meta.build.kind]
@@ -210,20 +203,14 @@ def load_single(path: str | os.PathLike, verify: bool = False, occurrence: str =
 
 
 def read_meta(path: str | os.PathLike, verify: bool = False) -> tuple[StoreFile, StoreMeta]:
-    """The store file and its validated header, without loading (or validating) the structure:
-    what `samctl info` shows. `samctl.index.load.load_datastore` is the way to use a store."""
+    """The store file and its validated header, without loading the structure (`samctl info`)."""
     store = read_store(path, verify=verify)
     return store, parse_meta(store.header, store.path)
 
 
 def structure_counts(store: StoreFile, kind: str) -> dict[str, int]:
-    """The size of a store's structure from its arrays' shapes and counters, without loading (or
-    validating) it: an automaton's states and edges, an n-gram table's contexts and entries."""
+    """The size of a store's structure from its arrays' shapes and counters, without loading it."""
     return KINDS[kind].file_counts(store.arrays)
-
-
-# ---------------------------------------------------------------------------------------------
-# header validation: the header is untrusted, every field is type-checked
 
 
 def parse_meta(header: dict[str, Any], name: str) -> StoreMeta:
@@ -259,7 +246,6 @@ _FIELD_TYPES = {"str": str, "int": int, "bool": bool, "tuple[str, ...]": list, "
 
 
 def _dataclass_from(cls, data: Any, what: str, bad) -> Any:
-    """Build a config dataclass from a header map, checking every field's type."""
     types = {f.name: _FIELD_TYPES[f.type] for f in dataclasses.fields(cls)}
     values = _typed_map(data, what, types, bad)
     for key, value in values.items():
@@ -291,7 +277,6 @@ def _typed_map(data: Any, what: str, types: dict[str, Any], bad) -> dict[str, An
 
 
 def _check_token_range(name: str, meta: StoreMeta, arrays: dict[str, np.ndarray]) -> None:
-    """Every id a draft can contain must be a valid id for the recorded vocabulary."""
     columns = KINDS[meta.build.kind].token_columns(arrays)
     highest = max((int(c.max()) for c in columns if len(c)), default=-1)
     if highest >= meta.vocab_size:

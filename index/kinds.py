@@ -1,41 +1,23 @@
 """The table of store kinds: a new index structure is one module plus one entry in KINDS.
 
-Every structure answers the same calls, whatever its kind:
-
-    lookup(structure, context, n, k) -> Lookup   longest suffix of context ([m] int32) stored, its
-                                                  count, up to n tokens after it, top-k next tokens
-    counts(structure) -> {name: int}             its size, for `samctl info` and the build summary
-                                                  (the names: the entry's count_names)
-    cursor(structure)                            the drafters' match pointer (index/cursor.py)
-
-and an entry says how a store of the kind is built, written and read:
-
-    build(tokens, doc_offsets, meta, options) -> structure
-        tokens [n] int32, doc_offsets [d+1] int64 (index/automaton.py's shapes). A file kind's
-        structure is then written by `save_datastore` as a `.sam` store file (its arrays:
-        `to_arrays`, read back by `from_arrays`); a directory kind writes options.path itself.
-    from_arrays(arrays, meta, occurrence, check) -> structure     file kinds
-    token_columns(arrays) -> [columns]   the arrays holding ids a draft can contain (checked < vocab)
-    file_counts(arrays) -> {name: int}   `counts` from a file's array shapes, without loading it
-    load(path, verify, occurrence) -> store                      directory kinds
-    files: the files a directory kind's store holds beside its manifest (they tell the kind when
-           the manifest is unreadable, so that the error advises rebuilding that kind)
-    grows: `--append-to` works (an automaton grows in place; a directory kind is rebuilt over
-           `structure.documents()` and the new documents)
-    sharded(structures, occurrence) -> structure   `--shards` works: the shards' structures
-           (whole-document runs in corpus order) queried as one (index/sharded.py)
+Every structure, whatever its kind, answers `lookup(structure, context, n, k) -> Lookup`,
+`counts(structure) -> {name: int}` (names: the entry's count_names) and has a drafters' cursor
+(index/cursor.py). A file kind's structure is written by `save_datastore` as a `.sam` store file
+(`to_arrays`, read back by `from_arrays`); a directory kind writes and reads its own directory.
+Sharded stores (index/sharded.py) are a layout of a kind with `sharded`, not a kind.
 
 The structures' modules (and numba with them) are imported inside the entries' functions, so
-that reading this table (`build --help`, `info`) stays light. Sharded stores (index/sharded.py)
-are a layout of a kind with `sharded`, not a kind.
+that reading this table (`build --help`, `info`) stays light.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
 import numpy as np
 
+from samctl.index.automaton_layout import E_TOK, EDGE_TOK, edge_count
 from samctl.index.lookup import Lookup
 from samctl.index.sa_layout import FILES as SA_FILES
 
@@ -56,16 +38,25 @@ class StoreKind:
     name: str
     label: str  # "suffix automaton"
     help: str  # what `build --kind` says of it
+    # (tokens [n] int32, doc_offsets [d+1] int64, meta, options) -> structure
     build: Callable[[np.ndarray, np.ndarray, Any, BuildOptions], Any]
     lookup: Callable[[Any, np.ndarray, int, int], Any]
-    counts: Callable[[Any], dict[str, int]]
+    counts: Callable[[Any], dict[str, int]]  # its size, for `samctl info` and the build summary
     count_names: tuple[str, ...]
-    from_arrays: Callable[..., Any] | None = None  # file kinds
+    # file kinds: (arrays, meta, occurrence, check) -> structure
+    from_arrays: Callable[..., Any] | None = None
+    # the arrays holding ids a draft can contain (checked < vocab)
     token_columns: Callable[[dict[str, np.ndarray]], list[np.ndarray]] | None = None
+    # `counts` from a file's array shapes, without loading it
     file_counts: Callable[[dict[str, np.ndarray]], dict[str, int]] | None = None
-    load: Callable[..., Any] | None = None  # directory kinds
-    files: tuple[str, ...] = ()  # directory kinds
+    load: Callable[..., Any] | None = None  # directory kinds: (path, verify, occurrence) -> store
+    # directory kinds: its files beside the manifest (they tell the kind when the manifest is
+    # unreadable, so that the error advises rebuilding that kind)
+    files: tuple[str, ...] = ()
+    # `--append-to` works (an automaton grows in place; a directory kind is rebuilt over
+    # `structure.documents()` and the new documents)
     grows: bool = False
+    # `--shards` works: (the shards' structures, whole-document runs in corpus order; occurrence)
     sharded: Callable[[list[Any], str], Any] | None = None
 
     directory = property(lambda self: self.load is not None)
@@ -73,8 +64,6 @@ class StoreKind:
 
 
 def _heartbeat(options: BuildOptions):
-    from contextlib import nullcontext
-
     return options.heartbeat(None) if options.heartbeat is not None else nullcontext()
 
 
@@ -108,14 +97,10 @@ def _sam_sharded(automata, occurrence):
 
 
 def _sam_columns(arrays):
-    from samctl.index.automaton_layout import E_TOK, EDGE_TOK
-
     return [arrays["tokens"], arrays["states"][:, EDGE_TOK], arrays["edges"][:, E_TOK]]
 
 
 def _sam_file_counts(arrays):
-    from samctl.index.automaton_layout import edge_count
-
     return {"states": len(arrays["states"]), "edges": edge_count(arrays["states"], arrays["meta"])}
 
 

@@ -1,7 +1,5 @@
 """Open any store: a `.sam` file (index/datastore.py), a sharded store directory (index/sharded.py)
-or a directory kind's store (index/kinds.py: `sa`, index/suffix_array.py).
-
-Its own module because sharded stores build on single ones: datastore.py knows nothing of shards.
+or a directory kind's store (index/kinds.py). Apart because datastore.py knows nothing of shards.
 """
 from __future__ import annotations
 
@@ -13,12 +11,8 @@ from samctl.index.kinds import KINDS, StoreKind
 
 
 def load_datastore(path: str | os.PathLike, verify: bool = False, occurrence: str = "first") -> Datastore:
-    """Read and validate a store; raises UserError (StoreError for the file) on any problem.
-
-    `occurrence` picks which occurrence a suffix automaton's continuations come from. A directory
-    with a shard list is a sharded store (index/sharded.py), returned as a ShardedDatastore with the
-    same queries.
-    """
+    """Read and validate a store; a UserError on any problem. `occurrence`: which occurrence a
+    suffix automaton's continuations come from."""
     if os.path.isdir(path):
         manifest = _manifest(path)
         kind = KINDS.get(str(manifest.get("kind"))) if manifest else _kind_by_files(path)

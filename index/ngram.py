@@ -37,7 +37,6 @@ _HASH_MUL = np.uint64(0x9E3779B97F4A7C15)
 
 # ---------------------------------------------------------------------------------------------
 # Kernels
-# ---------------------------------------------------------------------------------------------
 
 
 @njit(cache=True)
@@ -51,7 +50,7 @@ def _hash(tokens, start, n):
 
 @njit(cache=True)
 def _positions(tokens, doc_offsets, n):
-    """Every (context hash, next token, context start) with context and next in one document."""
+    # -> every (context hash, next token, context start) with context and next in one document
     total = 0
     for d in range(len(doc_offsets) - 1):
         total += max(0, doc_offsets[d + 1] - doc_offsets[d] - n)
@@ -78,7 +77,7 @@ def _same(ctx, a, b):
 
 @njit(cache=True)
 def _select(run_tok, run_cnt, r, min_count, top_k, out_next, out_counts, e):
-    """Append the kept runs (count >= min_count, best top_k by count desc, token asc) at e."""
+    # appends the kept runs (count >= min_count, best top_k by count desc, token asc) at e
     kept = 0
     for i in range(r):
         if run_cnt[i] >= min_count:
@@ -103,13 +102,9 @@ def _select(run_tok, run_cnt, r, min_count, top_k, out_next, out_counts, e):
 
 @njit(cache=True)
 def _count_order(keys, nxt, ctx, min_count, top_k):
-    """Group positions sorted by (key, [context,] next) into pruned contexts.
-
-    keys [p], nxt [p], ctx [p, n]: per position, already in sorted order (so this streams).
-    Returns (keys, ctx tokens, offsets, next, counts, totals, collided); collided means two
-    different contexts share a hash and interleave, and the caller re-sorts by the context
-    tokens too.
-    """
+    """Group positions sorted by (key, [context,] next) (keys [p], nxt [p], ctx [p, n]) into pruned
+    contexts: (keys, ctx tokens, offsets, next, counts, totals, collided); collided: two contexts
+    share a hash and interleave, and the caller re-sorts by the context tokens too."""
     p, n = ctx.shape
     out_keys = np.empty(p, dtype=np.uint64)
     out_ctx = np.empty(p * n, dtype=np.int32)
@@ -186,7 +181,7 @@ def ngram_find(keys, ctx, order_start, ctx_start, context, end, max_n):
 
 @njit(cache=True)
 def ngram_continuation(keys, ctx, order_start, ctx_start, offsets, nxt, context, n, max_n):
-    """Greedy chain: append the most frequent next token of the longest matching suffix."""
+    # greedy chain: append the most frequent next token of the longest matching suffix
     keep = min(len(context), max_n)
     work = np.empty(keep + n, dtype=np.int32)
     work[:keep] = context[len(context) - keep :]
@@ -201,8 +196,6 @@ def ngram_continuation(keys, ctx, order_start, ctx_start, offsets, nxt, context,
 
 
 class NgramArrays(NamedTuple):
-    """What the query kernels take (the layout above), as one argument."""
-
     keys: np.ndarray
     ctx: np.ndarray
     order_start: np.ndarray
@@ -216,7 +209,6 @@ class NgramArrays(NamedTuple):
 
 # ---------------------------------------------------------------------------------------------
 # The table
-# ---------------------------------------------------------------------------------------------
 
 _DTYPES = {"keys": "<u8", "ctx": "<i4", "order_start": "<i8", "ctx_start": "<i8", "offsets": "<i8", "next": "<i4",
            "counts": "<i4", "totals": "<i4", "config": "<i8"}
@@ -228,8 +220,7 @@ def _check(cond: bool, what: str) -> None:
 
 
 def _contexts(tokens: np.ndarray, start: np.ndarray, n: int) -> np.ndarray:
-    """[p, n] int32: the context tokens of each position (a vectorized gather, so the counting
-    pass that compares them streams)."""
+    # -> [p, n] int32: each position's context tokens, gathered so that the counting pass streams
     ctx = np.empty((len(start), n), dtype=np.int32)
     for q in range(n):  # column by column: a [p, n] int64 index array would double the peak
         ctx[:, q] = tokens[start + q]
@@ -238,11 +229,8 @@ def _contexts(tokens: np.ndarray, start: np.ndarray, n: int) -> np.ndarray:
 
 def _group(tokens: np.ndarray, positions: list[np.ndarray], n: int, config: NgramConfig) -> tuple:
     """Sort positions by (hash, next) and count; on a hash collision that interleaves two
-    contexts, sort by (hash, context tokens, next) instead.
-
-    positions: [keys, next tokens, context starts] from `_positions`; emptied here, so the
-    per-position arrays are freed as they are replaced by their sorted copies.
-    """
+    contexts, by (hash, context tokens, next). positions: `_positions`' arrays, emptied here so
+    that each is freed as its sorted copy replaces it."""
     keys, nxt, start = positions
     positions.clear()
     order = np.lexsort((nxt, keys))
@@ -258,8 +246,6 @@ def _group(tokens: np.ndarray, positions: list[np.ndarray], n: int, config: Ngra
 
 
 class NgramTable:
-    """Pruned n-gram counts in flat sorted arrays; see the module doc."""
-
     def __init__(self, arrays: dict[str, np.ndarray], config: NgramConfig) -> None:
         self._a = arrays
         self.config = config
@@ -267,21 +253,21 @@ class NgramTable:
 
     @classmethod
     def build(cls, tokens: np.ndarray, doc_offsets: np.ndarray, config: NgramConfig = NgramConfig()) -> "NgramTable":
-        """tokens: [n] int32 >= 0, documents concatenated; doc_offsets: [d+1] int64 from 0 to n."""
+        # tokens: [n] int32 >= 0, documents concatenated; doc_offsets: [d+1] int64 from 0 to n
         tokens, doc_offsets = checked_corpus(tokens, doc_offsets)
         if len(tokens) >= 2**31:
             raise UserError(f"{len(tokens)} tokens overflow int32 counts: split the corpus")
         parts = [_group(tokens, list(_positions(tokens, doc_offsets, n)), n, config)
                  for n in range(1, config.max_n + 1)]
-        sizes = np.array([len(p[0]) for p in parts], dtype=np.int64)
+        keys, ctx, offsets, nxt, counts, totals = zip(*parts)  # each: one array per order
+        sizes = np.array([len(k) for k in keys], dtype=np.int64)
         order_start = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         ctx_start = np.concatenate([[0], np.cumsum(sizes * np.arange(1, config.max_n + 1))]).astype(np.int64)
-        entry_base = np.concatenate([[0], np.cumsum([len(p[3]) for p in parts])]).astype(np.int64)
-        offsets = np.concatenate([[0]] + [p[2][1:] + entry_base[i] for i, p in enumerate(parts)]).astype(np.int64)
-        arrays = {"keys": np.concatenate([p[0] for p in parts]), "ctx": np.concatenate([p[1] for p in parts]),
-                  "order_start": order_start, "ctx_start": ctx_start, "offsets": offsets,
-                  "next": np.concatenate([p[3] for p in parts]), "counts": np.concatenate([p[4] for p in parts]),
-                  "totals": np.concatenate([p[5] for p in parts]),
+        entry_base = np.concatenate([[0], np.cumsum([len(t) for t in nxt])]).astype(np.int64)
+        offsets = np.concatenate([[0]] + [o[1:] + entry_base[i] for i, o in enumerate(offsets)]).astype(np.int64)
+        arrays = {"keys": np.concatenate(keys), "ctx": np.concatenate(ctx), "order_start": order_start,
+                  "ctx_start": ctx_start, "offsets": offsets, "next": np.concatenate(nxt),
+                  "counts": np.concatenate(counts), "totals": np.concatenate(totals),
                   "config": np.array([config.max_n, config.min_count, config.top_k], dtype=np.int64)}
         return cls(arrays, config)
 
@@ -306,7 +292,6 @@ class NgramTable:
                            a["counts"], a["totals"], self.config.max_n)
 
     def continuation(self, context: np.ndarray, n: int) -> np.ndarray:
-        """Greedy chain of up to n tokens ([m] int32)."""
         context = np.asarray(context, dtype=np.int32)
         a = self._a
         return ngram_continuation(*self._args, a["offsets"], a["next"], context, max(n, 0), self.config.max_n)
@@ -330,11 +315,8 @@ class NgramTable:
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray], config: NgramConfig | None = None) -> "NgramTable":
-        """Table over `to_arrays()` output (zero-copy; arrays may be read-only memmaps).
-
-        The arrays are untrusted and checked so no kernel reads out of bounds; `config`, if
-        given, must equal the one stored in the arrays.
-        """
+        """Table over `to_arrays()` output (zero-copy), checked so that no kernel reads out of
+        bounds; `config`, if given, must equal the stored one."""
         a = {}
         for name, dtype in _DTYPES.items():
             _check(name in arrays, f"array {name!r} is missing")

@@ -72,10 +72,8 @@ def children(states, edges, state):
 
 
 def _bound(kernel, *args):
-    """The compiled entry point of a numba kernel for these arguments' types. Calling a dispatcher
-    with tuples of arrays computes the tuples' types in Python on every call (about 1 µs per call
-    with 8 shards); the entry point takes the same arguments without that. Arguments must keep
-    these types (the callers pass contiguous int32 tokens and their own int64 pointers)."""
+    """The compiled entry point of a numba kernel for these arguments' types: a dispatcher types
+    tuples of arrays in Python on every call (about 1 µs with 8 shards). Callers keep these types."""
     return kernel.compile(tuple(numba.typeof(a) for a in args))
 
 
@@ -88,8 +86,6 @@ def _readonly(array: np.ndarray) -> np.ndarray:
 
 
 class ShardedAutomaton:
-    """Static suffix automata over disjoint document runs, queried through one pointer per shard."""
-
     def __init__(self, shards: list[SuffixAutomaton], occurrence: str = "first") -> None:
         if not shards:
             raise UserError("a sharded store needs at least one shard")
@@ -113,18 +109,16 @@ class ShardedAutomaton:
         return len(self.shards)
 
     def pointer(self) -> tuple[np.ndarray, np.ndarray]:
-        """A fresh pointer: ([N] int64 states, [N] int64 lengths) at every shard's root."""
+        # ([N] int64 states, [N] int64 lengths) at every shard's root
         self._peeked_for = None
         return np.zeros(len(self.shards), dtype=np.int64), np.zeros(len(self.shards), dtype=np.int64)
 
     def match(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per-shard longest suffix of tokens ([k] int32): a new pointer."""
         states, lengths = self.pointer()
         self.walk(states, lengths, tokens)
         return states, lengths
 
     def walk(self, states: np.ndarray, lengths: np.ndarray, tokens: np.ndarray) -> None:
-        """Move the pointer over tokens ([k] int32) in every shard, in place."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         # the last peek's steps are reused when they were taken from this pointer, unmoved since
         # (every walk and new pointer clears the record), over this first token
@@ -163,9 +157,6 @@ class ShardedAutomaton:
 
 
 class ShardedSuffixArray:
-    """Suffix arrays over disjoint document runs; drafters follow one cursor per shard
-    (index/cursor.py's ShardedSuffixArrayCursor)."""
-
     def __init__(self, shards: list[SuffixArray]) -> None:
         if not shards:
             raise UserError("a sharded store needs at least one shard")
@@ -175,8 +166,7 @@ class ShardedSuffixArray:
         return len(self.shards)
 
     def lookup(self, context: np.ndarray, n: int, k: int) -> Lookup:
-        """What one suffix array over all the shards' documents answers (the continuation from the
-        earliest occurrence: the lowest shard holding the longest match)."""
+        # the continuation from the earliest occurrence: the lowest shard holding the longest match
         found = [shard.lookup(context, n, SAMPLES) for shard in self.shards]  # every next token it samples
         length = max(f.match_length for f in found)
         holders = [f for f in found if f.match_length == length]

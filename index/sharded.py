@@ -10,25 +10,19 @@ Layout of a store directory (conventionally named `*.samd`):
                       (index/suffix_array.py). A directory shard's bytes are its files' sum, its
                       crc32 its manifest's (which holds its files' crc32s).
 
-Shards hold contiguous runs of whole documents in corpus order (`plan_shards`: a document is
-never split). Since no match crosses a document, for any text:
+Shards hold contiguous runs of whole documents in corpus order (`plan_shards`). Since no match
+crosses a document, for any text:
     the longest suffix found in the union = the longest found in any shard (length L);
     its count = the sum of its counts over the shards whose match has length L;
     its first occurrence lies in the lowest such shard, its latest in the highest;
     the counts of its next tokens add up over those shards in the same way.
-So `ShardedDatastore.lookup` answers exactly what one store over the same corpus answers. The
-drafters follow one pointer per shard (automata: `ShardedAutomaton.walk`, one kernel call for all
-shards, reusing the steps of the last `peek` over the same token; suffix arrays: one cursor per
-shard, index/cursor.py) and draft from the shard holding the longest match (`peek`): for `sam`
-and its continuation this is again exactly the single store's draft; tree drafters (`rest`,
-`adaptive`) rank next tokens by that shard's counts only.
+So a lookup answers exactly what one store over the same corpus answers, and so does a `sam`
+draft (from the shard holding the longest match); tree drafters (`rest`, `adaptive`) rank next
+tokens by that shard's counts only.
 
-The manifest is untrusted input, like a store header: a missing or malformed manifest, a shard
-file missing, resized, from another tokenizer or holding other counts than the manifest says,
-each raise a one-line StoreError. Whole-file checksums (crc32) are checked with `verify=True`,
-as blob checksums are in index/store.py. Writing (`StoreDirectoryWriter`) fills a temporary
-directory beside the target, fsyncs it and renames it into place: the directory appears
-complete or not at all.
+The manifest is untrusted input, like a store header: any inconsistency with the shards raises a
+one-line StoreError; whole-file crc32s are checked with `verify=True`. Writing
+(`StoreDirectoryWriter`) is atomic, as index/store.py's DirectoryWriter.
 
 This module knows store files, automata and suffix arrays, not tokenizers, text, processes or Ray.
 """
@@ -56,11 +50,8 @@ _SHARD_KEYS = {"file": str, "documents": int, "tokens": int, "bytes": int, "crc3
 
 
 def plan_shards(doc_offsets: np.ndarray, n: int) -> np.ndarray:
-    """Document boundaries of n shards ([n+1] int64, from 0 to d, strictly rising): shard i holds
-    documents [b[i], b[i+1]), contiguous and in order, about total/n tokens each.
-
-    doc_offsets: [d+1] int64 token offsets of d documents.
-    """
+    """Document boundaries b of n shards ([n+1] int64, from 0 to d, strictly rising): shard i holds
+    documents [b[i], b[i+1]), about total/n tokens each. doc_offsets: [d+1] int64."""
     n_docs = len(doc_offsets) - 1
     if n < 1:
         raise ConfigError("{shards} must be >= 1, got {n}", n=n)
@@ -94,7 +85,6 @@ class ShardedDatastore(DirectoryStore):
         return self.structure
 
     def verify(self) -> None:
-        """Check every shard's crc32 against the manifest and every blob's or file's checksum."""
         for entry, shard in zip(self.manifest["shards"], self.shards):
             if _shard_crc32(shard.path) != entry["crc32"]:
                 raise StoreError(f"{shard.path} does not match its checksum in {MANIFEST}: the shard is damaged, "
@@ -103,7 +93,6 @@ class ShardedDatastore(DirectoryStore):
 
 
 def load_sharded(path: str | os.PathLike, verify: bool = False, occurrence: str = "first") -> ShardedDatastore:
-    """Open a store directory; raises StoreError (one line) for anything damaged or inconsistent."""
     name = str(path)
     manifest = _read_manifest(name)
     meta = parse_meta(manifest, os.path.join(name, MANIFEST))
@@ -132,7 +121,6 @@ def load_sharded(path: str | os.PathLike, verify: bool = False, occurrence: str 
 
 
 def _load_shard(file: str, entry: dict[str, Any], meta: StoreMeta, verify: bool, occurrence: str = "first"):
-    """One shard as the manifest lists it, of the store's kind and tokenizer; a StoreError names the file."""
     kind = KINDS[meta.build.kind]
     if os.path.isdir(file) != kind.directory:
         raise StoreError(f"{file} is not a {kind.label} store: {_REBUILD}")
@@ -147,9 +135,8 @@ def _load_shard(file: str, entry: dict[str, Any], meta: StoreMeta, verify: bool,
 
 
 def verify_sharded(path: str | os.PathLike) -> dict[str, Any]:
-    """Check a store directory completely, one shard at a time (a shard's arrays are released
-    before the next is read, so this needs the memory of one shard): everything `load_sharded`
-    checks, plus every file's crc32 and every blob's checksum. Returns the manifest."""
+    """Everything `load_sharded` checks with verify=True, one shard at a time (in the memory of one
+    shard); returns the manifest."""
     name = str(path)
     manifest = _read_manifest(name)
     meta = parse_meta(manifest, os.path.join(name, MANIFEST))
@@ -196,9 +183,6 @@ def _shard_crc32(path: str) -> int:
 
 
 class StoreDirectoryWriter(DirectoryWriter):
-    """The sharded store's directory: shards under `shard_path`, then `commit` writes the manifest
-    listing them and swaps the directory into place (index/store.py's DirectoryWriter)."""
-
     def shard_path(self, index: int, kind: str = "sam") -> Path:
         return self.tmp / f"shard-{index:05d}.{kind}"
 
@@ -209,12 +193,8 @@ class StoreDirectoryWriter(DirectoryWriter):
 
 def build_shard(path: str | os.PathLike, tokens: np.ndarray, doc_offsets: np.ndarray, meta: StoreMeta,
                 memory_limit: int | None = None) -> tuple[dict[str, Any], dict[str, int]]:
-    """Build one shard of meta's kind over documents tokens[doc_offsets[i]:doc_offsets[i+1]] and
-    write it to path (a file, or a directory kind's directory): its manifest entry and counts.
-    `meta` is the whole store's: the shard keeps its tokenizer and build config, with its own
-    corpus counts.
-
-    tokens: [n] int32; doc_offsets: [d+1] int64 from 0; memory_limit: bytes a suffix sort may hold."""
+    """Build and write one shard over documents tokens[doc_offsets[i]:doc_offsets[i+1]] (tokens [n]
+    int32, doc_offsets [d+1] int64): its manifest entry and counts. `meta` is the whole store's."""
     kind = KINDS[meta.build.kind]
     documents = len(doc_offsets) - 1
     inputs = (f"shard {os.path.basename(path)} of {', '.join(meta.corpus.inputs)}",)

@@ -11,26 +11,19 @@ Layout (all integers little-endian):
     then       blobs            one per array, each starting at a multiple of ALIGN bytes;
                                 the file ends exactly where the last blob ends
 
-The header holds what the caller passed to `write_store` plus two keys owned by this module:
-`format_version` and `arrays`, a map name -> {dtype, shape, offset, length, raw_length, codec,
-checksum}. `dtype` is a little-endian numpy type string ("<i4"); `length` is the stored size,
-`raw_length` the size once decoded; `codec` is "raw" or "zstd"; `checksum` is zlib.crc32 of the
-stored bytes.
+The header holds the caller's keys plus this module's `format_version` and `arrays`: name ->
+{dtype (little-endian numpy string, "<i4"), shape, offset, length (stored), raw_length (decoded),
+codec ("raw" or "zstd"), checksum (zlib.crc32 of the stored bytes)}.
 
-Reading treats the file as untrusted. Every check that fails raises `StoreError`, a one-line
-`UserError` that names the file and says what to do; nothing else escapes `read_store`. Raw blobs
-are memory-mapped read-only, so a large store opens in milliseconds. Their checksums are checked
-only with `verify=True` (or `StoreFile.verify()`): reading every page would cost the time the mmap
-saves, and the datastore's drafts are verified by the target model, so a flipped bit in a raw
-blob can slow decoding down but not change its output (structure loaders still bound every index).
-Compressed blobs are always checked, since they are read in full anyway.
+Reading treats the file as untrusted: every failed check raises a one-line `StoreError`, and
+nothing else escapes `read_store`. Raw blobs are memory-mapped read-only; their checksums are
+checked only with `verify=True`, since reading every page would cost the time the mmap saves and
+the target model verifies every draft (a flipped bit can slow decoding, not change its output;
+structure loaders still bound every index). Compressed blobs are read in full, so always checked.
 
-Writing is atomic: a temporary file in the output's directory, fsync, then `os.replace`. An error
-or Ctrl-C while writing leaves the previous file (or no file) at the path and removes the
-temporary file. The temporary file is named `<name>.tmp<pid>.<random>` after its writer's
-process id, so a writer that was killed (kill -9, a power cut) can be told from one still
-writing: each write first removes the temporary files of its output whose writer no longer runs
-(on this machine; pids are not comparable across hosts sharing a folder).
+Writing is atomic: a temporary file `<name>.tmp<pid>.<random>` beside the output, fsync, then
+`os.replace`; an error or Ctrl-C leaves the previous file (or none) and no temporary file. Each
+write first removes its output's temporaries left by killed writers (pid not running, on this machine).
 
 This module does not know what the arrays mean, which kinds of datastore exist, or tokenizers.
 """
@@ -65,8 +58,7 @@ ALIGN = 64
 MAX_HEADER_BYTES = 16 << 20
 MAX_NDIM = 8
 ZSTD_LEVEL = 3
-# A blob is stored compressed only when that saves at least this fraction of its bytes.
-MIN_SAVING = 0.10
+MIN_SAVING = 0.10  # a blob is stored compressed only when that saves at least this fraction
 COMPRESS_CHUNK = 16 << 20  # bytes handed to the zstd stream at a time
 
 _PREAMBLE = struct.Struct("<8sIIII")
@@ -88,8 +80,6 @@ def missing_store(name: str) -> StoreError:
 
 @dataclass(frozen=True)
 class ArrayEntry:
-    """Where one array lives in the file and how it is encoded."""
-
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -113,7 +103,7 @@ class StoreFile:
     _buffer: mmap.mmap | None
 
     def verify(self) -> None:
-        """Check the checksum of every blob (raw ones included); raise StoreError on a mismatch."""
+        """Check the checksum of every blob, raw ones included."""
         if self._buffer is None:
             return
         for entry in self.entries.values():
@@ -130,12 +120,7 @@ class StoreFile:
 
 def write_store(path: str | os.PathLike, header: dict[str, Any], arrays: dict[str, np.ndarray],
                 compress: bool = True) -> None:
-    """Write `arrays` and the msgpack-able `header` to `path` atomically.
-
-    `header` must not use the keys this module owns (`format_version`, `arrays`). Arrays are
-    stored C-contiguous and little-endian; with `compress`, each blob is zstd-compressed when that
-    saves at least MIN_SAVING of its bytes.
-    """
+    """Write `arrays` and the msgpack-able `header` (without this module's keys) to `path` atomically."""
     for key in _RESERVED_KEYS:
         if key in header:
             raise ValueError(f"header key {key!r} is reserved for the store format")
@@ -144,7 +129,6 @@ def write_store(path: str | os.PathLike, header: dict[str, Any], arrays: dict[st
 
 
 def _checked_array(name: Any, array: np.ndarray) -> np.ndarray:
-    """`array` C-contiguous and little-endian; TypeError for a name or dtype the format refuses."""
     if not isinstance(name, str):
         raise TypeError(f"array names must be str, got {name!r}")
     array = np.ascontiguousarray(array, dtype=np.asarray(array).dtype.newbyteorder("<"))
@@ -162,10 +146,9 @@ def _header_bytes(header: dict[str, Any], table: dict[str, dict[str, Any]]) -> b
 
 
 def _data_start(header: dict[str, Any], arrays: dict[str, np.ndarray]) -> int:
-    """Where the first blob goes: after the largest header these arrays can have. Blobs are
-    streamed to the file (compressed on the way) before the header is known, so that writing
-    holds no compressed copy of the arrays in memory; msgpack sizes grow with the value, so a
-    table of maximal integers and the longer codec name bounds the real one."""
+    # After the largest header these arrays can have: blobs are streamed (compressed on the way)
+    # before the header is known; msgpack sizes grow with the value, so a table of maximal
+    # integers and the longer codec name bounds the real one.
     most = 2**63 - 1
     table = {name: {"dtype": a.dtype.str, "shape": [int(d) for d in a.shape], "offset": most,
                     "length": most, "raw_length": most, "codec": "zstd", "checksum": 2**32 - 1}
@@ -190,9 +173,8 @@ class _ChecksummedWriter:
 
 def _write_blobs(out, arrays: dict[str, np.ndarray], compress: bool, offset: int) -> dict[str, dict[str, Any]]:
     """Write each array's blob at the next aligned offset from `offset`; return the array table.
-    With `compress`, a blob is zstd-compressed as it is written, in chunks of COMPRESS_CHUNK bytes
-    (no compressed copy of an array is ever held whole), and kept only when that saves at least
-    MIN_SAVING; otherwise the raw bytes overwrite it."""
+    A blob is compressed as it is written (no compressed copy is held whole), and kept only when
+    that saves MIN_SAVING; otherwise the raw bytes overwrite it."""
     table: dict[str, dict[str, Any]] = {}
     for name, array in arrays.items():
         raw = memoryview(array.reshape(-1).view(np.uint8))
@@ -221,7 +203,7 @@ def _write_blobs(out, arrays: dict[str, np.ndarray], compress: bool, offset: int
 def _write_atomically(path: Path, header: dict[str, Any], arrays: dict[str, np.ndarray], compress: bool) -> None:
     """Zeros up to the data start, the blobs, then preamble and header over the zeros."""
     directory = path.parent
-    remove_stale_temporaries(path)
+    _remove_stale_temporaries(path)
     data_start = _data_start(header, arrays)
     try:
         fd, tmp_name = tempfile.mkstemp(prefix=f"{path.name}.tmp{os.getpid()}.", dir=directory)
@@ -265,29 +247,21 @@ def is_store_file(path: str | os.PathLike) -> bool:
         return False
 
 
-def remove_stale_temporaries(path: str | os.PathLike) -> list[str]:
-    """Remove the temporary files of `path` left by writers that no longer run; return their names."""
-    path = Path(path)
-    directory = path.parent
+def _remove_stale_temporaries(path: Path) -> None:
+    """Remove the temporary files of `path` left by writers that no longer run."""
     pattern = re.compile(re.escape(path.name) + r"\.tmp(\d+)\.\w+")
     try:
-        names = os.listdir(directory)
+        names = os.listdir(path.parent)
     except OSError:
-        return []  # the write that follows reports an unusable directory
-    removed = []
+        return  # the write that follows reports an unusable directory
     for name in names:
         match = pattern.fullmatch(name)
         if match and not _running(int(match.group(1))):
-            try:
-                os.unlink(directory / name)
-                removed.append(str(directory / name))
-            except OSError:
-                pass  # another writer removed it first, or it is not ours to remove
-    return removed
+            with contextlib.suppress(OSError):  # another writer removed it first, or it is not ours
+                os.unlink(path.parent / name)
 
 
 def _running(pid: int) -> bool:
-    """Whether a process with this id runs on this machine (our own process counts as running)."""
     if pid == os.getpid():
         return True
     try:
@@ -306,21 +280,17 @@ def _umask() -> int:
 
 
 def _fsync_directory(directory: Path) -> None:
-    """Make the rename durable; some filesystems refuse to open a directory, which is fine."""
+    # makes a rename durable; some filesystems refuse to open or fsync a directory, which is fine
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
         return
-    try:
+    with contextlib.suppress(OSError):
         os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    os.close(fd)
 
 
 def file_crc32(path: str | os.PathLike) -> int:
-    """zlib.crc32 of a whole file, read in chunks (a store directory's files, index/sharded.py's shards)."""
     crc = 0
     with open(path, "rb") as handle:
         while chunk := handle.read(16 << 20):
@@ -374,11 +344,7 @@ def read_manifest(file: str, format: str, max_version: int, kind: str, rebuild: 
 
 
 def read_store(path: str | os.PathLike, verify: bool = False) -> StoreFile:
-    """Open a store; raw arrays are read-only views of a memory map.
-
-    `verify=True` also checks the checksums of raw blobs (compressed ones are always checked).
-    Raises StoreError, and nothing else, for any file that is not a valid store.
-    """
+    """Open a store; raw arrays are read-only views of a memory map. StoreError for anything invalid."""
     name = str(path)
     try:
         with open(path, "rb") as handle:
@@ -514,12 +480,8 @@ def _check_checksum(name: str, entry: ArrayEntry, blob: memoryview) -> None:
 
 
 def _decompress(name: str, entry: ArrayEntry, blob: memoryview) -> np.ndarray:
-    """Decode a zstd blob into exactly raw_length bytes.
-
-    Streaming into a preallocated buffer bounds the work by what the blob really holds: a header
-    that claims a huge raw length for a tiny blob fails after decoding the little it contains
-    (untouched pages of the buffer are never materialised).
-    """
+    # Streaming into a preallocated buffer bounds the work by what the blob really holds: a header
+    # that claims a huge raw length for a tiny blob fails after decoding the little it contains.
     def corrupt(what: str) -> StoreError:
         return StoreError(f"{name} is corrupt (array {entry.name!r}: {what}): {_REBUILD}")
 
@@ -547,10 +509,8 @@ def _decompress(name: str, entry: ArrayEntry, blob: memoryview) -> np.ndarray:
 
 
 class DirectoryWriter:
-    """Writes a store directory atomically: its files go into a temporary directory beside `path`;
-    `commit_manifest` writes the manifest, fsyncs, and renames the directory into place (replacing
-    an older store at `path`; any other directory there is refused). Leaving the `with` block
-    without a commit removes everything."""
+    """Writes a store directory atomically: its files go into `tmp` beside `path`; `commit_manifest`
+    renames it into place (replacing an older store). Leaving `with` without a commit removes it."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)

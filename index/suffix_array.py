@@ -12,9 +12,8 @@ A store directory (conventionally `*.sa`) in infini-gram's v4 layout, under samc
                    tokenized.0 per token, sorted by the suffixes' bytes
     offset.0       each document's separator's byte offset (uint64), infini-gram's
 
-The sort is infini-gram's Rust indexer (`pip install samctl[sa]`): parts sorted in memory within
-`memory_limit`, merged on disk. Everything after it (queries, drafting) is numba over the
-memory-mapped files, so a step costs no Python per token and no process boundary.
+The sort is infini-gram's Rust indexer (`pip install samctl[sa]`); queries and drafting are numba
+over the memory-mapped files.
 
 Byte order. The indexer sorts suffixes by their bytes, so a token compares by its *key*, the
 big-endian reading of its little-endian bytes (`_key`). Within a range [lo, hi) of suffixes that
@@ -92,7 +91,6 @@ def _token(data, pos, w):
 
 @njit(cache=True)
 def token_key(token, w):
-    """The byte-order key of token id `token` at width w."""
     v = np.int64(0)
     for j in range(w):
         v = (v << 8) | ((token >> (8 * j)) & 0xFF)
@@ -116,9 +114,8 @@ def sa_search(data, table, w, p, lo, hi, offset, keys, start, stop, bounds=True)
     from `offset` on start with keys[start:stop]; (x, x) when none.
 
     Each probe compares the whole pattern, so a search costs O(log(hi - lo)) probes whatever its
-    length (narrowing token by token pays a search a token): one binary search until a probe
-    starts with the pattern, then one for each end, below and above it. bounds=False stops at
-    that probe and returns (probe, probe + 1): whether the pattern occurs, at half the cost."""
+    length: one binary search until a probe starts with the pattern, then one for each end.
+    bounds=False returns (probe, probe + 1) there: whether the pattern occurs, at half the cost."""
     a, b = lo, hi
     mid = lo
     while a < b:
@@ -158,19 +155,15 @@ PAIR_SLOTS = 1 << 16  # sa_find's cache of two-token ranges (direct-mapped)
 
 def range_cache(token_width: int) -> np.ndarray:
     """sa_find's cache, empty: [2^(8w) + PAIR_SLOTS, 3] int64. Row t < 2^(8w): token key t's range
-    (lo, hi; -1 = not searched yet). Row 2^(8w) + slot: a two-token pattern's range and its key
-    (k0 << 32 | k1; -1 = empty)."""
+    (lo, hi; -1 = not searched yet). Row 2^(8w) + slot: a two-token pattern's range and its key."""
     return np.full(((1 << (8 * token_width)) + PAIR_SLOTS, 3), -1, dtype=np.int64)
 
 
 @njit(cache=True)
 def sa_find(data, table, w, p, first, keys, start, stop, bounds=True):
-    """Range of the suffixes that start with keys[start:stop]; (x, x) when none. bounds=False:
-    as `sa_search`'s, only whether they occur.
-
-    first: the range cache (`range_cache`), filled here: the ranges of a pattern's first token
-    and its first two are the widest of every search, and a text asks for the same few thousand
-    again and again."""
+    """Range of the suffixes that start with keys[start:stop]; (x, x) when none; bounds as in
+    `sa_search`. first: the range cache (`range_cache`), filled here: the ranges of a pattern's
+    first token and first two are the widest searches, asked for again and again."""
     k0 = keys[start]
     if first[k0, 0] < 0:
         first[k0, 0], first[k0, 1] = sa_search(data, table, w, p, 0, len(table) // p, 0, keys, start, start + 1)
@@ -192,12 +185,9 @@ def sa_find(data, table, w, p, first, keys, start, stop, bounds=True):
 
 @njit(cache=True)
 def sa_step(data, table, w, p, first, keys, i, lo, hi, length):
-    """Match (lo, hi, length) of keys[:i] -> the match of keys[:i + 1].
-
-    The match grows by one token inside its range when it can (the common case while a text
-    copies the corpus); else the longest suffix that occurs is found by searching lengths,
-    re-searched over at most MAX_MATCH tokens (occurrence is monotone: a suffix of a suffix
-    that occurs occurs), and only its range is bounded."""
+    """Match (lo, hi, length) of keys[:i] -> the match of keys[:i + 1]: grown by one token inside
+    its range when it can; else the longest suffix that occurs (of at most MAX_MATCH tokens) is
+    found by searching lengths (a suffix of a suffix that occurs occurs)."""
     n = len(table) // p
     if length == 0:
         a, b = sa_find(data, table, w, p, first, keys, i, i + 1)
@@ -237,8 +227,8 @@ def sa_follow(data, table, w, p, first, keys, state, tokens, t0):
     the text's last keys are then keys[:state[3]], t0's key keys[state[3]].
 
     state [8] int64, in place (`follow_state`): the text's match (lo, hi, length), n, and the last
-    peek's t0 and match (lo, hi, length), which the next call reuses when its first token is that t0 (the step is not searched
-    twice). keys [MAX_MATCH + 1] int64: a broken match is searched again over them."""
+    peek's t0 and match (lo, hi, length), reused when the next call's first token is that t0.
+    keys [MAX_MATCH + 1] int64: a broken match is searched again over them."""
     n, k = state[3], len(tokens)
     text = np.empty(n + k + 1, dtype=np.int64)
     text[:n] = keys[:n]
@@ -263,7 +253,6 @@ def sa_follow(data, table, w, p, first, keys, state, tokens, t0):
 
 
 def follow_state() -> np.ndarray:
-    """`sa_follow`'s state at the start of an empty text."""
     return np.array([0, 0, 0, 0, -1, 0, 0, 0], dtype=np.int64)
 
 
@@ -302,10 +291,9 @@ def sa_children(data, table, w, p, first, vocab, lo, hi, offset, k, out_tok, out
     """The (up to) k most frequent next tokens after the first `offset` tokens of [lo, hi), by
     count descending then token ascending, with their exact ranges, into out_*; returns how many.
 
-    The next tokens are runs of keys at `offset`. The runs are found at SAMPLES evenly spaced
-    suffixes (every suffix of a range that small: then all runs), and each found run's exact
-    range by a binary search between the samples around it; a run missed holds fewer than
-    (hi - lo) / SAMPLES suffixes."""
+    The next tokens are runs of keys at `offset`, found at SAMPLES evenly spaced suffixes, each
+    run's exact range by a binary search between the samples around it; a run missed holds fewer
+    than (hi - lo) / SAMPLES suffixes."""
     n = hi - lo
     one = np.empty(1, dtype=np.int64)  # sa_search's pattern: the run's key
     step = max(1.0, n / SAMPLES)
@@ -359,9 +347,7 @@ def sa_topk_next(data, table, w, p, first, vocab, lo, hi, offset, k):
 @njit(cache=True)
 def sa_tree(data, table, w, p, first, vocab, lo, hi, length, num_nodes, max_depth):
     """Top continuation prefixes after the match (lo, hi, length) by count, best first: the same
-    tree as the automaton's `frequent_tree` (a child never outnumbers its parent, so taking the
-    most frequent candidate and pushing its children yields the top prefixes). Returns
-    (tokens [m] int32, parents [m] int32), parents[i] < i, -1 = child of the root."""
+    tree as the automaton's `sam_frequent_tree`, by the same argument."""
     out_tok = np.empty(num_nodes, dtype=np.int32)
     out_par = np.empty(num_nodes, dtype=np.int32)
     cap = num_nodes * (num_nodes + 1)
@@ -402,8 +388,6 @@ def sa_tree(data, table, w, p, first, vocab, lo, hi, length, num_nodes, max_dept
 
 
 class SuffixArray:
-    """A memory-mapped token array and suffix array; the kernels' arguments in one place."""
-
     def __init__(self, data: np.ndarray, table: np.ndarray, token_width: int, pointer_width: int,
                  vocab_size: int, documents: int) -> None:
         # data: [bytes] uint8; table: [tokens * pointer_width] uint8
@@ -414,13 +398,12 @@ class SuffixArray:
 
     @property
     def kernel_arrays(self) -> tuple[np.ndarray, np.ndarray, int, int, np.ndarray, int]:
-        """(data, table, token width, pointer width, range cache, vocabulary size): what
-        every kernel takes first (the searches the first five)."""
+        # what every kernel takes first (the searches the first five)
         return self.data, self.table, self.token_width, self.pointer_width, self.first, self.vocab_size
 
     @property
     def num_tokens(self) -> int:
-        """Stored token ids, separators left out."""
+        # separators left out
         return len(self.data) // self.token_width - self.num_documents
 
     def match(self, tokens: np.ndarray) -> tuple[int, int, int]:
@@ -433,7 +416,6 @@ class SuffixArray:
         return sa_continuation(*self.kernel_arrays, lo, hi, length, n)
 
     def topk_next(self, lo: int, hi: int, length: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """The k most frequent next tokens after the match and their counts ([m] int32 each)."""
         return sa_topk_next(*self.kernel_arrays, lo, hi, length, k)
 
     def tree(self, lo: int, hi: int, length: int, num_nodes: int, max_depth: int) -> tuple[np.ndarray, np.ndarray]:
@@ -463,7 +445,6 @@ class SuffixArrayDatastore(DirectoryStore):
             os.path.join(self.path, MANIFEST))
 
     def verify(self) -> None:
-        """Every file's crc32 against the manifest, and every stored id below the vocabulary."""
         for name, entry in self.manifest["sa"]["files"].items():
             if file_crc32(os.path.join(self.path, name)) != entry["crc32"]:
                 raise StoreError(f"{self.path}/{name} does not match its checksum in {MANIFEST}: the store is "
@@ -475,8 +456,8 @@ class SuffixArrayDatastore(DirectoryStore):
 
 
 def token_width(vocab_size: int) -> int:
-    """2 bytes a token: every id and the separator (0xFFFF) fit in 16 bits. (The format and the
-    kernels take 4, but infini-gram 2.6's indexer allocates 32 GiB for 4-byte tokens.)"""
+    # every id and the separator (0xFFFF) fit in 16 bits (the format and the kernels take 4, but
+    # infini-gram 2.6's indexer allocates 32 GiB for 4-byte tokens)
     if vocab_size >= 0xFFFF:
         raise UserError(f"a suffix-array store holds 16-bit token ids, and this tokenizer has {vocab_size:,}: "
                         "build a sam or ngram store")
@@ -493,7 +474,6 @@ def check_memory_limit(memory_limit: int) -> int:
 
 
 def default_memory_limit() -> int:
-    """Half of the memory available now, at least 256 MiB."""
     try:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
@@ -503,11 +483,8 @@ def default_memory_limit() -> int:
 
 def build_suffix_array(path: str | os.PathLike, tokens: np.ndarray, doc_offsets: np.ndarray, meta: StoreMeta,
                        memory_limit: int | None = None, threads: int = 1) -> SuffixArrayDatastore:
-    """Write a store directory over documents tokens[doc_offsets[i]:doc_offsets[i+1]] and return it loaded.
-
-    tokens: [n] int32 in [0, meta.vocab_size); doc_offsets: [d+1] int64 rising from 0 to n.
-    The indexer sorts parts of at most memory_limit bytes (`threads` at once) and merges them on disk.
-    """
+    """Write a store directory over documents tokens[doc_offsets[i]:doc_offsets[i+1]] and return it
+    loaded. tokens: [n] int32 in [0, meta.vocab_size); doc_offsets: [d+1] int64 rising from 0 to n."""
     indexer = _indexer()
     memory_limit = check_memory_limit(default_memory_limit() if memory_limit is None else memory_limit)
     width = token_width(meta.vocab_size)
@@ -602,7 +579,6 @@ def _check_indexer(stderr: bytes, code: int, step: str) -> None:
 
 
 def load_suffix_array(path: str | os.PathLike, verify: bool = False) -> SuffixArrayDatastore:
-    """Open a store directory; a damaged, truncated or foreign one raises a one-line StoreError."""
     name = str(path)
     manifest = _read_manifest(name)
     meta = parse_meta(manifest, os.path.join(name, MANIFEST))
