@@ -1,28 +1,14 @@
 """`samctl bench`: every method on the same questions, in one process, with the same counting.
 
-Questions: a Spec-Bench-format JSONL file (question_id, category, turns). MT-bench's eight
-categories are reported together as `mt_bench`, as Spec-Bench does. `--limit N` takes the first
-N questions of each reported category (round-robin over MT-bench's sub-categories), after the
-`--categories` filter (reported or original names).
-
-Protocol: the model, store and drafters load once; every method (ar included, always) runs one
-short warm-up generation; then each question runs through every method in turn, so slow drifts
-of the machine hit all methods alike; with --repeats N the whole round repeats N times and each
-(method, question) reports its median-time run. Multi-turn questions run turn by turn: turn k's prompt is
-the conversation so far with the method's own earlier answers, rendered by the chat template
-(--chat) or joined by blank lines. Questions whose prompt plus max_new_tokens does not fit the
-model's context are skipped (and counted).
-
-Counting, for every method: new tokens are generated ids up to and including EOS, capped at
---max-new-tokens; time is wall time of the whole generation, prefill included. Peers from
-transformers run through `model.generate` with the same max_new_tokens and EOS ids: hf-greedy,
-hf-pld (prompt_lookup_num_tokens / max_matching_ngram_size from --pld-tokens / --pld-ngram) and
-hf-assisted (assistant_model = --draft-model); their target forwards are counted with a forward
-hook. Every method's greedy tokens are compared with ar's, turn by turn.
-
-Output in --out: records.jsonl (one record per method and question), summary.json, summary.md
-(bench_report describes the columns) and speedup.png. The exit status is 1 when any greedy
-output differs from ar's.
+Protocol: the model, store and drafters load once; every method (ar always) runs a warm-up; then
+each question runs through every method in turn, so that slow drifts of the machine hit all alike
+(--repeats N: N such rounds, each (method, question) reporting its median-time run). Turn k's prompt
+is the conversation so far with the method's own earlier answers. Counting, for every method: new
+tokens are generated ids up to and including EOS, capped at --max-new-tokens; time is the wall time
+of the whole generation, prefill included. The transformers peers (hf-greedy, hf-pld, hf-assisted)
+run `model.generate` with the same max_new_tokens and EOS ids, their target forwards counted by a
+forward hook. Every method's greedy tokens are compared with ar's, turn by turn (exit status 1 on a
+difference in float32); bench_report describes the output files.
 """
 from __future__ import annotations
 
@@ -32,6 +18,7 @@ import logging
 import platform
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -206,16 +193,16 @@ def read_questions(path: Path, categories: str | None, limit: int | None) -> lis
 
 def _first_per_group(questions: list[Question], limit: int) -> list[Question]:
     """The first `limit` of each group, taking its sub-categories in turn (file order kept)."""
-    rank: dict[str, int] = {}
-    ranked = []
+    seen: Counter[str] = Counter()
+    ranked = []  # (rank of the question within its category, index)
     for i, q in enumerate(questions):
-        rank[q.category] = rank.get(q.category, -1) + 1
-        ranked.append((rank[q.category], i, q))
-    chosen: set[int] = set()
-    taken: dict[str, int] = {}
-    for r, i, q in sorted(ranked, key=lambda x: (x[0], x[1])):
-        if taken.get(q.group, 0) < limit:
-            taken[q.group] = taken.get(q.group, 0) + 1
+        ranked.append((seen[q.category], i))
+        seen[q.category] += 1
+    taken: Counter[str] = Counter()
+    chosen = set()
+    for _, i in sorted(ranked):
+        if taken[questions[i].group] < limit:
+            taken[questions[i].group] += 1
             chosen.add(i)
     return [q for i, q in enumerate(questions) if i in chosen]
 
@@ -308,10 +295,8 @@ class HfRunner:
 
 def _cut(tokens: list[int], eos: set[int], limit: int) -> list[int]:
     """The engine's counting: up to and including the first EOS, at most `limit` ids."""
-    for i, tok in enumerate(tokens):
-        if tok in eos:
-            return tokens[: min(i + 1, limit)]
-    return tokens[:limit]
+    end = next((i + 1 for i, tok in enumerate(tokens) if tok in eos), len(tokens))
+    return tokens[: min(end, limit)]
 
 
 def _runner(method: str, session: Session, models: dict[str, str | None]) -> Runner:
