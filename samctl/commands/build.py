@@ -1,24 +1,13 @@
 """`samctl build`: read corpora, tokenize them, build a store of one kind (index/kinds.py), save it.
 
-Phases: 1) read documents (index.corpus) 2) tokenize them, streamed in bounded batches, with an
-EOS after each document 3) build the structure 4) write the store atomically. The summary line
-(total time and every phase's, loading the tokenizer included) goes to stdout; progress (documents,
-tokens, tokens/s while tokenizing; tokens inserted while building), notes and warnings go to
-stderr. Modules that load numba are imported in phase 3, so `build --help` stays fast.
-
-`--append-to OLD.sam` grows an automaton store instead: the inputs are tokenized with the store's
-own tokenizer and build settings and inserted after its documents, without re-reading the old
-corpus (time in the new tokens, plus one copy of the old arrays); the result equals a full build
-over the old inputs followed by the new ones. A suffix-array store is rebuilt over its own stored
-documents followed by the new ones (the old corpus is not re-read or re-tokenized either).
-
-`--kind sa` writes a suffix-array store directory (index/suffix_array.py): the suffixes are sorted
-by infini-gram's indexer in parts of at most --memory-limit bytes, --workers at once.
-
-With --shards N the output is a store directory (index/sharded.py) of N automata or suffix
-arrays: the documents are split into N contiguous runs and each shard is built in its own
-process, one per core at a time (suffix sorts share --memory-limit), or with --ray as Ray tasks
-after tokenizing with Ray Data (samctl/cluster.py).
+Phases: 1) read documents (index.corpus) 2) tokenize them in bounded batches, an EOS after each
+document 3) build the structure (numba loads here, so that `build --help` stays fast) 4) write the
+store atomically. The summary line goes to stdout; progress, notes and warnings to stderr.
+`--append-to` grows a store without re-reading its corpus: an automaton inserts the new documents
+after its own (equal to a full build over the old inputs, then the new), a suffix array is rebuilt
+over its stored documents and the new ones. `--shards N` writes a store directory (index/sharded.py)
+of N shards over contiguous runs of documents, each built in its own process or, with --ray, as a
+Ray task (samctl/cluster.py).
 """
 from __future__ import annotations
 
@@ -287,7 +276,6 @@ def _sharded_summary(output, corpus, tokenizer_name, results, total, tokenize, b
 
 
 def _combined(old: CorpusStats, new: CorpusStats) -> CorpusStats:
-    """The corpus statistics of a store grown by --append-to: sums, and the inputs of both."""
     return CorpusStats(**{f.name: getattr(old, f.name) + getattr(new, f.name) for f in dataclasses.fields(CorpusStats)})
 
 

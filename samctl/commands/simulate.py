@@ -1,6 +1,6 @@
 """`samctl simulate`: replay retrieval drafters against reference outputs, no model loaded.
 
-Each trace is a prompt and the output the model is assumed to produce. A trace file is JSON lines
+A trace is a prompt and the output the model is assumed to produce. A trace file is JSON lines
 (or a `.json` list) of records in one of these shapes:
     prompt_ids + output_ids        token ids, used as they are (a model's own greedy answers, as written
                                    with the model's tokenizer name and fingerprint in `tokenizer`)
@@ -12,15 +12,9 @@ Each trace is a prompt and the output the model is assumed to produce. A trace f
                                    of turn k is the conversation so far (turns and references),
                                    joined by blank lines or rendered by the chat template (--chat)
 Text is tokenized with the store's tokenizer (or --tokenizer, or the embedded default) without
-special tokens; an optional `category` field groups the results (MT-bench's eight categories as
-`mt_bench`, as in bench). A record that cannot be read is reported (how many, and the first) and the
-rest are replayed.
-
-For each method the report gives, per category and overall: mean accepted tokens per step (bonus
-included), target forwards needed (prefills included), drafted tokens per step, acceptance rate,
-drafting cost per step, and a projected speedup under a simple cost model of a target forward
-(--forward-ms, --token-cost). `--sweep` replays every setting of a small grid per method and
-prints the best setting per category under that model.
+special tokens; an optional `category` groups the results (MT-bench's eight as `mt_bench`). A record
+that cannot be read is reported (how many, and the first) and the rest are replayed. Per method and
+category the report gives decode.simulate's tallies and a speedup projected by its CostModel.
 """
 from __future__ import annotations
 
@@ -31,13 +25,12 @@ from typing import Any, Iterator
 
 import click
 
-from samctl.decode.methods import METHODS, REPLAYABLE, MethodConfig, make_drafter
+from samctl.decode.methods import METHODS, REPLAYABLE, MethodConfig, make_drafter, method_config
 from samctl.decode.simulate import CostModel, Tally, Trace, check_replayable, make_trace, replay, sweep_configs, tally_by_category
 from samctl.index.datastore import Datastore
 from samctl.index.load import load_datastore
 from samctl.index.errors import UserError
 from samctl.bench_report import report_category
-from samctl.decode.methods import method_config
 from samctl.config import SessionConfig
 from samctl.options import check_count, parse_methods, session_options
 from samctl.progress import progress_bar
