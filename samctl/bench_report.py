@@ -1,8 +1,6 @@
 """`samctl bench` results: per-category aggregation, summary.md, summary.json and the speedup plot.
 
-Input: one record per (method, question), as bench writes them to records.jsonl:
-    {"method", "question_id", "category", "group", "new_tokens", "time_s", "tokens_per_s",
-     "steps" (None when unknown), "draft_s", "mismatched_turns", "turns": [...]}
+Input: the records bench writes to records.jsonl, one per (method, question).
 Counting (Spec-Bench's, with the same token counting on both sides):
     tokens/s of a question = its new tokens over all turns / its wall time over all turns
     speedup               = mean over questions of the method's tokens/s
@@ -163,7 +161,6 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
 
 def write_summary(out_dir: Path, records: list[dict[str, Any]], methods: list[str], run: dict[str, Any]) -> dict[str, Any]:
-    """summary.json, summary.md and speedup.png in out_dir; returns the summary."""
     summary = {
         "run": run,
         "methods": methods,

@@ -1,10 +1,8 @@
 """What a session loads, decided before anything loads: `plan(config)` resolves every path once.
 
-A method's draft model, acceptance head or EAGLE head (its registry entry's `requires`) is the one
-given, the one installed beside the model (X.gguf -> X.eagle/), the one that ships for the model
-(SmolLM2's, found by its .gguf's sha256) or the embedded pair's; a missing one is refused here.
-What was chosen unasked, or given but unused, comes back as notes (data): the session logs them,
-and the command line prints them at its boundary.
+A method's draft model, acceptance head or EAGLE head is the one given, the one installed beside
+the model, the one that ships for the model or the embedded pair's; a missing one is refused here.
+What was chosen unasked, or given but unused, comes back as notes (data) for the caller to log.
 """
 from __future__ import annotations
 
@@ -73,7 +71,6 @@ def refuse_missing(path: str | None, field: str) -> None:
 
 
 def default_model() -> str:
-    """The embedded default model's folder, refused when it is not installed."""
     if not DEFAULT_MODEL_DIR.is_dir():
         raise ConfigError("no {model} given and the embedded default model is missing ({folder}): "
                           "pass {model} with a local model folder", folder=DEFAULT_MODEL_DIR)

@@ -97,7 +97,6 @@ def distill(config: SessionConfig, chat: bool | None, **opts: Any) -> None:
 
 
 def _unanswered(lines, done: set[Any]) -> Iterator[tuple[int, str]]:
-    """The (line number, line) batch records whose id is not among the answered ones."""
     from samctl.records import parse_record, read_records, record_key
 
     for number, line in read_records(lines):

@@ -20,7 +20,6 @@ from samctl.progress import human_bytes
 
 def _report(path: str, kind: str, format_version: int, file_size: int, meta: StoreMeta,
             counts: dict[str, int]) -> dict[str, Any]:
-    """What `info` reports of every store, file or directory, JSON-ready."""
     tokens = meta.corpus.tokens
     return {
         "path": path, "kind": kind, "format_version": format_version, "file_size": file_size,
@@ -34,7 +33,6 @@ def _report(path: str, kind: str, format_version: int, file_size: int, meta: Sto
 
 
 def describe(store: StoreFile, meta: StoreMeta, verified: bool) -> dict[str, Any]:
-    """Everything `info` reports of a store file: `_report` and its arrays."""
     report = _report(store.path, meta.build.kind, store.format_version, store.file_size, meta,
                      structure_counts(store, meta.build.kind))
     report["arrays"] = [{"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "codec": e.codec,

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import click
 
 from samctl.decode.methods import METHODS, REPLAYABLE, MethodConfig, make_drafter, method_config
-from samctl.decode.simulate import CostModel, Tally, Trace, check_replayable, make_trace, replay, sweep_configs, tally_by_category
+from samctl.decode.simulate import CostModel, Trace, check_replayable, make_trace, replay, sweep_configs, tally_by_category
 from samctl.index.datastore import Datastore
 from samctl.index.load import load_datastore
 from samctl.index.errors import UserError
@@ -93,21 +93,19 @@ def simulate(config: SessionConfig, max_new_tokens: int | None, **opts: Any) -> 
         result = sim.sweep(methods, settings)
         click.echo(json.dumps(result, indent=1) if opts["as_json"] else _sweep_table(result))
         return
-    results = {m: sim.run(m, settings) for m in methods}
     report = {"traces": len(traces), "store": config.store, "tokenizer": tokenizer.name,
               "cost_model": asdict(cost), "config": asdict(settings),
-              "methods": {m: {c: t.to_dict(cost) for c, t in r.items()} for m, r in results.items()}}
+              "methods": {m: sim.run(m, settings) for m in methods}}
     click.echo(json.dumps(report, indent=1) if opts["as_json"] else _results_table(report))
 
 
 class _Simulation:
-    """The traces and what every drafter is built from."""
-
     def __init__(self, traces: list[Trace], store: Datastore | None, tokenizer: Tokenizer, cost: CostModel,
                  quiet: bool) -> None:
         self.traces, self.store, self.tokenizer, self.cost, self.quiet = traces, store, tokenizer, cost, quiet
 
-    def run(self, method: str, config: MethodConfig, label: str = "") -> dict[str, Tally]:
+    def run(self, method: str, config: MethodConfig, label: str = "") -> dict[str, dict[str, Any]]:
+        """{category: the tally's figures} of one replay of every trace."""
         # Warm-up on a drafter of its own: JIT caches load on first calls (kept out of the timings),
         # and a drafter that remembers earlier requests must not have seen the first trace already.
         replay(self._drafter(method, config), self.traces[0])
@@ -117,7 +115,7 @@ class _Simulation:
             for trace in self.traces:
                 metrics.append(replay(drafter, trace))
                 bar.update(1)
-        return tally_by_category(self.traces, metrics)
+        return {c: t.to_dict(self.cost) for c, t in tally_by_category(self.traces, metrics).items()}
 
     def _drafter(self, method: str, config: MethodConfig):
         return make_drafter(method, vocab_size=self.tokenizer.vocab_size, device="cpu",
@@ -130,12 +128,10 @@ class _Simulation:
         grid: dict[str, list[dict[str, Any]]] = {}
         for method in methods:
             points = list(sweep_configs(method, base, has_store=self.store is not None))
-            grid[method] = []
-            for n, (setting, config) in enumerate(points, start=1):
-                tallies = self.run(method, config, label=f"{method} {n}/{len(points)}")
-                grid[method].append({"setting": setting,
-                                     "results": {c: t.to_dict(self.cost) for c, t in tallies.items()}})
-        default = {m: {c: t.to_dict(self.cost) for c, t in self.run(m, base).items()} for m in methods}
+            grid[method] = [{"setting": setting,
+                             "results": self.run(method, config, label=f"{method} {n}/{len(points)}")}
+                            for n, (setting, config) in enumerate(points, start=1)]
+        default = {m: self.run(m, base) for m in methods}
         best: dict[str, dict[str, Any]] = {}
         for method, points in grid.items():
             for category in default[method]:
