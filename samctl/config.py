@@ -31,7 +31,6 @@ class SessionConfig:
     Python names (`max_nodes`, `sam_threshold`, ..., `gamma`, `stop_threshold`, `bounds`; see
     `setting_names()`); options left out take the device's defaults."""
 
-    # A field with `help` is an option (`--field-name` unless `cli` says otherwise; samctl/options.py).
     model: str | None = arg(None, "Local model folder or .gguf file (default: the embedded model).", metavar="PATH")
     device: str = arg("auto", "auto, cpu, cuda or cuda:N.")
     dtype: str = arg("auto", "auto: float32 on CPU; on GPU the model's saved dtype (float32 models run in bfloat16). "

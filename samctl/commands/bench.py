@@ -64,10 +64,6 @@ class Turn:
     draft_s: float | None  # None: not measured (transformers' generate)
     metrics: dict[str, Any] | None = None  # the engine's full metrics
 
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.tokens) / self.time_s if self.time_s > 0 else 0.0
-
 
 class Runner(Protocol):
     name: str
@@ -318,10 +314,8 @@ def _runner(method: str, session: Session, models: dict[str, str | None]) -> Run
 
 
 def _warm_up(runners: dict[str, Runner], engine: Engine, question: Question, chat: bool) -> None:
-    # First calls pay for JIT loading, allocator growth and lazy imports; keep them out of the numbers.
-    # samctl's methods warm as their sessions do (a throwaway drafter, twice: the second run takes
-    # the paths of a drafter that remembers, which the first question after it would otherwise
-    # compile: about a second inside a timed step), so the drafters measured start untaught.
+    # First calls pay for JIT loading, allocator growth and lazy imports: kept out of the numbers.
+    # samctl's methods warm as their sessions do (Session.warm_up), so the drafters measured start untaught.
     prompt = engine.encode_conversation([{"role": "user", "content": question.turns[0]}], chat)
     for runner in runners.values():
         if isinstance(runner, EngineRunner):
@@ -390,7 +384,8 @@ def _record(method: str, q: Question, turns: list[Turn], baseline: list[Turn], e
         "mismatched_turns": mismatched,
         "repeat_times_s": [round(sum(t.time_s for t in run), 6) for run in repeats],
         "repeat_steps": [sum(t.steps for t in run) if all(t.steps is not None for t in run) else None for run in repeats],
-        "turns": [{"new_tokens": len(t.tokens), "time_s": round(t.time_s, 6), "tokens_per_s": round(t.tokens_per_s, 3),
+        "turns": [{"new_tokens": len(t.tokens), "time_s": round(t.time_s, 6),
+                   "tokens_per_s": round(len(t.tokens) / t.time_s if t.time_s > 0 else 0.0, 3),
                    "steps": t.steps, "first_difference": d, "metrics": t.metrics, "text": engine.decode(t.tokens)}
                   for t, d in zip(turns, diffs)],
     }

@@ -240,9 +240,8 @@ def _batch_to_output(opts: dict[str, Any], config: SessionConfig,
 
     if done is not None:
         records = unfinished(records, done, skip)
-        output = open(path, "a", encoding="utf-8")
-    else:
-        output = sys.stdout if path == "-" else open(path, "w", encoding="utf-8")
+    # --resume appends (it refuses stdout: _check_batch_options)
+    output = sys.stdout if path == "-" else open(path, "a" if opts["resume"] else "w", encoding="utf-8")
 
     written = 0
     broken: OSError | None = None
