@@ -27,8 +27,7 @@ def arg(default: Any = MISSING, help: str = "", **meta: Any) -> Any:
 
 @dataclass(frozen=True)
 class SessionConfig:
-    """Everything a session's output depends on. `settings` holds the drafters' options by their
-    Python names (`max_nodes`, `sam_threshold`, ..., `gamma`, `stop_threshold`, `bounds`; see
+    """`settings` holds the drafters' options by their Python names (`max_nodes`, ..., `bounds`; see
     `setting_names()`); options left out take the device's defaults."""
 
     model: str | None = arg(None, "Local model folder or .gguf file (default: the embedded model).", metavar="PATH")

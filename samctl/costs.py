@@ -95,10 +95,9 @@ def verify_cost(engine: Any, refresh: bool = False) -> VerifyCost:
 
 
 def batch_cost(engine: Any, rows: int, max_width: int, stop: Callable[[], bool] | None = None) -> VerifyCost:
-    """What the batched budget prices a step by: a batched forward over 1.. total input tokens
-    with `rows` rows in flight after CONTEXT entries a row (decode.engine.cost.measure_batch_cost;
-    one curve for every context: VerifyCost says why), from the cache or measured now; `stop()`
-    true stops a measurement between two forwards (decode.engine.cost.Stopped; nothing cached)."""
+    """What the batched budget prices a step by: a forward over 1.. total input tokens with `rows` rows
+    in flight after CONTEXT entries a row (one curve for every context: VerifyCost says why), from the
+    cache or measured now; `stop()` true stops a measurement between two forwards (nothing cached)."""
     from samctl.decode.engine.cost import measure_batch_cost
 
     note = (f"measuring the batched verify cost of {Path(engine.name).name} at {rows} rows, once per model, "

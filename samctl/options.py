@@ -60,10 +60,8 @@ def cli(f: dataclasses.Field) -> str:
 
 
 def field_option(f: dataclasses.Field, key: str, owner: str, **changes: Any) -> Callable:
-    """The option of a configuration field: flag, help, type and default from its metadata (`cli`,
-    default `--field-name`; `help`, `choices`, `path`, `metavar`, `type`, `multiple`, `negate`,
-    `cpu_default`); a field without a default is required. `changes` are a command's own click
-    arguments (`default=128`, `help=...`, `multiple=True`) or flags (`cli`)."""
+    """The option of a configuration field, from its metadata; a field without a default is required.
+    `changes` are a command's own click arguments (`default=128`, `help=...`) or flags (`cli`)."""
     meta = f.metadata
     decls = changes.pop("cli", cli(f)).split()
     default = None if f.default is dataclasses.MISSING else f.default

@@ -222,9 +222,8 @@ def context_needed(question: Question, engine: Engine, max_new: int, chat: bool)
 
 class EngineRunner:
     """A samctl method through its session; its drafter stays warm across questions, and every
-    repeat of a question starts from the state it had before the question's first run
-    (`snapshot` / `restore`), so that a repeat measures speed, not what the drafter learned from
-    the repeat before (Token Recycle's table, adaptive's calibration and memory)."""
+    repeat of a question starts from the drafter's state before the question (`snapshot` /
+    `restore`), so that a repeat measures speed, not what the drafter learned from the one before."""
 
     def __init__(self, name: str, session: Session) -> None:
         self.name, self.session = name, session

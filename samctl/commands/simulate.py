@@ -276,9 +276,7 @@ def _turn_traces(record: dict[str, Any], rid: str, where: str, tok: Tokenizer, c
 def _encode_prompt(tok: Tokenizer, messages: list[dict[str, str]], chat: bool) -> list[int]:
     """The conversation as the model would see it: chat template, or turns joined by blank lines
     (as `generate` and `bench` build multi-turn prompts)."""
-    if not chat:
-        return tok.encode("\n\n".join(m["content"] for m in messages))
-    return tok.encode_chat(messages)
+    return tok.encode_chat(messages) if chat else tok.encode("\n\n".join(m["content"] for m in messages))
 
 
 def _ids(value: Any, name: str, where: str, tok: Tokenizer) -> list[int]:
