@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import time
 import dataclasses
-from dataclasses import replace
 
 import click
 import numpy as np
@@ -115,7 +114,7 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
                          compress=compress, append_eos=append_eos, include=include,
                          exclude=exclude, fields=fields)
     if old is not None:
-        config = replace(old.meta.build, include=include, exclude=exclude, fields=fields)
+        config = dataclasses.replace(old.meta.build, include=include, exclude=exclude, fields=fields)
     entry = KINDS[kind]
     memory_bytes = _size(memory_limit) if memory_limit is not None else None
     if memory_limit is not None and kind != "sa":
@@ -132,8 +131,7 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
                         "or choose another -o")
     # 1) documents, read lazily while tokenizing
     reader = CorpusReader(inputs, include, exclude, fields, stdin=click.get_text_stream("stdin"))
-    tok = (load_tokenizer(tokenizer) if old is None
-           else load_store_tokenizer(old.meta, append_to, tokenizer))
+    tok = load_tokenizer(tokenizer) if old is None else load_store_tokenizer(old.meta, append_to, tokenizer)
     # 2) tokens, streamed in bounded batches (timed apart from loading the tokenizer)
     tokenize_start = time.perf_counter()
     with progress_bar("tokenizing", "document", quiet) as bar:
@@ -169,7 +167,6 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
                                  workers, memory_bytes, verify, quiet, (start, tokenize_start, tokenized))
         return
     # 3) structure; numba loads here, not for --help (a directory kind writes itself meanwhile)
-    options = BuildOptions(path=output, memory_limit=memory_bytes, threads=workers or 1)
     with progress_bar(f"building the {entry.label}", "token", quiet, total=len(tokens)) as bar:
         if old is not None and not entry.directory:
             with bar.heartbeat():
@@ -179,7 +176,8 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
                 old_tokens, old_offsets = old.structure.documents()
                 doc_offsets = np.concatenate((old_offsets, old_offsets[-1] + doc_offsets[1:]))
                 tokens = np.concatenate((old_tokens, tokens))
-            structure = entry.build(tokens, doc_offsets, meta, replace(options, heartbeat=bar.heartbeat))
+            structure = entry.build(tokens, doc_offsets, meta, BuildOptions(
+                path=output, memory_limit=memory_bytes, threads=workers or 1, heartbeat=bar.heartbeat))
         bar.update(bar.total - bar.done)  # a kind that cannot count its progress (ngram, sa) is done too
     built = time.perf_counter()
     del tokens, doc_offsets  # the structure holds what it needs; free the input before writing
