@@ -112,7 +112,7 @@ def markdown(summary: dict[str, Any]) -> str:
                   "| method | " + " | ".join(h for _, h in _COLUMNS) + " |",
                   "|---|" + "---:|" * len(_COLUMNS)]
         for method, row in rows.items():
-            lines.append(f"| {method} | " + " | ".join(_fmt(row[k], k) for k, _ in _COLUMNS) + " |")
+            lines.append(f"| {method} | " + " | ".join(format_cell(row[k], k) for k, _ in _COLUMNS) + " |")
         lines.append("")
     if short:
         lines += [f"Left out of the speedups: answers shorter than {MIN_TIMED_TOKENS} tokens (mostly prefill and "
@@ -124,7 +124,8 @@ def markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _fmt(value: Any, key: str) -> str:
+def format_cell(value: Any, key: str) -> str:
+    """A table cell of the figure `key`, as summary.md and simulate's tables show it."""
     if value is None:
         return "—"
     if key.startswith("speedup"):

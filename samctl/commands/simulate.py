@@ -30,7 +30,7 @@ from samctl.decode.simulate import CostModel, Trace, check_replayable, make_trac
 from samctl.index.datastore import Datastore
 from samctl.index.load import load_datastore
 from samctl.index.errors import UserError
-from samctl.bench_report import report_category
+from samctl.bench_report import format_cell, report_category
 from samctl.config import SessionConfig
 from samctl.options import check_count, parse_methods, session_options
 from samctl.progress import progress_bar
@@ -304,9 +304,9 @@ def _results_table(report: dict[str, Any]) -> str:
              "|---|---|" + "---:|" * len(_COLUMNS)]
     for category in _category_order(report["methods"]):
         for method, by_cat in report["methods"].items():
-            row = by_cat.get(category)
-            if row is not None:
-                lines.append(f"| {category} | {method} | " + " | ".join(_fmt(row[k]) for k, _ in _COLUMNS) + " |")
+            if (row := by_cat.get(category)) is not None:
+                lines.append(f"| {category} | {method} | " + " | ".join(format_cell(row[k], k) for k, _ in _COLUMNS)
+                             + " |")
     return "\n".join(lines)
 
 
@@ -329,6 +329,3 @@ def _category_order(by_method: dict[str, dict[str, Any]]) -> list[str]:
     seen = sorted({c for by_cat in by_method.values() for c in by_cat if c != "overall"})
     return seen + ["overall"]
 
-
-def _fmt(value: Any) -> str:
-    return f"{value:.2f}" if isinstance(value, float) else str(value)
