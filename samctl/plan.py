@@ -122,14 +122,13 @@ def resolve_eagle_path(method: str, model: str | None, path: str | None, notes: 
         return None
     if path is not None:
         return path
-    installed = installed_eagle_head(model) if model is not None else None
-    if installed is not None and installed.is_dir():
-        notes.append(f"using the EAGLE head installed beside the model ({installed})")
-        return str(installed)
-    shipped = shipped_eagle_head(model) if model is not None else None
-    if shipped is not None:
-        notes.append(f"using the EAGLE head that ships with samctl for this model ({shipped})")
-        return str(shipped)
+    if model is not None:
+        if (installed := installed_eagle_head(model)).is_dir():
+            notes.append(f"using the EAGLE head installed beside the model ({installed})")
+            return str(installed)
+        if (shipped := shipped_eagle_head(model)) is not None:
+            notes.append(f"using the EAGLE head that ships with samctl for this model ({shipped})")
+            return str(shipped)
     if model is not None or not DEFAULT_EAGLE_DIR.is_dir():
         raise missing(method, "eagle_head")
     notes.append(f"using the embedded EAGLE head ({DEFAULT_EAGLE_DIR.parent.name}/{DEFAULT_EAGLE_DIR.name})")
