@@ -1,8 +1,6 @@
 """`samctl bench` results: per-category aggregation, summary.md, summary.json and the speedup plot.
 
-Input: one record per (method, question), as bench writes them to records.jsonl:
-    {"method", "question_id", "category", "group", "new_tokens", "time_s", "tokens_per_s",
-     "steps" (None when unknown), "draft_s", "mismatched_turns", "turns": [...]}
+Input: the records bench writes to records.jsonl, one per (method, question).
 Counting (Spec-Bench's, with the same token counting on both sides):
     tokens/s of a question = its new tokens over all turns / its wall time over all turns
     speedup               = mean over questions of the method's tokens/s
@@ -114,7 +112,7 @@ def markdown(summary: dict[str, Any]) -> str:
                   "| method | " + " | ".join(h for _, h in _COLUMNS) + " |",
                   "|---|" + "---:|" * len(_COLUMNS)]
         for method, row in rows.items():
-            lines.append(f"| {method} | " + " | ".join(_fmt(row[k], k) for k, _ in _COLUMNS) + " |")
+            lines.append(f"| {method} | " + " | ".join(format_cell(row[k], k) for k, _ in _COLUMNS) + " |")
         lines.append("")
     if short:
         lines += [f"Left out of the speedups: answers shorter than {MIN_TIMED_TOKENS} tokens (mostly prefill and "
@@ -126,7 +124,8 @@ def markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _fmt(value: Any, key: str) -> str:
+def format_cell(value: Any, key: str) -> str:
+    """A table cell of the figure `key`, as summary.md and simulate's tables show it."""
     if value is None:
         return "—"
     if key.startswith("speedup"):
@@ -163,7 +162,6 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
 
 def write_summary(out_dir: Path, records: list[dict[str, Any]], methods: list[str], run: dict[str, Any]) -> dict[str, Any]:
-    """summary.json, summary.md and speedup.png in out_dir; returns the summary."""
     summary = {
         "run": run,
         "methods": methods,

@@ -1,12 +1,9 @@
 """The `samctl` command group and the single boundary where errors become one-line messages.
 
-Commands live in `samctl/commands/`, one module per command, imported on first use; `--help`
-lists them from the registry's summaries without importing any. A `UserError` (from any layer)
-and a usage error (a bad option value, a missing argument) print `samctl: error: <message>` in
-one line and exit 2 (a `ConfigError` names configuration fields: here they are worded as flags);
-set SAMCTL_DEBUG=1 to get the traceback instead. A closed standard output (`samctl ... | head`)
-ends the command quietly with exit status 0. The library's notes (the `samctl` logger) are printed
-here too, `samctl: <note>` on stderr, once each as logged; a command's `--quiet` keeps warnings.
+Commands load on first use (samctl/commands). A `UserError` or a usage error prints `samctl: error:
+<message>` and exits 2 (a `ConfigError`'s fields worded as flags; SAMCTL_DEBUG=1: the traceback); a
+closed standard output (`samctl ... | head`) exits 0. The `samctl` logger's notes print here, once
+each, as `samctl: <note>` on stderr; a command's `--quiet` keeps warnings only.
 """
 from __future__ import annotations
 
@@ -90,7 +87,6 @@ def cli() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: run the CLI, turning user errors into one line and exit status 2."""
     try:
         cli.main(args=argv, prog_name="samctl", standalone_mode=False)
     except UserError as err:
@@ -104,7 +100,6 @@ def main(argv: list[str] | None = None) -> None:
         click.echo("samctl: aborted", err=True)
         sys.exit(130)
     except click.UsageError as err:
-        # One line, as for every other error; the hint names the help of the command at fault.
         command = err.ctx.command_path if err.ctx is not None else "samctl"
         click.echo(f"samctl: error: {err.format_message()} (see {command} --help)", err=True)
         sys.exit(err.exit_code)

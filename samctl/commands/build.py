@@ -1,31 +1,19 @@
 """`samctl build`: read corpora, tokenize them, build a store of one kind (index/kinds.py), save it.
 
-Phases: 1) read documents (index.corpus) 2) tokenize them, streamed in bounded batches, with an
-EOS after each document 3) build the structure 4) write the store atomically. The summary line
-(total time and every phase's, loading the tokenizer included) goes to stdout; progress (documents,
-tokens, tokens/s while tokenizing; tokens inserted while building), notes and warnings go to
-stderr. Modules that load numba are imported in phase 3, so `build --help` stays fast.
-
-`--append-to OLD.sam` grows an automaton store instead: the inputs are tokenized with the store's
-own tokenizer and build settings and inserted after its documents, without re-reading the old
-corpus (time in the new tokens, plus one copy of the old arrays); the result equals a full build
-over the old inputs followed by the new ones. A suffix-array store is rebuilt over its own stored
-documents followed by the new ones (the old corpus is not re-read or re-tokenized either).
-
-`--kind sa` writes a suffix-array store directory (index/suffix_array.py): the suffixes are sorted
-by infini-gram's indexer in parts of at most --memory-limit bytes, --workers at once.
-
-With --shards N the output is a store directory (index/sharded.py) of N automata or suffix
-arrays: the documents are split into N contiguous runs and each shard is built in its own
-process, one per core at a time (suffix sorts share --memory-limit), or with --ray as Ray tasks
-after tokenizing with Ray Data (samctl/cluster.py).
+Phases: 1) read documents (index.corpus) 2) tokenize them in bounded batches, an EOS after each
+document 3) build the structure (numba loads here, so that `build --help` stays fast) 4) write the
+store atomically. The summary line goes to stdout; progress, notes and warnings to stderr.
+`--append-to` grows a store without re-reading its corpus: an automaton inserts the new documents
+after its own (equal to a full build over the old inputs, then the new), a suffix array is rebuilt
+over its stored documents and the new ones. `--shards N` writes a store directory (index/sharded.py)
+of N shards over contiguous runs of documents, each built in its own process or, with --ray, as a
+Ray task (samctl/cluster.py).
 """
 from __future__ import annotations
 
 import os
 import time
 import dataclasses
-from dataclasses import replace
 
 import click
 import numpy as np
@@ -126,7 +114,7 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
                          compress=compress, append_eos=append_eos, include=include,
                          exclude=exclude, fields=fields)
     if old is not None:
-        config = replace(old.meta.build, include=include, exclude=exclude, fields=fields)
+        config = dataclasses.replace(old.meta.build, include=include, exclude=exclude, fields=fields)
     entry = KINDS[kind]
     memory_bytes = _size(memory_limit) if memory_limit is not None else None
     if memory_limit is not None and kind != "sa":
@@ -143,8 +131,7 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
                         "or choose another -o")
     # 1) documents, read lazily while tokenizing
     reader = CorpusReader(inputs, include, exclude, fields, stdin=click.get_text_stream("stdin"))
-    tok = (load_tokenizer(tokenizer) if old is None
-           else load_store_tokenizer(old.meta, append_to, tokenizer))
+    tok = load_tokenizer(tokenizer) if old is None else load_store_tokenizer(old.meta, append_to, tokenizer)
     # 2) tokens, streamed in bounded batches (timed apart from loading the tokenizer)
     tokenize_start = time.perf_counter()
     with progress_bar("tokenizing", "document", quiet) as bar:
@@ -180,7 +167,6 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
                                  workers, memory_bytes, verify, quiet, (start, tokenize_start, tokenized))
         return
     # 3) structure; numba loads here, not for --help (a directory kind writes itself meanwhile)
-    options = BuildOptions(path=output, memory_limit=memory_bytes, threads=workers or 1)
     with progress_bar(f"building the {entry.label}", "token", quiet, total=len(tokens)) as bar:
         if old is not None and not entry.directory:
             with bar.heartbeat():
@@ -190,7 +176,8 @@ def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_
                 old_tokens, old_offsets = old.structure.documents()
                 doc_offsets = np.concatenate((old_offsets, old_offsets[-1] + doc_offsets[1:]))
                 tokens = np.concatenate((old_tokens, tokens))
-            structure = entry.build(tokens, doc_offsets, meta, replace(options, heartbeat=bar.heartbeat))
+            structure = entry.build(tokens, doc_offsets, meta, BuildOptions(
+                path=output, memory_limit=memory_bytes, threads=workers or 1, heartbeat=bar.heartbeat))
         bar.update(bar.total - bar.done)  # a kind that cannot count its progress (ngram, sa) is done too
     built = time.perf_counter()
     del tokens, doc_offsets  # the structure holds what it needs; free the input before writing
@@ -287,7 +274,6 @@ def _sharded_summary(output, corpus, tokenizer_name, results, total, tokenize, b
 
 
 def _combined(old: CorpusStats, new: CorpusStats) -> CorpusStats:
-    """The corpus statistics of a store grown by --append-to: sums, and the inputs of both."""
     return CorpusStats(**{f.name: getattr(old, f.name) + getattr(new, f.name) for f in dataclasses.fields(CorpusStats)})
 
 

@@ -1,12 +1,8 @@
 """`samctl chat`: an interactive console on the model's chat template, streaming, multi-turn.
 
-Each turn the whole conversation, rendered by the tokenizer's chat template, is the prompt; the
-answer streams as it is accepted, then one line reports the turn: new tokens, tokens/s and
-accepted tokens per step (and with /compare, plain decoding's tokens/s on the same prompt, the
-speedup and whether the outputs are identical). A drafter is kept per method for the whole
-session, so adaptive's memory of earlier answers and Token Recycle's table carry over from turn
-to turn (and across /method switches). Lines starting with "/" are commands (/help lists them);
-Ctrl-D or /quit ends the session, Ctrl-C stops the answer being generated.
+Each turn's prompt is the whole conversation; the answer streams as it is accepted, then one line
+reports the turn. A session (with its drafter) is kept per method, so adaptive's memory and Token
+Recycle's table carry over from turn to turn and across /method switches.
 """
 from __future__ import annotations
 
@@ -16,7 +12,7 @@ from typing import Any
 import click
 
 from samctl.config import SessionConfig
-from samctl.decode.methods import ALL_METHODS
+from samctl.decode.methods import ALL_METHODS, method as method_entry
 from samctl.index.errors import UserError
 from samctl.options import cli_message, session_options
 from samctl.plan import plan
@@ -83,8 +79,6 @@ class Console:
 
     def command(self, line: str) -> bool:
         """Run one /command; False to leave."""
-        from samctl.decode.methods import method as method_entry
-
         name, _, arg = line.partition(" ")
         arg = arg.strip()
         if name in ("/quit", "/exit"):
@@ -143,17 +137,10 @@ class Console:
         self.messages.append({"role": "assistant", "content": self.engine.decode(result.tokens)})
 
     def sources(self) -> str:
-        from samctl.decode.methods import method as method_entry
-
         entry = method_entry(self.method)
         store = self.store_name if self.store_name and entry.uses_store else "none"
         lines = [f"method {self.method}: {entry.summary}", f"store: {store}"]
-        drafter = self.sessions[self.method].drafter if self.method in self.sessions else None
-        if drafter is None:
-            lines.append("(no turn with this method yet)")
-        else:
-            lines += _report_lines(drafter.report())
-        return "\n".join(lines)
+        return "\n".join(lines + _report_lines(self.sessions[self.method].drafter.report()))
 
     def _session(self, method: str):
         """The kept session of `method`, on the same engine as the others (built on first use)."""

@@ -1,16 +1,9 @@
 """`samctl distill`: a store over the model's own answers (SAM-Decoding's self-distilled store).
 
-Phases: 1) generate an answer to every prompt of a JSONL file with samctl's decoding (batch
-semantics of `generate --input`: fields prompt/turns/text/question/instruction or --field,
-multi-turn records, a bad record gets an `error` and the rest go on), appending each answer to
-an answers file as soon as it is done; a second run skips the records already answered there, so
-an interrupted run resumes 2) build an automaton store over prompt + answer of each record (the
-turns and answers of a record joined by blank lines, EOS after each document), plus any --also
-inputs read as `samctl build` reads them 3) write it atomically, recording in its header
-(`written_by`) which model wrote the answers and how (`samctl info` shows it).
-
-Next time the same kind of prompt comes, `samctl generate --sam store.sam` drafts from what the
-model itself said, which it accepts more often than human-written text.
+Phases: 1) answer every prompt with samctl's decoding, with `generate --input`'s batch semantics,
+appending each answer to an answers file as it is done (a second run resumes from there) 2) build
+an automaton over each record's turns and answers joined by blank lines, plus any --also corpora
+3) write it atomically, its header (`written_by`) recording which model wrote the answers and how.
 """
 from __future__ import annotations
 
@@ -104,7 +97,6 @@ def distill(config: SessionConfig, chat: bool | None, **opts: Any) -> None:
 
 
 def _unanswered(lines, done: set[Any]) -> Iterator[tuple[int, str]]:
-    """The (line number, line) batch records whose id is not among the answered ones."""
     from samctl.records import parse_record, read_records, record_key
 
     for number, line in read_records(lines):

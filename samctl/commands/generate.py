@@ -1,20 +1,11 @@
 """`samctl generate`: lossless speculative decoding of one prompt or a JSONL batch.
 
-Single prompt (--prompt / --prompt-file): the text streams to stdout as it is accepted, or
-`--json` prints one object with the text and the metrics. Batch (--input FILE|-): one JSON record
-per line in, one per line out in input order, blank lines included; a bad record (a blank line too)
-gets an `error` field and the rest go on, and the exit status is 1 when any record failed. Progress
-lines come every few seconds on a non-terminal stderr, also while one long record runs. `--compare` also runs plain decoding (`ar`)
-on the same input in the same process, checks greedy outputs are identical and reports the speedup:
-for a single prompt the median of --compare-runs rounds run in alternating order, with its range.
-Every timing is of the steady state: a warm-up run comes first (samctl.session). In float32 a
-difference in the outputs exits 1; in half precision the first divergence and the agreeing rate
-are reported instead (near-tie drift of batched verification, not an error).
-
-`--resume` skips one record for each line the output file already holds under its id (or `line`
-number), a torn last line cut, and appends the rest. `--ray` runs a batch on Ray Data actors, each with its own Session
-(samctl/cluster.py). This module only turns flags into a SessionConfig and output into lines:
-the session is samctl.session's, the records samctl.records's.
+A single prompt streams to stdout as it is accepted (`--json`: one object). A batch writes one line
+per input line in input order, blank lines included; a bad record gets an `error` field, the rest go
+on, and the exit status is 1 when any failed. `--compare` exits 1 when greedy outputs differ in
+float32; in half precision it reports the divergence (near-tie drift, not an error). This module
+only turns flags into a SessionConfig and output into lines: the session is samctl.session's, the
+records samctl.records's, `--ray` samctl.cluster's.
 """
 from __future__ import annotations
 
@@ -81,7 +72,9 @@ def generate(config: SessionConfig, **opts: Any) -> None:
         # Timing both sides on one thread keeps the ratio steady when other processes want the
         # cores (BENCHMARKS.md, "--compare under load"); --threads N still chooses.
         config = replace(config, threads=1)
-    _note_ignored(config)
+    flags = ignored_settings(config.settings, config.method)
+    if flags and not config.quiet:
+        click.echo(f"samctl: note: method {config.method} does not use {', '.join(flags)}", err=True)
     # The single prompt's files are read (and refused if not UTF-8) before any model loads.
     prediction = _read_file(opts["prediction_file"], "--prediction")
     text = opts["prompt"] if opts["prompt"] is not None else _read_file(opts["prompt_file"], "--prompt-file")
@@ -152,13 +145,6 @@ def _single(session, text: str, opts: dict[str, Any], prediction: str | None) ->
     return mismatch
 
 
-def _note_ignored(config: SessionConfig) -> None:
-    """One line naming the drafter flags the chosen method does not read (`--method sam --max-nodes 3`)."""
-    flags = ignored_settings(config.settings, config.method)
-    if flags and not config.quiet:
-        click.echo(f"samctl: note: method {config.method} does not use {', '.join(flags)}", err=True)
-
-
 def refuse_foreign_store(store_path: str | None, model: str | None) -> None:
     """Refuse a store built with another tokenizer before any weights load, where the model's
     tokenizer reads cheaply: a model folder, the embedded default, a .gguf already dequantized
@@ -198,7 +184,6 @@ def _input_format(opts: dict[str, Any]) -> str | None:
 
 
 def _read_file(handle: IO[str] | None, flag: str) -> str | None:
-    """The text of a file option, refused in one line if it is not UTF-8."""
     if handle is None:
         return None
     return check_utf8(handle.read(), f"{flag} {getattr(handle, 'name', '')}".strip())
@@ -255,9 +240,8 @@ def _batch_to_output(opts: dict[str, Any], config: SessionConfig,
 
     if done is not None:
         records = unfinished(records, done, skip)
-        output = open(path, "a", encoding="utf-8")
-    else:
-        output = sys.stdout if path == "-" else open(path, "w", encoding="utf-8")
+    # --resume appends (it refuses stdout: _check_batch_options)
+    output = sys.stdout if path == "-" else open(path, "a" if opts["resume"] else "w", encoding="utf-8")
 
     written = 0
     broken: OSError | None = None

@@ -20,7 +20,6 @@ from samctl.progress import human_bytes
 
 def _report(path: str, kind: str, format_version: int, file_size: int, meta: StoreMeta,
             counts: dict[str, int]) -> dict[str, Any]:
-    """What `info` reports of every store, file or directory, JSON-ready."""
     tokens = meta.corpus.tokens
     return {
         "path": path, "kind": kind, "format_version": format_version, "file_size": file_size,
@@ -34,7 +33,6 @@ def _report(path: str, kind: str, format_version: int, file_size: int, meta: Sto
 
 
 def describe(store: StoreFile, meta: StoreMeta, verified: bool) -> dict[str, Any]:
-    """Everything `info` reports of a store file: `_report` and its arrays."""
     report = _report(store.path, meta.build.kind, store.format_version, store.file_size, meta,
                      structure_counts(store, meta.build.kind))
     report["arrays"] = [{"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "codec": e.codec,
@@ -59,18 +57,17 @@ def describe_directory(store, verified: bool) -> dict[str, Any]:
 
 
 def _text(report: dict[str, Any]) -> str:
-    kind = f"{report['kind']} ({KINDS[report['kind']].label})"
-    tok = report["tokenizer"]
+    kind, tok = KINDS[report["kind"]], report["tokenizer"]
     per_token = f" ({report['bytes_per_token']:.1f} bytes/token)" if report["bytes_per_token"] else ""
     rows = [
         ("store", report["path"]),
-        ("kind", kind),
+        ("kind", f"{report['kind']} ({kind.label})"),
         ("format version", report["format_version"]),
         ("file size", f"{human_bytes(report['file_size'])}{per_token}"),
         ("documents", f"{report['documents']:,}"),
         ("tokens", f"{report['tokens']:,}"),
     ]
-    rows += [(name, f"{report[name]:,}") for name in KINDS[report["kind"]].count_names]
+    rows += [(name, f"{report[name]:,}") for name in kind.count_names]
     rows += [
         ("tokenizer", f"{tok['name']} (fingerprint {tok['fingerprint']}, vocabulary "
                       f"{tok['vocab_size']:,}, eos {tok['eos_token_id']})"),
@@ -84,9 +81,9 @@ def _text(report: dict[str, Any]) -> str:
     rows += [(f"array {a['name']}", f"{a['dtype']} {tuple(a['shape'])} {a['codec']} "
                                     f"{human_bytes(a['stored_bytes'])}") for a in report.get("arrays", [])]
     rows += [(f"file {f['file']}", human_bytes(f["bytes"])) for f in report.get("files", [])]
-    counted = KINDS[report["kind"]].count_names
     rows += [(f"shard {s['file']}", f"{s['documents']:,} documents, {s['tokens']:,} tokens, "
-                                    + "".join(f"{s[name]:,} {name}, " for name in counted) + human_bytes(s["bytes"]))
+                                    + "".join(f"{s[name]:,} {name}, " for name in kind.count_names)
+                                    + human_bytes(s["bytes"]))
              for s in report.get("shards", [])]
     if report["verified"]:
         rows.append(("checksums", "ok"))

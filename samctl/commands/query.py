@@ -1,10 +1,8 @@
 """`samctl query`: the longest suffix of a text (or id list) found in a store, and what follows it.
 
-`--text` is tokenized with the store's tokenizer (or `--tokenizer`, which must have the same
-fingerprint). With `--ids` no tokenizer is needed: the text columns are filled in when that
-tokenizer loads without transformers (the `tokenizers` library reads its tokenizer.json in a
-fraction of a second) and left null otherwise, with a note, rather than spend seconds importing
-torch and transformers on every query.
+With `--ids` the text columns are filled in only when the store's tokenizer loads without
+transformers (the `tokenizers` library reads a tokenizer.json in a fraction of a second), and are
+left null otherwise, with a note, rather than spend seconds importing torch on every query.
 """
 from __future__ import annotations
 
@@ -48,7 +46,6 @@ def _tokenizer_for_ids(store: Datastore, spec: str | None) -> Tokenizer | None:
 
 
 def answer(store: Datastore, ids: np.ndarray, n: int, k: int, tok: Tokenizer | None) -> dict[str, Any]:
-    """The JSON-ready result of one query."""
     found = store.lookup(ids, n, k)
     matched = ids[len(ids) - found.match_length :] if found.match_length else ids[:0]
 

@@ -1,6 +1,6 @@
 """`samctl simulate`: replay retrieval drafters against reference outputs, no model loaded.
 
-Each trace is a prompt and the output the model is assumed to produce. A trace file is JSON lines
+A trace is a prompt and the output the model is assumed to produce. A trace file is JSON lines
 (or a `.json` list) of records in one of these shapes:
     prompt_ids + output_ids        token ids, used as they are (a model's own greedy answers, as written
                                    with the model's tokenizer name and fingerprint in `tokenizer`)
@@ -12,15 +12,9 @@ Each trace is a prompt and the output the model is assumed to produce. A trace f
                                    of turn k is the conversation so far (turns and references),
                                    joined by blank lines or rendered by the chat template (--chat)
 Text is tokenized with the store's tokenizer (or --tokenizer, or the embedded default) without
-special tokens; an optional `category` field groups the results (MT-bench's eight categories as
-`mt_bench`, as in bench). A record that cannot be read is reported (how many, and the first) and the
-rest are replayed.
-
-For each method the report gives, per category and overall: mean accepted tokens per step (bonus
-included), target forwards needed (prefills included), drafted tokens per step, acceptance rate,
-drafting cost per step, and a projected speedup under a simple cost model of a target forward
-(--forward-ms, --token-cost). `--sweep` replays every setting of a small grid per method and
-prints the best setting per category under that model.
+special tokens; an optional `category` groups the results (MT-bench's eight as `mt_bench`). A record
+that cannot be read is reported (how many, and the first) and the rest are replayed. Per method and
+category the report gives decode.simulate's tallies and a speedup projected by its CostModel.
 """
 from __future__ import annotations
 
@@ -31,13 +25,12 @@ from typing import Any, Iterator
 
 import click
 
-from samctl.decode.methods import METHODS, REPLAYABLE, MethodConfig, make_drafter
-from samctl.decode.simulate import CostModel, Tally, Trace, check_replayable, make_trace, replay, sweep_configs, tally_by_category
+from samctl.decode.methods import METHODS, REPLAYABLE, MethodConfig, make_drafter, method_config
+from samctl.decode.simulate import CostModel, Trace, check_replayable, make_trace, replay, sweep_configs, tally_by_category
 from samctl.index.datastore import Datastore
 from samctl.index.load import load_datastore
 from samctl.index.errors import UserError
-from samctl.bench_report import report_category
-from samctl.decode.methods import method_config
+from samctl.bench_report import format_cell, report_category
 from samctl.config import SessionConfig
 from samctl.options import check_count, parse_methods, session_options
 from samctl.progress import progress_bar
@@ -100,21 +93,19 @@ def simulate(config: SessionConfig, max_new_tokens: int | None, **opts: Any) -> 
         result = sim.sweep(methods, settings)
         click.echo(json.dumps(result, indent=1) if opts["as_json"] else _sweep_table(result))
         return
-    results = {m: sim.run(m, settings) for m in methods}
     report = {"traces": len(traces), "store": config.store, "tokenizer": tokenizer.name,
               "cost_model": asdict(cost), "config": asdict(settings),
-              "methods": {m: {c: t.to_dict(cost) for c, t in r.items()} for m, r in results.items()}}
+              "methods": {m: sim.run(m, settings) for m in methods}}
     click.echo(json.dumps(report, indent=1) if opts["as_json"] else _results_table(report))
 
 
 class _Simulation:
-    """The traces and what every drafter is built from."""
-
     def __init__(self, traces: list[Trace], store: Datastore | None, tokenizer: Tokenizer, cost: CostModel,
                  quiet: bool) -> None:
         self.traces, self.store, self.tokenizer, self.cost, self.quiet = traces, store, tokenizer, cost, quiet
 
-    def run(self, method: str, config: MethodConfig, label: str = "") -> dict[str, Tally]:
+    def run(self, method: str, config: MethodConfig, label: str = "") -> dict[str, dict[str, Any]]:
+        """{category: the tally's figures} of one replay of every trace."""
         # Warm-up on a drafter of its own: JIT caches load on first calls (kept out of the timings),
         # and a drafter that remembers earlier requests must not have seen the first trace already.
         replay(self._drafter(method, config), self.traces[0])
@@ -124,7 +115,7 @@ class _Simulation:
             for trace in self.traces:
                 metrics.append(replay(drafter, trace))
                 bar.update(1)
-        return tally_by_category(self.traces, metrics)
+        return {c: t.to_dict(self.cost) for c, t in tally_by_category(self.traces, metrics).items()}
 
     def _drafter(self, method: str, config: MethodConfig):
         return make_drafter(method, vocab_size=self.tokenizer.vocab_size, device="cpu",
@@ -137,12 +128,10 @@ class _Simulation:
         grid: dict[str, list[dict[str, Any]]] = {}
         for method in methods:
             points = list(sweep_configs(method, base, has_store=self.store is not None))
-            grid[method] = []
-            for n, (setting, config) in enumerate(points, start=1):
-                tallies = self.run(method, config, label=f"{method} {n}/{len(points)}")
-                grid[method].append({"setting": setting,
-                                     "results": {c: t.to_dict(self.cost) for c, t in tallies.items()}})
-        default = {m: {c: t.to_dict(self.cost) for c, t in self.run(m, base).items()} for m in methods}
+            grid[method] = [{"setting": setting,
+                             "results": self.run(method, config, label=f"{method} {n}/{len(points)}")}
+                            for n, (setting, config) in enumerate(points, start=1)]
+        default = {m: self.run(m, base) for m in methods}
         best: dict[str, dict[str, Any]] = {}
         for method, points in grid.items():
             for category in default[method]:
@@ -287,9 +276,7 @@ def _turn_traces(record: dict[str, Any], rid: str, where: str, tok: Tokenizer, c
 def _encode_prompt(tok: Tokenizer, messages: list[dict[str, str]], chat: bool) -> list[int]:
     """The conversation as the model would see it: chat template, or turns joined by blank lines
     (as `generate` and `bench` build multi-turn prompts)."""
-    if not chat:
-        return tok.encode("\n\n".join(m["content"] for m in messages))
-    return tok.encode_chat(messages)
+    return tok.encode_chat(messages) if chat else tok.encode("\n\n".join(m["content"] for m in messages))
 
 
 def _ids(value: Any, name: str, where: str, tok: Tokenizer) -> list[int]:
@@ -317,9 +304,9 @@ def _results_table(report: dict[str, Any]) -> str:
              "|---|---|" + "---:|" * len(_COLUMNS)]
     for category in _category_order(report["methods"]):
         for method, by_cat in report["methods"].items():
-            row = by_cat.get(category)
-            if row is not None:
-                lines.append(f"| {category} | {method} | " + " | ".join(_fmt(row[k]) for k, _ in _COLUMNS) + " |")
+            if (row := by_cat.get(category)) is not None:
+                lines.append(f"| {category} | {method} | " + " | ".join(format_cell(row[k], k) for k, _ in _COLUMNS)
+                             + " |")
     return "\n".join(lines)
 
 
@@ -342,6 +329,3 @@ def _category_order(by_method: dict[str, dict[str, Any]]) -> list[str]:
     seen = sorted({c for by_cat in by_method.values() for c in by_cat if c != "overall"})
     return seen + ["overall"]
 
-
-def _fmt(value: Any) -> str:
-    return f"{value:.2f}" if isinstance(value, float) else str(value)

@@ -1,12 +1,5 @@
-"""`samctl train NAME ARGS...`: the trainers of samctl.train, shipped with the package.
-
-    samctl train eagle     an EAGLE head for a target model (eagle, sam+eagle, adaptive+eagle)
-    samctl train sdsat     an SDSAT fine-tune of a target model (sdsat)
-    samctl train acc-head  a SpecDec++ acceptance head for a target and draft pair (specdec++)
-
-Each trainer module has its own command, an option per field of its frozen settings (`samctl train
-eagle --help`); this command only hands the arguments over, so trainers stay importable alone.
-"""
+"""`samctl train NAME ARGS...`: hands the arguments to the trainer module's own command (an option per
+field of its frozen settings), so that trainers stay importable alone."""
 from __future__ import annotations
 
 import importlib
