@@ -1,9 +1,6 @@
 """The native forward's int8 steps on a CPU: each decoder layer as four integer matmuls with one
-compiled call between each two, instead of some thirty torch ops and module calls.
-
-At one row a SmolLM2 step multiplies 135 MB of int8 weights in about 17 ms, and the ops around
-the matmuls (quantizing, rescaling, norms, RoPE, the cache writes, attention, the activation),
-each a torch or numba call of a few microseconds, used to cost as much again. Here a layer is
+compiled call between each two, instead of some thirty torch ops and module calls of a few
+microseconds each (at one row they cost as much as a SmolLM2 step's ~17 ms of matmuls). A layer is
 
     codes = quantize(rms_norm(x))                        `norm_codes`  (x += the last down's output first)
     s = Wqkv codes                                       integer sums (Int8Linear.integer_sums)
@@ -16,12 +13,11 @@ each a torch or numba call of a few microseconds, used to cost as much again. He
     s = Wdown codes                                      (added to x by the next `norm_codes`)
 
 and the final norm's output goes to the output head. Where every projection runs samctl's own
-int8 kernel (decode/engine/int8_gemm.py: a few rows on one thread), the whole loop over the layers
-is one compiled call (`own_layers`), with no Python between its ~250 kernels. Every step is the
-formula the op-by-op forward computes, per row and in the same order, except silu (from exp(-|g|)
-here, `silu_times`, so that it vectorizes; torch's own exp of -g there: the two may differ in the
-last bit): a row's result depends on that row alone, so every verified row equals a one-token
-step bit for bit, as before. Prefills (no cached keys) stay on the op-by-op forward.
+int8 kernel (decode/engine/int8_gemm.py), the whole layer loop is one compiled call (`own_layers`).
+Every step is the op-by-op forward's formula, per row and in the same order, except silu
+(`silu_times`, from exp(-|g|) so that it vectorizes: it may differ from torch's in the last bit):
+a row's result depends on that row alone, so every verified row equals a one-token step bit for
+bit. Prefills (no cached keys) stay on the op-by-op forward.
 """
 from __future__ import annotations
 
