@@ -337,12 +337,7 @@ class BatchedTarget:
         if n <= self.capacity:
             return
         self.capacity = self.cache.capacity = aligned(max(n, min(2 * self.capacity, self.max_positions)))
-        old = self.cache.storage
-        if old is not None:
-            shape = list(old.shape)
-            shape[-2] = self.capacity
-            self.cache.set_storage(torch.zeros(shape, dtype=old.dtype, device=old.device))
-            self.cache.storage[..., : old.shape[-2], :] = old
+        self._reallocate(4, self.capacity)
 
     @torch.inference_mode()
     def move_row(self, src: int, dst: int) -> None:
@@ -358,14 +353,19 @@ class BatchedTarget:
         out-of-memory) or added empty (a draft model's batch gaining a sequence)."""
         assert rows >= 1, rows
         kept = min(rows, self.rows)
+        self._reallocate(2, rows)
+        self.cache.rows = self.rows = rows
+        self.lengths = np.concatenate((self.lengths[:kept], np.zeros(rows - kept, dtype=np.int64)))
+
+    def _reallocate(self, dim: int, size: int) -> None:
+        # new zeroed storage `size` long along `dim` (2: rows, 4: capacity), the old one's entries kept
         old = self.cache.storage
         if old is not None:
             shape = list(old.shape)
-            shape[2] = rows
+            shape[dim] = size
             self.cache.set_storage(torch.zeros(shape, dtype=old.dtype, device=old.device))
-            self.cache.storage[:, :, :kept] = old[:, :, :kept]
-        self.cache.rows = self.rows = rows
-        self.lengths = np.concatenate((self.lengths[:kept], np.zeros(rows - kept, dtype=np.int64)))
+            kept = min(size, old.shape[dim])
+            self.cache.storage.narrow(dim, 0, kept).copy_(old.narrow(dim, 0, kept))
 
 
 def verify_input(t0: int, tree: DraftTree, device: torch.device) -> torch.Tensor:

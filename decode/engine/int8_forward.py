@@ -161,13 +161,10 @@ def own_layers(sums, words, packed, base, scale, bias, out, norms, qk_norms, fin
 
 
 class _Sums:
-    """One forward's integer sums [rows, out] of a layer's projection j (0..3 as `_Layer` orders
-    them) over its input codes (codes_x for qkv and gate_up, codes_a for o, codes_i for down).
-    Where the layers' kernel is `_int_mm` (one row), the products go into int32 buffers made once a
-    forward and the inputs are views made once: each call is then the matmul alone, where
-    converting tensors and arrays around it cost ~10 us a call (121 a step). Other kernels go
-    through Int8Linear.integer_sums (samctl's own, where `_Stack` does not apply: a layer loop of
-    `own_layers` runs them otherwise)."""
+    """One forward's integer sums [rows, out] of a layer's projection j (as `_Layer` orders them) over
+    its input codes. With `_int_mm` (one row) the int32 outputs and the input views are made once a
+    forward, so each call is the matmul alone (converting around it cost ~10 us a call, 121 a step);
+    other kernels go through Int8Linear.integer_sums."""
 
     INPUT = (0, 1, 0, 2)  # the codes each projection reads
 
