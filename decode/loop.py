@@ -439,12 +439,10 @@ class BatchRun:
     # -- admission, retirement, out-of-memory ------------------------------------------------------
 
     def _admit(self) -> None:
-        # Fills slots len(active).. from the queue. The records that fit are taken in queue order,
-        # then prefilled shortest first in groups of similar length (the longest at most 1.5x the
-        # shortest) whose padded block [k, longest] stays within max_prefill_tokens (at least one
-        # per group): padding costs forward time like real tokens. While other rows are decoding,
-        # one group per step, so a wave of newcomers delays them by one prefill; the rest go back
-        # to the head of the queue.
+        # Fills slots len(active).. in queue order, prefilled shortest first in groups of similar length
+        # (longest <= 1.5x shortest) whose padded block [k, longest] stays within max_prefill_tokens (at
+        # least one per group): padding costs forward time like real tokens. While other rows decode,
+        # one group per step (newcomers delay them by one prefill); the rest go back to the queue's head.
         target, active, pending, stats = self.target, self.active, self.pending, self.stats
         decoding = bool(active)
         while pending and len(active) < target.rows:
@@ -544,8 +542,9 @@ def stream_batch(model: torch.nn.Module, make_drafter: Callable[[], Drafter], pr
                  predictions: Sequence[Sequence[int] | None] | None = None,
                  graphs: bool = False) -> Iterator[GenerationResult]:
     """Generate for every prompt (host token ids) with up to `batch_size` in flight (a BatchRun);
-    yields each record's result as soon as it finishes (`index` says which). `predictions[i]`:
-    token ids of record i's expected output (or None). The other arguments are BatchRun's."""
+    yields each record's result as soon as it finishes (`index` says which). `make_drafter()`'s
+    drafters are reused by later records, as batch 1 reuses one. `predictions[i]`: token ids of
+    record i's expected output (or None). The other arguments are BatchRun's."""
     stats = stats if stats is not None else BatchStats()
     start = time.perf_counter()
     records = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
@@ -628,13 +627,10 @@ def one_row_run(target: TargetModel, drafter: Drafter, prompt_ids: list[int] | n
                 prediction: Sequence[int] | None = None) -> BatchRun:
     """`generate`'s run with its record (key 0) submitted and nothing run yet, for a caller that
     steps it between other work (the server, between two steps of its batch)."""
-    prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
-    error = prompt_error(prompt, target.max_positions, target.context_note)
-    if error:
-        raise UserError(error)
-    _check_drafter(drafter, target.rows)
     run = BatchRun(target.model, 1, target=target.rows, budget=False, max_width=VERIFY_SLACK)
-    run.submit(0, prompt, config, DrafterPool(lambda: drafter), on_tokens=on_tokens, prediction=prediction)
+    # submit refuses a prompt the model cannot take before the drafter is checked
+    run.submit(0, prompt_ids, config, DrafterPool(lambda: drafter), on_tokens=on_tokens, prediction=prediction)
+    _check_drafter(drafter, target.rows)
     return run
 
 

@@ -127,7 +127,7 @@ class Int8Linear(nn.Module):
         """The kernel that sums `rows` rows (a key of CODE_FORMATS): samctl's own for a few rows on
         up to OWN_KERNEL_THREADS threads, and where torch's would be the slow split (no VNNI) for a few
         rows or few threads; else `_int_mm` for one row (a memory-bound matrix-vector product), oneDNN's
-        prepacked GEMM for several (one call costs ~1.3x one row's), the split where no VNNI. Decided by
+        prepacked GEMM for several (8 rows cost ~1.3x one), the split where no VNNI. Decided by
         the probe, the row count and the thread count alone, so every layer of a forward takes one code format."""
         few, lean = rows <= int8_gemm.MAX_ROWS, torch.get_num_threads() <= OWN_KERNEL_THREADS
         if self.rows_gemm is not None and (few and lean or self.kernels.split and (few or lean)):
