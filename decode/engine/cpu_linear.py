@@ -41,10 +41,8 @@ from samctl.index.errors import ConfigError
 QUANTIZE = ("none", "int8")
 _BACKEND_ATTR = "_samctl_linear"  # set on the model: "plain", "packed" or "int8"
 
-# samctl's kernel runs on one core; torch's int8 GEMMs use every thread. At two threads of an AMD
-# Zen 5 (VNNI) SmolLM2's int8 verify still took 4.7 / 5.6-6.0 / 7.4-7.8 / 11.4-11.7 ms at 1 / 2 / 4 /
-# 8 rows through samctl's kernel against 5.9-6.3 / 9.1-9.7 / 9.8-10.3 / 12.2-12.6 through torch's
-# (BENCHMARKS.md, 2026-11-28). With more threads torch's may read the weights faster: not measured.
+# samctl's kernel runs on one core; torch's int8 GEMMs use every thread. At two threads (Zen 5, VNNI)
+# samctl's was still faster at 1-8 rows (BENCHMARKS.md, 2026-11-28); with more, torch's may be: not measured.
 OWN_KERNEL_THREADS = 2
 
 
