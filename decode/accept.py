@@ -2,8 +2,7 @@
 
 Deterministic drafts (retrieval, Token Recycle, n-gram pools, argmax drafts) use `tree_accept`:
 the target's choice at every verified input (argmax, or one sample per node shared by every path
-through it), then a walk down the tree along those choices (`decode.tree.walk_tree`); the batched
-engine applies the same rule to every row of a step at once (`batch_accept`). Drafts
+through it), then a walk down the tree along those choices (`decode.tree.walk_tree`). Drafts
 sampled from a draft distribution q use `speculative_accept`, speculative sampling (Leviathan et
 al. 2023; Chen et al. 2023):
 
@@ -57,10 +56,8 @@ def batch_accept(
     # rule) or a rule of `tree_accept`'s signature (speculative_accept for sampled chains with q,
     # a drafter's own) that decides that row instead
     # -> (per row its accepted input indices, root first; per row its next token; input_ids on the host)
-    # `tree_accept` for every row at once: each row's choices by its own sampling, one host sync
-    # for the whole step, then each row walks its own tree; the choice at a row's last accepted
-    # input is its next token (the bonus after a full match, the correction after a rejection).
-    # Rows with a rule of their own draw nothing here and sync once more each.
+    # `tree_accept` for every row at once, with one host sync for the whole step; rows with a rule
+    # of their own draw nothing here and sync once more each.
     shared = [b for b, rule in enumerate(rules) if rule is None]
     if len(shared) == len(trees):  # the common case: every row by this rule, no gather
         choices = choose_rows(logits, np.asarray(offsets), samplings, generators)

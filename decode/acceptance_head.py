@@ -9,12 +9,11 @@ With `shared_blocks` (the reference's `[ResBlock(h)] * L`, and the default) the 
 module applied L times, so a head stores one block.
 
 Training data (`collect_examples`): the target's response is fed teacher-forced to both models; at
-every response position the draft samples a token z ~ q (temperature 1, unwarped) and its label is
-min(1, p(z)/q(z)), the paper's labels; with `greedy` labels, z = argmax q and the label is
-1[argmax p = z], which is what greedy decoding accepts. The draft then reads prompt + the drafted tokens, a `mixing_ratio` share of
-them replaced by the target's tokens (those positions carry no label), and its last hidden state at
-each drafted token is the head's input. The draft stays frozen, so these features are computed once
-and the head trains on them alone (`train_head`) with the soft weighted cross-entropy
+every response position the draft samples z ~ q (temperature 1, unwarped), labelled min(1, p(z)/q(z))
+as in the paper (with `greedy`: z = argmax q, labelled 1[argmax p = z], what greedy decoding accepts).
+The draft then reads prompt + the drafted tokens, a `mixing_ratio` share of them replaced by the
+target's (unlabelled), and its last hidden state at each drafted token is the head's input. The
+draft stays frozen, so the head trains on these features alone (`train_head`) with the loss
 
     loss = sum[w (1-y) (-log(1-P)) + y (-log P)] / (w sum(1-y) + sum y),   w = weight_mismatch
 
@@ -107,7 +106,7 @@ class Examples:
 @torch.inference_mode()
 def collect_examples(target: nn.Module, draft: nn.Module, prompt_ids: list[int], response_ids: list[int],
                      mixing_ratio: float, generator: torch.Generator, greedy: bool = False) -> Examples:
-    """Head training examples from one (prompt, target response) pair; see the module docstring."""
+    """Head training examples from one (prompt, target response) pair (the module docstring's data)."""
     device = next(draft.parameters()).device
     n, m = len(prompt_ids), len(response_ids)
     if n == 0 or m == 0:

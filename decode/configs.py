@@ -35,17 +35,15 @@ def setting_name(f: Field) -> str:
 
 
 def _within_bounds(config: object) -> None:
-    """Refuse a setting above its field's `max`, then one below its `min` (metadata), named by its setting name."""
+    """Refuse a setting above its field's `max` or below its `min` (metadata), fields in declaration order."""
     for f in fields(config):
-        high = f.metadata.get("max")
-        value = getattr(config, f.name)
+        high, value = f.metadata.get("max"), getattr(config, f.name)
         if high is not None and isinstance(value, int) and value > high:
             raise ConfigError(f"{{{setting_name(f)}}} must be at most {high}, got {{value}}: pass a value up to {high} "
                               "(a larger one costs memory and time, and drafts no better)", value=value)
-    for f in fields(config):
         if "min" in f.metadata:
-            _need(getattr(config, f.name) >= f.metadata["min"],
-                  f"{{{setting_name(f)}}} must be >= {f.metadata['min']}, got {{value}}", getattr(config, f.name))
+            low = f.metadata["min"]
+            _need(value >= low, f"{{{setting_name(f)}}} must be >= {low}, got {{value}}", value)
 
 
 def _need(ok: bool, template: str, value: object) -> None:

@@ -80,7 +80,6 @@ class DraftModel:
         return DraftModel(self.model, self.vocab, self.rows)
 
     def keep(self, n: int) -> None:
-        """Keep the first n cached tokens."""
         assert 0 <= n <= self.cached, (n, self.cached)
         self.dropped += self.cached - n
         self.rows.target.lengths[self.row] = n

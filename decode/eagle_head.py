@@ -10,11 +10,10 @@ rotary embedding taken from the target, with the target's sizes). `embed` and `l
 target's, frozen and never stored with the head: `bind` points the head at them. Pair i sits at
 position i, so the head's rotary positions are the target's.
 
-Optional draft vocabulary (`vocab`, FR-Spec style): the ids of the N tokens the head may draft
-(the most frequent in its training data), stored with the head. q is then a softmax over those N
-rows of lm_head only, which makes each drafting forward's output layer V / N times cheaper (49k
--> 8k on SmolLM2: most of a CPU head forward); the tree only ever holds those tokens, and the
-target still verifies with its full vocabulary, so this costs acceptance, never correctness.
+Optional draft vocabulary (`vocab`, FR-Spec style): the ids of the N tokens the head may draft,
+stored with the head. q is then a softmax over those N rows of lm_head only, making the output
+layer V / N times cheaper; the target still verifies with its full vocabulary, so this costs
+acceptance, never correctness.
 
 Knows tensors and the target's modules; never files, text or the decode loop (the drafter that
 runs it is decode/drafters/eagle.py, the head file samctl/heads.py).

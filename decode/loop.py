@@ -22,22 +22,17 @@ token callback, and each step runs:
     7) refill   finished and cancelled rows leave (results go out at once); the queue's next
                 records are prefilled together into the free slots, the rest packed down
 
-Greedy output equals plain greedy decoding token for token (up to floating-point summation order,
-which a batch of other rows changes as a wider verify does). With sampling, one draw per node
-shared by every path through it keeps each row's output distribution exactly the target's
-(`decode.accept.tree_accept` for deterministic drafts, `decode.accept.speculative_accept` for
-drafts carrying q), each row with its own temperature, top-k, top-p and generator. In half
-precision (float16, bfloat16) a row's logits differ from its batch-1 logits by rounding that
-depends on the batch's shape, so a greedy output may part from batch-1's at a near-tie, as a wider
-verify block already makes it at batch 1; acceptance stays exact with respect to the logits each
-step computes. SDSAT drafts with the target's own forward, so it runs as a one-row batch.
+Greedy output equals plain greedy decoding token for token, up to floating-point summation order,
+which a batch of other rows changes as a wider verify does (in half precision a greedy output may
+part from batch-1's at a near-tie; acceptance stays exact for the logits each step computes). With
+sampling, one draw per node shared by every path through it keeps each row's output distribution
+exactly the target's (`decode.accept`), each row with its own sampling and generator. SDSAT drafts
+with the target's own forward, so it runs as a one-row batch.
 
-A bad record (empty, longer than the context) gets an "error" result and never stalls the batch.
-An out-of-memory in a forward halves the batch size and puts the rows it drops back at the head
-of the queue (they restart: nothing of theirs was emitted yet), except rows whose tokens already
-streamed out through `on_tokens`, which end with an "error" result; then it goes on. On CUDA with
-`graphs`, every verify replays a graph of its (rows, width, key length) buckets, all captured when
-the run starts (decode/engine/graphs.py, BatchVerifyGraphs); elsewhere it runs eagerly.
+A bad record gets an "error" result and never stalls the batch. An out-of-memory in a forward
+halves the batch size and puts the dropped rows back at the head of the queue, except rows whose
+tokens already streamed out through `on_tokens`, which end with an "error" result. On CUDA with
+`graphs`, every verify replays a graph captured when the run starts (decode/engine/graphs.py).
 """
 from __future__ import annotations
 
@@ -269,19 +264,16 @@ def _is_oom(err: BaseException) -> bool:
 class BatchRun:
     """Up to `batch_size` records in the slots of one BatchedTarget, and a queue behind them.
 
-    `submit` queues a record (any time, also between steps of a running batch); each `step`
-    lets cancelled rows leave, admits queued records into free slots (prefilled together), runs
-    one verify step over every row and returns the results of the records that finished. Every
-    submitted key gets exactly one result. `drain` steps until nothing is left. Not thread-safe:
-    one thread owns a run (it runs the model).
+    `submit` queues a record (any time, also between steps); each `step` lets cancelled rows leave,
+    admits queued records into free slots, runs one verify step over every row and returns the
+    results of the records that finished. Every submitted key gets exactly one result. Not
+    thread-safe: one thread owns a run (it runs the model).
 
-    `cost`: what a batched forward over 1.. total input tokens costs, priced at the step's mean
-    context (a VerifyCost), or t_ms [n] of one curve for every context (`measure_batch_cost`;
-    measured here when None); `max_width`: most draft nodes a row verifies per step;
-    `max_prefill_tokens`: newcomers are prefilled together while their padded block stays within
-    it; `capacity`: initial cache length per row (it grows when a longer record comes).
-    `target`: run on this BatchedTarget (its rows, graphs and cache as they are) instead of a new
-    one; `budget=False`: no step width, every row verifies its whole tree (for `generate`)."""
+    `cost`: a VerifyCost, or t_ms [n] of one curve for every context (`measure_batch_cost`; measured
+    here when None); `max_width`: most draft nodes a row verifies per step; `max_prefill_tokens`:
+    bound on the padded block of newcomers prefilled together; `capacity`: initial cache length per
+    row (it grows); `target`: run on this BatchedTarget as it is instead of a new one;
+    `budget=False`: no step width, every row verifies its whole tree (for `generate`)."""
 
     def __init__(self, model: torch.nn.Module, batch_size: int = 8, *, cost: VerifyCost | np.ndarray | None = None,
                  max_width: int = 16, max_prefill_tokens: int = 8192, capacity: int = 256,
@@ -334,8 +326,6 @@ class BatchRun:
             yield from self.step()
 
     def step(self) -> list[GenerationResult]:
-        """Cancelled rows leave, newcomers take the free slots, one verify step -> the results of
-        the records that finished."""
         done = self._leave_cancelled()
         # 7) refill: newcomers take the free slots, prefilled in batched forwards
         try:
@@ -449,12 +439,10 @@ class BatchRun:
     # -- admission, retirement, out-of-memory ------------------------------------------------------
 
     def _admit(self) -> None:
-        # Fills slots len(active).. from the queue. The records that fit are taken in queue order,
-        # then prefilled shortest first in groups of similar length (the longest at most 1.5x the
-        # shortest) whose padded block [k, longest] stays within max_prefill_tokens (at least one
-        # per group): padding costs forward time like real tokens. While other rows are decoding,
-        # one group per step, so a wave of newcomers delays them by one prefill; the rest go back
-        # to the head of the queue.
+        # Fills slots len(active).. in queue order, prefilled shortest first in groups of similar length
+        # (longest <= 1.5x shortest) whose padded block [k, longest] stays within max_prefill_tokens (at
+        # least one per group): padding costs forward time like real tokens. While other rows decode,
+        # one group per step (newcomers delay them by one prefill); the rest go back to the queue's head.
         target, active, pending, stats = self.target, self.active, self.pending, self.stats
         decoding = bool(active)
         while pending and len(active) < target.rows:
@@ -554,10 +542,9 @@ def stream_batch(model: torch.nn.Module, make_drafter: Callable[[], Drafter], pr
                  predictions: Sequence[Sequence[int] | None] | None = None,
                  graphs: bool = False) -> Iterator[GenerationResult]:
     """Generate for every prompt (host token ids) with up to `batch_size` in flight (a BatchRun);
-    yields each record's result as soon as it finishes (`index` says which). `make_drafter()`
-    builds one drafter per slot, reused for the slot's later records, as batch 1 reuses one.
-    `predictions[i]`: token ids of record i's expected output (or None), for drafters with
-    `expect`. The other arguments are BatchRun's; `stats` is filled if given."""
+    yields each record's result as soon as it finishes (`index` says which). `make_drafter()`'s
+    drafters are reused by later records, as batch 1 reuses one. `predictions[i]`: token ids of
+    record i's expected output (or None). The other arguments are BatchRun's."""
     stats = stats if stats is not None else BatchStats()
     start = time.perf_counter()
     records = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
@@ -580,10 +567,9 @@ def stream_batch(model: torch.nn.Module, make_drafter: Callable[[], Drafter], pr
 def feed(run: BatchRun, items: Iterable[tuple[Any, Sequence[int], Sequence[int] | None]], config: GenerationConfig,
          pool: DrafterPool, ahead: int | None = None) -> Iterator[GenerationResult]:
     """Submit `items` (key, prompt ids, prediction ids or None), read lazily, to `run` while fewer
-    than `ahead` records (default: the run's batch size) wait for a slot, and yield each result
-    as it finishes, until the items are spent and the run is idle: the batch stays full across
-    the whole input, and a long input is never held in memory. A prompt the model cannot take
-    gets an "error" result; the others go on. Records draw from one random stream (sampling)."""
+    than `ahead` records (default: the run's batch size) wait for a slot, and yield each result as
+    it finishes: the batch stays full, and a long input is never held in memory. A prompt the model
+    cannot take gets an "error" result. Records draw from one random stream (sampling)."""
     items = iter(items)
     ahead = ahead or run.target.rows
     generator = _make_generator(config.sampling, run.target.device)
@@ -621,11 +607,10 @@ def generate_batch(model: torch.nn.Module, make_drafter: Callable[[], Drafter], 
 def generate(target: TargetModel, drafter: Drafter, prompt_ids: list[int] | np.ndarray, config: GenerationConfig,
              on_tokens: Callable[[list[int]], bool | None] | None = None,
              prediction: Sequence[int] | None = None) -> GenerationResult:
-    """Generate up to config.max_new_tokens after prompt_ids with drafts from `drafter`, as the one
-    row of a BatchRun on `target.rows` with no step budget (the drafter sizes its own drafts).
-    `on_tokens` gets the new tokens of each step and may return True to stop after them, or k to
-    stop after the first k of them; `prediction`: token ids of the expected output, for a
-    drafter with `expect`."""
+    """Generate after prompt_ids with drafts from `drafter`, as the one row of a BatchRun on
+    `target.rows` with no step budget (the drafter sizes its own drafts). `on_tokens` gets the new
+    tokens of each step and may return True to stop after them, or k to stop after the first k;
+    `prediction`: token ids of the expected output, for a drafter with `expect`."""
     rows = target.rows
     wanted, eager_before = rows.wants_hidden, rows.eager_fallbacks
     run = one_row_run(target, drafter, prompt_ids, config, on_tokens, prediction)
@@ -642,13 +627,10 @@ def one_row_run(target: TargetModel, drafter: Drafter, prompt_ids: list[int] | n
                 prediction: Sequence[int] | None = None) -> BatchRun:
     """`generate`'s run with its record (key 0) submitted and nothing run yet, for a caller that
     steps it between other work (the server, between two steps of its batch)."""
-    prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
-    error = prompt_error(prompt, target.max_positions, target.context_note)
-    if error:
-        raise UserError(error)
-    _check_drafter(drafter, target.rows)
     run = BatchRun(target.model, 1, target=target.rows, budget=False, max_width=VERIFY_SLACK)
-    run.submit(0, prompt, config, DrafterPool(lambda: drafter), on_tokens=on_tokens, prediction=prediction)
+    # submit refuses a prompt the model cannot take before the drafter is checked
+    run.submit(0, prompt_ids, config, DrafterPool(lambda: drafter), on_tokens=on_tokens, prediction=prediction)
+    _check_drafter(drafter, target.rows)
     return run
 
 

@@ -255,11 +255,10 @@ def make_drafter(name: str, *, vocab_size: int, device: "torch.device | str", eo
                  draft: DraftModel | None = None, head: AcceptanceHead | None = None,
                  sampling: SamplingConfig = SamplingConfig(), cost: "VerifyCost | np.ndarray | None" = None,
                  target: TargetModel | None = None, eagle: EagleHead | None = None) -> Drafter:
-    """The drafter of method `name`. Draft-model methods sample their drafts with `sampling` (the
-    run's settings); any mismatch with the loop's settings only costs acceptance, never
-    correctness. `cost` is the target's verify cost (decode.engine.cost.VerifyCost, or one relative
-    curve; adaptive and eagle size drafts by it); `target` is the engine's model (sdsat drafts with its weights and cache); `eagle` an
-    EAGLE head bound to the target."""
+    """The drafter of method `name`. Draft-model methods sample their drafts with `sampling`; a
+    mismatch with the loop's settings only costs acceptance, never correctness. `cost`: the target's
+    verify cost (a VerifyCost or one relative curve); `target`: the engine's model (sdsat drafts with
+    its weights and cache); `eagle`: an EAGLE head bound to the target."""
     import torch
 
     entry = method(name)

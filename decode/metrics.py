@@ -47,8 +47,7 @@ class Metrics:
         self.drafted += drafted
         self.step_drafted.append(drafted)
         self.accepted += accepted
-        if len(self.accept_hist) <= accepted:
-            self.accept_hist.extend([0] * (accepted + 1 - len(self.accept_hist)))
+        self.accept_hist.extend([0] * (accepted + 1 - len(self.accept_hist)))  # nothing when long enough
         self.accept_hist[accepted] += 1
 
     def record_draft(self, seconds: float) -> None:

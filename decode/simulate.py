@@ -12,18 +12,14 @@ reference: the first reference token comes from the "prefill", and each step
     4) commit   committed = t0 + accepted drafts, i advances by 1 + accepted (less at the end)
     5) observe  drafter.observe(committed, None, None): no logits exist here
 
-Only inputs on the accepted path are ever compared, and those spell the reference, so the choices
-are the ones the real model makes there when the reference is its own greedy output: steps,
-accepted tokens and draft lengths then equal the engine's exactly. Drafters that learn from the
-target's logits (Token Recycle, draft models) cannot be replayed; `check_replayable` says so.
-Drafters that read the target's hidden states (EAGLE heads, `needs_hidden`) replay when the caller
-passes `hidden`, the target's features over prompt + reference from one teacher-forced forward
-(`samctl train eagle` does): each step hands them the rows of the committed positions, as the
-engine's verify forward would.
+Only inputs on the accepted path are ever compared, and those spell the reference, so when the
+reference is the model's own greedy output, steps, accepted tokens and draft lengths equal the
+engine's exactly. Drafters that learn from the target's logits cannot be replayed
+(`check_replayable`); drafters that read its hidden states (`needs_hidden`) replay when the caller
+passes `hidden`, the target's features over prompt + reference from one teacher-forced forward.
 
-Also here: `Tally`, totals over traces with the pooled per-step means, and `CostModel`, a two-
-number model of a target forward that turns steps and draft sizes into a projected speedup, used
-to rank settings in a sweep. This module knows token ids and drafters, not files or text.
+Also here: `Tally`, totals over traces, and `CostModel`, which turns steps and draft sizes into a
+projected speedup to rank settings in a sweep. It knows token ids and drafters, not files or text.
 """
 from __future__ import annotations
 
@@ -86,10 +82,8 @@ def make_trace(prompt: list[int] | np.ndarray, reference: list[int] | np.ndarray
 
 def replay(drafter: Drafter, trace: Trace, hidden: Any = None) -> Metrics:
     """The metrics `generate` would report for this drafter if the model emitted trace.reference.
-
     hidden: [n + r, H] tensor, the target's features at every prompt and reference position, for
-    drafters with `needs_hidden`. draft_s counts start + propose + observe, as in the engine;
-    time_s is the whole replay."""
+    drafters with `needs_hidden`. draft_s counts start + propose + observe, as in the engine."""
     from samctl.decode.tree import walk_tree
 
     limit, cap = len(trace.reference), trace.max_new_tokens
@@ -192,8 +186,7 @@ class Tally:
         for name in ("new_tokens", "steps", "drafted", "accepted", "draft_s", "time_s"):
             setattr(self, name, getattr(self, name) + getattr(m, name))
         self.drafted_hist.update(m.step_drafted)
-        if len(self.accept_hist) < len(m.accept_hist):
-            self.accept_hist.extend([0] * (len(m.accept_hist) - len(self.accept_hist)))
+        self.accept_hist.extend([0] * (len(m.accept_hist) - len(self.accept_hist)))  # nothing when longer
         for a, n in enumerate(m.accept_hist):
             self.accept_hist[a] += n
 

@@ -288,6 +288,17 @@ def test_the_python_api_refuses_a_huge_setting_by_its_name():
         SessionConfig(settings={"max_nodes": 4_000_000_000_000})
 
 
+def test_each_setting_is_bounds_checked_in_declaration_order():
+    from samctl.decode.configs import LookaheadConfig
+    from samctl.index.errors import ConfigError
+
+    # --la-ngram (declared first) is below its min and --la-window above its max: ngram is named
+    with pytest.raises(ConfigError, match=r"^la_ngram= must be >= 2, got 1$"):
+        LookaheadConfig(ngram=1, window=99999)
+    with pytest.raises(ConfigError, match=r"^la_window= must be at most 256, got 99999"):
+        LookaheadConfig(ngram=3, window=99999)
+
+
 class _FullDisk:
     """A text file on a disk that fills after `room` lines: the next write lands half, then ENOSPC."""
 

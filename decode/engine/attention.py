@@ -1,24 +1,17 @@
 """Two attention functions registered with transformers: folded grouped-query attention for a
-masked verify on CUDA ("samctl_sdpa"), and attention exact per query row for int8 models on the
-CPU ("samctl_rowwise", below, on float vectors the end of the module defines).
+masked verify on CUDA ("samctl_sdpa", `use_folded_gqa`), and attention exact per query row for
+int8 models on the CPU ("samctl_rowwise", below, on float vectors the end of the module defines).
 
-Folded grouped-query attention: no `repeat_kv` for a masked verify at batch 1.
-
-transformers' sdpa path passes `enable_gqa` only when there is no mask, and packs head groups only
-for a single query; a tree verify has both a 4D mask and many queries, so it copies K and V once
-per query head of each group (`repeat_kv`), over every key of every layer. Here the n_rep query
-heads that share a KV head fold into its query rows instead:
+Folded GQA: transformers' sdpa path passes `enable_gqa` only when there is no mask, and packs head
+groups only for a single query, so a tree verify (a 4D mask, many queries) copies K and V once per
+query head (`repeat_kv`) in every layer. Here the n_rep query heads that share a KV head fold into
+its query rows instead:
 
     query [1, H, q, D] -> [1, kv_heads, n_rep * q, D]   (head j * n_rep + r, row i -> group j, row r * q + i)
     mask  [1, 1, q, k] -> [1, 1, n_rep * q, k]          (row r * q + i = row i)
 
-Each row attends the same keys with its own query and mask row, so the result is the same
-attention; what is copied per layer is the mask (n_rep * q * k elements), not K and V
-(2 * H * k * D). Every other call (no mask, one query, batch > 1, MHA, softcap, position bias,
-dropout) is transformers' own sdpa function unchanged.
-
-Registered with transformers as "samctl_sdpa" (attention and mask functions); `use_folded_gqa`
-switches a model to it.
+the same attention, copying the mask (n_rep * q * k elements) instead of K and V (2 * H * k * D).
+Every other call (no mask, one query, batch > 1, MHA, softcap, ...) is transformers' own sdpa.
 """
 from __future__ import annotations
 
@@ -82,15 +75,11 @@ def use_folded_gqa(model: torch.nn.Module) -> bool:
 # -- attention exact per query row (int8 models on the CPU) ------------------------------------------
 # int8 linears are exact per row (decode/engine/cpu_linear.py), but sdpa over q query rows sums in
 # another order than over one, and a last-bit difference that crosses an int8 rounding boundary
-# moves an activation by a whole quantization step (SmolLM2: verify logits off by up to 4 from one-
-# token steps). So every query row attends through one compiled kernel (`attend_rows`) whose
-# arithmetic for a row depends on that row's query and the keys it sees alone, in the order a
-# one-token step sees them (the committed prefix, then its tree ancestors): each score a dot
-# product over the head dimension, the softmax's sum over the row's visible keys, the output a
-# sum of value rows in key order. A one-token step runs the same kernel, so every verified row
-# (tree node or batch row) equals it bit for bit, whatever the other rows are, in one call for
-# all rows and heads. A prefill (no cached keys) runs batched through sdpa, as the plain
-# decoder's does.
+# moves an activation by a whole quantization step (SmolLM2: verify logits off by up to 4). So every
+# query row attends through `attend_rows`, whose arithmetic for a row depends on that row's query
+# and visible keys alone, in the order a one-token step sees them (the committed prefix, then its
+# tree ancestors): every verified row (tree node or batch row) equals a one-token step bit for bit.
+# A prefill (no cached keys) runs batched through sdpa, as the plain decoder's does.
 ROWWISE = "samctl_rowwise"
 
 
@@ -388,7 +377,6 @@ def exact_rows(model: torch.nn.Module) -> bool:
 
 
 def use_rowwise_attention(model: torch.nn.Module) -> None:
-    """Switch a model to attention exact per query row (ROWWISE)."""
     AttentionInterface.register(ROWWISE, rowwise_attention)
     AttentionMaskInterface.register(ROWWISE, sdpa_mask)
     model.set_attn_implementation(ROWWISE)

@@ -15,16 +15,12 @@ Invariant: for every row, storage[..., b, :, :L_b, :] holds exactly the K/V a ba
 for that row's committed tokens, each computed at its true position; so a row's logits equal its
 batch-1 logits up to floating-point summation order, whatever the other rows do.
 
-Verifies replay CUDA graphs where `enable_batch_graphs` captured them (decode/engine/graphs.py),
-else run eagerly. Works with any Hugging Face causal LM that takes a 4D additive attention mask,
-explicit position ids and a transformers Cache (Llama, Qwen2, Mistral, GPT-NeoX families), under
-the sdpa or eager attention paths; others (flash, flex) ignore a 4D mask, so the model is switched
-to sdpa or refused. On CUDA, grouped-query models switch to the same sdpa with head groups folded
-into query rows (decode.engine.attention), so a tree verify copies no K/V per head. Sliding-window
-models work while prompt + output fit in the window, which then caps the context. With the native
-backend (decode/engine/native.py) the forward is samctl's own. Knows
-nothing of drafters or acceptance rules; lengths live on the host because the caller learns the
-accepted paths on the host anyway (the step's one synchronization).
+Works with any Hugging Face causal LM that takes a 4D additive attention mask, explicit position
+ids and a transformers Cache, under the sdpa or eager attention paths (flash and flex ignore a 4D
+mask: the model is switched to sdpa or refused), or with samctl's native forward
+(decode/engine/native.py). Sliding-window models work while prompt + output fit in the window,
+which then caps the context. Knows nothing of drafters or acceptance rules; lengths live on the
+host because the caller learns the accepted paths on the host anyway (the step's one sync).
 """
 from __future__ import annotations
 
@@ -337,17 +333,11 @@ class BatchedTarget:
     @torch.inference_mode()
     def reserve(self, n: int) -> None:
         """Room for n entries per row, keeping the valid ones. Growth doubles (up to the model's
-        context), so it is rare: on a GPU it recaptures every graph of the cache's storage, which
-        takes seconds at a batch's many buckets."""
+        context), so it is rare: on a GPU it recaptures every graph, seconds at a batch's buckets."""
         if n <= self.capacity:
             return
         self.capacity = self.cache.capacity = aligned(max(n, min(2 * self.capacity, self.max_positions)))
-        old = self.cache.storage
-        if old is not None:
-            shape = list(old.shape)
-            shape[-2] = self.capacity
-            self.cache.set_storage(torch.zeros(shape, dtype=old.dtype, device=old.device))
-            self.cache.storage[..., : old.shape[-2], :] = old
+        self._reallocate(4, self.capacity)
 
     @torch.inference_mode()
     def move_row(self, src: int, dst: int) -> None:
@@ -363,14 +353,19 @@ class BatchedTarget:
         out-of-memory) or added empty (a draft model's batch gaining a sequence)."""
         assert rows >= 1, rows
         kept = min(rows, self.rows)
+        self._reallocate(2, rows)
+        self.cache.rows = self.rows = rows
+        self.lengths = np.concatenate((self.lengths[:kept], np.zeros(rows - kept, dtype=np.int64)))
+
+    def _reallocate(self, dim: int, size: int) -> None:
+        # new zeroed storage `size` long along `dim` (2: rows, 4: capacity), the old one's entries kept
         old = self.cache.storage
         if old is not None:
             shape = list(old.shape)
-            shape[2] = rows
+            shape[dim] = size
             self.cache.set_storage(torch.zeros(shape, dtype=old.dtype, device=old.device))
-            self.cache.storage[:, :, :kept] = old[:, :, :kept]
-        self.cache.rows = self.rows = rows
-        self.lengths = np.concatenate((self.lengths[:kept], np.zeros(rows - kept, dtype=np.int64)))
+            kept = min(size, old.shape[dim])
+            self.cache.storage.narrow(dim, 0, kept).copy_(old.narrow(dim, 0, kept))
 
 
 def verify_input(t0: int, tree: DraftTree, device: torch.device) -> torch.Tensor:

@@ -1,21 +1,14 @@
 """The target's verify-cost curve t(n): the time of one forward over n input tokens.
 
-`measure_cost` is the one measurement, of one target with `rows` rows in flight: verify
-forwards of N = 1.. total input tokens (per row t0 plus a chain of w - 1 draft nodes) after a
-fixed context, as the decode loop runs them, at [N, 1] below the row count and [rows, w] beyond,
-w doubling from 1, then interpolated (the curve is smooth; a denser grid costs start-up time, on a
-large model on a CPU minutes, and tells little more). The widths are visited round-robin and each
-keeps its fastest time: on a shared machine another process only ever adds time, so the minimum is
-the forward's own cost and a busy moment cannot bend one width. `relative_cost` turns it into
-cost[k] = t(1 + k) / t(1); `measure_verify_cost` is its one-row curve (what one record's drafter
-sizes drafts by), `measure_batch_cost` its curve at a batch size (what the batched budget spends
-by); `VerifyCost` says at which contexts each is priced. A measurement may be stopped between two
-forwards (`stop`: a server shutting down while it starts), which raises `Stopped`.
+`measure_cost` is the one measurement: verify forwards of N = 1.. total input tokens after a fixed
+context, as the decode loop runs them ([N, 1] below the row count, [rows, w] beyond, w doubling from
+1), then interpolated (the curve is smooth; a denser grid costs start-up time). The widths are
+visited round-robin and each keeps its fastest time: on a shared machine another process only ever
+adds time. A measurement may be stopped between two forwards (`stop`), which raises `Stopped`.
 
-Under CUDA graphs (`target.graphs` on) a verify of n tokens runs the graph of the smallest
-width w >= n, so t(n) is a step function: the curve is measured at the graph widths only and
-t(n) = t(width(n)); interpolating there would sell 33..63 nodes at less than the 64-input price.
-Callers keep eager and graph curves apart (samctl/costs.py keys on it).
+Under CUDA graphs a verify of n tokens runs the graph of the smallest width w >= n, so t(n) is a
+step function measured at the graph widths only; interpolating there would sell 33..63 nodes at
+less than the 64-input price. Callers keep eager and graph curves apart (samctl/costs.py).
 
 It knows the target and token ids; caching curves on disk is the caller's business.
 """
@@ -63,19 +56,11 @@ def relative_cost(t_ms: np.ndarray | list[float], n: int | None = None) -> np.nd
 
 class VerifyCost:
     """What a drafter sizes its drafts by: cost[k] = t(1 + k) / t(1), the price of k draft nodes
-    relative to plain decoding, at the context length the row has reached. The batched budget
-    reads a batch's curve the same way: cost[N - 1] = t(N) / t(1) for N input tokens in all, at the
-    mean context of the step's rows. samctl's sessions give it one curve, after 256 entries a row:
-    a batch's curve below the batch size is measured as N rows of one token, each reading its own
-    keys, which at 1024 entries overprices one row verifying N tokens (it reads its keys once);
-    priced by two curves, batch jobs and a one-client server ran no faster (BENCHMARKS.md, 2026-11-28).
-
-    Measured (`measured`): the curves t(n) after two context lengths, with t(n, L) taken linear in
-    L beyond the first (every input row attends each committed entry once; a shorter context is
-    priced as the first), so that a long prompt, where each extra row of a verify costs more, gets
-    shorter drafts than a short one.
-    `at(L)` recomputes the relative curve when L enters another bucket of `BUCKET` entries.
-    Fixed (`fixed`): one relative curve whatever the context (a curve file, a test's)."""
+    relative to plain decoding, at the context the row has reached; the batched budget reads
+    cost[N - 1] = t(N) / t(1) for N input tokens in all, at the step's mean context.
+    `measured`: curves after two context lengths, t(n, L) linear in L beyond the first (a shorter
+    context is priced as the first), so a long prompt gets shorter drafts; `at(L)` recomputes the
+    relative curve per bucket of `BUCKET` entries. `fixed`: one relative curve at every context."""
 
     BUCKET = 64
 
@@ -98,7 +83,8 @@ class VerifyCost:
 
     @classmethod
     def one_curve(cls, cost: "VerifyCost | np.ndarray | list[float]") -> "VerifyCost":
-        """`cost` as a VerifyCost: itself, or t_ms [n] priced alike at every context."""
+        """`cost` as a VerifyCost: itself, or t_ms [n] priced alike at every context (what samctl's
+        sessions use: priced by two curves, batch jobs and a one-client server ran no faster)."""
         return cost if isinstance(cost, VerifyCost) else cls.measured(cost, cost, (0, 0))
 
     @classmethod
@@ -126,13 +112,10 @@ class VerifyCost:
 def measure_cost(target: BatchedTarget, rows: int = 1, max_width: int = 64, context: int = 256, rounds: int = 2,
                  widths: tuple[int, ...] = MEASURED_WIDTHS, clock: Callable[[], float] = time.perf_counter,
                  stop: Callable[[], bool] | None = None) -> np.ndarray:
-    """-> t_ms [rows * max_width]: milliseconds of one verify forward of `target` over N = 1..
-    total input tokens with up to `rows` rows in flight: [N, 1] forwards for N <= rows, [rows, w]
-    forwards beyond (w over `widths`, or under CUDA graphs the graph widths), after `context`
-    committed entries per row, fastest of `rounds`; interpolated between the points measured
-    (eager), or held at the next point's time (graphs: a step function, since a graph of width
-    w serves every narrower verify). `clock`: time.process_time measures one CPU thread's own
-    work on a busy machine. The target's rows hold nothing committed afterwards."""
+    """-> t_ms [rows * max_width]: milliseconds of one verify forward of `target` over N = 1.. total
+    input tokens with up to `rows` rows in flight, after `context` committed entries per row, fastest
+    of `rounds`. `clock`: time.process_time measures one CPU thread's own work on a busy machine.
+    The target's rows hold nothing committed afterwards."""
     vocab = int(getattr(target.model.config, "vocab_size", 1000))
     gen = torch.Generator().manual_seed(0)
     graphs = graph_widths(target)
@@ -185,8 +168,7 @@ def measure_batch_cost(model: torch.nn.Module, rows: int, max_width: int = 8, co
 
 
 def measurable_context(target: BatchedTarget, context: int, width: int) -> int:
-    """The context a measurement of verifies up to `width` wide takes for `context`: at most what
-    the model's positions leave room for."""
+    """`context`, cut to what the model's positions leave room for beside verifies `width` wide."""
     return max(1, min(context, target.max_positions - width - 8))
 
 

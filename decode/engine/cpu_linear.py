@@ -1,50 +1,27 @@
-"""CPU linear backends: the model's nn.Linear layers swapped for faster kernels, once, at load.
+"""CPU linear backends: a CPU model's nn.Linear layers (the output head included) swapped once, at load.
 
-`apply_cpu_linear(model, quantize, prepack)` replaces every `nn.Linear` of a CPU model (the output
-head included) with one of:
-
-- `PackedLinear` (float32): the weight reordered once into oneDNN's blocked layout, so a call
-  with a few rows does not repack it (plain `F.linear` lets MKL repack every weight on every call;
-  SmolLM2-135M's 210 layers, one thread: 22.5 ms for 1 row and 40 ms for 8 plain, 13.3 and 18.9
-  prepacked). Float results differ from plain `F.linear` in the last bits (up to ~1e-5 here),
-  as plain's own do between 1 row and 64.
-- `Int8Linear`: per-output-channel symmetric int8 weights and a per-row (per-token) symmetric
-  int8 scale for the activations, multiplied with integer accumulation (`torch._int_mm`):
+- `PackedLinear` (float32): the weight prepacked once in oneDNN's blocked layout, so a call with a
+  few rows does not repack it (plain `F.linear` lets MKL repack every weight on every call). Results
+  differ from plain `F.linear` in the last bits, as plain's own do between 1 row and 64.
+- `Int8Linear`: per-output-channel symmetric int8 weights times per-row (per-token) symmetric int8
+  activations, with integer accumulation:
 
       y[r, n] = (sum_k xq[r, k] * wq[n, k]) * sx[r] * sw[n],   xq[r] = round(x[r] / sx[r])
 
-  Invariant: row r's output is a function of row r alone, bit for bit (the integer sum is
-  exact in any order; the scales and the epilogue are elementwise), so a verify of 8 tokens
-  runs each layer as 8 single steps would. Attention must then be exact per row too: int8 models
-  switch to `samctl_rowwise` (decode/engine/attention.py).
-  Projections of one input (q, k, v; gate, up) run as one `FusedLinear` layer of their stacked
-  weights, bit for bit what the separate layers give, with one quantization and one matmul
-  instead of three (or two): at one row a call costs more than its arithmetic. (Float32 layers
-  are stacked the same way, each weight packed once.)
-  Which kernel sums the integers is free, since every one gives the same exact sums: one row
-  runs `torch._int_mm(weight [out, in], row [in, 1])` (a matrix-vector product at the memory
-  bound: SmolLM2's output head, 28 MB, in 1.6 ms where `_int_mm(row, weight [in, out])` takes
-  4.4), several rows oneDNN's int8 GEMM on its prepacked copy of the weight (`qlinear_pointwise`
-  with unit scales returns the integer sums as float32, as `_int_mm`'s int32 converts; 8 rows of
-  every SmolLM2 layer cost 1.3x one row's, against 2.5-3.5x with `_int_mm`). On one thread of an
-  x86 CPU with AVX2, up to 16 rows run samctl's own kernel instead (decode/engine/int8_gemm.py,
-  AVX512-VNNI's or AVX2's): one pass over the weight for 8 rows, with none of oneDNN's ~15 us of
-  setup per call, which cost a 2-row SmolLM2 verify ~2.5 ms (`Int8Linear.kernel` chooses). The
-  price is memory: the int8 weight is held twice, three times with samctl's kernel (still less
-  than float32's four bytes).
-  Exact integer sums are the CPU's to give: without VNNI (AVX512-VNNI or AVX-VNNI) x86 multiplies
-  int8 with `vpmaddubsw`, which saturates pairs of unsigned x signed products at 16 bits, and
-  both `_int_mm` and oneDNN's 8-bit GEMM then return wrong sums (measured here with oneDNN held to
-  AVX2: 73,440 for 9,290,304). `int8_kernels()` probes this once with products at the extremes:
-  where 8-bit rows are not summed exactly, each row runs as two 7-bit halves in one oneDNN call
-  (xq = h + (xq - h), h = floor(xq / 2), both within [-64, 64], zero point 64: every pair of
-  products stays below 2^15), and the halves' sums are added: the same 8-bit model, at twice the
-  rows (a weight is still read once). (7-bit activations, PyTorch's own answer on such CPUs, would
-  be exact too, but a coarser model: greedy agreement with float32 fell from 0.92 to 0.85 on
-  SmolLM2.) Where that is not exact either, int8 is refused.
+  Invariant: row r's output is a function of row r alone, bit for bit (the integer sum is exact
+  in any order; the scales and the epilogue are elementwise), so a verify of 8 tokens runs each
+  layer as 8 single steps would. Attention must then be exact per row too: int8 models switch to
+  `samctl_rowwise` (decode/engine/attention.py). Which kernel sums the integers is therefore free
+  (`Int8Linear.kernel`); the int8 weight is held once per kernel that may run.
+  Pitfall: without VNNI (AVX512-VNNI or AVX-VNNI) x86 multiplies int8 with `vpmaddubsw`, which
+  saturates pairs of products at 16 bits, and both `_int_mm` and oneDNN's 8-bit GEMM return wrong
+  sums. `int8_kernels()` probes this once; there every row runs as two 7-bit halves (`split_sums`:
+  the same 8-bit model; 7-bit activations would be a coarser one), and where that is not exact
+  either, int8 is refused.
+- `FusedLinear`: projections of one input (q, k, v; gate, up) as one layer of their stacked weights,
+  bit for bit the separate layers (int8), with one quantization and one matmul instead of three.
 
-It knows modules and tensors, not decoding. `linear_backend(model)` names what a model runs with,
-so that measured costs can be kept per backend.
+It knows modules and tensors, not decoding.
 """
 from __future__ import annotations
 
@@ -64,10 +41,8 @@ from samctl.index.errors import ConfigError
 QUANTIZE = ("none", "int8")
 _BACKEND_ATTR = "_samctl_linear"  # set on the model: "plain", "packed" or "int8"
 
-# samctl's kernel runs on one core; torch's int8 GEMMs use every thread. At two threads of an AMD
-# Zen 5 (VNNI) SmolLM2's int8 verify still took 4.7 / 5.6-6.0 / 7.4-7.8 / 11.4-11.7 ms at 1 / 2 / 4 /
-# 8 rows through samctl's kernel against 5.9-6.3 / 9.1-9.7 / 9.8-10.3 / 12.2-12.6 through torch's
-# (BENCHMARKS.md, 2026-11-28). With more threads torch's may read the weights faster: not measured.
+# samctl's kernel runs on one core; torch's int8 GEMMs use every thread. At two threads (Zen 5, VNNI)
+# samctl's was still faster at 1-8 rows (BENCHMARKS.md, 2026-11-28); with more, torch's may be: not measured.
 OWN_KERNEL_THREADS = 2
 
 
@@ -84,7 +59,7 @@ class PackedLinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The float32 weight [out, in] (for readers such as EAGLE's vocabulary rows), kept once asked."""
+        # [out, in] float32, for readers such as EAGLE's vocabulary rows; kept once asked
         if self._dense is None:
             with torch.inference_mode(False):  # a normal tensor, which autograd may save, even if first asked in inference
                 self._dense = self.packed.to_dense()
@@ -106,8 +81,6 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear(nn.Module):
-    """nn.Linear as int8 weights (a scale per output channel) times int8 activations (a scale per row)."""
-
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -124,7 +97,7 @@ class Int8Linear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The dequantized weight [out, in] float32 (the weights this layer really multiplies by)."""
+        # [out, in] float32: the dequantized weight, the one this layer really multiplies by
         if self._dense is None:
             with torch.inference_mode(False):
                 self._dense = self.qweight.float() * self.scale[:, None]
@@ -137,10 +110,8 @@ class Int8Linear(nn.Module):
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows [r, in] float -> [r, out] float32, the module docstring's formula. Each op counts:
-        a decode step runs this 121 times on one row (SmolLM2, fused), where a torch call costs
-        more than its arithmetic, so the rows are quantized in one compiled call
-        (`quantize_rows`) and the scales applied in another (`rescale`)."""
+        # rows [r, in] float -> [r, out] float32. A decode step runs this ~121 times on one row, where
+        # a torch call costs more than its arithmetic: hence two compiled calls around the sums.
         rows = (rows if rows.dtype == torch.float32 else rows.float()).contiguous()
         dtype, zero = self.code_format(len(rows))
         codes = np.empty(rows.shape, dtype=dtype)
@@ -151,13 +122,11 @@ class Int8Linear(nn.Module):
         return y
 
     def kernel(self, rows: int) -> str:
-        """The kernel that sums `rows` rows (a key of CODE_FORMATS): samctl's own ("vnni" or "avx2")
-        for a few rows on up to OWN_KERNEL_THREADS threads; where torch's would be the split (no
-        VNNI), for a few rows on any number of threads (held to AVX2, two threads of the split took
-        29 ms a SmolLM2 step, one of samctl's 7) and for any number of rows on up to
-        OWN_KERNEL_THREADS (a 256-row prefill's layer 18.0 -> 9.3 ms on one thread); else `_int_mm`
-        for one row, oneDNN for several, the split where no VNNI. Decided by the probe, the row
-        count and the thread count alone, so that every layer of a forward takes codes in one format."""
+        """The kernel that sums `rows` rows (a key of CODE_FORMATS): samctl's own for a few rows on
+        up to OWN_KERNEL_THREADS threads, and where torch's would be the slow split (no VNNI) for a few
+        rows or few threads; else `_int_mm` for one row (a memory-bound matrix-vector product), oneDNN's
+        prepacked GEMM for several (8 rows cost ~1.3x one), the split where no VNNI. Decided by
+        the probe, the row count and the thread count alone, so every layer of a forward takes one code format."""
         few, lean = rows <= int8_gemm.MAX_ROWS, torch.get_num_threads() <= OWN_KERNEL_THREADS
         if self.rows_gemm is not None and (few and lean or self.kernels.split and (few or lean)):
             return self.kernels.own
@@ -168,8 +137,7 @@ class Int8Linear(nn.Module):
         return "onednn"
 
     def code_format(self, rows: int) -> tuple[type, int]:
-        """(dtype, zero point) of the codes `integer_sums` takes for `rows` rows, as `quantize_rows`
-        writes them."""
+        """(dtype, zero point) of the codes `integer_sums` takes for `rows` rows."""
         return CODE_FORMATS[self.kernel(rows)]
 
     def integer_sums(self, codes: np.ndarray) -> torch.Tensor:
@@ -186,7 +154,7 @@ class Int8Linear(nn.Module):
         return self.gemm(rows, 128)
 
     def scales(self) -> tuple[np.ndarray, np.ndarray]:
-        """(scale [out], bias [out] or empty) as float32 arrays, for `rescale`; made once."""
+        # -> (scale [out], bias [out] or empty) float32 arrays for `rescale`, made once
         if self._scales is None or self._scales[0] is not self.scale:
             self._scales = (self.scale, self.scale.numpy(),
                             _NO_BIAS if self.bias is None else self.bias.detach().float().numpy())
@@ -204,8 +172,7 @@ CODE_FORMATS = {"int_mm": (np.int8, 0), "onednn": (np.uint8, 128), "split": (np.
 # division checks for zero, and that branch keeps its loop from vectorizing (10x slower).
 @njit(cache=True, error_model="numpy")
 def quantize_rows(rows, out, row_scale, zero):
-    """Per-row symmetric int8 (`quantize_row`) of rows [r, in] float32 into out [r, in] of any
-    dtype that holds the values, row_scale [r]. Each row alone: its codes never depend on the others."""
+    # rows [r, in] float32 -> out [r, in] (any dtype that holds the codes), row_scale [r] float32
     for i in range(rows.shape[0]):
         row_scale[i] = quantize_row(rows[i], out[i], zero)
 
@@ -224,8 +191,7 @@ def quantize_row(row, out, zero):
 
 @njit(cache=True, error_model="numpy")
 def rescale(sums, row_scale, scale, bias, out):
-    """`rescale_row` of every row: sums [r, out] as int32 or exact float32 (a transposed view reads
-    as its own strides), row_scale [r], out [r, out]."""
+    # sums [r, out] int32 or exact float32 (a transposed view reads as its own strides), row_scale [r], out [r, out]
     for i in range(out.shape[0]):
         rescale_row(sums[i], row_scale[i], scale, bias, out[i])
 
@@ -276,12 +242,10 @@ def split_sums(gemm: OneDnnGemm, xq: torch.Tensor) -> torch.Tensor:
 
 
 class FusedLinear(nn.Module):
-    """Sibling projections of one input (q, k, v; gate, up) as one layer of their stacked weights
-    (an Int8Linear or a PackedLinear): the input is quantized (int8) once and multiplied once.
-    int8: exact, each output column is its own integer sum times its own scales, so the stacked
-    layer's columns equal the separate layers' bit for bit; float32: the same products, summed
-    as the one GEMM blocks them (last bits). `parts` are what the model calls in place of each
-    projection; the native forward (decode/engine/native.py) calls `layer` itself."""
+    """Sibling projections as one `swap` layer of their stacked weights. int8: each output column is
+    its own integer sum times its own scales, so bit for bit the separate layers; float32: summed as
+    the one GEMM blocks them (last bits). `parts` replace the model's projections; the native
+    forward (decode/engine/native.py) calls `layer` itself."""
 
     def __init__(self, linears: list[nn.Linear], swap: type[nn.Module]) -> None:
         super().__init__()
@@ -325,7 +289,7 @@ class FusedPart(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The weight [out, in] float32 this projection multiplies by (dequantized for int8)."""
+        # [out, in] float32 (dequantized for int8)
         return self._fused[0].layer.weight[self.lo : self.hi]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -409,7 +373,7 @@ def apply_cpu_linear(model: nn.Module, quantize: str = "none", prepack: bool = T
 
 
 def linear_backend(model: nn.Module) -> str:
-    """"plain", "packed" or "int8": what the model's linear layers run with."""
+    """"plain", "packed" or "int8": what the model's linear layers run with (costs are kept per backend)."""
     return getattr(model, _BACKEND_ATTR, "plain")
 
 

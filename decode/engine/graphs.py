@@ -1,24 +1,14 @@
-"""CUDA graphs for the verify forward at fixed widths and key lengths (CUDA only; the CPU never
-gets here except through a test's stand-in backend).
-
-One target serves batch 1 and batches alike (decode/engine/batched.py), so there is one kind of
-graph, at (rows, width, key length) buckets (`BatchVerifyGraphs`); padding writes K/V behind its
-row's committed length, where nothing reads it before it is overwritten. Key buckets keep a long
+"""CUDA graphs for the verify forward at (rows, width, key length) buckets (`BatchVerifyGraphs`);
+one target serves batch 1 and batches alike (decode/engine/batched.py). Key buckets keep a long
 capacity from slowing short contexts: a verify reads O(past) keys, not O(capacity).
 
 Every graph is captured at once (`prepare`), largest first, into one memory pool, after the cache
 has its final size: never inside a timed run. A graph holds the cache storage's address, so a new
 storage (a longer request than reserved, a shrink after an out-of-memory) recaptures everything
-once and counts it. A capture that fails (a forward that reads a device value on the host, such
-as dynamic RoPE) drops graphs for good with one warning: the verify runs eagerly. Every capture
-keeps the final norm's output where the target gives it, so rows that want hidden states (EAGLE
-heads) can come and go without recapturing.
-
-Graph outputs (logits, hidden) are views of graph memory, overwritten by the next replay of the
-same graph: callers use them within the step.
-
-The bookkeeping talks to the device through a `CaptureBackend` (capture a forward, return its
-replay), so a CPU test can drive it with a stand-in that replays eagerly.
+once. A capture that fails (a forward that reads a device value on the host, such as dynamic RoPE)
+drops graphs for good with one warning: the verify runs eagerly. Graph outputs (logits, hidden) are
+graph memory, overwritten by the next replay of the same graph: callers use them within the step.
+The device is reached through a `CaptureBackend`, so a CPU test can drive it with a stand-in.
 """
 from __future__ import annotations
 
@@ -90,10 +80,9 @@ class _Graph:
 
 def enable_cuda_graphs(target, enabled: bool = True, reserve: int | None = None,
                        backend: CaptureBackend | None = None) -> None:
-    """Capture a one-row target's (decode.engine.target.TargetModel) verify forwards as graphs at
-    every width up to the largest default draft, all of them now, for a cache of `reserve`
-    entries (default: min(4096, the model's context)); give the longest prompt + max new tokens
-    when known, so that no capture lands in a timed run. CUDA graphs on CUDA, a no-op elsewhere
+    """Capture a TargetModel's verify forwards at every width up to the largest default draft, now,
+    for a cache of `reserve` entries (default: min(4096, the model's context)); give the longest
+    prompt + max new tokens when known, so that no capture lands in a timed run. A no-op off CUDA
     unless a `backend` is given (a test's stand-in)."""
     enable_row_graphs(target.rows, enabled, reserve, backend)
 
@@ -101,9 +90,7 @@ def enable_cuda_graphs(target, enabled: bool = True, reserve: int | None = None,
 def enable_row_graphs(rows, enabled: bool = True, reserve: int | None = None,
                       backend: CaptureBackend | None = None) -> None:
     """`enable_cuda_graphs` for a BatchedTarget itself: a target's rows, or a draft model's batch
-    (decode.draft_model), whose drafting feeds blocks up to the widest default draft (a longer
-    prefill runs eagerly). Forking more draft rows than the batch holds grows it: the graphs are
-    captured again once, at the next forward."""
+    (decode.draft_model; a longer prefill than the widest graph runs eagerly)."""
     if enabled and (backend is not None or rows.device.type == "cuda"):
         rows.reserve(room(reserve if reserve is not None else min(DEFAULT_RESERVE, rows.max_positions)))
     enable_batch_graphs(rows, WIDTHS[-1] - 1, enabled, backend)
@@ -131,17 +118,12 @@ class _BatchInputs:
 
 
 class BatchVerifyGraphs:
-    """The batched verify forward as graphs at (rows, width, key length) buckets.
-
-    A step of A rows whose widest block has q inputs replays the graph of the smallest row bucket
+    """A step of A rows whose widest block has q inputs replays the graph of the smallest row bucket
     R >= A, width bucket W >= q and key bucket K >= max L_b + W: rows are padded to W inputs
     (padding sees itself only and writes K/V behind its row's committed entries), rows A..R-1
-    are empty slots of the cache that compute and write garbage into their own free rows. The
-    positions, the cache's write positions and the [R, 1, W, K] mask are computed inside the
-    graph from four static inputs (ids, depths, ancestry, committed lengths), so a replay copies
-    those and nothing else. The logits of every padded input come out ([R * W, V], graph memory);
-    the caller picks the real ones.
-    """
+    are empty slots of the cache that write garbage into their own free rows. Positions, write
+    positions and the [R, 1, W, K] mask are computed inside the graph from four static inputs
+    (ids, depths, ancestry, committed lengths), so a replay copies those and nothing else."""
 
     def __init__(self, target, max_width: int, backend: CaptureBackend | None = None) -> None:
         if backend is None:
@@ -202,9 +184,7 @@ class BatchVerifyGraphs:
         return g.logits, w
 
     def _capture_all(self) -> None:
-        """One graph per bucket into one new pool, largest first so that the later ones fit in the
-        pool it grew. Any failure drops them all, warns once and leaves `failed` set: the batched
-        verify then runs eagerly."""
+        # largest first, so that the later graphs fit in the pool it grew
         target, cache = self.target, self.target.cache
         self.graphs.clear()
         self.generation = cache.generation
@@ -261,8 +241,8 @@ class BatchVerifyGraphs:
 
 
 def enable_batch_graphs(target, max_width: int, enabled: bool = True, backend: CaptureBackend | None = None) -> None:
-    """Capture the batched target's verify forwards as graphs, all now: CUDA graphs on CUDA, a
-    no-op elsewhere unless a `backend` is given (a test's stand-in)."""
+    """Capture the batched target's verify forwards as graphs, all now; a no-op off CUDA unless a
+    `backend` is given (a test's stand-in)."""
     target.graphs = None
     if enabled and (backend is not None or target.device.type == "cuda"):
         graphs = BatchVerifyGraphs(target, max_width, backend)

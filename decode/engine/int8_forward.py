@@ -1,9 +1,6 @@
 """The native forward's int8 steps on a CPU: each decoder layer as four integer matmuls with one
-compiled call between each two, instead of some thirty torch ops and module calls.
-
-At one row a SmolLM2 step multiplies 135 MB of int8 weights in about 17 ms, and the ops around
-the matmuls (quantizing, rescaling, norms, RoPE, the cache writes, attention, the activation),
-each a torch or numba call of a few microseconds, used to cost as much again. Here a layer is
+compiled call between each two, instead of some thirty torch ops and module calls of a few
+microseconds each (at one row they cost as much as a SmolLM2 step's ~17 ms of matmuls). A layer is
 
     codes = quantize(rms_norm(x))                        `norm_codes`  (x += the last down's output first)
     s = Wqkv codes                                       integer sums (Int8Linear.integer_sums)
@@ -16,12 +13,11 @@ each a torch or numba call of a few microseconds, used to cost as much again. He
     s = Wdown codes                                      (added to x by the next `norm_codes`)
 
 and the final norm's output goes to the output head. Where every projection runs samctl's own
-int8 kernel (decode/engine/int8_gemm.py: a few rows on one thread), the whole loop over the layers
-is one compiled call (`own_layers`), with no Python between its ~250 kernels. Every step is the
-formula the op-by-op forward computes, per row and in the same order, except silu (from exp(-|g|)
-here, `silu_times`, so that it vectorizes; torch's own exp of -g there: the two may differ in the
-last bit): a row's result depends on that row alone, so every verified row equals a one-token
-step bit for bit, as before. Prefills (no cached keys) stay on the op-by-op forward.
+int8 kernel (decode/engine/int8_gemm.py), the whole layer loop is one compiled call (`own_layers`).
+Every step is the op-by-op forward's formula, per row and in the same order, except silu
+(`silu_times`, from exp(-|g|) so that it vectorizes: it may differ from torch's in the last bit):
+a row's result depends on that row alone, so every verified row equals a one-token step bit for
+bit. Prefills (no cached keys) stay on the op-by-op forward.
 """
 from __future__ import annotations
 
@@ -165,13 +161,10 @@ def own_layers(sums, words, packed, base, scale, bias, out, norms, qk_norms, fin
 
 
 class _Sums:
-    """One forward's integer sums [rows, out] of a layer's projection j (0..3 as `_Layer` orders
-    them) over its input codes (codes_x for qkv and gate_up, codes_a for o, codes_i for down).
-    Where the layers' kernel is `_int_mm` (one row), the products go into int32 buffers made once a
-    forward and the inputs are views made once: each call is then the matmul alone, where
-    converting tensors and arrays around it cost ~10 us a call (121 a step). Other kernels go
-    through Int8Linear.integer_sums (samctl's own, where `_Stack` does not apply: a layer loop of
-    `own_layers` runs them otherwise)."""
+    """One forward's integer sums [rows, out] of a layer's projection j (as `_Layer` orders them) over
+    its input codes. With `_int_mm` (one row) the int32 outputs and the input views are made once a
+    forward, so each call is the matmul alone (converting around it cost ~10 us a call, 121 a step);
+    other kernels go through Int8Linear.integer_sums."""
 
     INPUT = (0, 1, 0, 2)  # the codes each projection reads
 

@@ -1,11 +1,9 @@
 """samctl's own exact int8 GEMM for a few rows at once: one pass over the weight for 8 rows.
 
-A verify step multiplies 2-16 rows by every weight of the model. oneDNN's int8 GEMM does that at
-the memory bound, but each call costs ~15 us of setup beside a ~5 us kernel (SmolLM2's 576 x 576
-projection at 2 rows), and a step makes 121 of them: ~2.5 ms over a ~6 ms one-row step. On CPUs
-without VNNI it is worse: 8-bit products saturate there, so every row runs as two 7-bit halves
-(cpu_linear.split_sums), and `_int_mm` is not exact either. These kernels are the loop such GEMMs
-run inside, compiled by numba with no setup. The weight is packed once into blocks of one vector
+A verify step multiplies 2-16 rows by every weight of the model; oneDNN's int8 GEMM costs ~15 us of
+setup per call beside a ~5 us kernel, 121 calls a step (~2.5 ms of a ~6 ms one-row step), and on
+CPUs without VNNI neither it nor `_int_mm` is exact. These kernels are the loop such GEMMs run
+inside, compiled by numba with no setup. The weight is packed once into blocks of one vector
 (columns x depth inputs, `vectors.VECTORS`), and for each block and each row r < 8
 
     acc[r] = base                                    (VNNI: -128 * sum_k w[n, k], the zero point)
@@ -20,10 +18,8 @@ so a block is loaded once for up to 8 rows, while the weight `AHEAD` bytes on is
   sign-extended to int16 in the register; codes are int16 (xq). Pairs of 127 x 127 products
   never saturate 32 bits, so the sums are exact on CPUs where 8-bit products are not.
 
-Either way the int32 sums are exact, so a row's result does not depend on the kernel. The
-instructions come from LLVM's x86 intrinsics through numba `intrinsic`s on vector types. They run
-on one thread; `Int8Linear.kernel` says when torch's kernels, which split the work across cores,
-are used instead.
+Either way the int32 sums are exact, so a row's result does not depend on the kernel. They run on
+one thread; `Int8Linear.kernel` says when torch's kernels are used instead.
 """
 from __future__ import annotations
 
@@ -39,8 +35,7 @@ from samctl.decode.engine.vectors import VECTORS, Lanes, llvm_call, load, pointe
 GROUP = 8  # rows a block serves per pass over the weight
 # Bytes of the weight asked for ahead of the block being multiplied (`prefetch`): a model's weight
 # is read once a step, in order, from memory, and at 8 rows the arithmetic left the hardware's
-# prefetcher too few requests in flight. SmolLM2's int8 verify after 256 tokens, one thread, Zen 5:
-# t(8) 10.8-11.1 -> 9.1-9.3 ms, t(4) 6.9-8.1 -> 6.8-7.2, t(1) 5.4-5.5 -> 4.9-5.8 (three rounds each).
+# prefetcher too few requests in flight (SmolLM2's 8-row int8 verify: 11 -> 9 ms on one thread).
 AHEAD = 16384
 MAX_ROWS = 16  # beyond this many rows torch's GEMMs, which block for cache, are used (where not the split)
 
@@ -151,8 +146,6 @@ def _group(words, packed, base, out, like, first, count):
 
 
 class Kernel(NamedTuple):
-    """One of the two kernels: its lanes (the block shape), code format and compiled function."""
-
     name: str
     lanes: Lanes  # a block: lanes.count output columns x lanes.depth inputs (codes to a word)
     codes: type  # dtype of the codes it takes

@@ -1,13 +1,11 @@
-"""KV caches samctl owns: the preallocated storage behind transformers' cache-layer protocol.
+"""KV caches samctl owns: preallocated storage behind transformers' cache-layer protocol, so any
+model that calls `past_key_values.update(k, v, layer_idx)` works unchanged (`OwnedLayer`; the
+target's cache, decode/engine/batched.py, builds on it).
 
-`OwnedLayer` is one layer's view of storage its cache owns, so any model that calls
-`past_key_values.update(k, v, layer_idx)` works unchanged; the target's cache (one row or many,
-decode/engine/batched.py) builds on it. `StaticKVCache` is the small one-sequence cache of an
-EAGLE head: storage `[2, layers, 1, kv_heads, capacity, head_dim]`, allocated at the first `update`
-from the shapes the model really produces, every layer holding `length` valid entries at
-[0, length); `update` writes the new ones behind them and returns views of [0, length + q),
-exactly the tensors a DynamicCache would return. Capacity is a multiple of ALIGN, so mask rows
-sized by it stay aligned for the fused attention kernels. Knows nothing of drafts or acceptance.
+`StaticKVCache` is the one-sequence cache of an EAGLE head: storage [2, layers, 1, kv_heads,
+capacity, head_dim], allocated at the first `update` from the shapes the model produces, every
+layer holding `length` valid entries; `update` writes behind them and returns views of
+[0, length + q), exactly what a DynamicCache returns. Knows nothing of drafts or acceptance.
 """
 from __future__ import annotations
 
@@ -32,12 +30,8 @@ def _cache_name(forward) -> str:
 
 
 def with_cache(module: torch.nn.Module, cache: Cache | None) -> dict:
-    """The keyword argument that hands `cache` to `module`'s forward.
-
-    transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name warns and
-    goes in 5.40); earlier versions know only `past_key_values`. Read from the signature, once per
-    forward function.
-    """
+    """The keyword argument that hands `cache` to `module`'s forward: transformers 5.24 renamed
+    `past_key_values` to `cache` (the old name goes in 5.40), earlier versions know only the old."""
     return {_cache_name(type(module).forward): cache}
 
 
@@ -59,8 +53,6 @@ class OwnedLayer(CacheLayerMixin):
 
 
 class StaticLayer(OwnedLayer):
-    """One layer's view of the shared storage."""
-
     is_croppable = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

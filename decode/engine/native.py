@@ -17,13 +17,11 @@ the default, linear, llama3, yarn or longrope RoPE (any type whose cos/sin depen
 alone: the table is the model's own rotary module evaluated once). Others (dynamic RoPE, sliding
 windows in use, softcaps, other families) fall back to `hf` (`native_refusal` says why).
 
-Numerics: in float32 the fused matmuls and the fused RMSNorm sum in another order than
-transformers' separate ones, so logits differ from the hf backend's in the last bits (tested
-within 1e-4); greedy decoding is exact with respect to this backend's own plain decoding, as with
-hf. int8 models (decode/engine/cpu_linear.py) run every forward over cached keys as
-decode/engine/int8_forward.py (each layer as compiled calls around its integer matmuls, attention
-computed per row), so every verified row equals a one-token step of this backend bit for bit;
-their prefills run the op-by-op forward here.
+Numerics: in float32 the fused matmuls and RMSNorm sum in another order than transformers'
+separate ones, so logits differ from the hf backend's in the last bits (tested within 1e-4);
+greedy decoding is exact with respect to this backend's own plain decoding. int8 models run every
+forward over cached keys as decode/engine/int8_forward.py, so every verified row equals a
+one-token step bit for bit; their prefills run the op-by-op forward here.
 
 Knows nothing of drafts, trees or acceptance; the caller gives the mask and positions.
 """

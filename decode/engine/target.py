@@ -1,10 +1,7 @@
-"""One sequence on the one target: `TargetModel` is a `BatchedTarget` of one row
-(decode/engine/batched.py) with the calls of a one-sequence forward: prefill a prompt, verify a
-draft tree, keep the accepted path, peek at a chain without keeping it.
-
-The decode loop runs every sequence as a row of a BatchedTarget; this view is for what drives one
-sequence by hand: the verify-cost measurement, SDSAT's draft forward (`peek`, on the very target
-the loop verifies with), and tests. Knows nothing of drafters or acceptance rules.
+"""One sequence on the one target: `TargetModel` is a one-row `BatchedTarget` with the calls of a
+one-sequence forward (prefill, verify, keep, peek), for what drives one sequence by hand: the
+verify-cost measurement, SDSAT's draft forward (`peek`), tests. The decode loop runs every sequence
+as a row of a BatchedTarget. Knows nothing of drafters or acceptance rules.
 """
 from __future__ import annotations
 
@@ -18,7 +15,7 @@ VERIFY_SLACK = 256  # draft nodes a one-row verify may hold beyond prompt + outp
 
 
 def room(tokens: int, width: int = VERIFY_SLACK) -> int:
-    """Cache entries a row of `tokens` (prompt + output) reserves: its widest verify block too."""
+    """Cache entries a row of `tokens` (prompt + output) reserves, its widest verify block included."""
     return tokens + width + 2
 
 
