@@ -212,9 +212,7 @@ class Job:
         if self.cancelled.is_set():
             self.sink(Cancelled())
             return
-        tail = self._stop.finish(self._detok.finish())
-        if tail:
-            self.sink(Text(tail))
+        self._send(self._stop.finish(self._detok.finish()))
         reason = "stop" if self._stop.stopped else FINISH_REASONS[result.finish_reason]
         self.sink(Done(result, reason))
 
