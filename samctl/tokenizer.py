@@ -1,20 +1,13 @@
 """Tokenizers for building and querying stores: a Hugging Face tokenizer or a byte-level one.
 
-`load_tokenizer(spec)`: None (the embedded default model's tokenizer when installed, else the
-byte-level one; a note says which), "bytes" (ids 0-255 are UTF-8 bytes, 256 is EOS), "default",
-a local folder, a name the Hugging Face cache already holds (never downloads), or a `.gguf` file.
-
-A fingerprint hashes the vocabulary (every token -> id pair, added tokens included), so tokenizers
-that map text to the same ids share it whatever their name; stores record name and fingerprint.
-
-A tokenizer.json that the `tokenizers` library reads exactly as transformers would is loaded by
-`tokenizers` alone (FastTokenizer), so `build` and `query` need not import transformers and torch
-(seconds, hundreds of MB); anything else (e.g. a SentencePiece tokenizer.model) needs transformers.
-
-`tokenize_documents` streams in batches of about `batch_chars` characters; for a `split_safe`
-tokenizer (bytes, byte-level BPE with the GPT-2 regex and no normalizer) a long document is cut
-where the pre-tokenizer cuts anyway (`split_text`), which changes no token, so one huge line
-costs bounded memory; other tokenizers get their documents whole.
+`load_tokenizer(spec)` takes None (the embedded default's, else bytes; a note says which),
+"bytes" (ids 0-255 are UTF-8 bytes, 256 is EOS), "default", a local folder, a name the Hugging Face
+cache already holds (never downloads), or a `.gguf` file. A fingerprint hashes the vocabulary
+(every token -> id pair), so tokenizers that map text to the same ids share it whatever their name.
+A tokenizer.json that `tokenizers` reads exactly as transformers would is loaded without
+transformers and torch (FastTokenizer: seconds and hundreds of MB saved in `build` and `query`).
+`tokenize_documents` cuts a long document, for a `split_safe` tokenizer only, where the
+pre-tokenizer cuts anyway (`split_text`): memory stays bounded and no token changes.
 This module does not know stores' file format or decoding.
 """
 from __future__ import annotations
@@ -92,10 +85,9 @@ def _backend_split_safe(backend: Any) -> bool:
     pre = backend.pre_tokenizer
     if backend.normalizer is not None or not isinstance(pre, pre_tokenizers.ByteLevel):
         return False
-    if not pre.use_regex or pre.add_prefix_space:
-        return False
     added = backend.get_added_tokens_decoder().values()
-    return not any(t.lstrip or t.rstrip or any(c.isspace() for c in t.content) for t in added)
+    return pre.use_regex and not pre.add_prefix_space and not any(
+        t.lstrip or t.rstrip or any(c.isspace() for c in t.content) for t in added)
 
 
 class ByteTokenizer:
