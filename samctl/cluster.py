@@ -1,11 +1,10 @@
 """Scale-out glue (the optional `ray` extra, imported only when asked for): store shards built in
 fresh processes or Ray tasks, corpora tokenized and records generated with Ray Data actors.
 
-A shard job runs in a fresh process that memory-maps only its slice of the tokens file written
-once beside the output, so its peak memory is its own shard's (which it reports). Ray Data keeps
-input order; a generate actor turns a record into its output line exactly as the local batch
-does (samctl.records.RecordRunner), and lines are written as they arrive, so a killed run can be
-resumed. Not in index/ or decode/: they never import ray.
+A shard job runs in a fresh process that memory-maps only its slice of the tokens file, so its
+peak memory (which it reports) is its own shard's. A generate actor turns a record into its output
+line exactly as the local batch does (samctl.records.RecordRunner), in input order. Not in index/
+or decode/: they never import ray.
 """
 from __future__ import annotations
 

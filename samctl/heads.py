@@ -1,14 +1,10 @@
 """Head files: SpecDec++ acceptance heads and EAGLE heads, each a folder of safetensors + JSON.
 
-The JSON holds the format name and version, the head's shape, the fingerprints of the models it
-was trained for and a free-form `training` record. A model's fingerprint hashes its architecture
-config (runtime-only keys left out) and its tokenizer's fingerprint; a head is refused for any
-other model, and retrained weights of the same architecture (a digest of a few embedding weights,
-which may differ across load dtypes) only get a note. An EAGLE head's weights hold its own
-parameters and, if it has one, its draft vocabulary (int64 ids); never the target's embedding.
-
-The JSON is untrusted input: every field is checked before use. No pickle. This module knows
-files and fingerprints; the heads themselves are `decode.acceptance_head` and `decode.eagle_head`.
+The JSON (format, version, shape, the fingerprints of the models it was trained for, a `training`
+record) is untrusted input: every field is checked before use; no pickle. A head is refused for
+another model architecture or tokenizer (`model_fingerprint`); other weights of the same
+architecture only get a note. This module knows files and fingerprints; the heads themselves are
+`decode.acceptance_head` and `decode.eagle_head`.
 """
 from __future__ import annotations
 

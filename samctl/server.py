@@ -7,11 +7,9 @@
                                 (its verify cost is being read or measured), 503 when stopping
     GET  /metrics               Prometheus text: requests, tokens, draft and accepted tokens
 
-Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`. Generation happens on
-the scheduler's worker thread (samctl.scheduler); each request's events cross to asyncio through
-`loop.call_soon_threadsafe` into its own asyncio.Queue, and a client that goes away cancels its
-job. samctl.openai_api turns bodies into jobs and events into responses. The routes read
-`request.app.state`, which `create_app` fills.
+Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`. Each request's events
+cross from the scheduler's worker thread into its own asyncio.Queue; a client that goes away
+cancels its job. The routes read `request.app.state`, which `create_app` fills.
 """
 from __future__ import annotations
 

@@ -41,8 +41,7 @@ BATCH_MAX_WIDTH = 16  # most draft nodes a row verifies per batched step
 
 
 class _Loaded:
-    """What several sessions of one process share: the engine, the store and the models that
-    drafters run with (draft model, acceptance heads, EAGLE head), each loaded once on first use."""
+    """What the sessions of one process share: the engine, the store, and models loaded on first use."""
 
     def __init__(self, engine: Engine, store: Datastore | None) -> None:
         self.engine, self.store = engine, store
@@ -183,10 +182,9 @@ class Session:
     def generate_batch(self, prompts: Sequence[str | Sequence[int] | list[dict[str, str]]], *, batch_size: int = 8,
                        on_result: Callable[[Any], None] | None = None, stats: Any = None,
                        predictions: Sequence[str | None] | None = None) -> list:
-        """Every prompt with up to `batch_size` rows in flight, each row's output exactly its batch-1
-        output in float32, each slot with a fresh drafter; results in input order, `on_result`
-        seeing each as it finishes. `predictions[i]`: prompt i's expected output (or None).
-        SDSAT's methods, which draft with the target's own forward, are refused."""
+        """Up to `batch_size` rows in flight, each output exactly its batch-1 output in float32, results
+        in input order; `predictions[i]`: prompt i's expected output (or None). SDSAT's methods,
+        which draft with the target's own forward, are refused."""
         items = ((i, p, None if predictions is None else predictions[i]) for i, p in enumerate(prompts))
         results = {}
         for result in self.stream_batch(items, batch_size=batch_size, stats=stats):
@@ -279,10 +277,8 @@ class Session:
 
     def compare(self, prompt: str | Sequence[int] | list[dict[str, str]], result: GenerationResult,
                 runs: int = 1) -> dict[str, Any]:
-        """Plain decoding (ar) on the same prompt; with runs > 1, more rounds of (fresh drafter,
-        ar) in alternating order, so that a drift of the machine hits both sides alike. The speedup
-        is the median of the per-round ratios of tokens/s; every round's greedy output must equal
-        the first ar's."""
+        """Plain decoding (ar) on the same prompt, in `runs` rounds of alternating order (a drift of the
+        machine hits both sides alike): the median speedup, and whether every greedy output is ar's."""
         ids = self.encode(prompt)
         rounds = [(result, self.generate(ids, drafter=NoDraft()))]
         for k in range(1, runs):  # odd rounds run plain decoding first
