@@ -281,7 +281,8 @@ def invalid(errors: list[dict[str, Any]]) -> "RequestError":
 def job_request(body: ChatRequest | CompletionRequest, sessions: "Sessions") -> "Request":
     """The scheduler's Request of a validated body: the model must be the one served (404), the
     store and method known (400); sampling fields the body leaves out take the session's."""
-    from samctl.decode.sampling import SamplingConfig
+    from dataclasses import replace
+
     from samctl.index.errors import UserError
     from samctl.scheduler import Request, RequestError, request_error
 
@@ -293,10 +294,9 @@ def job_request(body: ChatRequest | CompletionRequest, sessions: "Sessions") -> 
                            param="speculation")
     store, method = sessions.check(body.store, "ar" if body.speculation == "off" else body.method)
     default = sessions.by_store[store].config.sampling
-    pick = lambda value, fallback: fallback if value is None else value  # noqa: E731
+    given = {k: v for k in ("temperature", "top_k", "top_p", "seed") if (v := getattr(body, k)) is not None}
     try:
-        sampling = SamplingConfig(pick(body.temperature, default.temperature), pick(body.top_k, default.top_k),
-                                  pick(body.top_p, default.top_p), pick(body.seed, default.seed))
+        sampling = replace(default, **given)
     except UserError as err:  # a sampling field of the body
         raise request_error(err, word=str) from err
     prompt = [m.as_turn() for m in body.messages] if isinstance(body, ChatRequest) else body.prompt_input()
