@@ -118,13 +118,11 @@ class Sessions:
         if method not in ALL_METHODS:
             raise RequestError(f"unknown method {method!r}: choose from {', '.join(ALL_METHODS)}", param="method",
                                code="unknown_method")
-        if store is None:
-            return self.default_store, method
-        if store not in self.by_store:
+        if store is not None and store not in self.by_store:
             names = ", ".join(self.store_names) or "none (start the server with --sam NAME=STORE)"
             raise RequestError(f"unknown store {store!r}: this server has {names}", param="store",
                                code="unknown_store")
-        return store, method
+        return self.default_store if store is None else store, method
 
     def get(self, store: str | None, method: str):
         key = (store, method)
