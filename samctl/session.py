@@ -8,6 +8,7 @@ itself. Decoding itself is `decode/`'s; JSONL records are `samctl.records`'s.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -46,15 +47,13 @@ class _Loaded:
     def __init__(self, engine: Engine, store: Datastore | None) -> None:
         self.engine, self.store = engine, store
         self._models: dict[tuple[Callable, str], Any] = {}
-        self._cost: VerifyCost | None = None
 
+    @functools.cached_property
     def verify_cost(self) -> VerifyCost:
         """samctl.costs.verify_cost, read once for every drafter of every session."""
-        if self._cost is None:
-            from samctl.costs import verify_cost
+        from samctl.costs import verify_cost
 
-            self._cost = verify_cost(self.engine)
-        return self._cost
+        return verify_cost(self.engine)
 
     def load(self, loader: Callable[..., Any], path: str | None, *args: Any) -> Any:
         """loader(path, engine, *args), once per loader and path; None without a path."""
@@ -241,7 +240,7 @@ class Session:
         of its own (weights shared), so drafters can run side by side. fork=False: the kept one."""
         name, engine = self.config.method, self.engine
         draft = self._draft.fork() if fork and self._draft is not None else self._draft
-        cost = self._shared.verify_cost() if method_entry(name).sized_by_cost else None
+        cost = self._shared.verify_cost if method_entry(name).sized_by_cost else None
         static = self.store.structure if self.store is not None and uses_store(name) else None
         return make_drafter(name, vocab_size=engine.vocab_size, device=engine.device, eos_token_ids=engine.eos_token_ids,
                             static=static, config=self.method_config, draft=draft, head=self._head,

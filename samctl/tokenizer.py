@@ -350,14 +350,9 @@ def split_text(text: str, max_chars: int) -> Iterator[str]:
     yield text[start:]
 
 
-def tokenize_documents(
-    texts: Iterable[str],
-    tokenizer: Tokenizer,
-    append_eos: bool = True,
-    on_batch: Callable[[int, int], None] | None = None,
-    batch_chars: int = 1 << 20,
-    piece_chars: int = 1 << 16,
-) -> tuple[np.ndarray, np.ndarray]:
+def tokenize_documents(texts: Iterable[str], tokenizer: Tokenizer, append_eos: bool = True,
+                       on_batch: Callable[[int, int], None] | None = None, batch_chars: int = 1 << 20,
+                       piece_chars: int = 1 << 16) -> tuple[np.ndarray, np.ndarray]:
     """(tokens [n] int32: documents concatenated, each followed by the first EOS id when
     `append_eos`; doc_offsets [d+1] int64: document i is tokens[doc_offsets[i]:doc_offsets[i+1]]).
     `on_batch(documents, tokens)`: progress since the last call, after each batch."""
