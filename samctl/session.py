@@ -19,14 +19,16 @@ import numpy as np
 import torch
 
 from samctl.config import SessionConfig
+from samctl.decode.acceptance_head import AcceptanceHead
 from samctl.decode.configs import SamplingConfig
 from samctl.decode.draft_model import DraftModel
 from samctl.decode.drafters.base import Drafter, NoDraft
+from samctl.decode.eagle_head import EagleHead
 from samctl.decode.engine.cost import VerifyCost
 from samctl.decode.engine.graphs import enable_cuda_graphs
 from samctl.decode.engine.native import backend_name
 from samctl.decode.loop import GenerationConfig, GenerationResult, generate as decode_generate, prompt_error
-from samctl.decode.methods import make_drafter, method as method_entry, uses_store
+from samctl.decode.methods import MethodConfig, make_drafter, method as method_entry, uses_store
 from samctl.decode.metrics import first_difference
 from samctl.heads import load_acc_head, load_eagle
 from samctl.index.datastore import Datastore
@@ -35,6 +37,16 @@ from samctl.plan import plan
 from samctl.stores import load_memory, load_store
 
 log = logging.getLogger(__name__)
+
+
+def build_drafter(name: str, engine: Engine, store: Datastore | None, config: MethodConfig,
+                  draft: DraftModel | None = None, head: AcceptanceHead | None = None,
+                  sampling: SamplingConfig = SamplingConfig(), eagle: EagleHead | None = None,
+                  cost: VerifyCost | None = None) -> Drafter:
+    """`cost`: the engine's verify cost, for methods that size drafts by it (`_Loaded.verify_cost`)."""
+    return make_drafter(name, vocab_size=engine.vocab_size, device=engine.device, eos_token_ids=engine.eos_token_ids,
+                        static=store.structure if store is not None and uses_store(name) else None, config=config,
+                        draft=draft, head=head, sampling=sampling, cost=cost, target=engine.target, eagle=eagle)
 
 
 WARM_UP_TOKENS = 32
@@ -238,13 +250,10 @@ class Session:
     def fresh_drafter(self, fork: bool = True) -> Drafter:
         """A new drafter that shares nothing learned with the kept one, and with a draft model cache
         of its own (weights shared), so drafters can run side by side. fork=False: the kept one."""
-        name, engine = self.config.method, self.engine
         draft = self._draft.fork() if fork and self._draft is not None else self._draft
-        cost = self._shared.verify_cost if method_entry(name).sized_by_cost else None
-        static = self.store.structure if self.store is not None and uses_store(name) else None
-        return make_drafter(name, vocab_size=engine.vocab_size, device=engine.device, eos_token_ids=engine.eos_token_ids,
-                            static=static, config=self.method_config, draft=draft, head=self._head,
-                            sampling=self.config.sampling, cost=cost, target=engine.target, eagle=self._eagle)
+        cost = self._shared.verify_cost if method_entry(self.config.method).sized_by_cost else None
+        return build_drafter(self.config.method, self.engine, self.store, self.method_config, draft=draft,
+                             head=self._head, sampling=self.config.sampling, eagle=self._eagle, cost=cost)
 
     def warm_up(self, ids: list[int]) -> None:
         """Pay JIT loads, lazy imports and allocator growth outside every timed run: on the prompt
