@@ -77,14 +77,13 @@ class Counters:
         return "\n".join(lines) + "\n"
 
 
-def create_app(sessions: Any, *, scheduler: BatchScheduler | None = None, batch_size: int = 8,
-               api_key: str | None = None) -> FastAPI:
-    """`sessions`: a Session, or a samctl.scheduler.Sessions of several stores; `scheduler` defaults
-    to a BatchScheduler of `batch_size` rows, started with the app."""
+def create_app(sessions: Any, *, batch_size: int = 8, api_key: str | None = None) -> FastAPI:
+    """`sessions`: a Session, or a samctl.scheduler.Sessions of several stores, served by a
+    BatchScheduler of `batch_size` rows started with the app."""
     if not isinstance(sessions, Sessions):
         sessions = Sessions({sessions.config.store: sessions})
     app = FastAPI(title="samctl", lifespan=_lifespan)
-    app.state.sessions, app.state.scheduler, app.state.batch_size = sessions, scheduler, batch_size
+    app.state.sessions, app.state.scheduler, app.state.batch_size = sessions, None, batch_size
     app.state.api_key, app.state.counters, app.state.created = api_key, Counters(), now()
     app.state.stopping = threading.Event()  # set by stop_starting (SIGTERM)
     app.include_router(routes)
