@@ -43,8 +43,9 @@ def import_ray():
 
 
 def start_ray(address: str, num_cpus: int | None = None, object_store_mb: int = 1024):
-    """Connect to the cluster at `address`, or for LOCAL start an instance whose workers run this
-    process's code (PYTHONPATH), with no dashboard and a small object store."""
+    """Connect to the cluster at `address` (samctl installed on every node, stores on a filesystem
+    every node sees), or for LOCAL start an instance whose workers run this process's code
+    (PYTHONPATH), with no dashboard and a small object store."""
     ray = import_ray()
     if ray.is_initialized():
         return ray

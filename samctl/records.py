@@ -10,6 +10,7 @@ per output line already written (`finished_keys`, `unfinished`).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import threading
@@ -170,8 +171,6 @@ def batch_format(handle: IO[str], asked: str) -> tuple[str, Iterable[str]]:
     """("records" or "openai", the lines to read): `asked`, or for "auto" the shape of the first
     line (OpenAI Batch API lines have `custom_id` and `body`). A pipe's first line is read once
     and put back in front."""
-    import itertools
-
     from samctl.openai_api import is_batch_line
 
     if asked != "auto":

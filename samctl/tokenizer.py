@@ -7,7 +7,8 @@ cache already holds (never downloads), or a `.gguf` file. A fingerprint hashes t
 A tokenizer.json that `tokenizers` reads exactly as transformers would is loaded without
 transformers and torch (FastTokenizer: seconds and hundreds of MB saved in `build` and `query`).
 `tokenize_documents` cuts a long document, for a `split_safe` tokenizer only, where the
-pre-tokenizer cuts anyway (`split_text`): memory stays bounded and no token changes.
+pre-tokenizer cuts anyway (`split_text`): no token changes and memory stays bounded (other
+tokenizers, e.g. SentencePiece or Llama-3's, get each document whole).
 This module does not know stores' file format or decoding.
 """
 from __future__ import annotations
