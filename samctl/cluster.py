@@ -1,22 +1,10 @@
-"""Scale-out glue: building store shards in worker processes or Ray tasks, and batch generation
-with Ray Data actors. The optional `ray` extra; nothing here is imported unless asked for.
+"""Scale-out glue (the optional `ray` extra, imported only when asked for): store shards built in
+fresh processes or Ray tasks, corpora tokenized and records generated with Ray Data actors.
 
-Building (`build_shards`): the driver has tokenized the corpus; it writes the tokens once into
-the store's temporary directory (beside the output, so on a shared filesystem on a cluster),
-and each shard is built by `build_shard_job` in a fresh process (a Ray task with max_calls=1,
-or a spawned local process with max_tasks_per_child=1) that memory-maps only its own slice:
-its peak memory is its shard's automaton (or a suffix sort within its share of the memory
-limit) plus the interpreter, and it reports that peak.
-Tokenizing on Ray (`tokenize_on_ray`): documents, read by samctl's corpus reader on the driver,
-are grouped into chunks and tokenized by Ray Data `map_batches` on the cluster, in order.
-
-Generating (`generate_on_ray`): Ray Data `map_batches` over the input records with one actor
-per worker; each actor holds the model, the store (memory-mapped) and one drafter with its
-cross-request memory, and turns a record into its output line exactly as the local batch does
-(samctl.records.RecordRunner). Records come back in input order and are written as they
-arrive, so a killed run can be resumed.
-
-Not in index/ or decode/: they never import ray.
+A shard job runs in a fresh process that memory-maps only its slice of the tokens file, so its
+peak memory (which it reports) is its own shard's. A generate actor turns a record into its output
+line exactly as the local batch does (samctl.records.RecordRunner), in input order. Not in index/
+or decode/: they never import ray.
 """
 from __future__ import annotations
 
@@ -29,7 +17,7 @@ import multiprocessing
 import os
 import pickle
 import resource
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
@@ -55,12 +43,9 @@ def import_ray():
 
 
 def start_ray(address: str, num_cpus: int | None = None, object_store_mb: int = 1024):
-    """Connect to the cluster at `address`, or start a local instance for LOCAL.
-
-    A local instance runs workers with this process's code (PYTHONPATH points at the package
-    being run), no dashboard and a small object store; on a real cluster samctl must be
-    installed on every node and stores must live on a filesystem every node sees.
-    """
+    """Connect to the cluster at `address` (samctl installed on every node, stores on a filesystem
+    every node sees), or for LOCAL start an instance whose workers run this process's code
+    (PYTHONPATH), with no dashboard and a small object store."""
     ray = import_ray()
     if ray.is_initialized():
         return ray
@@ -68,8 +53,7 @@ def start_ray(address: str, num_cpus: int | None = None, object_store_mb: int = 
     if address == LOCAL:
         root = str(Path(__file__).resolve().parent.parent)
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-        # Ray's note that the instance it starts uses token authentication addresses its operator,
-        # which for a local instance samctl starts and stops is samctl, not the user.
+        # Ray's note on token authentication addresses the instance's operator: samctl, not the user
         logging.getLogger("ray._private.authentication").setLevel(logging.ERROR)
         ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False,
                  object_store_memory=object_store_mb << 20, configure_logging=False,
@@ -86,10 +70,8 @@ def start_ray(address: str, num_cpus: int | None = None, object_store_mb: int = 
 
 
 def stop_local_ray(ray) -> None:
-    """Shut the local instance down and wait for its processes (GCS, raylet, workers holding a
-    model or a tokenizer) to end, killing those still there after a few seconds: none outlives
-    samctl. They are this process's descendants; a worker only notices on its own, tens of
-    seconds later, that the raylet it served is gone."""
+    """Shut the local instance down, killing its processes still there after a few seconds: a worker
+    only notices on its own, tens of seconds later, that its raylet is gone."""
     try:
         import psutil
     except ImportError:  # Ray's own shutdown, without the wait
@@ -112,8 +94,7 @@ def _is_ray(process) -> bool:
 
 
 def _unwrap(err: BaseException) -> BaseException:
-    """The UserError a Ray task raised (wrapped once or more by Ray), so that it reaches the CLI's
-    one-line boundary; any other error as it is."""
+    """The UserError a Ray task raised (wrapped by Ray), for the CLI's one-line boundary; else `err`."""
     seen, current = 0, err
     while current is not None and seen < 10:
         if isinstance(current, UserError):
@@ -124,11 +105,9 @@ def _unwrap(err: BaseException) -> BaseException:
 
 
 def _map_actors(dataset, cls: type, args: tuple, workers: int, batch_size: int = 1, **resources: Any):
-    """dataset.map_batches over a pool of `workers` actors of `cls`, `batch_size` rows per batch. Actors are
-    not restarted (max_restarts 0): a worker that dies fails the run with its error, and Ray does
-    not log, on every run, an error-level line about restarting actors whose constructor
-    arguments sit in the object store (ray#53727). Ray 2.60 still takes max_restarts only through
-    its deprecated ray_remote_args, whose warning is for samctl, not its user (pyproject: ray<2.64)."""
+    """dataset.map_batches over `workers` actors of `cls`. max_restarts=0: a dying worker fails the
+    run with its error, and Ray logs no error-level line about restarting actors (ray#53727). Ray
+    2.60 takes it only through its deprecated ray_remote_args, a warning meant for samctl."""
     import warnings
 
     with warnings.catch_warnings():
@@ -139,7 +118,6 @@ def _map_actors(dataset, cls: type, args: tuple, workers: int, batch_size: int =
 
 
 def _data_context(ray):
-    """Ray Data settings of every samctl pipeline: rows in input order, no progress bars."""
     context = ray.data.DataContext.get_current()
     context.execution_options.preserve_order = True
     context.print_on_execution_start = False
@@ -150,8 +128,7 @@ def _data_context(ray):
     return context
 
 
-# ---------------------------------------------------------------------------------------------
-# building shards
+# -- building shards --------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -167,8 +144,7 @@ class ShardJob:
 
 
 def build_shard_job(job: ShardJob) -> tuple[int, dict[str, Any], int, dict[str, int]]:
-    """Build and write one shard from its slice of the tokens file: (index, entry, peak bytes,
-    counts). Only the slice is read."""
+    """(index, entry, peak bytes, counts) of the shard built from its slice of the tokens file."""
     lo, hi = int(job.offsets[0]), int(job.offsets[-1])
     mapped = np.load(job.tokens_file, mmap_mode="r")
     tokens = np.array(mapped[lo:hi])
@@ -220,13 +196,10 @@ def run_on_ray(address: str, jobs: list[ShardJob], on_done: Callable[[int, int],
     return [results[i] for i in range(len(jobs))]
 
 
-# ---------------------------------------------------------------------------------------------
-# tokenizing on Ray Data
+# -- tokenizing on Ray Data -------------------------------------------------------------------
 
 
 class _Tokenize:
-    """Ray Data callable: a batch of document chunks -> their tokens and document lengths."""
-
     def __init__(self, tokenizer_spec: str | None, append_eos: bool) -> None:
         from samctl.tokenizer import load_tokenizer
 
@@ -285,7 +258,6 @@ def tokenize_on_ray(address: str, texts: Iterable[str], tokenizer_spec: str | No
 
 
 def _joined(rows: Iterable[dict[str, Any]], on_tokens: Callable[[int, int], None]) -> tuple[np.ndarray, np.ndarray]:
-    """Tokenized chunks, in order -> (tokens [n] int32, doc_offsets [d+1] int64)."""
     tokens, lengths = [], []
     for row in rows:
         tokens.append(np.frombuffer(row["tokens"], dtype=np.int32))
@@ -294,21 +266,18 @@ def _joined(rows: Iterable[dict[str, Any]], on_tokens: Callable[[int, int], None
     return np.concatenate(tokens), np.concatenate(([0], np.cumsum(np.concatenate(lengths)))).astype(np.int64)
 
 
-# ---------------------------------------------------------------------------------------------
-# batch generation on Ray Data
+# -- batch generation on Ray Data -------------------------------------------------------------
 
 
 class _GenerateWorker:
-    """Ray Data actor: one Session (model, store memory-mapped, drafter with its cross-request
-    memory) for the actor's life; a batch of input lines -> their output lines and failures."""
+    """Ray Data actor: one Session for the actor's life; input lines -> output lines and failures."""
 
     def __init__(self, config: "SessionConfig", field: str | None, compare: bool, batch_size: int = 1) -> None:
         from samctl.records import RecordRunner
         from samctl.session import Session
 
-        # A UserError here (a missing model or store) goes back as data, pickled in the `fatal`
-        # column of every row: Ray hands the driver a worker's exception without its type, and a
-        # ConfigError's type is what words its settings as flags at the command line.
+        # A UserError goes back pickled in every row's `fatal` column: Ray would hand the driver the
+        # exception without its type, and a ConfigError's type words its settings as flags.
         self.fatal = b""
         try:
             self.runner = RecordRunner(Session(config), field=field, compare=compare, batch_size=batch_size)
@@ -339,10 +308,7 @@ def _worker_count(ray, requested: int | None, threads: int, gpus: float) -> int:
 def generate_on_ray(config: "SessionConfig", records: Iterable[tuple[int, str]], write: Callable[[str], None], *,
                     address: str, workers: int | None = None, gpus_per_worker: float = 0.0, field: str | None = None,
                     compare: bool = False, batch_size: int = 1) -> int:
-    """`generate --input` on Ray at `address`, each worker a quiet Session of `config`: write each
-    output line in input order; returns the failures."""
-    from dataclasses import replace
-
+    """`generate --input` on Ray: writes each output line in input order; returns the failures."""
     from samctl.progress import progress_bar
 
     threads = config.threads or 1

@@ -1,21 +1,12 @@
-"""`.gguf` files as models: dequantized once by transformers, then cached as an ordinary folder.
+"""`.gguf` files as models: dequantized once by transformers (the `gguf` extra), then cached as an
+ordinary folder (float32 safetensors, tokenizer, generation config) that `from_pretrained` loads.
 
-`model_folder(spec)` returns what transformers' `from_pretrained` should load for a name the user
-gave: the name itself, or for a path ending in `.gguf` a folder in the cache holding the
-dequantized model (float32 safetensors), its tokenizer and generation config. The first load of a
-file reads it through transformers' own GGUF support (the `gguf` extra: gguf + accelerate) and
-takes tens of seconds; later loads read the cached folder.
-
-Cache layout, under `cache_dir()` ($SAMCTL_CACHE, else $XDG_CACHE_HOME/samctl, else
-~/.cache/samctl):
+Cache layout, under `cache_dir()`:
     models/<sha256 of the .gguf file>/     the folder, renamed into place only once complete
     stat/<key of path, size, mtime>        the file's sha256, so an unchanged file is not rehashed
-A file that is replaced or touched gets a new stat key and is hashed again (about 0.2 s per
-100 MB); identical bytes under any path share one folder.
 
-The header is untrusted input: a file without the GGUF magic, a truncated one, one transformers
-cannot map (unsupported architecture) or a missing extra each give a one-line UserError. This
-module knows files and transformers' loaders, not decoding.
+The header is untrusted input: a bad, truncated or unsupported file, or a missing extra, is a
+one-line UserError. This module knows files and transformers' loaders, not decoding.
 """
 from __future__ import annotations
 
@@ -47,7 +38,7 @@ def is_gguf(spec: str | None) -> bool:
 
 
 def cache_dir() -> Path:
-    """samctl's cache root: $SAMCTL_CACHE, else the platform's user cache folder."""
+    """$SAMCTL_CACHE, else $XDG_CACHE_HOME/samctl, else ~/.cache/samctl."""
     if os.environ.get("SAMCTL_CACHE"):
         return Path(os.environ["SAMCTL_CACHE"]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
@@ -80,7 +71,7 @@ def model_folder(spec: str) -> str:
 
 
 def check_header(path: Path) -> None:
-    """Refuse what is not a GGUF file at all, before hashing or importing anything."""
+    # before hashing or importing anything
     if not path.is_file():
         raise UserError(f"model file {path} does not exist: pass the path of a .gguf file "
                         "(`samctl fetch smollm2` fetches one) or a model folder")
@@ -98,7 +89,7 @@ def require_extra() -> None:
 
 
 def file_digest(path: Path) -> str:
-    """sha256 of the file, remembered per (path, size, mtime) so an unchanged file is hashed once."""
+    """sha256 of the file, remembered per (path, size, mtime)."""
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:32]
     stamp = cache_dir() / "stat" / key
@@ -120,8 +111,7 @@ def sha256_of(path: Path) -> str:
 
 
 def supported_architecture(path: Path) -> str:
-    """The file's `general.architecture`; UserError when the header or tensor table is damaged, or
-    when transformers has no GGUF mapping for it."""
+    """The file's `general.architecture`, which transformers must have a GGUF mapping for."""
     import transformers
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
@@ -140,7 +130,6 @@ def supported_architecture(path: Path) -> str:
 
 
 def _convert(path: Path, digest: str, arch: str, folder: Path) -> None:
-    """Dequantize `path` with transformers and save it as an ordinary folder, renamed into place."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -181,9 +170,8 @@ def _convert(path: Path, digest: str, arch: str, folder: Path) -> None:
 
 @contextmanager
 def gguf_reading() -> Iterator[None]:
-    """transformers' GGUF loading as samctl runs it: the tqdm bar it draws per tensor whatever
-    stderr is, shown on terminals only (pipes and logs get no carriage returns); gguf's reader over
-    a plain array of the mapped file (`_plain_reader`)."""
+    """transformers' per-tensor tqdm bar on terminals only (pipes and logs get no carriage
+    returns), and gguf's reader over a plain array of the mapped file (`_plain_reader`)."""
     import gguf
     from tqdm.auto import tqdm
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
@@ -199,10 +187,9 @@ def gguf_reading() -> Iterator[None]:
 
 @functools.lru_cache(maxsize=1)
 def _plain_reader() -> type:
-    """gguf's GGUFReader reading the file through a plain ndarray view of its np.memmap: a memmap's
-    __getitem__ costs about 2 µs more, and the reader indexes the file a few times per string of
-    the vocabulary and merges (SmolLM2: 3.2 s a reader, 1.1 s this way; a GGUF load makes three).
-    The values read are the same bytes of the same mapping."""
+    """gguf's GGUFReader over a plain ndarray view of its np.memmap, whose __getitem__ costs about
+    2 µs more per index, a few per vocabulary string (SmolLM2: 3.2 s a reader, 1.1 s this way; a
+    GGUF load makes three). The bytes read are the same."""
     import numpy as np
     from gguf import GGUFReader
 
@@ -219,7 +206,6 @@ def _plain_reader() -> type:
 
 
 def write_text_atomically(target: Path, text: str) -> None:
-    """ASCII text into `target` through a temporary file beside it and a rename."""
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, temp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     with os.fdopen(handle, "w", encoding="ascii") as sink:
@@ -228,5 +214,5 @@ def write_text_atomically(target: Path, text: str) -> None:
 
 
 def first_line(err: BaseException) -> str:
-    """An error's first line, at most 200 characters, for a one-line message."""
+    """At most 200 characters, for a one-line message."""
     return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]

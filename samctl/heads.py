@@ -1,21 +1,10 @@
 """Head files: SpecDec++ acceptance heads and EAGLE heads, each a folder of safetensors + JSON.
 
-An acceptance head is `head.safetensors` and `head.json`: the format name and version, the head's
-shape (hidden size, blocks, shared blocks), the fingerprints of the target and draft models it
-was trained for, and a free-form `training` record. A model's fingerprint is a hash of its
-architecture config (runtime-only keys such as dtype, name and version left out) plus its
-tokenizer's fingerprint; a head is refused with any other pair, since its predictions are about
-that pair's acceptances. A digest of a few embedding weights is recorded too: retrained weights of
-the same architecture only get a note, because the digest may differ across load dtypes.
-
-An EAGLE head is `eagle.safetensors` and `eagle.json`: the format name and version, the target's
-fingerprint and a `training` record (data, steps, held-out accuracy). The head's shapes follow
-from the target's config, so a head is refused for any other target architecture or tokenizer.
-Its weights hold the head's own parameters (fc and one decoder layer) and, if it has one, its
-draft vocabulary (int64 ids); the target's embedding and lm_head are never stored.
-
-The JSON is untrusted input: every field is checked before use. No pickle. This module knows
-files and fingerprints; the heads themselves are `decode.acceptance_head` and `decode.eagle_head`.
+The JSON (format, version, shape, the fingerprints of the models it was trained for, a `training`
+record) is untrusted input: every field is checked before use; no pickle. A head is refused for
+another model architecture or tokenizer (`model_fingerprint`); other weights of the same
+architecture only get a note. This module knows files and fingerprints; the heads themselves are
+`decode.acceptance_head` and `decode.eagle_head`.
 """
 from __future__ import annotations
 
@@ -74,7 +63,7 @@ def save_head(path: str | Path, head: AcceptanceHead, target: dict[str, str], dr
 
 def load_head(path: str | Path, target: dict[str, str], draft: dict[str, str],
               device: torch.device) -> AcceptanceHead:
-    """Load a head folder for this target/draft pair; UserError if it is damaged or for another pair."""
+    """UserError if the folder is damaged or the head was trained for another pair."""
     folder = Path(path)
     meta = read_head_header(folder, CONFIG, WEIGHTS, FORMAT, VERSION, "an acceptance head",
                             "`samctl train acc-head`")
@@ -94,13 +83,11 @@ def load_head(path: str | Path, target: dict[str, str], draft: dict[str, str],
 
 
 def load_acc_head(path: str, engine: Any, draft: Any) -> AcceptanceHead:
-    """A SpecDec++ acceptance head for the engine's target and draft, refused if trained for another pair."""
     return load_head(path, model_fingerprint(engine.model, engine.tokenizer),
                      model_fingerprint(draft.model, engine.tokenizer), engine.device)
 
 
 def load_eagle(path: str, engine: Any) -> EagleHead:
-    """An EAGLE head bound to the engine's target, refusing one trained for another model."""
     return load_eagle_head(path, engine.model, model_fingerprint(engine.model, engine.tokenizer))
 
 
@@ -114,8 +101,8 @@ def save_eagle_head(path: str | Path, head: EagleHead, target: dict[str, str], t
 
 
 def load_eagle_head(path: str | Path, target_model: torch.nn.Module, target: dict[str, str]) -> EagleHead:
-    """The head in `path`, bound to `target_model` (its device and dtype); UserError if the folder is
-    damaged or the head was trained for another model."""
+    """Bound to `target_model` (its device and dtype); UserError if the folder is damaged or the head
+    was trained for another model."""
     folder = Path(path)
     meta = read_head_header(folder, EAGLE_CONFIG, EAGLE_WEIGHTS, EAGLE_FORMAT, EAGLE_VERSION, "an EAGLE head",
                             "`samctl train eagle`")
@@ -151,8 +138,6 @@ def write_head_folder(folder: Path, weights: str, tensors: dict[str, torch.Tenso
 
 
 def check_trained_for(what: str, role: str, trained: dict[str, str | None], wanted: dict[str, str], hint: str) -> None:
-    """Refuse a head trained for another architecture or tokenizer (model_fingerprint); other
-    weights of the same architecture only get a note."""
     if any(trained[k] != wanted[k] for k in ("config", "tokenizer")):
         raise UserError(f"{what} was trained for another {role} (config {trained['config']}, tokenizer "
                         f"{trained['tokenizer']}; this one has {wanted['config']}, {wanted['tokenizer']}): {hint}")
@@ -180,7 +165,7 @@ def load_head_weights(head: torch.nn.Module, tensors: dict[str, torch.Tensor], f
 
 
 def fingerprint_field(value: Any) -> dict[str, str | None] | None:
-    """A header's model fingerprint, checked: None unless config and tokenizer are strings."""
+    """None unless config and tokenizer are strings."""
     if not isinstance(value, dict) or not all(isinstance(value.get(k), str) for k in ("config", "tokenizer")):
         return None
     weights = value.get("weights")
@@ -190,8 +175,6 @@ def fingerprint_field(value: Any) -> dict[str, str | None] | None:
 
 def read_head_header(folder: Path, config: str, weights: str, form: str, version: int, what: str,
                      tool: str) -> dict[str, Any]:
-    """The JSON header of a head folder (`config` beside `weights`), checked for format and version;
-    shared by every kind of head samctl saves (acceptance heads, EAGLE heads)."""
     if not (folder / config).is_file() or not (folder / weights).is_file():
         raise UserError(f"{folder} is not {what} folder (needs {config} and {weights}): "
                         f"pass a folder that {tool} wrote")

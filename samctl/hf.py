@@ -5,24 +5,17 @@
     fast = samctl.hf.make_generate(store="store.sam", method="adaptive", max_nodes=32)
     out = model.generate(**inputs, custom_generate=fast, do_sample=True, temperature=0.7, top_p=0.9)
 
-Contract. transformers prepares the inputs, the generation config, the logits processors and the
-stopping criteria, then calls the callable with the model and `input_ids` [1, n]. This module
-turns what it is handed into samctl settings, runs `decode.loop.generate` on the model (wrapped
-by `samctl.models.engine_for`, which keeps its own KV cache; transformers' empty cache is
-unused) and returns what `generate` returns: `sequences` [1, n + k] (prompt, then the new tokens,
-EOS included), or a `GenerateDecoderOnlyOutput` holding only `sequences` with
-`return_dict_in_generate=True`. Honoured: `max_new_tokens`/`max_length`, the EOS ids, `streamer`,
-`do_sample` with `temperature`, `top_k`, `top_p`. Everything whose meaning samctl cannot keep
-exactly (other logits processors or stopping criteria, beams, several sequences, a batch of more
-than one prompt, padding, scores or hidden states in the output, a pre-filled cache) raises a
-UserError naming it. Greedy output equals plain `generate` token for token (float32); sampled
-output follows the model's distribution, seeded from torch's global generator, so
-`torch.manual_seed` makes a call reproducible.
+transformers prepares the inputs, generation config, logits processors and stopping criteria, then
+calls the callable with the model and `input_ids` [1, n]; it gets back `sequences` [1, n + k] (or a
+`GenerateDecoderOnlyOutput` of only `sequences`). Honoured: `max_new_tokens`/`max_length`, the EOS
+ids, `streamer`, `do_sample` with `temperature`, `top_k`, `top_p`; anything whose meaning samctl
+cannot keep exactly (other processors or criteria, beams, batches, padding, scores, a pre-filled
+cache) raises a UserError naming it. Greedy output equals plain `generate` token for token
+(float32); sampling is seeded from torch's global generator, so `torch.manual_seed` reproduces it.
 
-State. One engine and one drafter per model and per callable, kept across calls: the drafter's
-memory of earlier outputs (adaptive) and Token Recycle's table carry over from call to call,
-as in a `samctl generate` batch. The model is put in eval mode, and switched to sdpa attention
-if it was loaded with an attention that ignores a 4D mask.
+One session (engine, drafter) per model and callable is kept across calls, so the drafter's memory
+carries over as in a `samctl generate` batch; samctl keeps its own KV cache. The model is put in
+eval mode, and switched to sdpa attention if its attention ignores a 4D mask.
 """
 from __future__ import annotations
 
@@ -51,7 +44,7 @@ class SamctlGenerate:
     def __init__(self, store: str | os.PathLike | None = None, method: str = DEFAULT_METHOD,
                  tokenizer: Any = None, **settings: Any) -> None:
         entry = method_entry(method)
-        # the model files a method requires, by the SessionConfig fields its errors name (`pass eagle_head=`)
+        # by the SessionConfig fields its errors name (`pass eagle_head=`)
         self.files = {name: os.fspath(settings.pop(name)) for name in ("draft_model", "acc_head", "eagle_head")
                       if settings.get(name) is not None}
         unknown = sorted(set(settings) - set(setting_names()))
@@ -168,8 +161,7 @@ def _check_inputs(model, input_ids: torch.Tensor, generation_config, synced_gpus
 
 
 def _sampling(processors, generation_config) -> SamplingConfig:
-    """The SamplingConfig of the prepared logits processors, which must be exactly the warpers
-    samctl applies, in transformers' order (temperature, top-k, top-p)."""
+    """The prepared logits processors, which must be exactly samctl's warpers, in transformers' order."""
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     do_sample = bool(generation_config is not None and generation_config.do_sample)
@@ -193,7 +185,7 @@ def _sampling(processors, generation_config) -> SamplingConfig:
 
 
 def _stopping(criteria) -> tuple[int | None, tuple[int, ...]]:
-    """(max_length, EOS ids) of the prepared stopping criteria; any other criterion is refused."""
+    """(max_length, EOS ids); any other criterion is refused."""
     max_length, eos = None, ()
     for crit in criteria:
         name = type(crit).__name__
@@ -208,11 +200,9 @@ def _stopping(criteria) -> tuple[int | None, tuple[int, ...]]:
 
 
 def _callers_streamer():
-    """The `streamer` given to the calling `GenerationMixin.generate`, or None.
-
-    transformers 5.23 hands a callable custom_generate only the parameters it adds beyond
-    `_sample`'s, so `streamer` never arrives as an argument, although `generate` has already sent
-    the prompt to it; it is read from `generate`'s frame so that it also gets the new tokens."""
+    """The `streamer` of the calling `GenerationMixin.generate`, or None: transformers 5.23 hands a
+    callable custom_generate only the parameters it adds beyond `_sample`'s, so it is read from
+    `generate`'s frame."""
     frame = sys._getframe(1)
     for _ in range(6):
         frame = frame.f_back

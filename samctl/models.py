@@ -69,12 +69,10 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device, config_dtype: torch.dtype | None = None) -> torch.dtype:
-    """`auto`: float32 on the CPU (fast enough, and greedy output then equals plain greedy decoding
-    token for token). On a GPU the dtype the model was saved in (config `dtype`): bfloat16 stays
-    bfloat16, float16 stays float16; float32 or unknown becomes bfloat16, which has float32's
-    range (no overflow in a model never run in float16), else float16 where bfloat16 is
-    unsupported. Half precision keeps sampling lossless, but verifying several tokens runs other
-    kernels than one-token decoding, so greedy output can differ at near-ties."""
+    """`auto`: float32 on the CPU (greedy output then equals plain greedy decoding token for token);
+    on a GPU a half dtype the model was saved in, else bfloat16 (float32's range: no overflow in a
+    model never run in float16) where supported, else float16. Half precision keeps sampling
+    lossless, but greedy output can differ at near-ties (verifying runs other kernels)."""
     if dtype != "auto":
         return DTYPES[dtype]
     if device.type == "cpu":
@@ -86,7 +84,6 @@ def resolve_dtype(dtype: str, device: torch.device, config_dtype: torch.dtype | 
 
 
 def _config_dtype(model: str) -> torch.dtype | None:
-    # The dtype a model folder or hub-cache name declares, or None when it declares none.
     from transformers import AutoConfig
 
     try:
@@ -100,16 +97,14 @@ def _config_dtype(model: str) -> torch.dtype | None:
 
 def load_engine(model: str | None, device: str = "auto", dtype: str = "auto", quantize: str = "none",
                 prepack: bool = True, backend: str = "auto") -> Engine:
-    """Load a causal LM and its tokenizer from a local folder, a `.gguf` file (dequantized once and
-    cached, see samctl/gguf_cache.py) or the local HF cache (never a download). On a CPU its linear
-    layers run as `quantize` and `prepack` say (decode/engine/cpu_linear.py); pass prepack=False
-    to train the model's weights. `backend` picks the forward (decode/engine/native.py)."""
+    """A causal LM and its tokenizer from a folder, a `.gguf` file or the local HF cache (never a
+    download). On a CPU its linear layers run as `quantize` and `prepack` say
+    (decode/engine/cpu_linear.py): prepack=False to train its weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # its bars would break the one-line-error and stderr contracts
-    # transformers' warnings (deprecations, generation-flag notes) address developers of code that
-    # calls it, which here is samctl, not its user; samctl says what a user can act on itself.
+    # transformers' warnings address the developers of code that calls it: samctl, not its user
     hf_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers(\.|$)")
 
@@ -141,10 +136,8 @@ def load_engine(model: str | None, device: str = "auto", dtype: str = "auto", qu
 
 def engine_for(model: torch.nn.Module, tokenizer: object | None, name: str | None = None,
                backend: str = "auto") -> Engine:
-    """An Engine around a causal LM that is already loaded (the Python API's entry); the model is
-    switched to sdpa attention if it uses one that ignores samctl's tree mask (decode/target.py).
-    With the native backend the forward reads the model's weights once, here: a model whose
-    weights change afterwards (training) wants backend="hf"."""
+    """An Engine around a loaded causal LM. The native backend reads the model's weights once, here:
+    a model whose weights change afterwards (training) wants backend="hf"."""
     use_backend(model, backend)
     return Engine(
         name=name or str(getattr(model, "name_or_path", "") or type(model).__name__),
@@ -167,8 +160,7 @@ def _eos_ids(model, tokenizer) -> tuple[int, ...]:
 
 
 def load_draft(path: str, engine: Engine) -> DraftModel:
-    """Load a draft model next to the engine's target (same device and dtype); its tokenizer must
-    map text to the same ids as the target's."""
+    """A draft model on the target's device and dtype, refused unless its tokenizer's ids are the target's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source, path = path, model_folder(path)

@@ -1,27 +1,33 @@
-"""OpenAI's request and response shapes, as pydantic models: requests are validated by schema
-(a bad value is a 400 with the field named), responses are built from these models.
+"""OpenAI's request and response shapes as pydantic models, and what lies between a body and the
+scheduler (`job_request`, `Reply`, `invalid`), shared by the server and `samctl generate --input`
+with OpenAI Batch API lines.
 
-Fields OpenAI defines and samctl does not implement are refused when set to anything but their
-default (`n` > 1, `logprobs`), so that a client never gets silently less than it asked for; fields
-samctl does not know are ignored, as vLLM does. samctl's own fields ride in the body beside
-OpenAI's (`method`, `store`, `top_k`), as the openai client's `extra_body` sends them.
-
-The server and `samctl generate --input` with OpenAI Batch API lines (`BatchLine`, as `vllm
-run-batch` reads them) share everything between a body and the scheduler: `job_request` (body ->
-the scheduler's Request, model, store and method checked), `Reply` (the job's events -> a
-streamed response's chunks, or the completion), `invalid` (a validation error -> OpenAI's error).
+Fields OpenAI defines and samctl does not implement are refused unless at their default (`n` > 1,
+`logprobs`), so a client never gets silently less than it asked for; unknown fields are ignored,
+as vLLM does. samctl's own fields (`method`, `store`, `top_k`) ride beside OpenAI's, as the openai
+client's `extra_body` sends them.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
 
 if TYPE_CHECKING:  # the scheduler loads torch; the schemas alone do not
     from samctl.decode.loop import GenerationResult
     from samctl.scheduler import Cancelled, Done, Event, Failed, Request, RequestError, Sessions
+
+
+def _refuse(message: str, bad: Callable[[Any], bool]) -> AfterValidator:
+    """A field check: a 400 naming the field, saying `message`, when bad(value)."""
+    def check(value: Any) -> Any:
+        if bad(value):
+            raise ValueError(message)
+        return value
+    return AfterValidator(check)
 
 
 class StreamOptions(BaseModel):
@@ -51,8 +57,9 @@ class _Request(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
+    stop: Annotated[str | list[str] | None,
+                    _refuse("at most 4 stop sequences", lambda stop: isinstance(stop, list) and len(stop) > 4)] = None
+    n: Annotated[int, _refuse("only n = 1 is supported: send one request per choice", lambda n: n != 1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     prediction: Prediction | None = None
@@ -61,20 +68,6 @@ class _Request(BaseModel):
     speculation: Literal["on", "off"] = "on"  # off: plain decoding for this request (method ar)
     store: str | None = None
     top_k: int | None = Field(default=None, ge=0)
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n = 1 is supported: send one request per choice")
-        return n
-
-    @field_validator("stop")
-    @classmethod
-    def _few_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(stop, list) and len(stop) > 4:
-            raise ValueError("at most 4 stop sequences")
-        return stop
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -96,37 +89,19 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: bool | None) -> bool | None:
-        if logprobs:
-            raise ValueError("logprobs are not supported")
-        return logprobs
+    logprobs: Annotated[bool | None, _refuse("logprobs are not supported", bool)] = None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] | list[str] = Field(min_length=1)
-    logprobs: int | None = None
-    echo: bool = False
-
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int] | list[str]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str) and len(prompt) != 1:
-            raise ValueError("one prompt per request: send one request per prompt")
-        return prompt
-
-    @field_validator("logprobs", "echo")
-    @classmethod
-    def _unsupported(cls, value):
-        if value:
-            raise ValueError("not supported")
-        return value
+    prompt: Annotated[str | list[int] | list[str], _refuse(
+        "one prompt per request: send one request per prompt",
+        lambda prompt: isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str),
+    )] = Field(min_length=1)
+    logprobs: Annotated[int | None, _refuse("not supported", bool)] = None
+    echo: Annotated[bool, _refuse("not supported", bool)] = False
 
     def token_limit(self) -> int | None:
         return self.max_tokens
@@ -245,7 +220,7 @@ def now() -> int:
     return int(time.time())
 
 
-# -- OpenAI Batch API lines (`samctl generate --input`, as `vllm run-batch`) -----------------------
+# -- OpenAI Batch API lines (`samctl generate --input`, as `vllm run-batch` reads them) -----------
 
 
 class BatchLine(BaseModel):
@@ -281,9 +256,6 @@ class BatchOutputLine(BaseModel):
 
 
 def is_batch_line(line: str) -> bool:
-    """Whether a JSONL line is in the OpenAI Batch API's input shape."""
-    import json
-
     try:
         record = json.loads(line)
     except ValueError:
@@ -309,7 +281,8 @@ def invalid(errors: list[dict[str, Any]]) -> "RequestError":
 def job_request(body: ChatRequest | CompletionRequest, sessions: "Sessions") -> "Request":
     """The scheduler's Request of a validated body: the model must be the one served (404), the
     store and method known (400); sampling fields the body leaves out take the session's."""
-    from samctl.decode.sampling import SamplingConfig
+    from dataclasses import replace
+
     from samctl.index.errors import UserError
     from samctl.scheduler import Request, RequestError, request_error
 
@@ -321,10 +294,9 @@ def job_request(body: ChatRequest | CompletionRequest, sessions: "Sessions") -> 
                            param="speculation")
     store, method = sessions.check(body.store, "ar" if body.speculation == "off" else body.method)
     default = sessions.by_store[store].config.sampling
-    pick = lambda value, fallback: fallback if value is None else value  # noqa: E731
+    given = {k: v for k in ("temperature", "top_k", "top_p", "seed") if (v := getattr(body, k)) is not None}
     try:
-        sampling = SamplingConfig(pick(body.temperature, default.temperature), pick(body.top_k, default.top_k),
-                                  pick(body.top_p, default.top_p), pick(body.seed, default.seed))
+        sampling = replace(default, **given)
     except UserError as err:  # a sampling field of the body
         raise request_error(err, word=str) from err
     prompt = [m.as_turn() for m in body.messages] if isinstance(body, ChatRequest) else body.prompt_input()
@@ -344,10 +316,9 @@ def usage_of(prompt_tokens: int, result: "GenerationResult") -> Usage:
 
 
 class Reply:
-    """One request's events (samctl.scheduler) as OpenAI's bodies, the same for a streamed
-    response, a plain one and an OpenAI Batch line: `add` takes each event in and returns the
-    stream chunks it makes (a chat stream's first opens the assistant's turn); once the request
-    has ended, `completion` is the plain body, or raises the request's error."""
+    """One request's events as OpenAI's bodies, for a stream, a plain response and a Batch line:
+    `add` returns the stream chunks an event makes; once the request has ended, `completion` is
+    the plain body, or raises the request's error."""
 
     def __init__(self, body: ChatRequest | CompletionRequest, model: str) -> None:
         self.body, self.model, self.chat = body, model, isinstance(body, ChatRequest)

@@ -1,20 +1,19 @@
 """JSONL batches over a Session: one input line -> one output line, in input order.
 
-A record is a JSON object whose prompt is in `prompt`, `turns` (a multi-turn conversation),
-`text`, `question` or `instruction` (or the field the caller names); its `id` (else
-`question_id`, else its line number) is copied to the output, with the text, finish reason and
-metrics (and with compare, plain decoding's result beside them). A bad record, a blank line
-included, gets an `error` field and the rest go on; a line with no id to read (not a JSON object)
-gets its line number as `line` instead, so that it never passes for a record's id. `generate
---input`, `distill` and the Ray worker all run records through `RecordRunner` (OpenAI Batch API
-lines: `OpenAIBatchRunner`, the same runner over the server's scheduler); resuming a killed run
-skips one input record per output line already written (`finished_keys`, `unfinished`).
+A record is a JSON object with its prompt in one of PROMPT_FIELDS (`turns`: a conversation) or the
+field the caller names; its `id` (else `question_id`, else its line number) is copied to the
+output with the text, finish reason and metrics. A bad record, a blank line included, gets an
+`error` field and the rest go on; a line with no id to read gets its line number as `line`
+instead, so that it never passes for a record's id. Resuming a killed run skips one input record
+per output line already written (`finished_keys`, `unfinished`).
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
+import threading
 from collections import Counter, deque
 from dataclasses import asdict
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Iterator
@@ -33,10 +32,9 @@ PROMPT_FIELDS = ("prompt", "turns", "text", "question", "instruction")
 
 
 class RecordRunner:
-    """Runs records through one session (its drafter kept warm across records), up to
-    `batch_size` single-turn records (a text `prediction` each, or none) in flight at once on the
-    batched engine (Session.generate_batch); records with several turns, bad ones, and every
-    record with compare, go one by one through `process`."""
+    """Records through one session, up to `batch_size` single-turn ones (a text `prediction` each, or
+    none) at once on the batched engine; records with several turns, bad ones, and every record
+    with compare, go one by one through `process`."""
 
     unit = "record"
 
@@ -47,8 +45,7 @@ class RecordRunner:
 
     def batch(self, records: Iterable[tuple[int, str]], write: Callable[[str], None], quiet: bool,
               total: int | None = None) -> int:
-        """Process (line number, line) records, writing one output line per input line in input
-        order as soon as every earlier one is written; returns the number of failed records."""
+        """Writes one output line per (line number, line) record, in input order; returns the failures."""
         failed = 0
         with progress_bar("generate", self.unit, quiet, total=total) as progress, progress.heartbeat():
             def emit(line: str, bad: bool, tokens: int) -> None:
@@ -66,10 +63,8 @@ class RecordRunner:
                 out, bad = self.process(number, line)
                 emit(out, bad, output_tokens(out))
             return
-        # Batchable records (one turn, a text prediction or none) stream through the session's
-        # batch, read as rows free up; the rest, bad ones included, run one by one when read
-        # (between two batch steps). Output lines keep the input's order: each goes out as soon as
-        # every earlier one has.
+        # Batchable records stream through the session's batch, read as rows free up; the rest run
+        # one by one when read. Each output line goes out as soon as every earlier one has.
         finished: dict[int, tuple[str, bool]] = {}  # by input position, until written
         ids: dict[int, Any] = {}  # input position -> record id, of the records in the batch
         written = 0
@@ -111,20 +106,18 @@ class RecordRunner:
         flush()
 
     def process(self, number: int, line: str) -> tuple[str, bool]:
-        """One input line -> (its output line, whether it failed): a bad record gets an `error`."""
+        """(output line, whether it failed)."""
         try:
             record = parse_record(line, number)
         except UserError as err:
             return json.dumps({**line_key(line, number), "error": str(err)}, ensure_ascii=False), True
-        record_id = record_key(record, number)
+        key = {"id": record_key(record, number)}
         try:
-            out = self.run(record)
+            return json.dumps({**key, **self.run(record)}, ensure_ascii=False), False
         except UserError as err:
-            return json.dumps({"id": record_id, "error": str(err)}, ensure_ascii=False), True
-        return json.dumps({"id": record_id, **out}, ensure_ascii=False), False
+            return json.dumps({**key, "error": str(err)}, ensure_ascii=False), True
 
     def run(self, record: dict[str, Any]) -> dict[str, Any]:
-        """One parsed record -> its output fields (every turn of a conversation in order)."""
         session = self.session
         turns = prompt_turns(record, self.field)
         prediction = record.get("prediction")
@@ -143,7 +136,7 @@ class RecordRunner:
         out = result_fields(session, results[-1][1])
         if len(turns) > 1:
             out["turn_texts"] = texts
-            out["metrics"] = [result_fields(session, r)["metrics"] for _, r in results]
+            out["metrics"] = [r.metrics.to_dict() for _, r in results]
         if self.compare:
             compared = [session.compare(ids, r) for ids, r in results]
             out["compare"] = compared if len(turns) > 1 else compared[0]
@@ -178,8 +171,6 @@ def batch_format(handle: IO[str], asked: str) -> tuple[str, Iterable[str]]:
     """("records" or "openai", the lines to read): `asked`, or for "auto" the shape of the first
     line (OpenAI Batch API lines have `custom_id` and `body`). A pipe's first line is read once
     and put back in front."""
-    import itertools
-
     from samctl.openai_api import is_batch_line
 
     if asked != "auto":
@@ -302,13 +293,9 @@ def prompt_turns(record: dict[str, Any], field: str | None) -> list[str]:
 
 
 class OpenAIBatchRunner(RecordRunner):
-    """OpenAI Batch API lines (`{"custom_id", "method": "POST", "url", "body"}`, as `vllm run-batch`
-    reads them) through the server's scheduler, bodies validated by the server's schemas
-    (samctl.openai_api): one output line per input line, in input order, `{"id", "custom_id",
-    "response": {"status_code", "request_id", "body"}, "error"}` with the completion object the
-    server returns; a refused request has its status and OpenAI's error object and no body. Up to
-    `batch_size` requests generate at once on the batched engine (samctl.scheduler.BatchScheduler);
-    `batch` counts the lines whose status is not 200."""
+    """OpenAI Batch API lines (samctl.openai_api.BatchLine) through the server's scheduler and
+    schemas, one BatchOutputLine per input line, in input order; `batch` counts the lines whose
+    status is not 200."""
 
     unit = "request"
 
@@ -359,12 +346,9 @@ class OpenAIBatchRunner(RecordRunner):
 
 
 class _BatchRequest:
-    """One OpenAI Batch line in flight: its job's events, taken in (by the worker thread) as the
-    server's responses take them (samctl.openai_api.Reply), until the last."""
+    """One OpenAI Batch line in flight: its job's events, taken in by the worker thread."""
 
     def __init__(self, custom_id: str | None, body: Any, model_name: str) -> None:
-        import threading
-
         from samctl.openai_api import Reply
 
         self.custom_id, self.reply, self.ended = custom_id, Reply(body, model_name), threading.Event()
@@ -377,7 +361,7 @@ class _BatchRequest:
             self.ended.set()
 
     def result(self) -> tuple[str, bool, int]:
-        """(output line, whether it failed, new tokens), waiting for the job's end."""
+        """(output line, whether it failed, new tokens), once the job has ended."""
         from samctl.openai_api import BatchOutputLine, BatchResponse, new_id
         from samctl.scheduler import RequestError
 

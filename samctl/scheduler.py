@@ -1,26 +1,17 @@
-"""Requests in, text and results out: the server's scheduler, between asyncio and the Session.
+"""The server's scheduler, between asyncio and the Session: requests in, text and results out.
 
-torch generations must not run concurrently on one KV cache, so one worker thread owns every
-Session and runs `Job`s; the HTTP side (asyncio) only submits jobs and reads their events. A job
-hands its events, small frozen dataclasses, to a thread-safe `sink` (the server wraps
-`loop.call_soon_threadsafe` into an asyncio.Queue):
+One worker thread owns every Session (torch generations must not share a KV cache concurrently)
+and runs `Job`s; a job hands its events to a thread-safe `sink`:
 
     Started(prompt_tokens)   the session and prompt are resolved; generation begins
     Text(text)               new text, stop strings cut (OpenAI: the stop string is not sent)
-    Done(result, reason)     the result (batch 1's or a batched row's) and the OpenAI finish reason
-    Failed(error)            a RequestError: refused before generation (bad store, method, prompt) or failed
+    Done(result, reason)     the result and the OpenAI finish reason
+    Failed(error)            a RequestError: refused before generation, or failed
     Cancelled()              the client went away; the job stopped after its current step
 
-The contract a scheduler keeps (`submit`, `close`, `stop_starting`, `starting`, `running`,
-`waiting`): every submitted job gets exactly one of Done / Failed / Cancelled, last; a cancelled
-job stops at its next step and frees its slot; `close` finishes what was submitted, then returns.
-`BatchScheduler` runs up to --batch-size jobs at once as rows of the batched engine
-(decode.loop.BatchRun), refilling free slots between steps; with --batch-size 1 it runs one job
-at a time on its session (batch 1). Its worker first prepares the batched engine (reading its
-verify cost from the cache or measuring it); meanwhile `starting` says so and jobs wait.
-`stop_starting` (SIGTERM) ends that preparation at its next forward: the jobs waiting for it are
-refused (503), and nothing is measured again.
-
+Every submitted job gets exactly one of Done / Failed / Cancelled, last. While the worker prepares
+the batched engine (its verify cost read or measured), `starting` says so and jobs wait;
+`stop_starting` (SIGTERM) ends that at its next forward and refuses them (503).
 This module knows Sessions, token ids and text; not HTTP, not pydantic.
 """
 from __future__ import annotations
@@ -38,8 +29,7 @@ from samctl.decode.sampling import SamplingConfig
 from samctl.detok import IncrementalDetokenizer
 from samctl.index.errors import ConfigError, UserError
 
-# What the worker warms up on before the server says ready: text with repeats, so that drafters
-# take the paths real requests take.
+# text with repeats, so that drafters take the paths real requests take
 WARM_UP_PROMPT = "def add(a, b):\n    return a + b\n\n\ndef add_three(a, b, c):\n    return add(add(a, b), c)\n"
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # samctl's -> OpenAI's
@@ -58,9 +48,8 @@ class RequestError(Exception):
 
 
 def request_error(err: UserError, word: Callable[[str], str] | None = None, **details: Any) -> RequestError:
-    """A library error as a client reads it: the settings a ConfigError names worded by `word`, by
-    default as the command-line flags that set them (`samctl serve`'s, or a batch's `samctl generate`'s:
-    not the request's to change)."""
+    """The settings a ConfigError names worded by `word`, by default as the command-line flags that
+    set them (the server's: not the request's to change)."""
     if not isinstance(err, ConfigError):
         return RequestError(str(err), **details)
     from samctl.options import flag
@@ -104,10 +93,8 @@ def _shutting_down() -> RequestError:
 
 
 class Sessions:
-    """The server's sessions, one per (store name, method), all on one engine: the first of each
-    store is given, the others are built on first use (by the worker thread: building a drafter
-    may measure the verify cost on the model). Each keeps its drafter, so the cross-request
-    memory learns from every response of its method and store."""
+    """One session per (store name, method), all on one engine: the first of each store is given,
+    the others are built on first use, by the worker thread (a drafter may measure the verify cost)."""
 
     def __init__(self, by_store: dict[str | None, Any], model_name: str | None = None) -> None:
         if not by_store:
@@ -131,13 +118,11 @@ class Sessions:
         if method not in ALL_METHODS:
             raise RequestError(f"unknown method {method!r}: choose from {', '.join(ALL_METHODS)}", param="method",
                                code="unknown_method")
-        if store is None:
-            return self.default_store, method
-        if store not in self.by_store:
+        if store is not None and store not in self.by_store:
             names = ", ".join(self.store_names) or "none (start the server with --sam NAME=STORE)"
             raise RequestError(f"unknown store {store!r}: this server has {names}", param="store",
                                code="unknown_store")
-        return store, method
+        return self.default_store if store is None else store, method
 
     def get(self, store: str | None, method: str):
         key = (store, method)
@@ -150,8 +135,8 @@ class Sessions:
 
 
 class StopCut:
-    """Cuts streamed text at the first stop string (OpenAI: the stop string itself is not
-    returned), holding back a tail that could still become one."""
+    """Cuts streamed text at the first stop string (not itself returned), holding back a tail that
+    could still become one."""
 
     def __init__(self, stops: list[str]) -> None:
         self.stops = [s for s in stops if s]
@@ -181,8 +166,6 @@ class StopCut:
 
 @dataclass
 class Request:
-    """What a job generates: a prompt (text, token ids or a conversation), on one session."""
-
     prompt: str | list[int] | list[dict[str, str]]
     store: str | None
     method: str
@@ -193,9 +176,8 @@ class Request:
 
 
 class Job:
-    """One request on the worker thread: resolves its session and prompt (`prepare`), generates
-    (the one row of a run of its own, or a row of the batched engine) and turns tokens into text
-    events; `cancel` (from any thread) stops it at its next step."""
+    """One request on the worker thread, turning tokens into text events; `cancel` (from any
+    thread) stops it at its next step."""
 
     def __init__(self, request: Request, sessions: Sessions, sink: Sink) -> None:
         self.request, self.sessions, self.sink = request, sessions, sink
@@ -207,8 +189,8 @@ class Job:
         self.cancelled.set()
 
     def prepare(self) -> tuple[Any, list[int], int] | None:
-        """(session, prompt ids, max new tokens), with Started sent; None when the job was cancelled
-        (Cancelled is sent). A refused request raises its error."""
+        """(session, prompt ids, max new tokens), with Started sent; None (and Cancelled sent) when
+        the job was cancelled. A refused request raises its error."""
         if self.cancelled.is_set():
             self.sink(Cancelled())
             return None
@@ -222,16 +204,13 @@ class Job:
         return session, ids, min(r.max_new_tokens or session.config.max_new_tokens, room)
 
     def finish(self, result: GenerationResult) -> None:
-        """The end: the rest of the text, then Done (or Cancelled, or Failed for a row that failed)."""
         if result.finish_reason == "error":
             self.fail(RequestError(result.error, status=500, kind="server_error"))
             return
         if self.cancelled.is_set():
             self.sink(Cancelled())
             return
-        tail = self._stop.finish(self._detok.finish())
-        if tail:
-            self.sink(Text(tail))
+        self._send(self._stop.finish(self._detok.finish()))
         reason = "stop" if self._stop.stopped else FINISH_REASONS[result.finish_reason]
         self.sink(Done(result, reason))
 
@@ -283,12 +262,9 @@ class Job:
 
 
 class _SessionDrafters(DrafterPool):
-    """A session's drafters for the batched engine (a decode.loop.DrafterPool) and its one
-    cross-request memory: every row drafter shares the memory of the session's kept drafter (the
-    batch-1 path's), which every response grows once, at its end, and every row reads through its
-    own cursor (decode/drafters/adaptive.py). A drafter that cannot share its memory (an n-gram
-    pool: lookahead, ouroboros) starts from a copy of the kept one's, and the kept one takes in
-    each of its responses."""
+    """A session's row drafters, sharing the kept drafter's cross-request memory (each row reads it
+    through its own cursor). A drafter that cannot share it (an n-gram pool: lookahead, ouroboros)
+    starts from a copy, and the kept one takes in each of its responses."""
 
     def __init__(self, session) -> None:
         super().__init__(self._fresh)
@@ -309,13 +285,10 @@ class _SessionDrafters(DrafterPool):
 
 
 class BatchScheduler:
-    """Jobs share the batched engine (decode.loop.BatchRun): up to `batch_size` generate at once,
-    each a row with its own length, sampling, stop strings and prediction; a job arriving while
-    the batch runs joins a free slot between two steps; a cancelled job leaves at the next step.
-    A job whose method drafts with the target's own forward (SDSAT's), and every job when
-    `batch_size` is 1, runs alone on its session (a one-row run), in arrival order, one step of it
-    between two steps of the batch: neither holds the other back for more than a step. One worker
-    thread owns the model; with nothing to do it sleeps on a condition."""
+    """Up to `batch_size` jobs generate at once as rows of the batched engine (decode.loop.BatchRun),
+    joining free slots between steps. A job with no batched form (SDSAT's methods), and every job
+    when `batch_size` is 1, runs alone (a one-row run), in arrival order, one step of it between
+    two steps of the batch: neither holds the other back for more than a step."""
 
     def __init__(self, sessions: Sessions, batch_size: int = 8) -> None:
         if batch_size < 1:
@@ -350,9 +323,8 @@ class BatchScheduler:
             self._cond.notify()
 
     def stop_starting(self) -> None:
-        """The server is shutting down: a measurement in progress (at start, or for a batch
-        rebuilt later) stops at its next forward, and if the engine never became ready, the jobs
-        waiting for it are refused. Jobs already generating go on to their end."""
+        """A measurement in progress stops at its next forward; if the engine never became ready, the
+        jobs waiting for it are refused. Jobs already generating go on to their end."""
         self._stopping.set()
         with self._cond:
             self._cond.notify()
@@ -385,10 +357,8 @@ class BatchScheduler:
                 self._step_alone()
 
     def _open_run(self) -> None:
-        # At start, so that no request waits for the batch's verify cost to be measured (or read
-        # from the cache), nor for the drafters' and engine's kernels to load (a warm-up run),
-        # while /health says ready. Should it fail, the first batched job tries again and its
-        # client learns why.
+        # at start, so that no request waits for the verify cost or kernel loads while /health says
+        # ready; should it fail, the first batched job tries again and its client learns why
         session = self.sessions.by_store[self.sessions.default_store]
         try:
             if self.batch_size > 1 and not session.batch_refusal():
@@ -407,7 +377,6 @@ class BatchScheduler:
         self.starting = ""
 
     def _take(self, job: Job) -> None:
-        # A new job: refused, run alone (no batched form), or queued in the run.
         try:
             prepared = job.prepare()
             if prepared is None:

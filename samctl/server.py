@@ -7,23 +7,9 @@
                                 (its verify cost is being read or measured), 503 when stopping
     GET  /metrics               Prometheus text: requests, tokens, draft and accepted tokens
 
-Requests are validated by the schemas of samctl.openai_api; every error is OpenAI's
-`{"error": {"message", "type", "param", "code"}}` (400 for a bad request, 404 for an unknown
-model, 401 for a missing or wrong --api-key). Generation happens on the scheduler's worker
-thread (samctl.scheduler: by default many requests at once on the batched engine); each
-request's events cross to asyncio through `loop.call_soon_threadsafe` into its own
-asyncio.Queue. A client that goes away cancels its job, which leaves at its next step.
-samctl.openai_api turns a body into the scheduler's request and the job's events into chunks or a
-completion (`Reply`), for this app and for `samctl generate --input` with OpenAI Batch API lines
-alike. The routes are module-level functions of `request.app.state` (sessions, scheduler,
-counters, api_key, stopping), which `create_app` fills. At shutdown (SIGTERM: uvicorn stops
-accepting and waits for the open requests) the scheduler finishes what it was given, then stops;
-`stop_starting(app)`, called by `samctl serve`'s signal handler, first ends a start-up still in
-progress, so that the requests waiting for it are refused (503) instead of holding the shutdown.
-
-Usage reports prompt, completion and total tokens, Predicted Outputs' accepted and rejected
-prediction tokens (decode.metrics.PredictionUsage defines them) and the speculative metrics
-under vLLM's names.
+Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`. Each request's events
+cross from the scheduler's worker thread into its own asyncio.Queue; a client that goes away
+cancels its job. The routes read `request.app.state`, which `create_app` fills.
 """
 from __future__ import annotations
 
@@ -91,14 +77,13 @@ class Counters:
         return "\n".join(lines) + "\n"
 
 
-def create_app(sessions: Any, *, scheduler: BatchScheduler | None = None, batch_size: int = 8,
-               api_key: str | None = None) -> FastAPI:
-    """The ASGI app over `sessions` (a Session, or a samctl.scheduler.Sessions of several stores);
-    `scheduler` defaults to a BatchScheduler of `batch_size` rows, started with the app."""
+def create_app(sessions: Any, *, batch_size: int = 8, api_key: str | None = None) -> FastAPI:
+    """`sessions`: a Session, or a samctl.scheduler.Sessions of several stores, served by a
+    BatchScheduler of `batch_size` rows started with the app."""
     if not isinstance(sessions, Sessions):
         sessions = Sessions({sessions.config.store: sessions})
     app = FastAPI(title="samctl", lifespan=_lifespan)
-    app.state.sessions, app.state.scheduler, app.state.batch_size = sessions, scheduler, batch_size
+    app.state.sessions, app.state.scheduler, app.state.batch_size = sessions, None, batch_size
     app.state.api_key, app.state.counters, app.state.created = api_key, Counters(), now()
     app.state.stopping = threading.Event()  # set by stop_starting (SIGTERM)
     app.include_router(routes)
@@ -110,9 +95,8 @@ def create_app(sessions: Any, *, scheduler: BatchScheduler | None = None, batch_
 
 
 def stop_starting(app: FastAPI) -> None:
-    """The server is shutting down (SIGTERM; safe from a signal handler): /health says so, and a
-    start-up still in progress ends at its next forward, the requests waiting for it refused (503)
-    so that they do not hold uvicorn's wait for open requests."""
+    """SIGTERM (safe from a signal handler): /health says so, and a start-up still in progress ends,
+    the requests waiting for it refused (503) so that they do not hold uvicorn's shutdown."""
     app.state.stopping.set()
     if app.state.scheduler is not None:
         app.state.scheduler.stop_starting()
@@ -130,9 +114,6 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     # it now), the worker finishes what it holds, then stops
     state.scheduler.stop_starting()
     await asyncio.to_thread(state.scheduler.close)
-
-
-# -- errors -----------------------------------------------------------------------------------
 
 
 def _error(request: Request | None, err: RequestError) -> JSONResponse:
@@ -153,9 +134,6 @@ async def _authorize(request: Request, call_next):
         return _error(request, RequestError("missing or wrong API key: send 'Authorization: Bearer KEY'",
                                             status=401, code="invalid_api_key"))
     return await call_next(request)
-
-
-# -- endpoints --------------------------------------------------------------------------------
 
 
 @routes.get("/health")
@@ -188,9 +166,6 @@ async def chat_completions(body: ChatRequest, request: Request):
 @routes.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     return await _respond(body, request)
-
-
-# -- jobs -------------------------------------------------------------------------------------
 
 
 async def _respond(body: ChatRequest | CompletionRequest, request: Request):
@@ -237,9 +212,7 @@ async def _next(job: Job, events: asyncio.Queue, request: Request) -> Event:
 
 async def _stream(reply: Reply, opening: list, job: Job, events: asyncio.Queue, counters: Counters
                   ) -> AsyncIterator[str]:
-    """SSE: `opening` (a chat's first delta), the text pieces, then the finish reason and the usage
-    when asked for (or the error), and [DONE]. The client leaving (the response task is cancelled)
-    cancels the job."""
+    """SSE chunks, then [DONE]. The client leaving (the response task is cancelled) cancels the job."""
     end = None
     try:
         for chunk in opening:

@@ -1,20 +1,14 @@
-"""The one way samctl runs a model: a frozen configuration builds a Session.
+"""The one way samctl runs a model: a frozen `SessionConfig` (samctl.config) builds a Session.
 
-A `SessionConfig` (samctl.config) names everything a run depends on; it is validated when built
-and recorded verbatim in every output record (`Session.record`). A `Session` plans it (samctl.plan:
-every path resolved once, notes logged to the `samctl` logger, never printed), then owns what it
-names, loaded once by samctl.models, samctl.stores and samctl.heads: the engine (CUDA graphs chosen
-at construction), the store, the draft model and heads, and the drafter, kept across requests so
-that its cross-request memory lives here. It offers one prompt (text, token ids or a conversation,
-optionally streamed), batches, compare (plain decoding on the same prompt, alternating rounds, the
-speedup and whether the outputs are identical) and warm-up. Decoding itself lives in `decode/`.
-
-Every command (`generate`, `chat`, `bench`, `distill`, `calibrate`), `samctl.hf`, the trainers and
-the Ray worker are adapters over this module; none of them builds an engine or a drafter itself.
-JSONL records (one input line -> one output line) are `samctl.records`'s.
+A Session plans the config (samctl.plan), loads what it names once (engine, store, draft model,
+heads) and keeps its drafter across requests, so cross-request memory lives here. The config is
+recorded verbatim in every output record (`Session.record`). Every command, `samctl.hf`, the
+trainers and the Ray worker are adapters over this module; none builds an engine or a drafter
+itself. Decoding itself is `decode/`'s; JSONL records are `samctl.records`'s.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -49,8 +43,7 @@ def build_drafter(name: str, engine: Engine, store: Datastore | None, config: Me
                   draft: DraftModel | None = None, head: AcceptanceHead | None = None,
                   sampling: SamplingConfig = SamplingConfig(), eagle: EagleHead | None = None,
                   cost: VerifyCost | None = None) -> Drafter:
-    """The drafter of method `name` for this engine; `cost`: the engine's verify cost, for methods
-    that size drafts by it (`_Loaded.verify_cost`)."""
+    """`cost`: the engine's verify cost, for methods that size drafts by it (`_Loaded.verify_cost`)."""
     return make_drafter(name, vocab_size=engine.vocab_size, device=engine.device, eos_token_ids=engine.eos_token_ids,
                         static=store.structure if store is not None and uses_store(name) else None, config=config,
                         draft=draft, head=head, sampling=sampling, cost=cost, target=engine.target, eagle=eagle)
@@ -61,26 +54,21 @@ BATCH_MAX_WIDTH = 16  # most draft nodes a row verifies per batched step
 
 
 class _Loaded:
-    """What several sessions of one process share: the engine, the store and the models that
-    drafters run with (draft model, acceptance heads, EAGLE head), each loaded once on first use."""
+    """What the sessions of one process share: the engine, the store, and models loaded on first use."""
 
     def __init__(self, engine: Engine, store: Datastore | None) -> None:
         self.engine, self.store = engine, store
         self._models: dict[tuple[Callable, str], Any] = {}
-        self._cost: VerifyCost | None = None
 
+    @functools.cached_property
     def verify_cost(self) -> VerifyCost:
-        """The engine's verify cost (samctl.costs.verify_cost: cached per model and device, measured
-        on first use), read once for every drafter of every session."""
-        if self._cost is None:
-            from samctl.costs import verify_cost
+        """samctl.costs.verify_cost, read once for every drafter of every session."""
+        from samctl.costs import verify_cost
 
-            self._cost = verify_cost(self.engine)
-        return self._cost
+        return verify_cost(self.engine)
 
     def load(self, loader: Callable[..., Any], path: str | None, *args: Any) -> Any:
-        """loader(path, engine, *args) (load_draft, load_acc_head, load_eagle), once per loader and
-        path; None without a path."""
+        """loader(path, engine, *args), once per loader and path; None without a path."""
         if not path:
             return None
         if (loader, path) not in self._models:
@@ -124,10 +112,9 @@ class Session:
                        "eagle_head": self.plan.eagle_head,
                        "config": {"session": config.to_record(), "generation": asdict(self.generation),
                                   "method": asdict(self.method_config)}}
-        self.warm = False  # warm_up has run (batch 1)
-        self.batch_warm = False  # and the batched engine's warm-up (warm_up_batched)
+        self.warm = self.batch_warm = False  # warm_up / warm_up_batched has run
         self._room_noted = False
-        self._run = None  # the BatchRun generate_batch / stream_batch keep (_kept_run)
+        self._run = None  # the BatchRun stream_batch keeps (_kept_run)
         self._run_size = 0
 
     @classmethod
@@ -155,11 +142,8 @@ class Session:
         return tuple(p for p in parts if p is not None)
 
     @property
-    def draft_model(self):
-        """The draft model the method runs with (decode.draft_model.DraftModel), or None."""
+    def draft_model(self) -> DraftModel | None:
         return self._draft
-
-    # -- text ----------------------------------------------------------------------------------
 
     def encode(self, prompt: str | Sequence[int] | list[dict[str, str]]) -> list[int]:
         """Token ids of a prompt: text, ids as they are, or a conversation (a list of messages)."""
@@ -172,17 +156,13 @@ class Session:
     def decode(self, ids: list[int]) -> str:
         return self.engine.decode(ids)
 
-    # -- generation ----------------------------------------------------------------------------
-
     def generate(self, prompt: str | Sequence[int] | list[dict[str, str]], *, prediction: str | None = None,
                  on_tokens: Callable[[list[int]], bool | None] | None = None, drafter: Drafter | None = None,
                  max_new_tokens: int | None = None, sampling: SamplingConfig | None = None) -> GenerationResult:
-        """Generate after `prompt` with the session's drafter (or `drafter`); `prediction` is the
-        expected output (e.g. the file being edited), for the methods that draft from one, and
-        its usage comes back in `result.prediction` where the drafter counts it. `on_tokens` may
-        return True to stop (finish_reason "stop"). `max_new_tokens` and `sampling` override the
-        configuration's for this request (a draft model keeps drafting with the configured
-        sampling, which costs acceptance, never correctness)."""
+        """`prediction`: the expected output (e.g. the file being edited), for the methods that draft
+        from one. `on_tokens` may return True to stop (finish_reason "stop"). `max_new_tokens` and
+        `sampling` override the configuration's for this request (a draft model keeps drafting
+        with the configured sampling, which costs acceptance, never correctness)."""
         ids, drafter, generation = self._request(prompt, drafter, max_new_tokens, sampling)
         return decode_generate(self.engine.target, drafter, ids, generation, on_tokens=on_tokens,
                                prediction=self.prediction_ids(prediction))
@@ -190,9 +170,8 @@ class Session:
     def one_row_run(self, prompt: str | Sequence[int] | list[dict[str, str]], *, prediction: str | None = None,
                     on_tokens: Callable[[list[int]], bool | None] | None = None, max_new_tokens: int | None = None,
                     sampling: SamplingConfig | None = None):
-        """`generate`'s one-row decode.loop.BatchRun (its record's key 0), not yet run: the
-        server steps it between two steps of its batch, so that a request with no batched form
-        holds the batch's rows back by one step at a time, never by a whole answer."""
+        """`generate` as a one-row decode.loop.BatchRun (key 0), not yet run: the server steps it
+        between two steps of its batch, holding the batch back by a step, never by a whole answer."""
         from samctl.decode.loop import one_row_run
 
         ids, drafter, generation = self._request(prompt, None, max_new_tokens, sampling)
@@ -201,7 +180,6 @@ class Session:
 
     def _request(self, prompt, drafter: Drafter | None, max_new_tokens: int | None,
                  sampling: SamplingConfig | None) -> tuple[list[int], Drafter, GenerationConfig]:
-        # A request's prompt ids, drafter and generation settings (the session warmed up first).
         ids = self.encode(prompt)
         self._note_room(ids)
         if not self.warm:
@@ -215,14 +193,9 @@ class Session:
     def generate_batch(self, prompts: Sequence[str | Sequence[int] | list[dict[str, str]]], *, batch_size: int = 8,
                        on_result: Callable[[Any], None] | None = None, stats: Any = None,
                        predictions: Sequence[str | None] | None = None) -> list:
-        """Generate for every prompt with up to `batch_size` sequences in flight (named as
-        transformers names its batched call), each record's output exactly its batch-1 output in
-        float32; a finished row is refilled from the queue at once. Returns
-        decode.loop.GenerationResult per prompt, in input order; `on_result` sees each as it finishes.
-        Every slot drafts with its own fresh drafter. `predictions[i]` is prompt i's expected
-        output (or None), drafted from by its own row only; its usage comes back in the result's
-        `prediction`. SDSAT's methods, which draft with the target's own forward, are refused:
-        run them one prompt at a time. (`stream_batch` reads its records lazily.)"""
+        """Up to `batch_size` rows in flight, each output exactly its batch-1 output in float32, results
+        in input order; `predictions[i]`: prompt i's expected output (or None). SDSAT's methods,
+        which draft with the target's own forward, are refused."""
         items = ((i, p, None if predictions is None else predictions[i]) for i, p in enumerate(prompts))
         results = {}
         for result in self.stream_batch(items, batch_size=batch_size, stats=stats):
@@ -233,11 +206,9 @@ class Session:
 
     def stream_batch(self, items: Iterable[tuple[Any, Any, str | None]], *, batch_size: int = 8,
                      stats: Any = None) -> Iterator:
-        """generate_batch over `items` (key, prompt, prediction text or None), read lazily as rows
-        free up, yielding each decode.loop.GenerationResult (`index`: its key) as it finishes. One
-        BatchRun per session and batch size serves every call: its cache, and on a GPU every
-        graph, are built once and kept between calls (the session holds that memory), and the
-        batch stays full from the first record to the last."""
+        """generate_batch over `items` (key, prompt, prediction or None), read lazily as rows free
+        up, yielding each result (`index`: its key) as it finishes. The BatchRun (its cache and
+        CUDA graphs) is kept between calls: the session holds that memory."""
         from samctl.decode.loop import BatchStats, DrafterPool, feed, require_batchable
 
         require_batchable(self.config.method)
@@ -257,16 +228,14 @@ class Session:
         run.stats.time_s = time.perf_counter() - start
 
     def _kept_run(self, batch_size: int):
-        # The session's BatchRun of this batch size (one at a time: a run holds its rows' cache).
+        # one run at a time: a run holds its rows' cache
         if self._run is None or self._run_size != batch_size or not self._run.idle:
             self._run, self._run_size = self.batch_run(batch_size), batch_size
         return self._run
 
     def batch_run(self, batch_size: int, stop: Callable[[], bool] | None = None):
-        """An empty decode.loop.BatchRun on this session's engine, for records submitted one by
-        one (the server's scheduler); any session of the engine may submit to it. Measuring its
-        verify cost (once per model and batch size) stops between two forwards when `stop()` is
-        true (decode.engine.cost.Stopped)."""
+        """An empty decode.loop.BatchRun on this engine, for records submitted one by one (the
+        server's scheduler). Measuring its verify cost stops between two forwards once `stop()`."""
         from samctl.costs import batch_cost
         from samctl.decode.loop import BatchRun
 
@@ -274,36 +243,34 @@ class Session:
                         cost=batch_cost(self.engine, batch_size, BATCH_MAX_WIDTH, stop=stop))
 
     def batch_refusal(self) -> str:
-        """Why this session cannot run on the batched engine ("" when it can)."""
         from samctl.decode.loop import batch_refusal
 
         return batch_refusal(self.config.method)
 
     def fresh_drafter(self, fork: bool = True) -> Drafter:
-        """A new drafter of the session's method that shares nothing learned with the kept one;
-        a draft model's cache is its own too (the weights are shared), so that drafters can run
-        side by side (the batched engine's rows). fork=False: the kept one, on the draft model itself."""
+        """A new drafter that shares nothing learned with the kept one, and with a draft model cache
+        of its own (weights shared), so drafters can run side by side. fork=False: the kept one."""
         draft = self._draft.fork() if fork and self._draft is not None else self._draft
-        cost = self._shared.verify_cost() if method_entry(self.config.method).sized_by_cost else None
+        cost = self._shared.verify_cost if method_entry(self.config.method).sized_by_cost else None
         return build_drafter(self.config.method, self.engine, self.store, self.method_config, draft=draft,
                              head=self._head, sampling=self.config.sampling, eagle=self._eagle, cost=cost)
 
     def warm_up(self, ids: list[int]) -> None:
-        """Run a throwaway drafter and plain decoding once, so that JIT cache loads, lazy imports
-        and allocator growth are paid outside every timed run. On the prompt itself, so that the
-        drafter takes the paths the timed runs take; with a throwaway drafter, because warming the
-        kept one would teach it (Token Recycle, memories) this very prompt."""
+        """Pay JIT loads, lazy imports and allocator growth outside every timed run: on the prompt
+        itself, so the drafter takes the timed runs' paths, with a throwaway drafter, because warming
+        the kept one would teach it (Token Recycle, memories) this very prompt."""
         self.warm = True
-        warm = GenerationConfig(max_new_tokens=WARM_UP_TOKENS, eos_token_ids=(), sampling=self.config.sampling)
         drafter = self.fresh_drafter()
         for _ in range(2):  # the second run drafts from what the first taught it: other kernels, or other types
-            decode_generate(self.engine.target, drafter, ids, warm)
-        decode_generate(self.engine.target, NoDraft(), ids, warm)
+            decode_generate(self.engine.target, drafter, ids, self._warm_config())
+        decode_generate(self.engine.target, NoDraft(), ids, self._warm_config())
+
+    def _warm_config(self) -> GenerationConfig:
+        return GenerationConfig(max_new_tokens=WARM_UP_TOKENS, eos_token_ids=(), sampling=self.config.sampling)
 
     def warm_up_batched(self, prompts: list[list[int]], cost: VerifyCost) -> None:
-        """warm_up, then the same throwaway run through the batched engine, whose drafters take
-        paths of their own (scored proposals), on the first prompt the model can continue (the
-        others get their errors in the batch)."""
+        """warm_up, then the batched engine's (its drafters take paths of their own), on the first
+        prompt the model can continue (the others get their errors in the batch)."""
         from samctl.decode.loop import generate_batch
 
         for ids in prompts:
@@ -311,35 +278,27 @@ class Session:
                 if not self.warm:
                     self.warm_up(ids)
                 self.batch_warm = True
-                warm = GenerationConfig(max_new_tokens=WARM_UP_TOKENS, eos_token_ids=(), sampling=self.config.sampling)
                 # twice through one slot, whose drafter drafts from the first record in the second
-                generate_batch(self.engine.model, self.fresh_drafter, [ids, ids], warm, 1, cost=cost,
+                generate_batch(self.engine.model, self.fresh_drafter, [ids, ids], self._warm_config(), 1, cost=cost,
                                max_width=BATCH_MAX_WIDTH)
                 return
 
     def compare(self, prompt: str | Sequence[int] | list[dict[str, str]], result: GenerationResult,
                 runs: int = 1) -> dict[str, Any]:
-        """Plain decoding (ar) on the same prompt; with runs > 1, more rounds of (fresh drafter,
-        ar) in alternating order, so that a drift of the machine hits both sides alike. The speedup
-        is the median of the per-round ratios of tokens/s; every round's greedy output must equal
-        the first ar's."""
+        """Plain decoding (ar) on the same prompt, in `runs` rounds of alternating order (a drift of the
+        machine hits both sides alike): the median speedup, and whether every greedy output is ar's."""
         ids = self.encode(prompt)
         rounds = [(result, self.generate(ids, drafter=NoDraft()))]
-        for k in range(1, runs):
-            if k % 2:
-                baseline = self.generate(ids, drafter=NoDraft())
-                rounds.append((self.generate(ids, drafter=self.fresh_drafter()), baseline))
-            else:
-                method = self.generate(ids, drafter=self.fresh_drafter())
-                rounds.append((method, self.generate(ids, drafter=NoDraft())))
+        for k in range(1, runs):  # odd rounds run plain decoding first
+            plain = self.generate(ids, drafter=NoDraft()) if k % 2 else None
+            method = self.generate(ids, drafter=self.fresh_drafter())
+            rounds.append((method, plain or self.generate(ids, drafter=NoDraft())))
         reference = rounds[0][1].tokens
         diffs = [first_difference(r.tokens, reference) for pair in rounds for r in pair]
         first_diff = next((d for d in diffs if d is not None), None)
         greedy = self.config.sampling.greedy
-        # On a CPU the ratio is of tokens per CPU-second of this process: the wall clock also counts
-        # the time other processes hold the cores, which slows plain decoding's many small forwards
-        # more than the method's few large ones (BENCHMARKS.md, "--compare under load"); the
-        # wall-clock ratio is reported beside it.
+        # On a CPU, tokens per CPU-second: the wall clock also counts other processes' time on the cores,
+        # which slows plain decoding's many small forwards more (BENCHMARKS.md, "--compare under load").
         wall = [m.metrics.tokens_per_s / b.metrics.tokens_per_s if b.metrics.tokens_per_s else 0.0
                 for m, b in rounds]
         on_cpu = self.engine.device.type == "cpu"
@@ -363,7 +322,7 @@ class Session:
         }
 
     def _note_room(self, ids: list[int]) -> None:
-        """Once per session: a prompt that leaves less of the model's context than max_new_tokens."""
+        # once per session: a prompt that leaves less of the model's context than max_new_tokens
         context = self.engine.target.max_positions
         room = context - len(ids)
         if self._room_noted or self.config.quiet or not 0 < room < self.config.max_new_tokens:
@@ -373,12 +332,11 @@ class Session:
                  f"tokens fit, fewer than --max-new-tokens {self.config.max_new_tokens}")
 
     def prediction_ids(self, prediction: str | None) -> list[int] | None:
-        """A request's expected output as token ids (tokenized as plain text); None for none."""
+        """Tokenized as plain text."""
         return None if not prediction else self.engine.tokenizer(prediction, add_special_tokens=False)["input_ids"]
 
 
 def _cpu_ratio(method: GenerationResult, base: GenerationResult) -> float:
-    """Tokens per CPU-second of the method over the same for plain decoding."""
     m, b = method.metrics, base.metrics
     if m.cpu_s <= 0 or b.cpu_s <= 0 or not b.new_tokens:
         return 0.0

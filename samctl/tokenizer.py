@@ -1,37 +1,14 @@
 """Tokenizers for building and querying stores: a Hugging Face tokenizer or a byte-level one.
 
-`load_tokenizer(spec)` resolves what the user named:
-- None: the embedded default model's tokenizer (samctl/models/default/target) when it is
-  installed, else the byte-level tokenizer; either way one line on stderr says so;
-- "bytes": the byte-level tokenizer (ids 0-255 are UTF-8 bytes, 256 is EOS);
-- "default": the embedded default model's tokenizer;
-- a local tokenizer folder, or a name the Hugging Face cache already holds (never downloads);
-- a `.gguf` model file: its tokenizer, from the folder samctl/gguf_cache.py dequantizes it to.
-
-A tokenizer's fingerprint is a hash of its vocabulary (every token -> id pair, added and special
-tokens included), so two tokenizers that map text to the same ids share it whatever their name.
-Stores record name and fingerprint; `load_store_tokenizer` loads the tokenizer a store names and
-refuses one whose fingerprint differs, and `check_store_tokenizer` does the same for a tokenizer
-the caller already holds (the model's, in `generate`).
-
-A folder whose tokenizer.json the `tokenizers` library reads exactly as transformers would (the
-tokenizer classes in BACKEND_CLASSES, whose pipeline is the file's, or for GPT2Tokenizer one the
-file already has: `_same_backend_as_transformers`) is loaded by `tokenizers` alone (FastTokenizer:
-same ids, vocabulary, EOS and fingerprint); any other needs transformers, which imports torch
-(seconds and hundreds of MB), imported only then. So `build` and `query` never load torch or
-transformers for tokenizer.json folders as transformers saves them or the Hub ships them (SmolLM2's
-GPT2Tokenizer config included), nor for a .gguf file's cached tokenizer; a folder with only a
-SentencePiece model (Llama 2's tokenizer.model) still needs transformers. `light=True` loads only
-what needs no transformers (`query --ids`, where the text is a courtesy).
-
-`tokenize_documents` streams: documents are tokenized in batches of about `batch_chars`
-characters, and a document longer than `piece_chars` is cut into pieces where the tokenizer's
-pre-tokenizer cuts anyway (`split_text`), so memory stays bounded for one huge line too. The
-cuts change no token for a `split_safe` tokenizer (bytes, and byte-level BPE whose pre-tokenizer
-is ByteLevel with the GPT-2 regex and no normalizer, as GPT-2, SmolLM2 and the embedded model use;
-tested against whole-document tokenization); other tokenizers (SentencePiece, a Split + ByteLevel
-sequence as in Llama-3) get their documents whole, so one huge line costs memory there.
-
+`load_tokenizer(spec)` takes None (the embedded default's, else bytes; a note says which),
+"bytes" (ids 0-255 are UTF-8 bytes, 256 is EOS), "default", a local folder, a name the Hugging Face
+cache already holds (never downloads), or a `.gguf` file. A fingerprint hashes the vocabulary
+(every token -> id pair), so tokenizers that map text to the same ids share it whatever their name.
+A tokenizer.json that `tokenizers` reads exactly as transformers would is loaded without
+transformers and torch (FastTokenizer: seconds and hundreds of MB saved in `build` and `query`).
+`tokenize_documents` cuts a long document, for a `split_safe` tokenizer only, where the
+pre-tokenizer cuts anyway (`split_text`): no token changes and memory stays bounded (other
+tokenizers, e.g. SentencePiece or Llama-3's, get each document whole).
 This module does not know stores' file format or decoding.
 """
 from __future__ import annotations
@@ -75,12 +52,12 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """The conversation through the chat template (`chat_ids`); ConfigError without one."""
+        """ConfigError without a chat template."""
 
 
 def chat_ids(hf_tokenizer: Any, messages: list[dict[str, str]], owner: str) -> list[int]:
-    """The conversation rendered by a transformers tokenizer's chat template, the assistant's turn
-    opened, as ids: the one chat encoding of generate, chat, bench and simulate."""
+    """The conversation through a transformers chat template, the assistant's turn opened: the one
+    chat encoding of generate, chat, bench and simulate."""
     if not getattr(hf_tokenizer, "chat_template", None):
         raise ConfigError("{owner} has no chat template: drop {chat}", owner=owner)
     rendered = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -92,7 +69,6 @@ def _digest(payload: bytes) -> str:
 
 
 def tokenizer_fingerprint(hf_tokenizer: Any) -> str:
-    """Stable hash of a Hugging Face tokenizer's vocabulary, added and special tokens included."""
     return _vocab_fingerprint(hf_tokenizer.get_vocab())
 
 
@@ -110,14 +86,13 @@ def _backend_split_safe(backend: Any) -> bool:
     pre = backend.pre_tokenizer
     if backend.normalizer is not None or not isinstance(pre, pre_tokenizers.ByteLevel):
         return False
-    if not pre.use_regex or pre.add_prefix_space:
-        return False
     added = backend.get_added_tokens_decoder().values()
-    return not any(t.lstrip or t.rstrip or any(c.isspace() for c in t.content) for t in added)
+    return pre.use_regex and not pre.add_prefix_space and not any(
+        t.lstrip or t.rstrip or any(c.isspace() for c in t.content) for t in added)
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as ids 0-255, EOS = 256. Needs no files; used when no model is at hand."""
+    """UTF-8 bytes as ids 0-255, EOS = 256; needs no files."""
 
     name = BYTES
     vocab_size = 257
@@ -139,7 +114,7 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer seen through the Tokenizer protocol (no special tokens added)."""
+    """A transformers tokenizer as a Tokenizer (no special tokens added)."""
 
     def __init__(self, hf_tokenizer: Any, name: str) -> None:
         self.hf = hf_tokenizer
@@ -157,8 +132,8 @@ class HFTokenizer:
         return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Ids of each text. The backend's batch encoder is about twice as fast as __call__; it is
-        used once it gave the same ids as __call__ on a first batch (wrappers may preprocess)."""
+        """The backend's batch encoder is about twice as fast as __call__; it is used once it gave
+        the same ids as __call__ on a first batch (wrappers may preprocess)."""
         texts = list(texts)
         if self._backend_ok:
             return self._backend_batch(texts)
@@ -178,8 +153,8 @@ class HFTokenizer:
 
 
 class FastTokenizer:
-    """A tokenizer.json read by the `tokenizers` library alone: for the classes in BACKEND_CLASSES
-    the same ids, vocabulary, EOS and fingerprint as HFTokenizer gives, without transformers."""
+    """A tokenizer.json read by `tokenizers` alone: the same ids, vocabulary, EOS and fingerprint as
+    HFTokenizer gives for the classes in BACKEND_CLASSES."""
 
     def __init__(self, backend: Any, name: str, eos_token: str | None, folder: str) -> None:
         self.backend = backend
@@ -210,7 +185,7 @@ class FastTokenizer:
 
 
 def _load_fast(folder: str, name: str) -> FastTokenizer | None:
-    """FastTokenizer for `folder` when its tokenizer class is one in BACKEND_CLASSES, else None."""
+    """None unless transformers would encode and decode with the file's pipeline unchanged."""
     files = Path(folder) / "tokenizer.json", Path(folder) / "tokenizer_config.json"
     if not all(f.is_file() for f in files):
         return None
@@ -258,10 +233,8 @@ def _same_backend_as_transformers(backend: Any, config: dict) -> bool:
 
 
 def load_tokenizer(spec: str | None, light: bool = False) -> Tokenizer | None:
-    """The tokenizer `spec` names (see the module docstring); UserError when it cannot be found.
-    Without a spec, a note (the `samctl` logger) says which tokenizer is used. With
-    `light`, None where loading it would take transformers (and torch: seconds and hundreds of MB)
-    or dequantizing a .gguf file not yet in the cache."""
+    """UserError when it cannot be found. With `light` (`query --ids`, where the text is a
+    courtesy), None where loading it would take transformers or dequantizing a .gguf file."""
     if spec is None:
         if DEFAULT_MODEL_DIR.is_dir():
             log.info(f"using the embedded default tokenizer ({DEFAULT_MODEL_DIR}); pass --tokenizer to choose another")
@@ -289,8 +262,7 @@ def load_tokenizer(spec: str | None, light: bool = False) -> Tokenizer | None:
 
 
 def is_path_like(spec: str) -> bool:
-    """Whether a model or tokenizer name can only be a local path, never a Hugging Face hub name
-    (`org/name`): it starts with `.`, `/` or `~`, has two slashes or more, or names a .gguf file."""
+    """Whether a model or tokenizer name can only be a local path, never a hub name (`org/name`)."""
     return spec.startswith((".", "/", "~")) or spec.count("/") > 1 or is_gguf(spec)
 
 
@@ -332,8 +304,8 @@ def check_store_tokenizer(meta: StoreMeta, store_path: str, fingerprint: str, na
 
 def load_store_tokenizer(meta: StoreMeta, store_path: str, spec: str | None = None,
                          light: bool = False) -> Tokenizer | None:
-    """The tokenizer a store was built with: `spec` if given, else the one the store names.
-    With `light`, None where only transformers could load it (see load_tokenizer)."""
+    """`spec`, else the tokenizer the store names, refused if its fingerprint differs; with `light`,
+    None where only transformers could load it."""
     if spec is None:
         try:
             tokenizer = load_tokenizer(meta.tokenizer_name, light=light)
@@ -379,22 +351,12 @@ def split_text(text: str, max_chars: int) -> Iterator[str]:
     yield text[start:]
 
 
-def tokenize_documents(
-    texts: Iterable[str],
-    tokenizer: Tokenizer,
-    append_eos: bool = True,
-    on_batch: Callable[[int, int], None] | None = None,
-    batch_chars: int = 1 << 20,
-    piece_chars: int = 1 << 16,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Tokenize documents in batches of about `batch_chars` characters (see the module docstring).
-
-    Returns tokens [n] int32 (documents concatenated, each followed by the tokenizer's first EOS
-    id when `append_eos` and it has one) and doc_offsets [d+1] int64 (document i is
-    tokens[doc_offsets[i]:doc_offsets[i+1]]). `on_batch(documents, tokens)` reports progress after
-    each batch: the documents finished and the tokens made since the last call. Memory beyond the
-    result: one batch of text and its ids, and the int32 chunks until they are concatenated.
-    """
+def tokenize_documents(texts: Iterable[str], tokenizer: Tokenizer, append_eos: bool = True,
+                       on_batch: Callable[[int, int], None] | None = None, batch_chars: int = 1 << 20,
+                       piece_chars: int = 1 << 16) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [n] int32: documents concatenated, each followed by the first EOS id when
+    `append_eos`; doc_offsets [d+1] int64: document i is tokens[doc_offsets[i]:doc_offsets[i+1]]).
+    `on_batch(documents, tokens)`: progress since the last call, after each batch."""
     if tokenizer.vocab_size > np.iinfo(np.int32).max:
         raise UserError(f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} ids, over int32")
     eos = [tokenizer.eos_token_ids[0]] if append_eos and tokenizer.eos_token_ids else []
