@@ -1,32 +1,23 @@
 """`lookahead` (Fu et al. 2024): a Jacobi window and an n-gram pool, verified in one forward.
 
 Each step, with lst = the pending token t0 at position p:
-    1) guess   the pool's newest tuples for key lst (at most G of N-1 tokens), merged into a trie
-               hanging from lst: the only nodes acceptance may walk into
-    2) window  N-1 levels of context rows after the guesses (`DraftTree.accept_limit`). Row 0 is
+    1) guess   the pool's newest tuples for key lst (at most G of N-1 tokens) as a trie below lst:
+               the only nodes acceptance may walk into
+    2) window  N-1 levels of context rows after the guesses (`DraftTree.accept_limit`): row 0 is
                [lst, w_1..w_{M-1}] at positions p..p+M-1, row l holds M tokens at p+l..p+l+M-1,
-               and token (l, i) sees lst, row-0 tokens 1..i and rows 1..l of column i: row 1 of
-               column i hangs below row-0 column i, row l below row l-1, so the window is a tree
-               and the engine's ancestor mask is exactly the paper's lookahead-branch mask
-    3) verify  one target forward: the engine walks the guess trie (greedy or one draw per node;
-               a full match keeps its bonus), never the window
-    4) update  new[i] = argmax at the top row's column i (argmax even when sampling). Full window:
-               the pool takes key row0[i] -> (row1[i], .., row_{N-2}[i], new[i]) for every column,
-               rows shift down one level and new becomes the top; warm-up (the first N-2 steps
-               after the seed): every row drops its first column and new[1:] becomes a new level.
-               The window moves exactly one column per step whatever was accepted.
+               and row l of column i hangs below row l-1 of column i, so the engine's ancestor
+               mask is exactly the paper's lookahead-branch mask
+    3) verify  one target forward; the engine walks the guess trie, never the window
+    4) update  new[i] = argmax at the top row's column i (even when sampling). Full window: the
+               pool takes key row0[i] -> (row1[i], .., row_{N-2}[i], new[i]) for every column and
+               rows shift down one level; warm-up (the first N-2 steps): every row drops its first
+               column and new[1:] becomes a new level. The window moves one column per step.
 
-The window's first row is seeded with prompt tokens drawn by a seeded generator. The pool is keyed
-by token, holds at most G tuples per key and evicts the least recently inserted; it lives as long
-as the drafter, so later requests in a process draft from what earlier ones learnt. Optionally
-(`pool_text`, on by default; lade fills the pool from the window only) it also takes every n-gram
-of the prompt and of the committed output, which is what `simulate` can replay without a model:
-with no prefill logits the window is off. Earlier outputs can be preloaded from and saved to a
-memory store like adaptive's (`load_memory`, `memory_documents`, `finish`, `remember`).
-
-Knows token ids and logits, not models or text. The window lives on the model's device: the tree's
-tokens and the Jacobi update never leave it, so a step keeps the engine's one host sync; the
-pool's n-grams reach the host one step late on a GPU (at once on a CPU).
+The pool holds at most G tuples per key, least recently inserted out first, and lives as long as
+the drafter. With `pool_text` (lade fills it from the window only) it also takes every n-gram of
+the prompt and the output, which is what `simulate` replays without a model (no prefill logits:
+the window is off). The window stays on the model's device, so a step keeps the engine's one host
+sync; its n-grams reach the pool one step late on a GPU.
 """
 from __future__ import annotations
 

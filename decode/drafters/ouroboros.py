@@ -1,27 +1,17 @@
 """`ouroboros` (Dual Decoding, Zhao et al. 2024): a draft model running lookahead, one shared pool.
 
 Each target step (t0 = the pending token):
-    1) draft   the draft model runs lookahead decoding (decode/drafters/lookahead.py) until it has
-               gamma new tokens: each of its forwards verifies the pool's guesses for its last token
-               plus its own Jacobi window, so one forward can accept a whole phrase, and its window's
-               n-grams go into the shared pool. Its window persists across steps.
-    2) verify  the target's tree is the chain t0, x_1..x_gamma, then a trie of the pool's newest
-               top-k tuples for x_gamma below x_gamma: one forward checks drafts and suffixes, a
-               full match continues into a suffix and keeps its bonus
-    3) harvest from the last accepted chain input c (key: its token) along every path through the
-               rest of the chain and a suffix, the target's argmax at each input, N-1 of them, is a
-               pool tuple: the target's own continuation at rejected positions, or the suffixes
-               as corrected by the target after a full match (inserted newest, not overwritten in
-               place: the wrong tuple ages out of the LRU row)
-    4) crop    the draft's cache is cut to the committed text it holds; its window is kept
-
-Drafts are deterministic (the draft's argmax), so the engine's rule is lossless for greedy and
-sampling alike. Fixed from the reference code: the draft's rollback works for any layer count
-(the engine's own cache), the rejection harvest really inserts, and a full match keeps its bonus.
-The draft model runs as the drafter's row of the draft's own batch (decode/draft_model.py: static
-cache, tree masks), and the rows of a batched step run their lookahead together (`lookahead`:
-one draft forward a round over every row still drafting); the pool and its cross-request memory
-behave as lookahead's.
+    1) draft   the draft model runs lookahead decoding (lookahead.py) until it has gamma new
+               tokens; its window persists across steps and its n-grams go into the shared pool
+    2) verify  the chain t0, x_1..x_gamma, then a trie of the pool's newest top-k tuples for
+               x_gamma: a full match continues into a suffix and keeps its bonus
+    3) harvest from the last accepted chain input c along every path through the rest of the
+               chain and a suffix, the target's argmax at N-1 inputs is a new pool tuple keyed by
+               c's token (inserted newest: a wrong tuple ages out of the LRU row)
+    4) crop    the draft's cache is cut to the committed text it holds
+Drafts are the draft's argmax, so the engine's rule is lossless for greedy and sampling alike.
+Fixed from the reference code: the rollback works for any layer count, the rejection harvest
+really inserts, and a full match keeps its bonus.
 """
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """Token Recycle (Luo et al. 2024): draft trees from recycled candidate tokens.
 
 State: a table A[V, k] of each token's k most likely successors, written from the target's logits
-at every verified input (rejected nodes too) and never reset, so it stays warm across prompts.
-Draft: a static template tree rooted at t0 whose node [r1, r2, ...] means "the r2-th candidate of
-the r1-th candidate"; each level is one gather from A. Empty rows hold -1 and draft placeholders
-that never match.
-
-On a GPU the table, the expansion and the update stay on the device (no host copy); on the CPU the
-same operations run as numba kernels over the table's memory, which costs microseconds instead of
-the per-op overhead of small torch calls.
+at every verified input (rejected nodes too) and never reset. Draft: a static template tree rooted
+at t0 whose node [r1, r2, ...] is "the r2-th candidate of the r1-th candidate"; each level is one
+gather from A, and empty rows (-1) draft placeholders that never match. On a GPU the table stays
+on the device; on the CPU numba kernels run over its memory (microseconds, not torch's per-op cost).
 """
 from __future__ import annotations
 

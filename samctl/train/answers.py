@@ -1,23 +1,10 @@
-"""The one writer of a target model's own answers to training prompts.
+"""The one writer of a target model's own answers to training prompts (the trainers share it).
 
-Used by `samctl train eagle`, `samctl train sdsat` (`--responses self`) and `samctl train acc-head`.
-Drafters are scored on what the target emits, so training on the target's own answers (as Medusa-2
-and the EAGLE follow-ups do when the SFT data is not the model's) matches what acceptance measures;
-the datasets' human answers are another distribution.
-
-- `write_answers(session, prompts, path, ...)`: conversations (`samctl.train.prompts.Prompt`,
-  one or more user turns) answered turn after turn through the session's batched engine
-  (`Session.generate_batch` with a lossless method: greedy answers are plain greedy decoding's,
-  sampled ones (`sampling`: temperature, top-k, top-p, seed) follow the model's own distribution,
-  written several times faster than one sequence at a time). Each finished turn is appended to a
-  JSONL file at once (`Answer`: prompt, turn, the turn's prompt ids with the earlier turns and
-  answers in the chat template, its output ids, EOS kept); a rerun reads the file and answers only
-  what is missing, so an interrupted run resumes. The caller names the file by model fingerprint,
-  prompt set and settings (`answers_key`). A token budget or a deadline stops it between two answers.
-- `answering_session(engine, ...)`: a session over a trainer's already loaded engine to answer with;
-  `own_answers(engine, ...)`: write_answers on one, in a file named by the model, prompts and
-  settings (under --cache, else a scratch folder).
-- `trainer_engine(config, model)`: how every trainer starts (threads, seed, the model to train).
+Drafters are scored on what the target emits, so they train on its own answers (as Medusa-2 and
+the EAGLE follow-ups do), not the datasets' human ones. `write_answers` answers conversations turn
+after turn through a session's batched engine with a lossless method (greedy answers are plain
+greedy decoding's, sampled ones follow the model's distribution) and appends each finished turn to
+a JSONL file at once; a rerun answers only what is missing, so an interrupted run resumes.
 
 Knows a session (model, tokenizer, EOS ids) and token ids; never the training objectives.
 """

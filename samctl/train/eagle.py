@@ -5,37 +5,19 @@
         --answer-minutes 40 --draft-vocab 8192 --minutes 20 --threads 1 --replay refs.jsonl
     samctl train eagle --device cuda --model M --prompts prompts.jsonl --out H --max-tokens 5000000
 
-1. Prompts: --prompts (any input `samctl build` reads; a record's user turns) and the built-in
-   --mixture (samctl/train/prompts.py: math, code, role-play, two-turn chat, translation,
-   summarization), less every prompt with a turn of --exclude (Spec-Bench, whose questions the
-   replay traces answer).
-2. Answers: the target's own greedy answers, written by the batched engine (samctl/train/answers.py,
-   --answer-method, --batch-size, --max-new-tokens) into cache/answers-<key>.jsonl, the key naming
-   the model's fingerprint, the prompt set and the answering settings; finished turns are appended
-   as they come, so a rerun (or a larger --max-tokens, or one after --answer-minutes ran out)
-   goes on where the last stopped. Each answered turn is one sequence (its input, earlier turns
-   and answers included, then its answer), cut at --max-len; sequences are taken in order up to
-   --max-tokens and the first --heldout are kept apart.
-   Features: the target's post-norm last hidden states from batched forwards (cached in shards
-   under --cache, never in the repository); on its own greedy answers the target's choice at each
-   position is the next token, so no output layer runs.
-3. Training: the head alone (fc over [embedding, feature] + one decoder layer of the target's
-   architecture; the target's embedding and lm_head frozen): SmoothL1 on the next feature plus
-   0.1 x cross-entropy against the target's next token, uniform feature noise, AdamW with
-   warm-up and cosine decay, on response positions only; --max-steps or --minutes. With
-   --draft-vocab N the head drafts (and its cross-entropy ranges over) only the N tokens the
-   target chooses most often in the training part, which makes its output layer V / N times cheaper.
-4. Report: held-out top-1 accuracy (the head's next-token argmax equals the target's, teacher-
-   forced), before and after training (and of --baseline-head, an earlier head, on the same
-   held-out positions), and, with --replay (reference traces: the target's own
-   greedy outputs with their token ids, as `samctl simulate` reads them), tokens per step of `eagle`, `sam+eagle`,
-   `adaptive+eagle` and `adaptive` in replay (decode.simulate.replay with the target's features,
-   no target forward per step; Token Recycle, which learns from logits, is off in a replay).
+1. Prompts: --prompts and the built-in --mixture (prompts.py), less every prompt with a turn of
+   --exclude (Spec-Bench, whose questions the replay traces answer).
+2. Answers: the target's own greedy answers (answers.py), in cache/answers-<key>.jsonl named by the
+   model, the prompts and the settings, so a rerun goes on where the last stopped; sequences cut at
+   --max-len are taken in order up to --max-tokens, the first --heldout kept apart. Features: the
+   target's post-norm last hidden states, cached in shards under --cache; on its own greedy answers
+   the target's choice at each position is the next token, so no output layer runs.
+3. Training: the head alone, EAGLE's loss (SmoothL1 on the next feature + 0.1 x cross-entropy),
+   on response positions only; --draft-vocab N restricts the head to the N most frequent choices.
+4. Report: held-out top-1 before and after (and of --baseline-head), and with --replay the tokens
+   per step of the EAGLE methods and `adaptive` replayed on reference traces.
 5. Output: --out holds eagle.safetensors and eagle.json (the target's fingerprint and this run's
    record); samctl refuses the head for any other model. A JSON summary goes to stdout.
-
-CPU mode (the default device there) keeps every process to --threads; GPU mode (--device cuda)
-only changes where the forwards run and allows larger --max-tokens / --batch-tokens.
 """
 from __future__ import annotations
 

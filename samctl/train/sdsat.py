@@ -3,37 +3,19 @@
     samctl train sdsat --model ../shared/models/<smollm2>.gguf --out runs/smollm2-sdsat \
         --data ../shared/data/codealpaca.json ../shared/data/gsm8k_train.jsonl --max-minutes 50 --threads 1
 
-1. Prompts: the first user turn of every record of --data (any input `samctl build` reads:
-   Alpaca / GSM8K / Spec-Bench / chat JSON(L), Parquet, hf:NAME, -, a plain-text file as one
-   prompt, a folder's text files as `build` reads them (name record files explicitly: a folder's
-   .json files are not read); --field names the prompt field), shuffled with --seed; --heldout of
-   them are kept apart. The chat template is applied when the tokenizer has one (--no-chat to skip).
-2. Responses: SDSAT trains on prompt + response sequences, SATs and losses on the response only.
-   --responses self (default) has the model write its own greedy answers (samctl/train/answers.py,
-   the writer `samctl train eagle` and `acc-head` use: the batched engine, --max-new-tokens,
-   --response-batch; prompts longer than --seq-len / 2 tokens are left out), so the SATs learn to
-   predict what greedy decoding will emit, which is what acceptance counts. With --cache the
-   answers are kept in a JSONL file there, named by model, prompts and settings, and a rerun
-   reuses (or resumes) them. --responses data trains on the records' own answers instead (Alpaca
-   `output`, GSM8K `answer`, a `prompt`'s `completion`); records without one are left out.
-3. The SAT token: --sat-token names a token of the vocabulary; by default the last special token
-   that is not BOS/EOS/PAD, never occurs in the data and is not in the chat template; when the
-   tokenizer has none, a new token `<|sat|>` is added (vocabulary + 1). Which one is recorded.
-4. Training (decode.sdsat.make_batch): each sequence carries --blocks blocks of k = --sat-count
-   SATs at random anchors; loss = --standard-weight x the standard term on the response's
-   standard tokens + --sat-weight x CE at the SAT slots. Standard tokens never attend to SATs (a
-   4D mask). The standard term (--keep-standard) is by default `kl`: KL(original || tuned) of
-   the next-token distributions, against the frozen original layers (only the trained top layers
-   are run twice: the frozen lower ones give both the same input), so the fine-tune keeps the
-   model's distribution instead of sharpening it toward its own greedy answers, as `ce` (next-token
-   cross-entropy on the answers) does. --train-layers N trains only the top N decoder layers and
-   the final norm (and the SAT embedding row unless --freeze-sat-embedding). AdamW, linear
-   warm-up and decay; stops at --max-steps or --max-minutes.
-5. Report (stdout JSON and sdsat_report.json in --out): held-out next-token loss on standard tokens
-   before and after (on the training kind of answer and, with --responses self, on the files'
-   answers too), per-slot SAT top-1 accuracy, and the mean accepted run per anchor (leading slots
-   that are all right), before and after. The folder (model, tokenizer, config with "sdsat") loads
-   with `samctl generate --model OUT --method sdsat`.
+1. Prompts: the first user turn of every record of --data, shuffled with --seed, --heldout apart.
+2. Responses: --responses self (default) trains on the model's own greedy answers (answers.py),
+   so the SATs learn what greedy decoding will emit; --responses data on the records' answers.
+3. The SAT token: --sat-token, else the last special token that is not BOS/EOS/PAD and occurs
+   neither in the data nor the chat template, else a new `<|sat|>` (vocabulary + 1).
+4. Training (decode.sdsat.make_batch): --blocks blocks of k = --sat-count SATs at random anchors
+   of the response; loss = --standard-weight x the standard term + --sat-weight x CE at the SATs.
+   Standard tokens never attend to SATs. The standard term (--keep-standard) is by default `kl`,
+   KL(original || tuned) against the frozen original top layers, which keeps the model's
+   distribution where `ce` on its own answers would sharpen it.
+5. Report (stdout and sdsat_report.json in --out): held-out standard-token loss, per-slot SAT
+   accuracy and mean accepted run per anchor, before and after. The folder loads with
+   `samctl generate --model OUT --method sdsat`.
 """
 from __future__ import annotations
 
