@@ -15,15 +15,15 @@ really inserts, and a full match keeps its bonus.
 """
 from __future__ import annotations
 
+from collections import deque
+from typing import Sequence
 
 import numpy as np
 import torch
 
-from typing import Sequence
-
 from samctl.decode.draft_model import DraftModel, extend, keep_rows, verify_rows
 from samctl.decode.drafters.base import DraftsTogether
-from samctl.decode.drafters.lookahead import JacobiWindow, NgramPool, PoolMemory, RemembersPool, DeferredPool, guess_trie
+from samctl.decode.drafters.lookahead import JacobiWindow, NgramPool, RemembersPool, DeferredPool, guess_trie
 from samctl.decode.engine.batched import verify_input
 from samctl.decode.engine.transfer import to_device
 from samctl.decode.tree import DraftTree, walk_tree
@@ -39,7 +39,7 @@ class OuroborosDrafter(RemembersPool, DraftsTogether):
         self.draft = draft
         self.vocab = min(draft.vocab, vocab_size) if vocab_size else draft.vocab
         self.pool = NgramPool(config.ngram - 1, config.window, self.vocab)
-        self.memory = PoolMemory(self.pool, config.memory)
+        self.documents = deque(maxlen=config.memory)
         self.window = JacobiWindow(config.ngram, config.window, draft.device)
         self.deferred = DeferredPool(draft.device)
         self.rng = np.random.default_rng(config.seed)
@@ -50,7 +50,7 @@ class OuroborosDrafter(RemembersPool, DraftsTogether):
         self.forwards = 0  # draft forwards, for reports
 
     def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor | None) -> None:
-        self.memory.begin()
+        self._before = None if self.remember else self.pool.snapshot()
         self.history = np.asarray(prompt, dtype=np.int64).copy()
         if self.pool_text:
             self.pool.learn_text(self.history)
@@ -130,11 +130,8 @@ class OuroborosDrafter(RemembersPool, DraftsTogether):
                 suffix.append(node + 1)
                 node = int(tree.parents[node])
             suffixes.append(suffix[::-1])
-        paths = []
-        for suffix in suffixes or [[]]:  # chain inputs c..gamma, then the suffix
-            path = list(range(c, self.chain + 1)) + suffix
-            if len(path) >= n:
-                paths.append(path[:n])
+        chain = list(range(c, self.chain + 1))  # chain inputs c..gamma, then a suffix
+        paths = [path[:n] for path in (chain + suffix for suffix in suffixes or [[]]) if len(path) >= n]
         if not paths:
             return
         rows = np.asarray(paths, dtype=np.int64)
@@ -143,9 +140,8 @@ class OuroborosDrafter(RemembersPool, DraftsTogether):
 
 
 def lookahead(drafters: Sequence[OuroborosDrafter], t0s: Sequence[int]) -> list[DraftTree]:
-    """1) draft, for rows of one draft model: each row's cache holds history[:c]; it feeds
-    history[c:] + t0 with its first lookahead step, then its last token, until it has gamma new
-    tokens or no room; every round is one draft forward over the rows still drafting."""
+    """1) draft, for rows of one draft model: each row feeds the history its cache lacks + t0, then
+    its last token, until it has gamma new tokens or no room; one draft forward a round."""
     feeds = [np.append(d.history[d.draft.cached:], t0) for d, t0 in zip(drafters, t0s)]
     produced: list[list[int]] = [[] for _ in drafters]
     live = list(range(len(drafters)))
