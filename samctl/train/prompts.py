@@ -46,8 +46,7 @@ class Prompt:
 
 
 def read_prompts(inputs: Iterable[str], fields: Iterable[str] = ()) -> list[Prompt]:
-    """The user turns (and the record's own answer, when it has one) of every record of `inputs`
-    (any input `samctl build` reads)."""
+    """The user turns (and own answer, if any) of every record of `inputs` (any `samctl build` input)."""
     return [Prompt("corpus", doc.turns, doc.answer) for doc in iter_prompts(list(inputs), fields=tuple(fields))]
 
 
@@ -93,8 +92,7 @@ def _normal(text: str) -> str:
     return " ".join(text.split()).lower()
 
 
-# ---------------------------------------------------------------------------------------------
-# local text: sentences to translate, texts to summarize
+# -- local text: sentences to translate, texts to summarize -----------------------------------
 
 _DOC_NAME = re.compile(r"^(readme.*|news.*|faq.*|.*\.(txt|md|rst))(\.gz)?$", re.IGNORECASE)
 _DOCSTRING = re.compile(r'"""(.*?)"""', re.DOTALL)

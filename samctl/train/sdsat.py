@@ -3,19 +3,14 @@
     samctl train sdsat --model ../shared/models/<smollm2>.gguf --out runs/smollm2-sdsat \
         --data ../shared/data/codealpaca.json ../shared/data/gsm8k_train.jsonl --max-minutes 50 --threads 1
 
-1. Prompts: the first user turn of every record of --data, shuffled with --seed, --heldout apart.
-2. Responses: --responses self (default) trains on the model's own greedy answers (answers.py),
-   so the SATs learn what greedy decoding will emit; --responses data on the records' answers.
-3. The SAT token: --sat-token, else the last special token that is not BOS/EOS/PAD and occurs
-   neither in the data nor the chat template, else a new `<|sat|>` (vocabulary + 1).
-4. Training (decode.sdsat.make_batch): --blocks blocks of k = --sat-count SATs at random anchors
-   of the response; loss = --standard-weight x the standard term + --sat-weight x CE at the SATs.
-   Standard tokens never attend to SATs. The standard term (--keep-standard) is by default `kl`,
-   KL(original || tuned) against the frozen original top layers, which keeps the model's
-   distribution where `ce` on its own answers would sharpen it.
-5. Report (stdout and sdsat_report.json in --out): held-out standard-token loss, per-slot SAT
-   accuracy and mean accepted run per anchor, before and after. The folder loads with
-   `samctl generate --model OUT --method sdsat`.
+Trains on prompt + response sequences (--responses self: the model's own greedy answers, so the
+SATs learn what greedy decoding will emit; data: the records' answers), with --blocks blocks of
+--sat-count SATs at random anchors of the response (decode.sdsat.make_batch; standard tokens never
+attend to SATs). The standard term (--keep-standard kl, the default) is KL(original || tuned)
+against the frozen original top layers, which keeps the model's distribution where `ce` on its own
+answers would sharpen it. The SAT token: --sat-token, else an unused special token, else a new
+`<|sat|>`. Reported (stdout, sdsat_report.json): held-out standard loss, per-slot SAT accuracy and
+mean accepted run, before and after.
 """
 from __future__ import annotations
 
@@ -84,8 +79,8 @@ class SdsatTrainConfig:
 # 1) data ---------------------------------------------------------------------------------------
 
 def read_examples(config: SdsatTrainConfig) -> list[Prompt]:
-    """The first user turn (and the record's answer) of every record of --data, shuffled with
-    --seed and cut to --num-prompts + --heldout; with --responses data, only records with an answer."""
+    """The first user turn (and answer) of the records of --data, shuffled, --num-prompts + --heldout;
+    with --responses data, only records with an answer."""
     prompts = [Prompt(p.kind, p.turns[:1], p.answer) for p in read_prompts(config.data, config.field)
                if p.turns and p.turns[0].strip()]
     if config.responses == "data":
@@ -127,6 +122,7 @@ def evaluate(model: torch.nn.Module, rows: list[tuple[np.ndarray, int]], k: int,
              device: torch.device, seed: int, blocks: int) -> dict:
     """Held-out standard-token loss, per-slot SAT accuracy and mean accepted run per anchor."""
     rng = np.random.default_rng(seed)
+    dtype = next(model.parameters()).dtype
     model.eval()
     nll, count = 0.0, 0
     right = np.zeros(k)
@@ -135,7 +131,8 @@ def evaluate(model: torch.nn.Module, rows: list[tuple[np.ndarray, int]], k: int,
     for seq, start in rows:
         anchors = sample_anchors(start, len(seq), blocks, rng)
         batch = make_batch([seq], [start], [anchors], k, sat_id, pad)
-        logits = forward(model, batch, device)[0]
+        logits = model(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device),
+                       attention_mask=batch.mask.to(device=device, dtype=dtype), use_cache=False).logits.float()[0]
         labels, sat = batch.labels[0].to(device), batch.is_sat[0].to(device)
         std = ~sat & (labels != IGNORE)
         nll += float(F.cross_entropy(logits[std], labels[std], reduction="sum"))
@@ -146,20 +143,11 @@ def evaluate(model: torch.nn.Module, rows: list[tuple[np.ndarray, int]], k: int,
         for j in range(1, k + 1):
             right[j - 1] += int((hit & (slot == j)).sum())
             seen[j - 1] += int((has & (slot == j)).sum())
-        for block in hit[sat].view(-1, k).cpu().numpy():
-            runs.append(int(np.argmin(np.append(block, False))))
+        runs += [int(np.argmin(np.append(block, False))) for block in hit[sat].view(-1, k).cpu().numpy()]
     model.train()
     return {"standard_loss": nll / max(count, 1), "standard_tokens": count,
             "sat_accuracy": [round(float(r / s), 4) if s else None for r, s in zip(right, seen)],
             "mean_accepted_run": float(np.mean(runs)) if runs else 0.0}
-
-
-def forward(model: torch.nn.Module, batch, device: torch.device) -> torch.Tensor:
-    # -> logits [B, L, V] float32
-    dtype = next(model.parameters()).dtype
-    out = model(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device),
-                attention_mask=batch.mask.to(device=device, dtype=dtype), use_cache=False)
-    return out.logits.float()
 
 
 # 3) training -----------------------------------------------------------------------------------
@@ -170,12 +158,11 @@ def trainable(model: torch.nn.Module, config: SdsatTrainConfig, sat_id: int, top
     model.requires_grad_(False)
     params = [p for layer in layers[len(layers) - top :] for p in layer.parameters()]
     params += list(model.model.norm.parameters())
-    if not config.freeze_sat_embedding:
-        params.append(model.get_input_embeddings().weight)
     for p in params:
         p.requires_grad_(True)
     if not config.freeze_sat_embedding:
-        emb = params[-1]
+        emb = model.get_input_embeddings().weight.requires_grad_(True)
+        params.append(emb)
         row = torch.zeros_like(emb)
         row[sat_id] = 1.0
         emb.register_hook(lambda grad: grad * row)  # only the SAT row learns (tied lm_head included)
@@ -293,16 +280,10 @@ def run(config: SdsatTrainConfig) -> dict:
             max_prompt_tokens=config.seq_len // 2, batch_size=config.response_batch)}
     sat_id, sat_text, added = choose_sat_token(engine, config.sat_token, [p.turns[0] + p.answer for p in prompts])
 
-    def rows(indices, kind):
-        out = []
-        for i in indices:
-            if i not in kind:
-                continue
-            prompt, answer = kind[i]
-            seq = np.asarray((prompt + answer)[: config.seq_len], dtype=np.int64)
-            if len(seq) - len(prompt) >= 2:
-                out.append((seq, len(prompt)))
-        return out
+    def rows(indices, kind):  # (sequence, prompt length) of each answered prompt, 2+ answer tokens kept
+        out = [(np.asarray((kind[i][0] + kind[i][1])[: config.seq_len], dtype=np.int64), len(kind[i][0]))
+               for i in indices if i in kind]
+        return [(seq, start) for seq, start in out if len(seq) - start >= 2]
 
     held = range(config.heldout)
     train_rows = rows(range(config.heldout, len(prompts)), answers)
