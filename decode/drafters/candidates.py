@@ -72,8 +72,7 @@ def prior_means() -> np.ndarray:
     return prior
 
 
-# ---------------------------------------------------------------------------------------------
-# best-first helpers: a max-heap of candidate rows keyed by prob
+# -- best-first helpers: a max-heap of candidate rows keyed by prob -------------------------
 
 
 @njit(cache=True)
@@ -120,8 +119,7 @@ def _keep(c, c_tok, c_par, c_prob, c_cell, tok, par, prob, cell, n):
     return n + 1
 
 
-# ---------------------------------------------------------------------------------------------
-# sources
+# -- sources --------------------------------------------------------------------------------
 
 
 @njit(cache=True)
@@ -328,8 +326,7 @@ def propose_tree(d_states, d_edges, d_slots, d_state, d_length,
     return select(tok, par, prob, cell, n, cost, max_nodes, min_prob)
 
 
-# ---------------------------------------------------------------------------------------------
-# merge, select, learn
+# -- merge, select, learn -------------------------------------------------------------------
 
 
 @njit(cache=True)

@@ -55,13 +55,10 @@ BLOCK = 64  # logits per block in `learn_rows`
 
 
 def learn_rows(table: np.ndarray, ids: np.ndarray, logits: np.ndarray) -> None:
-    """table[ids[i]] = the k = table.shape[1] ids of logits[i]'s largest values, largest first
-    (torch.topk's answer; on ties the lower id first), for each i with 0 <= ids[i] < len(table).
-    The last row of a duplicated id wins, as in SAM-Decoding's Token Recycle, and only that row's
-    top-k is computed: the vectorized maxima of blocks of BLOCK logits, then one compiled pass that
-    reads a block only when its maximum reaches the k-th best so far (a few dozen of a row's
-    blocks: a fifth of torch.topk's time at 49k ids).
-
+    """table[ids[i]] = the k ids of logits[i]'s largest values, as torch.topk (ties: the lower id
+    first), for each valid ids[i]; the last row of a duplicated id wins, as in SAM-Decoding. Block
+    maxima let one compiled pass skip every block below the k-th best so far (a fifth of
+    torch.topk's time at 49k ids).
     table: [V', k] int; ids: [q] int (placeholders < 0); logits: [q, >= V'] on the CPU."""
     vocab = min(len(table), logits.shape[1])
     keep = np.flatnonzero((ids >= 0) & (ids < len(table)))
@@ -142,10 +139,9 @@ class TokenRecycleDrafter(Drafter):
             learn_rows(self.table.numpy()[: self.vocab_size], ids.numpy(), logits)
             return
         successors = torch.topk(logits[:, : self.vocab_size], self.config.k, dim=-1).indices
-        # On the device without a sync: send every write but the last of each token to the sink
-        # row, so the outcome is deterministic (index_put with duplicates is not). The last
-        # write of a row is found with a scatter-max over a [V+1] buffer, O(q + V) memory
-        # (not a [q, q] comparison, which is gigabytes for a long prompt).
+        # Without a sync: every write but each token's last goes to the sink row, so the outcome is
+        # deterministic (index_put with duplicates is not); the last is a scatter-max over [V+1]
+        # (a [q, q] comparison would be gigabytes for a long prompt).
         order = torch.arange(ids.shape[0], device=ids.device)
         rows = torch.where(ids < 0, self.vocab_size, ids)
         last = self._last_write.fill_(-1).scatter_reduce_(0, rows, order, "amax")

@@ -54,9 +54,8 @@ TREES = {
 
 
 def static_tree(k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The tree for k SATs as draft nodes: node 0 is t1, then TREES[k] in (depth, path) order.
-    -> parents [1 + m] int32 (-1: child of t0), slot [1 + m] int64: index into the flattened
-    [k, TOP_K] candidates (node 0: -1, it is t1)."""
+    """The tree for k SATs: node 0 is t1, then TREES[k] in (depth, path) order. -> parents [1 + m]
+    int32 (-1: child of t0), slot [1 + m] int64 into the flattened [k, TOP_K] candidates (t1: -1)."""
     if k not in TREES:
         raise ConfigError("sdsat-nucleus-reference has the paper's trees for k = {ks} SATs only, not {k}: "
                           "pass {sat_count} with one of them", ks=", ".join(map(str, TREES)), k=k)
