@@ -171,7 +171,6 @@ class AdaptiveDrafter(Drafter):
         self.dynamic = SuffixAutomaton.empty(1024)
         self.dyn_state, self.dyn_length = 0, 0
         self.output: list[np.ndarray] = []
-        self.remember = True
         self.prediction: np.ndarray | None = None
         self.prediction_count: PredictionCount | None = None  # the current request's, when it has a prediction
         self._observed = 0  # output tokens the steps so far committed (the last step's are seen by `finish`)

@@ -11,7 +11,8 @@ distribution warped like the target's, and the chain carries q for the loop's p/
 Cache invariant: the draft cache holds K/V for history[:c] (history = prompt + committed) plus,
 during a step, the speculative tail [t0, y_1..y_{k-1}] (y_k is never fed). `observe` crops it to
 the committed prefix it really holds; `propose` feeds only history[c:] + t0. A drafter that did
-not propose this step (SAM retrieved instead) catches up in one forward next time.
+not propose this step (SAM retrieved instead) catches up in one forward next time. Knows nothing
+of the target or text.
 """
 from __future__ import annotations
 
