@@ -1,27 +1,15 @@
 """`adaptive`, samctl's default drafter: every retrieval source, scored, sized by the verify cost.
 
-Each step (t0 = the pending token):
-    1) match   t0 moves the match pointers of every source (no mutation):
-               dynamic  the automaton over this request's prediction (if any), prompt and output
-               static   the datastore (--sam): a suffix automaton or array, a sharded store (the
-                        shard with the longest match proposes) or an n-gram table
-               memory   an automaton over the outputs of earlier requests in this process
-               recycle  Token Recycle's table of each token's likely successors (engine only: it
-                        learns from the target's logits)
-    2) score   each source proposes a best-first tree; the dynamic and memory automata start from
-               the longest match and from its shorter suffixes, so a diverged long match still
-               offers the short ones. A node's probability is the product of calibrated edge
-               estimates (decode/drafters/candidates.py: source, match length, continuation
-               frequency and support, learned online from what verification accepts).
-    3) select  the trees merge into one trie; the most probable nodes are kept, as many as
-               maximise expected tokens per unit of verify time under the cost curve t(n).
-    4) learn   (observe) every tried node updates its calibration cell; the cursors advance
-               (index/cursor.py); the dynamic automaton grows; Token Recycle's table takes the
-               verified logits.
-At a request's end (`finish`) its output joins the memory (FIFO over requests); drafters that
-share one memory (`share_memory`: a server's rows) read it each through its own cursor.
+Sources, each matched on t0 without mutation: the dynamic automaton (this request's prediction,
+prompt and output), the static datastore (--sam: automaton, suffix array, sharded store or n-gram
+table), the memory (an automaton over earlier requests' outputs, FIFO by request) and Token
+Recycle's successor table (engine only: it learns from the target's logits). Each proposes a
+best-first tree, the automata also from shorter suffixes of their match, priced by calibrated
+edge estimates (candidates.py); the trees merge into one trie cut to the nodes that maximise
+expected tokens per unit of verify time. `observe` updates the calibration, the cursors, the
+dynamic automaton and the table; `finish` adds the output to the memory.
 
-It knows token ids and a relative cost curve, not models or files; the memory's persistence is
+Knows token ids and a relative cost curve, not models or files; the memory's persistence is
 `memory_documents` / `load_memory`, written to disk by the caller.
 """
 from __future__ import annotations
@@ -114,9 +102,7 @@ class Memory:
 
 class _Recycle:
     """Token Recycle's successor table on the host ([V, k] int32, -1 = unknown). On a GPU the
-    verified logits' top-k reach the host one step late through a pinned buffer, so learning adds
-    no host synchronization (an event recorded after the copies is waited on before they are
-    read: usually long done, since a step's sync came between)."""
+    verified logits' top-k reach it one step late (`DeferredPool`), so learning adds no host sync."""
 
     def __init__(self, vocab_size: int, k: int, device: torch.device) -> None:
         k = min(k, vocab_size)
@@ -185,7 +171,6 @@ class AdaptiveDrafter(Drafter):
         self.dynamic = SuffixAutomaton.empty(1024)
         self.dyn_state, self.dyn_length = 0, 0
         self.output: list[np.ndarray] = []
-        self.remember = True
         self.prediction: np.ndarray | None = None
         self.prediction_count: PredictionCount | None = None  # the current request's, when it has a prediction
         self._observed = 0  # output tokens the steps so far committed (the last step's are seen by `finish`)
@@ -208,8 +193,6 @@ class AdaptiveDrafter(Drafter):
     # -- requests ----------------------------------------------------------------------------
 
     def expect(self, prediction: np.ndarray | list[int] | None) -> None:
-        """The next request's expected output (e.g. the file being edited): drafted from like the
-        prompt. Applies to the next `start` only."""
         self.prediction = None if prediction is None else np.asarray(prediction, dtype=np.int32)
 
     def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor | None) -> None:
@@ -231,8 +214,6 @@ class AdaptiveDrafter(Drafter):
         self.last = (np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32))
 
     def finish(self, output: np.ndarray) -> None:
-        """The whole output of the request (the loop's last step has no `observe`); it joins the
-        memory unless `remember` is off (benchmark repeats turn it off)."""
         output = np.asarray(output, dtype=np.int32)
         if self._uncounted and self._observed < len(output):  # the last step, which had no `observe`
             self._count_prediction(int(output[self._observed]), output[self._observed + 1:])
@@ -241,7 +222,6 @@ class AdaptiveDrafter(Drafter):
         self.output = []
 
     def prediction_usage(self) -> PredictionUsage | None:
-        """The last request's prediction counts, or None when it had no prediction."""
         return None if self.prediction_count is None else self.prediction_count.usage()
 
     # -- steps -------------------------------------------------------------------------------
@@ -250,23 +230,19 @@ class AdaptiveDrafter(Drafter):
         return self._propose(t0, self.cost.at(self._prompt_length + self._observed))
 
     def propose_scored(self, t0: int) -> tuple[DraftTree, np.ndarray]:
-        """For the batched engine, which sizes drafts across rows itself: every node above min_prob
-        (at most max_nodes), best first so that every prefix is a tree, uncut by this drafter's
-        cost curve, with [m] float64 estimated path-acceptance probabilities. The engine then
-        verifies a prefix and says how long (`keep_first`)."""
+        # every node above min_prob (at most max_nodes), uncut by this drafter's cost curve: the
+        # batched engine sizes drafts across rows itself
         tree = self._propose(t0, self._flat_cost)
         _, parents, cells = self.last
         return tree, path_probs(parents, self.calibration.means[cells])
 
     def keep_first(self, k: int) -> None:
-        """Only the first k nodes of the last proposal were verified: learn from those."""
         tokens, parents, cells = self.last
         self.last = (tokens[:k], parents[:k], cells[:k])
 
     def keep_depth(self, max_depth: int) -> None:
-        """Only the nodes of the last proposal up to `max_depth` were verified: learn and count
-        the prediction from those (a node never verified was not rejected, and a deeper node
-        must not take the step's bonus token for an accepted draft)."""
+        # a node never verified was not rejected, and a deeper node must not take the step's
+        # bonus token for an accepted draft
         tokens, parents, cells = self.last
         keep = np.flatnonzero(tree_depths(parents) <= max_depth)
         if len(keep) == len(parents):
@@ -317,7 +293,7 @@ class AdaptiveDrafter(Drafter):
 
     def load_memory(self, documents: list[np.ndarray]) -> None:
         for doc in documents:
-            self.memory.add(np.asarray(doc, dtype=np.int32))
+            self.memory.add(doc)
 
     def share_memory(self, other: Drafter) -> bool:
         if not isinstance(other, AdaptiveDrafter):

@@ -1,17 +1,14 @@
 """The drafter interface shared by every method, and the trivial `ar` drafter.
 
 Contract, per sequence: `start` once with the prompt and the prefill logits; then each step
-`propose(t0)` returns a draft tree rooted at the pending token t0, and `observe` reports the
-tokens that step committed (t0 first, then the accepted drafts; the new pending token is the next
-t0) together with every verified input and its logits, rejected nodes included. A drafter may
-keep state across sequences (Token Recycle's table warms up that way).
-
+`propose(t0)` returns a draft tree rooted at the pending token t0, and `observe` gets the tokens
+the step committed (t0 first, then the accepted drafts) with every verified input and its logits,
+rejected nodes included. A drafter may keep state across sequences (Token Recycle's table).
 The logits (and hidden states) `observe` gets may be views of CUDA-graph memory that the next
-verify overwrites: use them within the step, or copy what must outlive it.
+verify overwrites: copy what must outlive the step.
 
-Every optional hook is declared on `Drafter` below with its default, and documented there only;
-callers (the loop, the batched engine, simulate, the session, the commands) use the attributes
-directly and never probe for them.
+Every optional hook is declared and documented on `Drafter` only, with its default; callers (the
+loop, the batched engine, simulate, the session) use the attributes directly, never probe for them.
 """
 from __future__ import annotations
 
@@ -24,8 +21,7 @@ from samctl.decode.tree import DraftTree
 
 
 class Drafter:
-    """Base class of every drafter: `start`, `propose` and `observe` are required; the rest are
-    optional hooks whose defaults here do nothing."""
+    """`start`, `propose` and `observe` are required; the other hooks' defaults do nothing."""
 
     name: str = ""  # the method name, as in the registry
 
@@ -38,11 +34,9 @@ class Drafter:
     # every committed position of the step ([1+a, H]), from the forward that produced the logits.
     needs_hidden: bool = False
 
-    # The drafter's own acceptance rule in place of the loop's, called as
-    # `accept(logits, tree, input_ids, sampling, generator) -> (path, bonus, host input_ids)`.
-    # Only a reference reproduction of a rule that is not lossless has one
-    # (`sdsat-nucleus-reference`); every other method leaves acceptance to the loop, which is what
-    # makes it lossless. None: the loop's rule.
+    # The drafter's own acceptance rule, `accept(logits, tree, input_ids, sampling, generator) ->
+    # (path, bonus, host input_ids)`; None: the loop's, which is what makes a method lossless.
+    # Only `sdsat-nucleus-reference`, a reference reproduction of a biased rule, has one.
     accept: ClassVar[Callable[..., Any] | None] = None
 
     # Cross-request memory: True when `memory_documents`/`load_memory` keep outputs across
@@ -82,11 +76,9 @@ class Drafter:
         return self.propose(t0), None
 
     def model_drafter(self, t0: int) -> "Drafter | None":
-        """The drafter (itself, or a fallback) that drafts this step's tree after t0 with a draft
-        model, so that the batched engine runs the draft forwards of all such rows together: the
-        drafters of one class and draft model get their trees from the class's
-        `draft_together(drafters, t0s)` and keep them in `ready` = (t0, tree) for their propose;
-        None: this step drafts without one."""
+        """The drafter (itself, or a fallback) that drafts this step's tree with a draft model, so
+        that the batched engine drafts such rows together: the class's `draft_together(drafters,
+        t0s)` fills each one's `ready` = (t0, tree) for its propose; None: no draft model."""
         return None
 
     def keep_first(self, k: int) -> None:
@@ -114,9 +106,8 @@ class Drafter:
 
 
 class DraftsTogether(Drafter):
-    """A drafter that drafts every step with a draft model: the batched engine drafts its rows
-    together through the class's `draft_together(drafters, t0s)` (see `Drafter.model_drafter`),
-    and `propose` returns the tree kept in `ready`, else drafts its row alone the same way."""
+    """Drafts every step with a draft model (see `Drafter.model_drafter`): `propose` returns the
+    tree kept in `ready`, else drafts its row alone through `draft_together`."""
 
     ready: tuple[int, DraftTree] | None = None  # (t0, tree) drafted beside other rows
 

@@ -72,8 +72,7 @@ def prior_means() -> np.ndarray:
     return prior
 
 
-# ---------------------------------------------------------------------------------------------
-# best-first helpers: a max-heap of candidate rows keyed by prob
+# -- best-first helpers: a max-heap of candidate rows keyed by prob -------------------------
 
 
 @njit(cache=True)
@@ -120,19 +119,16 @@ def _keep(c, c_tok, c_par, c_prob, c_cell, tok, par, prob, cell, n):
     return n + 1
 
 
-# ---------------------------------------------------------------------------------------------
-# sources
+# -- sources --------------------------------------------------------------------------------
 
 
 @njit(cache=True)
 def automaton_candidates(states, edges, slots, state, length, t0, source, means, min_length, max_levels, budget, k,
                          min_prob, tok, par, prob, cell, n):
     # states/edges/slots: a suffix automaton's kernel arrays; (state, length): the match of the
-    # text before t0, moved here over t0 without changing the caller's pointer. Appends up to
-    # `budget` rows to tok/par/prob/cell from row n; returns the new row count.
+    # text before t0 (the caller's pointer is not moved). Appends up to `budget` rows from row n.
     # Roots: the match state and its suffix-link ancestors down to min_length (at most
-    # max_levels of them), each proposing its top-k next tokens at its own match length; then
-    # best-first: pop the most probable pending candidate, keep it, push its top-k children.
+    # max_levels), each proposing its top-k next tokens at its own match length; then best-first.
     # Candidates below min_prob are never pushed: `select` would drop them anyway.
     state, length = sam_step(states, edges, slots, state, length, t0)
     cap = len(tok)
@@ -184,9 +180,8 @@ def _push_children(states, edges, s, ell, parent_row, parent_prob, source, means
 @njit(cache=True)
 def ngram_candidates(table, context, means, min_length, budget, k, min_prob, tok, par, prob, cell, n):
     # table: an n-gram store's NgramArrays (index/ngram.py); context: [c] int32, the text ending at
-    # t0 (its last max_n tokens suffice). The children of a node are the top-k next tokens of the
-    # longest table context that is a suffix of (context + path to the node). Appends up to
-    # `budget` rows from row n; returns the count.
+    # t0. A node's children are the top-k next tokens of the longest table context that is a
+    # suffix of (context + path to the node). Appends up to `budget` rows from row n.
     # The entries are read here: fetching them per node through an index/ kernel made this kernel
     # 70% slower (8.0 -> 13.7 us a call for 48 nodes, measured), so only the layout's names cross.
     keys, ctx, order_start, ctx_start, offsets, nxt, counts, totals, max_n = table
@@ -235,9 +230,8 @@ def ngram_candidates(table, context, means, min_length, budget, k, min_prob, tok
 def sa_candidates(data, table, w, p, first, vocab, lo, hi, length, means, min_length, budget, k, min_prob, tok, par,
                   prob, cell, n):
     # (data, table, w, p, first, vocab): a suffix array's kernel arrays; (lo, hi, length): the match
-    # once t0 follows (the cursor's peek, which its next advance reuses). Like
-    # `automaton_candidates` from one root (a suffix array has no links to shorter matches): a
-    # node's range is its pattern's suffixes, its children the runs of its next tokens there.
+    # once t0 follows (the cursor's peek). Like `automaton_candidates` from one root (no suffix
+    # links): a node's range is its pattern's suffixes, its children the runs of next tokens there.
     cap = len(tok)
     budget = min(budget, cap - n)
     if budget <= 0 or length < min_length:
@@ -314,9 +308,8 @@ def propose_tree(d_states, d_edges, d_slots, d_state, d_length,
                  s_states, s_edges, s_slots, s_state, s_length, use_static,
                  m_states, m_edges, m_slots, m_state, m_length, use_memory,
                  table, use_recycle, t0, means, cost, settings, tok, par, prob, cell, n):
-    # One call per step for every automaton source, Token Recycle and `select` (each source's
-    # arrays, its match before t0, and whether it is in use). Rows 0..n-1 of the buffer may hold
-    # candidates already (an n-gram store's). settings: [8] float64 = levels, width, budget,
+    # One call per step for every automaton source, Token Recycle and `select`; rows 0..n-1 may
+    # hold candidates already (an n-gram store's). settings: [8] float64 = levels, width, budget,
     # min_prob, max_nodes, static_min_length, static_levels, recycle_budget.
     levels, width, budget = int(settings[0]), int(settings[1]), int(settings[2])
     min_prob, max_nodes = settings[3], int(settings[4])
@@ -333,8 +326,7 @@ def propose_tree(d_states, d_edges, d_slots, d_state, d_length,
     return select(tok, par, prob, cell, n, cost, max_nodes, min_prob)
 
 
-# ---------------------------------------------------------------------------------------------
-# merge, select, learn
+# -- merge, select, learn -------------------------------------------------------------------
 
 
 @njit(cache=True)
@@ -424,11 +416,9 @@ def learn(tokens, parents, cells, accepted, hits, trials, prior, means, weight, 
 
 @njit(cache=True)
 def prediction_positions(states, edges, slots, state, length, t0, tokens, parents, n_prediction):
-    # The dynamic automaton holds the prediction as its first document, at buffer positions
-    # 0..n_prediction-1. (state, length): the match of the text before t0; tokens/parents: a draft
-    # tree (parents[i] < i). -> [m] int32: for each node, where in the prediction the text ending
-    # at it first occurs, or -1 when that text (the node's token and at least the one before it)
-    # does not occur in the prediction. Counts Predicted Outputs usage; drafting never reads it.
+    # The dynamic automaton holds the prediction as its first document, at positions
+    # 0..n_prediction-1. -> [m] int32: for each node of the tree, where in the prediction the text
+    # ending at it (2+ tokens) first occurs, else -1. Counts Predicted Outputs usage only.
     m = len(tokens)
     pos = np.full(m, -1, dtype=np.int32)
     node_state = np.empty(m, dtype=np.int64)

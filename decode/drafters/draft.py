@@ -1,24 +1,18 @@
 """Draft-model drafters: classic speculative decoding (`sd`) and SpecDec++ (`specdec++`).
 
-Each step the draft model extends the committed text by a chain y_1..y_k, autoregressively in
-the drafter's own row of the draft model's batch (decode/draft_model.py; the rows of a batched
-step that draft with one draft model draft together, `draft_chains`: one forward a round). Greedy
-drafts take the argmax, sampling drafts draw y_i ~ q_i where q_i is the draft's distribution
-warped exactly like the target's (temperature -> top-k -> top-p), and the chain carries q so the
-loop applies the p/q rule (`decode.accept`). Only the stop rule differs:
+Each step the draft model extends the committed text by a chain y_1..y_k in the drafter's own row
+of the draft model's batch (decode/draft_model.py; rows of one draft model draft together in
+`draft_chains`). Greedy drafts take the argmax; sampling drafts draw y_i ~ q_i, the draft's
+distribution warped like the target's, and the chain carries q for the loop's p/q rule. Stop rules:
 - `FixedLength(gamma)`: k = gamma (Leviathan et al. 2023; Chen et al. 2023);
-- `AdaptiveLength` (SpecDec++): after drafting y_k, with P_j the head's P(accept y_j) read from
-  the hidden state at y_j (P_0 = 1 for t0, already verified), stop when
+- `AdaptiveLength` (SpecDec++): with P_j the head's P(accept y_j) (P_0 = 1 for t0), stop when
   1 - prod_{j<k} P_j > threshold, never while k < min, always at k = max, and at EOS.
 
-Cache invariant. `history` is the committed text (prompt + committed tokens); the draft cache
-holds K/V for a prefix history[:c] plus, during a step, the speculative tail [t0, y_1..y_{k-1}]
-(y_k is never fed). `observe` crops the cache to the committed prefix it really holds; `propose`
-feeds only history[c:] + t0, so no token is fed twice. A drafter that did not propose this step
-(SAM used a retrieval draft) holds no speculative tail and catches up in one forward next time.
-
-Lossless whatever the draft does: greedy chains are checked against the target's argmax, and a
-sampled chain carries exactly the q it was drawn from. Knows nothing of the target or text.
+Cache invariant: the draft cache holds K/V for history[:c] (history = prompt + committed) plus,
+during a step, the speculative tail [t0, y_1..y_{k-1}] (y_k is never fed). `observe` crops it to
+the committed prefix it really holds; `propose` feeds only history[c:] + t0. A drafter that did
+not propose this step (SAM retrieved instead) catches up in one forward next time. Knows nothing
+of the target or text.
 """
 from __future__ import annotations
 
@@ -133,9 +127,8 @@ class DraftModelDrafter(DraftsTogether):
 
 
 def draft_chains(drafters: Sequence[DraftModelDrafter], t0s: Sequence[int]) -> list[DraftTree]:
-    """Each drafter's chain after its pending token, the drafters being rows of one draft model:
-    every round of drafting is one forward over the rows still drafting (decode.draft_model.extend),
-    each row choosing and stopping by its own rule."""
+    """Each row's chain after its pending token: every round is one forward of the draft model over
+    the rows still drafting, each choosing and stopping by its own rule."""
     draft = [d.draft for d in drafters]
     feeds = [np.append(d.history[m.cached:], t0) for d, m, t0 in zip(drafters, draft, t0s)]
     # y_k is never fed, so k tokens need k - 1 positions after the fed ones.
@@ -163,11 +156,7 @@ def draft_chains(drafters: Sequence[DraftModelDrafter], t0s: Sequence[int]) -> l
                 going.append(i)
                 feeds[i] = token
         live = going
-    trees = []
-    for d, chain, q in zip(drafters, chains, qs):
+    for d, chain in zip(drafters, chains):
         d.speculative = max(len(chain) - 1, 0)
-        if not chain:
-            trees.append(DraftTree.empty())
-        else:
-            trees.append(DraftTree.chain(torch.cat(chain), q=None if d.sampling.greedy else torch.cat(q)))
-    return trees
+    return [DraftTree.chain(torch.cat(chain), q=None if d.sampling.greedy else torch.cat(q)) if chain
+            else DraftTree.empty() for d, chain, q in zip(drafters, chains, qs)]

@@ -2,29 +2,18 @@
 
 The head (decode/eagle_head.py) reads pairs (f_i, x_{i+1}) of the target's feature at position i
 and the token after it. Each step (t0 = the pending token, N = committed tokens):
-    1) catch up  one head forward over every pair not yet in its KV cache, the last being
-                 (f_{N-1}, t0): after a prefill that is the whole prompt, after an accepted run
-                 (or retrieval steps, under sam+eagle) the 1 + a new positions
-    2) expand    the top-k tokens of the last predicted feature are level 1, scored by log q. Then
-                 `depth` times: forward the k frontier nodes (each fed its parent's predicted
-                 feature, tree-masked over the head's cache), give each its top-k children scored
-                 score(parent) + log q, and keep the best k of the k^2 as the next frontier
-    3) rerank    all candidates best-first by score; a node follows its parent (log q <= 0, ties
-                 broken by creation), and the tree keeps the prefix of n nodes that maximises
-                 (1 + sum of exp(score) x calibration) / cost[n] under the verify-cost curve,
-                 at most `max_nodes`
+    1) catch up  one head forward over every pair not yet in its KV cache, the last (f_{N-1}, t0)
+    2) expand    the top-k tokens of the predicted feature are level 1, scored by log q; then
+                 `depth` times each of the k frontier nodes gets its top-k children, scored
+                 score(parent) + log q, and the best k of the k^2 become the next frontier
+    3) rerank    best-first by score, the prefix of n nodes that maximises
+                 (1 + sum of exp(score) x calibration) / cost[n], at most `max_nodes`
     4) observe   the head's cache drops the draft entries; the committed positions' features
-                 (from the verify forward, no second target forward) wait for the next catch-up.
-The tree is deterministic (top-k, not sampled), so the loop's one-draw-per-node rule keeps sampling
-lossless; EAGLE's own p/q sampling path is not used. `calibration` scales exp(score) per depth by
-how often the head's nodes are really accepted, learned online, so a weak head drafts less.
-
-On the CPU the expansion stops early once no frontier node reaches `min_prob` (one host read per
-level costs nothing there); on a GPU every level runs and the one host read is the final tree.
-
-`sam+eagle` is SamDrafter with this drafter as its fallback (it observes every step, so its
-features stay current). `adaptive+eagle` (AdaptiveEagleDrafter, below) hands the head's best
-nodes to adaptive's candidate buffer instead, where they compete with retrieval node by node.
+                 (from the verify forward) wait for the next catch-up.
+The tree is deterministic (top-k, not sampled), so the loop's rule keeps sampling lossless.
+`calibration` scales exp(score) per depth by how often the head's nodes are really accepted.
+On the CPU the expansion stops once no frontier node reaches `min_prob`; on a GPU every level
+runs and the one host read is the final tree.
 """
 from __future__ import annotations
 
@@ -53,9 +42,9 @@ def rerank(scores: np.ndarray, parents: np.ndarray, depths: np.ndarray, scale: n
     # scores: [c] float64 path log-probs; parents: [c] int64 candidate index (-1 = root), parents[i] < i;
     # depths: [c] int64 (1 = root child); scale: [MAX_DEPTH + 1] float64 calibration per depth;
     # cost: [n + 1] float64 relative verify cost -> (keep [n] int64 candidate indices in creation order,
-    # tree parents [n] int32 into keep). Best-first by score (ties: creation order); a candidate
-    # whose parent is not kept is skipped, so every prefix is a tree. The kept prefix maximises
-    # (1 + sum p) / cost[n], p = min(1, exp(score) * scale[depth]).
+    # tree parents [n] int32 into keep). Best-first by score, ties by creation, skipping a candidate
+    # whose parent is not kept; the kept prefix maximises (1 + sum p) / cost[n],
+    # p = min(1, exp(score) * scale[depth]).
     order = np.argsort(-scores, kind="mergesort")
     taken = np.full(len(scores), -1, dtype=np.int64)  # position in `chosen`, -1 = not taken
     chosen = np.empty(len(scores), dtype=np.int64)
@@ -86,11 +75,10 @@ def rerank(scores: np.ndarray, parents: np.ndarray, depths: np.ndarray, scale: n
 
 
 class AdaptiveEagleDrafter(AdaptiveDrafter):
-    """`adaptive+eagle`: adaptive's candidates (every retrieval source, Token Recycle) and the EAGLE
-    head's best `offer` nodes in one trie, each node priced by its own calibrated estimate, cut
-    by the verify-cost curve: retrieval wins where it is long and likely, the head elsewhere, and
-    both can share one tree. The head's rows use one calibration cell of their own (N_CELLS) for
-    adaptive's bookkeeping; their probabilities come from the head's own per-depth calibration."""
+    """`adaptive+eagle`: adaptive's candidates and the EAGLE head's best `offer` nodes in one trie,
+    each priced by its own calibrated estimate and cut by the verify-cost curve. The head's rows
+    take one extra calibration cell (N_CELLS) for bookkeeping; their probabilities come from the
+    head's own per-depth calibration."""
 
     name = "adaptive+eagle"
     needs_hidden = True
@@ -206,8 +194,6 @@ class EagleDrafter(Drafter):
         return DraftTree(tokens=tokens[keep].astype(np.int64), parents=tree_parents)
 
     def keep_first(self, k: int) -> None:
-        """The batched engine verifies the first k nodes of the last tree: calibration learns
-        from those only (the first k nodes of a tree in this order are a tree)."""
         if self.last is not None:
             self.last = tuple(part[:k] for part in self.last)
 
@@ -318,9 +304,8 @@ class EagleDrafter(Drafter):
 
 
 def _to_host(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor) -> tuple[np.ndarray, ...]:
-    # tokens [c] int64, scores [c] float32, parents [c] int64 (parents[i] < i) on the device -> on the
-    # host in one copy (one sync, not three): tokens [c] int64, scores [c] float64, parents [c] int64
-    # and depths [c] int64 (1 = root child); float64 holds every token id and float32 score exactly
+    # tokens [c] int64, scores [c] float32, parents [c] int64 on the device -> the same on the host in
+    # one copy (one sync, not three; float64 holds each id and score exactly), and depths [c] int64
     packed = torch.stack((tokens.double(), scores.double(), parents.double())).cpu().numpy()
     parents = packed[2].astype(np.int64)
     return packed[0].astype(np.int64), packed[1], parents, tree_depths(parents.astype(np.int32)).astype(np.int64)

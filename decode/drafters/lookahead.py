@@ -1,32 +1,21 @@
 """`lookahead` (Fu et al. 2024): a Jacobi window and an n-gram pool, verified in one forward.
 
 Each step, with lst = the pending token t0 at position p:
-    1) guess   the pool's newest tuples for key lst (at most G of N-1 tokens), merged into a trie
-               hanging from lst: the only nodes acceptance may walk into
-    2) window  N-1 levels of context rows after the guesses (`DraftTree.accept_limit`). Row 0 is
-               [lst, w_1..w_{M-1}] at positions p..p+M-1, row l holds M tokens at p+l..p+l+M-1,
-               and token (l, i) sees lst, row-0 tokens 1..i and rows 1..l of column i: row 1 of
-               column i hangs below row-0 column i, row l below row l-1, so the window is a tree
-               and the engine's ancestor mask is exactly the paper's lookahead-branch mask
-    3) verify  one target forward: the engine walks the guess trie (greedy or one draw per node;
-               a full match keeps its bonus), never the window
-    4) update  new[i] = argmax at the top row's column i (argmax even when sampling). Full window:
-               the pool takes key row0[i] -> (row1[i], .., row_{N-2}[i], new[i]) for every column,
-               rows shift down one level and new becomes the top; warm-up (the first N-2 steps
-               after the seed): every row drops its first column and new[1:] becomes a new level.
-               The window moves exactly one column per step whatever was accepted.
+    1) guess   the pool's newest tuples for key lst (at most G of N-1 tokens) as a trie below lst:
+               the only nodes acceptance may walk into
+    2) window  N-1 levels of context rows after the guesses (`DraftTree.accept_limit`): row 0 is
+               [lst, w_1..w_{M-1}] at positions p..p+M-1, row l at p+l..p+l+M-1 hangs column by
+               column below row l-1 (`window_parents`): the paper's lookahead-branch mask
+    3) verify  one target forward; the engine walks the guess trie, never the window
+    4) update  new[i] = argmax at the top row's column i (even when sampling). Full window: the
+               pool takes key row0[i] -> (row1[i], .., row_{N-2}[i], new[i]) and rows shift down
+               one level; warm-up (N-2 steps): new[1:] becomes a new level. One column per step.
 
-The window's first row is seeded with prompt tokens drawn by a seeded generator. The pool is keyed
-by token, holds at most G tuples per key and evicts the least recently inserted; it lives as long
-as the drafter, so later requests in a process draft from what earlier ones learnt. Optionally
-(`pool_text`, on by default; lade fills the pool from the window only) it also takes every n-gram
-of the prompt and of the committed output, which is what `simulate` can replay without a model:
-with no prefill logits the window is off. Earlier outputs can be preloaded from and saved to a
-memory store like adaptive's (`load_memory`, `memory_documents`, `finish`, `remember`).
-
-Knows token ids and logits, not models or text. The window lives on the model's device: the tree's
-tokens and the Jacobi update never leave it, so a step keeps the engine's one host sync; the
-pool's n-grams reach the host one step late on a GPU (at once on a CPU).
+The pool holds at most G tuples per key, least recently inserted out first, and lives as long as
+the drafter. With `pool_text` (lade fills it from the window only) it also takes every n-gram of
+the prompt and the output, which is what `simulate` replays without a model (no prefill logits:
+the window is off). The window stays on the model's device, so a step keeps the engine's one host
+sync; its n-grams reach the pool one step late on a GPU.
 """
 from __future__ import annotations
 
@@ -195,10 +184,9 @@ def guess_trie(pool: NgramPool, key: int, k: int) -> tuple[np.ndarray, np.ndarra
 
 
 class JacobiWindow:
-    """N-1 levels of W columns on the model's device (see the module docstring for the layout).
-
-    grid[l, i] is row l's column i; row 0's column 0 is lst, written at each `layout`. During
-    warm-up (fill < N-2 upper levels) rows are M = W + N-2-fill wide; afterwards M = W."""
+    """N-1 levels of W columns on the model's device: grid[l, i] is row l's column i, row 0's
+    column 0 the lst of each `layout`. During warm-up (fill < N-2 upper levels) rows are
+    M = W + N-2-fill wide; afterwards M = W."""
 
     def __init__(self, ngram: int, width: int, device: torch.device) -> None:
         self.levels, self.width, self.device = ngram - 1, width, torch.device(device)
@@ -264,24 +252,20 @@ class JacobiWindow:
 
 def window_parents(m: int, fill: int) -> np.ndarray:
     # -> [(m-1) + fill*m] int32, parents of the window rows relative to the window's first node
-    # (-1 = the anchor lst): row 0 is a chain below lst; row 1 column i hangs below row 0 column i
-    # (lst for i = 0); row l column i below row l-1 column i.
+    # (-1 = the anchor lst): row 0 is a chain below lst; row l column i hangs below row l-1 column i
+    # (row 0's column 0 being lst).
     parents = np.empty((m - 1) + fill * m, dtype=np.int32)
     parents[: m - 1] = np.arange(-1, m - 2)
     for level in range(1, fill + 1):
         start = (m - 1) + (level - 1) * m
-        if level == 1:
-            parents[start : start + m] = np.arange(-1, m - 1)
-        else:
-            parents[start : start + m] = np.arange(start - m, start)
+        parents[start : start + m] = np.arange(-1, m - 1) if level == 1 else np.arange(start - m, start)
     return parents
 
 
 class DeferredPool:
-    """Pool n-grams computed on the device reach the host one step late on a GPU (a pinned copy
-    that does not wait, and an event recorded after it that `flush` waits on), at once on a CPU.
-    The pool is anything with `insert(keys, tuples)` of host arrays (adaptive's Token Recycle
-    table takes its successors this way too)."""
+    """Pool n-grams computed on the device reach the host one step late on a GPU (a pinned copy,
+    and an event after it that `flush` waits on), at once on a CPU. The pool is anything with
+    `insert(keys, tuples)` of host arrays (adaptive's Token Recycle table too)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
@@ -307,60 +291,33 @@ class DeferredPool:
             self.pending = None
 
 
-class PoolMemory:
-    """The pool's cross-request part: outputs remembered for --memory-save, preloading from a
-    memory store, and `remember = False` (benchmark repeats) undoing a request's learning."""
+class RemembersPool(Drafter):
+    """The cross-request memory of a drafter with an n-gram pool (lookahead, ouroboros): the last
+    outputs, for --memory-save, and with `remember = False` (benchmark repeats) the pool as it was
+    at `start`, which `finish` restores."""
 
-    def __init__(self, pool: NgramPool, max_requests: int) -> None:
-        self.pool = pool
-        self.documents: deque[np.ndarray] = deque(maxlen=max_requests)
-        self.remember = True
-        self._before: tuple | None = None
+    pool: NgramPool
+    deferred: DeferredPool
+    documents: deque[np.ndarray]  # the last `memory` outputs
+    keeps_memory = True
+    _before: tuple | None = None  # the pool's snapshot at `start` when not remembering
 
-    def begin(self) -> None:
-        self._before = None if self.remember else self.pool.snapshot()
-
-    def end(self, output: np.ndarray) -> None:
+    def finish(self, output: np.ndarray) -> None:
+        self.deferred.flush(self.pool)
         if self._before is not None:
             self.pool.restore(self._before)
         elif len(output):
             self.documents.append(np.asarray(output, dtype=np.int32))
         self._before = None
 
-    def load(self, documents: list[np.ndarray]) -> None:
+    def memory_documents(self) -> list[np.ndarray]:
+        return list(self.documents)
+
+    def load_memory(self, documents: list[np.ndarray]) -> None:
         for doc in documents:
             doc = np.asarray(doc, dtype=np.int32)
             self.pool.learn_text(doc)
             self.documents.append(doc)
-
-
-class RemembersPool(Drafter):
-    """The cross-request memory hooks of a drafter whose n-gram pool has a PoolMemory (lookahead,
-    ouroboros): `remember` (the flag bench turns off between repeats), `finish`, and the memory's
-    persistence."""
-
-    pool: NgramPool
-    deferred: DeferredPool
-    memory: PoolMemory
-    keeps_memory = True
-
-    def finish(self, output: np.ndarray) -> None:
-        self.deferred.flush(self.pool)
-        self.memory.end(output)
-
-    def memory_documents(self) -> list[np.ndarray]:
-        return list(self.memory.documents)
-
-    def load_memory(self, documents: list[np.ndarray]) -> None:
-        self.memory.load(documents)
-
-    @property
-    def remember(self) -> bool:
-        return self.memory.remember
-
-    @remember.setter
-    def remember(self, flag: bool) -> None:
-        self.memory.remember = flag
 
 
 class LookaheadDrafter(RemembersPool):
@@ -372,7 +329,7 @@ class LookaheadDrafter(RemembersPool):
         self.device = torch.device(device)
         self.vocab_size = vocab_size
         self.pool = NgramPool(config.ngram - 1, config.guesses, vocab_size)
-        self.memory = PoolMemory(self.pool, config.memory)
+        self.documents = deque(maxlen=config.memory)
         self.window = JacobiWindow(config.ngram, config.window, self.device)
         self.rng = np.random.default_rng(config.seed)
         self.deferred = DeferredPool(self.device)
@@ -382,7 +339,7 @@ class LookaheadDrafter(RemembersPool):
 
     def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor | None) -> None:
         prompt = np.asarray(prompt, dtype=np.int32)
-        self.memory.begin()
+        self._before = None if self.remember else self.pool.snapshot()
         self.deferred.flush(self.pool)
         if self.config.pool_text:
             self.pool.learn_text(prompt)
@@ -422,4 +379,4 @@ class LookaheadDrafter(RemembersPool):
         # Compile (or load the numba cache) now, not inside the first timed step.
         scratch = NgramPool(self.pool.n, max(self.pool.capacity, 1), 8)
         scratch.learn_text(np.array([1, 2, 3, 1, 2, 3, 1, 2], dtype=np.int32))
-        trie_of(np.ascontiguousarray(scratch.newest(1, 2)))
+        guess_trie(scratch, 1, 2)

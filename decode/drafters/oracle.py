@@ -1,9 +1,8 @@
 """`oracle`: drafts a known continuation, for measuring the engine, never for users.
 
-Given the target's own greedy continuation of a prompt (token array c, c[0] being the first token
-the prefill chooses), after committed text ... c[i] with pending t0 = c[i] it drafts the chain
-c[i+1 .. i+k]. Every draft is then accepted, so a run makes exactly k + 1 tokens per step and its
-speed against the verify cost t(k + 1) is the engine's overhead. Not registered as a method.
+Given the target's own greedy continuation c of the prompt, with pending t0 = c[i] it drafts
+c[i+1 .. i+k]: every draft is accepted, so a run makes k + 1 tokens per step and its speed against
+the verify cost t(k + 1) is the engine's overhead. Not registered as a method.
 """
 from __future__ import annotations
 

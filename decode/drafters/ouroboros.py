@@ -1,39 +1,29 @@
 """`ouroboros` (Dual Decoding, Zhao et al. 2024): a draft model running lookahead, one shared pool.
 
 Each target step (t0 = the pending token):
-    1) draft   the draft model runs lookahead decoding (decode/drafters/lookahead.py) until it has
-               gamma new tokens: each of its forwards verifies the pool's guesses for its last token
-               plus its own Jacobi window, so one forward can accept a whole phrase, and its window's
-               n-grams go into the shared pool. Its window persists across steps.
-    2) verify  the target's tree is the chain t0, x_1..x_gamma, then a trie of the pool's newest
-               top-k tuples for x_gamma below x_gamma: one forward checks drafts and suffixes, a
-               full match continues into a suffix and keeps its bonus
-    3) harvest from the last accepted chain input c (key: its token) along every path through the
-               rest of the chain and a suffix, the target's argmax at each input, N-1 of them, is a
-               pool tuple: the target's own continuation at rejected positions, or the suffixes
-               as corrected by the target after a full match (inserted newest, not overwritten in
-               place: the wrong tuple ages out of the LRU row)
-    4) crop    the draft's cache is cut to the committed text it holds; its window is kept
-
-Drafts are deterministic (the draft's argmax), so the engine's rule is lossless for greedy and
-sampling alike. Fixed from the reference code: the draft's rollback works for any layer count
-(the engine's own cache), the rejection harvest really inserts, and a full match keeps its bonus.
-The draft model runs as the drafter's row of the draft's own batch (decode/draft_model.py: static
-cache, tree masks), and the rows of a batched step run their lookahead together (`lookahead`:
-one draft forward a round over every row still drafting); the pool and its cross-request memory
-behave as lookahead's.
+    1) draft   the draft model runs lookahead decoding (lookahead.py) until it has gamma new
+               tokens; its window persists across steps and its n-grams go into the shared pool
+    2) verify  the chain t0, x_1..x_gamma, then a trie of the pool's newest top-k tuples for
+               x_gamma: a full match continues into a suffix and keeps its bonus
+    3) harvest from the last accepted chain input c along every path through the rest of the
+               chain and a suffix, the target's argmax at N-1 inputs is a new pool tuple keyed by
+               c's token (inserted newest: a wrong tuple ages out of the LRU row)
+    4) crop    the draft's cache is cut to the committed text it holds
+Drafts are the draft's argmax, so the engine's rule is lossless for greedy and sampling alike.
+Fixed from the reference code: the rollback works for any layer count, the rejection harvest
+really inserts, and a full match keeps its bonus.
 """
 from __future__ import annotations
 
+from collections import deque
+from typing import Sequence
 
 import numpy as np
 import torch
 
-from typing import Sequence
-
 from samctl.decode.draft_model import DraftModel, extend, keep_rows, verify_rows
 from samctl.decode.drafters.base import DraftsTogether
-from samctl.decode.drafters.lookahead import JacobiWindow, NgramPool, PoolMemory, RemembersPool, DeferredPool, guess_trie
+from samctl.decode.drafters.lookahead import JacobiWindow, NgramPool, RemembersPool, DeferredPool, guess_trie
 from samctl.decode.engine.batched import verify_input
 from samctl.decode.engine.transfer import to_device
 from samctl.decode.tree import DraftTree, walk_tree
@@ -49,7 +39,7 @@ class OuroborosDrafter(RemembersPool, DraftsTogether):
         self.draft = draft
         self.vocab = min(draft.vocab, vocab_size) if vocab_size else draft.vocab
         self.pool = NgramPool(config.ngram - 1, config.window, self.vocab)
-        self.memory = PoolMemory(self.pool, config.memory)
+        self.documents = deque(maxlen=config.memory)
         self.window = JacobiWindow(config.ngram, config.window, draft.device)
         self.deferred = DeferredPool(draft.device)
         self.rng = np.random.default_rng(config.seed)
@@ -60,7 +50,7 @@ class OuroborosDrafter(RemembersPool, DraftsTogether):
         self.forwards = 0  # draft forwards, for reports
 
     def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor | None) -> None:
-        self.memory.begin()
+        self._before = None if self.remember else self.pool.snapshot()
         self.history = np.asarray(prompt, dtype=np.int64).copy()
         if self.pool_text:
             self.pool.learn_text(self.history)
@@ -140,11 +130,8 @@ class OuroborosDrafter(RemembersPool, DraftsTogether):
                 suffix.append(node + 1)
                 node = int(tree.parents[node])
             suffixes.append(suffix[::-1])
-        paths = []
-        for suffix in suffixes or [[]]:  # chain inputs c..gamma, then the suffix
-            path = list(range(c, self.chain + 1)) + suffix
-            if len(path) >= n:
-                paths.append(path[:n])
+        chain = list(range(c, self.chain + 1))  # chain inputs c..gamma, then a suffix
+        paths = [path[:n] for path in (chain + suffix for suffix in suffixes or [[]]) if len(path) >= n]
         if not paths:
             return
         rows = np.asarray(paths, dtype=np.int64)
@@ -153,9 +140,8 @@ class OuroborosDrafter(RemembersPool, DraftsTogether):
 
 
 def lookahead(drafters: Sequence[OuroborosDrafter], t0s: Sequence[int]) -> list[DraftTree]:
-    """1) draft, for rows of one draft model: each row's cache holds history[:c]; it feeds
-    history[c:] + t0 with its first lookahead step, then its last token, until it has gamma new
-    tokens or no room; every round is one draft forward over the rows still drafting."""
+    """1) draft, for rows of one draft model: each row feeds the history its cache lacks + t0, then
+    its last token, until it has gamma new tokens or no room; one draft forward a round."""
     feeds = [np.append(d.history[d.draft.cached:], t0) for d, t0 in zip(drafters, t0s)]
     produced: list[list[int]] = [[] for _ in drafters]
     live = list(range(len(drafters)))

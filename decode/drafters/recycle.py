@@ -1,14 +1,10 @@
 """Token Recycle (Luo et al. 2024): draft trees from recycled candidate tokens.
 
 State: a table A[V, k] of each token's k most likely successors, written from the target's logits
-at every verified input (rejected nodes too) and never reset, so it stays warm across prompts.
-Draft: a static template tree rooted at t0 whose node [r1, r2, ...] means "the r2-th candidate of
-the r1-th candidate"; each level is one gather from A. Empty rows hold -1 and draft placeholders
-that never match.
-
-On a GPU the table, the expansion and the update stay on the device (no host copy); on the CPU the
-same operations run as numba kernels over the table's memory, which costs microseconds instead of
-the per-op overhead of small torch calls.
+at every verified input (rejected nodes too) and never reset. Draft: a static template tree rooted
+at t0 whose node [r1, r2, ...] is "the r2-th candidate of the r1-th candidate"; each level is one
+gather from A, and empty rows (-1) draft placeholders that never match. On a GPU the table stays
+on the device; on the CPU numba kernels run over its memory (microseconds, not torch's per-op cost).
 """
 from __future__ import annotations
 
@@ -59,13 +55,10 @@ BLOCK = 64  # logits per block in `learn_rows`
 
 
 def learn_rows(table: np.ndarray, ids: np.ndarray, logits: np.ndarray) -> None:
-    """table[ids[i]] = the k = table.shape[1] ids of logits[i]'s largest values, largest first
-    (torch.topk's answer; on ties the lower id first), for each i with 0 <= ids[i] < len(table).
-    The last row of a duplicated id wins, as in SAM-Decoding's Token Recycle, and only that row's
-    top-k is computed: the vectorized maxima of blocks of BLOCK logits, then one compiled pass that
-    reads a block only when its maximum reaches the k-th best so far (a few dozen of a row's
-    blocks: a fifth of torch.topk's time at 49k ids).
-
+    """table[ids[i]] = the k ids of logits[i]'s largest values, as torch.topk (ties: the lower id
+    first), for each valid ids[i]; the last row of a duplicated id wins, as in SAM-Decoding. Block
+    maxima let one compiled pass skip every block below the k-th best so far (a fifth of
+    torch.topk's time at 49k ids).
     table: [V', k] int; ids: [q] int (placeholders < 0); logits: [q, >= V'] on the CPU."""
     vocab = min(len(table), logits.shape[1])
     keep = np.flatnonzero((ids >= 0) & (ids < len(table)))
@@ -146,10 +139,9 @@ class TokenRecycleDrafter(Drafter):
             learn_rows(self.table.numpy()[: self.vocab_size], ids.numpy(), logits)
             return
         successors = torch.topk(logits[:, : self.vocab_size], self.config.k, dim=-1).indices
-        # On the device without a sync: send every write but the last of each token to the sink
-        # row, so the outcome is deterministic (index_put with duplicates is not). The last
-        # write of a row is found with a scatter-max over a [V+1] buffer, O(q + V) memory
-        # (not a [q, q] comparison, which is gigabytes for a long prompt).
+        # Without a sync: every write but each token's last goes to the sink row, so the outcome is
+        # deterministic (index_put with duplicates is not); the last is a scatter-max over [V+1]
+        # (a [q, q] comparison would be gigabytes for a long prompt).
         order = torch.arange(ids.shape[0], device=ids.device)
         rows = torch.where(ids < 0, self.vocab_size, ids)
         last = self._last_write.fill_(-1).scatter_reduce_(0, rows, order, "amax")

@@ -1,16 +1,10 @@
 """REST (He et al. 2024): a tree of the most frequent continuations of the context in a datastore.
 
-Each step (t0 = the pending token):
-    s = the longest suffix of prompt + output + t0 of length max_span (16) down to min_span (2)
-        found in the static store; no such suffix: no draft
-    tree = the num_nodes (64) continuation prefixes of at most max_depth (10) tokens that follow
-        s most often in the store
-REST counts the prefixes over (up to 5,000 of) s's occurrences in a suffix array. Here the
-store's cursor (index/cursor.py) builds the tree (`Cursor.tree`): from a suffix automaton's
-occurrence counts or a suffix array's ranges, over all occurrences, best first by count. It
-streams over committed tokens like SAM-Decoding's. A sharded store's cursor has one pointer per
-shard, and the tree comes from the shard with the longest match (its counts only). An n-gram
-table has no such tree. This module knows cursors, not structures or store files.
+Each step, s = the longest suffix of prompt + output + t0, max_span down to min_span tokens, found
+in the static store (none: no draft); the tree is the num_nodes continuation prefixes of at most
+max_depth tokens that follow s most often. The store's cursor builds it (`Cursor.tree`) over all
+occurrences, where REST samples up to 5,000; a sharded store's from the shard with the longest
+match. An n-gram table has no such tree.
 """
 from __future__ import annotations
 

@@ -1,20 +1,15 @@
 """SAM-Decoding (Hu et al. 2024): retrieval drafts from suffix automata, with a fallback drafter.
 
-Two match pointers, each the longest suffix of the committed text found in a structure:
-- dynamic: an automaton grown over prompt + output. Its pointer moves on a token *before* the
-  token is inserted, so the match is always an earlier occurrence, which has a continuation.
-- static: a prebuilt datastore (suffix automaton, sharded store, suffix array or n-gram table) through its
-  cursor (index/cursor.py); only the cursor moves.
-
-Each step (t0 = the pending token):
-    m_dyn, m_st = matches after a non-mutating step on t0 (both count t0)
-    (for an n-gram table, dyn_threshold + static_bias is capped at its longest context max_n)
+Two match pointers, each the longest suffix of the committed text found in a structure: dynamic,
+an automaton grown over prompt + output (its pointer moves on a token *before* the token is
+inserted, so the match is an earlier occurrence, which has a continuation); static, a prebuilt
+datastore's cursor (index/cursor.py). Each step (t0 = the pending token):
+    m_dyn, m_st = matches after a non-mutating step on t0
     if m_dyn >= dyn_threshold or m_st >= dyn_threshold + static_bias:
         chain of min(max_draft, alpha * m) tokens after the occurrence, from the dynamic automaton
-        when m_dyn >= m_st - static_bias (ties go to dynamic), else from the static store
+        when m_dyn >= m_st - static_bias, else from the static store
     else: the fallback drafter's tree (Token Recycle, a draft model) or no draft.
-The fallback observes every step, chain steps included, so it keeps learning (an EAGLE head's
-feature cache stays current: the target's hidden states pass through to it).
+The fallback observes every step, so it keeps learning (an EAGLE head's features stay current).
 """
 from __future__ import annotations
 

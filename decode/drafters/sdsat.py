@@ -1,20 +1,11 @@
 """`sdsat`: the target drafts for itself at semantic adaptive tokens (Liu & Zhu 2024).
 
 The model was fine-tuned (`samctl train sdsat`) so that, after the committed text, the input
-`[t0, SAT x k]` at positions p..p+k yields at t0 the next token t1 and at SAT j a guess d_{j+1}
-for the token at p+j+1. Each step:
-  1) draft:  peek `[t0, SAT x k]` on the engine's own cache without committing (the SAT K/V is
-             overwritten by the verify that follows: the paper's "crop the SAT K/V");
-  2) verify: the chain [t1, d_2..d_{k+1}] through the engine's loop like any draft.
-This is the paper's greedy two-step iteration: two forwards per step, accepted + 1 tokens out
-(t1 is the target's own argmax, so in greedy it is always accepted). The drafts stay on the device
-(the argmax is never read on the host), so a step still has the loop's single host sync.
-
-Lossless by the loop's rule: greedy output is plain greedy decoding of the fine-tuned model;
-sampling treats the argmax drafts as deterministic drafts (decode.accept). The paper's nucleus
-variant (static trees of sampled tokens, best-of-paths acceptance) changes the output
-distribution: it is `sdsat-nucleus-reference` (sdsat_nucleus.py), for comparison only. Knows
-nothing of text, files or training.
+`[t0, SAT x k]` yields at t0 the next token t1 and at SAT j a guess d_{j+1}. Each step peeks that
+input on the engine's own cache without committing (the verify that follows overwrites the SAT
+K/V), then verifies the chain [t1, d_2..d_{k+1}] like any draft: the paper's greedy two-step
+iteration, with the drafts kept on the device. Lossless by the loop's rule; the paper's nucleus
+variant, which is not, is `sdsat-nucleus-reference` (sdsat_nucleus.py), for comparison only.
 """
 from __future__ import annotations
 

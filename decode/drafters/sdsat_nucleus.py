@@ -1,22 +1,19 @@
 """`sdsat-nucleus-reference`: the SDSAT paper's nucleus-sampling variant, for comparison only.
 
-NOT LOSSLESS when sampling. It is here so that the paper's sampled numbers can be reproduced
-next to `sdsat`, whose lossless walk is the one to use. Each step (ainergy-ml/SDSAT, decoders/):
-  1) draft:  peek `[t0, SAT x k]` without committing. t1 is one exact draw (or the argmax) at t0;
-             at SAT j, TOP_K distinct candidates are drawn from its warped distribution (greedy:
-             its TOP_K best). A static tree (TREES[k], the paper's shapes) hangs below t1: a node
-             at depth j whose path ends in v carries SAT j's candidate number v.
-  2) verify: the tree `[t0, t1, nodes...]` in one forward, like any draft tree.
-  3) accept (`accept`, the drafter's own rule): t1 is always kept. Every root-to-leaf path gets
-             its own independent target draw at each of its positions, a path is accepted as far
-             as the draws equal its tokens, and the longest accepted path wins (the first on ties).
-             The next token is a fresh draw at the last accepted position.
-Why it is biased: the best-of-paths choice favours tokens that several paths offer, and after a
-mismatch the fresh draw can return the very token the draw refused; both raise the probability of
-drafted tokens above the target's. Greedy (argmax everywhere) it is plain greedy decoding.
-One deviation, on purpose: where fewer than TOP_K tokens survive the warping, the missing
-candidates are placeholders that never match (the reference's sampler raises there).
-Knows nothing of text, files or training.
+NOT LOSSLESS when sampling: it reproduces the paper's sampled numbers next to `sdsat`, the one to
+use. Each step (ainergy-ml/SDSAT, decoders/):
+  1) draft:  peek `[t0, SAT x k]`. t1 is one exact draw (or the argmax) at t0; at SAT j, TOP_K
+             distinct candidates are drawn from its warped distribution (greedy: its TOP_K best).
+             A static tree (TREES[k]) hangs below t1: a node at depth j whose path ends in v
+             carries SAT j's candidate number v.
+  2) verify: the tree `[t0, t1, nodes...]` in one forward.
+  3) accept (`accept`, the drafter's own rule): t1 is kept; every root-to-leaf path gets its own
+             target draw at each position, is accepted as far as the draws equal its tokens, and
+             the longest accepted path wins (the first on ties); the next token is a fresh draw.
+Why it is biased: best-of-paths favours tokens that several paths offer, and after a mismatch the
+fresh draw can return the very token the draw refused. Greedy, it is plain greedy decoding.
+Deviation: where fewer than TOP_K tokens survive the warping, the missing candidates are
+placeholders that never match (the reference's sampler raises there).
 """
 from __future__ import annotations
 
@@ -57,9 +54,8 @@ TREES = {
 
 
 def static_tree(k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The tree for k SATs as draft nodes: node 0 is t1, then TREES[k] in (depth, path) order.
-    -> parents [1 + m] int32 (-1: child of t0), slot [1 + m] int64: index into the flattened
-    [k, TOP_K] candidates (node 0: -1, it is t1)."""
+    """The tree for k SATs: node 0 is t1, then TREES[k] in (depth, path) order. -> parents [1 + m]
+    int32 (-1: child of t0), slot [1 + m] int64 into the flattened [k, TOP_K] candidates (t1: -1)."""
     if k not in TREES:
         raise ConfigError("sdsat-nucleus-reference has the paper's trees for k = {ks} SATs only, not {k}: "
                           "pass {sat_count} with one of them", ks=", ".join(map(str, TREES)), k=k)

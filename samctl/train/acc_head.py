@@ -4,27 +4,14 @@
         --draft samctl/models/default/draft --prompts ../shared/data/codealpaca.json \
         --num-prompts 300 --out samctl/models/default/acc_head
 
-1. Prompts: the first user turn of every record of --prompts (any input `samctl build` reads: a
-   folder, Alpaca / GSM8K / Spec-Bench JSON(L), Parquet, hf:NAME), shuffled with --seed, the
-   first --num-prompts taken; --heldout of them are kept apart for the reported held-out loss and
-   a tenth of the rest validates (the head keeps the weights of its best pass on them); the chat
-   template is applied when the tokenizer has one (--no-chat to skip).
-2. Responses: the target writes up to --max-new-tokens per prompt, sampled at
-   --response-temperature (0 = greedy, no top-k/top-p) with --seed, cut after EOS, by the one
-   answer writer (samctl/train/answers.py: the batched engine, --response-batch rows at once, its
-   sampling lossless, so the answers follow the target's own distribution). With --cache they are
-   kept in a JSONL file there, named by model, prompts and settings, and a rerun reuses them.
-3. Examples (`decode.acceptance_head.collect_examples`): teacher-forced on each response, the
-   draft samples a token per position at temperature 1, labelled min(1, p/q) (the paper's labels;
-   --label-mode greedy instead drafts the argmax, labelled 1 when it is the target's argmax, for
-   heads meant for greedy decoding); --mixing-ratio of
-   the positions are replaced by the target's token and carry no label; the frozen draft's last
-   hidden state at each drafted token is the feature.
-4. Training: the head alone, soft weighted BCE with --weight-mismatch on rejections; the held-out
-   loss is reported for the untrained head, the best constant predictor and the trained head,
-   with the correlation of the trained head's predictions and the held-out labels.
-5. Output: --out holds head.safetensors and head.json (shape, the fingerprints of the pair, and
-   this run's record); samctl refuses the head with any other pair. A JSON summary goes to stdout.
+The target answers the shuffled prompts (answers.py, cached under --cache); teacher-forced on each
+answer, the draft drafts a token per position, labelled min(1, p/q) (--label-mode greedy: 1 when
+it is the target's argmax) with its last hidden state as the feature, and --mixing-ratio of the
+positions take the target's token unlabelled (`decode.acceptance_head.collect_examples`). The
+head alone trains with weighted BCE, keeping its best pass on a validation tenth; reported are
+the held-out losses of the untrained head, the best constant and the trained head, and the
+trained head's correlation with the labels. --out gets head.safetensors and head.json (the
+pair's fingerprints and this run's record); samctl refuses the head with any other pair.
 """
 from __future__ import annotations
 

@@ -1,23 +1,10 @@
-"""The one writer of a target model's own answers to training prompts.
+"""The one writer of a target model's own answers to training prompts (the trainers share it).
 
-Used by `samctl train eagle`, `samctl train sdsat` (`--responses self`) and `samctl train acc-head`.
-Drafters are scored on what the target emits, so training on the target's own answers (as Medusa-2
-and the EAGLE follow-ups do when the SFT data is not the model's) matches what acceptance measures;
-the datasets' human answers are another distribution.
-
-- `write_answers(session, prompts, path, ...)`: conversations (`samctl.train.prompts.Prompt`,
-  one or more user turns) answered turn after turn through the session's batched engine
-  (`Session.generate_batch` with a lossless method: greedy answers are plain greedy decoding's,
-  sampled ones (`sampling`: temperature, top-k, top-p, seed) follow the model's own distribution,
-  written several times faster than one sequence at a time). Each finished turn is appended to a
-  JSONL file at once (`Answer`: prompt, turn, the turn's prompt ids with the earlier turns and
-  answers in the chat template, its output ids, EOS kept); a rerun reads the file and answers only
-  what is missing, so an interrupted run resumes. The caller names the file by model fingerprint,
-  prompt set and settings (`answers_key`). A token budget or a deadline stops it between two answers.
-- `answering_session(engine, ...)`: a session over a trainer's already loaded engine to answer with;
-  `own_answers(engine, ...)`: write_answers on one, in a file named by the model, prompts and
-  settings (under --cache, else a scratch folder).
-- `trainer_engine(config, model)`: how every trainer starts (threads, seed, the model to train).
+Drafters are scored on what the target emits, so they train on its own answers (as Medusa-2 and
+the EAGLE follow-ups do), not the datasets' human ones. `write_answers` answers conversations turn
+after turn through a session's batched engine with a lossless method (greedy answers are plain
+greedy decoding's, sampled ones follow the model's distribution) and appends each finished turn to
+a JSONL file at once; a rerun answers only what is missing, so an interrupted run resumes.
 
 Knows a session (model, tokenizer, EOS ids) and token ids; never the training objectives.
 """
@@ -69,13 +56,12 @@ def answers_key(fingerprint: dict, prompts: Sequence["Prompt"], *settings) -> st
     return hashlib.sha256(json.dumps([fingerprint, digest.hexdigest(), *settings], sort_keys=True).encode()).hexdigest()[:16]
 
 
-def answering_session(engine: Engine, max_new_tokens: int, chat: bool, method: str = "adaptive") -> "Session":
-    """A session over a loaded engine that writes answers with lossless `method` (a trainer's
-    engine, whose weights it then trains)."""
+def answering_session(engine: Engine, max_new_tokens: int, chat: bool) -> "Session":
+    """A session over a trainer's loaded engine that answers with `adaptive` (lossless)."""
     from samctl.config import SessionConfig
     from samctl.session import Session
 
-    return Session.over(engine, SessionConfig(method=method, max_new_tokens=max_new_tokens, chat=chat, quiet=True))
+    return Session.over(engine, SessionConfig(method="adaptive", max_new_tokens=max_new_tokens, chat=chat, quiet=True))
 
 
 def own_answers(engine: Engine, prompts: Sequence["Prompt"], chat: bool, *, cache: str, name: str,
@@ -93,9 +79,8 @@ def own_answers(engine: Engine, prompts: Sequence["Prompt"], chat: bool, *, cach
 
 
 def trainer_engine(config, model: str) -> Engine:
-    """A trainer's start: torch threads (--threads) and seed (--seed) set, then the model loaded in
-    float32 on unpacked weights (prepacked ones do not train) and transformers' forward (the native one
-    reads the weights once, and a trainer changes them), never printing the embedded-model note."""
+    """A trainer's start: --threads and --seed set, then the model in float32 on unpacked weights
+    (prepacked ones do not train) and transformers' forward (the native one reads the weights once)."""
     if config.threads:
         torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
@@ -119,14 +104,12 @@ def write_answers(session: "Session", prompts: Sequence["Prompt"], path: Path, *
                   max_prompt_tokens: int = 512, max_tokens: int | None = None, deadline: float | None = None,
                   chunk: int = 512, sampling: SamplingConfig = SamplingConfig(),
                   log: Callable[[str], None] | None = None) -> list[Answer]:
-    """Answer `prompts` turn by turn in order, `chunk` prompts at a time (every first turn of a
-    chunk, then every second turn, ...), appending each finished turn to `path` (JSONL); answers
-    already there are reused. `sampling` is how every answer is drawn (greedy by default); with a
-    seed, each batch of a chunk and turn draws from its own seeded stream, so two chunks never
-    repeat each other's draws and a rerun on the same machine writes the same answers. Stops once the answers hold `max_tokens` tokens (prompt + output) or
-    at `deadline` (time.time()). A turn whose input exceeds `max_prompt_tokens` is left out with
-    its later turns. -> every answered turn, in (prompt, turn) order (a prompt's later turns may
-    be missing when the budget ran out between them)."""
+    """Answer `prompts` turn by turn, `chunk` prompts at a time (every first turn of a chunk, then
+    every second, ...), appending each finished turn to `path` (JSONL) and reusing those there. With
+    a seed, each batch of a chunk and turn draws from its own seeded stream. Stops once the answers
+    hold `max_tokens` tokens (prompt + output) or at `deadline` (time.time()). A turn whose input
+    exceeds `max_prompt_tokens` is left out with its later turns. -> the answered turns, in
+    (prompt, turn) order."""
     log = log or (lambda text: print(text, file=sys.stderr, flush=True))
     if session.config.sampling != sampling:
         session = session.for_method(session.config.method, sampling=sampling)

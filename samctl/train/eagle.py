@@ -5,37 +5,13 @@
         --answer-minutes 40 --draft-vocab 8192 --minutes 20 --threads 1 --replay refs.jsonl
     samctl train eagle --device cuda --model M --prompts prompts.jsonl --out H --max-tokens 5000000
 
-1. Prompts: --prompts (any input `samctl build` reads; a record's user turns) and the built-in
-   --mixture (samctl/train/prompts.py: math, code, role-play, two-turn chat, translation,
-   summarization), less every prompt with a turn of --exclude (Spec-Bench, whose questions the
-   replay traces answer).
-2. Answers: the target's own greedy answers, written by the batched engine (samctl/train/answers.py,
-   --answer-method, --batch-size, --max-new-tokens) into cache/answers-<key>.jsonl, the key naming
-   the model's fingerprint, the prompt set and the answering settings; finished turns are appended
-   as they come, so a rerun (or a larger --max-tokens, or one after --answer-minutes ran out)
-   goes on where the last stopped. Each answered turn is one sequence (its input, earlier turns
-   and answers included, then its answer), cut at --max-len; sequences are taken in order up to
-   --max-tokens and the first --heldout are kept apart.
-   Features: the target's post-norm last hidden states from batched forwards (cached in shards
-   under --cache, never in the repository); on its own greedy answers the target's choice at each
-   position is the next token, so no output layer runs.
-3. Training: the head alone (fc over [embedding, feature] + one decoder layer of the target's
-   architecture; the target's embedding and lm_head frozen): SmoothL1 on the next feature plus
-   0.1 x cross-entropy against the target's next token, uniform feature noise, AdamW with
-   warm-up and cosine decay, on response positions only; --max-steps or --minutes. With
-   --draft-vocab N the head drafts (and its cross-entropy ranges over) only the N tokens the
-   target chooses most often in the training part, which makes its output layer V / N times cheaper.
-4. Report: held-out top-1 accuracy (the head's next-token argmax equals the target's, teacher-
-   forced), before and after training (and of --baseline-head, an earlier head, on the same
-   held-out positions), and, with --replay (reference traces: the target's own
-   greedy outputs with their token ids, as `samctl simulate` reads them), tokens per step of `eagle`, `sam+eagle`,
-   `adaptive+eagle` and `adaptive` in replay (decode.simulate.replay with the target's features,
-   no target forward per step; Token Recycle, which learns from logits, is off in a replay).
-5. Output: --out holds eagle.safetensors and eagle.json (the target's fingerprint and this run's
-   record); samctl refuses the head for any other model. A JSON summary goes to stdout.
-
-CPU mode (the default device there) keeps every process to --threads; GPU mode (--device cuda)
-only changes where the forwards run and allows larger --max-tokens / --batch-tokens.
+The head trains alone with EAGLE's loss on the target's own greedy answers (answers.py) to
+--prompts and the --mixture (prompts.py), less those with a turn of --exclude, and on the target's
+features at them; answers and features are cached under --cache, so a rerun goes on where the last
+stopped. On its own greedy answers the target's choice at each position is the next token, so no
+output layer runs. The report: held-out top-1 before and after (and of --baseline-head), and with
+--replay the tokens per step of the EAGLE methods replayed on reference traces. --out gets
+eagle.safetensors and eagle.json (the target's fingerprint and this run's record).
 """
 from __future__ import annotations
 
@@ -46,6 +22,7 @@ import os
 import random
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -126,10 +103,8 @@ def read_training_prompts(config: EagleTrainConfig) -> tuple[list[Prompt], dict]
 
 
 def write_training_answers(config: EagleTrainConfig, prompts: list[Prompt], fingerprint: dict, log) -> tuple[list[Answer], dict]:
-    """The target's own greedy answers to `prompts`, through the batched engine (--answer-method,
-    --batch-size), appended to cache/answers-<key>.jsonl as they finish, until --max-tokens or
-    --answer-minutes; a rerun reuses the file. Its own session: prepacked weights answer faster,
-    and training needs the plain ones."""
+    """The target's own greedy answers to `prompts` in cache/answers-<key>.jsonl, until --max-tokens
+    or --answer-minutes. Its own session: prepacked weights answer faster, training needs plain ones."""
     from samctl.config import SessionConfig
     from samctl.session import Session
 
@@ -143,9 +118,9 @@ def write_training_answers(config: EagleTrainConfig, prompts: list[Prompt], fing
     tic = time.time()
     answers = write_answers(session, prompts, path, batch_size=config.batch_size, max_prompt_tokens=max_prompt,
                             max_tokens=config.max_tokens, deadline=deadline, log=log)
-    kinds: dict[str, int] = {}
+    kinds: Counter[str] = Counter()
     for answer in answers:
-        kinds[answer.kind] = kinds.get(answer.kind, 0) + answer.tokens
+        kinds[answer.kind] += answer.tokens
     record = {"answers": str(path), "answers_key": key, "answer_method": config.answer_method,
               "batch_size": config.batch_size, "max_new_tokens": config.max_new_tokens, "turns": len(answers),
               "tokens_by_kind": kinds, "answer_seconds_this_run": round(time.time() - tic, 1),
@@ -171,12 +146,9 @@ def _take(pairs, max_tokens: int) -> tuple[list[np.ndarray], list[int]]:
 def cached_features(engine: Engine, seqs: list[np.ndarray], cache: Path, model_key: str, log,
                     shard: int = 64, batch_tokens: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """Features [T, H] float16 (the target's post-norm last hidden states) and choices [T] int32 of
-    every sequence, concatenated. Computed in shards of `shard` sequences, each cached in `cache`
-    under the model and its sequences' ids, so that a rerun or a grown data set computes only new
-    shards; within a shard, sequences of like length share a right-padded forward (causal: padding
-    after a sequence never reaches it). The sequences are the target's own greedy answers, so its
-    greedy choice at each position is the next token and no output layer runs: choices[j] =
-    ids[j + 1] (the last position repeats its token; no loss reads it)."""
+    every sequence, concatenated; choices[j] = ids[j + 1] (the last repeats its token; no loss
+    reads it). Shards of `shard` sequences are cached in `cache` under the model and their ids, so a
+    rerun computes only new ones; sequences of like length share a right-padded (causal) forward."""
     from safetensors.torch import load_file, save_file
 
     cache.mkdir(parents=True, exist_ok=True)
@@ -302,8 +274,7 @@ REPLAYED = EAGLE_METHODS + (DEFAULT_METHOD,)
 
 def replay_traces(engine: Engine, head: EagleHead, path: Path, cost: np.ndarray | None, max_new_tokens: int,
                   config: EagleConfig) -> dict:
-    """tokens/step of the REPLAYED methods on reference traces (target features by one
-    teacher-forced forward per trace), per category."""
+    """tokens/step of the REPLAYED methods on reference traces, per category."""
     out: dict[str, dict[str, Tally]] = {}
     for line in path.read_text(encoding="utf-8").splitlines():
         if not line.strip():

@@ -1,20 +1,10 @@
 """Prompts the trainers have a target model answer: any corpus `samctl build` reads, or a mixture.
 
-- `read_prompts(inputs, fields)`: the user turns of every record of `inputs` (folders, Alpaca /
-  GSM8K / Spec-Bench / chat JSON(L) or Parquet files, `hf:` datasets, `-`), through
-  index/corpus.py's readers (`iter_prompts`), with the record's own answer when it has one (Alpaca
-  `output`, GSM8K `answer`, a `prompt`'s `completion`); a plain-text file is one prompt.
-- `mixture(data_dir, seed)`: the built-in mixture, interleaved so that any prefix holds every kind
-  in equal shares: math (GSM8K questions), code (Code Alpaca), role-play (GPTeacher), two-turn chat
-  (a role-play prompt, then a follow-up turn asked after the model's first answer), translation
-  ("Translate English to German: <sentence>", French, Spanish) and summarization ("Summarize:
-  <text>"). The instruction sets are read from `data_dir` when it holds them; the sentences and
-  texts of translation and summarization come from text every machine has: the Python standard
-  library's docstrings and Debian's plain-text documentation (`local_texts`). Nothing is downloaded.
-- `drop_excluded(prompts, exclude)`: prompts none of whose turns is a turn of the `exclude`
-  inputs (Spec-Bench's questions, which replay traces answer), whitespace and case aside.
-
-A prompt is a `Prompt(kind, turns)`; turns are user turns, answered one after the other.
+`mixture` interleaves its kinds so that any prefix holds each in equal shares: math, code and
+role-play from the instruction sets in `data_dir` (GSM8K, Code Alpaca, GPTeacher), two-turn chat
+(a role-play prompt, then a follow-up about the model's first answer), translation and
+summarization of local prose (the standard library's docstrings and Debian's documentation).
+Nothing is downloaded. A prompt is a `Prompt(kind, turns)`, its user turns answered in order.
 """
 from __future__ import annotations
 
@@ -56,8 +46,7 @@ class Prompt:
 
 
 def read_prompts(inputs: Iterable[str], fields: Iterable[str] = ()) -> list[Prompt]:
-    """The user turns (and the record's own answer, when it has one) of every record of `inputs`
-    (any input `samctl build` reads)."""
+    """The user turns (and own answer, if any) of every record of `inputs` (any `samctl build` input)."""
     return [Prompt("corpus", doc.turns, doc.answer) for doc in iter_prompts(list(inputs), fields=tuple(fields))]
 
 
@@ -103,8 +92,7 @@ def _normal(text: str) -> str:
     return " ".join(text.split()).lower()
 
 
-# ---------------------------------------------------------------------------------------------
-# local text: sentences to translate, texts to summarize
+# -- local text: sentences to translate, texts to summarize -----------------------------------
 
 _DOC_NAME = re.compile(r"^(readme.*|news.*|faq.*|.*\.(txt|md|rst))(\.gz)?$", re.IGNORECASE)
 _DOCSTRING = re.compile(r'"""(.*?)"""', re.DOTALL)

@@ -3,37 +3,14 @@
     samctl train sdsat --model ../shared/models/<smollm2>.gguf --out runs/smollm2-sdsat \
         --data ../shared/data/codealpaca.json ../shared/data/gsm8k_train.jsonl --max-minutes 50 --threads 1
 
-1. Prompts: the first user turn of every record of --data (any input `samctl build` reads:
-   Alpaca / GSM8K / Spec-Bench / chat JSON(L), Parquet, hf:NAME, -, a plain-text file as one
-   prompt, a folder's text files as `build` reads them (name record files explicitly: a folder's
-   .json files are not read); --field names the prompt field), shuffled with --seed; --heldout of
-   them are kept apart. The chat template is applied when the tokenizer has one (--no-chat to skip).
-2. Responses: SDSAT trains on prompt + response sequences, SATs and losses on the response only.
-   --responses self (default) has the model write its own greedy answers (samctl/train/answers.py,
-   the writer `samctl train eagle` and `acc-head` use: the batched engine, --max-new-tokens,
-   --response-batch; prompts longer than --seq-len / 2 tokens are left out), so the SATs learn to
-   predict what greedy decoding will emit, which is what acceptance counts. With --cache the
-   answers are kept in a JSONL file there, named by model, prompts and settings, and a rerun
-   reuses (or resumes) them. --responses data trains on the records' own answers instead (Alpaca
-   `output`, GSM8K `answer`, a `prompt`'s `completion`); records without one are left out.
-3. The SAT token: --sat-token names a token of the vocabulary; by default the last special token
-   that is not BOS/EOS/PAD, never occurs in the data and is not in the chat template; when the
-   tokenizer has none, a new token `<|sat|>` is added (vocabulary + 1). Which one is recorded.
-4. Training (decode.sdsat.make_batch): each sequence carries --blocks blocks of k = --sat-count
-   SATs at random anchors; loss = --standard-weight x the standard term on the response's
-   standard tokens + --sat-weight x CE at the SAT slots. Standard tokens never attend to SATs (a
-   4D mask). The standard term (--keep-standard) is by default `kl`: KL(original || tuned) of
-   the next-token distributions, against the frozen original layers (only the trained top layers
-   are run twice: the frozen lower ones give both the same input), so the fine-tune keeps the
-   model's distribution instead of sharpening it toward its own greedy answers, as `ce` (next-token
-   cross-entropy on the answers) does. --train-layers N trains only the top N decoder layers and
-   the final norm (and the SAT embedding row unless --freeze-sat-embedding). AdamW, linear
-   warm-up and decay; stops at --max-steps or --max-minutes.
-5. Report (stdout JSON and sdsat_report.json in --out): held-out next-token loss on standard tokens
-   before and after (on the training kind of answer and, with --responses self, on the files'
-   answers too), per-slot SAT top-1 accuracy, and the mean accepted run per anchor (leading slots
-   that are all right), before and after. The folder (model, tokenizer, config with "sdsat") loads
-   with `samctl generate --model OUT --method sdsat`.
+Trains on prompt + response sequences (--responses self: the model's own greedy answers, so the
+SATs learn what greedy decoding will emit; data: the records' answers), with --blocks blocks of
+--sat-count SATs at random anchors of the response (decode.sdsat.make_batch; standard tokens never
+attend to SATs). The standard term (--keep-standard kl, the default) is KL(original || tuned)
+against the frozen original top layers, which keeps the model's distribution where `ce` on its own
+answers would sharpen it. The SAT token: --sat-token, else an unused special token, else a new
+`<|sat|>`. Reported (stdout, sdsat_report.json): held-out standard loss, per-slot SAT accuracy and
+mean accepted run, before and after.
 """
 from __future__ import annotations
 
@@ -102,8 +79,8 @@ class SdsatTrainConfig:
 # 1) data ---------------------------------------------------------------------------------------
 
 def read_examples(config: SdsatTrainConfig) -> list[Prompt]:
-    """The first user turn (and the record's answer) of every record of --data, shuffled with
-    --seed and cut to --num-prompts + --heldout; with --responses data, only records with an answer."""
+    """The first user turn (and answer) of the records of --data, shuffled, --num-prompts + --heldout;
+    with --responses data, only records with an answer."""
     prompts = [Prompt(p.kind, p.turns[:1], p.answer) for p in read_prompts(config.data, config.field)
                if p.turns and p.turns[0].strip()]
     if config.responses == "data":
@@ -145,6 +122,7 @@ def evaluate(model: torch.nn.Module, rows: list[tuple[np.ndarray, int]], k: int,
              device: torch.device, seed: int, blocks: int) -> dict:
     """Held-out standard-token loss, per-slot SAT accuracy and mean accepted run per anchor."""
     rng = np.random.default_rng(seed)
+    dtype = next(model.parameters()).dtype
     model.eval()
     nll, count = 0.0, 0
     right = np.zeros(k)
@@ -153,7 +131,8 @@ def evaluate(model: torch.nn.Module, rows: list[tuple[np.ndarray, int]], k: int,
     for seq, start in rows:
         anchors = sample_anchors(start, len(seq), blocks, rng)
         batch = make_batch([seq], [start], [anchors], k, sat_id, pad)
-        logits = forward(model, batch, device)[0]
+        logits = model(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device),
+                       attention_mask=batch.mask.to(device=device, dtype=dtype), use_cache=False).logits.float()[0]
         labels, sat = batch.labels[0].to(device), batch.is_sat[0].to(device)
         std = ~sat & (labels != IGNORE)
         nll += float(F.cross_entropy(logits[std], labels[std], reduction="sum"))
@@ -164,20 +143,11 @@ def evaluate(model: torch.nn.Module, rows: list[tuple[np.ndarray, int]], k: int,
         for j in range(1, k + 1):
             right[j - 1] += int((hit & (slot == j)).sum())
             seen[j - 1] += int((has & (slot == j)).sum())
-        for block in hit[sat].view(-1, k).cpu().numpy():
-            runs.append(int(np.argmin(np.append(block, False))))
+        runs += [int(np.argmin(np.append(block, False))) for block in hit[sat].view(-1, k).cpu().numpy()]
     model.train()
     return {"standard_loss": nll / max(count, 1), "standard_tokens": count,
             "sat_accuracy": [round(float(r / s), 4) if s else None for r, s in zip(right, seen)],
             "mean_accepted_run": float(np.mean(runs)) if runs else 0.0}
-
-
-def forward(model: torch.nn.Module, batch, device: torch.device) -> torch.Tensor:
-    # -> logits [B, L, V] float32
-    dtype = next(model.parameters()).dtype
-    out = model(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device),
-                attention_mask=batch.mask.to(device=device, dtype=dtype), use_cache=False)
-    return out.logits.float()
 
 
 # 3) training -----------------------------------------------------------------------------------
@@ -188,12 +158,11 @@ def trainable(model: torch.nn.Module, config: SdsatTrainConfig, sat_id: int, top
     model.requires_grad_(False)
     params = [p for layer in layers[len(layers) - top :] for p in layer.parameters()]
     params += list(model.model.norm.parameters())
-    if not config.freeze_sat_embedding:
-        params.append(model.get_input_embeddings().weight)
     for p in params:
         p.requires_grad_(True)
     if not config.freeze_sat_embedding:
-        emb = params[-1]
+        emb = model.get_input_embeddings().weight.requires_grad_(True)
+        params.append(emb)
         row = torch.zeros_like(emb)
         row[sat_id] = 1.0
         emb.register_hook(lambda grad: grad * row)  # only the SAT row learns (tied lm_head included)
@@ -311,16 +280,10 @@ def run(config: SdsatTrainConfig) -> dict:
             max_prompt_tokens=config.seq_len // 2, batch_size=config.response_batch)}
     sat_id, sat_text, added = choose_sat_token(engine, config.sat_token, [p.turns[0] + p.answer for p in prompts])
 
-    def rows(indices, kind):
-        out = []
-        for i in indices:
-            if i not in kind:
-                continue
-            prompt, answer = kind[i]
-            seq = np.asarray((prompt + answer)[: config.seq_len], dtype=np.int64)
-            if len(seq) - len(prompt) >= 2:
-                out.append((seq, len(prompt)))
-        return out
+    def rows(indices, kind):  # (sequence, prompt length) of each answered prompt, 2+ answer tokens kept
+        out = [(np.asarray((kind[i][0] + kind[i][1])[: config.seq_len], dtype=np.int64), len(kind[i][0]))
+               for i in indices if i in kind]
+        return [(seq, start) for seq, start in out if len(seq) - start >= 2]
 
     held = range(config.heldout)
     train_rows = rows(range(config.heldout, len(prompts)), answers)
