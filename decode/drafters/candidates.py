@@ -113,10 +113,11 @@ def _pending(size):
 
 
 @njit(cache=True)
-def _keep(c, c_tok, c_par, c_prob, c_cell, tok, par, prob, cell, n):
-    # pending candidate c becomes buffer row n
+def _take(heap, size, c_prob, c_tok, c_par, c_cell, tok, par, prob, cell, n):
+    # the best pending candidate c becomes buffer row n -> (c, size, n + 1)
+    c, size = _pop(heap, size, c_prob)
     tok[n], par[n], prob[n], cell[n] = c_tok[c], c_par[c], c_prob[c], c_cell[c]
-    return n + 1
+    return c, size, n + 1
 
 
 # -- sources --------------------------------------------------------------------------------
@@ -131,8 +132,7 @@ def automaton_candidates(states, edges, slots, state, length, t0, source, means,
     # max_levels), each proposing its top-k next tokens at its own match length; then best-first.
     # Candidates below min_prob are never pushed: `select` would drop them anyway.
     state, length = sam_step(states, edges, slots, state, length, t0)
-    cap = len(tok)
-    budget = min(budget, cap - n)
+    budget = min(budget, len(tok) - n)
     if budget <= 0 or length < min_length or state <= 0:
         return n
     pending = budget * (k + 1) + max_levels * k
@@ -151,8 +151,7 @@ def automaton_candidates(states, edges, slots, state, length, t0, source, means,
         ell = states[s, LEN] if s > 0 else 0
     start = n
     while size > 0 and n - start < budget:
-        c, size = _pop(heap, size, c_prob)
-        n = _keep(c, c_tok, c_par, c_prob, c_cell, tok, par, prob, cell, n)
+        c, size, n = _take(heap, size, c_prob, c_tok, c_par, c_cell, tok, par, prob, cell, n)
         if n_c + k <= pending:
             n_c, size = _push_children(states, edges, c_state[c], c_len[c], n - 1, c_prob[c], source, means, k,
                                        min_prob, kid_tok, kid_dst, c_prob, c_tok, c_par, c_state, c_len, c_cell,
@@ -185,8 +184,7 @@ def ngram_candidates(table, context, means, min_length, budget, k, min_prob, tok
     # The entries are read here: fetching them per node through an index/ kernel made this kernel
     # 70% slower (8.0 -> 13.7 us a call for 48 nodes, measured), so only the layout's names cross.
     keys, ctx, order_start, ctx_start, offsets, nxt, counts, totals, max_n = table
-    cap = len(tok)
-    budget = min(budget, cap - n)
+    budget = min(budget, len(tok) - n)
     if budget <= 0:
         return n
     keep = min(len(context), max_n)
@@ -219,11 +217,10 @@ def ngram_candidates(table, context, means, min_length, budget, k, min_prob, tok
         if size == 0 or n - start >= budget:
             return n
         # 3) keep the best pending candidate
-        c, size = _pop(heap, size, c_prob)
+        c, size, n = _take(heap, size, c_prob, c_tok, c_par, c_cell, tok, par, prob, cell, n)
+        node, node_prob = n - 1, c_prob[c]
         node_depth = depth[c_par[c] - start] + 1 if c_par[c] >= 0 else 1
-        depth[n - start] = node_depth
-        node, node_prob = n, c_prob[c]
-        n = _keep(c, c_tok, c_par, c_prob, c_cell, tok, par, prob, cell, n)
+        depth[node - start] = node_depth
 
 
 @njit(cache=True)
@@ -232,8 +229,7 @@ def sa_candidates(data, table, w, p, first, vocab, lo, hi, length, means, min_le
     # (data, table, w, p, first, vocab): a suffix array's kernel arrays; (lo, hi, length): the match
     # once t0 follows (the cursor's peek). Like `automaton_candidates` from one root (no suffix
     # links): a node's range is its pattern's suffixes, its children the runs of next tokens there.
-    cap = len(tok)
-    budget = min(budget, cap - n)
+    budget = min(budget, len(tok) - n)
     if budget <= 0 or length < min_length:
         return n
     pending = (budget + 1) * k
@@ -263,17 +259,15 @@ def sa_candidates(data, table, w, p, first, vocab, lo, hi, length, means, min_le
         if size == 0 or n - start >= budget:
             return n
         # 2) keep the best pending candidate
-        c, size = _pop(heap, size, c_prob)
-        node, node_prob, node_lo, node_hi, ell = n, c_prob[c], c_lo[c], c_hi[c], c_len[c]
-        n = _keep(c, c_tok, c_par, c_prob, c_cell, tok, par, prob, cell, n)
+        c, size, n = _take(heap, size, c_prob, c_tok, c_par, c_cell, tok, par, prob, cell, n)
+        node, node_prob, node_lo, node_hi, ell = n - 1, c_prob[c], c_lo[c], c_hi[c], c_len[c]
 
 
 @njit(cache=True)
 def recycle_candidates(table, t0, means, max_depth, budget, min_prob, tok, par, prob, cell, n):
     # table: [V, k] int32, each token's most likely successors by rank (-1 = unknown). Best-first
     # over (node, rank) with the rank's calibrated chance. Appends up to `budget` rows from n.
-    cap = len(tok)
-    budget = min(budget, cap - n)
+    budget = min(budget, len(tok) - n)
     k = table.shape[1]
     if budget <= 0 or t0 < 0 or t0 >= table.shape[0]:
         return n
@@ -298,9 +292,8 @@ def recycle_candidates(table, t0, means, max_depth, budget, min_prob, tok, par, 
                 n_c += 1
         if size == 0 or n - start >= budget:
             return n
-        c, size = _pop(heap, size, c_prob)
-        node, node_tok, node_prob, node_depth = n, c_tok[c], c_prob[c], c_depth[c]
-        n = _keep(c, c_tok, c_par, c_prob, c_cell, tok, par, prob, cell, n)
+        c, size, n = _take(heap, size, c_prob, c_tok, c_par, c_cell, tok, par, prob, cell, n)
+        node, node_tok, node_prob, node_depth = n - 1, c_tok[c], c_prob[c], c_depth[c]
 
 
 @njit(cache=True)
