@@ -35,6 +35,7 @@ from typing import Any, Callable, ContextManager, NamedTuple
 import numpy as np
 from numba import njit
 
+from samctl.index.best_first import DEPTH, REF, tree_buffers, tree_push, tree_take
 from samctl.index.errors import UserError
 from samctl.index.automaton_layout import (COUNT, E_DST, E_NEXT, E_SRC, E_TOK, EDGE_DST, EDGE_TOK, FIRST_END, HEAD,
                                     LAST_END, LEN, LINK, M_BUF, M_DOC_OPEN, M_DOCS, M_EDGES, M_LAST,
@@ -440,47 +441,24 @@ def sam_span_state(states, state, length, span):
 
 
 @njit(cache=True)
-def sam_frequent_tree(states, edges, slots, state, num_nodes, max_depth):
-    """Top continuation prefixes below `state` by occurrence count, best first (REST's tree):
+def sam_frequent_tree(states, edges, state, num_nodes, max_depth):
+    """Top continuation prefixes below `state` by occurrence count, best first (index/best_first.py):
     (tokens [m] int32, parents [m] int32), m <= num_nodes, parents[i] < i, -1 = child of the root.
-
-    A prefix p's count is that of the state reached from `state` by p, and a child never outnumbers
-    its parent: taking candidates best first (ties: the earlier pushed), a node's children pushed
-    when it is taken, yields exactly the top prefixes by count."""
-    out_tok = np.empty(num_nodes, dtype=np.int32)
-    out_par = np.empty(num_nodes, dtype=np.int32)
-    cap = num_nodes * (num_nodes + 1)  # each taken node (and the root) pushes <= num_nodes children
-    c_count = np.empty(cap, dtype=np.int64)
-    c_state = np.empty(cap, dtype=np.int32)
-    c_tok = np.empty(cap, dtype=np.int32)
-    c_par = np.empty(cap, dtype=np.int32)
-    c_depth = np.empty(cap, dtype=np.int32)
-    taken = np.zeros(cap, dtype=np.bool_)
-    n_cand = 0
-    node, node_state, depth, m = -1, state, 0, 0
+    A prefix's count is that of the state it reaches from `state`."""
+    out_tok, out_par, cand, taken = tree_buffers(num_nodes)
+    kid_tok = np.empty(num_nodes, dtype=np.int32)
+    kid_dst = np.empty(num_nodes, dtype=np.int32)
+    n_cand, m, node_state, depth = 0, 0, state, 0
     while m < num_nodes:
-        # 1) push the children of the node just taken (first: of the root), unless at max depth
+        # 1) push the children of node m - 1, just taken (first: of the root), unless at max depth
         if depth < max_depth:
-            kid_tok, kid_cnt = sam_topk_next(states, edges, node_state, num_nodes - m)
-            for j in range(len(kid_tok)):
-                c_count[n_cand] = kid_cnt[j]
-                c_tok[n_cand] = kid_tok[j]
-                # the out-edge exists, so the step takes it without following a suffix link
-                c_state[n_cand] = sam_step(states, edges, slots, node_state, states[node_state, LEN], kid_tok[j])[0]
-                c_par[n_cand] = node
-                c_depth[n_cand] = depth + 1
-                n_cand += 1
-        # 2) take the most frequent candidate (a linear scan: <= 64 * 65 candidates, tiny)
-        best = -1
-        for c in range(n_cand):
-            if not taken[c] and (best < 0 or c_count[c] > c_count[best]):
-                best = c
+            for j in range(sam_topk_children(states, edges, node_state, num_nodes - m, kid_tok, kid_dst)):
+                n_cand = tree_push(cand, n_cand, states[kid_dst[j], COUNT], kid_dst[j], kid_tok[j], m - 1, depth + 1)
+        # 2) take the most frequent candidate
+        best = tree_take(cand, taken, n_cand, out_tok, out_par, m)
         if best < 0:
             break
-        taken[best] = True
-        out_tok[m] = c_tok[best]
-        out_par[m] = c_par[best]
-        node, node_state, depth = m, c_state[best], c_depth[best]
+        node_state, depth = cand[REF, best], cand[DEPTH, best]
         m += 1
     return out_tok[:m], out_par[:m]
 

@@ -46,9 +46,9 @@ class _AutomatonTree:
 
     def tree(self, handle, length: int, span: int, num_nodes: int, max_depth: int) -> tuple[np.ndarray, np.ndarray]:
         # the suffix of length `span` is the match's state, or the ancestor whose length range holds span
-        states, edges, slots, state = self.at(handle)
+        states, edges, _, state = self.at(handle)
         state = sam_span_state(states, state, length, span)
-        return sam_frequent_tree(states, edges, slots, state, num_nodes, max_depth)
+        return sam_frequent_tree(states, edges, state, num_nodes, max_depth)
 
 
 class AutomatonCursor(_AutomatonTree):

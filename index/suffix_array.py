@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
+from samctl.index.best_first import CNT, DEPTH, REF, tree_buffers, tree_push, tree_take
 from samctl.index.datastore import DirectoryStore, StoreMeta, parse_meta
 from samctl.index.lookup import Lookup
 from samctl.index.sa_layout import FILES
@@ -347,38 +348,22 @@ def sa_topk_next(data, table, w, p, first, vocab, lo, hi, offset, k):
 @njit(cache=True)
 def sa_tree(data, table, w, p, first, vocab, lo, hi, length, num_nodes, max_depth):
     """Top continuation prefixes after the match (lo, hi, length) by count, best first: the same
-    tree as the automaton's `sam_frequent_tree`, by the same argument."""
-    out_tok = np.empty(num_nodes, dtype=np.int32)
-    out_par = np.empty(num_nodes, dtype=np.int32)
-    cap = num_nodes * (num_nodes + 1)
-    c_lo = np.empty(cap, dtype=np.int64)
-    c_hi = np.empty(cap, dtype=np.int64)
-    c_tok = np.empty(cap, dtype=np.int32)
-    c_par = np.empty(cap, dtype=np.int32)
-    c_depth = np.empty(cap, dtype=np.int32)
-    taken = np.zeros(cap, dtype=np.bool_)
+    tree as the automaton's `sam_frequent_tree`, by the same argument (index/best_first.py)."""
+    out_tok, out_par, cand, taken = tree_buffers(num_nodes)
     kid_tok = np.empty(num_nodes, dtype=np.int32)
     kid_lo = np.empty(num_nodes, dtype=np.int64)
     kid_hi = np.empty(num_nodes, dtype=np.int64)
-    n_cand = 0
-    node, node_lo, node_hi, depth, m = -1, lo, hi, 0, 0
+    n_cand, m, node_lo, node_hi, depth = 0, 0, lo, hi, 0
     while m < num_nodes:
         if depth < max_depth:
             kids = sa_children(data, table, w, p, first, vocab, node_lo, node_hi, length + depth, num_nodes - m,
                                kid_tok, kid_lo, kid_hi)
             for j in range(kids):
-                c_tok[n_cand], c_lo[n_cand], c_hi[n_cand] = kid_tok[j], kid_lo[j], kid_hi[j]
-                c_par[n_cand], c_depth[n_cand] = node, depth + 1
-                n_cand += 1
-        best = -1
-        for c in range(n_cand):
-            if not taken[c] and (best < 0 or c_hi[c] - c_lo[c] > c_hi[best] - c_lo[best]):
-                best = c
+                n_cand = tree_push(cand, n_cand, kid_hi[j] - kid_lo[j], kid_lo[j], kid_tok[j], m - 1, depth + 1)
+        best = tree_take(cand, taken, n_cand, out_tok, out_par, m)
         if best < 0:
             break
-        taken[best] = True
-        out_tok[m], out_par[m] = c_tok[best], c_par[best]
-        node, node_lo, node_hi, depth = m, c_lo[best], c_hi[best], c_depth[best]
+        node_lo, node_hi, depth = cand[REF, best], cand[REF, best] + cand[CNT, best], cand[DEPTH, best]
         m += 1
     return out_tok[:m], out_par[:m]
 
