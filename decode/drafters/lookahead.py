@@ -302,6 +302,10 @@ class RemembersPool(Drafter):
     keeps_memory = True
     _before: tuple | None = None  # the pool's snapshot at `start` when not remembering
 
+    def _begin(self) -> None:
+        # at `start`: what `finish` restores when not remembering
+        self._before = None if self.remember else self.pool.snapshot()
+
     def finish(self, output: np.ndarray) -> None:
         self.deferred.flush(self.pool)
         if self._before is not None:
@@ -339,7 +343,7 @@ class LookaheadDrafter(RemembersPool):
 
     def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor | None) -> None:
         prompt = np.asarray(prompt, dtype=np.int32)
-        self._before = None if self.remember else self.pool.snapshot()
+        self._begin()
         self.deferred.flush(self.pool)
         if self.config.pool_text:
             self.pool.learn_text(prompt)

@@ -50,7 +50,7 @@ class OuroborosDrafter(RemembersPool, DraftsTogether):
         self.forwards = 0  # draft forwards, for reports
 
     def start(self, prompt: np.ndarray, prompt_logits: torch.Tensor | None) -> None:
-        self._before = None if self.remember else self.pool.snapshot()
+        self._begin()
         self.history = np.asarray(prompt, dtype=np.int64).copy()
         if self.pool_text:
             self.pool.learn_text(self.history)
