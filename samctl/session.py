@@ -260,10 +260,10 @@ class Session:
         itself, so the drafter takes the timed runs' paths, with a throwaway drafter, because warming
         the kept one would teach it (Token Recycle, memories) this very prompt."""
         self.warm = True
-        drafter = self.fresh_drafter()
+        drafter, warm = self.fresh_drafter(), self._warm_config()
         for _ in range(2):  # the second run drafts from what the first taught it: other kernels, or other types
-            decode_generate(self.engine.target, drafter, ids, self._warm_config())
-        decode_generate(self.engine.target, NoDraft(), ids, self._warm_config())
+            decode_generate(self.engine.target, drafter, ids, warm)
+        decode_generate(self.engine.target, NoDraft(), ids, warm)
 
     def _warm_config(self) -> GenerationConfig:
         return GenerationConfig(max_new_tokens=WARM_UP_TOKENS, eos_token_ids=(), sampling=self.config.sampling)
@@ -292,7 +292,7 @@ class Session:
         for k in range(1, runs):  # odd rounds run plain decoding first
             plain = self.generate(ids, drafter=NoDraft()) if k % 2 else None
             method = self.generate(ids, drafter=self.fresh_drafter())
-            rounds.append((method, plain or self.generate(ids, drafter=NoDraft())))
+            rounds.append((method, plain if plain is not None else self.generate(ids, drafter=NoDraft())))
         reference = rounds[0][1].tokens
         diffs = [first_difference(r.tokens, reference) for pair in rounds for r in pair]
         first_diff = next((d for d in diffs if d is not None), None)
