@@ -49,6 +49,15 @@ def _serve(app, ready: bool = True) -> tuple:
     return server, url
 
 
+def _listens(url: str) -> bool:
+    host, port = url.removeprefix("http://").split(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except ConnectionRefusedError:
+        return False
+    return True
+
+
 @pytest.fixture(scope="module")
 def served(model_dir):
     """(session, base URL, client, app) of a server on a free local port, 4 rows in its batch."""
@@ -551,7 +560,11 @@ def test_shutdown_finishes_the_request_in_flight():
     client.start()
     assert session.entered.wait(30)
     server.should_exit = True
-    time.sleep(0.2)  # let the shutdown begin while the request is still generating
+    # the shutdown begins (uvicorn stops listening first) while the request is still generating
+    deadline = time.monotonic() + 30
+    while _listens(url) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not _listens(url), "the server did not begin its shutdown"
     session.gate.set()
     client.join(60)
     server_thread = server.thread
