@@ -206,26 +206,37 @@ def test_missing_draft_or_head_is_a_user_error(tiny_llama):
 @pytest.mark.parametrize("draft_vocab", [5, 3])
 def test_speculative_accept_first_token_follows_p(draft_vocab):
     """One drafted token x ~ q: the emitted token (x if accepted, else the residual draw) ~ p,
-    also when the draft's vocabulary is smaller than the target's."""
+    also when the draft's vocabulary is smaller than the target's. The same check rejects the
+    planted q rules that change the first token (tests/planted.py): it can tell."""
+    from tests.planted import _spec_rule
+
     torch.manual_seed(0)
-    vocab, n = 5, 12000
+    vocab = 5
     logits = torch.randn(2, vocab) * 1.5
     sampling = SamplingConfig(temperature=1.0)
     p = warp_probs(logits, sampling)[0]
     q = torch.softmax(torch.randn(1, draft_vocab) * 1.5, -1)
-    generator = torch.Generator().manual_seed(1)
-    counts = np.zeros(vocab)
-    accepted = 0
-    for _ in range(n):
-        x = torch.multinomial(q, 1, generator=generator)[0]
-        tree = DraftTree.chain(x, q=q)
-        path, bonus, _ = speculative_accept(logits, tree, torch.cat((torch.tensor([0]), x)), sampling, generator)
-        first = int(x) if len(path) == 2 else bonus
-        counts[first] += 1
-        accepted += len(path) - 1
-    expected = p.double().numpy() / p.double().sum().item() * n
-    assert chisquare(counts, expected).pvalue > 1e-3, (counts, expected)
+
+    def fit(rule, n: int) -> tuple[float, int]:
+        generator = torch.Generator().manual_seed(1)
+        counts = np.zeros(vocab)
+        accepted = 0
+        for _ in range(n):
+            x = torch.multinomial(q, 1, generator=generator)[0]
+            tree = DraftTree.chain(x, q=q)
+            path, bonus, _ = rule(logits, tree, torch.cat((torch.tensor([0]), x)), sampling, generator)
+            first = int(x) if len(path) == 2 else bonus
+            counts[first] += 1
+            accepted += len(path) - 1
+        expected = p.double().numpy() / p.double().sum().item() * n
+        return chisquare(counts, expected).pvalue, accepted
+
+    n = 12000
+    p_value, accepted = fit(speculative_accept, n)
+    assert p_value > 1e-3, p_value
     assert 0 < accepted < n
+    for bug in ("redraw", "residual"):  # shared_u and bonus leave a one-token chain's first token alone
+        assert fit(_spec_rule(bug), 3000)[0] < 1e-6, bug
 
 
 def test_speculative_accept_edges():
