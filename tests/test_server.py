@@ -118,8 +118,9 @@ def test_greedy_chat_equals_samctl_generate_streamed_or_not(served, model_dir):
     usage = answer.usage
     assert usage.completion_tokens == len(plain_tokens)
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-    assert usage.model_extra["num_accepted_draft_tokens"] <= usage.model_extra["num_draft_tokens"]
-    assert usage.model_extra["mean_acceptance_length"] >= 1.0
+    # drafts were accepted (the answer repeats itself): equality shows verification at work
+    assert 0 < usage.model_extra["num_accepted_draft_tokens"] <= usage.model_extra["num_draft_tokens"]
+    assert usage.model_extra["mean_acceptance_length"] > 1.0
 
     chunks = list(client.chat.completions.create(model=session.engine.name, messages=QUESTION, stream=True,
                                                  stream_options={"include_usage": True}))
