@@ -70,6 +70,7 @@ def test_greedy_equals_generate(tiny_model_dir, method, backend):
     # hf: equal to transformers' own greedy generate; native: to the native forward's plain
     # decoding (`ar`), the backend's own greedy (native against hf: tests/test_native.py)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    accepted: dict[str, int] = {}  # draft tokens accepted, per store kind over the prompts
     for prompt in prompts(model.config.vocab_size):
         expected = hf_greedy(model, prompt, 80, eos=None) if backend == "hf" else \
             run(model, "ar", prompt, 80, backend="native").tokens
@@ -85,6 +86,13 @@ def test_greedy_equals_generate(tiny_model_dir, method, backend):
             result = run(model, method, prompt, 80, static=store, backend=backend)
             assert result.tokens == expected, (method, prompt, store is not None)
             assert result.metrics.new_tokens == 80 and result.finish_reason == "length"
+            kind = type(store).__name__
+            accepted[kind] = accepted.get(kind, 0) + result.metrics.accepted
+    # equality proves nothing of verification if no draft was ever accepted: every method that
+    # drafts had drafts accepted, and many from a store holding the answer (ar drafts nothing)
+    for kind, count in accepted.items():
+        floor = -1 if method == "ar" else 0 if kind == "NoneType" else 60
+        assert count > floor and (count == 0) == (method == "ar"), (method, kind, accepted)
 
 
 @pytest.mark.parametrize("method", METHODS + EAGLE_METHODS)

@@ -407,10 +407,15 @@ def test_warping_matches_transformers():
 def test_fixed_seed_is_reproducible():
     model = CopyLM(vocab=VOCAB, peak=PEAK)
     target = TargetModel(model)
-    config = GenerationConfig(max_new_tokens=20, sampling=SamplingConfig(temperature=1.0, seed=7))
-    runs = [generate(target, make_drafter("sam+recycle", vocab_size=VOCAB, device=target.device, config=CONFIG),
-                     list(PROMPT), config).tokens for _ in range(2)]
-    assert runs[0] == runs[1]
+
+    def sample(seed: int) -> list[int]:
+        config = GenerationConfig(max_new_tokens=20, sampling=SamplingConfig(temperature=1.0, seed=seed))
+        return generate(target, make_drafter("sam+recycle", vocab_size=VOCAB, device=target.device, config=CONFIG),
+                        list(PROMPT), config).tokens
+
+    # the same seed, the same tokens; another seed, others (a run that ignored the seed and
+    # decoded greedily would pass the first half alone)
+    assert sample(7) == sample(7) != sample(8)
 
 
 def test_argmax_rows_is_torch_argmax():

@@ -48,6 +48,22 @@ def drafter_for(method: str, target_model, draft_model, gamma: int = 4, sampling
     return drafter, draft
 
 
+def near_draft(model, vocab: int | None = None, scale: float = 0.5, seed: int = 1):
+    """A draft that agrees with `model` often, not always: its copy with noise on the head (and,
+    given `vocab`, rows added to the vocabulary). An unrelated random draft has every draft
+    rejected, and then greedy equality shows nothing of acceptance or the draft cache's rollback."""
+    import copy
+
+    draft = copy.deepcopy(model).eval()
+    if vocab is not None and vocab != draft.config.vocab_size:
+        draft.resize_token_embeddings(vocab, mean_resizing=False)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head = draft.lm_head.weight
+        head.add_(torch.randn(head.shape, generator=generator) * head.std() * scale)
+    return draft
+
+
 def run(target_model, drafter, prompt, max_new_tokens, eos=(), sampling=SamplingConfig()):
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos, sampling=sampling)
     return generate(TargetModel(target_model), drafter, prompt, config)
@@ -97,28 +113,32 @@ class CacheChecked(Drafter):
 @pytest.mark.parametrize("method,gamma", [("sd", 1), ("sd", 5), ("specdec++", 4), ("sam+draft", 4)])
 def test_greedy_equals_generate(tiny_model_dir, method, gamma):
     target_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    draft_model = _tiny("llama", vocab=96, seed=1).eval()
+    draft_model = near_draft(target_model)
     for prompt in prompts(target_model.config.vocab_size)[:2]:
         expected = hf_greedy(target_model, prompt, 60, eos=None)
         drafter, draft = drafter_for(method, target_model, draft_model, gamma)
         checked = CacheChecked(drafter, draft)
         result = run(target_model, checked, prompt, 60)
         assert result.tokens == expected, (method, gamma, prompt)
-        assert result.metrics.new_tokens == 60 and result.metrics.drafted > 0 and checked.checks > 0
+        m = result.metrics
+        assert m.new_tokens == 60 and checked.checks > 0
+        assert 0 < m.accepted < m.drafted, m.to_dict()  # drafts accepted and rejected: both paths checked
 
 
 @pytest.mark.parametrize("draft_vocab", [96, 112])
 def test_greedy_with_another_draft_vocabulary(tiny_llama, draft_vocab):
-    draft_model = _tiny("llama", vocab=draft_vocab, seed=2).eval()
+    draft_model = near_draft(tiny_llama, vocab=draft_vocab)
     prompt = prompts(96)[0]
     expected = hf_greedy(tiny_llama, prompt, 60, eos=None)
     drafter, _ = drafter_for("sd", tiny_llama, draft_model, gamma=4)
-    assert run(tiny_llama, drafter, prompt, 60).tokens == expected
+    result = run(tiny_llama, drafter, prompt, 60)
+    assert result.tokens == expected
+    assert 0 < result.metrics.accepted < result.metrics.drafted, result.metrics.to_dict()
 
 
 @pytest.mark.parametrize("method", DRAFT_METHODS)
 def test_eos_and_max_tokens_edges(tiny_llama, method):
-    draft_model = _tiny("llama", vocab=96, seed=1).eval()
+    draft_model = near_draft(tiny_llama)
     prompt = prompts(96)[0]
     expected = hf_greedy(tiny_llama, prompt, 60, eos=None)
     eos = expected[17]
@@ -157,7 +177,7 @@ def test_self_draft_accepts_everything_and_feeds_each_token_once(tiny_llama):
 
 
 def test_rejected_drafts_are_the_only_tokens_dropped(tiny_llama):
-    draft_model = _tiny("llama", vocab=96, seed=1).eval()
+    draft_model = near_draft(tiny_llama)  # some drafts accepted: rollbacks keep a prefix of the draft
     prompt = prompts(96)[0]
     for method in (m for m in DRAFT_METHODS if m != "ouroboros"):  # it drafts through its own engine
         drafter, draft = drafter_for(method, tiny_llama, draft_model, gamma=5)
@@ -206,26 +226,37 @@ def test_missing_draft_or_head_is_a_user_error(tiny_llama):
 @pytest.mark.parametrize("draft_vocab", [5, 3])
 def test_speculative_accept_first_token_follows_p(draft_vocab):
     """One drafted token x ~ q: the emitted token (x if accepted, else the residual draw) ~ p,
-    also when the draft's vocabulary is smaller than the target's."""
+    also when the draft's vocabulary is smaller than the target's. The same check rejects the
+    planted q rules that change the first token (tests/planted.py): it can tell."""
+    from tests.planted import _spec_rule
+
     torch.manual_seed(0)
-    vocab, n = 5, 12000
+    vocab = 5
     logits = torch.randn(2, vocab) * 1.5
     sampling = SamplingConfig(temperature=1.0)
     p = warp_probs(logits, sampling)[0]
     q = torch.softmax(torch.randn(1, draft_vocab) * 1.5, -1)
-    generator = torch.Generator().manual_seed(1)
-    counts = np.zeros(vocab)
-    accepted = 0
-    for _ in range(n):
-        x = torch.multinomial(q, 1, generator=generator)[0]
-        tree = DraftTree.chain(x, q=q)
-        path, bonus, _ = speculative_accept(logits, tree, torch.cat((torch.tensor([0]), x)), sampling, generator)
-        first = int(x) if len(path) == 2 else bonus
-        counts[first] += 1
-        accepted += len(path) - 1
-    expected = p.double().numpy() / p.double().sum().item() * n
-    assert chisquare(counts, expected).pvalue > 1e-3, (counts, expected)
+
+    def fit(rule, n: int) -> tuple[float, int]:
+        generator = torch.Generator().manual_seed(1)
+        counts = np.zeros(vocab)
+        accepted = 0
+        for _ in range(n):
+            x = torch.multinomial(q, 1, generator=generator)[0]
+            tree = DraftTree.chain(x, q=q)
+            path, bonus, _ = rule(logits, tree, torch.cat((torch.tensor([0]), x)), sampling, generator)
+            first = int(x) if len(path) == 2 else bonus
+            counts[first] += 1
+            accepted += len(path) - 1
+        expected = p.double().numpy() / p.double().sum().item() * n
+        return chisquare(counts, expected).pvalue, accepted
+
+    n = 12000
+    p_value, accepted = fit(speculative_accept, n)
+    assert p_value > 1e-3, p_value
     assert 0 < accepted < n
+    for bug in ("redraw", "residual"):  # shared_u and bonus leave a one-token chain's first token alone
+        assert fit(_spec_rule(bug), 3000)[0] < 1e-6, bug
 
 
 def test_speculative_accept_edges():

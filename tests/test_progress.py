@@ -1,6 +1,8 @@
 """Progress on stderr: periodic plain lines when stderr is not a terminal, nothing when quiet."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from samctl import progress
@@ -38,14 +40,32 @@ def test_quiet_and_short_runs_print_nothing(capsys, monkeypatch):
     assert capsys.readouterr().err == ""
 
 
+def _lines_printed(bar, n: int) -> threading.Event:
+    """An event set once the bar has printed n periodic lines: the test waits on what it checks,
+    not on a sleep that a busy machine can outlast."""
+    printed, line = threading.Event(), bar._line
+    count = [0]
+
+    def counted(*args, **kwargs):
+        line(*args, **kwargs)
+        count[0] += 1
+        if count[0] >= n:
+            printed.set()
+
+    bar._line = counted
+    return printed
+
+
 def test_heartbeat_prints_while_a_long_step_runs_without_updates(monkeypatch, capsys):
     import time
 
     monkeypatch.setattr(progress, "LINE_PERIOD_S", 0.05)
     reached = iter(range(100, 10_000, 100))
     with progress.progress_bar("building", "token", quiet=False, total=10_000) as bar:
+        printed = _lines_printed(bar, 2)
         with bar.heartbeat(lambda: next(reached)):
-            time.sleep(0.5)  # a kernel that releases the GIL, as the automaton build does
+            # a kernel that releases the GIL, as the automaton build does: only the heartbeat prints
+            assert printed.wait(30), "the heartbeat printed no lines"
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) >= 3 and all(line.startswith("samctl: building: ") for line in lines)
     counts = [int(line.split(": ")[2].split("/")[0]) for line in lines[:-1]]
@@ -56,12 +76,11 @@ def test_heartbeat_prints_while_a_long_step_runs_without_updates(monkeypatch, ca
 
 
 def test_a_step_that_cannot_count_says_it_is_working_not_zero(monkeypatch, capsys):
-    import time
-
     monkeypatch.setattr(progress, "LINE_PERIOD_S", 0.05)
     with progress.progress_bar("building the suffix array", "token", quiet=False, total=10_000) as bar:
+        printed = _lines_printed(bar, 1)
         with bar.heartbeat():
-            time.sleep(0.3)  # a subprocess sorting: nothing to count
+            assert printed.wait(30), "the heartbeat printed no line"  # a subprocess sorting: nothing to count
         bar.update(10_000 - bar.done)
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) >= 2 and all(": 0/" not in line and "0.00" not in line for line in lines), lines

@@ -288,3 +288,7 @@ def test_nucleus_reference_samples_and_is_reproducible(tiny_model_dir):
                                                                               sampling=sampling)))
     assert runs[0].tokens == runs[1].tokens and len(runs[0].tokens) == 30
     assert runs[0].metrics.drafted > 0
+    # it samples: greedy decoding gives other tokens (one seed's runs agreeing would not show it)
+    drafter = make_drafter("sdsat-nucleus-reference", vocab_size=96, device=target.device, target=target,
+                           sampling=SamplingConfig())
+    assert generate(target, drafter, [5, 6, 7, 8], GenerationConfig(max_new_tokens=30)).tokens != runs[0].tokens

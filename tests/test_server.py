@@ -49,6 +49,15 @@ def _serve(app, ready: bool = True) -> tuple:
     return server, url
 
 
+def _listens(url: str) -> bool:
+    host, port = url.removeprefix("http://").split(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except ConnectionRefusedError:
+        return False
+    return True
+
+
 @pytest.fixture(scope="module")
 def served(model_dir):
     """(session, base URL, client, app) of a server on a free local port, 4 rows in its batch."""
@@ -109,8 +118,9 @@ def test_greedy_chat_equals_samctl_generate_streamed_or_not(served, model_dir):
     usage = answer.usage
     assert usage.completion_tokens == len(plain_tokens)
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-    assert usage.model_extra["num_accepted_draft_tokens"] <= usage.model_extra["num_draft_tokens"]
-    assert usage.model_extra["mean_acceptance_length"] >= 1.0
+    # drafts were accepted (the answer repeats itself): equality shows verification at work
+    assert 0 < usage.model_extra["num_accepted_draft_tokens"] <= usage.model_extra["num_draft_tokens"]
+    assert usage.model_extra["mean_acceptance_length"] > 1.0
 
     chunks = list(client.chat.completions.create(model=session.engine.name, messages=QUESTION, stream=True,
                                                  stream_options={"include_usage": True}))
@@ -551,7 +561,11 @@ def test_shutdown_finishes_the_request_in_flight():
     client.start()
     assert session.entered.wait(30)
     server.should_exit = True
-    time.sleep(0.2)  # let the shutdown begin while the request is still generating
+    # the shutdown begins (uvicorn stops listening first) while the request is still generating
+    deadline = time.monotonic() + 30
+    while _listens(url) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not _listens(url), "the server did not begin its shutdown"
     session.gate.set()
     client.join(60)
     server_thread = server.thread

@@ -53,6 +53,8 @@ def test_sampling_settings_reach_the_generation(model_dir):
     again = session.generate("hello hello")
     assert first.tokens == again.tokens  # one seed, one sample
     assert session.generation.sampling == sampling
+    # ... and a sample, not the argmax (a session that dropped its sampling would pass the above)
+    assert first.tokens != session.generate("hello hello", sampling=SamplingConfig()).tokens
 
 
 def test_readme_python_api_example_runs_as_written(capsys):

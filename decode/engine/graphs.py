@@ -168,6 +168,9 @@ class BatchVerifyGraphs:
                 return None
         r = next(b for b in self.rows if b >= rows)
         w = next(b for b in self.widths if b >= q)
+        # padding rows write behind their own committed entries: a draft model's batch verifies
+        # rows 0..max(row) of its forks, so a row past those may hold a live fork's cache
+        past = np.concatenate((past, target.lengths[rows:r]))
         keys = next(b for b in self.buckets if b >= int(past.max()) + w)
         inputs = self._inputs[(r, w)]
         inputs.ids.zero_()
@@ -176,7 +179,7 @@ class BatchVerifyGraphs:
         vis_pad[:rows, :q, :q] = visible
         inputs.rel.copy_(to_device(np.pad(rel, ((0, r - rows), (0, w - q))), target.device))
         inputs.visible.copy_(to_device(vis_pad, target.device))
-        inputs.past.copy_(to_device(np.pad(past, (0, r - rows)), target.device))
+        inputs.past.copy_(to_device(past, target.device))
         g = self.graphs[(r, w, keys)]
         g.replay()
         self.replays += 1
