@@ -373,21 +373,6 @@ def sam_continuation_span(states, buf, n_buf, state, n, end_col):
 
 
 @njit(cache=True)
-def sam_climb(states, buf, n_buf, state, n, end_col):
-    """state, or the nearest of its suffix-link ancestors below the root whose occurrence has n
-    tokens after it; where none has, the one with the most (SAM-Decoding's to_anc)."""
-    best, most = state, -1
-    while state > 0:
-        start, stop = sam_continuation_span(states, buf, n_buf, state, n, end_col)
-        if stop - start > most:
-            best, most = state, stop - start
-            if most >= n:
-                break
-        state = states[state, LINK]
-    return best
-
-
-@njit(cache=True)
 def sam_topk_children(states, edges, state, k, out_tok, out_dst):
     """The (up to) k out-edges of state with the largest destination counts, into out_*, by count
     descending then token ascending; returns how many. O(degree * k)."""
@@ -774,10 +759,6 @@ class SuffixAutomaton:
         document: a view into the token buffer, copy it before modifying."""
         start, stop = sam_continuation_span(self._states, self._buf, self._meta[M_BUF], state, n, self._end_col)
         return self._buf[start:stop]
-
-    def climb(self, state: int, n: int) -> int:
-        """The state whose continuation has n tokens: state or its nearest suffix-link ancestor."""
-        return int(sam_climb(self._states, self._buf, self._meta[M_BUF], state, n, self._end_col))
 
     def topk_next(self, state: int, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The k most frequent next tokens of state and their counts ([m] int32 each)."""

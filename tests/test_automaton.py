@@ -317,23 +317,3 @@ def test_appended_to_nothing_and_bad_input() -> None:
     assert np.array_equal(grown.to_arrays()["states"], SuffixAutomaton.build(*concat(docs)).to_arrays()["states"])
     with pytest.raises(UserError):
         grown.appended(np.array([-3], dtype=np.int32), np.array([0, 1]))
-
-
-def test_climb_takes_the_nearest_ancestor_with_a_long_enough_continuation() -> None:
-    rng = np.random.default_rng(77)
-    for _ in range(200):
-        docs = random_docs(rng, n_docs=1, max_len=40)
-        for occurrence in ("first", "latest"):
-            sam = SuffixAutomaton.from_arrays(SuffixAutomaton.build(*concat(docs)).to_arrays(), occurrence=occurrence)
-            links = sam.to_arrays()["states"][:, LINK]
-            for state in range(1, sam.num_states):
-                n = int(rng.integers(1, 12))
-                chain, s = [], state
-                while s > 0:
-                    chain.append(s)
-                    s = int(links[s])
-                lengths = [len(sam.continuation(s, n)) for s in chain]
-                enough = [s for s, m in zip(chain, lengths) if m >= n]
-                expected = enough[0] if enough else chain[lengths.index(max(lengths))]
-                assert sam.climb(state, n) == expected
-

@@ -155,13 +155,3 @@ def test_unknown_method_is_a_user_error():
 
     with pytest.raises(UserError, match="unknown method"):
         make_drafter("nope", vocab_size=10, device=torch.device("cpu"))
-
-
-def test_sam_drafts_repeated_text_from_an_earlier_occurrence() -> None:
-    """The longest match of repeated text ends where the text ends: the draft comes from a shorter
-    match whose occurrence has tokens after it, as SAM-Decoding's to_anc does (it drafted nothing)."""
-    for text in ([7] * 12, [7, 8] * 6, [7, 8, 9] * 4):
-        drafter = make_drafter("sam", vocab_size=16, device=torch.device("cpu"), config=EAGER)
-        drafter.start(np.asarray(text[:-1], dtype=np.int64), torch.zeros(1, 16))
-        draft = drafter.propose(text[-1]).tokens.tolist()
-        assert len(draft) >= 8 and draft == (text * 3)[len(text):len(text) + len(draft)], (text, draft)

@@ -7,9 +7,7 @@ datastore's cursor (index/cursor.py). Each step (t0 = the pending token):
     m_dyn, m_st = matches after a non-mutating step on t0
     if m_dyn >= dyn_threshold or m_st >= dyn_threshold + static_bias:
         chain of min(max_draft, alpha * m) tokens after the occurrence, from the dynamic automaton
-        when m_dyn >= m_st - static_bias (where the match's occurrence has fewer tokens after it,
-        from its nearest suffix-link ancestor's that has them: repeated text ends at the match's
-        occurrence), else from the static store
+        when m_dyn >= m_st - static_bias, else from the static store
     else: the fallback drafter's tree (Token Recycle, a draft model) or no draft.
 The fallback observes every step, so it keeps learning (an EAGLE head's features stay current).
 """
@@ -86,8 +84,7 @@ class SamDrafter(Drafter):
         if max(m_dyn, m_st_biased) < cfg.dyn_threshold:
             return np.zeros(0, dtype=np.int32), "none"
         if m_dyn >= m_st_biased:
-            n = self._length(m_dyn)
-            return self.dynamic.continuation(self.dynamic.climb(dyn_state, n), n), "dynamic"
+            return self.dynamic.continuation(dyn_state, self._length(m_dyn)), "dynamic"
         return self.static.draft(handle, self._length(m_st)), "static"
 
     def _length(self, match: int) -> int:
