@@ -155,3 +155,13 @@ def test_unknown_method_is_a_user_error():
 
     with pytest.raises(UserError, match="unknown method"):
         make_drafter("nope", vocab_size=10, device=torch.device("cpu"))
+
+
+def test_sam_drafts_repeated_text_on_past_its_end() -> None:
+    """The longest match of repeated text ends at or just before the text's end, so its continuation
+    is short or empty: the draft goes on with t0 and itself (it drafted nothing on a constant run)."""
+    for text in ([7] * 12, [7, 8] * 6, [7, 8, 9] * 4, [1, 2, 3, 4, 5, 6, 7] * 2):
+        drafter = make_drafter("sam", vocab_size=16, device=torch.device("cpu"), config=EAGER)
+        drafter.start(np.asarray(text[:-1], dtype=np.int64), torch.zeros(1, 16))
+        draft = drafter.propose(text[-1]).tokens.tolist()
+        assert len(draft) >= 8 and draft == (text * 9)[len(text):len(text) + len(draft)], (text, draft)

@@ -7,7 +7,8 @@ datastore's cursor (index/cursor.py). Each step (t0 = the pending token):
     m_dyn, m_st = matches after a non-mutating step on t0
     if m_dyn >= dyn_threshold or m_st >= dyn_threshold + static_bias:
         chain of min(max_draft, alpha * m) tokens after the occurrence, from the dynamic automaton
-        when m_dyn >= m_st - static_bias, else from the static store
+        when m_dyn >= m_st - static_bias (where the continuation runs into the end of the text,
+        the draft goes on with t0 and itself: repeated text), else from the static store
     else: the fallback drafter's tree (Token Recycle, a draft model) or no draft.
 The fallback observes every step, so it keeps learning (an EAGLE head's features stay current).
 """
@@ -84,8 +85,16 @@ class SamDrafter(Drafter):
         if max(m_dyn, m_st_biased) < cfg.dyn_threshold:
             return np.zeros(0, dtype=np.int32), "none"
         if m_dyn >= m_st_biased:
-            return self.dynamic.continuation(dyn_state, self._length(m_dyn)), "dynamic"
+            return self._dynamic_draft(dyn_state, t0, self._length(m_dyn)), "dynamic"
         return self.static.draft(handle, self._length(m_st)), "static"
+
+    def _dynamic_draft(self, state: int, t0: int, n: int) -> np.ndarray:
+        head = self.dynamic.continuation(state, n)
+        if len(head) == n or self.dynamic.end_position(state) + 1 + len(head) < len(self.dynamic.tokens):
+            return head
+        # the occurrence's continuation runs into the text's end, which t0 and then the draft
+        # itself follow: the text repeats with period len(head) + 1
+        return np.resize(np.append(head, np.int32(t0)), n)
 
     def _length(self, match: int) -> int:
         return min(self.config.max_draft, int(self.config.alpha * match))
