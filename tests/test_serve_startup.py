@@ -74,13 +74,15 @@ def test_a_measurement_stops_at_its_next_forward(tiny_llama):
         fed.handle.remove()
 
 
-def _slow_verifies(monkeypatch, seconds: float) -> list[int]:
-    # every batched verify sleeps first; -> the list that grows by one per verify
+def _slow_verifies(monkeypatch, seconds: float, gate: threading.Event | None = None) -> list[int]:
+    # every batched verify waits for the gate, if any, and sleeps; -> the list that grows by one per verify
     calls: list[int] = []
     verify = BatchedTarget.verify
 
     def slow(self, inputs, trees):
         calls.append(1)
+        if gate is not None:
+            gate.wait(60)
         time.sleep(seconds)
         return verify(self, inputs, trees)
 
@@ -98,12 +100,14 @@ def test_health_is_starting_until_the_engine_can_serve(model_dir, tmp_path, monk
 
     session = Session(SessionConfig(model=str(model_dir), max_new_tokens=4, threads=1, quiet=True))
     monkeypatch.setenv("SAMCTL_CACHE", str(tmp_path))  # the batched curve is measured, not read
-    calls = _slow_verifies(monkeypatch, 0.05)
+    gate = threading.Event()  # the measurement waits for it: /health is asked before it can end
+    calls = _slow_verifies(monkeypatch, 0.05, gate)
     server, url = _serve(create_app(session, batch_size=3), ready=False)
     try:
         with httpx.Client(base_url=url, timeout=120) as client:
             health = client.get("/health")
             assert health.status_code == 503 and health.text.startswith("starting: ")
+            threading.Timer(0.2, gate.set).start()  # once the request below is (very likely) waiting
             answer = client.post("/v1/completions", json={"model": session.engine.name, "prompt": "The"})
             assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
             assert len(calls) > 3 * 5  # the measurement's verifies (3 rounds of 6 shapes), then the request's
