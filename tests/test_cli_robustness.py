@@ -352,3 +352,10 @@ def test_standard_output_on_a_full_device_is_one_line(model_dir, tmp_path):
                               env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "cannot write to standard output: No space left on device (errno 28)" in proc.stderr
+
+
+def test_batch_output_in_a_missing_folder_is_refused_before_the_model_loads(tmp_path, capsys):
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt": "x"}) + "\n")
+    code, _, err = _main(["generate", "--input", str(tmp_path / "in.jsonl"), "--output",
+                          str(tmp_path / "missing" / "out.jsonl")], capsys)
+    assert code == 2 and err.count("\n") == 1 and "folder" in err and "does not exist" in err, err

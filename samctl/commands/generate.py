@@ -10,6 +10,7 @@ records samctl.records's, `--ray` samctl.cluster's.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import replace
 from typing import IO, Any, Callable, Iterable
@@ -149,8 +150,6 @@ def refuse_foreign_store(store_path: str | None, model: str | None) -> None:
     """Refuse a store built with another tokenizer before any weights load, where the model's
     tokenizer reads cheaply: a model folder, the embedded default, a .gguf already dequantized
     (a sharded store directory, or a .gguf not yet converted, is checked once the model is loaded)."""
-    import os
-
     from samctl.gguf_cache import cached_folder, is_gguf
     from samctl.index.datastore import read_meta
     from samctl.tokenizer import check_store_tokenizer, load_tokenizer
@@ -210,6 +209,10 @@ def _check_batch_options(opts: dict[str, Any]) -> None:
     check_count("--batch-size", opts["batch_size"], MAX_BATCH_SIZE)  # before the model loads
     if opts["resume"] and opts["output_path"] == "-":
         raise UserError("--resume appends to the --output file: give a file, not stdout")
+    if batch and opts["output_path"] != "-":  # before the model loads, not once the batch starts
+        folder = os.path.dirname(os.path.abspath(opts["output_path"]))
+        if not os.path.isdir(folder):
+            raise UserError(f"--output {opts['output_path']}: folder {folder} does not exist: create it or choose another path")
     if opts["ray_address"] is None and (opts["workers"] is not None or opts["gpus_per_worker"] != 0):
         raise UserError("--workers and --gpus-per-worker size the Ray workers: add --ray [ADDRESS]")
     if opts["ray_address"] is not None:
@@ -241,7 +244,10 @@ def _batch_to_output(opts: dict[str, Any], config: SessionConfig,
     if done is not None:
         records = unfinished(records, done, skip)
     # --resume appends (it refuses stdout: _check_batch_options)
-    output = sys.stdout if path == "-" else open(path, "a" if opts["resume"] else "w", encoding="utf-8")
+    try:
+        output = sys.stdout if path == "-" else open(path, "a" if opts["resume"] else "w", encoding="utf-8")
+    except OSError as err:
+        raise UserError(f"cannot write --output {path}: {err.strerror or err}: choose another path") from err
 
     written = 0
     broken: OSError | None = None
