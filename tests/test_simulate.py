@@ -269,3 +269,16 @@ def test_simulate_reports_a_bad_record_and_reads_the_rest(tmp_path, capsys):
     path.write_text(json.dumps(rows[0]) + "\n")
     with pytest.raises(UserError, match="holds no traces"):
         read_traces(path, ByteTokenizer(), False, None, None)
+
+
+def test_simulate_skips_a_line_that_is_not_a_json_object(tmp_path, capsys):
+    from samctl.commands.simulate import read_traces
+    from samctl.tokenizer import ByteTokenizer
+
+    path = tmp_path / "broken.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "output": "b"}) + "\n{not json\n[1, 2]\n"
+                    + json.dumps({"prompt": "c", "output": "d"}) + "\n")
+    traces = read_traces(path, ByteTokenizer(), False, None, None)
+    assert [bytes(t.reference.tolist()).decode() for t in traces] == ["b", "d"]
+    err = capsys.readouterr().err
+    assert "skipped 2 record(s)" in err and "broken.jsonl:2 is not JSON" in err
