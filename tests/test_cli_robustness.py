@@ -359,3 +359,15 @@ def test_batch_output_in_a_missing_folder_is_refused_before_the_model_loads(tmp_
     code, _, err = _main(["generate", "--input", str(tmp_path / "in.jsonl"), "--output",
                           str(tmp_path / "missing" / "out.jsonl")], capsys)
     assert code == 2 and err.count("\n") == 1 and "folder" in err and "does not exist" in err, err
+
+
+def test_memory_save_that_could_not_be_written_is_refused_before_generating(model_dir, tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("not a store")
+    base = ["generate", "--model", str(model_dir), "--prompt", "def f(x):", "--max-new-tokens", "4", "--threads", "1"]
+    for path, message in ((tmp_path / "missing" / "m.sam", "does not exist"),
+                          (tmp_path / "notes.txt", "exists and is not a samctl store")):
+        code, out, err = _main([*base, "--memory-save", str(path)], capsys)
+        assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err
+    assert (tmp_path / "notes.txt").read_text() == "not a store"
+    code, out, err = _main([*base, "--method", "pld", "--memory-save", str(tmp_path / "m.sam")], capsys)
+    assert code == 2 and out == "" and "keeps no memory" in err and not (tmp_path / "m.sam").exists(), err

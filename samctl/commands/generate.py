@@ -21,6 +21,7 @@ from click.core import ParameterSource
 from samctl.config import SessionConfig
 from samctl.decode.methods import PREDICTION_METHODS, method as method_entry
 from samctl.index.errors import UserError
+from samctl.index.store import is_store_file
 from samctl.options import (MAX_BATCH_SIZE, MAX_WORKERS, batch_size, batch_size_option, check_count, ignored_settings,
                             session_options)
 from samctl.plan import plan
@@ -69,6 +70,7 @@ def generate(config: SessionConfig, **opts: Any) -> None:
         raise UserError("give exactly one of --prompt, --prompt-file or --input")
     check_count("--compare-runs", opts["compare_runs"], 1000)
     _check_batch_options(opts)
+    _check_memory_save(opts["memory_save"])
     if opts["compare"] and config.threads is None:
         # Timing both sides on one thread keeps the ratio steady when other processes want the
         # cores (BENCHMARKS.md, "--compare under load"); --threads N still chooses.
@@ -103,6 +105,9 @@ def generate(config: SessionConfig, **opts: Any) -> None:
     from samctl.session import Session
 
     session = Session(config)
+    if opts["memory_save"] and not session.drafter.keeps_memory:  # refused before the run, not after it
+        raise UserError(f"method {config.method} keeps no memory across requests: drop --memory-save, or choose "
+                        "--method adaptive, adaptive+eagle, lookahead or ouroboros")
     if opts["input_file"] is not None:
         size = batch_size(config, opts["batch_size"], on_gpu=session.engine.device.type != "cpu",
                           compare=opts["compare"], memory_save=opts["memory_save"])
@@ -221,6 +226,17 @@ def _check_batch_options(opts: dict[str, Any]) -> None:
         check_count("--workers", opts["workers"], MAX_WORKERS)
         if opts["gpus_per_worker"] < 0:
             raise UserError("--gpus-per-worker must be >= 0")
+
+
+def _check_memory_save(path: str | None) -> None:
+    """Refuse a --memory-save path that the end of the run could not or should not write."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UserError(f"--memory-save {path}: folder {folder} does not exist: create it or choose another path")
+    if os.path.lexists(path) and not is_store_file(path):
+        raise UserError(f"--memory-save {path} exists and is not a samctl store: choose another path")
 
 
 def _batch_to_output(opts: dict[str, Any], config: SessionConfig,
