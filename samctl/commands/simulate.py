@@ -72,6 +72,7 @@ def simulate(config: SessionConfig, max_new_tokens: int | None, **opts: Any) -> 
     methods = parse_methods(opts["methods_spec"] or default_methods, METHODS)
     for method in methods:
         check_replayable(method)
+    cost = CostModel(forward_ms=opts["forward_ms"], token_cost=opts["token_cost"])  # refused before the traces are read
     try:
         traces = read_traces(Path(opts["traces_path"]), tokenizer, config.chat, max_new_tokens, opts["limit"])
     except ForeignTraceIds as err:
@@ -83,7 +84,6 @@ def simulate(config: SessionConfig, max_new_tokens: int | None, **opts: Any) -> 
                         f"rebuild the store with --tokenizer {err.name}, or write the traces with a model that has "
                         f"the store's tokenizer ({tokenizer.name})") from err
     settings = method_config(config.settings)
-    cost = CostModel(forward_ms=opts["forward_ms"], token_cost=opts["token_cost"])
     if opts["cost_curve"]:
         from samctl.costs import read_cost_curve
 
