@@ -376,3 +376,11 @@ def test_memory_save_that_could_not_be_written_is_refused_before_generating(mode
     assert (tmp_path / "notes.txt").read_text() == "not a store"
     code, out, err = _main([*base, "--method", "pld", "--memory-save", str(tmp_path / "m.sam")], capsys)
     assert code == 2 and out == "" and "keeps no memory" in err and not (tmp_path / "m.sam").exists(), err
+
+
+@pytest.mark.parametrize("args, missing", [
+    (["train", "eagle", "--out", "h"], "--model"), (["train", "eagle", "--model", "m"], "--out"),
+    (["train", "sdsat", "--out", "t"], "--model"), (["train", "acc-head", "--out", "h", "--prompts", "p"], "--target")])
+def test_a_trainers_required_option_is_required(args, missing, capsys):
+    code, _, err = _main(args, capsys)  # click >= 8.3 ran on with None where a default of None was passed
+    assert code == 2 and err.count("\n") == 1 and f"Missing option '{missing}'" in err, err
