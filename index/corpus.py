@@ -326,8 +326,10 @@ def _parse_hf_spec(spec: str) -> tuple[str, str | None, str]:
 def _load_hf(spec: str, name: str, config: str | None, split: str):
     try:
         import datasets
+        from huggingface_hub.utils import logging as hub_logging
     except ImportError as err:
         raise UserError(f"reading {spec} needs the datasets package: pip install datasets") from err
+    hub_logging.set_verbosity_error()  # its retry warnings would break the one-line error (samctl says why)
     try:
         if _saved_to_disk(Path(name)):
             loaded = datasets.load_from_disk(name)

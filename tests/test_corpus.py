@@ -242,3 +242,21 @@ def test_prompt_shape_errors_name_the_fields_setting(tmp_path, record, match):
     path.write_text(json.dumps(record) + "\n")
     with pytest.raises(UserError, match=match + r".*name the fields to read with fields=$"):
         list(iter_prompts([str(path)]))
+
+
+def test_hf_hub_retry_warnings_stay_off_stderr(monkeypatch, capfd):
+    datasets = pytest.importorskip("datasets")
+    from huggingface_hub.utils import logging as hub_logging
+
+    def offline(*_args, **_kwargs):
+        hub_logging.get_logger("huggingface_hub.utils._http").warning("'[Errno -2]' thrown while requesting HEAD")
+        raise OSError("Couldn't reach the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    level = hub_logging.get_verbosity()
+    try:
+        with pytest.raises(UserError, match="cannot load dataset 'some/dataset'"):
+            _texts(["hf:some/dataset"])
+    finally:
+        hub_logging.set_verbosity(level)
+    assert "thrown while requesting" not in capfd.readouterr().err
