@@ -153,6 +153,16 @@ def test_records_without_text_are_skipped_and_nested_lists_read(tmp_path, caplog
     assert [d.turns for d in prompts] == [("Who?",), ("kept",)] and len(prompts.counts.skipped_records) == 2
 
 
+def test_a_record_whose_text_field_is_null_is_skipped(tmp_path):
+    # as a field holding a dict: noted and left out, where it ended the whole build
+    path = tmp_path / "nulls.jsonl"
+    path.write_text('{"text": null}\n{"text": "kept"}\n{"prompt": null, "text": null}\n')
+    for reader in (CorpusReader([str(path)]), CorpusReader([str(path)], prompts=True),
+                   CorpusReader([str(path)], fields=("text",))):
+        assert [d.text if not reader.prompts else d.turns for d in reader] in (["kept"], [("kept",)])
+        assert "field 'text' is null, not text" in reader.counts.skipped_records[0]
+
+
 def test_invalid_json_file(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text('[{"text": "a"},')
