@@ -384,3 +384,11 @@ def test_memory_save_that_could_not_be_written_is_refused_before_generating(mode
 def test_a_trainers_required_option_is_required(args, missing, capsys):
     code, _, err = _main(args, capsys)  # click >= 8.3 ran on with None where a default of None was passed
     assert code == 2 and err.count("\n") == 1 and f"Missing option '{missing}'" in err, err
+
+
+def test_a_batch_output_that_is_its_input_is_refused(tmp_path, capsys):
+    batch = tmp_path / "in.jsonl"
+    batch.write_text(json.dumps({"id": "a", "prompt": "x"}) + "\n")
+    code, _, err = _main(["generate", "--input", str(batch), "--output", str(tmp_path / "." / "in.jsonl")], capsys)
+    assert code == 2 and err.count("\n") == 1 and "is the --input file" in err, err
+    assert batch.read_text() == json.dumps({"id": "a", "prompt": "x"}) + "\n"  # it was emptied, and exit 0

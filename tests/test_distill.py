@@ -71,6 +71,7 @@ def test_distill_answers_resumes_and_builds(tmp_path):
     (["-o", "{tmp}/notes.txt"], "exists and is not a samctl store"),
     (["-o", "{tmp}/self.sam", "--answers", "{tmp}/missing/a.jsonl"], "--answers"),
     (["-o", "{tmp}/self.sam", "--also", "{tmp}/no-such-corpus"], "--also"),
+    (["-o", "{tmp}/self.sam", "--answers", "{tmp}/p.jsonl"], "is the --prompts file"),  # it was deleted
 ])
 def test_distill_refuses_unusable_paths_before_the_model_loads(tmp_path, extra, message):
     prompts = tmp_path / "p.jsonl"
@@ -80,4 +81,4 @@ def test_distill_refuses_unusable_paths_before_the_model_loads(tmp_path, extra, 
     result = CliRunner().invoke(cli, args)  # a UserError: samctl.cli.main words it in one line, exit 2
     assert isinstance(result.exception, UserError) and message in str(result.exception), result.exception
     assert (tmp_path / "notes.txt").read_text() == "not a store"
-    assert not list(tmp_path.glob("*.answers.jsonl"))
+    assert not list(tmp_path.glob("*.answers.jsonl")) and prompts.read_text() == json.dumps(PROMPTS[0]) + "\n"

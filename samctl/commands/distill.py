@@ -56,7 +56,7 @@ def distill(config: SessionConfig, chat: bool | None, **opts: Any) -> None:
     from samctl.session import Session
 
     answers_path = Path(opts["answers_path"] or opts["output"] + ".answers.jsonl")
-    _check_paths(opts["output"], answers_path, opts["also"])
+    _check_paths(opts["output"], answers_path, opts["prompts_path"], opts["also"])
     session = Session(config)
     engine, sampling = session.engine, config.sampling
     chat = _chat_mode(chat, engine, config.quiet)
@@ -99,7 +99,7 @@ def distill(config: SessionConfig, chat: bool | None, **opts: Any) -> None:
         click.echo(f"{summary}; answers {generated - start:.1f} s, total {time.perf_counter() - start:.1f} s")
 
 
-def _check_paths(output: str, answers_path: Path, also: tuple[str, ...]) -> None:
+def _check_paths(output: str, answers_path: Path, prompts_path: str, also: tuple[str, ...]) -> None:
     """Refuse before the model loads what the run could not read or write, or should not replace."""
     for item in also:
         if item != "-" and not item.startswith("hf:") and not os.path.lexists(item):
@@ -108,6 +108,8 @@ def _check_paths(output: str, answers_path: Path, also: tuple[str, ...]) -> None
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             raise UserError(f"{flag} {path}: folder {folder} does not exist: create it or choose another path")
+        if os.path.exists(path) and os.path.samefile(path, prompts_path):
+            raise UserError(f"{flag} {path} is the --prompts file: writing it would erase the prompts, choose another path")
     if os.path.lexists(output) and not is_store_file(output):
         raise UserError(f"{output} exists and is not a samctl store: choose another -o")
 

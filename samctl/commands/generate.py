@@ -218,6 +218,9 @@ def _check_batch_options(opts: dict[str, Any]) -> None:
         folder = os.path.dirname(os.path.abspath(opts["output_path"]))
         if not os.path.isdir(folder):
             raise UserError(f"--output {opts['output_path']}: folder {folder} does not exist: create it or choose another path")
+        if _same_file(getattr(opts["input_file"], "name", ""), opts["output_path"]):
+            raise UserError(f"--output {opts['output_path']} is the --input file: writing it would erase the input, "
+                            "choose another path")
     if opts["ray_address"] is None and (opts["workers"] is not None or opts["gpus_per_worker"] != 0):
         raise UserError("--workers and --gpus-per-worker size the Ray workers: add --ray [ADDRESS]")
     if opts["ray_address"] is not None:
@@ -226,6 +229,13 @@ def _check_batch_options(opts: dict[str, Any]) -> None:
         check_count("--workers", opts["workers"], MAX_WORKERS)
         if opts["gpus_per_worker"] < 0:
             raise UserError("--gpus-per-worker must be >= 0")
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # either does not exist (or is stdin's "<stdin>")
+        return False
 
 
 def _check_memory_save(path: str | None) -> None:
