@@ -374,6 +374,11 @@ def test_memory_save_that_could_not_be_written_is_refused_before_generating(mode
         code, out, err = _main([*base, "--memory-save", str(path)], capsys)
         assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err
     assert (tmp_path / "notes.txt").read_text() == "not a store"
+    store = tmp_path / "s.sam"
+    assert main_status(["build", str(tmp_path / "notes.txt"), "-o", str(store), "--tokenizer", str(model_dir), "-q"]) == 0
+    before = store.read_bytes()
+    code, out, err = _main([*base, "--sam", str(store), "--memory-save", str(store)], capsys)
+    assert code == 2 and out == "" and "is the --sam store" in err and store.read_bytes() == before, err
     code, out, err = _main([*base, "--method", "pld", "--memory-save", str(tmp_path / "m.sam")], capsys)
     assert code == 2 and out == "" and "keeps no memory" in err and not (tmp_path / "m.sam").exists(), err
 

@@ -70,7 +70,7 @@ def generate(config: SessionConfig, **opts: Any) -> None:
         raise UserError("give exactly one of --prompt, --prompt-file or --input")
     check_count("--compare-runs", opts["compare_runs"], 1000)
     _check_batch_options(opts)
-    _check_memory_save(opts["memory_save"])
+    _check_memory_save(opts["memory_save"], config.store)
     if opts["compare"] and config.threads is None:
         # Timing both sides on one thread keeps the ratio steady when other processes want the
         # cores (BENCHMARKS.md, "--compare under load"); --threads N still chooses.
@@ -238,10 +238,13 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
-def _check_memory_save(path: str | None) -> None:
+def _check_memory_save(path: str | None, store: str | None) -> None:
     """Refuse a --memory-save path that the end of the run could not or should not write."""
     if path is None:
         return
+    if store is not None and _same_file(path, store):
+        raise UserError(f"--memory-save {path} is the --sam store: it would be replaced by the memory of outputs, "
+                        "choose another path")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise UserError(f"--memory-save {path}: folder {folder} does not exist: create it or choose another path")
