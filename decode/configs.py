@@ -84,12 +84,12 @@ class AdaptiveConfig:
 class SamConfig:
     # SAM-Decoding's len_threshold
     dyn_threshold: int = field(default=5, metadata={
-        "max": LENGTH_MAX, "cli": "--sam-threshold", "help": "sam: dynamic-automaton match length that triggers a retrieval draft."})
+        "max": LENGTH_MAX, "min": 1, "cli": "--sam-threshold", "help": "sam: dynamic-automaton match length that triggers a retrieval draft."})
     # len_bias: the static match must reach dyn_threshold + static_bias
     static_bias: int = field(default=5, metadata={
-        "max": LENGTH_MAX, "cli": "--static-bias", "help": "sam: extra match length the static store needs (it triggers at threshold "
+        "max": LENGTH_MAX, "min": 0, "cli": "--static-bias", "help": "sam: extra match length the static store needs (it triggers at threshold "
                                         "+ bias, capped at an n-gram store's longest context)."})
-    max_draft: int = field(default=39, metadata={"max": LENGTH_MAX, "cli": "--max-draft", "help": "sam: longest retrieval draft."})  # n_predicts 40 - t0
+    max_draft: int = field(default=39, metadata={"max": LENGTH_MAX, "min": 1, "cli": "--max-draft", "help": "sam: longest retrieval draft."})  # n_predicts 40 - t0
     alpha: float = field(default=4.0, metadata={
         "cli": "--sam-alpha", "help": "sam: draft length grows as alpha x match length, up to --max-draft."})
     occurrence: str = field(default="first", metadata={
@@ -98,8 +98,8 @@ class SamConfig:
 
     def __post_init__(self) -> None:
         _within_bounds(self)
-        if self.dyn_threshold < 1 or self.static_bias < 0 or self.max_draft < 1 or self.alpha <= 0:
-            raise UserError(f"invalid SAM settings {asdict(self)}: thresholds >= 1, max draft >= 1, alpha > 0")
+        _need(math.isfinite(self.alpha) and self.alpha > 0, "{sam_alpha} must be a finite number > 0, got {value}",
+              self.alpha)
         _need(self.occurrence in ("first", "latest"), "{occurrence} must be first or latest, got {value!r}",
               self.occurrence)
 
@@ -107,14 +107,12 @@ class SamConfig:
 @dataclass(frozen=True)
 class PldConfig:
     # transformers' max_matching_ngram_size (its default is 2; Spec-Bench uses 3)
-    max_ngram: int = field(default=3, metadata={"max": LENGTH_MAX, "cli": "--pld-ngram", "help": "pld: longest n-gram matched."})
+    max_ngram: int = field(default=3, metadata={"max": LENGTH_MAX, "min": 1, "cli": "--pld-ngram", "help": "pld: longest n-gram matched."})
     # transformers' prompt_lookup_num_tokens
-    num_draft: int = field(default=10, metadata={"max": LENGTH_MAX, "cli": "--pld-tokens", "help": "pld: draft tokens."})
+    num_draft: int = field(default=10, metadata={"max": LENGTH_MAX, "min": 1, "cli": "--pld-tokens", "help": "pld: draft tokens."})
 
     def __post_init__(self) -> None:
         _within_bounds(self)
-        if self.max_ngram < 1 or self.num_draft < 1:
-            raise UserError(f"prompt lookup needs max_ngram >= 1 and num_draft >= 1, got {self}")
 
 
 @dataclass(frozen=True)
@@ -123,7 +121,7 @@ class RecycleConfig:
     # template size, root excluded (the official "2.2.2" tree has 80 + root); on a CPU a verify
     # costs about linearly in its tokens, so the GPU-sized tree costs more than it saves there
     nodes: int = field(default=80, metadata={
-        "max": TREE_MAX, "cli": "--recycle-nodes", "cpu_default": 16,
+        "max": TREE_MAX, "min": 1, "cli": "--recycle-nodes", "cpu_default": 16,
         "help": "recycle, sam+recycle: draft tree size [default: 80; 16 on a CPU]."})
     max_depth: int = 6
 
@@ -138,9 +136,9 @@ class RestConfig:
     max_span: int = 16  # longest context suffix tried (REST max_token_span)
     min_span: int = 2  # shortest suffix that may draft
     # draft tokens, root excluded (REST num_draft)
-    num_nodes: int = field(default=64, metadata={"max": TREE_MAX, "cli": "--rest-nodes", "help": "rest: draft tree size."})
+    num_nodes: int = field(default=64, metadata={"max": TREE_MAX, "min": 1, "cli": "--rest-nodes", "help": "rest: draft tree size."})
     # continuation length counted per occurrence
-    max_depth: int = field(default=10, metadata={"max": LENGTH_MAX, "cli": "--rest-depth", "help": "rest: deepest draft token."})
+    max_depth: int = field(default=10, metadata={"max": LENGTH_MAX, "min": 1, "cli": "--rest-depth", "help": "rest: deepest draft token."})
 
     def __post_init__(self) -> None:
         _within_bounds(self)

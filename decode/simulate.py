@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections import Counter
 import time
 from dataclasses import dataclass, field
@@ -141,8 +142,10 @@ class CostModel:
     verify_ms: tuple[float, ...] = ()  # measured t(1), t(2), ...; empty: the linear model
 
     def __post_init__(self) -> None:
-        if self.forward_ms <= 0 or self.token_cost < 0:
-            raise UserError(f"cost model needs forward_ms > 0 and token_cost >= 0, got {self}")
+        if not (math.isfinite(self.forward_ms) and self.forward_ms > 0
+                and math.isfinite(self.token_cost) and self.token_cost >= 0):
+            raise UserError(f"cost model needs a finite forward_ms > 0 (--forward-ms) and token_cost >= 0 (--token-cost), "
+                            f"got {self.forward_ms} and {self.token_cost}")
         if self.verify_ms and (len(self.verify_ms) < 2 or min(self.verify_ms) <= 0):
             raise UserError("a verify-cost curve needs at least two positive times: re-run samctl calibrate")
 

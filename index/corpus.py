@@ -326,8 +326,10 @@ def _parse_hf_spec(spec: str) -> tuple[str, str | None, str]:
 def _load_hf(spec: str, name: str, config: str | None, split: str):
     try:
         import datasets
+        from huggingface_hub.utils import logging as hub_logging
     except ImportError as err:
         raise UserError(f"reading {spec} needs the datasets package: pip install datasets") from err
+    hub_logging.set_verbosity_error()  # its retry warnings would break the one-line error (samctl says why)
     try:
         if _saved_to_disk(Path(name)):
             loaded = datasets.load_from_disk(name)
@@ -356,6 +358,8 @@ def _saved_to_disk(path: Path) -> bool:
 def record_text(record: dict[str, Any], fields: tuple[str, ...], where: str) -> str:
     if fields:
         present = [f for f in fields if record.get(f) is not None]
+        if not present and any(f in record for f in fields):
+            raise NoText(f"{where}: field {next(f for f in fields if f in record)!r} is null, not text")
         if not present:
             raise ConfigError("{where} has none of the fields {names} (it has {keys}): check {fields}",
                               where=where, names=", ".join(fields), keys=_keys(record))
@@ -366,6 +370,9 @@ def record_text(record: dict[str, Any], fields: tuple[str, ...], where: str) -> 
             continue
         parts = [_field_text(record[name], name, where) for name in chosen if name is not None]
         return "\n".join(p for p in parts if p)
+    null = next((name for shape in _SHAPES for name in shape[0] if name in record), None)
+    if null is not None:  # a known field, null: a record without text, as a field that holds a number list
+        raise NoText(f"{where}: field {null!r} is null, not text")
     raise ConfigError("{where} has no known text fields (it has {keys}): " + _FIELD_HINT, where=where,
                       keys=_keys(record))
 
@@ -403,6 +410,10 @@ def record_turns(record: dict[str, Any], fields: tuple[str, ...], where: str) ->
                  if record.get(name) is not None]
         return ("\n\n".join(p.strip() for p in parts if p.strip()),)
     name = _first_present(record, ("question", "prompt", "text"))
+    null = next((f for f in ("turns", "messages", "conversations", "instruction", "question", "prompt", "text")
+                 if f in record), None)
+    if name is None and null is not None:
+        raise NoText(f"{where}: field {null!r} is null, not text")
     if name is None:
         raise ConfigError("{where} has no known prompt fields (it has {keys}): " + _FIELD_HINT, where=where,
                           keys=_keys(record))

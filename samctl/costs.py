@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -136,6 +137,6 @@ def read_cost_curve(path: str | os.PathLike) -> list[float]:
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise UserError(f"{path} is not a cost curve ({type(err).__name__}): write one with "
                         "`samctl calibrate --json > curve.json`") from err
-    if len(t_ms) < 2 or min(t_ms) <= 0:
-        raise UserError(f"{path}: a cost curve needs at least two positive times: re-run samctl calibrate")
+    if len(t_ms) < 2 or not all(math.isfinite(t) and t > 0 for t in t_ms):
+        raise UserError(f"{path}: a cost curve needs at least two positive finite times: re-run samctl calibrate")
     return t_ms

@@ -63,6 +63,15 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     prediction: Prediction | None = None
+    # accepted at their neutral values only: anything else would change the answer, and is not done
+    frequency_penalty: Annotated[float | None, _refuse("penalties are not supported (lossless decoding "
+                                                       "keeps the model's distribution): send 0 or leave it out", bool)] = None
+    presence_penalty: Annotated[float | None, _refuse("penalties are not supported (lossless decoding "
+                                                      "keeps the model's distribution): send 0 or leave it out", bool)] = None
+    logit_bias: Annotated[dict[str, float] | None, _refuse("logit_bias is not supported: leave it out", bool)] = None
+    response_format: Annotated[dict[str, Any] | None, _refuse(
+        "only {\"type\": \"text\"} is supported (no JSON mode or schemas)",
+        lambda f: f is not None and f.get("type") != "text")] = None
     # samctl's own
     method: str | None = None
     speculation: Literal["on", "off"] = "on"  # off: plain decoding for this request (method ar)

@@ -65,8 +65,10 @@ def field_option(f: dataclasses.Field, key: str, owner: str, **changes: Any) -> 
     meta = f.metadata
     decls = changes.pop("cli", cli(f)).split()
     default = None if f.default is dataclasses.MISSING else f.default
-    kw: dict[str, Any] = {"help": meta.get("help"), "metavar": meta.get("metavar"), "default": default,
-                          "required": f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    kw: dict[str, Any] = {"help": meta.get("help"), "metavar": meta.get("metavar"), "required": required}
+    if not required:  # click >= 8.3 takes an explicit default=None as a value given, and skips the required check
+        kw["default"] = default
     if meta.get("negate"):  # --no-compile: the flag sets the field False
         kw.update(is_flag=True, default=False)
     elif isinstance(default, bool) and "/" not in decls[0]:

@@ -324,7 +324,7 @@ class Session:
     def _note_room(self, ids: list[int]) -> None:
         # once per session: a prompt that leaves less of the model's context than max_new_tokens
         context = self.engine.target.max_positions
-        room = context - len(ids)
+        room = context - len(ids) + 1  # the last new token is never fed back
         if self._room_noted or self.config.quiet or not 0 < room < self.config.max_new_tokens:
             return
         self._room_noted = True

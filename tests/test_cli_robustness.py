@@ -268,6 +268,11 @@ def test_shipped_question_file_is_spec_bench_format():
     (["generate", "--prompt", "x", "--method", "sd", "--gamma", "99999"], "--gamma must be in [1, "),
     (["generate", "--prompt", "x", "--method", "specdec++", "--bounds", "2", "99999"], "--bounds (MIN, MAX) need"),
     (["generate", "--prompt", "x", "--threads", "99999999"], "--threads must be at most"),
+    (["generate", "--prompt", "x", "--method", "sam", "--sam-alpha", "nan"], "--sam-alpha must be a finite number > 0"),
+    (["generate", "--prompt", "x", "--method", "sam", "--max-draft", "0"], "--max-draft must be >= 1, got 0"),
+    (["generate", "--prompt", "x", "--method", "pld", "--pld-tokens", "0"], "--pld-tokens must be >= 1, got 0"),
+    (["generate", "--prompt", "x", "--method", "recycle", "--recycle-nodes", "0"], "--recycle-nodes must be >= 1"),
+    (["generate", "--prompt", "x", "--method", "rest", "--rest-depth", "0"], "--rest-depth must be >= 1, got 0"),
     (["generate", "--prompt", "x", "--compare-runs", "99999999"], "--compare-runs must be at most 1000"),
     (["serve", "--port", "99999"], "'--port': 99999 is not in the range 0<=x<=65535"),
     (["serve", "--port", "-1"], "is not in the range 0<=x<=65535"),
@@ -352,3 +357,43 @@ def test_standard_output_on_a_full_device_is_one_line(model_dir, tmp_path):
                               env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "cannot write to standard output: No space left on device (errno 28)" in proc.stderr
+
+
+def test_batch_output_in_a_missing_folder_is_refused_before_the_model_loads(tmp_path, capsys):
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt": "x"}) + "\n")
+    code, _, err = _main(["generate", "--input", str(tmp_path / "in.jsonl"), "--output",
+                          str(tmp_path / "missing" / "out.jsonl")], capsys)
+    assert code == 2 and err.count("\n") == 1 and "folder" in err and "does not exist" in err, err
+
+
+def test_memory_save_that_could_not_be_written_is_refused_before_generating(model_dir, tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("not a store")
+    base = ["generate", "--model", str(model_dir), "--prompt", "def f(x):", "--max-new-tokens", "4", "--threads", "1"]
+    for path, message in ((tmp_path / "missing" / "m.sam", "does not exist"),
+                          (tmp_path / "notes.txt", "exists and is not a samctl store")):
+        code, out, err = _main([*base, "--memory-save", str(path)], capsys)
+        assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err
+    assert (tmp_path / "notes.txt").read_text() == "not a store"
+    store = tmp_path / "s.sam"
+    assert main_status(["build", str(tmp_path / "notes.txt"), "-o", str(store), "--tokenizer", str(model_dir), "-q"]) == 0
+    before = store.read_bytes()
+    code, out, err = _main([*base, "--sam", str(store), "--memory-save", str(store)], capsys)
+    assert code == 2 and out == "" and "is the --sam store" in err and store.read_bytes() == before, err
+    code, out, err = _main([*base, "--method", "pld", "--memory-save", str(tmp_path / "m.sam")], capsys)
+    assert code == 2 and out == "" and "keeps no memory" in err and not (tmp_path / "m.sam").exists(), err
+
+
+@pytest.mark.parametrize("args, missing", [
+    (["train", "eagle", "--out", "h"], "--model"), (["train", "eagle", "--model", "m"], "--out"),
+    (["train", "sdsat", "--out", "t"], "--model"), (["train", "acc-head", "--out", "h", "--prompts", "p"], "--target")])
+def test_a_trainers_required_option_is_required(args, missing, capsys):
+    code, _, err = _main(args, capsys)  # click >= 8.3 ran on with None where a default of None was passed
+    assert code == 2 and err.count("\n") == 1 and f"Missing option '{missing}'" in err, err
+
+
+def test_a_batch_output_that_is_its_input_is_refused(tmp_path, capsys):
+    batch = tmp_path / "in.jsonl"
+    batch.write_text(json.dumps({"id": "a", "prompt": "x"}) + "\n")
+    code, _, err = _main(["generate", "--input", str(batch), "--output", str(tmp_path / "." / "in.jsonl")], capsys)
+    assert code == 2 and err.count("\n") == 1 and "is the --input file" in err, err
+    assert batch.read_text() == json.dumps({"id": "a", "prompt": "x"}) + "\n"  # it was emptied, and exit 0

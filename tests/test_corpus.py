@@ -153,6 +153,16 @@ def test_records_without_text_are_skipped_and_nested_lists_read(tmp_path, caplog
     assert [d.turns for d in prompts] == [("Who?",), ("kept",)] and len(prompts.counts.skipped_records) == 2
 
 
+def test_a_record_whose_text_field_is_null_is_skipped(tmp_path):
+    # as a field holding a dict: noted and left out, where it ended the whole build
+    path = tmp_path / "nulls.jsonl"
+    path.write_text('{"text": null}\n{"text": "kept"}\n{"prompt": null, "text": null}\n')
+    for reader in (CorpusReader([str(path)]), CorpusReader([str(path)], prompts=True),
+                   CorpusReader([str(path)], fields=("text",))):
+        assert [d.text if not reader.prompts else d.turns for d in reader] in (["kept"], [("kept",)])
+        assert "field 'text' is null, not text" in reader.counts.skipped_records[0]
+
+
 def test_invalid_json_file(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text('[{"text": "a"},')
@@ -242,3 +252,21 @@ def test_prompt_shape_errors_name_the_fields_setting(tmp_path, record, match):
     path.write_text(json.dumps(record) + "\n")
     with pytest.raises(UserError, match=match + r".*name the fields to read with fields=$"):
         list(iter_prompts([str(path)]))
+
+
+def test_hf_hub_retry_warnings_stay_off_stderr(monkeypatch, capfd):
+    datasets = pytest.importorskip("datasets")
+    from huggingface_hub.utils import logging as hub_logging
+
+    def offline(*_args, **_kwargs):
+        hub_logging.get_logger("huggingface_hub.utils._http").warning("'[Errno -2]' thrown while requesting HEAD")
+        raise OSError("Couldn't reach the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    level = hub_logging.get_verbosity()
+    try:
+        with pytest.raises(UserError, match="cannot load dataset 'some/dataset'"):
+            _texts(["hf:some/dataset"])
+    finally:
+        hub_logging.set_verbosity(level)
+    assert "thrown while requesting" not in capfd.readouterr().err

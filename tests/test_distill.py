@@ -9,6 +9,7 @@ from click.testing import CliRunner
 
 from samctl.index.load import load_datastore
 from samctl.cli import cli
+from samctl.index.errors import UserError
 from samctl.tokenizer import load_tokenizer
 
 PROMPTS = [{"id": "a", "prompt": "Write a Python function that adds two numbers."},
@@ -63,3 +64,21 @@ def test_distill_answers_resumes_and_builds(tmp_path):
           "--threads", "1", "--batch-size", "1"])
     one_by_one = [json.loads(line) for line in (single / "s.sam.answers.jsonl").read_text().splitlines()]
     assert [a.get("text") for a in one_by_one] == [a.get("text") for a in answers]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["-o", "{tmp}/missing/self.sam"], "does not exist: create it"),
+    (["-o", "{tmp}/notes.txt"], "exists and is not a samctl store"),
+    (["-o", "{tmp}/self.sam", "--answers", "{tmp}/missing/a.jsonl"], "--answers"),
+    (["-o", "{tmp}/self.sam", "--also", "{tmp}/no-such-corpus"], "--also"),
+    (["-o", "{tmp}/self.sam", "--answers", "{tmp}/p.jsonl"], "is the --prompts file"),  # it was deleted
+])
+def test_distill_refuses_unusable_paths_before_the_model_loads(tmp_path, extra, message):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps(PROMPTS[0]) + "\n")
+    (tmp_path / "notes.txt").write_text("not a store")
+    args = ["distill", "--prompts", str(prompts), *[a.format(tmp=tmp_path) for a in extra]]
+    result = CliRunner().invoke(cli, args)  # a UserError: samctl.cli.main words it in one line, exit 2
+    assert isinstance(result.exception, UserError) and message in str(result.exception), result.exception
+    assert (tmp_path / "notes.txt").read_text() == "not a store"
+    assert not list(tmp_path.glob("*.answers.jsonl")) and prompts.read_text() == json.dumps(PROMPTS[0]) + "\n"

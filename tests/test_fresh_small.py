@@ -39,6 +39,16 @@ def test_a_prompt_leaving_little_room_says_so_once(model):
     assert "-token context: at most" in notes[0]
 
 
+def test_the_room_noted_is_the_tokens_a_full_context_generates():
+    # the embedded model: "word " * 1000 leaves about 20 positions, and it does not stop on EOS there
+    proc = samctl("generate", "--prompt", "word " * 1000, "--max-new-tokens", "100", "--threads", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    note = next(line for line in proc.stderr.splitlines() if "new tokens fit" in line)
+    result = json.loads(proc.stdout)
+    assert result["finish_reason"] == "length"
+    assert result["metrics"]["new_tokens"] == int(note.split("at most ")[1].split()[0]), (note, result["metrics"])
+
+
 def test_resume_says_how_many_records_it_skipped(model, tmp_path):
     batch = tmp_path / "in.jsonl"
     batch.write_text("".join(json.dumps({"id": i, "prompt": f"def f{i}(a):"}) + "\n" for i in range(3)))

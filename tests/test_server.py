@@ -645,6 +645,10 @@ def test_stop_cut_holds_back_a_possible_stop_string():
     ({"speculation": "maybe"}, 400, "speculation"),
     ({"speculation": "off", "method": "pld"}, 400, "speculation"),
     ({"model": "other"}, 404, "model"),
+    ({"frequency_penalty": 1.0}, 400, "frequency_penalty"),  # ignored, they would have changed nothing
+    ({"presence_penalty": -0.5}, 400, "presence_penalty"),
+    ({"logit_bias": {"42": 5}}, 400, "logit_bias"),
+    ({"response_format": {"type": "json_object"}}, 400, "response_format"),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_goes_on(served, change, status, param):
     session, _, client, _ = served
@@ -653,6 +657,12 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(served, change, s
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
     assert client.post("/v1/chat/completions", json=body(session, max_tokens=2)).status_code == 200
+
+
+def test_neutral_penalties_and_text_format_are_accepted(served):
+    session, _, client, _ = served
+    neutral = {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "response_format": {"type": "text"}}
+    assert client.post("/v1/chat/completions", json={**body(session, max_tokens=2), **neutral}).status_code == 200
 
 
 def test_a_method_the_server_cannot_run_names_the_flag_to_start_it_with(served):

@@ -269,3 +269,38 @@ def test_simulate_reports_a_bad_record_and_reads_the_rest(tmp_path, capsys):
     path.write_text(json.dumps(rows[0]) + "\n")
     with pytest.raises(UserError, match="holds no traces"):
         read_traces(path, ByteTokenizer(), False, None, None)
+
+
+def test_simulate_skips_a_line_that_is_not_a_json_object(tmp_path, capsys):
+    from samctl.commands.simulate import read_traces
+    from samctl.tokenizer import ByteTokenizer
+
+    path = tmp_path / "broken.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "output": "b"}) + "\n{not json\n[1, 2]\n"
+                    + json.dumps({"prompt": "c", "output": "d"}) + "\n")
+    traces = read_traces(path, ByteTokenizer(), False, None, None)
+    assert [bytes(t.reference.tolist()).decode() for t in traces] == ["b", "d"]
+    err = capsys.readouterr().err
+    assert "skipped 2 record(s)" in err and "broken.jsonl:2 is not JSON" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--forward-ms", "nan"], "--forward-ms"), (["--token-cost", "inf"], "--token-cost"),
+    (["--forward-ms", "-1"], "--forward-ms")])
+def test_simulate_refuses_a_cost_model_that_is_not_finite(tmp_path, capsys, args, message):
+    from samctl.cli import main
+
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "output": "b"}) + "\n")
+    with pytest.raises(SystemExit) as info:
+        main(["simulate", "--traces", str(path), "--tokenizer", "bytes", "--methods", "pld", *args])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.startswith("samctl: error: cost model needs a finite") and message in err, err
+
+
+def test_a_cost_curve_with_infinite_times_is_refused(tmp_path):
+    from samctl.costs import read_cost_curve
+
+    (tmp_path / "c.json").write_text('{"t_ms": [1.0, Infinity]}')
+    with pytest.raises(UserError, match="positive finite times"):
+        read_cost_curve(tmp_path / "c.json")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -18,6 +19,7 @@ import click
 
 from samctl.config import SessionConfig
 from samctl.index.errors import UserError
+from samctl.index.store import is_store_file
 from samctl.options import batch_size, batch_size_option, session_options
 from samctl.textio import ERRORS
 
@@ -54,6 +56,7 @@ def distill(config: SessionConfig, chat: bool | None, **opts: Any) -> None:
     from samctl.session import Session
 
     answers_path = Path(opts["answers_path"] or opts["output"] + ".answers.jsonl")
+    _check_paths(opts["output"], answers_path, opts["prompts_path"], opts["also"])
     session = Session(config)
     engine, sampling = session.engine, config.sampling
     chat = _chat_mode(chat, engine, config.quiet)
@@ -94,6 +97,21 @@ def distill(config: SessionConfig, chat: bool | None, **opts: Any) -> None:
     summary = _build_store(opts, config.model, documents, written_by)
     if not config.quiet:
         click.echo(f"{summary}; answers {generated - start:.1f} s, total {time.perf_counter() - start:.1f} s")
+
+
+def _check_paths(output: str, answers_path: Path, prompts_path: str, also: tuple[str, ...]) -> None:
+    """Refuse before the model loads what the run could not read or write, or should not replace."""
+    for item in also:
+        if item != "-" and not item.startswith("hf:") and not os.path.lexists(item):
+            raise UserError(f"--also {item} does not exist: pass a folder, a .json/.jsonl/.parquet or text file, or hf:NAME")
+    for flag, path in (("-o", output), ("--answers", str(answers_path))):
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise UserError(f"{flag} {path}: folder {folder} does not exist: create it or choose another path")
+        if os.path.exists(path) and os.path.samefile(path, prompts_path):
+            raise UserError(f"{flag} {path} is the --prompts file: writing it would erase the prompts, choose another path")
+    if os.path.lexists(output) and not is_store_file(output):
+        raise UserError(f"{output} exists and is not a samctl store: choose another -o")
 
 
 def _unanswered(lines, done: set[Any]) -> Iterator[tuple[int, str]]:

@@ -10,6 +10,7 @@ records samctl.records's, `--ray` samctl.cluster's.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import replace
 from typing import IO, Any, Callable, Iterable
@@ -20,6 +21,7 @@ from click.core import ParameterSource
 from samctl.config import SessionConfig
 from samctl.decode.methods import PREDICTION_METHODS, method as method_entry
 from samctl.index.errors import UserError
+from samctl.index.store import is_store_file
 from samctl.options import (MAX_BATCH_SIZE, MAX_WORKERS, batch_size, batch_size_option, check_count, ignored_settings,
                             session_options)
 from samctl.plan import plan
@@ -68,6 +70,7 @@ def generate(config: SessionConfig, **opts: Any) -> None:
         raise UserError("give exactly one of --prompt, --prompt-file or --input")
     check_count("--compare-runs", opts["compare_runs"], 1000)
     _check_batch_options(opts)
+    _check_memory_save(opts["memory_save"], config.store)
     if opts["compare"] and config.threads is None:
         # Timing both sides on one thread keeps the ratio steady when other processes want the
         # cores (BENCHMARKS.md, "--compare under load"); --threads N still chooses.
@@ -102,6 +105,9 @@ def generate(config: SessionConfig, **opts: Any) -> None:
     from samctl.session import Session
 
     session = Session(config)
+    if opts["memory_save"] and not session.drafter.keeps_memory:  # refused before the run, not after it
+        raise UserError(f"method {config.method} keeps no memory across requests: drop --memory-save, or choose "
+                        "--method adaptive, adaptive+eagle, lookahead or ouroboros")
     if opts["input_file"] is not None:
         size = batch_size(config, opts["batch_size"], on_gpu=session.engine.device.type != "cpu",
                           compare=opts["compare"], memory_save=opts["memory_save"])
@@ -149,8 +155,6 @@ def refuse_foreign_store(store_path: str | None, model: str | None) -> None:
     """Refuse a store built with another tokenizer before any weights load, where the model's
     tokenizer reads cheaply: a model folder, the embedded default, a .gguf already dequantized
     (a sharded store directory, or a .gguf not yet converted, is checked once the model is loaded)."""
-    import os
-
     from samctl.gguf_cache import cached_folder, is_gguf
     from samctl.index.datastore import read_meta
     from samctl.tokenizer import check_store_tokenizer, load_tokenizer
@@ -210,6 +214,13 @@ def _check_batch_options(opts: dict[str, Any]) -> None:
     check_count("--batch-size", opts["batch_size"], MAX_BATCH_SIZE)  # before the model loads
     if opts["resume"] and opts["output_path"] == "-":
         raise UserError("--resume appends to the --output file: give a file, not stdout")
+    if batch and opts["output_path"] != "-":  # before the model loads, not once the batch starts
+        folder = os.path.dirname(os.path.abspath(opts["output_path"]))
+        if not os.path.isdir(folder):
+            raise UserError(f"--output {opts['output_path']}: folder {folder} does not exist: create it or choose another path")
+        if _same_file(getattr(opts["input_file"], "name", ""), opts["output_path"]):
+            raise UserError(f"--output {opts['output_path']} is the --input file: writing it would erase the input, "
+                            "choose another path")
     if opts["ray_address"] is None and (opts["workers"] is not None or opts["gpus_per_worker"] != 0):
         raise UserError("--workers and --gpus-per-worker size the Ray workers: add --ray [ADDRESS]")
     if opts["ray_address"] is not None:
@@ -218,6 +229,27 @@ def _check_batch_options(opts: dict[str, Any]) -> None:
         check_count("--workers", opts["workers"], MAX_WORKERS)
         if opts["gpus_per_worker"] < 0:
             raise UserError("--gpus-per-worker must be >= 0")
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # either does not exist (or is stdin's "<stdin>")
+        return False
+
+
+def _check_memory_save(path: str | None, store: str | None) -> None:
+    """Refuse a --memory-save path that the end of the run could not or should not write."""
+    if path is None:
+        return
+    if store is not None and _same_file(path, store):
+        raise UserError(f"--memory-save {path} is the --sam store: it would be replaced by the memory of outputs, "
+                        "choose another path")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UserError(f"--memory-save {path}: folder {folder} does not exist: create it or choose another path")
+    if os.path.lexists(path) and not is_store_file(path):
+        raise UserError(f"--memory-save {path} exists and is not a samctl store: choose another path")
 
 
 def _batch_to_output(opts: dict[str, Any], config: SessionConfig,
@@ -241,7 +273,10 @@ def _batch_to_output(opts: dict[str, Any], config: SessionConfig,
     if done is not None:
         records = unfinished(records, done, skip)
     # --resume appends (it refuses stdout: _check_batch_options)
-    output = sys.stdout if path == "-" else open(path, "a" if opts["resume"] else "w", encoding="utf-8")
+    try:
+        output = sys.stdout if path == "-" else open(path, "a" if opts["resume"] else "w", encoding="utf-8")
+    except OSError as err:
+        raise UserError(f"cannot write --output {path}: {err.strerror or err}: choose another path") from err
 
     written = 0
     broken: OSError | None = None

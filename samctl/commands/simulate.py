@@ -72,6 +72,7 @@ def simulate(config: SessionConfig, max_new_tokens: int | None, **opts: Any) -> 
     methods = parse_methods(opts["methods_spec"] or default_methods, METHODS)
     for method in methods:
         check_replayable(method)
+    cost = CostModel(forward_ms=opts["forward_ms"], token_cost=opts["token_cost"])  # refused before the traces are read
     try:
         traces = read_traces(Path(opts["traces_path"]), tokenizer, config.chat, max_new_tokens, opts["limit"])
     except ForeignTraceIds as err:
@@ -83,7 +84,6 @@ def simulate(config: SessionConfig, max_new_tokens: int | None, **opts: Any) -> 
                         f"rebuild the store with --tokenizer {err.name}, or write the traces with a model that has "
                         f"the store's tokenizer ({tokenizer.name})") from err
     settings = method_config(config.settings)
-    cost = CostModel(forward_ms=opts["forward_ms"], token_cost=opts["token_cost"])
     if opts["cost_curve"]:
         from samctl.costs import read_cost_curve
 
@@ -155,6 +155,8 @@ def read_traces(path: Path, tokenizer: Tokenizer, chat: bool, max_new_tokens: in
     skipped: list[str] = []
     for where, record in _records(path):
         try:
+            if isinstance(record, BadRecord):
+                raise record
             traces.extend(_traces_of(record, where, tokenizer, chat, max_new_tokens))
         except BadRecord as err:  # reported, and the rest go on
             skipped.append(str(err))
@@ -183,7 +185,7 @@ def _traces_of(record: dict[str, Any], where: str, tokenizer: Tokenizer, chat: b
             for k, (trace_id, prompt, reference) in enumerate(_record_traces(record, where, tokenizer, chat))]
 
 
-def _records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+def _records(path: Path) -> Iterator[tuple[str, dict[str, Any] | BadRecord]]:
     text = check_utf8(path.read_bytes().decode("utf-8", ERRORS), str(path))
     if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
@@ -194,16 +196,17 @@ def _records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     else:
         numbered = ((f"{path}:{n}", _parse_line(line, path, n)) for n, line in enumerate(text.splitlines(), 1) if line.strip())
     for where, row in numbered:
-        if not isinstance(row, dict):
-            raise UserError(f"{where} is not a JSON object: one object per record")
+        if not isinstance(row, (dict, BadRecord)):
+            row = BadRecord(f"{where} is not a JSON object: one object per record")
         yield where, row
 
 
 def _parse_line(line: str, path: Path, number: int) -> Any:
+    """The line's JSON value, or the BadRecord that reports it (the other lines are read on)."""
     try:
         return json.loads(line)
     except json.JSONDecodeError as err:
-        raise UserError(f"{path}:{number} is not JSON ({err.msg}): one JSON object per line") from err
+        return BadRecord(f"{path}:{number} is not JSON ({err.msg}): one JSON object per line")
 
 
 def _record_traces(record: dict[str, Any], where: str, tok: Tokenizer, chat: bool) -> Iterator[tuple[str, list[int], list[int]]]:
