@@ -158,16 +158,3 @@ def test_bench_warm_up_compiles_what_the_timed_questions_run(bench_files, tmp_pa
     before = numba_overloads()
     _run_all(runners, session.engine, asked, session.config, 1, tmp_path / "records.jsonl")
     assert numba_overloads() == before
-
-
-def test_int8_bench_leaves_out_the_float32_transformers_peers(bench_files, tmp_path):
-    path, questions, _ = bench_files
-    base = ["bench", "--model", str(path / "model"), "--questions", str(questions), "--quantize", "int8",
-            "--threads", "1", "--limit", "1", "--categories", "roleplay", "--max-new-tokens", "4"]
-    proc = samctl(*base, "--methods", "ar,hf-greedy", "--out", str(tmp_path / "a"))
-    assert proc.returncode == 2 and "hf-greedy: transformers' generate runs the float32 model" in proc.stderr
-    proc = samctl(*base, "--out", str(tmp_path / "b"))  # the default methods, hf-greedy and hf-pld among them
-    assert proc.returncode == 0, proc.stderr
-    assert "leaves out hf-greedy, hf-pld" in proc.stderr and "greedy mismatches against ar: 0" in proc.stderr
-    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
-    assert not any(m.startswith("hf-") for m in summary["methods"]), summary["methods"]

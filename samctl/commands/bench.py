@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import click
-from click.core import ParameterSource
 
 from samctl.decode.methods import DRAFT_METHODS, EAGLE_METHODS, METHODS, SELF_DRAFT_METHODS, method as method_entry
 from samctl.index.errors import UserError
@@ -97,15 +96,6 @@ def bench(config: SessionConfig, questions_path: str, methods_spec: str, limit: 
     check_count("--repeats", repeats)
     methods = parse_methods(methods_spec, ALL_BENCH_METHODS)
     methods = [BASELINE] + [m for m in methods if m != BASELINE]
-    peers = [m for m in methods if m in HF_METHODS]
-    if peers and config.quantize == "int8":  # transformers' generate runs the float32 model, another model
-        if click.get_current_context().get_parameter_source("methods_spec") != ParameterSource.DEFAULT:
-            raise UserError(f"{', '.join(peers)}: transformers' generate runs the float32 model, not the int8 one: "
-                            "drop them from --methods, or drop --quantize int8")
-        methods = [m for m in methods if m not in HF_METHODS]
-        if not config.quiet:
-            click.echo(f"samctl: note: --quantize int8 leaves out {', '.join(peers)} (transformers' float32 model)",
-                       err=True)
     questions = read_questions(Path(questions_path), categories, limit)
     import torch
 
