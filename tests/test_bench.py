@@ -158,3 +158,12 @@ def test_bench_warm_up_compiles_what_the_timed_questions_run(bench_files, tmp_pa
     before = numba_overloads()
     _run_all(runners, session.engine, asked, session.config, 1, tmp_path / "records.jsonl")
     assert numba_overloads() == before
+
+
+def test_int8_peers_differ_without_failing_the_run():
+    from samctl.commands.bench import peers_on_another_model
+
+    mismatches = {"ar": 0, "adaptive": 0, "hf-greedy": 3, "hf-pld": 2, "hf-assisted": 0}
+    assert peers_on_another_model(mismatches, "int8") == ["hf-greedy", "hf-pld"]
+    assert peers_on_another_model(mismatches, "none") == []  # the same float32 model: a difference fails
+    assert peers_on_another_model({**mismatches, "adaptive": 1}, "int8") == ["hf-greedy", "hf-pld"]  # samctl's still fail
