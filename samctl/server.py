@@ -130,7 +130,9 @@ async def _gone(request: Request, err: _Gone) -> JSONResponse:  # nobody reads i
 
 async def _authorize(request: Request, call_next):
     api_key = request.app.state.api_key
-    if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+    # /health stays open: load balancers and orchestrators probe it without credentials
+    if (api_key is not None and request.url.path != "/health"
+            and request.headers.get("authorization") != f"Bearer {api_key}"):
         return _error(request, RequestError("missing or wrong API key: send 'Authorization: Bearer KEY'",
                                             status=401, code="invalid_api_key"))
     return await call_next(request)

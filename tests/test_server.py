@@ -754,14 +754,19 @@ def test_generate_reads_and_writes_openai_batch_lines(served, model_dir, tmp_pat
     assert out[3]["error"]["code"] == "model_not_found"
 
 
-def test_an_api_key_is_checked_on_every_request(model_dir):
+def test_an_api_key_is_checked_on_every_request_but_health(model_dir):
     from fastapi.testclient import TestClient
 
     session = Session(SessionConfig(model=str(model_dir), max_new_tokens=2, threads=1, quiet=True))
     with TestClient(create_app(session, api_key="sesame")) as client:
-        refused = client.get("/v1/models")
-        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
-        assert client.get("/v1/models", headers={"Authorization": "Bearer sesame"}).status_code == 200
+        for path in ("/v1/models", "/metrics"):
+            refused = client.get(path)
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+            assert client.get(path, headers={"Authorization": "Bearer sesame"}).status_code == 200
+        deadline = time.monotonic() + 120  # a load balancer's probe has no key: 503 while starting, then 200
+        while (health := client.get("/health")).status_code == 503 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert health.status_code == 200 and health.text == "ok"
 
 
 def test_int8_requests_share_the_batch_and_equal_plain_int8_decoding(model_dir):

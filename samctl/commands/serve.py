@@ -47,7 +47,7 @@ def _stores(specs: tuple[str, ...]) -> dict[str, str]:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0: every interface).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="TCP port (0: any free one).")
 @click.option("--api-key", metavar="KEY", envvar="SAMCTL_API_KEY",
-              help="Require 'Authorization: Bearer KEY' on every request (also $SAMCTL_API_KEY).")
+              help="Require 'Authorization: Bearer KEY' on every request but /health (also $SAMCTL_API_KEY).")
 @click.option("--served-model-name", metavar="NAME", help="The model id clients send (default: --model as given).")
 @click.option("--batch-size", type=int, default=None,
               help="Requests generating at once on the batched engine (default: 8 on a CPU, 32 on a GPU); 1: one "
