@@ -35,7 +35,7 @@ import numpy as np
 
 from samctl.decode.methods import REPLAYABLE, MethodConfig, method as method_entry
 from samctl.decode.metrics import Metrics
-from samctl.index.errors import UserError
+from samctl.index.errors import ConfigError, UserError
 
 if TYPE_CHECKING:  # the replay needs torch; reading the cost model and settings (simulate --help) does not
     from samctl.decode.drafters.base import Drafter
@@ -144,8 +144,8 @@ class CostModel:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.forward_ms) and self.forward_ms > 0
                 and math.isfinite(self.token_cost) and self.token_cost >= 0):
-            raise UserError(f"cost model needs a finite forward_ms > 0 (--forward-ms) and token_cost >= 0 (--token-cost), "
-                            f"got {self.forward_ms} and {self.token_cost}")
+            raise ConfigError("the cost model needs a finite {forward_ms} > 0 and {token_cost} >= 0, got {f} and {t}",
+                              f=self.forward_ms, t=self.token_cost)
         if self.verify_ms and (len(self.verify_ms) < 2 or min(self.verify_ms) <= 0):
             raise UserError("a verify-cost curve needs at least two positive times: re-run samctl calibrate")
 

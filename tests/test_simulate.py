@@ -295,7 +295,7 @@ def test_simulate_refuses_a_cost_model_that_is_not_finite(tmp_path, capsys, args
     with pytest.raises(SystemExit) as info:
         main(["simulate", "--traces", str(path), "--tokenizer", "bytes", "--methods", "pld", *args])
     err = capsys.readouterr().err
-    assert info.value.code == 2 and err.startswith("samctl: error: cost model needs a finite") and message in err, err
+    assert info.value.code == 2 and err.startswith("samctl: error: the cost model needs a finite") and message in err, err
 
 
 def test_a_cost_curve_with_infinite_times_is_refused(tmp_path):
