@@ -296,28 +296,41 @@ def test_t12_batched_graphs_equal_eager_across_buckets(backend, dtype, tol):
     assert graphs.replays == 6 and graphed.eager_fallbacks == 0 and graphs.prepares == 1
 
 
-@pytest.mark.parametrize("method", ["adaptive", "eagle", "sd"])
+@pytest.mark.parametrize("method", ["adaptive", "eagle", "sd", "ouroboros"])
 def test_t13_batched_run_with_graphs_equals_batch1_on_cuda(method):
     # BatchRun with graphs on (as the server and --input batches run on a GPU): every record's
-    # greedy output equals its batch-1 output in float32, native backend
+    # greedy output equals its batch-1 output in float32, native backend; a draft model's own
+    # batch drafts under graphs as it does eagerly (its padding rows may be live forks' caches)
     from samctl.decode.loop import generate_batch
     from samctl.decode.draft_model import DraftModel
     from samctl.decode.engine.native import use_backend
+    from tests.test_draft_model import near_draft
 
     model = tiny().to(CUDA)
     use_backend(model, "native")
-    draft = DraftModel(tiny(seed=1).to(CUDA)) if method_entry(method).needs_draft else None
-    if draft is not None:  # as load_draft does beside a graphed target: the draft's batch replays graphs too
-        enable_row_graphs(draft.rows.target)
     eagle = EagleHead(model).to(CUDA).eval() if method_entry(method).needs_eagle else None
-
-    def make():
-        return make_drafter(method, vocab_size=96, device=CUDA, config=EAGER, eagle=eagle,
-                            draft=None if draft is None else draft.fork())
-
     ps = [p for p in prompts(96) if len(p) > 1] * 3
     config = GenerationConfig(max_new_tokens=40)
-    alone = [generate(TargetModel(model), make(), p, config).tokens for p in ps]
-    batched = generate_batch(model, make, ps, config, 4, cost=1.0 + 0.02 * np.arange(1, 513), graphs=True)
-    assert [r.tokens for r in batched] == alone
-    assert draft is None or draft.rows.target.graphs.replays > 0
+
+    def run(graphs: bool, batch: bool):
+        draft = DraftModel(near_draft(tiny()).to(CUDA)) if method_entry(method).needs_draft else None
+        if draft is not None and graphs:  # as load_draft does beside a graphed target
+            enable_row_graphs(draft.rows.target)
+
+        def make():
+            return make_drafter(method, vocab_size=96, device=CUDA, config=EAGER, eagle=eagle,
+                                draft=None if draft is None else draft.fork())
+
+        if not batch:
+            return [generate(TargetModel(model), make(), p, config) for p in ps], draft
+        return generate_batch(model, make, ps, config, 4, cost=1.0 + 0.02 * np.arange(1, 513), graphs=graphs), draft
+
+    alone, _ = run(False, False)
+    batched, draft = run(True, True)
+    assert [r.tokens for r in batched] == [r.tokens for r in alone]
+    if draft is not None:
+        assert draft.rows.target.graphs.replays > 0
+        eager, _ = run(False, True)
+        drafts = [(r.metrics.drafted, r.metrics.accept_hist) for r in batched]
+        assert drafts == [(r.metrics.drafted, r.metrics.accept_hist) for r in eager]
+        assert 0 < sum(r.metrics.accepted for r in batched) < sum(r.metrics.drafted for r in batched)
