@@ -22,6 +22,7 @@ DEFAULT_DRAFT_DIR = DEFAULT_MODEL_DIR.parent / "draft"
 DEFAULT_HEAD_DIR = DEFAULT_MODEL_DIR.parent / "acc_head"  # the paper's labels min(1, p/q) at T = 1
 DEFAULT_GREEDY_HEAD_DIR = DEFAULT_MODEL_DIR.parent / "acc_head_greedy"  # labels: argmax matches
 DEFAULT_EAGLE_DIR = DEFAULT_MODEL_DIR.parent / "eagle_head"  # EAGLE head of the embedded target
+EMBEDDED_MODEL_ID = "default"  # the model id clients send to a server or batch on the embedded model
 # What the embedded model is for, said whenever it is used: its rewrites are fast and exactly
 # plain decoding's, not correct; a real model is one command away (README, "A real model").
 EMBEDDED_MODEL_NOTE = (

@@ -721,6 +721,21 @@ def test_a_client_leaving_mid_stream_frees_its_slot(served, monkeypatch):
                                                 "max_tokens": 3}).status_code == 200
 
 
+def test_the_embedded_models_id_is_default(tmp_path):
+    from samctl.tokenizer import DEFAULT_MODEL_DIR
+    from tests.test_cli_generate import samctl
+
+    if not DEFAULT_MODEL_DIR.is_dir():
+        pytest.skip("no embedded model")
+    lines = [{"custom_id": name, "method": "POST", "url": "/v1/completions",
+              "body": {"model": name, "prompt": "def add(a, b):", "max_tokens": 4}} for name in ("default", "other")]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    proc = samctl("generate", "--input", str(tmp_path / "in.jsonl"), "--threads", "1", "--quiet")
+    out = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [o["response"]["status_code"] for o in out] == [200, 404], proc.stderr
+    assert out[0]["response"]["body"]["model"] == "default"
+
+
 def test_generate_reads_and_writes_openai_batch_lines(served, model_dir, tmp_path):
     from tests.test_cli_generate import samctl
 

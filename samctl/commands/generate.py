@@ -24,7 +24,7 @@ from samctl.index.errors import UserError
 from samctl.index.store import is_store_file
 from samctl.options import (MAX_BATCH_SIZE, MAX_WORKERS, batch_size, batch_size_option, check_count, ignored_settings,
                             session_options)
-from samctl.plan import plan
+from samctl.plan import EMBEDDED_MODEL_ID, plan
 from samctl.textio import TEXT_FILE, check_utf8
 
 @click.command("generate")
@@ -114,7 +114,7 @@ def generate(config: SessionConfig, **opts: Any) -> None:
         if input_format == "openai":
             from samctl.records import OpenAIBatchRunner
 
-            runner = OpenAIBatchRunner(session, config.model or session.engine.name, size)
+            runner = OpenAIBatchRunner(session, config.model or EMBEDDED_MODEL_ID, size)
         else:
             runner = RecordRunner(session, field=opts["prompt_field"], compare=opts["compare"], batch_size=size)
         failed = _batch_to_output(opts, config, lambda records, write, total: runner.batch(records, write, config.quiet,

@@ -17,7 +17,7 @@ from samctl.config import SessionConfig
 from samctl.index.errors import UserError
 from samctl.index.store import missing_store
 from samctl.options import MAX_BATCH_SIZE, check_count, session_options
-from samctl.plan import plan
+from samctl.plan import EMBEDDED_MODEL_ID, plan
 
 
 def _stores(specs: tuple[str, ...]) -> dict[str, str]:
@@ -48,7 +48,7 @@ def _stores(specs: tuple[str, ...]) -> dict[str, str]:
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="TCP port (0: any free one).")
 @click.option("--api-key", metavar="KEY", envvar="SAMCTL_API_KEY",
               help="Require 'Authorization: Bearer KEY' on every request but /health (also $SAMCTL_API_KEY).")
-@click.option("--served-model-name", metavar="NAME", help="The model id clients send (default: --model as given).")
+@click.option("--served-model-name", metavar="NAME", help="The model id clients send (default: --model as given; 'default' for the embedded model).")
 @click.option("--batch-size", type=int, default=None,
               help="Requests generating at once on the batched engine (default: 8 on a CPU, 32 on a GPU); 1: one "
                    "at a time. SDSAT's methods (they draft with the target's own forward) run one request at a time "
@@ -94,7 +94,7 @@ def serve(config: SessionConfig, store: tuple[str, ...], host: str, port: int, a
     for name in names[1:]:
         config = replace(config, store=stores[name], quiet=True)
         by_store[name] = Session.over(first.engine, config, load_store(stores[name], first.engine, config.occurrence))
-    sessions = Sessions(by_store, model_name=served_model_name or config.model)
+    sessions = Sessions(by_store, model_name=served_model_name or config.model or EMBEDDED_MODEL_ID)
     batch_size = batch_size or (8 if first.engine.device.type == "cpu" else 32)
     app = create_app(sessions, batch_size=batch_size, api_key=api_key)
     if not first.config.quiet:
