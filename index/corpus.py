@@ -410,11 +410,11 @@ def record_turns(record: dict[str, Any], fields: tuple[str, ...], where: str) ->
                  if record.get(name) is not None]
         return ("\n\n".join(p.strip() for p in parts if p.strip()),)
     name = _first_present(record, ("question", "prompt", "text"))
-    null = next((f for f in ("turns", "messages", "conversations", "instruction", "question", "prompt", "text")
-                 if f in record), None)
-    if name is None and null is not None:
-        raise NoText(f"{where}: field {null!r} is null, not text")
     if name is None:
+        null = next((f for f in ("turns", "messages", "conversations", "instruction", "question", "prompt", "text")
+                     if f in record), None)  # a known field, null: a record without text
+        if null is not None:
+            raise NoText(f"{where}: field {null!r} is null, not text")
         raise ConfigError("{where} has no known prompt fields (it has {keys}): " + _FIELD_HINT, where=where,
                           keys=_keys(record))
     return (_field_text(record[name], name, where),)
