@@ -378,7 +378,7 @@ def test_memory_save_that_could_not_be_written_is_refused_before_generating(mode
     assert main_status(["build", str(tmp_path / "notes.txt"), "-o", str(store), "--tokenizer", str(model_dir), "-q"]) == 0
     before = store.read_bytes()
     code, out, err = _main([*base, "--sam", str(store), "--memory-save", str(store)], capsys)
-    assert code == 2 and out == "" and "is the --sam store" in err and store.read_bytes() == before, err
+    assert code == 2 and out == "" and "is what --sam reads" in err and store.read_bytes() == before, err
     code, out, err = _main([*base, "--method", "pld", "--memory-save", str(tmp_path / "m.sam")], capsys)
     assert code == 2 and out == "" and "keeps no memory" in err and not (tmp_path / "m.sam").exists(), err
 
@@ -395,5 +395,5 @@ def test_a_batch_output_that_is_its_input_is_refused(tmp_path, capsys):
     batch = tmp_path / "in.jsonl"
     batch.write_text(json.dumps({"id": "a", "prompt": "x"}) + "\n")
     code, _, err = _main(["generate", "--input", str(batch), "--output", str(tmp_path / "." / "in.jsonl")], capsys)
-    assert code == 2 and err.count("\n") == 1 and "is the --input file" in err, err
+    assert code == 2 and err.count("\n") == 1 and "is what --input reads" in err, err
     assert batch.read_text() == json.dumps({"id": "a", "prompt": "x"}) + "\n"  # it was emptied, and exit 0

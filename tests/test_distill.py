@@ -71,7 +71,7 @@ def test_distill_answers_resumes_and_builds(tmp_path):
     (["-o", "{tmp}/notes.txt"], "exists and is not a samctl store"),
     (["-o", "{tmp}/self.sam", "--answers", "{tmp}/missing/a.jsonl"], "--answers"),
     (["-o", "{tmp}/self.sam", "--also", "{tmp}/no-such-corpus"], "--also"),
-    (["-o", "{tmp}/self.sam", "--answers", "{tmp}/p.jsonl"], "is the --prompts file"),  # it was deleted
+    (["-o", "{tmp}/self.sam", "--answers", "{tmp}/p.jsonl"], "is what --prompts reads"),  # it was deleted
 ])
 def test_distill_refuses_unusable_paths_before_the_model_loads(tmp_path, extra, message):
     prompts = tmp_path / "p.jsonl"

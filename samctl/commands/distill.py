@@ -19,9 +19,8 @@ import click
 
 from samctl.config import SessionConfig
 from samctl.index.errors import UserError
-from samctl.index.store import is_store_file
 from samctl.options import batch_size, batch_size_option, session_options
-from samctl.textio import ERRORS
+from samctl.textio import ERRORS, check_output_path
 
 @click.command("distill")
 @session_options(exclude=("memory_file",), raw=("chat",),
@@ -104,14 +103,8 @@ def _check_paths(output: str, answers_path: Path, prompts_path: str, also: tuple
     for item in also:
         if item != "-" and not item.startswith("hf:") and not os.path.lexists(item):
             raise UserError(f"--also {item} does not exist: pass a folder, a .json/.jsonl/.parquet or text file, or hf:NAME")
-    for flag, path in (("-o", output), ("--answers", str(answers_path))):
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder):
-            raise UserError(f"{flag} {path}: folder {folder} does not exist: create it or choose another path")
-        if os.path.exists(path) and os.path.samefile(path, prompts_path):
-            raise UserError(f"{flag} {path} is the --prompts file: writing it would erase the prompts, choose another path")
-    if os.path.lexists(output) and not is_store_file(output):
-        raise UserError(f"{output} exists and is not a samctl store: choose another -o")
+    check_output_path("-o", output, (("--prompts", prompts_path),), store=True)
+    check_output_path("--answers", str(answers_path), (("--prompts", prompts_path),))
 
 
 def _unanswered(lines, done: set[Any]) -> Iterator[tuple[int, str]]:

@@ -21,11 +21,10 @@ from click.core import ParameterSource
 from samctl.config import SessionConfig
 from samctl.decode.methods import PREDICTION_METHODS, method as method_entry
 from samctl.index.errors import UserError
-from samctl.index.store import is_store_file
 from samctl.options import (MAX_BATCH_SIZE, MAX_WORKERS, batch_size, batch_size_option, check_count, ignored_settings,
                             session_options)
 from samctl.plan import EMBEDDED_MODEL_ID, plan
-from samctl.textio import TEXT_FILE, check_utf8
+from samctl.textio import TEXT_FILE, check_output_path, check_utf8
 
 @click.command("generate")
 @session_options()
@@ -70,7 +69,8 @@ def generate(config: SessionConfig, **opts: Any) -> None:
         raise UserError("give exactly one of --prompt, --prompt-file or --input")
     check_count("--compare-runs", opts["compare_runs"], 1000)
     _check_batch_options(opts)
-    _check_memory_save(opts["memory_save"], config.store)
+    if opts["memory_save"]:
+        check_output_path("--memory-save", opts["memory_save"], (("--sam", config.store),), store=True)
     if opts["compare"] and config.threads is None:
         # Timing both sides on one thread keeps the ratio steady when other processes want the
         # cores (BENCHMARKS.md, "--compare under load"); --threads N still chooses.
@@ -215,12 +215,7 @@ def _check_batch_options(opts: dict[str, Any]) -> None:
     if opts["resume"] and opts["output_path"] == "-":
         raise UserError("--resume appends to the --output file: give a file, not stdout")
     if batch and opts["output_path"] != "-":  # before the model loads, not once the batch starts
-        folder = os.path.dirname(os.path.abspath(opts["output_path"]))
-        if not os.path.isdir(folder):
-            raise UserError(f"--output {opts['output_path']}: folder {folder} does not exist: create it or choose another path")
-        if _same_file(getattr(opts["input_file"], "name", ""), opts["output_path"]):
-            raise UserError(f"--output {opts['output_path']} is the --input file: writing it would erase the input, "
-                            "choose another path")
+        check_output_path("--output", opts["output_path"], (("--input", getattr(opts["input_file"], "name", "")),))
     if opts["ray_address"] is None and (opts["workers"] is not None or opts["gpus_per_worker"] != 0):
         raise UserError("--workers and --gpus-per-worker size the Ray workers: add --ray [ADDRESS]")
     if opts["ray_address"] is not None:
@@ -229,27 +224,6 @@ def _check_batch_options(opts: dict[str, Any]) -> None:
         check_count("--workers", opts["workers"], MAX_WORKERS)
         if opts["gpus_per_worker"] < 0:
             raise UserError("--gpus-per-worker must be >= 0")
-
-
-def _same_file(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # either does not exist (or is stdin's "<stdin>")
-        return False
-
-
-def _check_memory_save(path: str | None, store: str | None) -> None:
-    """Refuse a --memory-save path that the end of the run could not or should not write."""
-    if path is None:
-        return
-    if store is not None and _same_file(path, store):
-        raise UserError(f"--memory-save {path} is the --sam store: it would be replaced by the memory of outputs, "
-                        "choose another path")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise UserError(f"--memory-save {path}: folder {folder} does not exist: create it or choose another path")
-    if os.path.lexists(path) and not is_store_file(path):
-        raise UserError(f"--memory-save {path} exists and is not a samctl store: choose another path")
 
 
 def _batch_to_output(opts: dict[str, Any], config: SessionConfig,
