@@ -66,8 +66,8 @@ class SessionConfig:
     draft_model: str | None = arg(None, "sd, specdec++, sam+draft, ouroboros: a small model sharing the target's "
                                   "tokenizer (default: the embedded draft, with the embedded target only).",
                                   metavar="PATH")
-    acc_head: str | None = arg(None, "specdec++: acceptance head folder for this target and draft (default: the "
-                               "embedded one, with the embedded pair only).", metavar="PATH")
+    acc_head: str | None = arg(None, "specdec++: acceptance head folder for this target and draft (required: "
+                               "none ships with samctl; `samctl train acc-head` makes one).", metavar="PATH")
     eagle_head: str | None = arg(None, "eagle, sam+eagle, adaptive+eagle: EAGLE head folder for this model (default: "
                                  "the embedded one, with the embedded target only).", metavar="PATH")
     max_new_tokens: int = arg(256, "Longest answer, in tokens.")
