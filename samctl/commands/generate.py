@@ -36,7 +36,7 @@ from samctl.textio import TEXT_FILE, check_output_path, check_utf8
               help="Batch: `records` (samctl's: prompt/turns/text fields -> id, text, metrics) or `openai` (OpenAI Batch "
                    "API lines, as `vllm run-batch` reads them: {custom_id, method: POST, url: /v1/chat/completions or "
                    "/v1/completions, body} -> {id, custom_id, response: {status_code, request_id, body: the completion "
-                   "`samctl serve` returns}, error}; body.model must be --model as given). auto: from the first line.")
+                   "`samctl serve` returns}, error}; body.model must be --model as given, or default without it). auto: from the first line.")
 @click.option("--output", "output_path", type=click.Path(dir_okay=False, allow_dash=True), default="-", show_default=True, help="JSONL results of a batch, '-' for stdout.")
 @click.option("--resume", is_flag=True, help="Batch: skip the records already in --output (by id) and append the rest (after a killed run).")
 @click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
