@@ -53,7 +53,7 @@ from samctl.textio import TEXT_FILE, check_output_path, check_utf8
 @click.option("--memory-save", "memory_save", metavar="STORE", type=click.Path(dir_okay=False),
               help="adaptive, adaptive+eagle, lookahead, ouroboros: write the memory of outputs to this store at the end (atomically).")
 @click.option("--json", "as_json", is_flag=True, help="Single prompt: print one JSON object instead of streaming text.")
-@click.option("--compare", is_flag=True, help="Also run plain decoding (ar) and report the speedup and whether outputs match.")
+@click.option("--compare", is_flag=True, help="Also run plain decoding (ar) and report the speedup and whether outputs match (both on one torch thread unless --threads is given).")
 @click.option("--compare-runs", type=int, default=3, show_default=True, help="--compare, single prompt: timed runs of each side, alternating; the speedup is their median, with its range.")
 def generate(config: SessionConfig, **opts: Any) -> None:
     """Generate from a prompt or a JSONL batch, faster, with exactly the model's output.
