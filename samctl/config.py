@@ -30,7 +30,8 @@ class SessionConfig:
     """`settings` holds the drafters' options by their Python names (`max_nodes`, ..., `bounds`; see
     `setting_names()`); options left out take the device's defaults."""
 
-    model: str | None = arg(None, "Local model folder or .gguf file (default: the embedded model).", metavar="PATH")
+    model: str | None = arg(None, "Local model folder, .gguf file, or a model name already in the local Hugging Face "
+                                  "cache (nothing is downloaded; default: the embedded model).", metavar="PATH")
     device: str = arg("auto", "auto, cpu, cuda or cuda:N.")
     dtype: str = arg("auto", "auto: float32 on CPU; on GPU the model's saved dtype (float32 models run in bfloat16). "
                      "Greedy output equals plain greedy decoding token for token in float32; in half precision the "
@@ -66,8 +67,8 @@ class SessionConfig:
     draft_model: str | None = arg(None, "sd, specdec++, sam+draft, ouroboros: a small model sharing the target's "
                                   "tokenizer (default: the embedded draft, with the embedded target only).",
                                   metavar="PATH")
-    acc_head: str | None = arg(None, "specdec++: acceptance head folder for this target and draft (default: the "
-                               "embedded one, with the embedded pair only).", metavar="PATH")
+    acc_head: str | None = arg(None, "specdec++: acceptance head folder for this target and draft (required: "
+                               "none ships with samctl; `samctl train acc-head` makes one).", metavar="PATH")
     eagle_head: str | None = arg(None, "eagle, sam+eagle, adaptive+eagle: EAGLE head folder for this model (default: "
                                  "the embedded one, with the embedded target only).", metavar="PATH")
     max_new_tokens: int = arg(256, "Longest answer, in tokens.")

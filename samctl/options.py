@@ -172,11 +172,16 @@ def session_options(*, only: tuple[str, ...] | None = None, exclude: tuple[str, 
     return add
 
 
-batch_size_option = click.option(
-    "--batch-size", type=int, default=None,
-    help="Records in flight at once on the batched engine, each output still exactly its own batch-1 output in "
-         "float32 and with --quantize int8 [default: 8 on a CPU, 32 on a GPU; 1 for the methods without a batched form "
-         "(SDSAT's) and --compare; with --ray, per worker].")
+def batch_size_option_with(more: str = ""):
+    """--batch-size; `more` names the command's own options that hold it to 1 (only those it has)."""
+    return click.option(
+        "--batch-size", type=int, default=None,
+        help="Records in flight at once on the batched engine, each output still exactly its own batch-1 output in "
+             "float32 and with --quantize int8 [default: 8 on a CPU, 32 on a GPU; 1 for the methods without a "
+             f"batched form (SDSAT's){more}].")
+
+
+batch_size_option = batch_size_option_with(", --compare and --memory-file/--memory-save; with --ray, per worker")
 
 
 def batch_size(config: "SessionConfig", asked: int | None, on_gpu: bool, *, compare: bool = False,

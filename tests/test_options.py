@@ -105,3 +105,15 @@ def test_simulate_offers_the_settings_of_the_methods_it_replays():
         read = any(method(m).reads(f"{section}.{f.name}") for m in REPLAYABLE)
         assert (setting_name(f) in keys) == read, (section, f.name)
     assert {"pld_ngram", "la_window", "rest_nodes"} <= keys and not keys & {"gamma", "sat_count", "eagle_top_k"}
+
+
+@pytest.mark.parametrize("name", [name for name, _ in COMMANDS if name != "train"])
+def test_option_help_names_only_the_commands_own_options(name):
+    # a flag an option's help names is one of this command's, unless it names another command's
+    # (`simulate --cost-curve`); distill's --batch-size once listed generate's --compare and --ray
+    command = load_command(name)
+    own = {o for p in command.params for o in p.opts + p.secondary_opts}
+    others = {n for n, _ in COMMANDS}
+    for param in command.params:
+        for before, flag_name in re.findall(r"(\w*)\W{0,2}(?<![\w-])(--[a-z][\w-]*)", getattr(param, "help", "") or ""):
+            assert flag_name in own or before in others, (name, param.name, flag_name)

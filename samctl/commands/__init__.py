@@ -8,7 +8,7 @@ import importlib
 import click
 
 COMMANDS = [
-    ("build", "Build a datastore from folders, .json/.jsonl/.parquet files, hf:NAME[:SPLIT] or - (stdin)."),
+    ("build", "Build a datastore from folders, .json/.jsonl/.parquet files, hf:NAME[[:CONFIG]:SPLIT] or - (stdin)."),
     ("info", "Describe a store: kind, size, tokenizer, build config and corpus statistics."),
     ("query", "Find the longest suffix of a query in STORE and print what follows it."),
     ("generate", "Generate from a prompt or a JSONL batch, faster, with exactly the model's output."),

@@ -80,7 +80,7 @@ MAX_NGRAM_TOP_K = 4096  # next tokens kept per context
 @config_option("quiet")
 def build(inputs, output, kind, tokenizer, include, exclude, fields, max_n, min_count, top_k,
           compress, append_eos, append_to, shards, ray_address, workers, memory_limit, verify, force, quiet) -> None:
-    """Build a datastore from folders, .json/.jsonl/.parquet files, hf:NAME[:SPLIT] or - (stdin).
+    """Build a datastore from folders, .json/.jsonl/.parquet files, hf:NAME[[:CONFIG]:SPLIT] or - (stdin).
 
     Records are read in known shapes (Alpaca instruction/input/output, GSM8K question/answer,
     Spec-Bench turns, chat messages, a text field) or from the fields given with --field.

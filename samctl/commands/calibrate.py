@@ -18,7 +18,7 @@ def calibrate(config: SessionConfig, refresh: bool, as_json: bool) -> None:
     """Verify cost t(n) for n = 1..64 input tokens: what `adaptive` sizes its drafts by.
 
     Measured once per model, device, dtype, thread count and graph mode (seconds), after 256 and
-    after 1024 committed tokens, then cached ($SAMCTL_CACHE or ~/.cache/samctl); a draft is
+    after 1024 committed tokens (fewer where the model's context is shorter), then cached ($SAMCTL_CACHE or ~/.cache/samctl); a draft is
     priced at its request's own context length, between and beyond the two. On a CPU t(n) grows
     with n, and faster after a long context, so drafts stay narrow; on a GPU it is nearly flat, so
     drafts grow wide. On CUDA it is measured under CUDA graphs, as generate and bench run (a step

@@ -19,7 +19,7 @@ import click
 
 from samctl.config import SessionConfig
 from samctl.index.errors import UserError
-from samctl.options import batch_size, batch_size_option, session_options
+from samctl.options import batch_size, batch_size_option_with, session_options
 from samctl.textio import ERRORS, check_output_path
 
 @click.command("distill")
@@ -41,7 +41,7 @@ from samctl.textio import ERRORS, check_output_path
               help="Also put this corpus in the store (as `samctl build` reads it; repeatable).")
 @click.option("--field", "prompt_field", metavar="NAME",
               help="the record field holding the prompt (default: prompt, turns, text, question, instruction)")
-@batch_size_option
+@batch_size_option_with()
 @click.option("--compress/--no-compress", default=True, show_default=True, help="zstd-compress the store's arrays.")
 def distill(config: SessionConfig, chat: bool | None, **opts: Any) -> None:
     """Generate the model's own answers to prompts and build a store from them.

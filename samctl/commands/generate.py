@@ -36,7 +36,7 @@ from samctl.textio import TEXT_FILE, check_output_path, check_utf8
               help="Batch: `records` (samctl's: prompt/turns/text fields -> id, text, metrics) or `openai` (OpenAI Batch "
                    "API lines, as `vllm run-batch` reads them: {custom_id, method: POST, url: /v1/chat/completions or "
                    "/v1/completions, body} -> {id, custom_id, response: {status_code, request_id, body: the completion "
-                   "`samctl serve` returns}, error}; body.model must be --model as given). auto: from the first line.")
+                   "`samctl serve` returns}, error}; body.model must be --model as given, or default without it). auto: from the first line.")
 @click.option("--output", "output_path", type=click.Path(dir_okay=False, allow_dash=True), default="-", show_default=True, help="JSONL results of a batch, '-' for stdout.")
 @click.option("--resume", is_flag=True, help="Batch: skip the records already in --output (by id) and append the rest (after a killed run).")
 @click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
@@ -53,7 +53,7 @@ from samctl.textio import TEXT_FILE, check_output_path, check_utf8
 @click.option("--memory-save", "memory_save", metavar="STORE", type=click.Path(dir_okay=False),
               help="adaptive, adaptive+eagle, lookahead, ouroboros: write the memory of outputs to this store at the end (atomically).")
 @click.option("--json", "as_json", is_flag=True, help="Single prompt: print one JSON object instead of streaming text.")
-@click.option("--compare", is_flag=True, help="Also run plain decoding (ar) and report the speedup and whether outputs match.")
+@click.option("--compare", is_flag=True, help="Also run plain decoding (ar) and report the speedup and whether outputs match (both on one torch thread unless --threads is given).")
 @click.option("--compare-runs", type=int, default=3, show_default=True, help="--compare, single prompt: timed runs of each side, alternating; the speedup is their median, with its range.")
 def generate(config: SessionConfig, **opts: Any) -> None:
     """Generate from a prompt or a JSONL batch, faster, with exactly the model's output.
