@@ -25,6 +25,18 @@ def arg(default: Any = MISSING, help: str = "", **meta: Any) -> Any:
     return field(default=default, metadata={"help": help, **meta})
 
 
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def check_sampling(sampling: object) -> SamplingConfig:
+    """A `sampling=` argument, refused in one line unless it is a SamplingConfig (a dict would
+    otherwise fail deep inside decoding)."""
+    if not isinstance(sampling, SamplingConfig):
+        raise ConfigError("{sampling} must be a samctl.decode.configs.SamplingConfig(temperature=, top_k=, top_p=, "
+                          "seed=), got {value}", value=type(sampling).__name__)
+    return sampling
+
+
 @dataclass(frozen=True)
 class SessionConfig:
     """`settings` holds the drafters' options by their Python names (`max_nodes`, ..., `bounds`; see
@@ -35,7 +47,7 @@ class SessionConfig:
     dtype: str = arg("auto", "auto: float32 on CPU; on GPU the model's saved dtype (float32 models run in bfloat16). "
                      "Greedy output equals plain greedy decoding token for token in float32; in half precision the "
                      "distribution is the model's and greedy can differ at near-ties.",
-                     choices=("auto", "float32", "float16", "bfloat16"))
+                     choices=DTYPES)
     threads: int | None = arg(None, "torch CPU threads (default: torch's choice); 1 is steadier on a busy machine.",
                               type=int)
     quantize: str = arg("none", "CPU only. int8: int8 weights (a scale per output channel) times int8 activations (a "
@@ -82,6 +94,9 @@ class SessionConfig:
             raise UserError(f"unknown method {self.method!r}: choose from {', '.join(ALL_METHODS)}")
         if self.quantize not in ("none", "int8"):
             raise ConfigError("{quantize} must be none or int8, got {value!r}", value=self.quantize)
+        if self.dtype not in DTYPES:
+            raise ConfigError("{dtype} must be one of " + ", ".join(DTYPES) + ", got {value!r}", value=self.dtype)
+        check_sampling(self.sampling)
         if self.backend not in BACKENDS:
             raise ConfigError("{backend} must be one of " + ", ".join(BACKENDS) + ", got {value!r}", value=self.backend)
         if self.threads is not None and self.threads < 1:

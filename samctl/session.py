@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from samctl.config import SessionConfig
+from samctl.config import SessionConfig, check_sampling
 from samctl.decode.acceptance_head import AcceptanceHead
 from samctl.decode.configs import SamplingConfig
 from samctl.decode.draft_model import DraftModel
@@ -187,7 +187,7 @@ class Session:
         generation = self.generation
         if max_new_tokens is not None or sampling is not None:
             generation = replace(generation, max_new_tokens=max_new_tokens or generation.max_new_tokens,
-                                 sampling=sampling or generation.sampling)
+                                 sampling=generation.sampling if sampling is None else check_sampling(sampling))
         return ids, self.drafter if drafter is None else drafter, generation
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int] | list[dict[str, str]]], *, batch_size: int = 8,

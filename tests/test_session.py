@@ -19,6 +19,8 @@ README = Path(__file__).resolve().parent.parent / "README.md"
     ({"max_new_tokens": 0}, "max_new_tokens="),
     ({"settings": {"max_nodez": 3}}, "max_nodez"),
     ({"settings": {"gamma": 0}}, "gamma="),
+    ({"dtype": "float8"}, "dtype= must be one of auto, float32, float16, bfloat16, got 'float8'"),
+    ({"sampling": {"temperature": 0.7}}, "sampling= must be a samctl.decode.configs.SamplingConfig("),
 ])
 def test_a_bad_configuration_is_refused_before_anything_loads(changes, named):
     with pytest.raises(UserError, match=re.escape(named)):
