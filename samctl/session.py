@@ -186,7 +186,9 @@ class Session:
             self.warm_up(ids)
         generation = self.generation
         if max_new_tokens is not None or sampling is not None:
-            generation = replace(generation, max_new_tokens=max_new_tokens or generation.max_new_tokens,
+            # `is None`, not `or`: max_new_tokens=0 is refused by GenerationConfig, never read as unset
+            generation = replace(generation,
+                                 max_new_tokens=generation.max_new_tokens if max_new_tokens is None else max_new_tokens,
                                  sampling=generation.sampling if sampling is None else check_sampling(sampling))
         return ids, self.drafter if drafter is None else drafter, generation
 

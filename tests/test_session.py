@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from samctl.decode.sampling import SamplingConfig
-from samctl.index.errors import UserError
+from samctl.index.errors import ConfigError, UserError
 from samctl.session import Session, SessionConfig
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -57,6 +57,17 @@ def test_sampling_settings_reach_the_generation(model_dir):
     assert session.generation.sampling == sampling
     # ... and a sample, not the argmax (a session that dropped its sampling would pass the above)
     assert first.tokens != session.generate("hello hello", sampling=SamplingConfig()).tokens
+
+
+def test_a_per_call_override_is_checked_not_dropped(model_dir):
+    # max_new_tokens=0 was read as unset (`or`) and gave the configuration's 8 tokens; a dict for
+    # sampling failed deep in the drafter with an AttributeError
+    session = Session(SessionConfig(model=str(model_dir), method="pld", max_new_tokens=8, quiet=True))
+    with pytest.raises(ConfigError, match=re.escape("max_new_tokens= must be >= 1, got 0")):
+        session.generate("hello hello", max_new_tokens=0)
+    with pytest.raises(ConfigError, match=re.escape("sampling= must be a samctl.decode.configs.SamplingConfig(")):
+        session.generate("hello hello", sampling={"temperature": 0.7})
+    assert len(session.generate("hello hello", max_new_tokens=1).tokens) == 1
 
 
 def test_readme_python_api_example_runs_as_written(capsys):
