@@ -276,7 +276,8 @@ class Session:
         from samctl.decode.loop import generate_batch
 
         for ids in prompts:
-            if not prompt_error(np.asarray(ids), self.engine.target.max_positions):
+            target = self.engine.target
+            if not prompt_error(np.asarray(ids), target.max_positions, vocab_size=target.vocab_size):
                 if not self.warm:
                     self.warm_up(ids)
                 self.batch_warm = True

@@ -70,6 +70,18 @@ def test_a_per_call_override_is_checked_not_dropped(model_dir):
     assert len(session.generate("hello hello", max_new_tokens=1).tokens) == 1
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_per_prompt(model_dir):
+    # they were an IndexError from torch's embedding, and in a batch took the good prompts with them
+    session = Session(SessionConfig(model=str(model_dir), method="pld", max_new_tokens=4, quiet=True))
+    vocab = session.engine.vocab_size
+    with pytest.raises(UserError, match=re.escape(f"token id {vocab} at position 1 is not in the model's vocabulary")):
+        session.generate([1, vocab])
+    good, high, negative = session.generate_batch([[1, 2, 3], [1, vocab + 5], [-1, 2]], batch_size=2)
+    assert good.tokens == session.generate([1, 2, 3]).tokens and good.error == ""
+    assert high.finish_reason == negative.finish_reason == "error"
+    assert f"token id {vocab + 5} at position 1" in high.error and "token id -1 at position 0" in negative.error
+
+
 def test_readme_python_api_example_runs_as_written(capsys):
     text = README.read_text(encoding="utf-8")
     block = text.split("<!-- python-api-example -->", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
