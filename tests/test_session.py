@@ -19,6 +19,9 @@ README = Path(__file__).resolve().parent.parent / "README.md"
     ({"max_new_tokens": 0}, "max_new_tokens="),
     ({"settings": {"max_nodez": 3}}, "max_nodez"),
     ({"settings": {"gamma": 0}}, "gamma="),
+    ({"settings": {"max_nodes": "8"}}, "max_nodes= must be an integer, got '8'"),
+    ({"settings": {"min_prob": "0.1"}}, "min_prob= must be a number, got '0.1'"),
+    ({"settings": {"bounds": 3}}, "bounds= must be (MIN, MAX), each an integer, got 3"),
     ({"dtype": "float8"}, "dtype= must be one of auto, float32, float16, bfloat16, got 'float8'"),
     ({"sampling": {"temperature": 0.7}}, "sampling= must be a samctl.decode.configs.SamplingConfig("),
 ])
