@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import numbers
 import statistics
 import time
 from dataclasses import asdict, replace
@@ -32,6 +33,7 @@ from samctl.decode.methods import MethodConfig, make_drafter, method as method_e
 from samctl.decode.metrics import first_difference
 from samctl.heads import load_acc_head, load_eagle
 from samctl.index.datastore import Datastore
+from samctl.index.errors import UserError
 from samctl.models import Engine, load_draft, load_engine
 from samctl.plan import plan
 from samctl.stores import load_memory, load_store
@@ -149,9 +151,15 @@ class Session:
         """Token ids of a prompt: text, ids as they are, or a conversation (a list of messages)."""
         if isinstance(prompt, str):
             return self.engine.encode(prompt, self.config.chat)
-        if prompt and isinstance(prompt[0], dict):
-            return self.engine.encode_conversation(list(prompt), self.config.chat)
-        return [int(t) for t in prompt]
+        # a tensor or array of ids as a list of ints; any other sequence as a list
+        prompt = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt) if isinstance(prompt, Iterable) else prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            if all(_is_message(m) for m in prompt):
+                return self.engine.encode_conversation(prompt, self.config.chat)
+        elif isinstance(prompt, list) and all(isinstance(t, numbers.Integral) for t in prompt):
+            return [int(t) for t in prompt]
+        raise UserError(f"a prompt is text, a list of token ids or a list of messages ({{'role': str, 'content': str}}"
+                        f" each), not {_shown(prompt)}")
 
     def decode(self, ids: list[int]) -> str:
         return self.engine.decode(ids)
@@ -198,6 +206,9 @@ class Session:
         """Up to `batch_size` rows in flight, each output exactly its batch-1 output in float32, results
         in input order; `predictions[i]`: prompt i's expected output (or None). SDSAT's methods,
         which draft with the target's own forward, are refused."""
+        if isinstance(prompts, (str, dict)):
+            raise UserError(f"generate_batch takes a list of prompts, not one {type(prompts).__name__}: "
+                            "pass [prompt] or call generate")
         items = ((i, p, None if predictions is None else predictions[i]) for i, p in enumerate(prompts))
         results = {}
         for result in self.stream_batch(items, batch_size=batch_size, stats=stats):
@@ -337,6 +348,22 @@ class Session:
     def prediction_ids(self, prediction: str | None) -> list[int] | None:
         """Tokenized as plain text."""
         return None if not prediction else self.engine.tokenizer(prediction, add_special_tokens=False)["input_ids"]
+
+
+def _is_message(item: Any) -> bool:
+    return isinstance(item, dict) and isinstance(item.get("role"), str) and isinstance(item.get("content"), str)
+
+
+def _shown(prompt: Any) -> str:
+    """A wrong prompt as its error names it: its type, or the first item that is not a message (a
+    conversation) or not a token id."""
+    if not isinstance(prompt, list):
+        return f"{type(prompt).__name__} {prompt!r:.60}"
+    if prompt and isinstance(prompt[0], dict):
+        bad = next(m for m in prompt if not _is_message(m))
+    else:
+        bad = next(t for t in prompt if not isinstance(t, numbers.Integral))
+    return f"a list holding {bad!r:.60}"
 
 
 def _cpu_ratio(method: GenerationResult, base: GenerationResult) -> float:

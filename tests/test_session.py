@@ -4,7 +4,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from samctl.decode.sampling import SamplingConfig
 from samctl.index.errors import ConfigError, UserError
@@ -83,6 +85,21 @@ def test_token_ids_outside_the_vocabulary_are_refused_per_prompt(model_dir):
     assert good.tokens == session.generate([1, 2, 3]).tokens and good.error == ""
     assert high.finish_reason == negative.finish_reason == "error"
     assert f"token id {vocab + 5} at position 1" in high.error and "token id -1 at position 0" in negative.error
+
+
+def test_a_prompt_of_the_wrong_shape_is_one_user_error(model_dir):
+    # a message without content was a KeyError, ids as strings a ValueError, an int a TypeError, and
+    # generate_batch("text") ran each character as a prompt
+    session = Session(SessionConfig(model=str(model_dir), method="pld", max_new_tokens=2, quiet=True))
+    for prompt, named in [([{"role": "user"}], "{'role': 'user'}"), (["a", "b"], "'a'"), ([1, "b"], "'b'"),
+                          (5, "int 5"), (None, "NoneType None")]:
+        with pytest.raises(UserError, match=re.escape(f"a prompt is text, a list of token ids or a list of "
+                                                      f"messages ({{'role': str, 'content': str}} each), not")) as err:
+            session.encode(prompt)
+        assert named in str(err.value)
+    assert session.encode(torch.tensor([1, 2, 3])) == session.encode(np.array([1, 2, 3])) == [1, 2, 3]
+    with pytest.raises(UserError, match="generate_batch takes a list of prompts, not one str"):
+        session.generate_batch("abc")
 
 
 def test_readme_python_api_example_runs_as_written(capsys):
