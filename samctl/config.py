@@ -6,6 +6,7 @@ record (`to_record`).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import MISSING, asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ def arg(default: Any = MISSING, help: str = "", **meta: Any) -> Any:
 
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+PATH_FIELDS = ("model", "store", "draft_model", "acc_head", "eagle_head", "memory_file")
 
 
 def check_sampling(sampling: object) -> SamplingConfig:
@@ -90,6 +92,13 @@ class SessionConfig:
     quiet: bool = arg(False, "No progress, notes or summary on stderr (warnings and errors only).", cli="-q --quiet")
 
     def __post_init__(self) -> None:
+        for name in PATH_FIELDS:  # a pathlib.Path as a str (the loaders take text); anything else refused
+            value = getattr(self, name)
+            if isinstance(value, os.PathLike):
+                object.__setattr__(self, name, os.fspath(value))
+            elif value is not None and not isinstance(value, str):
+                raise ConfigError(f"{{{name}}} must be a path (a str or os.PathLike), got {{value}}",
+                                  value=f"{type(value).__name__} {value!r:.40}")
         if self.method not in ALL_METHODS:
             raise UserError(f"unknown method {self.method!r}: choose from {', '.join(ALL_METHODS)}")
         if self.quantize not in ("none", "int8"):

@@ -24,12 +24,22 @@ README = Path(__file__).resolve().parent.parent / "README.md"
     ({"settings": {"max_nodes": "8"}}, "max_nodes= must be an integer, got '8'"),
     ({"settings": {"min_prob": "0.1"}}, "min_prob= must be a number, got '0.1'"),
     ({"settings": {"bounds": 3}}, "bounds= must be (MIN, MAX), each an integer, got 3"),
+    ({"store": 3}, "store= must be a path (a str or os.PathLike), got int 3"),
     ({"dtype": "float8"}, "dtype= must be one of auto, float32, float16, bfloat16, got 'float8'"),
     ({"sampling": {"temperature": 0.7}}, "sampling= must be a samctl.decode.configs.SamplingConfig("),
 ])
 def test_a_bad_configuration_is_refused_before_anything_loads(changes, named):
     with pytest.raises(UserError, match=re.escape(named)):
         SessionConfig(model="/nonexistent/model", **changes)
+
+
+def test_paths_may_be_pathlib_paths(model_dir, tmp_path):
+    # a Path was an AttributeError ('PosixPath' object has no attribute 'startswith') at load;
+    # an int store was opened as a file descriptor
+    config = SessionConfig(model=model_dir, memory_file=tmp_path / "m.sam", quiet=True)
+    assert config.model == str(model_dir) and config.memory_file == str(tmp_path / "m.sam")
+    session = Session(SessionConfig(model=model_dir, method="pld", max_new_tokens=2, quiet=True))
+    assert len(session.generate("hello hello").tokens) == 2
 
 
 def test_a_session_generates_compares_and_records_its_configuration(model_dir):
