@@ -427,7 +427,7 @@ class BatchRun:
             row.t0 = bonus
             # 6) observe
             t_draft = time.perf_counter()
-            if row.out.done or target.lengths[b] + 1 >= target.max_positions:
+            if row.out.done or target.lengths[b] >= target.max_positions:  # no position left for t0
                 finished.append(row)
             elif row.drafter.needs_hidden:  # [1 + a, H] at the committed inputs, from this verify
                 row.drafter.observe(committed, flat[offsets[b]: offsets[b + 1]], logits[offsets[b]: offsets[b + 1]],
