@@ -347,6 +347,9 @@ class Session:
 
     def prediction_ids(self, prediction: str | None) -> list[int] | None:
         """Tokenized as plain text."""
+        if prediction is not None and not isinstance(prediction, str):
+            raise UserError(f"a prediction is the expected output as text, not {type(prediction).__name__} "
+                            f"{prediction!r:.40}")
         return None if not prediction else self.engine.tokenizer(prediction, add_special_tokens=False)["input_ids"]
 
 

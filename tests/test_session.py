@@ -110,6 +110,8 @@ def test_a_prompt_of_the_wrong_shape_is_one_user_error(model_dir):
     assert session.encode(torch.tensor([1, 2, 3])) == session.encode(np.array([1, 2, 3])) == [1, 2, 3]
     with pytest.raises(UserError, match="generate_batch takes a list of prompts, not one str"):
         session.generate_batch("abc")
+    with pytest.raises(UserError, match="a prediction is the expected output as text, not int 5"):
+        session.generate("hello", prediction=5)  # was a ValueError from the tokenizer
 
 
 def test_readme_python_api_example_runs_as_written(capsys):
