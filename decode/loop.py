@@ -126,12 +126,18 @@ class _Output:
         return self.limit - len(self.tokens)
 
 
-def prompt_error(prompt: np.ndarray, max_positions: int, context_note: str = "the model's context") -> str:
+def prompt_error(prompt: np.ndarray, max_positions: int, context_note: str = "the model's context",
+                 vocab_size: int | None = None) -> str:
     """Why no token can be generated after `prompt` ("" when one can)."""
     if len(prompt) == 0:
         return "the prompt is empty: give at least one token of text"
     if len(prompt) + 1 > max_positions:
         return f"prompt is {len(prompt)} tokens, {context_note} is {max_positions}: shorten the prompt"
+    if vocab_size is not None:  # else the embedding lookup fails deep in torch (IndexError)
+        bad = np.flatnonzero((prompt < 0) | (prompt >= vocab_size))
+        if len(bad):
+            return (f"token id {int(prompt[bad[0]])} at position {int(bad[0])} is not in the model's vocabulary "
+                    f"[0, {vocab_size}): pass ids of this model's tokenizer")
     return ""
 
 
@@ -309,7 +315,7 @@ class BatchRun:
         (finish reason "stop"); `prediction`: token ids of the expected output, for a drafter with
         `expect`. A prompt that is empty or fills the context is a UserError."""
         ids = np.asarray(prompt, dtype=np.int64).reshape(-1)
-        error = prompt_error(ids, self.target.max_positions, self.target.context_note)
+        error = prompt_error(ids, self.target.max_positions, self.target.context_note, self.target.vocab_size)
         if error:
             raise UserError(error)
         if generator is None and not config.sampling.greedy:
@@ -421,7 +427,7 @@ class BatchRun:
             row.t0 = bonus
             # 6) observe
             t_draft = time.perf_counter()
-            if row.out.done or target.lengths[b] + 1 >= target.max_positions:
+            if row.out.done or target.lengths[b] >= target.max_positions:  # no position left for t0
                 finished.append(row)
             elif row.drafter.needs_hidden:  # [1 + a, H] at the committed inputs, from this verify
                 row.drafter.observe(committed, flat[offsets[b]: offsets[b + 1]], logits[offsets[b]: offsets[b + 1]],

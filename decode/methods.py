@@ -12,6 +12,7 @@ settings for `--help` and usage errors); a drafter's module is imported when it 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -292,6 +293,22 @@ def setting_default(section: str, f: dataclasses.Field) -> Any:
     return (f.default, getattr(getattr(MethodConfig(), section), pair)) if pair else f.default
 
 
+_KINDS = {"int": ((numbers.Integral,), "an integer"), "float": ((numbers.Real,), "a number"),
+          "bool": ((bool,), "True or False"), "str": ((str,), "a string")}
+
+
+def _check_type(f: dataclasses.Field, value: Any) -> None:
+    """A setting of the field's type (a `pair` field: two of them), else a ConfigError naming it:
+    the Python API takes any value, which the configs' range checks would compare and fail on."""
+    kinds, what = _KINDS[f.type]
+    values = value if "pair" in f.metadata and isinstance(value, (tuple, list)) and len(value) == 2 else None
+    ok = all(isinstance(v, kinds) and (bool in kinds or not isinstance(v, bool))
+             for v in (values if values is not None else (value,)))
+    if not ok or ("pair" in f.metadata and values is None):
+        what = f"(MIN, MAX), each {what}" if "pair" in f.metadata else what
+        raise ConfigError(f"{{{setting_name(f)}}} must be {what}, got {{value!r}}", value=value)
+
+
 def method_config(settings: dict[str, Any], device: torch.device | None = None) -> MethodConfig:
     """The drafters' settings from their Python names (`setting_names()`); `device` sizes the defaults that depend on it
     (a `cpu_default` left unset: that value on a CPU, the config's own default elsewhere)."""
@@ -302,6 +319,7 @@ def method_config(settings: dict[str, Any], device: torch.device | None = None) 
         if value is None and on_cpu and "cpu_default" in f.metadata:
             value = f.metadata["cpu_default"]
         if value is not None:  # a `pair` field's option sets it and its pair (--bounds MIN MAX)
+            _check_type(f, value)
             names = (f.name, f.metadata["pair"]) if "pair" in f.metadata else (f.name,)
             sections.setdefault(section, {}).update(zip(names, value if "pair" in f.metadata else (value,)))
     base = MethodConfig()

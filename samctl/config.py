@@ -6,6 +6,7 @@ record (`to_record`).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import MISSING, asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,19 @@ def arg(default: Any = MISSING, help: str = "", **meta: Any) -> Any:
     return field(default=default, metadata={"help": help, **meta})
 
 
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+PATH_FIELDS = ("model", "store", "draft_model", "acc_head", "eagle_head", "memory_file")
+
+
+def check_sampling(sampling: object) -> SamplingConfig:
+    """A `sampling=` argument, refused in one line unless it is a SamplingConfig (a dict would
+    otherwise fail deep inside decoding)."""
+    if not isinstance(sampling, SamplingConfig):
+        raise ConfigError("{sampling} must be a samctl.decode.configs.SamplingConfig(temperature=, top_k=, top_p=, "
+                          "seed=), got {value}", value=type(sampling).__name__)
+    return sampling
+
+
 @dataclass(frozen=True)
 class SessionConfig:
     """`settings` holds the drafters' options by their Python names (`max_nodes`, ..., `bounds`; see
@@ -36,7 +50,7 @@ class SessionConfig:
     dtype: str = arg("auto", "auto: float32 on CPU; on GPU the model's saved dtype (float32 models run in bfloat16). "
                      "Greedy output equals plain greedy decoding token for token in float32; in half precision the "
                      "distribution is the model's and greedy can differ at near-ties.",
-                     choices=("auto", "float32", "float16", "bfloat16"))
+                     choices=DTYPES)
     threads: int | None = arg(None, "torch CPU threads (default: torch's choice); 1 is steadier on a busy machine.",
                               type=int)
     quantize: str = arg("none", "CPU only. int8: int8 weights (a scale per output channel) times int8 activations (a "
@@ -79,10 +93,20 @@ class SessionConfig:
     quiet: bool = arg(False, "No progress, notes or summary on stderr (warnings and errors only).", cli="-q --quiet")
 
     def __post_init__(self) -> None:
+        for name in PATH_FIELDS:  # a pathlib.Path as a str (the loaders take text); anything else refused
+            value = getattr(self, name)
+            if isinstance(value, os.PathLike):
+                object.__setattr__(self, name, os.fspath(value))
+            elif value is not None and not isinstance(value, str):
+                raise ConfigError(f"{{{name}}} must be a path (a str or os.PathLike), got {{value}}",
+                                  value=f"{type(value).__name__} {value!r:.40}")
         if self.method not in ALL_METHODS:
             raise UserError(f"unknown method {self.method!r}: choose from {', '.join(ALL_METHODS)}")
         if self.quantize not in ("none", "int8"):
             raise ConfigError("{quantize} must be none or int8, got {value!r}", value=self.quantize)
+        if self.dtype not in DTYPES:
+            raise ConfigError("{dtype} must be one of " + ", ".join(DTYPES) + ", got {value!r}", value=self.dtype)
+        check_sampling(self.sampling)
         if self.backend not in BACKENDS:
             raise ConfigError("{backend} must be one of " + ", ".join(BACKENDS) + ", got {value!r}", value=self.backend)
         if self.threads is not None and self.threads < 1:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from samctl.decode.loop import GenerationConfig, generate as decode_generate
-from samctl.decode.methods import DEFAULT_METHOD, method as method_entry, setting_names
+from samctl.decode.methods import DEFAULT_METHOD, method as method_entry, method_config, setting_names
 from samctl.decode.sampling import SamplingConfig
 from samctl.index.errors import UserError
 from samctl.models import engine_for
@@ -51,6 +51,7 @@ class SamctlGenerate:
         if unknown:
             raise UserError(f"unknown setting {unknown[0]!r} for samctl.hf.make_generate: "
                             f"choose from {', '.join(setting_names())}")
+        method_config(settings)  # a bad value is refused here, not at the first generate
         if store is not None and not entry.uses_store:
             raise UserError(f"method {method} does not draft from a store: drop store= or use method={DEFAULT_METHOD!r}")
         for name in sorted(set(self.files) - entry.requires):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import numbers
 import statistics
 import time
 from dataclasses import asdict, replace
@@ -18,7 +19,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from samctl.config import SessionConfig
+from samctl.config import SessionConfig, check_sampling
 from samctl.decode.acceptance_head import AcceptanceHead
 from samctl.decode.configs import SamplingConfig
 from samctl.decode.draft_model import DraftModel
@@ -32,6 +33,7 @@ from samctl.decode.methods import MethodConfig, make_drafter, method as method_e
 from samctl.decode.metrics import first_difference
 from samctl.heads import load_acc_head, load_eagle
 from samctl.index.datastore import Datastore
+from samctl.index.errors import UserError
 from samctl.models import Engine, load_draft, load_engine
 from samctl.plan import plan
 from samctl.stores import load_memory, load_store
@@ -149,9 +151,15 @@ class Session:
         """Token ids of a prompt: text, ids as they are, or a conversation (a list of messages)."""
         if isinstance(prompt, str):
             return self.engine.encode(prompt, self.config.chat)
-        if prompt and isinstance(prompt[0], dict):
-            return self.engine.encode_conversation(list(prompt), self.config.chat)
-        return [int(t) for t in prompt]
+        # a tensor or array of ids as a list of ints; any other sequence as a list
+        prompt = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt) if isinstance(prompt, Iterable) else prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            if all(_is_message(m) for m in prompt):
+                return self.engine.encode_conversation(prompt, self.config.chat)
+        elif isinstance(prompt, list) and all(isinstance(t, numbers.Integral) for t in prompt):
+            return [int(t) for t in prompt]
+        raise UserError(f"a prompt is text, a list of token ids or a list of messages ({{'role': str, 'content': str}}"
+                        f" each), not {_shown(prompt)}")
 
     def decode(self, ids: list[int]) -> str:
         return self.engine.decode(ids)
@@ -186,8 +194,10 @@ class Session:
             self.warm_up(ids)
         generation = self.generation
         if max_new_tokens is not None or sampling is not None:
-            generation = replace(generation, max_new_tokens=max_new_tokens or generation.max_new_tokens,
-                                 sampling=sampling or generation.sampling)
+            # `is None`, not `or`: max_new_tokens=0 is refused by GenerationConfig, never read as unset
+            generation = replace(generation,
+                                 max_new_tokens=generation.max_new_tokens if max_new_tokens is None else max_new_tokens,
+                                 sampling=generation.sampling if sampling is None else check_sampling(sampling))
         return ids, self.drafter if drafter is None else drafter, generation
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int] | list[dict[str, str]]], *, batch_size: int = 8,
@@ -196,6 +206,9 @@ class Session:
         """Up to `batch_size` rows in flight, each output exactly its batch-1 output in float32, results
         in input order; `predictions[i]`: prompt i's expected output (or None). SDSAT's methods,
         which draft with the target's own forward, are refused."""
+        if isinstance(prompts, (str, dict)):
+            raise UserError(f"generate_batch takes a list of prompts, not one {type(prompts).__name__}: "
+                            "pass [prompt] or call generate")
         items = ((i, p, None if predictions is None else predictions[i]) for i, p in enumerate(prompts))
         results = {}
         for result in self.stream_batch(items, batch_size=batch_size, stats=stats):
@@ -274,7 +287,8 @@ class Session:
         from samctl.decode.loop import generate_batch
 
         for ids in prompts:
-            if not prompt_error(np.asarray(ids), self.engine.target.max_positions):
+            target = self.engine.target
+            if not prompt_error(np.asarray(ids), target.max_positions, vocab_size=target.vocab_size):
                 if not self.warm:
                     self.warm_up(ids)
                 self.batch_warm = True
@@ -333,7 +347,26 @@ class Session:
 
     def prediction_ids(self, prediction: str | None) -> list[int] | None:
         """Tokenized as plain text."""
+        if prediction is not None and not isinstance(prediction, str):
+            raise UserError(f"a prediction is the expected output as text, not {type(prediction).__name__} "
+                            f"{prediction!r:.40}")
         return None if not prediction else self.engine.tokenizer(prediction, add_special_tokens=False)["input_ids"]
+
+
+def _is_message(item: Any) -> bool:
+    return isinstance(item, dict) and isinstance(item.get("role"), str) and isinstance(item.get("content"), str)
+
+
+def _shown(prompt: Any) -> str:
+    """A wrong prompt as its error names it: its type, or the first item that is not a message (a
+    conversation) or not a token id."""
+    if not isinstance(prompt, list):
+        return f"{type(prompt).__name__} {prompt!r:.60}"
+    if prompt and isinstance(prompt[0], dict):
+        bad = next(m for m in prompt if not _is_message(m))
+    else:
+        bad = next(t for t in prompt if not isinstance(t, numbers.Integral))
+    return f"a list holding {bad!r:.60}"
 
 
 def _cpu_ratio(method: GenerationResult, base: GenerationResult) -> float:

@@ -570,3 +570,18 @@ def test_batched_speculative_sampling_rejects_planted_q_rules(bug):
     assert seen.q_steps > 100
     counts = Counter(tuple(r.tokens) for r in results)
     assert fits(counts, _exact(model, prompt, sampling), 600) < 1e-6, bug
+
+
+@pytest.mark.parametrize("method", ["ar", "pld", "adaptive"])
+def test_every_method_fills_the_context_to_its_last_position(method):
+    # A prompt of n tokens in a context of C leaves C - n + 1 new tokens (the last is never fed back).
+    # Plain decoding stopped one short, a step before the last position, while a drafter whose draft
+    # reached that position in one verify got the token more: outputs of different lengths.
+    model = tiny()
+    model.config.max_position_embeddings = 48  # the context samctl runs to (the rotary tables stay longer)
+    prompt = [3, 4, 5, 6, 7, 8] * 7  # 42 tokens: 7 new ones fit
+    drafter = make_drafter(method, vocab_size=model.config.vocab_size, device=torch.device("cpu"))
+    result = generate(TargetModel(model), drafter, prompt, GenerationConfig(max_new_tokens=20))
+    plain = generate(TargetModel(model), make_drafter("ar", vocab_size=96, device=torch.device("cpu")), prompt,
+                     GenerationConfig(max_new_tokens=20))
+    assert len(result.tokens) == 48 - len(prompt) + 1 and result.tokens == plain.tokens

@@ -6,6 +6,8 @@ acceptance bug); what samctl cannot honour exactly is refused with a UserError.
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,7 @@ import samctl.hf
 from samctl.decode.sampling import SamplingConfig, warp_probs
 from samctl.index.automaton import SuffixAutomaton
 from samctl.index.datastore import BuildConfig, CorpusStats, StoreMeta, save_datastore
-from samctl.index.errors import UserError
+from samctl.index.errors import ConfigError, UserError
 from tests.planted import BUGS, acceptance
 from tests.test_decode_sampling import fits
 
@@ -149,6 +151,11 @@ def test_bad_settings_are_one_line_errors():
     with pytest.raises(UserError, match="does not draft from a store"):
         samctl.hf.make_generate("x.sam", method="pld")
     assert "max_nodes" in samctl.hf.setting_names()
+    # a bad value is refused by make_generate itself, as SessionConfig does, not at the first generate
+    with pytest.raises(ConfigError, match=re.escape("max_nodes= must be >= 0, got -1")):
+        samctl.hf.make_generate(max_nodes=-1)
+    with pytest.raises(ConfigError, match=re.escape("min_prob= must be a number, got '0.1'")):
+        samctl.hf.make_generate(min_prob="0.1")
 
 
 # -- sampling: the exact distribution of 5-token continuations of a tiny model ------------------

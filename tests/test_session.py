@@ -4,10 +4,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from samctl.decode.sampling import SamplingConfig
-from samctl.index.errors import UserError
+from samctl.index.errors import ConfigError, UserError
 from samctl.session import Session, SessionConfig
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -19,10 +21,25 @@ README = Path(__file__).resolve().parent.parent / "README.md"
     ({"max_new_tokens": 0}, "max_new_tokens="),
     ({"settings": {"max_nodez": 3}}, "max_nodez"),
     ({"settings": {"gamma": 0}}, "gamma="),
+    ({"settings": {"max_nodes": "8"}}, "max_nodes= must be an integer, got '8'"),
+    ({"settings": {"min_prob": "0.1"}}, "min_prob= must be a number, got '0.1'"),
+    ({"settings": {"bounds": 3}}, "bounds= must be (MIN, MAX), each an integer, got 3"),
+    ({"store": 3}, "store= must be a path (a str or os.PathLike), got int 3"),
+    ({"dtype": "float8"}, "dtype= must be one of auto, float32, float16, bfloat16, got 'float8'"),
+    ({"sampling": {"temperature": 0.7}}, "sampling= must be a samctl.decode.configs.SamplingConfig("),
 ])
 def test_a_bad_configuration_is_refused_before_anything_loads(changes, named):
     with pytest.raises(UserError, match=re.escape(named)):
         SessionConfig(model="/nonexistent/model", **changes)
+
+
+def test_paths_may_be_pathlib_paths(model_dir, tmp_path):
+    # a Path was an AttributeError ('PosixPath' object has no attribute 'startswith') at load;
+    # an int store was opened as a file descriptor
+    config = SessionConfig(model=model_dir, memory_file=tmp_path / "m.sam", quiet=True)
+    assert config.model == str(model_dir) and config.memory_file == str(tmp_path / "m.sam")
+    session = Session(SessionConfig(model=model_dir, method="pld", max_new_tokens=2, quiet=True))
+    assert len(session.generate("hello hello").tokens) == 2
 
 
 def test_a_session_generates_compares_and_records_its_configuration(model_dir):
@@ -55,6 +72,46 @@ def test_sampling_settings_reach_the_generation(model_dir):
     assert session.generation.sampling == sampling
     # ... and a sample, not the argmax (a session that dropped its sampling would pass the above)
     assert first.tokens != session.generate("hello hello", sampling=SamplingConfig()).tokens
+
+
+def test_a_per_call_override_is_checked_not_dropped(model_dir):
+    # max_new_tokens=0 was read as unset (`or`) and gave the configuration's 8 tokens; a dict for
+    # sampling failed deep in the drafter with an AttributeError
+    session = Session(SessionConfig(model=str(model_dir), method="pld", max_new_tokens=8, quiet=True))
+    with pytest.raises(ConfigError, match=re.escape("max_new_tokens= must be >= 1, got 0")):
+        session.generate("hello hello", max_new_tokens=0)
+    with pytest.raises(ConfigError, match=re.escape("sampling= must be a samctl.decode.configs.SamplingConfig(")):
+        session.generate("hello hello", sampling={"temperature": 0.7})
+    assert len(session.generate("hello hello", max_new_tokens=1).tokens) == 1
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_per_prompt(model_dir):
+    # they were an IndexError from torch's embedding, and in a batch took the good prompts with them
+    session = Session(SessionConfig(model=str(model_dir), method="pld", max_new_tokens=4, quiet=True))
+    vocab = session.engine.vocab_size
+    with pytest.raises(UserError, match=re.escape(f"token id {vocab} at position 1 is not in the model's vocabulary")):
+        session.generate([1, vocab])
+    good, high, negative = session.generate_batch([[1, 2, 3], [1, vocab + 5], [-1, 2]], batch_size=2)
+    assert good.tokens == session.generate([1, 2, 3]).tokens and good.error == ""
+    assert high.finish_reason == negative.finish_reason == "error"
+    assert f"token id {vocab + 5} at position 1" in high.error and "token id -1 at position 0" in negative.error
+
+
+def test_a_prompt_of_the_wrong_shape_is_one_user_error(model_dir):
+    # a message without content was a KeyError, ids as strings a ValueError, an int a TypeError, and
+    # generate_batch("text") ran each character as a prompt
+    session = Session(SessionConfig(model=str(model_dir), method="pld", max_new_tokens=2, quiet=True))
+    for prompt, named in [([{"role": "user"}], "{'role': 'user'}"), (["a", "b"], "'a'"), ([1, "b"], "'b'"),
+                          (5, "int 5"), (None, "NoneType None")]:
+        with pytest.raises(UserError, match=re.escape(f"a prompt is text, a list of token ids or a list of "
+                                                      f"messages ({{'role': str, 'content': str}} each), not")) as err:
+            session.encode(prompt)
+        assert named in str(err.value)
+    assert session.encode(torch.tensor([1, 2, 3])) == session.encode(np.array([1, 2, 3])) == [1, 2, 3]
+    with pytest.raises(UserError, match="generate_batch takes a list of prompts, not one str"):
+        session.generate_batch("abc")
+    with pytest.raises(UserError, match="a prediction is the expected output as text, not int 5"):
+        session.generate("hello", prediction=5)  # was a ValueError from the tokenizer
 
 
 def test_readme_python_api_example_runs_as_written(capsys):

@@ -124,6 +124,9 @@ class BatchedTarget:
             use_folded_gqa(model)
         self.max_positions = int(getattr(config, "max_position_embeddings", 1 << 30) or (1 << 30))
         self.context_note = "the model's context"
+        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        # the ids the embedding takes (it may be resized past config.vocab_size)
+        self.vocab_size = int(getattr(embeddings, "num_embeddings", 0) or getattr(config, "vocab_size", 0) or 0) or None
         window = _sliding_window(config)
         if window is not None and window < self.max_positions:
             # Beyond the window the model must stop seeing old tokens, which this engine's

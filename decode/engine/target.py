@@ -32,6 +32,7 @@ class TargetModel:
     dtype = property(lambda self: self.rows.dtype)
     max_positions = property(lambda self: self.rows.max_positions)
     context_note = property(lambda self: self.rows.context_note)
+    vocab_size = property(lambda self: self.rows.vocab_size)
     native = property(lambda self: self.rows.native)
     cache = property(lambda self: self.rows.cache)
     eager_fallbacks = property(lambda self: self.rows.eager_fallbacks)
