@@ -13,7 +13,7 @@ import sys
 
 import click
 
-from samctl.index.errors import UserError
+from samctl.index.errors import UserError, Worded
 from samctl import __version__
 
 
@@ -26,7 +26,12 @@ class _Notes(logging.Handler):
     """The `samctl` logger's records, one line each on stderr as it is when said (click.echo)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        click.echo(f"samctl: {record.getMessage()}", err=True)
+        if isinstance(record.msg, Worded):  # the settings it names, as flags
+            from samctl.options import flag
+
+            click.echo(f"samctl: {record.msg.render(flag)}", err=True)
+        else:
+            click.echo(f"samctl: {record.getMessage()}", err=True)
 
 
 _NOTES = _Notes()

@@ -12,7 +12,7 @@ from pathlib import Path
 from samctl.config import SessionConfig
 from samctl.decode.methods import method as method_entry, missing
 from samctl.fetch import installed_eagle_head, shipped_eagle_head
-from samctl.index.errors import ConfigError
+from samctl.index.errors import ConfigError, Note
 from samctl.tokenizer import DEFAULT_MODEL_DIR, is_path_like
 
 # The embedded default pair: the draft sits next to the default target. No SpecDec++ head ships
@@ -25,10 +25,10 @@ DEFAULT_EAGLE_DIR = DEFAULT_MODEL_DIR.parent / "eagle_head"  # EAGLE head of the
 EMBEDDED_MODEL_ID = "default"  # the model id clients send to a server or batch on the embedded model
 # What the embedded model is for, said whenever it is used: its rewrites are fast and exactly
 # plain decoding's, not correct; a real model is one command away (README, "A real model").
-EMBEDDED_MODEL_NOTE = (
-    f"using the embedded default model ({DEFAULT_MODEL_DIR.parent.name}/{DEFAULT_MODEL_DIR.name}, 5.9M "
-    "parameters): tiny, to show speed and exactness, not correct answers or edits; for a real model run "
-    "`samctl fetch smollm2` and pass --model models/SmolLM2-135M-Instruct.Q4_1.gguf")
+EMBEDDED_MODEL_NOTE = Note(
+    "using the embedded default model ({where}, 5.9M parameters): tiny, to show speed and exactness, not correct "
+    "answers or edits; for a real model run `samctl fetch smollm2` and pass {model} models/SmolLM2-135M-Instruct.Q4_1.gguf",
+    where=f"{DEFAULT_MODEL_DIR.parent.name}/{DEFAULT_MODEL_DIR.name}")
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class Plan:
     draft_model: str | None
     acc_head: str | None
     eagle_head: str | None
-    notes: tuple[str, ...]  # for the `samctl` logger, in the order they arose
+    notes: tuple[str | Note, ...]  # for the `samctl` logger, in the order they arose
 
 
 def plan(config: SessionConfig) -> Plan:
@@ -90,8 +90,8 @@ def resolve_draft_paths(method: str, model: str | None, draft: str | None, head:
         if model is not None or not DEFAULT_DRAFT_DIR.is_dir():
             raise missing(method, "draft_model")
         draft = str(DEFAULT_DRAFT_DIR)
-        notes.append(f"using the embedded default draft model ({DEFAULT_DRAFT_DIR.parent.name}/"
-                     f"{DEFAULT_DRAFT_DIR.name}); pass --draft-model to choose another")
+        notes.append(Note("using the embedded default draft model ({where}); pass {draft_model} to choose another",
+                          where=f"{DEFAULT_DRAFT_DIR.parent.name}/{DEFAULT_DRAFT_DIR.name}"))
     if "acc_head" not in requires:
         return draft, None
     if head is None:

@@ -33,7 +33,7 @@ from samctl.decode.methods import MethodConfig, make_drafter, method as method_e
 from samctl.decode.metrics import first_difference
 from samctl.heads import load_acc_head, load_eagle
 from samctl.index.datastore import Datastore
-from samctl.index.errors import UserError
+from samctl.index.errors import Note, UserError
 from samctl.models import Engine, load_draft, load_engine
 from samctl.plan import plan
 from samctl.stores import load_memory, load_store
@@ -342,8 +342,9 @@ class Session:
         if self._room_noted or self.config.quiet or not 0 < room < self.config.max_new_tokens:
             return
         self._room_noted = True
-        log.info(f"note: the prompt is {len(ids)} tokens of the model's {context}-token context: at most {room} new "
-                 f"tokens fit, fewer than --max-new-tokens {self.config.max_new_tokens}")
+        log.info(Note("note: the prompt is {n} tokens of the model's {context}-token context: at most {room} new "
+                      "tokens fit, fewer than {max_new_tokens} {asked}", n=len(ids), context=context, room=room,
+                      asked=self.config.max_new_tokens))
 
     def prediction_ids(self, prediction: str | None) -> list[int] | None:
         """Tokenized as plain text."""

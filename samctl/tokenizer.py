@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 import numpy as np
 
 from samctl.index.datastore import StoreMeta
-from samctl.index.errors import ConfigError, UserError
+from samctl.index.errors import ConfigError, Note, UserError
 from samctl.gguf_cache import cached_folder, first_line, is_gguf, model_folder
 
 log = logging.getLogger(__name__)
@@ -237,17 +237,18 @@ def load_tokenizer(spec: str | None, light: bool = False) -> Tokenizer | None:
     courtesy), None where loading it would take transformers or dequantizing a .gguf file."""
     if spec is None:
         if DEFAULT_MODEL_DIR.is_dir():
-            log.info(f"using the embedded default tokenizer ({DEFAULT_MODEL_DIR}); pass --tokenizer to choose another")
+            log.info(Note("using the embedded default tokenizer ({folder}); pass {tokenizer} to choose another",
+                          folder=DEFAULT_MODEL_DIR))
             return _load_hf(str(DEFAULT_MODEL_DIR), DEFAULT, light)
-        log.info("using the byte-level tokenizer (no embedded default model is installed); pass --tokenizer to "
-                 "choose another")
+        log.info(Note("using the byte-level tokenizer (no embedded default model is installed); pass {tokenizer} to "
+                      "choose another"))
         return ByteTokenizer()
     if spec == BYTES:
         return ByteTokenizer()
     if spec == DEFAULT:
         if not DEFAULT_MODEL_DIR.is_dir():
-            raise UserError(f"the embedded default model is not installed ({DEFAULT_MODEL_DIR} "
-                            "is missing): pass --tokenizer with a local tokenizer folder")
+            raise ConfigError("the embedded default model is not installed ({folder} is missing): pass {tokenizer} "
+                              "with a local tokenizer folder", folder=DEFAULT_MODEL_DIR)
         return _load_hf(str(DEFAULT_MODEL_DIR), DEFAULT, light)
     path = Path(spec).expanduser()
     if is_gguf(spec):
@@ -298,8 +299,8 @@ def check_store_tokenizer(meta: StoreMeta, store_path: str, fingerprint: str, na
                 f"but {name} has fingerprint {fingerprint}")
     if model and (Path(built).is_file() if is_gguf(built) else (Path(built) / "config.json").is_file()):
         raise ConfigError("{mismatch}: pass {model} {built} (the model it was built with), or rebuild the store "
-                          "with --tokenizer {name}", mismatch=mismatch, built=built, name=name)
-    raise UserError(f"{mismatch}: use the store's tokenizer, or rebuild the store with --tokenizer {name}")
+                          "with `samctl build --tokenizer {name}`", mismatch=mismatch, built=built, name=name)
+    raise UserError(f"{mismatch}: use the store's tokenizer, or rebuild the store with `samctl build --tokenizer {name}`")
 
 
 def load_store_tokenizer(meta: StoreMeta, store_path: str, spec: str | None = None,
@@ -310,9 +311,9 @@ def load_store_tokenizer(meta: StoreMeta, store_path: str, spec: str | None = No
         try:
             tokenizer = load_tokenizer(meta.tokenizer_name, light=light)
         except UserError as err:
-            raise UserError(f"{store_path} was built with tokenizer {meta.tokenizer_name}, which "
-                            "cannot be loaded here: pass --tokenizer with a local copy of it "
-                            f"(fingerprint {meta.tokenizer_fingerprint})") from err
+            raise ConfigError("{path} was built with tokenizer {name}, which cannot be loaded here: pass {tokenizer} "
+                              "with a local copy of it (fingerprint {fingerprint})", path=store_path,
+                              name=meta.tokenizer_name, fingerprint=meta.tokenizer_fingerprint) from err
     else:
         tokenizer = load_tokenizer(spec, light=light)
     if tokenizer is None:

@@ -141,7 +141,7 @@ def test_tokenizer_mismatch_is_refused(model_dir, tmp_path):
     proc = samctl("generate", "--model", str(model_dir), "--sam", str(store), "--prompt", "hi")
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "rebuild the store with --tokenizer" in lines[0] and str(model_dir) in lines[0]
+    assert len(lines) == 1 and "rebuild the store with `samctl build --tokenizer" in lines[0] and str(model_dir) in lines[0]
     # the store was built with a model's tokenizer: the first advice is to run that model
     assert f"pass --model {other.resolve()} (the model it was built with)" in lines[0]
     forgot = samctl("generate", "--sam", str(store), "--prompt", "hi")  # the embedded default model

@@ -64,8 +64,9 @@ COMMAND = re.compile(r"`samctl [^`]*`")
 
 
 def error_texts(path: Path):
-    """(line, text) of every string an exception raised in `path` is built from: the arguments of a
-    `...Error(...)` call, f-strings whole (their fields as {}), and the module constants it reads."""
+    """(line, text) of every string an exception raised or a note logged in `path` is built from: the
+    arguments of a `...Error(...)`, `log.info/warning(...)` or `notes.append(...)` call, f-strings
+    whole (their fields as {}), and the module constants it reads."""
     tree = ast.parse(path.read_text())
     constants = {node.targets[0].id: node.value.value for node in tree.body
                  if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
@@ -84,7 +85,8 @@ def error_texts(path: Path):
 
     for node in ast.walk(tree):
         func = getattr(node, "func", None)
-        if not (isinstance(node, ast.Call) and getattr(func, "id", getattr(func, "attr", "")).endswith("Error")):
+        said = isinstance(func, ast.Attribute) and (func.attr, getattr(func.value, "id", "")) in NOTE_CALLS
+        if not (isinstance(node, ast.Call) and (getattr(func, "id", getattr(func, "attr", "")).endswith("Error") or said)):
             continue
         inner = {id(v) for part in ast.walk(node) if isinstance(part, ast.JoinedStr) for v in ast.walk(part)
                  if v is not part}
@@ -94,7 +96,8 @@ def error_texts(path: Path):
 
 
 # The session layer of samctl/: what the Python API runs through, below the command line.
-SESSION_LAYER = ("session", "config", "plan", "models", "stores", "heads", "costs", "hf")
+SESSION_LAYER = ("session", "config", "plan", "models", "stores", "heads", "costs", "hf", "tokenizer")
+NOTE_CALLS = {("info", "log"), ("warning", "log"), ("append", "notes")}
 
 
 def test_errors_below_the_command_line_name_no_flags():
@@ -127,3 +130,15 @@ def test_library_settings_errors_name_the_flag_or_the_argument(make, flags, argu
     assert all(f in said for f in flags) and not any(a in said for a in arguments), said
     assert all(a in api for a in arguments) and not FLAG.search(COMMAND.sub("", api)), api
 
+
+
+def test_a_note_names_the_argument_in_the_library_and_the_flag_on_the_command_line(capsys):
+    import logging
+
+    from samctl.cli import _NOTES
+    from samctl.index.errors import Note
+
+    note = Note("at most {room} new tokens fit, fewer than {max_new_tokens} {asked}", room=3, asked=9)
+    assert str(note) == "at most 3 new tokens fit, fewer than max_new_tokens= 9"
+    _NOTES.emit(logging.LogRecord("samctl", logging.INFO, __file__, 1, note, None, None))
+    assert capsys.readouterr().err == "samctl: at most 3 new tokens fit, fewer than --max-new-tokens 9\n"
