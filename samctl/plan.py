@@ -49,7 +49,7 @@ def plan(config: SessionConfig) -> Plan:
     if not c.sampling.greedy and not entry.lossless:
         notes.append(f"note: {c.method} is not lossless when sampling: its outputs do not follow the model's "
                      "distribution (use sdsat for that)")
-    notes.extend(f"note: method {c.method} does not use --{name.replace('_', '-')}"
+    notes.extend(Note(f"note: method {{method}} does not use {{{name}}}", method=c.method)
                  for name in ("draft_model", "acc_head", "eagle_head")
                  if getattr(c, name) is not None and name not in entry.requires)
     refuse_missing(c.model, "model")

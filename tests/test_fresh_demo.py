@@ -19,7 +19,7 @@ def test_using_the_embedded_model_says_it_is_not_for_correct_edits(caplog):
         load_engine(None, "cpu")
     err = caplog.text
     assert "tiny, to show speed and exactness, not correct answers or edits" in err
-    assert "samctl fetch smollm2" in err and "--model models/SmolLM2-135M-Instruct.Q4_1.gguf" in err
+    assert "samctl fetch smollm2" in err and "model= models/SmolLM2-135M-Instruct.Q4_1.gguf" in err  # Python's wording
 
 
 def test_the_quick_start_says_what_the_embedded_model_is():

@@ -55,8 +55,8 @@ def test_the_plan_resolves_paths_and_returns_notes_as_data(tmp_path, caplog):
         chosen = plan(SessionConfig(method="pld", draft_model="d", eagle_head="e", store="s.sam"))
     assert not caplog.records  # notes are data here, logged by the session that acts on them
     assert chosen.draft_model is chosen.eagle_head is None and chosen.model.endswith("target")
-    assert [n for n in chosen.notes if "does not use" in n] == [
-        "note: method pld does not use --draft-model", "note: method pld does not use --eagle-head",
+    assert [str(n) for n in chosen.notes if "does not use" in str(n)] == [  # in Python; flags on the command line
+        "note: method pld does not use draft_model=", "note: method pld does not use eagle_head=",
         "note: method pld does not use the store s.sam"]
     if DEFAULT_EAGLE_DIR.is_dir():
         assert plan(SessionConfig(method="eagle")).eagle_head == str(DEFAULT_EAGLE_DIR)
@@ -95,7 +95,7 @@ def test_python_users_get_notes_from_the_logger_only(capsys):
         Session(SessionConfig(method="pld", max_new_tokens=2, quiet=True))
     finally:
         logger.handlers, logger.level = before
-    assert heard.count("note: method pld does not use --draft-model") == 1
+    assert heard.count("note: method pld does not use draft_model=") == 1  # the argument, to Python
     assert sum(n.startswith("using the embedded default model") for n in heard) == 1
     assert capsys.readouterr().err == ""
 
