@@ -355,12 +355,19 @@ def _saved_to_disk(path: Path) -> bool:
 # record shapes
 
 
+def _refuse_null(record: dict[str, Any], names: Iterable[str], where: str) -> None:
+    """A record whose first known field present is null holds no text: NoText (skipped with a
+    warning, as a field that holds a number list)."""
+    null = next((name for name in names if name in record), None)
+    if null is not None:
+        raise NoText(f"{where}: field {null!r} is null, not text")
+
+
 def record_text(record: dict[str, Any], fields: tuple[str, ...], where: str) -> str:
     if fields:
         present = [f for f in fields if record.get(f) is not None]
-        if not present and any(f in record for f in fields):
-            raise NoText(f"{where}: field {next(f for f in fields if f in record)!r} is null, not text")
         if not present:
+            _refuse_null(record, fields, where)
             raise ConfigError("{where} has none of the fields {names} (it has {keys}): check {fields}",
                               where=where, names=", ".join(fields), keys=_keys(record))
         return "\n".join(_field_text(record[f], f, where) for f in present)
@@ -370,9 +377,7 @@ def record_text(record: dict[str, Any], fields: tuple[str, ...], where: str) -> 
             continue
         parts = [_field_text(record[name], name, where) for name in chosen if name is not None]
         return "\n".join(p for p in parts if p)
-    null = next((name for shape in _SHAPES for name in shape[0] if name in record), None)
-    if null is not None:  # a known field, null: a record without text, as a field that holds a number list
-        raise NoText(f"{where}: field {null!r} is null, not text")
+    _refuse_null(record, [name for shape in _SHAPES for name in shape[0]], where)
     raise ConfigError("{where} has no known text fields (it has {keys}): " + _FIELD_HINT, where=where,
                       keys=_keys(record))
 
@@ -411,10 +416,7 @@ def record_turns(record: dict[str, Any], fields: tuple[str, ...], where: str) ->
         return ("\n\n".join(p.strip() for p in parts if p.strip()),)
     name = _first_present(record, ("question", "prompt", "text"))
     if name is None:
-        null = next((f for f in ("turns", "messages", "conversations", "instruction", "question", "prompt", "text")
-                     if f in record), None)  # a known field, null: a record without text
-        if null is not None:
-            raise NoText(f"{where}: field {null!r} is null, not text")
+        _refuse_null(record, ("turns", "messages", "conversations", "instruction", "question", "prompt", "text"), where)
         raise ConfigError("{where} has no known prompt fields (it has {keys}): " + _FIELD_HINT, where=where,
                           keys=_keys(record))
     return (_field_text(record[name], name, where),)

@@ -49,6 +49,10 @@ class Prediction(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+_NO_PENALTY = _refuse("penalties are not supported (lossless decoding keeps the model's distribution): send 0 or "
+                      "leave it out", bool)
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -64,10 +68,8 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     prediction: Prediction | None = None
     # accepted at their neutral values only: anything else would change the answer, and is not done
-    frequency_penalty: Annotated[float | None, _refuse("penalties are not supported (lossless decoding "
-                                                       "keeps the model's distribution): send 0 or leave it out", bool)] = None
-    presence_penalty: Annotated[float | None, _refuse("penalties are not supported (lossless decoding "
-                                                      "keeps the model's distribution): send 0 or leave it out", bool)] = None
+    frequency_penalty: Annotated[float | None, _NO_PENALTY] = None
+    presence_penalty: Annotated[float | None, _NO_PENALTY] = None
     logit_bias: Annotated[dict[str, float] | None, _refuse("logit_bias is not supported: leave it out", bool)] = None
     response_format: Annotated[dict[str, Any] | None, _refuse(
         "only {\"type\": \"text\"} is supported (no JSON mode or schemas)",
