@@ -26,12 +26,12 @@ class _Notes(logging.Handler):
     """The `samctl` logger's records, one line each on stderr as it is when said (click.echo)."""
 
     def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
         if isinstance(record.msg, Worded):  # the settings it names, as flags
             from samctl.options import flag
 
-            click.echo(f"samctl: {record.msg.render(flag)}", err=True)
-        else:
-            click.echo(f"samctl: {record.getMessage()}", err=True)
+            text = record.msg.render(flag)
+        click.echo(f"samctl: {text}", err=True)
 
 
 _NOTES = _Notes()
